@@ -1,0 +1,60 @@
+package dedup
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Backoff is an exponential backoff with full jitter: the n-th wait (from 0)
+// is a random duration in [0, min(Max, Min·2ⁿ)].
+type Backoff struct {
+	Min time.Duration // first ceiling; must be positive
+	Max time.Duration // cap; at least Min
+}
+
+// Delay returns the wait before retry n (n ≥ 0).
+func (b Backoff) Delay(n int) time.Duration {
+	ceil := b.Min
+	for i := 0; i < n && ceil < b.Max; i++ {
+		ceil *= 2
+	}
+	if ceil > b.Max {
+		ceil = b.Max
+	}
+	if ceil <= 0 {
+		return 0
+	}
+	return rand.N(ceil + 1)
+}
+
+// connect PINGs Redis until it answers, the context ends or attempts run out.
+// Failed attempts leave nothing behind: go-redis returns each connection to
+// its pool or closes it.
+func connect(ctx context.Context, rdb redis.UniversalClient, attempts int, b Backoff, timeout time.Duration) error {
+	var err error
+	for n := 0; n < attempts; n++ {
+		if n > 0 {
+			t := time.NewTimer(b.Delay(n - 1))
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return fmt.Errorf("%w: connect: %w (last error: %w)", ErrUnavailable, ctx.Err(), err)
+			case <-t.C:
+			}
+		}
+		pctx, cancel := context.WithTimeout(ctx, timeout)
+		err = rdb.Ping(pctx).Err()
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("%w: connect: %w (last error: %w)", ErrUnavailable, ctx.Err(), err)
+		}
+	}
+	return fmt.Errorf("%w: connect: no answer after %d attempts: %w", ErrUnavailable, attempts, err)
+}

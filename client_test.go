@@ -1,0 +1,506 @@
+package dedup
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+func userTask(user int, trace string) *asynq.Task {
+	b, _ := json.Marshal(map[string]any{"user_id": user, "trace_id": trace})
+	return asynq.NewTask("user:reindex", b)
+}
+
+// queueSize is the number of tasks of any state in q (0 if it doesn't exist).
+func (h *harness) queueSize(q string) int {
+	h.t.Helper()
+	qi, err := h.insp.GetQueueInfo(q)
+	if err != nil && strings.Contains(err.Error(), "NOT_FOUND") { // asynq returns no sentinel here
+		return 0
+	}
+	if err != nil {
+		h.t.Fatalf("GetQueueInfo: %v", err)
+	}
+	return qi.Size
+}
+
+func TestEnqueueContentionOneWinner(t *testing.T) {
+	h := newHarness(t, Config{})
+	const n = 100
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		winners []*asynq.TaskInfo
+		dups    []*DuplicateTaskError
+		others  []error
+		start   = make(chan struct{})
+	)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			info, err := h.client.EnqueueContext(context.Background(), userTask(42, fmt.Sprint("trace-", i)),
+				asynq.Queue(h.queue), Fields("user_id"))
+			mu.Lock()
+			defer mu.Unlock()
+			var dup *DuplicateTaskError
+			switch {
+			case err == nil:
+				winners = append(winners, info)
+			case errors.As(err, &dup):
+				if !errors.Is(err, ErrDuplicateTask) || !errors.Is(err, asynq.ErrDuplicateTask) {
+					others = append(others, fmt.Errorf("duplicate error does not match both sentinels: %w", err))
+				}
+				dups = append(dups, dup)
+			default:
+				others = append(others, err)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	if len(others) > 0 {
+		t.Fatalf("unexpected errors: %v", others)
+	}
+	if len(winners) != 1 || len(dups) != n-1 {
+		t.Fatalf("accepted %d, duplicates %d; want 1 and %d", len(winners), len(dups), n-1)
+	}
+	win := winners[0]
+	key := h.keyOf(userTask(42, ""), h.queue, Fields("user_id"))
+	for _, d := range dups {
+		if d.TaskID != win.ID || d.Queue != h.queue || d.Type != "user:reindex" || d.Key != key {
+			t.Fatalf("duplicate error %+v does not name the winner %s in %s (key %s)", d, win.ID, h.queue, key)
+		}
+	}
+	if got := h.queueSize(h.queue); got != 1 {
+		t.Fatalf("queue holds %d tasks, want 1", got)
+	}
+	if got := h.lockOwner(key); got != win.ID {
+		t.Fatalf("lock owner %q, want %q", got, win.ID)
+	}
+}
+
+func TestFieldsIgnoreOtherPayload(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"user:reindex": {Fields: []string{"user_id"}}}})
+	if _, err := h.client.Enqueue(userTask(1, "a"), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.client.Enqueue(userTask(1, "b"), asynq.Queue(h.queue)); !errors.Is(err, ErrDuplicateTask) {
+		t.Fatalf("same user, other trace: err = %v, want duplicate", err)
+	}
+	if _, err := h.client.Enqueue(userTask(2, "a"), asynq.Queue(h.queue)); err != nil {
+		t.Fatalf("other user: %v", err)
+	}
+	// Without a rule or option the whole payload counts, like asynq.Unique.
+	other := asynq.NewTask("other", []byte{0xff, 0x00, 0x01}) // not JSON: raw bytes are fine
+	if _, err := h.client.Enqueue(other, asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.client.Enqueue(asynq.NewTask("other", []byte{0xff, 0x00, 0x02}), asynq.Queue(h.queue)); err != nil {
+		t.Fatalf("different raw payload: %v", err)
+	}
+	if _, err := h.client.Enqueue(other, asynq.Queue(h.queue)); !errors.Is(err, ErrDuplicateTask) {
+		t.Fatalf("same raw payload: err = %v, want duplicate", err)
+	}
+}
+
+func TestBadPayloadLocksAndEnqueuesNothing(t *testing.T) {
+	h := newHarness(t, Config{})
+	cases := []struct {
+		name    string
+		payload string
+		field   string
+		is      error
+	}{
+		{"not JSON", `user_id=42 secret-token`, "", ErrInvalidPayload},
+		{"truncated", `{"user_id": 42, "x": "secret-token`, "", ErrInvalidPayload},
+		{"missing field", `{"trace_id": "secret-token"}`, "user_id", ErrFieldMissing},
+		{"path through a string", `{"user_id": "secret-token"}`, "user_id.id", ErrFieldMissing},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			field := "user_id"
+			if c.field != "" {
+				field = c.field
+			}
+			_, err := h.client.Enqueue(asynq.NewTask("user:reindex", []byte(c.payload)), asynq.Queue(h.queue), Fields(field))
+			var pe *PayloadError
+			if !errors.As(err, &pe) || !errors.Is(err, ErrInvalidPayload) || !errors.Is(err, c.is) {
+				t.Fatalf("err = %v, want a *PayloadError matching %v", err, c.is)
+			}
+			if pe.Type != "user:reindex" || (c.field != "" && pe.Field != c.field) {
+				t.Fatalf("error names type %q field %q", pe.Type, pe.Field)
+			}
+			if strings.Contains(err.Error(), "secret-token") {
+				t.Fatalf("error quotes the payload: %v", err)
+			}
+		})
+	}
+	// Missing-as-null only when asked for.
+	h2 := newHarness(t, Config{Rules: map[string]Rule{"user:reindex": {Fields: []string{"user_id"}, MissingAsNull: true}}})
+	if _, err := h2.client.Enqueue(asynq.NewTask("user:reindex", []byte(`{}`)), asynq.Queue(h2.queue)); err != nil {
+		t.Fatalf("missing as null: %v", err)
+	}
+	if _, err := h2.client.Enqueue(asynq.NewTask("user:reindex", []byte(`{"user_id":null}`)), asynq.Queue(h2.queue)); !errors.Is(err, ErrDuplicateTask) {
+		t.Fatalf("explicit null after missing: err = %v, want duplicate", err)
+	}
+	if n := len(h.locks()); n != 0 {
+		t.Fatalf("%d locks left behind", n)
+	}
+	if n := h.queueSize(h.queue); n != 0 {
+		t.Fatalf("%d tasks enqueued", n)
+	}
+}
+
+func TestUniqueAndGroupRefused(t *testing.T) {
+	h := newHarness(t, Config{})
+	for _, opt := range []asynq.Option{asynq.Unique(time.Minute), asynq.Group("g")} {
+		_, err := h.client.Enqueue(userTask(1, ""), asynq.Queue(h.queue), opt)
+		if !errors.Is(err, ErrInvalidOption) {
+			t.Fatalf("%v: err = %v, want ErrInvalidOption", opt, err)
+		}
+	}
+	if n := len(h.locks()); n != 0 {
+		t.Fatalf("%d locks left behind", n)
+	}
+	if n := h.queueSize(h.queue); n != 0 {
+		t.Fatalf("%d tasks enqueued", n)
+	}
+	// Opted out, asynq.Unique is asynq's business.
+	if _, err := h.client.Enqueue(userTask(1, ""), asynq.Queue(h.queue), asynq.Unique(time.Minute), Skip()); err != nil {
+		t.Fatalf("Unique with Skip: %v", err)
+	}
+	if _, err := h.client.Enqueue(userTask(1, ""), asynq.Queue(h.queue), asynq.Unique(time.Minute), Skip()); !errors.Is(err, asynq.ErrDuplicateTask) {
+		t.Fatalf("asynq.Unique with Skip: err = %v, want asynq's duplicate", err)
+	}
+}
+
+func TestSkipOptOut(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"noisy": {Skip: true}}})
+	for range 2 {
+		info, err := h.client.Enqueue(userTask(7, ""), asynq.Queue(h.queue), Skip())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.HasPrefix(info.ID, optOutIDPrefix) {
+			t.Fatalf("opted-out task ID %q is not marked", info.ID)
+		}
+		if _, err := h.client.Enqueue(asynq.NewTask("noisy", nil), asynq.Queue(h.queue)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := len(h.locks()); n != 0 {
+		t.Fatalf("%d locks taken for opted-out tasks", n)
+	}
+	if n := h.queueSize(h.queue); n != 4 {
+		t.Fatalf("queue holds %d tasks, want 4", n)
+	}
+}
+
+func TestOptInMode(t *testing.T) {
+	h := newHarness(t, Config{OptIn: true, Rules: map[string]Rule{"ruled": {}}})
+	for range 2 {
+		if _, err := h.client.Enqueue(asynq.NewTask("free", []byte("x")), asynq.Queue(h.queue)); err != nil {
+			t.Fatalf("type without rule in opt-in mode: %v", err)
+		}
+	}
+	if _, err := h.client.Enqueue(asynq.NewTask("ruled", []byte("x")), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.client.Enqueue(asynq.NewTask("ruled", []byte("x")), asynq.Queue(h.queue)); !errors.Is(err, ErrDuplicateTask) {
+		t.Fatalf("ruled type: err = %v, want duplicate", err)
+	}
+	if _, err := h.client.Enqueue(asynq.NewTask("free", []byte(`{"k":1}`)), asynq.Queue(h.queue), Fields("k")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.client.Enqueue(asynq.NewTask("free", []byte(`{"k":1}`)), asynq.Queue(h.queue), Fields("k")); !errors.Is(err, ErrDuplicateTask) {
+		t.Fatalf("per-call Fields in opt-in mode: err = %v, want duplicate", err)
+	}
+}
+
+func TestExplicitKeys(t *testing.T) {
+	h := newHarness(t, Config{})
+	a := asynq.NewTask("report:send", []byte("payload one"))
+	b := asynq.NewTask("report:send", []byte("payload two"))
+	c := asynq.NewTask("report:other", []byte("payload one"))
+	if _, err := h.client.Enqueue(a, asynq.Queue(h.queue), Key("tenant-7")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.client.Enqueue(b, asynq.Queue(h.queue), Key("tenant-7")); !errors.Is(err, ErrDuplicateTask) {
+		t.Fatalf("same key, other payload: err = %v, want duplicate", err)
+	}
+	if _, err := h.client.Enqueue(c, asynq.Queue(h.queue), Key("tenant-7")); err != nil {
+		t.Fatalf("same key, other type (namespaced): %v", err)
+	}
+	// Braces and separators in a key change neither slot nor namespace.
+	if _, err := h.client.Enqueue(a, asynq.Queue(h.queue), SharedKey("{x}:y")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.client.Enqueue(c, asynq.Queue(h.queue), SharedKey("{x}:y")); !errors.Is(err, ErrDuplicateTask) {
+		t.Fatalf("shared key across types: err = %v, want duplicate", err)
+	}
+	for _, k := range h.locks() {
+		if !strings.HasPrefix(k, h.prefix+":{"+h.queue+"}:l:") {
+			t.Fatalf("lock key %q is not in the queue's slot", k)
+		}
+	}
+	if _, err := h.client.Enqueue(a, asynq.Queue(h.queue), Key("")); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("empty key: err = %v, want ErrInvalidOption", err)
+	}
+	// A rule's KeyFunc serves non-JSON payloads.
+	h2 := newHarness(t, Config{Rules: map[string]Rule{"bin": {KeyFunc: func(_ string, p []byte) (string, error) {
+		if len(p) < 2 {
+			return "", errors.New("payload too short")
+		}
+		return string(p[:2]), nil
+	}}}})
+	if _, err := h2.client.Enqueue(asynq.NewTask("bin", []byte{1, 2, 3}), asynq.Queue(h2.queue)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h2.client.Enqueue(asynq.NewTask("bin", []byte{1, 2, 9}), asynq.Queue(h2.queue)); !errors.Is(err, ErrDuplicateTask) {
+		t.Fatalf("KeyFunc: err = %v, want duplicate", err)
+	}
+	if _, err := h2.client.Enqueue(asynq.NewTask("bin", []byte{1}), asynq.Queue(h2.queue)); !errors.Is(err, ErrInvalidPayload) {
+		t.Fatalf("KeyFunc error: err = %v, want ErrInvalidPayload", err)
+	}
+}
+
+func pttl(t *testing.T, rdb redis.UniversalClient, key string) time.Duration {
+	t.Helper()
+	d, err := rdb.PTTL(context.Background(), key).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+func TestTTLPrecedence(t *testing.T) {
+	h := newHarness(t, Config{TTL: 10 * time.Minute, Rules: map[string]Rule{"ruled": {TTL: 20 * time.Minute}}})
+	check := func(task *asynq.Task, want time.Duration, opts ...asynq.Option) {
+		t.Helper()
+		opts = append(opts, asynq.Queue(h.queue))
+		if _, err := h.client.Enqueue(task, opts...); err != nil {
+			t.Fatal(err)
+		}
+		got := pttl(t, h.rdb, h.keyOf(task, h.queue, opts...))
+		if got > want || got < want-time.Minute {
+			t.Fatalf("%s: lock TTL %v, want about %v", task.Type(), got, want)
+		}
+	}
+	check(asynq.NewTask("plain", nil), 10*time.Minute)
+	check(asynq.NewTask("ruled", nil), 20*time.Minute)
+	check(asynq.NewTask("ruled", []byte("2")), 30*time.Minute, TTL(30*time.Minute))
+	check(asynq.NewTask("plain", []byte("in")), 70*time.Minute, asynq.ProcessIn(time.Hour))
+	check(asynq.NewTask("plain", []byte("at")), 130*time.Minute, asynq.ProcessAt(time.Now().Add(2*time.Hour)))
+	// A delay set in NewTask is only seen afterwards; the lock still covers it.
+	check(asynq.NewTask("plain", []byte("nt"), asynq.ProcessIn(3*time.Hour)), 190*time.Minute)
+	if _, err := h.client.Enqueue(asynq.NewTask("plain", []byte("neg")), asynq.Queue(h.queue), TTL(-time.Second)); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("negative TTL: err = %v", err)
+	}
+}
+
+func TestCallerTaskIDHonoured(t *testing.T) {
+	h := newHarness(t, Config{})
+	info, err := h.client.Enqueue(userTask(5, ""), asynq.Queue(h.queue), asynq.TaskID("my-own-id"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.ID != "my-own-id" {
+		t.Fatalf("task ID %q, want my-own-id", info.ID)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(userTask(5, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != "my-own-id" {
+		t.Fatalf("duplicate of a caller-ID task: err = %v", err)
+	}
+	if n, _ := h.rdb.Exists(context.Background(), indexKey(h.prefix, h.queue, "my-own-id")).Result(); n != 1 {
+		t.Fatal("no index entry for the caller-chosen ID")
+	}
+}
+
+// failingEnqueuer refuses every task without storing it.
+type failingEnqueuer struct{ err error }
+
+func (f failingEnqueuer) Enqueue(t *asynq.Task, o ...asynq.Option) (*asynq.TaskInfo, error) {
+	return f.EnqueueContext(context.Background(), t, o...)
+}
+func (f failingEnqueuer) EnqueueContext(context.Context, *asynq.Task, ...asynq.Option) (*asynq.TaskInfo, error) {
+	return nil, f.err
+}
+
+// landedButErrs stores the task, then reports an error, as when go-redis
+// retried an enqueue that had landed and asynq answered ErrTaskIDConflict.
+type landedButErrs struct{ c *asynq.Client }
+
+func (l landedButErrs) Enqueue(t *asynq.Task, o ...asynq.Option) (*asynq.TaskInfo, error) {
+	return l.EnqueueContext(context.Background(), t, o...)
+}
+func (l landedButErrs) EnqueueContext(ctx context.Context, t *asynq.Task, o ...asynq.Option) (*asynq.TaskInfo, error) {
+	if _, err := l.c.EnqueueContext(ctx, t, o...); err != nil {
+		return nil, err
+	}
+	return l.c.EnqueueContext(ctx, t, o...) // the "retry": conflicts with itself
+}
+
+func TestRollbackAfterRefusedEnqueue(t *testing.T) {
+	h := newHarness(t, Config{})
+	boom := errors.New("boom")
+	fc := h.d.WrapClient(failingEnqueuer{boom})
+	_, err := fc.Enqueue(userTask(1, ""), asynq.Queue(h.queue))
+	if !errors.Is(err, boom) {
+		t.Fatalf("err = %v, want boom", err)
+	}
+	if n := len(h.locks()); n != 0 {
+		t.Fatalf("%d locks left after a refused enqueue", n)
+	}
+	if _, err := h.client.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); err != nil {
+		t.Fatalf("enqueue after rollback: %v", err)
+	}
+	// A real refusal by asynq: the caller's ID belongs to another task.
+	if _, err := h.asynq.Enqueue(asynq.NewTask("unrelated", nil), asynq.Queue(h.queue), asynq.TaskID("taken")); err != nil {
+		t.Fatal(err)
+	}
+	_, err = h.client.Enqueue(userTask(2, ""), asynq.Queue(h.queue), asynq.TaskID("taken"))
+	if !errors.Is(err, asynq.ErrTaskIDConflict) {
+		t.Fatalf("err = %v, want ErrTaskIDConflict", err)
+	}
+	if owner := h.lockOwner(h.keyOf(userTask(2, ""), h.queue)); owner != "" {
+		t.Fatalf("lock left with owner %q", owner)
+	}
+	if n, _ := h.rdb.Exists(context.Background(), indexKey(h.prefix, h.queue, "taken")).Result(); n != 0 {
+		t.Fatal("index entry left after rollback")
+	}
+	if s := h.d.Stats(); s.Rollbacks != 2 {
+		t.Fatalf("Rollbacks = %d, want 2", s.Rollbacks)
+	}
+}
+
+func TestAmbiguousEnqueueKeepsLock(t *testing.T) {
+	h := newHarness(t, Config{})
+	lc := h.d.WrapClient(landedButErrs{h.asynq})
+	info, err := lc.Enqueue(userTask(3, ""), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatalf("landed enqueue reported as %v", err)
+	}
+	if owner := h.lockOwner(h.keyOf(userTask(3, ""), h.queue)); owner != info.ID {
+		t.Fatalf("lock owner %q, want %q", owner, info.ID)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(userTask(3, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+		t.Fatalf("err = %v, want duplicate of %s", err, info.ID)
+	}
+}
+
+func TestQueueSetInNewTask(t *testing.T) {
+	h := newHarness(t, Config{})
+	other := h.queue + "-other"
+	task := asynq.NewTask("user:reindex", []byte(`{"user_id":9}`), asynq.Queue(other))
+	info, err := h.client.Enqueue(task)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Queue != other {
+		t.Fatalf("landed in %q", info.Queue)
+	}
+	if owner := h.lockOwner(h.keyOf(task, other)); owner != info.ID {
+		t.Fatalf("lock in the task's queue owned by %q, want %q", owner, info.ID)
+	}
+	if owner := h.lockOwner(h.keyOf(task, "default")); owner != "" {
+		t.Fatalf("lock left in the default queue, owner %q", owner)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(task); !errors.As(err, &dup) || dup.TaskID != info.ID || dup.Queue != other {
+		t.Fatalf("err = %v, want duplicate of %s in %s", err, info.ID, other)
+	}
+	// A duplicate that lands in a queue other than the one guessed is taken back out.
+	h2 := newHarnessOn(t, h.rdb, Config{Prefix: h.prefix})
+	_, err = h2.client.Enqueue(task)
+	if !errors.As(err, &dup) || dup.TaskID != info.ID {
+		t.Fatalf("fresh client, duplicate in NewTask's queue: err = %v", err)
+	}
+	if n := h.queueSize(other); n != 1 {
+		t.Fatalf("queue %s holds %d tasks, want 1", other, n)
+	}
+}
+
+func TestNewErrors(t *testing.T) {
+	if _, err := New(context.Background(), nil, Config{}); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("nil client: %v", err)
+	}
+	rdb := newRDB(t)
+	if _, err := New(context.Background(), rdb, Config{Prefix: "a{b"}); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("brace in prefix: %v", err)
+	}
+	if _, err := New(context.Background(), rdb, Config{Rules: map[string]Rule{"t": {Fields: []string{"a..b"}}}}); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("bad field path: %v", err)
+	}
+	addr, err := freeAddr() // nothing listens there
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
+	defer dead.Close()
+	_, err = New(context.Background(), dead, Config{ConnectAttempts: 3, ConnectBackoff: Backoff{Min: time.Millisecond, Max: 4 * time.Millisecond}, Logger: quietLogger()})
+	if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "3 attempts") {
+		t.Fatalf("unreachable: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := New(ctx, dead, Config{Logger: quietLogger()}); !errors.Is(err, ErrUnavailable) || !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled: %v", err)
+	}
+}
+
+func TestRedisDownFailClosedAndOpen(t *testing.T) {
+	needRealRedis(t)
+	for _, open := range []bool{false, true} {
+		t.Run(fmt.Sprintf("FailOpen=%v", open), func(t *testing.T) {
+			lockRedis, err := spawnRedis("")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer lockRedis.kill()
+			lrdb := redis.NewClient(&redis.Options{Addr: lockRedis.addr, MaxRetries: -1})
+			defer lrdb.Close()
+			d, err := New(context.Background(), lrdb, Config{FailOpen: open, LockTimeout: 200 * time.Millisecond, Logger: quietLogger()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Close()
+			h := newHarness(t, Config{})
+			c := d.WrapClient(h.asynq) // locks on lockRedis, tasks on the shared one
+			if _, err := c.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); err != nil {
+				t.Fatal(err)
+			}
+			lockRedis.kill()
+			_, err = c.Enqueue(userTask(2, ""), asynq.Queue(h.queue))
+			if open {
+				if err != nil {
+					t.Fatalf("fail-open enqueue: %v", err)
+				}
+				if s := d.Stats(); s.FailOpen != 1 || s.RedisErrors != 1 {
+					t.Fatalf("stats %+v", s)
+				}
+				if n := h.queueSize(h.queue); n != 2 {
+					t.Fatalf("queue holds %d, want 2", n)
+				}
+				return
+			}
+			var ne interface{ Timeout() bool }
+			if !errors.Is(err, ErrUnavailable) || !(errors.As(err, &ne) || strings.Contains(err.Error(), "connection refused")) {
+				t.Fatalf("fail-closed: err = %v, want ErrUnavailable wrapping the Redis error", err)
+			}
+			if n := h.queueSize(h.queue); n != 1 {
+				t.Fatalf("queue holds %d, want 1 (nothing enqueued while the lock store is down)", n)
+			}
+		})
+	}
+}

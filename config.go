@@ -1,0 +1,200 @@
+package dedup
+
+import (
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/hibiken/asynq"
+)
+
+// Defaults. Each Config field's comment says which applies when it is zero.
+const (
+	DefaultPrefix      = "dedup"
+	DefaultTTL         = time.Hour
+	DefaultLease       = 30 * time.Second
+	DefaultLockTimeout = time.Second
+	DefaultHealGrace   = time.Minute
+)
+
+// Config configures a Dedup. The zero value is ready to use: every type that
+// passes through the wrapper is deduplicated on its whole payload.
+type Config struct {
+	// Prefix starts every key this package writes. It may not contain '{' or
+	// '}' (the queue's hash tag follows it). Default "dedup".
+	Prefix string
+
+	// TTL bounds how long a lock stays taken while its task waits to run
+	// (for ProcessIn/ProcessAt tasks, counted from the time they are due).
+	// Default DefaultTTL, one hour: long enough for a busy queue's wait, and
+	// cheap because locks whose task has vanished heal themselves.
+	TTL time.Duration
+
+	// Lease is the lock's expiry while a handler runs; a heartbeat renews it
+	// every Lease/3. A crashed worker's lock frees within one Lease.
+	// Default DefaultLease (30 s, asynq's own task lease).
+	Lease time.Duration
+
+	// LockTimeout bounds each lock call to Redis, so a slow Redis cannot hang
+	// an enqueue. Default DefaultLockTimeout (1 s).
+	LockTimeout time.Duration
+
+	// HealGrace is how old a lock must be before it is treated as orphaned
+	// when its owner task no longer exists in asynq (or is completed or
+	// archived). It covers the gap between taking the lock and asynq storing
+	// the task. Default DefaultHealGrace (1 minute).
+	HealGrace time.Duration
+
+	// Rules sets per-task-type fields, TTL, key and opt-out. Per-call options
+	// override them.
+	Rules map[string]Rule
+
+	// OptIn makes deduplication apply only to types that have a rule (that is
+	// not Skip) or to calls that pass a Fields/Key/SharedKey option.
+	// Default false: every type is deduplicated on its whole payload.
+	OptIn bool
+
+	// RetryDelayFunc must return (an upper bound of) the delay your
+	// asynq.Config.RetryDelayFunc gives; across a failed attempt the lock is
+	// held for that delay plus TTL. Default: the upper bound of asynq's
+	// default, n⁴ + 15 + 29·(n+1) seconds.
+	RetryDelayFunc asynq.RetryDelayFunc
+
+	// FailOpen lets tasks through unlocked when Redis fails on a lock call
+	// (logged and counted); answers from Redis that a key is held are still
+	// enforced. Default false (fail-closed: the enqueue returns an error
+	// matching ErrUnavailable, and the middleware does not run the handler).
+	FailOpen bool
+
+	// CancelOnLockLoss cancels the handler's context (cause ErrLockLost) when
+	// the heartbeat finds the lock taken over or expired. Default false: the
+	// loss is logged and counted and the handler goes on.
+	CancelOnLockLoss bool
+
+	// SkipBusy makes the execution-time guard drop a task whose key another
+	// live task holds (the middleware returns nil, so asynq marks it done).
+	// Default false: the task is retried later (ErrKeyBusy), because dropping
+	// it loses work when its payload differs from the holder's.
+	SkipBusy bool
+
+	// NoExecutionGuard turns off locking at execution for tasks that reach
+	// the middleware without a lock (asynq.Scheduler, other services, the
+	// CLI). Default false: such tasks take a lock when they start.
+	NoExecutionGuard bool
+
+	// ConnectAttempts bounds the PINGs New makes before giving up (the
+	// context bounds them too). Default 5.
+	ConnectAttempts int
+
+	// ConnectBackoff spaces the PINGs. Default: 100 ms doubling to 5 s, with
+	// full jitter.
+	ConnectBackoff Backoff
+
+	// Logger receives warnings (fail-open, lost locks, Redis errors). Never
+	// given payload contents. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// Rule is the deduplication setting for one task type.
+type Rule struct {
+	// Fields selects JSON paths ("user_id", "report.kind") whose values form
+	// the key. Empty: the whole raw payload (any encoding).
+	Fields []string
+
+	// MissingAsNull treats an absent selected field as JSON null. Default
+	// false: an absent field is an error (*PayloadError, ErrFieldMissing).
+	MissingAsNull bool
+
+	// Key, if set, is the key for every task of this type (hashed; any bytes).
+	Key string
+
+	// KeyFunc computes the key from the payload, for non-JSON payloads.
+	// It takes precedence over Key and Fields.
+	KeyFunc func(taskType string, payload []byte) (string, error)
+
+	// Shared puts Key/KeyFunc keys in one namespace shared by every type with
+	// Shared set, instead of one per type.
+	Shared bool
+
+	// TTL overrides Config.TTL for this type.
+	TTL time.Duration
+
+	// Skip turns deduplication off for this type.
+	Skip bool
+}
+
+func (c *Config) withDefaults() (Config, error) {
+	cfg := *c
+	if cfg.Prefix == "" {
+		cfg.Prefix = DefaultPrefix
+	}
+	if strings.ContainsAny(cfg.Prefix, "{}") {
+		return cfg, fmt.Errorf("%w: Prefix %q contains a brace", ErrInvalidOption, cfg.Prefix)
+	}
+	for name, d := range map[string]*time.Duration{"TTL": &cfg.TTL, "Lease": &cfg.Lease, "LockTimeout": &cfg.LockTimeout, "HealGrace": &cfg.HealGrace} {
+		if *d < 0 {
+			return cfg, fmt.Errorf("%w: %s is negative", ErrInvalidOption, name)
+		}
+	}
+	if cfg.TTL == 0 {
+		cfg.TTL = DefaultTTL
+	}
+	if cfg.Lease == 0 {
+		cfg.Lease = DefaultLease
+	}
+	if cfg.Lease < 3*time.Millisecond {
+		return cfg, fmt.Errorf("%w: Lease %v is too short", ErrInvalidOption, cfg.Lease)
+	}
+	if cfg.LockTimeout == 0 {
+		cfg.LockTimeout = DefaultLockTimeout
+	}
+	if cfg.HealGrace == 0 {
+		cfg.HealGrace = DefaultHealGrace
+	}
+	if cfg.RetryDelayFunc == nil {
+		cfg.RetryDelayFunc = MaxDefaultRetryDelay
+	}
+	if cfg.ConnectAttempts == 0 {
+		cfg.ConnectAttempts = 5
+	}
+	if cfg.ConnectBackoff == (Backoff{}) {
+		cfg.ConnectBackoff = Backoff{Min: 100 * time.Millisecond, Max: 5 * time.Second}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return cfg, nil
+}
+
+// resolved is the effective setting for one task: its type's rule with the
+// call's options applied.
+type resolved struct {
+	skip          bool
+	fields        *fieldSet
+	missingAsNull bool
+	key           string
+	hasKey        bool
+	keyFunc       func(string, []byte) (string, error)
+	shared        bool
+	ttl           time.Duration
+	optedIn       bool // a rule or a call option asked for dedup (Config.OptIn)
+}
+
+func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
+	out := make(map[string]*resolved, len(rules))
+	for typ, r := range rules {
+		fs, err := compileFields(r.Fields)
+		if err != nil {
+			return nil, fmt.Errorf("rule for %q: %w", typ, err)
+		}
+		if r.TTL < 0 {
+			return nil, fmt.Errorf("%w: rule for %q: negative TTL", ErrInvalidOption, typ)
+		}
+		out[typ] = &resolved{
+			skip: r.Skip, fields: fs, missingAsNull: r.MissingAsNull,
+			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: r.TTL, optedIn: true,
+		}
+	}
+	return out, nil
+}

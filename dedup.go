@@ -1,0 +1,244 @@
+package dedup
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// Dedup holds the configuration and Redis client shared by the client
+// wrapper (WrapClient) and the server middleware (Middleware). It is safe for
+// concurrent use. Create one per process with New and Close it on shutdown.
+type Dedup struct {
+	rdb   redis.UniversalClient
+	cfg   Config
+	rules map[string]*resolved
+	log   *slog.Logger
+	insp  *asynq.Inspector
+	hb    *heartbeater
+	stats counters
+
+	// queues remembers, per task type, the queue its tasks landed in when the
+	// call named none (a queue set in asynq.NewTask is invisible before the
+	// enqueue), so the next lock is taken in the right queue at once.
+	queues sync.Map // string → string
+}
+
+// New checks that Redis answers (PING with backoff, bounded by ctx and
+// Config.ConnectAttempts), loads the lock scripts and returns a Dedup. It
+// fails with an error matching ErrInvalidOption for a bad Config, or
+// ErrUnavailable (wrapping the last Redis error) when Redis does not answer.
+//
+// rdb may be the same client asynq uses: a single node, Sentinel failover
+// or Cluster client. New does not take ownership of it.
+func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, error) {
+	if rdb == nil {
+		return nil, fmt.Errorf("%w: nil redis client", ErrInvalidOption)
+	}
+	c, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	rules, err := compileRules(c.Rules)
+	if err != nil {
+		return nil, err
+	}
+	if err := connect(ctx, rdb, c.ConnectAttempts, c.ConnectBackoff, c.LockTimeout); err != nil {
+		return nil, err
+	}
+	d := &Dedup{
+		rdb:   rdb,
+		cfg:   c,
+		rules: rules,
+		log:   c.Logger,
+		insp:  asynq.NewInspectorFromRedisClient(rdb),
+	}
+	d.hb = newHeartbeater(d, c.Lease/3)
+	lctx, cancel := context.WithTimeout(ctx, c.LockTimeout)
+	defer cancel()
+	for _, s := range allScripts {
+		// Best effort: EVALSHA falls back to EVAL when a script is missing.
+		if err := s.Load(lctx, rdb).Err(); err != nil {
+			d.log.Debug("dedup: script preload failed", slog.Any("error", err))
+		}
+	}
+	d.warnEviction(lctx)
+	return d, nil
+}
+
+// warnEviction warns when Redis may evict keys, locks among them.
+func (d *Dedup) warnEviction(ctx context.Context) {
+	v, err := d.rdb.ConfigGet(ctx, "maxmemory-policy").Result()
+	if err != nil {
+		return // CONFIG may be disabled (managed Redis); nothing to check
+	}
+	if p, ok := v["maxmemory-policy"]; ok && p != "noeviction" {
+		d.log.Warn("dedup: Redis maxmemory-policy may evict locks; use noeviction", slog.String("maxmemory-policy", p))
+	}
+}
+
+// Close stops the heartbeat. Locks held by running handlers stay until
+// their handlers finish or their lease runs out. It does not close the Redis
+// client. Close is idempotent.
+func (d *Dedup) Close() error {
+	d.hb.stop()
+	return nil
+}
+
+// ruleFor returns a copy of the effective rule for a task type.
+func (d *Dedup) ruleFor(typ string) resolved {
+	if r, ok := d.rules[typ]; ok {
+		return *r
+	}
+	return resolved{}
+}
+
+// active reports whether a resolved rule deduplicates.
+func (d *Dedup) active(r *resolved) bool {
+	if r.skip {
+		return false
+	}
+	return !d.cfg.OptIn || r.optedIn
+}
+
+func (d *Dedup) ttlOf(r *resolved) time.Duration {
+	if r.ttl > 0 {
+		return r.ttl
+	}
+	return d.cfg.TTL
+}
+
+// lockRef names one lock and the task that owns or wants it.
+type lockRef struct {
+	queue string
+	key   string // lock key
+	idx   string // index key for a caller-chosen task ID, or ""
+	fpHex string
+	id    string // task ID
+	typ   string
+}
+
+func (r *lockRef) keys() []string {
+	if r.idx != "" {
+		return []string{r.key, r.idx}
+	}
+	return []string{r.key}
+}
+
+func (d *Dedup) newRef(queue string, fp uint64, id, typ string, callerID bool) *lockRef {
+	var h [16]byte
+	hexUint64(h[:], fp)
+	r := &lockRef{queue: queue, fpHex: string(h[:]), id: id, typ: typ}
+	r.key = lockKeyHex(d.cfg.Prefix, queue, r.fpHex)
+	if callerID {
+		r.idx = indexKey(d.cfg.Prefix, queue, id)
+	}
+	return r
+}
+
+func (d *Dedup) graceSeconds() int64 {
+	s := int64(d.cfg.HealGrace / time.Second)
+	if s < 1 {
+		s = 1
+	}
+	return s
+}
+
+// lockCtx bounds one lock call by Config.LockTimeout.
+func (d *Dedup) lockCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, d.cfg.LockTimeout)
+}
+
+func (d *Dedup) acquire(ctx context.Context, r *lockRef, ttl time.Duration) (int64, string, error) {
+	ctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	v, err := acquireScript.Run(ctx, d.rdb, r.keys(), r.id, ms(ttl), r.typ,
+		asynqTaskKeyPrefix(r.queue), indexKeyPrefix(d.cfg.Prefix, r.queue), d.graceSeconds(), r.fpHex).Result()
+	if err != nil {
+		return 0, "", err
+	}
+	return parsePair(v)
+}
+
+func (d *Dedup) start(ctx context.Context, r *lockRef, token string) (int64, string, error) {
+	ctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	v, err := startScript.Run(ctx, d.rdb, r.keys(), r.id, token, ms(d.cfg.Lease), r.typ,
+		asynqTaskKeyPrefix(r.queue), indexKeyPrefix(d.cfg.Prefix, r.queue), d.graceSeconds(), r.fpHex).Result()
+	if err != nil {
+		return 0, "", err
+	}
+	return parsePair(v)
+}
+
+// extend renews the lock if (task ID, token) still owns it; token "" means
+// the waiting lock.
+func (d *Dedup) extend(ctx context.Context, r *lockRef, token string, ttl time.Duration) (bool, error) {
+	ctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	v, err := extendScript.Run(ctx, d.rdb, r.keys(), r.id, token, ms(ttl)).Result()
+	if err != nil {
+		return false, err
+	}
+	return parseFlag(v)
+}
+
+func (d *Dedup) finish(ctx context.Context, r *lockRef, token string, release bool, hold time.Duration) (bool, error) {
+	ctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	mode := "hold"
+	if release {
+		mode = "release"
+	}
+	v, err := finishScript.Run(ctx, d.rdb, r.keys(), r.id, token, mode, ms(hold)).Result()
+	if err != nil {
+		return false, err
+	}
+	return parseFlag(v)
+}
+
+func (d *Dedup) unlock(ctx context.Context, r *lockRef) (bool, error) {
+	ctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	v, err := unlockScript.Run(ctx, d.rdb, r.keys(), r.id).Result()
+	if err != nil {
+		return false, err
+	}
+	return parseFlag(v)
+}
+
+// Stats is a snapshot of this process's counters since New.
+type Stats struct {
+	Locked      uint64 // enqueues that took a lock
+	Duplicates  uint64 // enqueues rejected with DuplicateTaskError
+	Rollbacks   uint64 // locks given back after asynq refused an enqueue
+	Started     uint64 // attempts that ran holding their lock
+	Busy        uint64 // attempts deferred or skipped by the execution-time guard
+	Released    uint64 // locks released (success, revoke, final failure)
+	Held        uint64 // locks kept across a retry
+	LockLost    uint64 // running attempts that found their lock gone
+	RedisErrors uint64 // failed lock calls
+	FailOpen    uint64 // calls that went on without a lock (FailOpen)
+	Unguarded   uint64 // attempts run unlocked: key could not be computed at execution
+}
+
+type counters struct {
+	locked, duplicates, rollbacks, started, busy, released, held, lockLost, redisErrors, failOpen, unguarded atomic.Uint64
+}
+
+// Stats returns the counters of this process.
+func (d *Dedup) Stats() Stats {
+	c := &d.stats
+	return Stats{
+		Locked: c.locked.Load(), Duplicates: c.duplicates.Load(), Rollbacks: c.rollbacks.Load(),
+		Started: c.started.Load(), Busy: c.busy.Load(), Released: c.released.Load(), Held: c.held.Load(),
+		LockLost: c.lockLost.Load(), RedisErrors: c.redisErrors.Load(), FailOpen: c.failOpen.Load(),
+		Unguarded: c.unguarded.Load(),
+	}
+}

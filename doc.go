@@ -1,0 +1,26 @@
+// Package dedup deduplicates asynq tasks by a key drawn from the task type
+// and chosen payload fields, with a Redis lock that follows the task through
+// its whole life.
+//
+// A Client (Dedup.WrapClient) fingerprints each task — its type plus the
+// selected JSON fields (canonicalised: member order, white space, string
+// escapes and number spelling do not matter), an explicit key, or the raw
+// payload — with xxhash, and takes the lock in one atomic Redis script. A
+// duplicate gets a *DuplicateTaskError carrying the ID of the task that holds
+// the key; it matches asynq.ErrDuplicateTask too, so code written for
+// asynq.Unique keeps working.
+//
+// The server middleware (Dedup.Middleware) renews the lock on a short lease
+// while the handler runs, holds it across retries, and releases it when the
+// task succeeds, is revoked or fails for good. Every renewal and release is
+// checked against the task ID and a per-attempt token, so a leftover handler
+// of an earlier attempt can never extend or free the lock of a later one.
+// Tasks that reach the server without a lock (asynq.Scheduler, other
+// services) take one when they start.
+//
+// Locks live in their queue's Redis Cluster hash slot, beside asynq's own
+// keys, so deduplication is per queue, as with asynq.Unique, and works on a
+// single node, Sentinel and Cluster. The lock is an efficiency measure, not
+// an exactly-once guarantee: a Redis failover can lose a lock written just
+// before it. Make handlers idempotent where effects must happen once.
+package dedup

@@ -1,0 +1,110 @@
+package dedup
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/hibiken/asynq"
+)
+
+// Sentinel errors. Every error this package returns matches one of them with
+// errors.Is, and wraps its cause where it has one.
+var (
+	// ErrDuplicateTask reports that another task holds the key. The error is
+	// always a *DuplicateTaskError, which also matches asynq.ErrDuplicateTask.
+	ErrDuplicateTask = errors.New("dedup: duplicate task")
+
+	// ErrInvalidPayload reports a payload the chosen fields or key function
+	// cannot fingerprint (not JSON, a field missing). The error is a
+	// *PayloadError; nothing was locked or enqueued.
+	ErrInvalidPayload = errors.New("dedup: invalid payload")
+
+	// ErrFieldMissing is the cause in a *PayloadError when a selected field is
+	// absent and Rule.MissingAsNull is not set.
+	ErrFieldMissing = errors.New("dedup: selected field missing")
+
+	// ErrInvalidOption reports a bad configuration or per-call option, such as
+	// asynq.Unique or asynq.Group passed with deduplication on. Nothing was
+	// locked or enqueued.
+	ErrInvalidOption = errors.New("dedup: invalid option")
+
+	// ErrUnavailable reports that Redis could not be reached for a lock
+	// operation (fail-closed) or at start-up. It wraps the Redis error.
+	ErrUnavailable = errors.New("dedup: redis unavailable")
+
+	// ErrKeyBusy is returned by the middleware when a task arrives whose key
+	// is held by another live task (the execution-time guard). asynq retries
+	// it later; pass IsFailure to asynq.Config so that doesn't use up retries.
+	ErrKeyBusy = errors.New("dedup: key busy")
+
+	// ErrLockLost is the cause of a handler context cancelled because its
+	// lock was taken over or expired (Config.CancelOnLockLoss).
+	ErrLockLost = errors.New("dedup: lock lost")
+)
+
+// DuplicateTaskError is returned by Client.Enqueue when another task holds
+// the key. It matches both ErrDuplicateTask and asynq.ErrDuplicateTask, so
+// code written for asynq.Unique keeps working.
+type DuplicateTaskError struct {
+	TaskID string // the task holding the key
+	Queue  string // the queue the lock belongs to
+	Type   string // the rejected task's type
+	Key    string // the Redis key of the lock
+}
+
+func (e *DuplicateTaskError) Error() string {
+	return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held by task %s", e.Type, e.Queue, e.TaskID)
+}
+
+// Is reports whether target is ErrDuplicateTask or asynq.ErrDuplicateTask.
+func (e *DuplicateTaskError) Is(target error) bool {
+	return target == ErrDuplicateTask || target == asynq.ErrDuplicateTask
+}
+
+// PayloadError reports a payload that cannot be fingerprinted. It names the
+// task type and, where there is one, the field; it never quotes the payload.
+type PayloadError struct {
+	Type  string // task type
+	Field string // selected field path, or "" when not about one field
+	Err   error  // cause
+}
+
+func (e *PayloadError) Error() string {
+	if e.Field != "" {
+		return fmt.Sprintf("dedup: task %q: field %q: %v", e.Type, e.Field, e.Err)
+	}
+	return fmt.Sprintf("dedup: task %q: %v", e.Type, e.Err)
+}
+
+// Is reports whether target is ErrInvalidPayload.
+func (e *PayloadError) Is(target error) bool { return target == ErrInvalidPayload }
+
+// Unwrap returns the cause.
+func (e *PayloadError) Unwrap() error { return e.Err }
+
+// BusyError is returned by the middleware when the running task's key is held
+// by another live task. It matches ErrKeyBusy.
+type BusyError struct {
+	TaskID string // the task that arrived
+	Holder string // the task holding the key
+	Key    string // the Redis key of the lock
+}
+
+func (e *BusyError) Error() string {
+	return fmt.Sprintf("dedup: task %s deferred: key is held by task %s", e.TaskID, e.Holder)
+}
+
+// Is reports whether target is ErrKeyBusy.
+func (e *BusyError) Is(target error) bool { return target == ErrKeyBusy }
+
+// IsFailure is meant for asynq.Config.IsFailure: a task deferred by the
+// execution-time guard (ErrKeyBusy) is retried without counting as a failure.
+// Every other non-nil error is a failure, as in asynq's default.
+func IsFailure(err error) bool {
+	return err != nil && !errors.Is(err, ErrKeyBusy)
+}
+
+// unavailable wraps a Redis error so it matches ErrUnavailable and the cause.
+func unavailable(op string, err error) error {
+	return fmt.Errorf("%w: %s: %w", ErrUnavailable, op, err)
+}

@@ -1,0 +1,152 @@
+package dedup
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// harness is one test's private world on the shared Redis: its own key
+// prefix and queue, a Dedup, a wrapped client and, on demand, a server.
+type harness struct {
+	t      *testing.T
+	rdb    redis.UniversalClient
+	d      *Dedup
+	client *Client
+	asynq  *asynq.Client
+	insp   *asynq.Inspector
+	queue  string
+	prefix string
+}
+
+func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+func newHarness(t *testing.T, cfg Config) *harness {
+	t.Helper()
+	return newHarnessOn(t, newRDB(t), cfg)
+}
+
+// newHarnessOn is newHarness on a given Redis client (a second process's
+// view of the same Redis).
+func newHarnessOn(t *testing.T, rdb redis.UniversalClient, cfg Config) *harness {
+	t.Helper()
+	name := uniq(t)
+	if cfg.Prefix == "" {
+		cfg.Prefix = "dd-" + name
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = quietLogger()
+	}
+	d, err := New(context.Background(), rdb, cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	ac := asynq.NewClientFromRedisClient(rdb)
+	return &harness{t: t, rdb: rdb, d: d, client: d.WrapClient(ac), asynq: ac,
+		insp: asynq.NewInspectorFromRedisClient(rdb), queue: "q-" + name, prefix: cfg.Prefix}
+}
+
+// serve runs an asynq server on the harness queue with the middleware,
+// until the test ends.
+func (h *harness) serve(handler asynq.HandlerFunc, tweak func(*asynq.Config)) *asynq.Server {
+	h.t.Helper()
+	cfg := asynq.Config{
+		Concurrency:              10,
+		Queues:                   map[string]int{h.queue: 1},
+		TaskCheckInterval:        20 * time.Millisecond,
+		DelayedTaskCheckInterval: 100 * time.Millisecond,
+		LogLevel:                 asynq.FatalLevel,
+		ShutdownTimeout:          5 * time.Second,
+		IsFailure:                IsFailure,
+		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond },
+	}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	srv := asynq.NewServerFromRedisClient(h.rdb, cfg)
+	// Same as mux.Use(h.d.Middleware()) on a ServeMux, for every type.
+	if err := srv.Start(h.d.Middleware()(handler)); err != nil {
+		h.t.Fatalf("server start: %v", err)
+	}
+	var once sync.Once
+	h.t.Cleanup(func() { once.Do(srv.Shutdown) })
+	return srv
+}
+
+// lockOwner returns the owner task ID of the lock at key, or "".
+func (h *harness) lockOwner(key string) string {
+	h.t.Helper()
+	v, err := h.rdb.HGet(context.Background(), key, "id").Result()
+	if err == redis.Nil {
+		return ""
+	}
+	if err != nil {
+		h.t.Fatalf("HGET %s: %v", key, err)
+	}
+	return v
+}
+
+// locks returns the lock keys of this harness.
+func (h *harness) locks() []string {
+	h.t.Helper()
+	var out []string
+	iter := h.rdb.Scan(context.Background(), 0, h.prefix+":*:l:*", 1000).Iterator()
+	for iter.Next(context.Background()) {
+		out = append(out, iter.Val())
+	}
+	if err := iter.Err(); err != nil {
+		h.t.Fatalf("scan: %v", err)
+	}
+	return out
+}
+
+// keyOf returns the lock key the wrapper uses for a task in queue q.
+func (h *harness) keyOf(task *asynq.Task, q string, opts ...asynq.Option) string {
+	h.t.Helper()
+	r := h.d.ruleFor(task.Type())
+	for _, o := range opts {
+		if ov, ok := o.(option); ok {
+			if err := ov.apply(&r); err != nil {
+				h.t.Fatal(err)
+			}
+		}
+	}
+	fp, err := fingerprint(task.Type(), task.Payload(), &r)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return lockKey(h.prefix, q, fp)
+}
+
+// waitFor blocks until ch delivers or the test times out.
+func waitFor[T any](t *testing.T, ch <-chan T, what string) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(30 * time.Second):
+		t.Fatalf("timed out waiting for %s", what)
+		var zero T
+		return zero
+	}
+}
+
+// eventually polls cond (Redis state changed by another process has no
+// signal to wait on) until it holds or 30 s pass.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting until %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

@@ -1,0 +1,160 @@
+package dedup
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// heartbeater renews the leases of all running attempts of one Dedup with a
+// single goroutine and one pipelined round trip per interval (per cluster
+// node), however many handlers run.
+//
+// Invariant: a lease is in entries from just after its attempt took the lock
+// until just before the attempt settles it, so a renewal that finds the lock
+// released by its own settle is never reported as a loss.
+type heartbeater struct {
+	d        *Dedup
+	interval time.Duration
+
+	mu      sync.Mutex
+	entries map[*lease]struct{}
+	started bool
+	quit    chan struct{}
+	done    chan struct{}
+}
+
+func newHeartbeater(d *Dedup, interval time.Duration) *heartbeater {
+	return &heartbeater{d: d, interval: interval, entries: map[*lease]struct{}{}, quit: make(chan struct{}), done: make(chan struct{})}
+}
+
+// run starts the loop once; later calls do nothing.
+func (h *heartbeater) run() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.started {
+		return
+	}
+	select {
+	case <-h.quit:
+		return // already stopped
+	default:
+	}
+	h.started = true
+	go h.loop()
+}
+
+// stop ends the loop and waits for it. Idempotent.
+func (h *heartbeater) stop() {
+	h.mu.Lock()
+	select {
+	case <-h.quit:
+	default:
+		close(h.quit)
+	}
+	started := h.started
+	h.mu.Unlock()
+	if started {
+		<-h.done
+	}
+}
+
+func (h *heartbeater) add(l *lease) {
+	h.mu.Lock()
+	h.entries[l] = struct{}{}
+	h.mu.Unlock()
+}
+
+// remove unregisters l and reports whether it was still registered (its
+// loss not yet reported).
+func (h *heartbeater) remove(l *lease) bool {
+	h.mu.Lock()
+	_, live := h.entries[l]
+	delete(h.entries, l)
+	h.mu.Unlock()
+	return live
+}
+
+func (h *heartbeater) loop() {
+	defer close(h.done)
+	t := time.NewTicker(h.interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-h.quit:
+			return
+		case <-t.C:
+			h.beat()
+		}
+	}
+}
+
+// beat renews every registered lease in one pipeline.
+func (h *heartbeater) beat() {
+	h.mu.Lock()
+	ls := make([]*lease, 0, len(h.entries))
+	for l := range h.entries {
+		ls = append(ls, l)
+	}
+	h.mu.Unlock()
+	if len(ls) == 0 {
+		return
+	}
+	d := h.d
+	ctx, cancel := context.WithTimeout(context.Background(), d.cfg.LockTimeout)
+	defer cancel()
+	lease := ms(d.cfg.Lease)
+	exec := func(useSha bool) []*redis.Cmd {
+		cmds := make([]*redis.Cmd, len(ls))
+		_, _ = d.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for i, l := range ls {
+				if useSha {
+					cmds[i] = extendScript.EvalSha(ctx, p, l.ref.keys(), l.ref.id, l.token, lease)
+				} else {
+					cmds[i] = extendScript.Eval(ctx, p, l.ref.keys(), l.ref.id, l.token, lease)
+				}
+			}
+			return nil
+		})
+		return cmds
+	}
+	cmds := exec(true)
+	for _, c := range cmds {
+		if c.Err() != nil && redis.HasErrorPrefix(c.Err(), "NOSCRIPT") {
+			cmds = exec(false) // scripts flushed (restart, failover): send them whole
+			break
+		}
+	}
+	for i, c := range cmds {
+		v, err := c.Result()
+		if err != nil {
+			// Renewal errors never fail a task; the lease may still be renewed in time.
+			d.stats.redisErrors.Add(1)
+			d.log.Warn("dedup: heartbeat failed", slog.String("task_id", ls[i].ref.id), slog.Any("error", err))
+			continue
+		}
+		if ok, err := parseFlag(v); err == nil && !ok {
+			h.lost(ls[i])
+		}
+	}
+}
+
+// lost reports a lease whose lock is gone, unless its attempt already ended.
+func (h *heartbeater) lost(l *lease) {
+	h.mu.Lock()
+	_, live := h.entries[l]
+	delete(h.entries, l)
+	h.mu.Unlock()
+	if !live {
+		return
+	}
+	d := h.d
+	d.stats.lockLost.Add(1)
+	d.log.Warn("dedup: lock lost while the handler runs", slog.String("type", l.ref.typ), slog.String("task_id", l.ref.id), slog.Bool("cancelled", d.cfg.CancelOnLockLoss))
+	if d.cfg.CancelOnLockLoss {
+		l.cancel(ErrLockLost)
+	}
+}

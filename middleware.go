@@ -1,0 +1,175 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// errPanicked stands for a handler that panicked while its lock's fate is
+// decided; the panic itself goes on to asynq unchanged.
+var errPanicked = errors.New("dedup: handler panicked")
+
+// Middleware returns the server middleware: mux.Use(d.Middleware()).
+//
+// For every attempt it finds the task's lock from the task ID (or, for a
+// caller-chosen ID, from the index the wrapper wrote), makes the attempt its
+// running owner under a fresh token, renews it every Lease/3 while the
+// handler runs, and then:
+//
+//	success, asynq.RevokeTask          release
+//	asynq.SkipRetry, retries exhausted release (the task is archived)
+//	any other error, a panic           hold for RetryDelayFunc(n) + TTL
+//
+// A task that arrives without a lock (asynq.Scheduler, another service, the
+// CLI) takes one when it starts, keyed by its type's rule; if another live
+// task holds that key it does not run now: it returns a *BusyError (retried
+// later; see IsFailure) or, with Config.SkipBusy, nil.
+//
+// Release happens just before asynq marks the task done: if that last step
+// fails, asynq runs the task again while a duplicate may have been accepted.
+func (d *Dedup) Middleware() asynq.MiddlewareFunc {
+	d.hb.run()
+	return func(next asynq.Handler) asynq.Handler {
+		return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+			return d.process(ctx, t, next)
+		})
+	}
+}
+
+func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) (err error) {
+	id, ok1 := asynq.GetTaskID(ctx)
+	queue, ok2 := asynq.GetQueueName(ctx)
+	if !ok1 || !ok2 {
+		return next.ProcessTask(ctx, t) // not run by an asynq server
+	}
+	ref, err := d.resolve(ctx, queue, id, t)
+	if err != nil {
+		if d.onRedisError(ctx, "resolve", t.Type(), err) {
+			return next.ProcessTask(ctx, t)
+		}
+		return unavailable("resolve", err)
+	}
+	if ref == nil {
+		return next.ProcessTask(ctx, t)
+	}
+	token := newToken()
+	st, holder, err := d.start(ctx, ref, token)
+	if err != nil {
+		if d.onRedisError(ctx, "start", t.Type(), err) {
+			return next.ProcessTask(ctx, t)
+		}
+		return unavailable("start", err)
+	}
+	if st != statusTaken {
+		d.stats.busy.Add(1)
+		if d.cfg.SkipBusy {
+			d.log.Info("dedup: skipped task, key held by another task", slog.String("type", t.Type()), slog.String("task_id", id), slog.String("holder", holder))
+			return nil
+		}
+		return &BusyError{TaskID: id, Holder: holder, Key: ref.key}
+	}
+	d.stats.started.Add(1)
+
+	hctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	l := &lease{ref: ref, token: token, cancel: cancel}
+	d.hb.add(l)
+	panicked := true
+	defer func() {
+		live := d.hb.remove(l)
+		herr := err
+		if panicked {
+			herr = errPanicked // the panic propagates after this returns
+		}
+		d.settle(ctx, t, ref, token, herr, live)
+	}()
+	err = next.ProcessTask(hctx, t)
+	panicked = false
+	return err
+}
+
+// settle releases the lock or holds it for the retry, by asynq's rules for
+// what follows the attempt. Its errors never fail the task.
+func (d *Dedup) settle(ctx context.Context, t *asynq.Task, ref *lockRef, token string, err error, live bool) {
+	release := true
+	var hold time.Duration
+	if err != nil && !errors.Is(err, asynq.RevokeTask) && !errors.Is(err, asynq.SkipRetry) {
+		n, _ := asynq.GetRetryCount(ctx)
+		max, _ := asynq.GetMaxRetry(ctx)
+		if n < max {
+			release = false
+			r := d.ruleFor(t.Type())
+			hold = d.cfg.RetryDelayFunc(n, err, t) + d.ttlOf(&r)
+		}
+	}
+	ok, ferr := d.finish(context.WithoutCancel(ctx), ref, token, release, hold)
+	switch {
+	case ferr != nil:
+		d.stats.redisErrors.Add(1)
+		d.log.Warn("dedup: could not settle lock; it expires within one lease", slog.String("type", t.Type()), slog.String("task_id", ref.id), slog.Any("error", ferr))
+	case !ok:
+		if live { // else the heartbeat already reported it
+			d.stats.lockLost.Add(1)
+		}
+		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", t.Type()), slog.String("task_id", ref.id))
+	case release:
+		d.stats.released.Add(1)
+	default:
+		d.stats.held.Add(1)
+	}
+}
+
+// resolve finds the lock of the task being run, or nil for none.
+func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (*lockRef, error) {
+	typ := t.Type()
+	if fpHex, ok := parseLockedID(id); ok {
+		return &lockRef{queue: queue, key: lockKeyHex(d.cfg.Prefix, queue, fpHex), fpHex: fpHex, id: id, typ: typ}, nil
+	}
+	if strings.HasPrefix(id, optOutIDPrefix) {
+		return nil, nil
+	}
+	// A caller-chosen ID: the wrapper left an index to its lock.
+	lctx, cancel := d.lockCtx(ctx)
+	fpHex, err := d.rdb.Get(lctx, indexKey(d.cfg.Prefix, queue, id)).Result()
+	cancel()
+	switch {
+	case err == nil:
+		return &lockRef{queue: queue, key: lockKeyHex(d.cfg.Prefix, queue, fpHex), idx: indexKey(d.cfg.Prefix, queue, id), fpHex: fpHex, id: id, typ: typ}, nil
+	case !errors.Is(err, redis.Nil):
+		return nil, err
+	}
+	// No lock was taken at enqueue: the execution-time guard takes one now.
+	r := d.ruleFor(typ)
+	if d.cfg.NoExecutionGuard || !d.active(&r) {
+		return nil, nil
+	}
+	fp, ferr := fingerprint(typ, t.Payload(), &r)
+	if ferr != nil {
+		d.stats.unguarded.Add(1)
+		d.log.Warn("dedup: cannot key task at execution; running it unguarded", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", ferr))
+		return nil, nil
+	}
+	return d.newRef(queue, fp, id, typ, false), nil
+}
+
+func newToken() string {
+	var b [16]byte
+	randomHex(b[:])
+	return string(b[:])
+}
+
+// lease is one running attempt registered with the heartbeat.
+type lease struct {
+	ref    *lockRef
+	token  string
+	cancel context.CancelCauseFunc
+}
+
+func (l *lease) String() string { return fmt.Sprintf("%s@%s", l.ref.id, l.ref.key) }

@@ -1,0 +1,88 @@
+package dedup
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/hibiken/asynq"
+)
+
+// OptionType is the asynq.OptionType of every per-call option of this
+// package. It lies outside asynq's own constants, so asynq ignores these
+// options; the Client removes them before asynq sees the list anyway.
+//
+// Per-call options only take effect in Client.Enqueue/EnqueueContext. Given
+// to asynq.NewTask or Scheduler.Register they are silently dropped by asynq;
+// use Config.Rules for those.
+const OptionType asynq.OptionType = 0x6464
+
+// option is a per-call option. It implements asynq.Option.
+type option struct {
+	apply func(*resolved) error
+	desc  string
+}
+
+func (o option) String() string            { return o.desc }
+func (o option) Type() asynq.OptionType    { return OptionType }
+func (o option) Value() any                { return o.desc }
+func (o option) applyTo(r *resolved) error { return o.apply(r) }
+
+// Fields deduplicates this call on the given JSON payload paths (dotted for
+// nested members: "report.kind"), overriding the type's rule.
+func Fields(paths ...string) asynq.Option {
+	fs, err := compileFields(paths)
+	if err == nil && fs == nil {
+		err = fmt.Errorf("%w: Fields needs at least one path", ErrInvalidOption)
+	}
+	return option{desc: fmt.Sprintf("dedup.Fields(%s)", strings.Join(paths, ", ")), apply: func(r *resolved) error {
+		if err != nil {
+			return err
+		}
+		r.fields, r.key, r.hasKey, r.keyFunc, r.optedIn = fs, "", false, nil, true
+		return nil
+	}}
+}
+
+// Key deduplicates this call on an explicit key, namespaced by the task type.
+// The key is hashed, so any bytes are safe in it.
+func Key(key string) asynq.Option {
+	return keyOption("dedup.Key", key, false)
+}
+
+// SharedKey is Key without the type namespace: tasks of different types with
+// the same shared key exclude each other (within one queue).
+func SharedKey(key string) asynq.Option {
+	return keyOption("dedup.SharedKey", key, true)
+}
+
+func keyOption(name, key string, shared bool) asynq.Option {
+	return option{desc: name + "(…)", apply: func(r *resolved) error {
+		if key == "" {
+			return fmt.Errorf("%w: %s: empty key", ErrInvalidOption, name)
+		}
+		r.key, r.hasKey, r.keyFunc, r.fields, r.shared, r.optedIn = key, true, nil, nil, shared, true
+		return nil
+	}}
+}
+
+// TTL sets how long this call's lock lasts while the task waits, overriding
+// the type's rule and Config.TTL. With ProcessIn/ProcessAt the delay is added.
+func TTL(d time.Duration) asynq.Option {
+	return option{desc: fmt.Sprintf("dedup.TTL(%v)", d), apply: func(r *resolved) error {
+		if d <= 0 {
+			return fmt.Errorf("%w: TTL %v is not positive", ErrInvalidOption, d)
+		}
+		r.ttl = d
+		return nil
+	}}
+}
+
+// Skip turns deduplication off for this call, whatever other options say:
+// no lock, and the middleware will not lock the task at execution either.
+func Skip() asynq.Option {
+	return option{desc: "dedup.Skip()", apply: func(r *resolved) error {
+		r.skip = true
+		return nil
+	}}
+}

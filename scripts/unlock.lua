@@ -1,0 +1,16 @@
+-- unlock: give back a lock whose enqueue asynq refused.
+--
+-- KEYS[1]  lock key
+-- KEYS[2]  (optional) index key of a caller-chosen task ID
+-- ARGV[1]  task ID that took the lock
+--
+-- Reply: 1 released; 0 not ours, or the task already started (left alone)
+local rec = redis.call('HMGET', KEYS[1], 'id', 'tok')
+if rec[1] ~= ARGV[1] or rec[2] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+if KEYS[2] then
+  redis.call('DEL', KEYS[2])
+end
+return 1
