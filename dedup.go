@@ -83,9 +83,10 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 	}
 }
 
-// Close stops the heartbeat. Locks held by running handlers stay until
-// their handlers finish or their lease runs out. It does not close the Redis
-// client. Close is idempotent.
+// Close stops the heartbeat. Call it after asynq.Server.Shutdown: handlers
+// still running afterwards keep their locks only until their lease runs out.
+// It does not close the Redis client. Close is idempotent; Middleware after
+// Close logs an error and renews nothing.
 func (d *Dedup) Close() error {
 	d.hb.stop()
 	return nil

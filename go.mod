@@ -3,16 +3,19 @@ module github.com/asynq-dedup/dedup
 go 1.26.8
 
 require (
-	github.com/alicebob/miniredis/v2 v2.40.0 // indirect
-	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	github.com/alicebob/miniredis/v2 v2.40.0
+	github.com/cespare/xxhash/v2 v2.3.0
+	github.com/hibiken/asynq v0.26.0
+	github.com/redis/go-redis/v9 v9.23.0
+	go.uber.org/goleak v1.3.0
+)
+
+require (
 	github.com/google/uuid v1.6.0 // indirect
-	github.com/hibiken/asynq v0.26.0 // indirect
-	github.com/redis/go-redis/v9 v9.23.0 // indirect
 	github.com/robfig/cron/v3 v3.0.1 // indirect
 	github.com/spf13/cast v1.10.0 // indirect
 	github.com/yuin/gopher-lua v1.1.1 // indirect
 	go.uber.org/atomic v1.12.0 // indirect
-	go.uber.org/goleak v1.3.0 // indirect
 	golang.org/x/sys v0.48.0 // indirect
 	golang.org/x/time v0.14.0 // indirect
 	google.golang.org/protobuf v1.36.10 // indirect

@@ -40,7 +40,8 @@ func (h *heartbeater) run() {
 	}
 	select {
 	case <-h.quit:
-		return // already stopped
+		h.d.log.Error("dedup: Middleware used after Close: locks of running handlers will not be renewed")
+		return
 	default:
 	}
 	h.started = true

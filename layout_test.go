@@ -1,0 +1,92 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"runtime/debug"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+)
+
+// The lock scripts read asynq's own task record ("asynq:{<queue>}:t:<id>",
+// field "state") to heal orphaned locks. That layout is asynq's internal
+// business: this test pins it, and fails loudly when an asynq upgrade
+// changes it.
+func TestAsynqLayoutPinned(t *testing.T) {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		t.Fatal("no build info")
+	}
+	for _, m := range bi.Deps {
+		if m.Path == "github.com/hibiken/asynq" && m.Version != "v0.26.0" {
+			t.Fatalf("asynq %s: the lock scripts rely on v0.26.0's key layout; re-check asynqTaskKeyPrefix and the task states, then update this test", m.Version)
+		}
+	}
+	h := newHarness(t, Config{})
+	ctx := context.Background()
+	state := func(id string) string {
+		return h.rdb.HGet(ctx, asynqTaskKeyPrefix(h.queue)+id, "state").Val()
+	}
+	pending, err := h.asynq.Enqueue(asynq.NewTask("layout", nil), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := state(pending.ID); got != "pending" {
+		t.Fatalf("asynq task record: state %q at %s, want pending", got, asynqTaskKeyPrefix(h.queue)+pending.ID)
+	}
+	if err := h.insp.ArchiveTask(h.queue, pending.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := state(pending.ID); got != "archived" {
+		t.Fatalf("archived task: state %q", got)
+	}
+	done := make(chan struct{})
+	h.serve(func(context.Context, *asynq.Task) error { close(done); return nil }, nil)
+	completed, err := h.asynq.Enqueue(asynq.NewTask("layout", []byte("c")), asynq.Queue(h.queue), asynq.Retention(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, done, "run")
+	eventually(t, "completed state", func() bool { return state(completed.ID) == "completed" })
+}
+
+// ageLock makes a lock look older than the heal grace without waiting.
+func (h *harness) ageLock(key string) {
+	h.t.Helper()
+	if err := h.rdb.HSet(context.Background(), key, "c", 0).Err(); err != nil {
+		h.t.Fatal(err)
+	}
+}
+
+func TestOrphanedLockHeals(t *testing.T) {
+	h := newHarness(t, Config{})
+	task := userTask(1, "")
+	key := h.keyOf(task, h.queue)
+	first := h.enqueue(task)
+	// Young locks are never healed: asynq may not have stored the task yet.
+	if err := h.insp.DeleteTask(h.queue, first.ID); err != nil {
+		t.Fatal(err)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) {
+		t.Fatalf("young orphan: err = %v, want duplicate", err)
+	}
+	h.ageLock(key)
+	second := h.enqueue(task)
+	if owner := h.lockOwner(key); owner != second.ID {
+		t.Fatalf("owner %q after healing, want %q", owner, second.ID)
+	}
+	// An archived owner frees the key too.
+	if err := h.insp.ArchiveTask(h.queue, second.ID); err != nil {
+		t.Fatal(err)
+	}
+	h.ageLock(key)
+	third := h.enqueue(task)
+	// A live owner is never healed, however old its lock.
+	h.ageLock(key)
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != third.ID {
+		t.Fatalf("live owner: err = %v, want duplicate of %s", err, third.ID)
+	}
+}

@@ -1,0 +1,420 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"go.uber.org/goleak"
+)
+
+// run is one handler invocation seen by a test.
+type run struct {
+	id    string
+	retry int
+	ctx   context.Context
+	task  *asynq.Task
+}
+
+// recorder is a handler that reports each run on a channel and then does
+// whatever the test's behave function says.
+type recorder struct {
+	runs   chan run
+	behave func(r run) error
+}
+
+func newRecorder(behave func(run) error) *recorder {
+	return &recorder{runs: make(chan run, 100), behave: behave}
+}
+
+func (rc *recorder) handler() asynq.HandlerFunc {
+	return func(ctx context.Context, t *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		n, _ := asynq.GetRetryCount(ctx)
+		r := run{id: id, retry: n, ctx: ctx, task: t}
+		rc.runs <- r
+		if rc.behave == nil {
+			return nil
+		}
+		return rc.behave(r)
+	}
+}
+
+// done returns a channel closed when the task reaches state want.
+func (h *harness) taskState(id string) asynq.TaskState {
+	ti, err := h.insp.GetTaskInfo(h.queue, id)
+	if err != nil {
+		return 0
+	}
+	return ti.State
+}
+
+func (h *harness) enqueue(task *asynq.Task, opts ...asynq.Option) *asynq.TaskInfo {
+	h.t.Helper()
+	info, err := h.client.Enqueue(task, append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...)
+	if err != nil {
+		h.t.Fatalf("enqueue: %v", err)
+	}
+	return info
+}
+
+func TestSuccessReleasesLock(t *testing.T) {
+	h := newHarness(t, Config{})
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), func(c *asynq.Config) { c.Concurrency = 1 })
+	task := userTask(1, "")
+	info := h.enqueue(task, asynq.Retention(time.Hour))
+	r := waitFor(t, rc.runs, "first run")
+	if r.id != info.ID {
+		t.Fatalf("ran %s, want %s", r.id, info.ID)
+	}
+	eventually(t, "task completed", func() bool { return h.taskState(info.ID) == asynq.TaskStateCompleted })
+	if owner := h.lockOwner(h.keyOf(task, h.queue)); owner != "" {
+		t.Fatalf("lock still held by %q after success", owner)
+	}
+	again := h.enqueue(task)
+	if again.ID == info.ID {
+		t.Fatal("same ID twice")
+	}
+	waitFor(t, rc.runs, "second run")
+	if s := h.d.Stats(); s.Started < 1 || s.Released < 1 {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+func TestLockLifecycleOnOutcomes(t *testing.T) {
+	cases := []struct {
+		name     string
+		maxRetry int
+		err      error
+		panics   bool
+		state    asynq.TaskState
+		held     bool
+	}{
+		{"revoke", 5, asynq.RevokeTask, false, 0, false},
+		{"skip retry", 5, fmt.Errorf("bad input: %w", asynq.SkipRetry), false, asynq.TaskStateArchived, false},
+		{"retries exhausted", 0, errors.New("fails"), false, asynq.TaskStateArchived, false},
+		{"error with retries left", 3, errors.New("transient"), false, asynq.TaskStateRetry, true},
+		{"panic with retries left", 3, nil, true, asynq.TaskStateRetry, true},
+		{"panic on last attempt", 0, nil, true, asynq.TaskStateArchived, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, Config{RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return time.Hour }})
+			rc := newRecorder(func(r run) error {
+				if c.panics {
+					panic("handler bug")
+				}
+				return c.err
+			})
+			h.serve(rc.handler(), func(cfg *asynq.Config) {
+				cfg.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return time.Hour }
+			})
+			task := userTask(1, "")
+			info := h.enqueue(task, asynq.MaxRetry(c.maxRetry))
+			waitFor(t, rc.runs, "run")
+			key := h.keyOf(task, h.queue)
+			if c.held {
+				eventually(t, "task waits for retry", func() bool { return h.taskState(info.ID) == asynq.TaskStateRetry })
+				if owner := h.lockOwner(key); owner != info.ID {
+					t.Fatalf("lock owner %q across retry, want %q", owner, info.ID)
+				}
+				if tok, _ := h.rdb.HExists(context.Background(), key, "tok").Result(); tok {
+					t.Fatal("lock still marked running while the task waits for its retry")
+				}
+				if ttl := pttl(t, h.rdb, key); ttl < time.Hour+DefaultTTL-time.Minute {
+					t.Fatalf("lock TTL %v across retry, want retry delay + TTL", ttl)
+				}
+				var dup *DuplicateTaskError
+				if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+					t.Fatalf("enqueue during retry wait: err = %v, want duplicate of %s", err, info.ID)
+				}
+				return
+			}
+			if c.state != 0 {
+				eventually(t, "task "+c.state.String(), func() bool { return h.taskState(info.ID) == c.state })
+			}
+			eventually(t, "lock released", func() bool { return h.lockOwner(key) == "" })
+			h.enqueue(task) // the key is free again
+		})
+	}
+}
+
+func TestRetryRunsHoldingLock(t *testing.T) {
+	h := newHarness(t, Config{})
+	var attempts atomic.Int32
+	rc := newRecorder(func(r run) error {
+		if attempts.Add(1) == 1 {
+			return errors.New("first attempt fails")
+		}
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	task := userTask(8, "")
+	info := h.enqueue(task)
+	first := waitFor(t, rc.runs, "first attempt")
+	second := waitFor(t, rc.runs, "second attempt")
+	if first.id != info.ID || second.id != info.ID || second.retry != 1 {
+		t.Fatalf("attempts %+v, %+v", first, second)
+	}
+	eventually(t, "lock released", func() bool { return h.lockOwner(h.keyOf(task, h.queue)) == "" })
+}
+
+func TestHandlerOutlivesTTL(t *testing.T) {
+	h := newHarness(t, Config{TTL: 300 * time.Millisecond, Lease: 300 * time.Millisecond})
+	release := make(chan struct{})
+	rc := newRecorder(func(r run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	task := userTask(1, "")
+	info := h.enqueue(task)
+	waitFor(t, rc.runs, "run")
+	// Let several TTLs and leases pass: only the heartbeat keeps the lock.
+	time.Sleep(1200 * time.Millisecond)
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+		t.Fatalf("enqueue while the long handler runs: err = %v, want duplicate of %s", err, info.ID)
+	}
+	close(release)
+	eventually(t, "lock released", func() bool { return h.lockOwner(h.keyOf(task, h.queue)) == "" })
+	if s := h.d.Stats(); s.LockLost != 0 {
+		t.Fatalf("LockLost = %d", s.LockLost)
+	}
+}
+
+func TestLockStolenCancelsHandler(t *testing.T) {
+	h := newHarness(t, Config{Lease: 300 * time.Millisecond, CancelOnLockLoss: true})
+	causes := make(chan error, 1)
+	rc := newRecorder(func(r run) error {
+		<-r.ctx.Done()
+		causes <- context.Cause(r.ctx)
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	task := userTask(1, "")
+	info := h.enqueue(task)
+	waitFor(t, rc.runs, "run")
+	key := h.keyOf(task, h.queue)
+	// Someone else (an operator, or a task after an expiry) takes the key.
+	if err := h.rdb.HSet(context.Background(), key, "id", "intruder", "tok", "x").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if cause := waitFor(t, causes, "handler cancelled"); !errors.Is(cause, ErrLockLost) {
+		t.Fatalf("cause %v, want ErrLockLost", cause)
+	}
+	eventually(t, "task done", func() bool { return h.taskState(info.ID) != asynq.TaskStateActive })
+	if owner := h.lockOwner(key); owner != "intruder" {
+		t.Fatalf("the stale attempt touched the new owner's lock: owner %q", owner)
+	}
+	if s := h.d.Stats(); s.LockLost != 1 {
+		t.Fatalf("LockLost = %d, want 1", s.LockLost)
+	}
+}
+
+func TestLeftoverAttemptCannotTouchLock(t *testing.T) {
+	h := newHarness(t, Config{})
+	releaseFirst := make(chan struct{})
+	releaseSecond := make(chan struct{})
+	var attempts atomic.Int32
+	rc := newRecorder(func(r run) error {
+		if attempts.Add(1) == 1 {
+			<-releaseFirst // ignores its deadline, like a stuck handler
+			return nil     // reports success long after asynq gave up on it
+		}
+		<-releaseSecond
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	task := userTask(1, "")
+	info := h.enqueue(task, asynq.Timeout(time.Second)) // asynq keeps whole seconds
+	key := h.keyOf(task, h.queue)
+	waitFor(t, rc.runs, "first attempt")
+	firstTok, _ := h.rdb.HGet(context.Background(), key, "tok").Result()
+	second := waitFor(t, rc.runs, "second attempt (asynq retried after the deadline)")
+	if second.id != info.ID {
+		t.Fatalf("second attempt of %s", second.id)
+	}
+	secondTok, _ := h.rdb.HGet(context.Background(), key, "tok").Result()
+	if secondTok == "" || secondTok == firstTok {
+		t.Fatalf("attempt tokens %q then %q: a new attempt must own the lock under a new token", firstTok, secondTok)
+	}
+	close(releaseFirst) // the leftover finishes "successfully"
+	eventually(t, "leftover settled", func() bool { return h.d.Stats().LockLost >= 1 })
+	if owner, tok := h.lockOwner(key), h.rdb.HGet(context.Background(), key, "tok").Val(); owner != info.ID || tok != secondTok {
+		t.Fatalf("after the leftover settled: owner %q token %q, want %q %q", owner, tok, info.ID, secondTok)
+	}
+	close(releaseSecond)
+	eventually(t, "lock released", func() bool { return h.lockOwner(key) == "" })
+}
+
+func TestWorkerConfiguredDifferently(t *testing.T) {
+	// The producer picks fields per call; the worker's Dedup has no rules.
+	producer := newHarness(t, Config{})
+	worker := newHarnessOn(t, producer.rdb, Config{Prefix: producer.prefix, Rules: map[string]Rule{"user:reindex": {Fields: []string{"nothing_like_it"}}}})
+	worker.queue = producer.queue
+	rc := newRecorder(nil)
+	worker.serve(rc.handler(), nil)
+	task := userTask(4, "t1")
+	producer.enqueue(task, Fields("user_id"))
+	producer.enqueue(userTask(5, "t1"), Fields("user_id"), asynq.TaskID("caller-chosen"))
+	waitFor(t, rc.runs, "run 1")
+	waitFor(t, rc.runs, "run 2")
+	eventually(t, "both locks released", func() bool { return len(producer.locks()) == 0 })
+	producer.enqueue(userTask(4, "t2"), Fields("user_id"))
+}
+
+func TestScheduledTask(t *testing.T) {
+	h := newHarness(t, Config{TTL: time.Minute})
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	task := userTask(1, "")
+	info := h.enqueue(task, asynq.ProcessIn(500*time.Millisecond))
+	key := h.keyOf(task, h.queue)
+	if ttl := pttl(t, h.rdb, key); ttl <= time.Minute {
+		t.Fatalf("scheduled lock TTL %v does not cover the delay", ttl)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+		t.Fatalf("err = %v, want duplicate of the scheduled task", err)
+	}
+	if r := waitFor(t, rc.runs, "scheduled run"); r.id != info.ID {
+		t.Fatalf("ran %s", r.id)
+	}
+	eventually(t, "lock released", func() bool { return h.lockOwner(key) == "" })
+}
+
+func TestOptedOutTasksRunUnguarded(t *testing.T) {
+	h := newHarness(t, Config{})
+	release := make(chan struct{})
+	rc := newRecorder(func(run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	task := userTask(1, "")
+	h.enqueue(task, Skip())
+	h.enqueue(task, Skip())
+	waitFor(t, rc.runs, "run 1")
+	waitFor(t, rc.runs, "run 2") // both run at once: opted out at enqueue and at execution
+	close(release)
+	if n := len(h.locks()); n != 0 {
+		t.Fatalf("%d locks for opted-out tasks", n)
+	}
+}
+
+func TestExecutionGuard(t *testing.T) {
+	for _, skip := range []bool{false, true} {
+		t.Run(fmt.Sprintf("SkipBusy=%v", skip), func(t *testing.T) {
+			h := newHarness(t, Config{SkipBusy: skip})
+			release := make(chan struct{})
+			var running, overlap atomic.Int32
+			rc := newRecorder(func(r run) error {
+				if running.Add(1) > 1 {
+					overlap.Add(1)
+				}
+				defer running.Add(-1)
+				if r.retry == 0 && r.id != "direct" {
+					<-release
+				}
+				return nil
+			})
+			h.serve(rc.handler(), nil)
+			task := userTask(1, "")
+			first := h.enqueue(task)
+			waitFor(t, rc.runs, "wrapped task runs")
+			// The same work, enqueued past the wrapper (Scheduler, another service).
+			direct, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("direct"), asynq.Retention(time.Hour))
+			if err != nil {
+				t.Fatal(err)
+			}
+			eventually(t, "direct task turned away", func() bool { return h.d.Stats().Busy >= 1 })
+			if skip {
+				eventually(t, "direct task completed unrun", func() bool { return h.taskState(direct.ID) == asynq.TaskStateCompleted })
+				close(release)
+			} else {
+				close(release)
+				if r := waitFor(t, rc.runs, "direct task runs after the holder"); r.id != direct.ID {
+					t.Fatalf("ran %s, want %s", r.id, direct.ID)
+				}
+				eventually(t, "direct task completed", func() bool { return h.taskState(direct.ID) == asynq.TaskStateCompleted })
+				ti, err := h.insp.GetTaskInfo(h.queue, direct.ID)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if ti.Retried != 0 {
+					t.Fatalf("busy deferral used %d retries (IsFailure)", ti.Retried)
+				}
+			}
+			if overlap.Load() != 0 {
+				t.Fatal("two handlers ran one key at once")
+			}
+			eventually(t, "locks released", func() bool { return len(h.locks()) == 0 })
+			_ = first
+		})
+	}
+}
+
+func TestUnlockedTaskTakesLockAtStart(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"user:reindex": {Fields: []string{"user_id"}}}})
+	release := make(chan struct{})
+	rc := newRecorder(func(run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	info, err := h.asynq.Enqueue(userTask(3, "from-scheduler"), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, rc.runs, "run")
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(userTask(3, "from-api"), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+		t.Fatalf("err = %v, want duplicate of the running unlocked task %s", err, info.ID)
+	}
+	close(release)
+	eventually(t, "lock released", func() bool { return len(h.locks()) == 0 })
+}
+
+func TestCloseStopsHeartbeat(t *testing.T) {
+	rdb := newRDB(t)
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent(),
+		// miniredis (the fallback) serves each connection New opens.
+		goleak.IgnoreAnyFunction("github.com/alicebob/miniredis/v2/server.(*Server).servePeer"),
+		goleak.IgnoreAnyFunction("github.com/alicebob/miniredis/v2/server.(*Server).servePeer.func2"),
+		goleak.IgnoreAnyFunction("github.com/alicebob/miniredis/v2/server.(*Server).ServeConn.func1"))
+	d, err := New(context.Background(), rdb, Config{Prefix: uniq(t), Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = d.Middleware()
+	_ = d.Middleware() // one heartbeat goroutine, however many middlewares
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	_ = d.Close()
+}
+
+func TestHeartbeatOneRoundTripForManyHandlers(t *testing.T) {
+	h := newHarness(t, Config{Lease: 300 * time.Millisecond})
+	const n = 50
+	release := make(chan struct{})
+	rc := newRecorder(func(run) error { <-release; return nil })
+	h.serve(rc.handler(), func(c *asynq.Config) { c.Concurrency = n })
+	for i := range n {
+		h.enqueue(userTask(i, ""))
+	}
+	for range n {
+		waitFor(t, rc.runs, "runs")
+	}
+	time.Sleep(1200 * time.Millisecond) // several leases pass; all must survive
+	for i := range n {
+		if owner := h.lockOwner(h.keyOf(userTask(i, ""), h.queue)); owner == "" {
+			t.Fatalf("lock %d expired while its handler ran", i)
+		}
+	}
+	close(release)
+	eventually(t, "all released", func() bool { return h.d.Stats().Released == n })
+	if n := len(h.locks()); n != 0 {
+		t.Fatalf("%d locks left", n)
+	}
+	if s := h.d.Stats(); s.LockLost != 0 {
+		t.Fatalf("stats %+v", s)
+	}
+}
