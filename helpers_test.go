@@ -32,6 +32,10 @@ func TestMain(m *testing.M) {
 	if os.Getenv("DEDUP_TEST_MINIREDIS") == "" { // set it to try the embedded fallback
 		stop, addr, err = startRedisServer()
 	}
+	if err != nil && os.Getenv("DEDUP_REQUIRE_REDIS") != "" {
+		fmt.Fprintf(os.Stderr, "dedup tests: DEDUP_REQUIRE_REDIS is set but: %v\n", err)
+		os.Exit(1)
+	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "dedup tests: %v; using miniredis, tests that need a real redis-server skip\n", err)
 	}

@@ -1,0 +1,136 @@
+package dedup_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/asynq-dedup/dedup"
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// Deduplicate on one payload field; a duplicate names the task holding the key.
+func Example() {
+	mr, _ := miniredis.Run() // any Redis: a single node, Sentinel or Cluster client
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+
+	d, err := dedup.New(ctx, rdb, dedup.Config{})
+	if err != nil {
+		panic(err)
+	}
+	defer d.Close()
+	client := d.WrapClient(asynq.NewClientFromRedisClient(rdb))
+
+	first := asynq.NewTask("user:reindex", []byte(`{"user_id": 42, "trace_id": "a1"}`))
+	info, err := client.EnqueueContext(ctx, first, asynq.Queue("critical"), dedup.Fields("user_id"))
+	fmt.Println("first enqueued:", err == nil)
+
+	// Other trace ID, other spelling of 42: the same work.
+	again := asynq.NewTask("user:reindex", []byte(`{"trace_id":"b2","user_id":42.0}`))
+	_, err = client.EnqueueContext(ctx, again, asynq.Queue("critical"), dedup.Fields("user_id"))
+	var dup *dedup.DuplicateTaskError
+	if errors.As(err, &dup) {
+		fmt.Println("duplicate of the first:", dup.TaskID == info.ID, "in queue", dup.Queue)
+	}
+	fmt.Println("matches asynq.ErrDuplicateTask:", errors.Is(err, asynq.ErrDuplicateTask))
+
+	other := asynq.NewTask("user:reindex", []byte(`{"user_id": 7}`))
+	_, err = client.EnqueueContext(ctx, other, asynq.Queue("critical"), dedup.Fields("user_id"))
+	fmt.Println("user 7 enqueued:", err == nil)
+	// Output:
+	// first enqueued: true
+	// duplicate of the first: true in queue critical
+	// matches asynq.ErrDuplicateTask: true
+	// user 7 enqueued: true
+}
+
+// The middleware releases the lock when the task succeeds, so the same work
+// can be enqueued again.
+func ExampleDedup_Middleware() {
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	d, err := dedup.New(ctx, rdb, dedup.Config{
+		Rules:  map[string]dedup.Rule{"report:send": {Fields: []string{"tenant"}}},
+		Logger: quiet,
+	})
+	if err != nil {
+		panic(err)
+	}
+	client := d.WrapClient(asynq.NewClientFromRedisClient(rdb))
+
+	done := make(chan string, 1)
+	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{
+		Concurrency:       1,
+		IsFailure:         dedup.IsFailure, // busy keys are retried without using up retries
+		TaskCheckInterval: 10 * time.Millisecond,
+		LogLevel:          asynq.FatalLevel,
+	})
+	mux := asynq.NewServeMux()
+	mux.Use(d.Middleware())
+	mux.HandleFunc("report:send", func(ctx context.Context, t *asynq.Task) error {
+		done <- string(t.Payload())
+		return nil
+	})
+	if err := srv.Start(mux); err != nil {
+		panic(err)
+	}
+
+	task := asynq.NewTask("report:send", []byte(`{"tenant": 7}`))
+	if _, err := client.EnqueueContext(ctx, task); err != nil {
+		panic(err)
+	}
+	fmt.Println("processed:", <-done)
+
+	// The handler signalled before returning; the middleware releases the
+	// lock just after it returns. Until then the key is (rightly) still held.
+	for {
+		_, err := client.EnqueueContext(ctx, task)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, dedup.ErrDuplicateTask) {
+			panic(err)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	fmt.Println("processed again:", <-done)
+	srv.Shutdown()
+	d.Close()
+	// Output:
+	// processed: {"tenant": 7}
+	// processed again: {"tenant": 7}
+}
+
+// Mixing asynq's options with this package's in one list.
+func ExampleTTL() {
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+	d, _ := dedup.New(ctx, rdb, dedup.Config{})
+	defer d.Close()
+	var client dedup.Enqueuer = d.WrapClient(asynq.NewClientFromRedisClient(rdb))
+
+	task := asynq.NewTask("tenant:quota", []byte(`{"tenant": 3, "at": "12:00"}`))
+	info, err := client.EnqueueContext(ctx, task,
+		asynq.Queue("low"), asynq.ProcessIn(time.Minute), asynq.MaxRetry(3),
+		dedup.Fields("tenant"), dedup.TTL(10*time.Minute))
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(info.Queue, info.State, info.MaxRetry)
+	// Output: low scheduled 3
+}
