@@ -19,7 +19,7 @@ import (
 // stream: type "a:b" with key "c" and type "a" with key "b:c" hash different
 // streams, and only a true 64-bit hash collision can give them one lock.
 // With n keys live in one queue at once the chance that any two collide is
-// about n²/2⁶⁵ (1e-8 for a million live keys).
+// about n²/2⁶⁵ (3e-8 for a million live keys).
 const fingerprintVersion = 1
 
 const (
