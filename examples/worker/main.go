@@ -59,7 +59,7 @@ type summary struct {
 	SampleHolder  string // a task ID named by a DuplicateTaskError
 	AllAsynqDup   bool   // every rejection matched asynq.ErrDuplicateTask
 	Processed     int    // handler runs that completed
-	NotOnce       int    // accepted tasks that did not run exactly once
+	NotOnce       int    // accepted tasks that did not run exactly once, or runs of tasks never accepted
 	HandlerErrors int    // payloads the handler could not decode
 	Violations    int    // times a user had two handlers running at once
 	MaxPerKey     int    // most handlers seen running at once for one user
@@ -86,6 +86,9 @@ func main() {
 // returns an error when Redis cannot be used or any check fails; the summary
 // is returned whenever the run got as far as producing.
 func run(ctx context.Context, out io.Writer, o options) (*summary, error) {
+	if o.Enqueues < 1 || o.Users < 1 || o.Producers < 1 || o.Workers < 1 || o.Timeout <= 0 {
+		return nil, fmt.Errorf("invalid options %+v", o)
+	}
 	begin := time.Now()
 	rdb, where, closeRedis, err := openRedis(ctx, o.RedisURL)
 	if err != nil {
@@ -112,6 +115,9 @@ func run(ctx context.Context, out io.Writer, o options) (*summary, error) {
 		// up tasks within milliseconds while the producers are still going.
 		TaskCheckInterval: 50 * time.Millisecond,
 		LogLevel:          asynq.WarnLevel,
+		// Handlers take milliseconds; don't let a stuck one keep the
+		// program from exiting within its minute.
+		ShutdownTimeout: 5 * time.Second,
 	})
 	mux := asynq.NewServeMux()
 	mux.Use(d.Middleware())
@@ -156,6 +162,7 @@ func run(ctx context.Context, out io.Writer, o options) (*summary, error) {
 			s.FailedChecks = append(s.FailedChecks, fmt.Sprintf(format, args...))
 		}
 	}
+	check(ctx.Err() == nil, "interrupted")
 	check(waitErr == nil, "%v", waitErr)
 	check(attempted == o.Enqueues, "only %s of %s enqueues were attempted", commas(attempted), commas(o.Enqueues))
 	check(s.Accepted+s.Rejected+s.EnqueueErrors == attempted, "accepted + rejected + errors (%d) != attempted (%d)", s.Accepted+s.Rejected+s.EnqueueErrors, attempted)
@@ -166,7 +173,7 @@ func run(ctx context.Context, out io.Writer, o options) (*summary, error) {
 	check(s.HandlerErrors == 0, "%s tasks had an undecodable payload", commas(s.HandlerErrors))
 	check(s.Violations == 0, "a user had two tasks running at once %s times", commas(s.Violations))
 	check(scanErr == nil, "counting locks: %v", scanErr)
-	check(s.LocksLeft == 0, "%s locks left in Redis after every task finished", commas(s.LocksLeft))
+	check(s.LocksLeft == 0, "%s locks left in Redis after shutdown", commas(s.LocksLeft))
 
 	printSummary(out, s, o, where)
 	cleanup(cctx, rdb, queue)
@@ -364,7 +371,9 @@ func (w *worker) fill(s *summary) {
 	s.MaxPerKey = w.maxPerKey
 	s.HandlerErrors = w.badPayload
 	// Each accepted task should have run once: a count that matches while
-	// some task ran twice and another never would be a coincidence, not a pass.
+	// some task ran twice and another never would be a coincidence, not a
+	// pass. More distinct IDs than accepted enqueues means some task ran that
+	// the producers were told had failed.
 	once := 0
 	for _, n := range w.runs {
 		if n == 1 {
