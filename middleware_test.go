@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
 )
 
@@ -416,5 +417,51 @@ func TestHeartbeatOneRoundTripForManyHandlers(t *testing.T) {
 	}
 	if s := h.d.Stats(); s.LockLost != 0 {
 		t.Fatalf("stats %+v", s)
+	}
+}
+
+func TestMiddlewareRedisDown(t *testing.T) {
+	needRealRedis(t)
+	for _, open := range []bool{false, true} {
+		t.Run(fmt.Sprintf("FailOpen=%v", open), func(t *testing.T) {
+			lockRedis, err := spawnRedis("")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer lockRedis.kill()
+			lrdb := redis.NewClient(&redis.Options{Addr: lockRedis.addr, MaxRetries: -1})
+			defer lrdb.Close()
+			// Locks on lockRedis, tasks on the shared server.
+			h := newHarness(t, Config{})
+			d, err := New(context.Background(), lrdb, Config{FailOpen: open, LockTimeout: 200 * time.Millisecond, Logger: quietLogger()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Close()
+			h.d = d
+			rc := newRecorder(nil)
+			errs := make(chan error, 10)
+			lockRedis.kill()
+			h.serve(rc.handler(), func(c *asynq.Config) {
+				c.ErrorHandler = asynq.ErrorHandlerFunc(func(_ context.Context, _ *asynq.Task, err error) { errs <- err })
+				c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return time.Hour }
+			})
+			if _, err := h.asynq.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); err != nil {
+				t.Fatal(err)
+			}
+			if open {
+				waitFor(t, rc.runs, "handler runs without its lock")
+				eventually(t, "counted", func() bool { return d.Stats().FailOpen >= 1 })
+				return
+			}
+			if err := waitFor(t, errs, "task refused"); !errors.Is(err, ErrUnavailable) {
+				t.Fatalf("err = %v, want ErrUnavailable", err)
+			}
+			select {
+			case <-rc.runs:
+				t.Fatal("handler ran while the lock store was down (fail-closed)")
+			default:
+			}
+		})
 	}
 }
