@@ -151,7 +151,7 @@ func (c *Client) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...a
 		}
 		locked = false // fail-open: the execution-time guard still locks it
 	case st == statusHeld:
-		d.stats.duplicates.Add(1)
+		d.count(task.Type(), evDuplicate)
 		return nil, &DuplicateTaskError{TaskID: holder, Queue: queue, Type: typ, Key: ref.key}
 	}
 
@@ -168,14 +168,14 @@ func (c *Client) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...a
 	if !locked {
 		return info, nil
 	}
-	d.stats.locked.Add(1)
+	d.count(task.Type(), evLocked)
 	if info.Queue != queue {
 		return c.relocate(ctx, task, ref, info, waitTTL(d.ttlOf(&r), info.NextProcessAt))
 	}
 	if processAt.IsZero() && info.State == asynq.TaskStateScheduled {
 		// Scheduled through asynq.NewTask options: cover the delay too.
 		if _, err := d.extend(context.WithoutCancel(ctx), ref, "", waitTTL(d.ttlOf(&r), info.NextProcessAt)); err != nil {
-			d.stats.redisErrors.Add(1)
+			d.count(task.Type(), evRedisError)
 			d.log.Warn("dedup: could not lengthen a scheduled task's lock", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", err))
 		}
 	}
@@ -194,20 +194,20 @@ func (c *Client) rollback(ctx context.Context, task *asynq.Task, ref *lockRef, e
 	switch {
 	case err == nil:
 		if ti.Type == task.Type() && bytes.Equal(ti.Payload, task.Payload()) {
-			d.stats.locked.Add(1)
+			d.count(task.Type(), evLocked)
 			return ti, nil
 		}
 		// A different task has this (caller-chosen) ID: ours never landed.
 	case errors.Is(err, asynq.ErrTaskNotFound), errors.Is(err, asynq.ErrQueueNotFound):
 	default:
-		d.stats.redisErrors.Add(1)
+		d.count(task.Type(), evRedisError)
 		return nil, fmt.Errorf("dedup: enqueue %q: %w", task.Type(), enqErr)
 	}
 	if _, err := d.unlock(ctx, ref); err != nil {
-		d.stats.redisErrors.Add(1)
+		d.count(task.Type(), evRedisError)
 		d.log.Warn("dedup: could not give back the lock of a refused enqueue; it heals itself", slog.String("type", task.Type()), slog.Any("error", err))
 	} else {
-		d.stats.rollbacks.Add(1)
+		d.count(task.Type(), evRollback)
 	}
 	return nil, fmt.Errorf("dedup: enqueue %q: %w", task.Type(), enqErr)
 }
@@ -225,11 +225,11 @@ func (c *Client) relocate(ctx context.Context, task *asynq.Task, old *lockRef, i
 	}
 	st, holder, err := d.acquire(ctx, nr, ttl)
 	if _, uerr := d.unlock(ctx, old); uerr != nil {
-		d.stats.redisErrors.Add(1)
+		d.count(task.Type(), evRedisError)
 	}
 	switch {
 	case err != nil:
-		d.stats.redisErrors.Add(1)
+		d.count(task.Type(), evRedisError)
 		d.log.Warn("dedup: could not move a lock to the task's queue; the execution-time guard will lock it", slog.String("type", task.Type()), slog.Any("error", err))
 		return info, nil
 	case st == statusHeld:
@@ -238,7 +238,7 @@ func (c *Client) relocate(ctx context.Context, task *asynq.Task, old *lockRef, i
 			d.log.Warn("dedup: duplicate landed in another queue and could not be removed; the execution-time guard will hold it back", slog.String("type", task.Type()), slog.String("task_id", info.ID), slog.Any("error", derr))
 			return info, nil
 		}
-		d.stats.duplicates.Add(1)
+		d.count(task.Type(), evDuplicate)
 		return nil, &DuplicateTaskError{TaskID: holder, Queue: info.Queue, Type: task.Type(), Key: nr.key}
 	}
 	return info, nil

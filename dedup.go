@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/hibiken/asynq"
@@ -22,7 +21,7 @@ type Dedup struct {
 	log   *slog.Logger
 	insp  *asynq.Inspector
 	hb    *heartbeater
-	stats counters
+	stats metrics
 
 	// queues remembers, per task type, the queue its tasks landed in when the
 	// call named none (a queue set in asynq.NewTask is invisible before the
@@ -212,34 +211,4 @@ func (d *Dedup) unlock(ctx context.Context, r *lockRef) (bool, error) {
 		return false, err
 	}
 	return parseFlag(v)
-}
-
-// Stats is a snapshot of this process's counters since New.
-type Stats struct {
-	Locked      uint64 // enqueues that took a lock
-	Duplicates  uint64 // enqueues rejected with DuplicateTaskError
-	Rollbacks   uint64 // locks given back after asynq refused an enqueue
-	Started     uint64 // attempts that ran holding their lock
-	Busy        uint64 // attempts deferred or skipped by the execution-time guard
-	Released    uint64 // locks released (success, revoke, final failure)
-	Held        uint64 // locks kept across a retry
-	LockLost    uint64 // running attempts that found their lock gone
-	RedisErrors uint64 // failed lock calls
-	FailOpen    uint64 // calls that went on without a lock (FailOpen)
-	Unguarded   uint64 // attempts run unlocked: key could not be computed at execution
-}
-
-type counters struct {
-	locked, duplicates, rollbacks, started, busy, released, held, lockLost, redisErrors, failOpen, unguarded atomic.Uint64
-}
-
-// Stats returns the counters of this process.
-func (d *Dedup) Stats() Stats {
-	c := &d.stats
-	return Stats{
-		Locked: c.locked.Load(), Duplicates: c.duplicates.Load(), Rollbacks: c.rollbacks.Load(),
-		Started: c.started.Load(), Busy: c.busy.Load(), Released: c.released.Load(), Held: c.held.Load(),
-		LockLost: c.lockLost.Load(), RedisErrors: c.redisErrors.Load(), FailOpen: c.failOpen.Load(),
-		Unguarded: c.unguarded.Load(),
-	}
 }

@@ -133,7 +133,7 @@ func (h *heartbeater) beat() {
 		v, err := c.Result()
 		if err != nil {
 			// Renewal errors never fail a task; the lease may still be renewed in time.
-			d.stats.redisErrors.Add(1)
+			d.count(ls[i].ref.typ, evRedisError)
 			d.log.Warn("dedup: heartbeat failed", slog.String("task_id", ls[i].ref.id), slog.Any("error", err))
 			continue
 		}
@@ -153,7 +153,7 @@ func (h *heartbeater) lost(l *lease) {
 		return
 	}
 	d := h.d
-	d.stats.lockLost.Add(1)
+	d.count(l.ref.typ, evLockLost)
 	d.log.Warn("dedup: lock lost while the handler runs", slog.String("type", l.ref.typ), slog.String("task_id", l.ref.id), slog.Bool("cancelled", d.cfg.CancelOnLockLoss))
 	if d.cfg.CancelOnLockLoss {
 		l.cancel(ErrLockLost)

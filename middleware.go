@@ -68,14 +68,14 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return unavailable("start", err)
 	}
 	if st != statusTaken {
-		d.stats.busy.Add(1)
+		d.count(t.Type(), evBusy)
 		if d.cfg.SkipBusy {
 			d.log.Info("dedup: skipped task, key held by another task", slog.String("type", t.Type()), slog.String("task_id", id), slog.String("holder", holder))
 			return nil
 		}
 		return &BusyError{TaskID: id, Holder: holder, Key: ref.key}
 	}
-	d.stats.started.Add(1)
+	d.count(t.Type(), evStarted)
 
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -112,17 +112,17 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, ref *lockRef, token s
 	ok, ferr := d.finish(context.WithoutCancel(ctx), ref, token, release, hold)
 	switch {
 	case ferr != nil:
-		d.stats.redisErrors.Add(1)
+		d.count(t.Type(), evRedisError)
 		d.log.Warn("dedup: could not settle lock; it expires within one lease", slog.String("type", t.Type()), slog.String("task_id", ref.id), slog.Any("error", ferr))
 	case !ok:
 		if live { // else the heartbeat already reported it
-			d.stats.lockLost.Add(1)
+			d.count(t.Type(), evLockLost)
 		}
 		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", t.Type()), slog.String("task_id", ref.id))
 	case release:
-		d.stats.released.Add(1)
+		d.count(t.Type(), evReleased)
 	default:
-		d.stats.held.Add(1)
+		d.count(t.Type(), evHeld)
 	}
 }
 
@@ -152,7 +152,7 @@ func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (*
 	}
 	fp, ferr := fingerprint(typ, t.Payload(), &r)
 	if ferr != nil {
-		d.stats.unguarded.Add(1)
+		d.count(t.Type(), evUnguarded)
 		d.log.Warn("dedup: cannot key task at execution; running it unguarded", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", ferr))
 		return nil, nil
 	}
