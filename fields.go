@@ -131,7 +131,7 @@ func (s *scanner) value(depth int, active uint64) error {
 	case c == 'n':
 		return s.lit("null")
 	default:
-		return s.fail(fmt.Sprintf("unexpected character %q", c))
+		return s.fail("unexpected character") // never quote payload bytes
 	}
 }
 
@@ -483,57 +483,54 @@ func (s *scanner) canon(dst []byte) ([]byte, error) {
 			}
 		}
 	case c == '{':
-		return s.canonObject(dst)
+		// Members are encoded one after another into scratch and sorted as
+		// offsets. canon stays self-recursive and stores no slice of its
+		// results: either would make dst escape, moving fingerprint's stack
+		// buffer to the heap.
+		type member struct{ key, val, end int } // scratch[key:val] name, [val:end] value
+		var members []member
+		var scratch []byte
+		s.pos++
+		for {
+			s.ws()
+			switch s.b[s.pos] {
+			case '}':
+				s.pos++
+				// Stable sort keeps source order among equal names; keep the last.
+				slices.SortStableFunc(members, func(a, b member) int {
+					return bytes.Compare(scratch[a.key:a.val], scratch[b.key:b.val])
+				})
+				dst = append(dst, tagObject)
+				for i, m := range members {
+					if i+1 < len(members) {
+						if n := members[i+1]; bytes.Equal(scratch[n.key:n.val], scratch[m.key:m.val]) {
+							continue
+						}
+					}
+					dst = append(dst, scratch[m.key:m.end]...)
+				}
+				return append(dst, tagEnd), nil
+			case ',':
+				s.pos++
+				continue
+			}
+			raw, esc, err := s.str()
+			if err != nil {
+				return nil, err
+			}
+			m := member{key: len(scratch)}
+			scratch = appendCanonString(scratch, raw, esc)
+			m.val = len(scratch)
+			s.ws()
+			s.pos++ // ':'
+			if scratch, err = s.canon(scratch); err != nil {
+				return nil, err
+			}
+			m.end = len(scratch)
+			members = append(members, m)
+		}
 	}
 	return nil, s.fail("unexpected character")
-}
-
-func (s *scanner) canonObject(dst []byte) ([]byte, error) {
-	// Members are encoded one after another into scratch and sorted as
-	// offsets: storing slices of canon's results would make every caller's
-	// dst escape, moving fingerprint's stack buffer to the heap.
-	type member struct{ key, val, end int } // scratch[key:val] name, [val:end] value
-	var members []member
-	var scratch []byte
-	s.pos++
-	for {
-		s.ws()
-		switch s.b[s.pos] {
-		case '}':
-			s.pos++
-			// Stable sort keeps source order among equal names; keep the last.
-			slices.SortStableFunc(members, func(a, b member) int {
-				return bytes.Compare(scratch[a.key:a.val], scratch[b.key:b.val])
-			})
-			dst = append(dst, tagObject)
-			for i, m := range members {
-				if i+1 < len(members) {
-					if n := members[i+1]; bytes.Equal(scratch[n.key:n.val], scratch[m.key:m.val]) {
-						continue
-					}
-				}
-				dst = append(dst, scratch[m.key:m.end]...)
-			}
-			return append(dst, tagEnd), nil
-		case ',':
-			s.pos++
-			continue
-		}
-		raw, esc, err := s.str()
-		if err != nil {
-			return nil, err
-		}
-		m := member{key: len(scratch)}
-		scratch = appendCanonString(scratch, raw, esc)
-		m.val = len(scratch)
-		s.ws()
-		s.pos++ // ':'
-		if scratch, err = s.canon(scratch); err != nil {
-			return nil, err
-		}
-		m.end = len(scratch)
-		members = append(members, m)
-	}
 }
 
 func appendCanonString(dst, raw []byte, esc bool) []byte {
