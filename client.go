@@ -48,7 +48,10 @@ func (c *Client) Enqueue(task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInf
 //
 // On a duplicate it returns a *DuplicateTaskError naming the task that holds
 // the key (matching ErrDuplicateTask and asynq.ErrDuplicateTask), and
-// enqueues nothing. A payload the rule cannot fingerprint gives a
+// enqueues nothing — unless the type's or call's policy folds the payload
+// into the holder (Replace, Merge) or into a follow-up of a running holder
+// (RunningDefer): then it returns that task's TaskInfo (see Result.Info);
+// use Submit to tell the cases apart. A payload the rule cannot fingerprint gives a
 // *PayloadError; a bad option ErrInvalidOption; in both cases nothing is
 // locked or enqueued. If asynq refuses the task, the lock is given back
 // (owner-checked) — unless the task turns out to be stored after all, as when
@@ -63,8 +66,20 @@ func (c *Client) Enqueue(task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInf
 // asynq.TaskID given to EnqueueContext is honoured; one given to
 // asynq.NewTask is replaced by the wrapper's own ID.
 func (c *Client) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
+	res, err := c.Submit(ctx, task, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return res.Info, nil
+}
+
+// Submit is EnqueueContext that also says what happened: whether the call
+// created a task, was folded into a waiting one (Replace, Merge) or into the
+// follow-up of a running one (Defer), and which task carries its payload.
+// A rejected call returns a *DuplicateTaskError, as EnqueueContext does.
+func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Option) (Result, error) {
 	if task == nil {
-		return nil, fmt.Errorf("%w: nil task", ErrInvalidOption)
+		return Result{}, fmt.Errorf("%w: nil task", ErrInvalidOption)
 	}
 	d := c.d
 	typ := task.Type()
@@ -83,7 +98,7 @@ func (c *Client) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...a
 		}
 		if ov, ok := o.(option); ok {
 			if err := ov.apply(&r); err != nil {
-				return nil, err
+				return Result{}, err
 			}
 			continue
 		}
@@ -114,14 +129,14 @@ func (c *Client) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...a
 			// Mark the task so the execution-time guard leaves it alone.
 			pass = append(pass, asynq.TaskID(newOptOutID()))
 		}
-		return c.next.EnqueueContext(ctx, task, pass...)
+		return created(c.next.EnqueueContext(ctx, task, pass...))
 	}
 	if conflicting != "" {
-		return nil, fmt.Errorf("%w: %s cannot be combined with deduplication (use dedup.Skip() to enqueue this call without it)", ErrInvalidOption, conflicting)
+		return Result{}, fmt.Errorf("%w: %s cannot be combined with deduplication (use dedup.Skip() to enqueue this call without it)", ErrInvalidOption, conflicting)
 	}
 	if explicitQueue {
 		if strings.TrimSpace(queue) == "" {
-			return nil, fmt.Errorf("%w: blank queue name", ErrInvalidOption)
+			return Result{}, fmt.Errorf("%w: blank queue name", ErrInvalidOption)
 		}
 	} else if q, ok := d.queues.Load(typ); ok {
 		queue = q.(string)
@@ -129,11 +144,11 @@ func (c *Client) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...a
 		queue = "default"
 	}
 	if callerID != "" && strings.TrimSpace(callerID) == "" {
-		return nil, fmt.Errorf("%w: blank task ID", ErrInvalidOption)
+		return Result{}, fmt.Errorf("%w: blank task ID", ErrInvalidOption)
 	}
 	fp, err := fingerprint(typ, task.Payload(), &r)
 	if err != nil {
-		return nil, err
+		return Result{}, err
 	}
 	id := callerID
 	if id == "" {
@@ -142,44 +157,166 @@ func (c *Client) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...a
 	}
 	ref := d.newRef(queue, fp, id, typ, callerID != "")
 
+	args := acquireArgs{ttl: waitTTL(d.ttlOf(&r), processAt), conflict: r.conflict, running: r.running, max: r.maxPending}
+	if r.conflict == Replace || r.running == RunningDefer {
+		args.payload = task.Payload()
+	}
+	if r.running == RunningDefer {
+		args.followID = newLockedID(fp)
+	}
 	locked := true
-	st, holder, err := d.acquire(ctx, ref, waitTTL(d.ttlOf(&r), processAt))
-	switch {
-	case err != nil:
-		if !d.onRedisError(ctx, "acquire", typ, err) {
-			return nil, unavailable("acquire", err)
+	var backoff, reserved int
+	for merges := 0; ; {
+		rep, err := d.acquire(ctx, ref, args)
+		if err != nil {
+			if !d.onRedisError(ctx, "acquire", typ, err) {
+				return Result{}, unavailable("acquire", err)
+			}
+			locked = false // fail-open: the execution-time guard still locks it
+			break
 		}
-		locked = false // fail-open: the execution-time guard still locks it
-	case st == statusHeld:
-		d.count(task.Type(), evDuplicate)
-		return nil, &DuplicateTaskError{TaskID: holder, Queue: queue, Type: typ, Key: ref.key}
+		switch rep.status {
+		case statusTaken, statusSelf:
+		case statusHeld:
+			d.count(typ, evDuplicate)
+			return Result{}, &DuplicateTaskError{TaskID: rep.str(0), Queue: queue, Type: typ, Key: ref.key}
+		case statusReplaced:
+			d.count(typ, evCoalesced)
+			d.noteCoalesced(typ, ref.fpHex, r.key)
+			return folded(Replaced, rep.str(0), queue, task, task.Payload(), rep.str(1)), nil
+		case statusDeferred:
+			d.count(typ, evDeferred)
+			d.noteCoalesced(typ, ref.fpHex, r.key)
+			return folded(Deferred, rep.str(0), queue, task, task.Payload(), "scheduled"), nil
+		case statusMerge:
+			target, old, ver := rep.str(0), rep.str(1), rep.str(2)
+			merged, err := r.merge([]byte(old), task.Payload())
+			if err != nil {
+				return Result{}, fmt.Errorf("dedup: merge %q into task %s: %w", typ, target, err)
+			}
+			if mfp, err := fingerprint(typ, merged, &r); err != nil || mfp != fp {
+				return Result{}, fmt.Errorf("%w: merge function changed the key of %q (or broke its payload)", ErrInvalidPayload, typ)
+			}
+			ok, state, err := d.coalesce(ctx, ref, target, ver, merged)
+			if err != nil {
+				if errors.Is(err, ErrIncompatible) {
+					return Result{}, err
+				}
+				d.count(typ, evRedisError)
+				return Result{}, unavailable("coalesce", err)
+			}
+			if ok {
+				d.count(typ, evMerged)
+				d.noteCoalesced(typ, ref.fpHex, r.key)
+				return folded(Merged, target, queue, task, merged, state), nil
+			}
+			if merges++; merges >= maxMergeAttempts {
+				return Result{}, fmt.Errorf("%w: %q into task %s after %d attempts", ErrContention, typ, target, merges)
+			}
+			continue // lost the race: read the new state and merge again
+		case statusReserved:
+			// The holder's producer took the lock but asynq has not stored
+			// the task yet (one round trip away): fold into it once it has.
+			if reserved++; reserved > maxReservedWaits {
+				d.count(typ, evDuplicate)
+				return Result{}, &DuplicateTaskError{TaskID: rep.str(0), Queue: queue, Type: typ, Key: ref.key}
+			}
+			t := time.NewTimer(reservedBackoff.Delay(reserved))
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return Result{}, fmt.Errorf("dedup: waiting for task %s to be stored: %w", rep.str(0), ctx.Err())
+			case <-t.C:
+			}
+			continue
+		case statusOver:
+			if !r.waitForRoom {
+				d.count(typ, evOverBound)
+				return Result{}, fmt.Errorf("%w: %s keys of %q already waiting in queue %q", ErrTooManyPending, rep.str(0), typ, queue)
+			}
+			t := time.NewTimer(roomBackoff.Delay(backoff))
+			backoff++
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				d.count(typ, evOverBound)
+				return Result{}, fmt.Errorf("%w: waited for room: %w", ErrTooManyPending, ctx.Err())
+			case <-t.C:
+			}
+			continue
+		case statusBroken:
+			return Result{}, fmt.Errorf("%w: %s", ErrIncompatible, rep.str(0))
+		default:
+			return Result{}, fmt.Errorf("dedup: unexpected acquire status %d", rep.status)
+		}
+		break
 	}
 
 	info, err := c.next.EnqueueContext(ctx, task, pass...)
 	if err != nil {
 		if !locked {
-			return nil, err
+			return Result{}, err
 		}
-		return c.rollback(ctx, task, ref, err)
+		return created(c.rollback(ctx, task, ref, err))
 	}
 	if !explicitQueue {
 		d.queues.Store(typ, info.Queue)
 	}
 	if !locked {
-		return info, nil
+		return created(info, nil)
 	}
-	d.count(task.Type(), evLocked)
+	d.count(typ, evLocked)
 	if info.Queue != queue {
-		return c.relocate(ctx, task, ref, info, waitTTL(d.ttlOf(&r), info.NextProcessAt))
+		return created(c.relocate(ctx, task, ref, info, acquireArgs{ttl: waitTTL(d.ttlOf(&r), info.NextProcessAt), running: r.running}))
 	}
 	if processAt.IsZero() && info.State == asynq.TaskStateScheduled {
 		// Scheduled through asynq.NewTask options: cover the delay too.
 		if _, err := d.extend(context.WithoutCancel(ctx), ref, "", waitTTL(d.ttlOf(&r), info.NextProcessAt)); err != nil {
-			d.count(task.Type(), evRedisError)
+			d.count(typ, evRedisError)
 			d.log.Warn("dedup: could not lengthen a scheduled task's lock", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", err))
 		}
 	}
-	return info, nil
+	return created(info, nil)
+}
+
+// maxMergeAttempts bounds the compare-and-set retries of one Merge.
+const maxMergeAttempts = 32
+
+// A holder whose producer has not stored it yet is waited for, briefly.
+const maxReservedWaits = 20
+
+var reservedBackoff = Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
+
+// roomBackoff spaces the polls of WaitForRoom.
+var roomBackoff = Backoff{Min: 10 * time.Millisecond, Max: time.Second}
+
+func created(info *asynq.TaskInfo, err error) (Result, error) {
+	if err != nil {
+		return Result{}, err
+	}
+	return Result{Outcome: Created, TaskID: info.ID, Info: info}, nil
+}
+
+// folded describes the task a call was folded into, from what the lock
+// script saw.
+func folded(o Outcome, id, queue string, task *asynq.Task, payload []byte, state string) Result {
+	return Result{Outcome: o, TaskID: id, Info: &asynq.TaskInfo{
+		ID: id, Queue: queue, Type: task.Type(), Payload: payload, State: parseState(state),
+	}}
+}
+
+func parseState(s string) asynq.TaskState {
+	switch s {
+	case "pending":
+		return asynq.TaskStatePending
+	case "scheduled":
+		return asynq.TaskStateScheduled
+	case "retry":
+		return asynq.TaskStateRetry
+	case "active":
+		return asynq.TaskStateActive
+	}
+	return 0
 }
 
 // rollback handles a refused enqueue after the lock was taken. If the task
@@ -213,7 +350,7 @@ func (c *Client) rollback(ctx context.Context, task *asynq.Task, ref *lockRef, e
 }
 
 // relocate moves the lock to the queue the task actually landed in.
-func (c *Client) relocate(ctx context.Context, task *asynq.Task, old *lockRef, info *asynq.TaskInfo, ttl time.Duration) (*asynq.TaskInfo, error) {
+func (c *Client) relocate(ctx context.Context, task *asynq.Task, old *lockRef, info *asynq.TaskInfo, args acquireArgs) (*asynq.TaskInfo, error) {
 	d := c.d
 	ctx = context.WithoutCancel(ctx)
 	fp := *old
@@ -223,7 +360,8 @@ func (c *Client) relocate(ctx context.Context, task *asynq.Task, old *lockRef, i
 	if old.idx != "" {
 		nr.idx = indexKey(d.cfg.Prefix, info.Queue, old.id)
 	}
-	st, holder, err := d.acquire(ctx, nr, ttl)
+	rep, err := d.acquire(ctx, nr, args)
+	st, holder := rep.status, rep.str(0)
 	if _, uerr := d.unlock(ctx, old); uerr != nil {
 		d.count(task.Type(), evRedisError)
 	}

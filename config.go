@@ -122,6 +122,24 @@ type Rule struct {
 
 	// Skip turns deduplication off for this type.
 	Skip bool
+
+	// OnConflict: what an enqueue does when the key's task is waiting.
+	// Default Reject.
+	OnConflict Conflict
+
+	// MergeFunc is required with OnConflict: Merge.
+	MergeFunc MergeFunc
+
+	// OnRunning: what an enqueue does when the key's task is running.
+	// Default RunningReject. Recorded in the lock, so the server needs no
+	// matching configuration.
+	OnRunning Running
+
+	// MaxPending bounds how many keys of this type may wait in one queue at
+	// once; an enqueue of a new key beyond it fails with ErrTooManyPending
+	// (or waits, with WaitForRoom). Enqueues folded into waiting keys always
+	// pass. Default 0: no bound.
+	MaxPending int
 }
 
 func (c *Config) withDefaults() (Config, error) {
@@ -179,6 +197,11 @@ type resolved struct {
 	shared        bool
 	ttl           time.Duration
 	optedIn       bool // a rule or a call option asked for dedup (Config.OptIn)
+	conflict      Conflict
+	merge         MergeFunc
+	running       Running
+	maxPending    int
+	waitForRoom   bool
 }
 
 func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
@@ -191,9 +214,19 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 		if r.TTL < 0 {
 			return nil, fmt.Errorf("%w: rule for %q: negative TTL", ErrInvalidOption, typ)
 		}
+		if r.MaxPending < 0 {
+			return nil, fmt.Errorf("%w: rule for %q: negative MaxPending", ErrInvalidOption, typ)
+		}
+		if r.OnConflict < Reject || r.OnConflict > Merge || r.OnRunning < RunningReject || r.OnRunning > RunningDefer {
+			return nil, fmt.Errorf("%w: rule for %q: unknown policy", ErrInvalidOption, typ)
+		}
+		if (r.OnConflict == Merge) != (r.MergeFunc != nil) {
+			return nil, fmt.Errorf("%w: rule for %q: OnConflict Merge and MergeFunc go together", ErrInvalidOption, typ)
+		}
 		out[typ] = &resolved{
 			skip: r.Skip, fields: fs, missingAsNull: r.MissingAsNull,
 			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: r.TTL, optedIn: true,
+			conflict: r.OnConflict, merge: r.MergeFunc, running: r.OnRunning, maxPending: r.MaxPending,
 		}
 	}
 	return out, nil

@@ -84,8 +84,10 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 
 // Close stops the heartbeat. Call it after asynq.Server.Shutdown: handlers
 // still running afterwards keep their locks only until their lease runs out.
-// It does not close the Redis client. Close is idempotent; Middleware after
-// Close logs an error and renews nothing.
+// It also stops the hot-key reporter (logging its last window) and the stats
+// flusher (flushing one last time). It does not close the Redis client.
+// Close is idempotent; Middleware after Close logs an error and renews
+// nothing.
 func (d *Dedup) Close() error {
 	d.hb.stop()
 	return nil
@@ -155,22 +157,63 @@ func (d *Dedup) lockCtx(ctx context.Context) (context.Context, context.CancelFun
 	return context.WithTimeout(ctx, d.cfg.LockTimeout)
 }
 
-func (d *Dedup) acquire(ctx context.Context, r *lockRef, ttl time.Duration) (int64, string, error) {
+// acquireArgs are the per-call inputs of the acquire script.
+type acquireArgs struct {
+	ttl      time.Duration
+	conflict Conflict
+	running  Running
+	payload  []byte // for Replace and a Defer follow-up
+	followID string // ID a Defer follow-up would get
+	max      int    // MaxPending, 0 for none
+}
+
+func asynqPrefix(queue string) string { return "asynq:{" + queue + "}:" }
+
+func (d *Dedup) dedupPrefix(queue string) string { return d.cfg.Prefix + ":{" + queue + "}:" }
+
+func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, error) {
 	ctx, cancel := d.lockCtx(ctx)
 	defer cancel()
-	v, err := acquireScript.Run(ctx, d.rdb, r.keys(), r.id, ms(ttl), r.typ,
-		asynqTaskKeyPrefix(r.queue), indexKeyPrefix(d.cfg.Prefix, r.queue), d.graceSeconds(), r.fpHex).Result()
-	if err != nil {
-		return 0, "", err
+	policy := "x"
+	switch a.conflict {
+	case Replace:
+		policy = "r"
+	case Merge:
+		policy = "m"
 	}
-	return parsePair(v)
+	v, err := acquireScript.Run(ctx, d.rdb, r.keys(), r.id, ms(a.ttl), r.typ,
+		asynqPrefix(r.queue), d.dedupPrefix(r.queue), d.graceSeconds(), r.fpHex,
+		policy, a.running.code(), a.payload, a.followID, a.max, d.parkSeconds()).Result()
+	if err != nil {
+		return reply{}, err
+	}
+	return parseReply(v)
+}
+
+// coalesce writes a merged payload into target if the lock's version is
+// still ver. It reports whether it wrote, and the target's asynq state.
+func (d *Dedup) coalesce(ctx context.Context, r *lockRef, target, ver string, payload []byte) (bool, string, error) {
+	ctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	v, err := coalesceScript.Run(ctx, d.rdb, []string{r.key}, target, ver, payload, asynqPrefix(r.queue)).Result()
+	if err != nil {
+		return false, "", err
+	}
+	rep, err := parseReply(v)
+	if err != nil {
+		return false, "", err
+	}
+	if rep.status == statusBroken {
+		return false, "", fmt.Errorf("%w: %s", ErrIncompatible, rep.str(0))
+	}
+	return rep.status == 1, rep.str(0), nil
 }
 
 func (d *Dedup) start(ctx context.Context, r *lockRef, token string) (int64, string, error) {
 	ctx, cancel := d.lockCtx(ctx)
 	defer cancel()
 	v, err := startScript.Run(ctx, d.rdb, r.keys(), r.id, token, ms(d.cfg.Lease), r.typ,
-		asynqTaskKeyPrefix(r.queue), indexKeyPrefix(d.cfg.Prefix, r.queue), d.graceSeconds(), r.fpHex).Result()
+		asynqPrefix(r.queue), d.dedupPrefix(r.queue), d.graceSeconds(), r.fpHex).Result()
 	if err != nil {
 		return 0, "", err
 	}
@@ -182,31 +225,36 @@ func (d *Dedup) start(ctx context.Context, r *lockRef, token string) (int64, str
 func (d *Dedup) extend(ctx context.Context, r *lockRef, token string, ttl time.Duration) (bool, error) {
 	ctx, cancel := d.lockCtx(ctx)
 	defer cancel()
-	v, err := extendScript.Run(ctx, d.rdb, r.keys(), r.id, token, ms(ttl)).Result()
+	v, err := extendScript.Run(ctx, d.rdb, r.keys(), r.id, token, ms(ttl), asynqPrefix(r.queue), d.parkSeconds()).Result()
 	if err != nil {
 		return false, err
 	}
 	return parseFlag(v)
 }
 
-func (d *Dedup) finish(ctx context.Context, r *lockRef, token string, release bool, hold time.Duration) (bool, error) {
+// finish releases the lock (to the owed follow-up, if any) or holds it for
+// a retry. It reports whether the attempt still owned the lock, and the
+// follow-up that now holds it, if one was released.
+func (d *Dedup) finish(ctx context.Context, r *lockRef, token string, release bool, hold, followTTL time.Duration) (bool, string, error) {
 	ctx, cancel := d.lockCtx(ctx)
 	defer cancel()
 	mode := "hold"
 	if release {
 		mode = "release"
 	}
-	v, err := finishScript.Run(ctx, d.rdb, r.keys(), r.id, token, mode, ms(hold)).Result()
+	v, err := finishScript.Run(ctx, d.rdb, r.keys(), r.id, token, mode, ms(hold),
+		asynqPrefix(r.queue), ms(followTTL), d.parkSeconds()).Result()
 	if err != nil {
-		return false, err
+		return false, "", err
 	}
-	return parseFlag(v)
+	st, f, err := parsePair(v)
+	return st == 1, f, err
 }
 
 func (d *Dedup) unlock(ctx context.Context, r *lockRef) (bool, error) {
 	ctx, cancel := d.lockCtx(ctx)
 	defer cancel()
-	v, err := unlockScript.Run(ctx, d.rdb, r.keys(), r.id).Result()
+	v, err := unlockScript.Run(ctx, d.rdb, r.keys(), r.id, d.dedupPrefix(r.queue), r.typ, r.fpHex).Result()
 	if err != nil {
 		return false, err
 	}

@@ -37,6 +37,19 @@ var (
 	// it later; pass IsFailure to asynq.Config so that doesn't use up retries.
 	ErrKeyBusy = errors.New("dedup: key busy")
 
+	// ErrTooManyPending reports an enqueue of a new key refused because the
+	// type's MaxPending keys are already waiting in the queue. Nothing was
+	// locked or enqueued.
+	ErrTooManyPending = errors.New("dedup: too many pending keys")
+
+	// ErrIncompatible reports that asynq's stored task record is not laid
+	// out as this package expects (asynq v0.26.0); nothing was changed.
+	ErrIncompatible = errors.New("dedup: asynq task record not understood")
+
+	// ErrContention reports a Merge that kept losing its compare-and-set to
+	// other producers; the stored payload has every other merge, not this one.
+	ErrContention = errors.New("dedup: merge contention")
+
 	// ErrLockLost is the cause of a handler context cancelled because its
 	// lock was taken over or expired (Config.CancelOnLockLoss).
 	ErrLockLost = errors.New("dedup: lock lost")

@@ -107,15 +107,15 @@ func (h *heartbeater) beat() {
 	d := h.d
 	ctx, cancel := context.WithTimeout(context.Background(), d.cfg.LockTimeout)
 	defer cancel()
-	lease := ms(d.cfg.Lease)
+	lease, park := ms(d.cfg.Lease), d.parkSeconds()
 	exec := func(useSha bool) []*redis.Cmd {
 		cmds := make([]*redis.Cmd, len(ls))
 		_, _ = d.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
 			for i, l := range ls {
 				if useSha {
-					cmds[i] = extendScript.EvalSha(ctx, p, l.ref.keys(), l.ref.id, l.token, lease)
+					cmds[i] = extendScript.EvalSha(ctx, p, l.ref.keys(), l.ref.id, l.token, lease, asynqPrefix(l.ref.queue), park)
 				} else {
-					cmds[i] = extendScript.Eval(ctx, p, l.ref.keys(), l.ref.id, l.token, lease)
+					cmds[i] = extendScript.Eval(ctx, p, l.ref.keys(), l.ref.id, l.token, lease, asynqPrefix(l.ref.queue), park)
 				}
 			}
 			return nil

@@ -67,6 +67,9 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		}
 		return unavailable("start", err)
 	}
+	if st == statusAllowed {
+		return next.ProcessTask(ctx, t) // RunningAllow: the key was freed as the task started
+	}
 	if st != statusTaken {
 		d.count(t.Type(), evBusy)
 		if d.cfg.SkipBusy {
@@ -100,16 +103,17 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 func (d *Dedup) settle(ctx context.Context, t *asynq.Task, ref *lockRef, token string, err error, live bool) {
 	release := true
 	var hold time.Duration
+	r := d.ruleFor(t.Type())
 	if err != nil && !errors.Is(err, asynq.RevokeTask) && !errors.Is(err, asynq.SkipRetry) {
 		n, _ := asynq.GetRetryCount(ctx)
 		max, _ := asynq.GetMaxRetry(ctx)
 		if n < max {
 			release = false
-			r := d.ruleFor(t.Type())
 			hold = d.cfg.RetryDelayFunc(n, err, t) + d.ttlOf(&r)
 		}
 	}
-	ok, ferr := d.finish(context.WithoutCancel(ctx), ref, token, release, hold)
+	d.count(t.Type(), evProcessed)
+	ok, follow, ferr := d.finish(context.WithoutCancel(ctx), ref, token, release, hold, d.ttlOf(&r))
 	switch {
 	case ferr != nil:
 		d.count(t.Type(), evRedisError)
@@ -121,6 +125,9 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, ref *lockRef, token s
 		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", t.Type()), slog.String("task_id", ref.id))
 	case release:
 		d.count(t.Type(), evReleased)
+		if follow != "" {
+			d.log.Debug("dedup: follow-up released", slog.String("type", t.Type()), slog.String("task_id", follow))
+		}
 	default:
 		d.count(t.Type(), evHeld)
 	}

@@ -3,6 +3,7 @@ package dedup
 import (
 	_ "embed"
 	"fmt"
+	"strconv"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -12,6 +13,8 @@ import (
 // redis-server, Redis Cluster (all keys of a call share one hash slot) and
 // miniredis.
 var (
+	//go:embed scripts/lib.lua
+	libSrc string
 	//go:embed scripts/acquire.lua
 	acquireSrc string
 	//go:embed scripts/start.lua
@@ -22,35 +25,78 @@ var (
 	finishSrc string
 	//go:embed scripts/unlock.lua
 	unlockSrc string
+	//go:embed scripts/coalesce.lua
+	coalesceSrc string
 
-	acquireScript = redis.NewScript(acquireSrc)
-	startScript   = redis.NewScript(startSrc)
-	extendScript  = redis.NewScript(extendSrc)
-	finishScript  = redis.NewScript(finishSrc)
-	unlockScript  = redis.NewScript(unlockSrc)
+	// Scripts that touch asynq's records or the clock get lib.lua's helpers.
+	acquireScript  = redis.NewScript(libSrc + acquireSrc)
+	startScript    = redis.NewScript(libSrc + startSrc)
+	extendScript   = redis.NewScript(libSrc + extendSrc)
+	finishScript   = redis.NewScript(libSrc + finishSrc)
+	coalesceScript = redis.NewScript(libSrc + coalesceSrc)
+	unlockScript   = redis.NewScript(unlockSrc)
 
-	allScripts = []*redis.Script{acquireScript, startScript, extendScript, finishScript, unlockScript}
+	allScripts = []*redis.Script{acquireScript, startScript, extendScript, finishScript, coalesceScript, unlockScript}
 )
 
-// Script reply statuses of acquire and start.
+// Script reply statuses (see each script's header).
 const (
-	statusHeld  = 0 // held by another task
-	statusTaken = 1 // taken
-	statusSelf  = 2 // already held by the same task ID (acquire only)
+	statusBroken   = -1 // asynq's record is not what the scripts expect
+	statusHeld     = 0  // held by another task
+	statusTaken    = 1  // taken
+	statusSelf     = 2  // already held by the same task ID (acquire only)
+	statusReplaced = 3  // payload of the waiting holder replaced
+	statusMerge    = 4  // merge needed: payload and version returned
+	statusDeferred = 5  // follow-up created for the running holder
+	statusReserved = 6  // holder not stored in asynq yet (acquire only)
+	statusOver     = 8  // too many keys waiting
+	statusAllowed  = 9  // running policy "allow": run without the lock (start only)
 )
+
+// reply is a checked {status, string...} script reply.
+type reply struct {
+	status int64
+	strs   []string
+}
+
+func (r reply) str(i int) string {
+	if i < len(r.strs) {
+		return r.strs[i]
+	}
+	return ""
+}
+
+// parseReply checks a {status, string, ...} script reply.
+func parseReply(v any) (reply, error) {
+	arr, ok := v.([]any)
+	if !ok || len(arr) < 1 {
+		return reply{}, fmt.Errorf("dedup: unexpected script reply %T", v)
+	}
+	st, ok := arr[0].(int64)
+	if !ok {
+		return reply{}, fmt.Errorf("dedup: unexpected script status %T", arr[0])
+	}
+	r := reply{status: st, strs: make([]string, 0, len(arr)-1)}
+	for _, e := range arr[1:] {
+		switch x := e.(type) {
+		case string:
+			r.strs = append(r.strs, x)
+		case int64:
+			r.strs = append(r.strs, strconv.FormatInt(x, 10))
+		default:
+			return reply{}, fmt.Errorf("dedup: unexpected script reply element %T", e)
+		}
+	}
+	return r, nil
+}
 
 // parsePair checks a {status, task ID} script reply.
 func parsePair(v any) (int64, string, error) {
-	arr, ok := v.([]any)
-	if !ok || len(arr) != 2 {
-		return 0, "", fmt.Errorf("dedup: unexpected script reply %T", v)
+	r, err := parseReply(v)
+	if err != nil {
+		return 0, "", err
 	}
-	st, ok1 := arr[0].(int64)
-	id, ok2 := arr[1].(string)
-	if !ok1 || !ok2 {
-		return 0, "", fmt.Errorf("dedup: unexpected script reply types %T, %T", arr[0], arr[1])
-	}
-	return st, id, nil
+	return r.status, r.str(0), nil
 }
 
 // parseFlag checks a 0/1 script reply.

@@ -1,39 +1,138 @@
--- acquire: take the lock for a task about to be enqueued, or name its holder.
+-- acquire: at enqueue, take the key's lock for a new task, fold the new
+-- payload into the task that holds the key, or name the holder.
 --
 -- KEYS[1]  lock key            <prefix>:{<queue>}:l:<fingerprint>
 -- KEYS[2]  (optional) index    <prefix>:{<queue>}:i:<task ID>, only for a caller-chosen task ID
--- ARGV[1]  task ID that will own the lock
--- ARGV[2]  lifetime, integer milliseconds
--- ARGV[3]  task type (kept for operators)
--- ARGV[4]  asynq task-key prefix   asynq:{<queue>}:t:
--- ARGV[5]  index-key prefix        <prefix>:{<queue>}:i:
+-- ARGV[1]  ID of the new task, if one is created
+-- ARGV[2]  lock lifetime while waiting, integer milliseconds
+-- ARGV[3]  task type
+-- ARGV[4]  asynq key prefix    asynq:{<queue>}:
+-- ARGV[5]  dedup key prefix    <prefix>:{<queue>}:
 -- ARGV[6]  heal grace, integer seconds
--- ARGV[7]  fingerprint hex (the index key's value)
+-- ARGV[7]  fingerprint hex
+-- ARGV[8]  policy for a waiting holder: 'x' reject, 'r' replace, 'm' merge
+-- ARGV[9]  policy for a running holder: 'x' reject, 'a' allow, 'd' defer
+-- ARGV[10] the new payload (replace, and the follow-up of defer)
+-- ARGV[11] ID for a follow-up task (defer)
+-- ARGV[12] most keys of this type waiting in this queue, 0 for no bound
+-- ARGV[13] how long a follow-up stays parked without a heartbeat, integer seconds
 --
--- Reply: {1, ARGV[1]}  taken
---        {0, holder}   held by another live task
---        {2, ARGV[1]}  already held by this task ID; left unchanged
+-- Reply: {1, id}                    lock taken for the new task ARGV[1]
+--        {0, holder}                held; rejected
+--        {2, id}                    already held by task ARGV[1]; untouched
+--        {3, target, state}         payload of waiting task target replaced
+--        {4, target, payload, ver}  merge: the caller merges and calls coalesce
+--        {5, followup}              follow-up task created for the running holder
+--        {6, holder}                held by a task not stored in asynq yet: try again shortly
+--        {8, waiting}               refused: ARGV[12] keys already waiting
+--        {-1, reason}               asynq's task record is not what this expects
 --
--- A lock whose owner task is gone from asynq (or completed or archived) is
--- orphaned and taken over, once it is older than the grace period that
--- covers the gap between taking a lock and asynq storing the task.
-local now = tonumber(redis.call('TIME')[1])
-local rec = redis.call('HMGET', KEYS[1], 'id', 'c')
+-- The follow-up of a running task is a copy of its asynq record with the new
+-- payload and a fresh ID, parked in asynq's scheduled set; the heartbeat
+-- keeps it parked and the end of the run releases it (finish). If the worker
+-- dies it comes due by itself: the owed work is never lost.
+local now, now_ms = now_parts()
+local tprefix = ARGV[4] .. 't:'
+local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'tok', 'f', 'rp', 'v')
 local holder = rec[1]
+
+local function coalesce(target, state)
+  if ARGV[8] == 'x' then
+    return {0, target}
+  end
+  local msg = redis.call('HGET', tprefix .. target, 'msg')
+  if not msg then
+    return {0, target}
+  end
+  if ARGV[8] == 'm' then
+    local p = pb_bytes(msg, 2)
+    if not p then return {-1, 'malformed task message'} end
+    return {4, target, p, rec[6] or '0'}
+  end
+  local new = pb_rewrite(msg, {[2] = ARGV[10]})
+  if not new then return {-1, 'malformed task message'} end
+  redis.call('HSET', tprefix .. target, 'msg', new)
+  redis.call('HINCRBY', KEYS[1], 'v', 1)
+  redis.call('HINCRBY', KEYS[1], 'n', 1)
+  return {3, target, state}
+end
+
 if holder then
   if holder == ARGV[1] then
     return {2, holder}
   end
-  if now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
-    return {0, holder}
+  local state = redis.call('HGET', tprefix .. holder, 'state')
+  local live = state and state ~= 'completed' and state ~= 'archived'
+  if not live then
+    if now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
+      -- Too young to tell: its producer may not have stored it in asynq yet.
+      if not state and (ARGV[8] ~= 'x' or ARGV[9] == 'd') then
+        return {6, holder}
+      end
+      return {0, holder}
+    end
+    local f = rec[4]
+    local fstate = f and redis.call('HGET', tprefix .. f, 'state')
+    if fstate == 'scheduled' then
+      -- The holder is gone but owed a follow-up: release it now.
+      redis.call('ZREM', ARGV[4] .. 'scheduled', f)
+      redis.call('LPUSH', ARGV[4] .. 'pending', f)
+      redis.call('HSET', tprefix .. f, 'state', 'pending')
+      redis.call('DEL', ARGV[5] .. 'i:' .. holder)
+      redis.call('HDEL', KEYS[1], 'tok', 'f', 'b')
+      redis.call('HSET', KEYS[1], 'id', f, 'c', now)
+      redis.call('PEXPIRE', KEYS[1], ARGV[2])
+      rec[4] = false
+      return coalesce(f, 'pending')
+    end
+    redis.call('DEL', KEYS[1], ARGV[5] .. 'i:' .. holder)
+    redis.call('ZREM', ARGV[5] .. 'w:' .. ARGV[3], ARGV[7])
+    rec = {false, false, false, false, false, false}
+    holder = false
+  else
+    local f = rec[4]
+    if f then
+      local fstate = redis.call('HGET', tprefix .. f, 'state')
+      if waiting(fstate) then
+        return coalesce(f, fstate)
+      end
+    end
+    if rec[3] or not waiting(state) then
+      -- running
+      if rec[5] ~= 'd' or f then
+        return {0, holder}
+      end
+      local msg = redis.call('HGET', tprefix .. holder, 'msg')
+      local copy = msg and pb_rewrite(msg, {[2] = ARGV[10], [3] = ARGV[11], [6] = false, [7] = false, [11] = false, [13] = false})
+      if not copy then return {-1, 'malformed task message'} end
+      redis.call('HSET', tprefix .. ARGV[11], 'msg', copy, 'state', 'scheduled')
+      redis.call('ZADD', ARGV[4] .. 'scheduled', now + tonumber(ARGV[13]), ARGV[11])
+      redis.call('HSET', KEYS[1], 'f', ARGV[11])
+      redis.call('HINCRBY', KEYS[1], 'n', 1)
+      return {5, ARGV[11]}
+    end
+    return coalesce(holder, state)
   end
-  local state = redis.call('HGET', ARGV[4] .. holder, 'state')
-  if state and state ~= 'completed' and state ~= 'archived' then
-    return {0, holder}
-  end
-  redis.call('DEL', KEYS[1], ARGV[5] .. holder)
 end
-redis.call('HSET', KEYS[1], 'id', ARGV[1], 'ty', ARGV[3], 'c', now)
+
+local max = tonumber(ARGV[12])
+local fields = {'id', ARGV[1], 'ty', ARGV[3], 'c', now}
+if max > 0 then
+  local wkey = ARGV[5] .. 'w:' .. ARGV[3]
+  redis.call('ZREMRANGEBYSCORE', wkey, '-inf', now_ms)
+  local n = redis.call('ZCARD', wkey)
+  if n >= max then
+    return {8, n}
+  end
+  redis.call('ZADD', wkey, now_ms + tonumber(ARGV[2]), ARGV[7])
+  fields[#fields + 1] = 'b'
+  fields[#fields + 1] = '1'
+end
+if ARGV[9] ~= 'x' then
+  fields[#fields + 1] = 'rp'
+  fields[#fields + 1] = ARGV[9]
+end
+redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if KEYS[2] then
   redis.call('SET', KEYS[2], ARGV[7], 'PX', ARGV[2])

@@ -6,22 +6,47 @@
 -- ARGV[2]  attempt token
 -- ARGV[3]  'release' (success, revoked, final failure) or 'hold' (a retry follows)
 -- ARGV[4]  for 'hold': lifetime, integer milliseconds
+-- ARGV[5]  asynq key prefix    asynq:{<queue>}:
+-- ARGV[6]  lock lifetime for a released follow-up, integer milliseconds
+-- ARGV[7]  how long a follow-up stays parked without a heartbeat, integer seconds
 --
--- Reply: 1 done; 0 not ours any more (another task or a newer attempt), untouched
-local rec = redis.call('HMGET', KEYS[1], 'id', 'tok')
+-- Reply: {1, ''}        released (or held)
+--        {1, followup}  released to the owed follow-up task, now pending and the lock's owner
+--        {0, ''}        not ours any more (another task or a newer attempt): untouched
+local rec = redis.call('HMGET', KEYS[1], 'id', 'tok', 'f')
 if rec[1] ~= ARGV[1] or rec[2] ~= ARGV[2] then
-  return 0
+  return {0, ''}
 end
+local f = rec[3]
 if ARGV[3] == 'release' then
-  redis.call('DEL', KEYS[1])
   if KEYS[2] then
     redis.call('DEL', KEYS[2])
   end
-  return 1
+  if f then
+    local tkey = ARGV[5] .. 't:' .. f
+    if redis.call('HGET', tkey, 'state') == 'scheduled' then
+      local now, _, ns = now_parts()
+      redis.call('ZREM', ARGV[5] .. 'scheduled', f)
+      redis.call('LPUSH', ARGV[5] .. 'pending', f)
+      redis.call('HSET', tkey, 'state', 'pending', 'pending_since', ns)
+      redis.call('HDEL', KEYS[1], 'tok', 'f')
+      redis.call('HSET', KEYS[1], 'id', f, 'c', now)
+      redis.call('PEXPIRE', KEYS[1], ARGV[6])
+      return {1, f}
+    end
+  end
+  redis.call('DEL', KEYS[1])
+  return {1, ''}
 end
 redis.call('HDEL', KEYS[1], 'tok')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 if KEYS[2] then
   redis.call('PEXPIRE', KEYS[2], ARGV[4])
 end
-return 1
+if f then
+  -- Parked until the retry has run: the follow-up must come after it.
+  local now = now_parts()
+  local hold_s = (ARGV[4] - ARGV[4] % 1000) / 1000
+  redis.call('ZADD', ARGV[5] .. 'scheduled', 'XX', now + hold_s + tonumber(ARGV[7]), f)
+end
+return {1, ''}

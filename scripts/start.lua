@@ -6,30 +6,47 @@
 -- ARGV[2]  attempt token (random per attempt)
 -- ARGV[3]  lease, integer milliseconds
 -- ARGV[4]  task type
--- ARGV[5]  asynq task-key prefix   asynq:{<queue>}:t:
--- ARGV[6]  index-key prefix        <prefix>:{<queue>}:i:
+-- ARGV[5]  asynq key prefix    asynq:{<queue>}:
+-- ARGV[6]  dedup key prefix    <prefix>:{<queue>}:
 -- ARGV[7]  heal grace, integer seconds
--- ARGV[8]  fingerprint hex (the index key's value)
+-- ARGV[8]  fingerprint hex
 --
 -- Reply: {1, ARGV[1]}  this attempt holds the lock (taken, or already the task's)
 --        {0, holder}   held by another live task: the attempt must not run
+--        {9, ARGV[1]}  the key's running policy is "allow": lock dropped, run unlocked
 --
 -- A new attempt replaces an older attempt's token, so a leftover handler of
 -- that attempt can neither renew nor release the lock any more.
-local now = tonumber(redis.call('TIME')[1])
-local rec = redis.call('HMGET', KEYS[1], 'id', 'c')
+local now = now_parts()
+local tprefix = ARGV[5] .. 't:'
+local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'rp', 'b', 'f')
 local holder = rec[1]
 if holder and holder ~= ARGV[1] then
   local orphan = false
   if now - (tonumber(rec[2]) or 0) >= tonumber(ARGV[7]) then
-    local state = redis.call('HGET', ARGV[5] .. holder, 'state')
+    local state = redis.call('HGET', tprefix .. holder, 'state')
     orphan = (not state) or state == 'completed' or state == 'archived'
   end
   if not orphan then
     return {0, holder}
   end
-  redis.call('DEL', KEYS[1], ARGV[6] .. holder)
+  if rec[5] and rec[5] ~= ARGV[1] then
+    return {0, holder} -- an orphan owed a follow-up: acquire or the follow-up settles it
+  end
+  redis.call('DEL', KEYS[1], ARGV[6] .. 'i:' .. holder)
   holder = false
+  rec = {false, false, false, false, false}
+end
+if rec[4] then
+  redis.call('ZREM', ARGV[6] .. 'w:' .. ARGV[4], ARGV[8])
+  redis.call('HDEL', KEYS[1], 'b')
+end
+if rec[3] == 'a' then
+  redis.call('DEL', KEYS[1])
+  if KEYS[2] then
+    redis.call('DEL', KEYS[2])
+  end
+  return {9, ARGV[1]}
 end
 if not holder then
   redis.call('HSET', KEYS[1], 'id', ARGV[1], 'ty', ARGV[4], 'c', now)

@@ -1,0 +1,178 @@
+package dedup
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/hibiken/asynq"
+)
+
+// Conflict says what an enqueue does when its key is held by a task that is
+// still waiting to run (pending, scheduled, or waiting for a retry).
+type Conflict int
+
+const (
+	// Reject returns a *DuplicateTaskError naming the waiting task. Default.
+	Reject Conflict = iota
+	// Replace writes the new payload into the waiting task, in place: it
+	// keeps its ID and its place in the queue, and when it runs its handler
+	// sees the newest payload (latest wins). For payloads that describe state.
+	Replace
+	// Merge writes MergeFunc(old, new) into the waiting task, in place. For
+	// commutative updates (counters, sets, max timestamps). Concurrent
+	// producers never lose an update: the write is compare-and-set.
+	Merge
+)
+
+func (c Conflict) String() string {
+	switch c {
+	case Reject:
+		return "reject"
+	case Replace:
+		return "replace"
+	case Merge:
+		return "merge"
+	}
+	return fmt.Sprintf("Conflict(%d)", int(c))
+}
+
+// Running says what an enqueue does when its key's task is running.
+type Running int
+
+const (
+	// RunningReject returns a *DuplicateTaskError naming the running task:
+	// the lock lasts until the task is done. Default.
+	RunningReject Running = iota
+	// RunningAllow frees the key when its task starts: a new enqueue creates
+	// a new task, which may run while the first still runs.
+	RunningAllow
+	// RunningDefer never runs two tasks of a key at once. Enqueues that arrive
+	// while it runs are folded (by the Conflict policy: replaced or merged;
+	// with Reject, only the first is kept) into one follow-up task, which
+	// takes the lock and is queued when the run ends — whether it succeeds or
+	// fails for good; after a failure with retries left, the follow-up waits
+	// for the retry. The follow-up is stored in asynq at once (parked in the
+	// scheduled set, kept there by the heartbeat), so a worker crash cannot
+	// lose it: it then comes due by itself within two leases.
+	RunningDefer
+)
+
+func (r Running) String() string {
+	switch r {
+	case RunningReject:
+		return "reject"
+	case RunningAllow:
+		return "allow"
+	case RunningDefer:
+		return "defer"
+	}
+	return fmt.Sprintf("Running(%d)", int(r))
+}
+
+func (r Running) code() string {
+	switch r {
+	case RunningAllow:
+		return "a"
+	case RunningDefer:
+		return "d"
+	}
+	return "x"
+}
+
+// MergeFunc combines the payload stored in a waiting task with a new one.
+// It must not change the fields the key is made of. An error leaves the
+// stored payload as it was and is returned to the caller.
+type MergeFunc func(old, new []byte) ([]byte, error)
+
+// Outcome says what an enqueue did.
+type Outcome int
+
+const (
+	// Created: a new task was enqueued holding the key.
+	Created Outcome = iota + 1
+	// Replaced: the new payload replaced a waiting task's (Result.TaskID).
+	Replaced
+	// Merged: the new payload was merged into a waiting task's (Result.TaskID).
+	Merged
+	// Deferred: the key's task is running; a follow-up task (Result.TaskID)
+	// was created to run after it.
+	Deferred
+)
+
+func (o Outcome) String() string {
+	switch o {
+	case Created:
+		return "created"
+	case Replaced:
+		return "replaced"
+	case Merged:
+		return "merged"
+	case Deferred:
+		return "deferred"
+	}
+	return fmt.Sprintf("Outcome(%d)", int(o))
+}
+
+// Result is what Client.Submit did. A rejected enqueue is an error
+// (*DuplicateTaskError), not a Result.
+type Result struct {
+	Outcome Outcome
+	// TaskID is the task that will carry this call's payload: the new task,
+	// the waiting task it was folded into, or the follow-up.
+	TaskID string
+	// Info describes that task. For Created it is asynq's own TaskInfo; for
+	// the others it is filled from what the lock script saw: ID, Queue, Type,
+	// Payload (the stored one after the call) and State; other fields are zero.
+	Info *asynq.TaskInfo
+}
+
+// OnConflict sets this call's policy for a key held by a waiting task,
+// overriding the type's rule. For Merge use MergeWith, which also gives the
+// function.
+func OnConflict(c Conflict) asynq.Option {
+	return option{desc: "dedup.OnConflict(" + c.String() + ")", apply: func(r *resolved) error {
+		switch c {
+		case Reject, Replace:
+		case Merge:
+			if r.merge == nil {
+				return fmt.Errorf("%w: OnConflict(Merge) without a merge function (use MergeWith)", ErrInvalidOption)
+			}
+		default:
+			return fmt.Errorf("%w: unknown Conflict %d", ErrInvalidOption, int(c))
+		}
+		r.conflict = c
+		return nil
+	}}
+}
+
+// MergeWith makes this call merge into a waiting task's payload with fn.
+func MergeWith(fn MergeFunc) asynq.Option {
+	return option{desc: "dedup.MergeWith(…)", apply: func(r *resolved) error {
+		if fn == nil {
+			return fmt.Errorf("%w: MergeWith(nil)", ErrInvalidOption)
+		}
+		r.conflict, r.merge = Merge, fn
+		return nil
+	}}
+}
+
+// WaitForRoom makes a call whose new key is over the type's MaxPending wait
+// (polling with backoff, bounded by its context) instead of failing with
+// ErrTooManyPending.
+func WaitForRoom() asynq.Option {
+	return option{desc: "dedup.WaitForRoom()", apply: func(r *resolved) error {
+		r.waitForRoom = true
+		return nil
+	}}
+}
+
+// parkSeconds is how long a Defer follow-up stays parked without a
+// heartbeat: two leases, so a live run always renews it in time and a dead
+// one releases it soon.
+func (d *Dedup) parkSeconds() int64 {
+	s := int64((2*d.cfg.Lease + time.Second - 1) / time.Second)
+	if s < 2 {
+		s = 2
+	}
+	return s
+}

@@ -1,0 +1,437 @@
+package dedup
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+)
+
+type counterPayload struct {
+	Key string `json:"key"`
+	N   int    `json:"n"`
+	Seq int    `json:"seq"`
+}
+
+func counterTask(key string, n, seq int) *asynq.Task {
+	b, _ := json.Marshal(counterPayload{Key: key, N: n, Seq: seq})
+	return asynq.NewTask("counter", b)
+}
+
+func decodeCounter(t *asynq.Task) counterPayload {
+	var p counterPayload
+	_ = json.Unmarshal(t.Payload(), &p)
+	return p
+}
+
+// addMerge adds the counters; seq keeps the newest.
+func addMerge(old, new []byte) ([]byte, error) {
+	var a, b counterPayload
+	if err := json.Unmarshal(old, &a); err != nil {
+		return nil, err
+	}
+	if err := json.Unmarshal(new, &b); err != nil {
+		return nil, err
+	}
+	a.N += b.N
+	a.Seq = max(a.Seq, b.Seq)
+	return json.Marshal(a)
+}
+
+func TestReplaceCoalescesWaitingTasks(t *testing.T) {
+	needRealRedis(t) // 10,000 Lua calls: seconds on redis-server, minutes on miniredis
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}, OnConflict: Replace}}})
+	const keys, perKey, producers = 1000, 10, 8
+	var created, replaced atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, producers)
+	for p := range producers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Each producer owns a set of keys, so "last enqueued" is defined.
+			for seq := range perKey {
+				for k := p; k < keys; k += producers {
+					res, err := h.client.Submit(context.Background(), counterTask(strconv.Itoa(k), 1, seq), asynq.Queue(h.queue), asynq.Retention(time.Hour))
+					if err != nil {
+						errs <- err
+						return
+					}
+					switch res.Outcome {
+					case Created:
+						created.Add(1)
+					case Replaced:
+						replaced.Add(1)
+						if res.Info.Payload == nil || res.Info.State != asynq.TaskStatePending {
+							errs <- fmt.Errorf("replaced result %+v", res.Info)
+							return
+						}
+					default:
+						errs <- fmt.Errorf("outcome %v", res.Outcome)
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if created.Load() != keys || replaced.Load() != keys*(perKey-1) {
+		t.Fatalf("created %d, replaced %d; want %d and %d", created.Load(), replaced.Load(), keys, keys*(perKey-1))
+	}
+	if n := h.queueSize(h.queue); n != keys {
+		t.Fatalf("queue holds %d tasks, want %d", n, keys)
+	}
+	var (
+		mu   sync.Mutex
+		seen = map[string][]int{}
+	)
+	done := make(chan struct{})
+	var processed atomic.Int64
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		p := decodeCounter(task)
+		mu.Lock()
+		seen[p.Key] = append(seen[p.Key], p.Seq)
+		mu.Unlock()
+		if _, err := task.ResultWriter().Write([]byte("seq=" + strconv.Itoa(p.Seq))); err != nil {
+			return err
+		}
+		if processed.Add(1) == keys {
+			close(done)
+		}
+		return nil
+	}, func(c *asynq.Config) { c.Concurrency = 20 })
+	waitFor(t, done, "all keys processed")
+	mu.Lock()
+	defer mu.Unlock()
+	for k := range keys {
+		got := seen[strconv.Itoa(k)]
+		if len(got) != 1 || got[0] != perKey-1 {
+			t.Fatalf("key %d processed with seqs %v, want once with %d", k, got, perKey-1)
+		}
+	}
+	// The handler's ResultWriter worked on the rewritten tasks.
+	eventually(t, "results stored", func() bool {
+		tasks, err := h.insp.ListCompletedTasks(h.queue, asynq.PageSize(10))
+		return err == nil && len(tasks) > 0 && string(tasks[0].Result) == "seq="+strconv.Itoa(perKey-1)
+	})
+	if s := h.d.StatsByType()["counter"]; s.Coalesced != keys*(perKey-1) || s.Locked != keys {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+func TestReplaceSameKeyHundredTimes(t *testing.T) {
+	h := newHarness(t, Config{})
+	var first string
+	for i := range 100 {
+		res, err := h.client.Submit(context.Background(), counterTask("hot", 1, i), asynq.Queue(h.queue), Fields("key"), OnConflict(Replace))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i == 0 {
+			first = res.TaskID
+			if res.Outcome != Created {
+				t.Fatalf("first outcome %v", res.Outcome)
+			}
+		} else if res.Outcome != Replaced || res.TaskID != first {
+			t.Fatalf("enqueue %d: %v into %s, want replaced into %s", i, res.Outcome, res.TaskID, first)
+		}
+	}
+	if n := h.queueSize(h.queue); n != 1 {
+		t.Fatalf("queue holds %d", n)
+	}
+	ti, err := h.insp.GetTaskInfo(h.queue, first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := decodeCounter(asynq.NewTask("", ti.Payload)); p.Seq != 99 {
+		t.Fatalf("stored payload seq %d, want 99 (asynqmon and the Inspector see the new payload)", p.Seq)
+	}
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	r := waitFor(t, rc.runs, "run")
+	if p := decodeCounter(r.task); r.id != first || p.Seq != 99 {
+		t.Fatalf("ran %s with seq %d", r.id, p.Seq)
+	}
+	eventually(t, "lock released", func() bool { return len(h.locks()) == 0 })
+	select {
+	case r := <-rc.runs:
+		t.Fatalf("ran a second time: %s", r.id)
+	default:
+	}
+}
+
+// The rewrite of asynq's stored message changes the payload and nothing else.
+func TestReplaceKeepsTaskOptions(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}, OnConflict: Replace}}})
+	deadline := time.Now().Add(time.Hour).Truncate(time.Second)
+	opts := []asynq.Option{asynq.Queue(h.queue), asynq.MaxRetry(7), asynq.Timeout(time.Minute), asynq.Deadline(deadline), asynq.Retention(time.Hour)}
+	task := asynq.NewTaskWithHeaders("counter", counterTask("k", 1, 1).Payload(), map[string]string{"trace": "abc"})
+	info, err := h.client.Enqueue(task, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, _ := h.insp.GetTaskInfo(h.queue, info.ID)
+	for _, payload := range [][]byte{counterTask("k", 1, 2).Payload(), []byte(`{"key":"k"}`), counterTask("k", 5, 300).Payload()} {
+		if _, err := h.client.Enqueue(asynq.NewTask("counter", payload), opts...); err != nil {
+			t.Fatal(err)
+		}
+		after, err := h.insp.GetTaskInfo(h.queue, info.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if string(after.Payload) != string(payload) {
+			t.Fatalf("payload %s, want %s", after.Payload, payload)
+		}
+		if after.ID != before.ID || after.Type != before.Type || after.Queue != before.Queue || after.MaxRetry != 7 ||
+			after.Timeout != time.Minute || !after.Deadline.Equal(deadline) || after.Retention != time.Hour ||
+			after.Headers["trace"] != "abc" || after.State != asynq.TaskStatePending {
+			t.Fatalf("task changed beyond its payload:\nbefore %+v\nafter  %+v", before, after)
+		}
+	}
+}
+
+func TestMergeErrorKeepsPayload(t *testing.T) {
+	h := newHarness(t, Config{})
+	boom := errors.New("cannot merge")
+	merge := func(old, new []byte) ([]byte, error) {
+		if string(new) == `{"key":"k","n":0,"seq":0}` {
+			return nil, boom
+		}
+		return addMerge(old, new)
+	}
+	info, err := h.client.Enqueue(counterTask("k", 2, 1), asynq.Queue(h.queue), Fields("key"), MergeWith(merge))
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := h.client.Submit(context.Background(), counterTask("k", 3, 2), asynq.Queue(h.queue), Fields("key"), MergeWith(merge))
+	if err != nil || res.Outcome != Merged || res.TaskID != info.ID {
+		t.Fatalf("merge: %+v, %v", res, err)
+	}
+	if _, err := h.client.Enqueue(counterTask("k", 0, 0), asynq.Queue(h.queue), Fields("key"), MergeWith(merge)); !errors.Is(err, boom) {
+		t.Fatalf("err = %v, want the merge error", err)
+	}
+	// A merge that changes the key is refused.
+	bad := func(old, new []byte) ([]byte, error) { return []byte(`{"key":"other"}`), nil }
+	if _, err := h.client.Enqueue(counterTask("k", 1, 3), asynq.Queue(h.queue), Fields("key"), MergeWith(bad)); !errors.Is(err, ErrInvalidPayload) {
+		t.Fatalf("key-changing merge: err = %v", err)
+	}
+	ti, err := h.insp.GetTaskInfo(h.queue, info.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := decodeCounter(asynq.NewTask("", ti.Payload)); p.N != 5 {
+		t.Fatalf("stored n = %d, want 5 (failed merges leave it as it was)", p.N)
+	}
+}
+
+func TestMergeConcurrentProducersWithDefer(t *testing.T) {
+	needRealRedis(t)
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {
+		Fields: []string{"key"}, OnConflict: Merge, MergeFunc: addMerge, OnRunning: RunningDefer,
+	}}})
+	const producers, increments, keys = 8, 1000, 50
+	var (
+		mu        sync.Mutex
+		sums      = map[string]int{}
+		running   = map[string]int{}
+		overlap   atomic.Int32
+		processed atomic.Int64
+	)
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		p := decodeCounter(task)
+		mu.Lock()
+		running[p.Key]++
+		if running[p.Key] > 1 {
+			overlap.Add(1)
+		}
+		mu.Unlock()
+		time.Sleep(time.Millisecond) // some work, so enqueues meet running keys
+		mu.Lock()
+		running[p.Key]--
+		sums[p.Key] += p.N
+		mu.Unlock()
+		processed.Add(int64(p.N))
+		return nil
+	}, func(c *asynq.Config) { c.Concurrency = 8 })
+
+	var wg sync.WaitGroup
+	var total atomic.Int64
+	outcomes := make([]atomic.Int64, Deferred+1)
+	errs := make(chan error, producers)
+	for p := range producers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range increments / producers {
+				n := 1 + (p+i)%5
+				res, err := h.client.Submit(context.Background(), counterTask("k"+strconv.Itoa((p*7+i)%keys), n, i), asynq.Queue(h.queue))
+				if err != nil {
+					errs <- err
+					return
+				}
+				total.Add(int64(n))
+				outcomes[res.Outcome].Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	eventually(t, "every increment processed", func() bool { return processed.Load() >= total.Load() })
+	eventually(t, "locks released", func() bool { return len(h.locks()) == 0 })
+	if processed.Load() != total.Load() {
+		t.Fatalf("processed %d, enqueued %d", processed.Load(), total.Load())
+	}
+	if overlap.Load() != 0 {
+		t.Fatalf("%d overlapping runs of one key", overlap.Load())
+	}
+	t.Logf("outcomes: created %d, merged %d, deferred %d", outcomes[Created].Load(), outcomes[Merged].Load(), outcomes[Deferred].Load())
+	if outcomes[Merged].Load() == 0 {
+		t.Fatal("no merges happened: the test did not exercise Merge")
+	}
+}
+
+func TestDeferHotKeyBurst(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {
+		Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer,
+	}}})
+	var (
+		holding   atomic.Int32
+		tripped   atomic.Int32
+		lastSeq   atomic.Int64
+		processed atomic.Int64
+	)
+	lastSeq.Store(-1)
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		if holding.Add(1) != 1 {
+			tripped.Add(1)
+		}
+		time.Sleep(2 * time.Millisecond)
+		lastSeq.Store(int64(decodeCounter(task).Seq))
+		processed.Add(1)
+		holding.Add(-1)
+		return nil
+	}, func(c *asynq.Config) { c.Concurrency = 6 })
+	const n = 300
+	deferred := 0
+	for i := range n {
+		res, err := h.client.Submit(context.Background(), counterTask("hot", 1, i), asynq.Queue(h.queue))
+		if err != nil {
+			t.Fatalf("enqueue %d: %v", i, err)
+		}
+		if res.Outcome == Deferred {
+			deferred++
+		}
+	}
+	eventually(t, "last payload processed", func() bool { return lastSeq.Load() == n-1 && len(h.locks()) == 0 })
+	if tripped.Load() != 0 {
+		t.Fatalf("two handlers held the key at once %d times", tripped.Load())
+	}
+	if deferred == 0 {
+		t.Fatal("no enqueue met the running key: the test did not exercise Defer")
+	}
+	t.Logf("%d enqueues, %d processed, %d follow-ups created", n, processed.Load(), deferred)
+}
+
+func TestDeferFollowUpSurvivesDeadWorker(t *testing.T) {
+	h := newHarness(t, Config{Lease: 300 * time.Millisecond, Rules: map[string]Rule{"counter": {
+		Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer,
+	}}})
+	stuck := make(chan struct{})
+	defer close(stuck)
+	rc := newRecorder(func(r run) error {
+		if decodeCounter(r.task).Seq == 0 {
+			<-stuck // the first run never ends: its worker is "dead"
+		}
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	h.enqueue(counterTask("k", 1, 0))
+	waitFor(t, rc.runs, "first run")
+	res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("%+v, %v", res, err)
+	}
+	if res2, err := h.client.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue)); err != nil || res2.Outcome != Replaced || res2.TaskID != res.TaskID {
+		t.Fatalf("second enqueue while running: %+v, %v (want replaced into the follow-up)", res2, err)
+	}
+	ti, err := h.insp.GetTaskInfo(h.queue, res.TaskID)
+	if err != nil || ti.State != asynq.TaskStateScheduled {
+		t.Fatalf("follow-up %+v, %v: want a parked (scheduled) task", ti, err)
+	}
+	h.d.hb.stop() // the worker dies: no more heartbeats, no settle
+	r := waitFor(t, rc.runs, "follow-up runs by itself")
+	if r.id != res.TaskID || decodeCounter(r.task).Seq != 2 {
+		t.Fatalf("ran %s seq %d, want the follow-up %s with seq 2", r.id, decodeCounter(r.task).Seq, res.TaskID)
+	}
+}
+
+func TestRunningAllow(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}, OnRunning: RunningAllow}}})
+	release := make(chan struct{})
+	rc := newRecorder(func(run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	first := h.enqueue(counterTask("k", 1, 0))
+	if _, err := h.client.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue)); !errors.Is(err, ErrDuplicateTask) {
+		t.Fatalf("while waiting: err = %v, want duplicate", err)
+	}
+	waitFor(t, rc.runs, "first run")
+	eventually(t, "key free once running", func() bool { return len(h.locks()) == 0 })
+	second := h.enqueue(counterTask("k", 1, 2))
+	if r := waitFor(t, rc.runs, "second run, alongside the first"); r.id != second.ID || second.ID == first.ID {
+		t.Fatalf("ran %s", r.id)
+	}
+	close(release)
+}
+
+func TestMaxPending(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}, OnConflict: Replace, MaxPending: 3}}})
+	for k := range 3 {
+		h.enqueue(counterTask(strconv.Itoa(k), 1, 0))
+	}
+	_, err := h.client.Enqueue(counterTask("new", 1, 0), asynq.Queue(h.queue))
+	if !errors.Is(err, ErrTooManyPending) {
+		t.Fatalf("fourth key: err = %v, want ErrTooManyPending", err)
+	}
+	res, err := h.client.Submit(context.Background(), counterTask("1", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Replaced {
+		t.Fatalf("waiting key over the bound: %+v %v, want replaced", res, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if _, err := h.client.EnqueueContext(ctx, counterTask("new", 1, 0), asynq.Queue(h.queue), WaitForRoom()); !errors.Is(err, ErrTooManyPending) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("waiting for room: err = %v", err)
+	}
+	if n := h.queueSize(h.queue); n != 3 {
+		t.Fatalf("queue holds %d, want 3", n)
+	}
+	// Room appears when a waiting key starts running.
+	got := make(chan *asynq.TaskInfo, 1)
+	go func() {
+		info, err := h.client.EnqueueContext(context.Background(), counterTask("new", 1, 0), asynq.Queue(h.queue), WaitForRoom())
+		if err != nil {
+			t.Error(err)
+		}
+		got <- info
+	}()
+	h.serve(func(context.Context, *asynq.Task) error { return nil }, nil)
+	if info := waitFor(t, got, "room"); info == nil {
+		t.Fatal("no task")
+	}
+	if s := h.d.Stats(); s.OverBound != 2 {
+		t.Fatalf("OverBound = %d, want 2", s.OverBound)
+	}
+}

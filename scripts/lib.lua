@@ -1,0 +1,127 @@
+-- lib: helpers prepended to the scripts that read or write asynq's own task
+-- record. They parse and rewrite asynq v0.26.0's TaskMessage protobuf
+-- (type = 1, payload = 2, id = 3, retried = 6, error_msg = 7,
+-- last_failed_at = 11, completed_at = 13); TestAsynqLayoutPinned and the
+-- rewrite tests guard this against layout changes.
+-- Lengths are below 2^53, so the arithmetic on them is exact.
+
+-- pb_varint reads a varint at position i; returns value and next position,
+-- or nil if the bytes end first.
+local function pb_varint(s, i)
+  local v, m = 0, 1
+  while true do
+    local b = string.byte(s, i)
+    if not b then return nil end
+    i = i + 1
+    if b < 128 then return v + b * m, i end
+    v = v + (b - 128) * m
+    m = m * 128
+  end
+end
+
+local function pb_putvarint(n)
+  local t = {}
+  while n >= 128 do
+    local low = n % 128
+    t[#t + 1] = string.char(low + 128)
+    n = (n - low) / 128
+  end
+  t[#t + 1] = string.char(n)
+  return table.concat(t)
+end
+
+-- pb_fields splits a message into {num, from, to} entries (to inclusive),
+-- or returns nil for a malformed message.
+local function pb_fields(msg)
+  local out, i, n = {}, 1, #msg
+  while i <= n do
+    local from = i
+    local key
+    key, i = pb_varint(msg, i)
+    if not key then return nil end
+    local wt = key % 8
+    local num = (key - wt) / 8
+    if wt == 0 then
+      local _
+      _, i = pb_varint(msg, i)
+      if not i then return nil end
+    elseif wt == 1 then
+      i = i + 8
+    elseif wt == 2 then
+      local len
+      len, i = pb_varint(msg, i)
+      if not len then return nil end
+      i = i + len
+    elseif wt == 5 then
+      i = i + 4
+    else
+      return nil
+    end
+    if i > n + 1 then return nil end
+    out[#out + 1] = {num, from, i - 1}
+  end
+  return out
+end
+
+-- pb_bytes returns the value of length-delimited field num ('' if absent),
+-- or nil for a malformed message.
+local function pb_bytes(msg, num)
+  local fields = pb_fields(msg)
+  if not fields then return nil end
+  local val = ''
+  for _, f in ipairs(fields) do
+    if f[1] == num then
+      local _, start = pb_varint(msg, f[2])
+      local len
+      len, start = pb_varint(msg, start)
+      val = string.sub(msg, start, start + len - 1)
+    end
+  end
+  return val
+end
+
+-- pb_rewrite returns msg with each field in repl replaced: repl[num] is a
+-- string (written as a length-delimited field, omitted when empty, as
+-- proto3 does) or false (the field is dropped). Fields keep number order.
+-- Returns nil for a malformed message.
+local function pb_rewrite(msg, repl)
+  local fields = pb_fields(msg)
+  if not fields then return nil end
+  local nums = {}
+  for num, v in pairs(repl) do
+    if v then nums[#nums + 1] = num end
+  end
+  table.sort(nums)
+  local out, k = {}, 1
+  local function emit_upto(limit)
+    while k <= #nums and nums[k] < limit do
+      local v = repl[nums[k]]
+      if #v > 0 then
+        out[#out + 1] = pb_putvarint(nums[k] * 8 + 2) .. pb_putvarint(#v) .. v
+      end
+      k = k + 1
+    end
+  end
+  for _, f in ipairs(fields) do
+    emit_upto(f[1])
+    if repl[f[1]] == nil then
+      out[#out + 1] = string.sub(msg, f[2], f[3])
+    elseif repl[f[1]] and k <= #nums and nums[k] == f[1] then
+      emit_upto(f[1] + 1)
+    end
+  end
+  emit_upto(math.huge)
+  return table.concat(out)
+end
+
+-- waiting reports whether an asynq task state means "not started yet".
+local function waiting(state)
+  return state == 'pending' or state == 'scheduled' or state == 'retry'
+end
+
+-- now_s and now_ms read the server clock as integers.
+local function now_parts()
+  local t = redis.call('TIME')
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s, s * 1000 + (us - us % 1000) / 1000, t[1] .. string.format('%06d', us) .. '000'
+end
