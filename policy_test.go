@@ -436,3 +436,53 @@ func TestMaxPending(t *testing.T) {
 		t.Fatalf("OverBound = %d, want 2", s.OverBound)
 	}
 }
+
+func TestDeferFollowUpOwedAfterFailure(t *testing.T) {
+	for _, final := range []bool{true, false} {
+		t.Run(fmt.Sprintf("final=%v", final), func(t *testing.T) {
+			h := newHarness(t, Config{Rules: map[string]Rule{"counter": {
+				Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer,
+			}}})
+			release, releaseRetry := make(chan struct{}), make(chan struct{})
+			var attempts atomic.Int32
+			rc := newRecorder(func(r run) error {
+				if decodeCounter(r.task).Seq != 0 {
+					return nil // the follow-up succeeds
+				}
+				if attempts.Add(1) > 1 {
+					<-releaseRetry
+					return nil // the retry succeeds
+				}
+				<-release
+				if final {
+					return fmt.Errorf("gives up: %w", asynq.SkipRetry)
+				}
+				return errors.New("transient")
+			})
+			h.serve(rc.handler(), nil)
+			first := h.enqueue(counterTask("k", 1, 0))
+			waitFor(t, rc.runs, "first run")
+			res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
+			if err != nil || res.Outcome != Deferred {
+				t.Fatalf("%+v %v", res, err)
+			}
+			close(release)
+			next := waitFor(t, rc.runs, "next run")
+			if !final {
+				// The retry comes first; the follow-up waits for it.
+				if next.id != first.ID {
+					t.Fatalf("ran %s before the retry of %s", next.id, first.ID)
+				}
+				if ti, err := h.insp.GetTaskInfo(h.queue, res.TaskID); err != nil || ti.State != asynq.TaskStateScheduled {
+					t.Fatalf("follow-up during the retry: %+v %v, want still parked", ti, err)
+				}
+				close(releaseRetry)
+				next = waitFor(t, rc.runs, "follow-up run")
+			}
+			if next.id != res.TaskID || decodeCounter(next.task).Seq != 1 {
+				t.Fatalf("ran %s seq %d, want the follow-up %s", next.id, decodeCounter(next.task).Seq, res.TaskID)
+			}
+			eventually(t, "locks released", func() bool { return len(h.locks()) == 0 })
+		})
+	}
+}
