@@ -95,15 +95,21 @@ func selectFields(payload []byte, fs *fieldSet, spans *[maxFields]span) error {
 func (s *scanner) fail(msg string) error { return &jsonError{s.pos, msg} }
 
 func (s *scanner) ws() {
-	for s.pos < len(s.b) {
-		switch s.b[s.pos] {
-		case ' ', '\t', '\n', '\r':
-			s.pos++
-		default:
-			return
-		}
+	b, i := s.b, s.pos
+	for i < len(b) && (b[i] == ' ' || b[i] == '\n' || b[i] == '\t' || b[i] == '\r') {
+		i++
 	}
+	s.pos = i
 }
+
+// plainStr marks the bytes a string can hold without ending or escaping:
+// the scanner skips runs of them in a tight loop.
+var plainStr = func() (t [256]bool) {
+	for c := 0x20; c < 256; c++ {
+		t[c] = c != '"' && c != '\\'
+	}
+	return t
+}()
 
 // value scans one value at depth; active is the set of paths that pass
 // through this value and continue below it.
@@ -149,7 +155,15 @@ func (s *scanner) str() (raw []byte, escaped bool, err error) {
 	s.pos++ // opening quote
 	start := s.pos
 	for s.pos < len(s.b) {
-		c := s.b[s.pos]
+		i, b := s.pos, s.b
+		for i < len(b) && plainStr[b[i]] {
+			i++
+		}
+		s.pos = i
+		if i == len(b) {
+			break
+		}
+		c := b[i]
 		switch {
 		case c == '"':
 			raw = s.b[start:s.pos]
