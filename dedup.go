@@ -90,6 +90,7 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 // nothing.
 func (d *Dedup) Close() error {
 	d.hb.stop()
+	d.stopDiagnostics()
 	return nil
 }
 

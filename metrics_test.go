@@ -1,0 +1,361 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"reflect"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+)
+
+// leakOpts ignores what the fallback miniredis runs per connection.
+func leakOpts() []goleak.Option {
+	return []goleak.Option{goleak.IgnoreCurrent(),
+		goleak.IgnoreAnyFunction("github.com/alicebob/miniredis/v2/server.(*Server).servePeer"),
+		goleak.IgnoreAnyFunction("github.com/alicebob/miniredis/v2/server.(*Server).servePeer.func2"),
+		goleak.IgnoreAnyFunction("github.com/alicebob/miniredis/v2/server.(*Server).ServeConn.func1")}
+}
+
+// diagDedup is a Dedup on rdb under prefix, closed when the test ends.
+func diagDedup(t *testing.T, rdb redis.UniversalClient, prefix string) *Dedup {
+	t.Helper()
+	d, err := New(context.Background(), rdb, Config{Prefix: prefix, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	return d
+}
+
+func countN(d *Dedup, typ string, e event, n int) {
+	for range n {
+		d.count(typ, e)
+	}
+}
+
+func readStats(t *testing.T, rdb redis.UniversalClient, prefix string) map[string]Stats {
+	t.Helper()
+	s, err := ReadStats(context.Background(), rdb, prefix)
+	if err != nil {
+		t.Fatalf("ReadStats: %v", err)
+	}
+	return s
+}
+
+// Every event has a name and a Stats field of its own, so a new event
+// cannot be added without being flushed, read back and exported.
+func TestEventNamesCoverStats(t *testing.T) {
+	if n := reflect.TypeFor[Stats]().NumField(); n != int(numEvents) {
+		t.Fatalf("Stats has %d fields, there are %d events", n, numEvents)
+	}
+	seenName := map[string]bool{}
+	seenField := map[*uint64]bool{}
+	var s Stats
+	for e := range numEvents {
+		name := eventNames[e]
+		if name == "" || seenName[name] {
+			t.Fatalf("event %d: name %q empty or repeated", e, name)
+		}
+		seenName[name] = true
+		f := s.field(e)
+		if seenField[f] {
+			t.Fatalf("event %s: Stats field shared", name)
+		}
+		seenField[f] = true
+		*f = uint64(e) + 1
+	}
+	m := s.Map()
+	for i, name := range EventNames() {
+		if m[name] != uint64(i)+1 {
+			t.Fatalf("Map()[%q] = %d, want %d", name, m[name], i+1)
+		}
+	}
+	// Field order follows event order.
+	v := reflect.ValueOf(s)
+	for i := range v.NumField() {
+		if v.Field(i).Uint() != uint64(i)+1 {
+			t.Fatalf("Stats field %s is not event %s", v.Type().Field(i).Name, eventNames[i])
+		}
+	}
+}
+
+func TestStatsByType(t *testing.T) {
+	d := diagDedup(t, newRDB(t), uniq(t))
+	countN(d, "a", evLocked, 3)
+	countN(d, "b", evDuplicate, 2)
+	countN(d, "b", evCoalesced, 1)
+	got := d.StatsByType()
+	want := map[string]Stats{"a": {Locked: 3}, "b": {Duplicates: 2, Coalesced: 1}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("StatsByType = %+v, want %+v", got, want)
+	}
+	if s := d.Stats(); s != (Stats{Locked: 3, Duplicates: 2, Coalesced: 1}) {
+		t.Fatalf("Stats = %+v", s)
+	}
+}
+
+// Two processes flush into the same totals; each flush adds only what was
+// counted since the one before.
+func TestFlushAddsDeltasOfAllProcesses(t *testing.T) {
+	rdb := newRDB(t)
+	prefix := uniq(t)
+	ctx := context.Background()
+	p1, p2 := diagDedup(t, rdb, prefix), diagDedup(t, rdb, prefix)
+	const odd = "email:send {x}" // any type name: colons, braces, spaces
+	countN(p1, odd, evLocked, 5)
+	countN(p1, odd, evCoalesced, 2)
+	countN(p2, odd, evLocked, 1)
+	countN(p2, "other", evLockLost, 4)
+	for _, d := range []*Dedup{p1, p2} {
+		if err := d.FlushStats(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := map[string]Stats{odd: {Locked: 6, Coalesced: 2}, "other": {LockLost: 4}}
+	if got := readStats(t, rdb, prefix); !reflect.DeepEqual(got, want) {
+		t.Fatalf("totals %+v, want %+v", got, want)
+	}
+	// Nothing new: nothing added. Then only the new counts.
+	if err := p1.FlushStats(ctx); err != nil {
+		t.Fatal(err)
+	}
+	countN(p1, odd, evLocked, 1)
+	countN(p2, "other", evProcessed, 1)
+	for _, d := range []*Dedup{p1, p2, p1} {
+		if err := d.FlushStats(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want = map[string]Stats{odd: {Locked: 7, Coalesced: 2}, "other": {LockLost: 4, Processed: 1}}
+	if got := readStats(t, rdb, prefix); !reflect.DeepEqual(got, want) {
+		t.Fatalf("totals %+v, want %+v", got, want)
+	}
+	// Another prefix sees nothing.
+	if got := readStats(t, rdb, prefix+"-other"); len(got) != 0 {
+		t.Fatalf("other prefix: %+v", got)
+	}
+	if m, _ := rdb.SMembers(ctx, statsTypesKey(prefix)).Result(); len(m) != 2 {
+		t.Fatalf("types set %v", m)
+	}
+}
+
+// A flush is one pipelined round trip, however many types and events.
+func TestFlushIsOneRoundTrip(t *testing.T) {
+	rdb := newRDB(t)
+	prefix := uniq(t)
+	d := diagDedup(t, rdb, prefix)
+	for i := range 20 {
+		countN(d, "t"+string(rune('a'+i)), evLocked, i+1)
+		countN(d, "t"+string(rune('a'+i)), evReleased, 1)
+	}
+	hook := &countingHook{}
+	rdb.AddHook(hook)
+	if err := d.FlushStats(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	hook.mu.Lock()
+	single, pipes := hook.single, hook.pipes
+	hook.mu.Unlock()
+	// Connection set-up (HELLO, CLIENT SETINFO) may show up too: look at
+	// the stats commands only.
+	if len(single) != 0 || len(pipes) != 1 || len(pipes[0]) != 20*2+1 {
+		t.Fatalf("flush sent single commands %v and pipelines %v; want one pipeline of 41 commands", single, pipes)
+	}
+	if got := readStats(t, rdb, prefix); got["tt"].Locked != 20 || got["ta"].Released != 1 || len(got) != 20 {
+		t.Fatalf("totals %+v", got)
+	}
+}
+
+// countingHook records the stats commands (HINCRBY, SADD) a client sends,
+// alone or in pipelines.
+type countingHook struct {
+	mu     sync.Mutex
+	single []string
+	pipes  [][]string
+}
+
+func isStatsCmd(c redis.Cmder) bool { return c.Name() == "hincrby" || c.Name() == "sadd" }
+
+func (h *countingHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *countingHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if isStatsCmd(cmd) {
+			h.mu.Lock()
+			h.single = append(h.single, cmd.Name())
+			h.mu.Unlock()
+		}
+		return next(ctx, cmd)
+	}
+}
+func (h *countingHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		var names []string
+		for _, c := range cmds {
+			if isStatsCmd(c) {
+				names = append(names, c.Name())
+			}
+		}
+		if len(names) > 0 {
+			h.mu.Lock()
+			h.pipes = append(h.pipes, names)
+			h.mu.Unlock()
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// A command that fails keeps its counts for the next flush; the commands
+// that went through in the same pipeline are not sent again.
+func TestFlushPartialFailureKeepsCounts(t *testing.T) {
+	rdb := newRDB(t)
+	prefix := uniq(t)
+	ctx := context.Background()
+	d := diagDedup(t, rdb, prefix)
+	countN(d, "good", evLocked, 2)
+	countN(d, "bad", evLocked, 3)
+	// Make the "bad" hash unwritable: HINCRBY fails with WRONGTYPE.
+	if err := rdb.Set(ctx, statsKey(prefix, "bad"), "not a hash", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	err := d.FlushStats(ctx)
+	if !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("flush error %v, want ErrUnavailable", err)
+	}
+	if err := rdb.Del(ctx, statsKey(prefix, "bad")).Err(); err != nil {
+		t.Fatal(err)
+	}
+	countN(d, "good", evLocked, 1)
+	if err := d.FlushStats(ctx); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]Stats{"good": {Locked: 3}, "bad": {Locked: 3}}
+	if got := readStats(t, rdb, prefix); !reflect.DeepEqual(got, want) {
+		t.Fatalf("totals %+v, want %+v", got, want)
+	}
+}
+
+// Redis down: the flush fails, counts stay, and go out once it is back.
+// Deleting the keys starts the totals again; the types set is refilled.
+func TestFlushOutageKeepsCounts(t *testing.T) {
+	mr := miniredis.RunT(t)
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = rdb.Close() })
+	ctx := context.Background()
+	d := diagDedup(t, rdb, "p")
+	countN(d, "x", evLocked, 4)
+	if err := d.FlushStats(ctx); err != nil {
+		t.Fatal(err)
+	}
+	mr.Close()
+	countN(d, "x", evLocked, 1)
+	countN(d, "x", evRedisError, 1)
+	for range 2 {
+		if err := d.FlushStats(ctx); !errors.Is(err, ErrUnavailable) {
+			t.Fatalf("flush with Redis down: %v", err)
+		}
+	}
+	if err := mr.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.FlushStats(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := readStats(t, rdb, "p"); got["x"] != (Stats{Locked: 5, RedisErrors: 1}) {
+		t.Fatalf("totals %+v", got)
+	}
+	mr.FlushAll()
+	countN(d, "x", evLocked, 1)
+	if err := d.FlushStats(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := readStats(t, rdb, "p"); got["x"] != (Stats{Locked: 1}) {
+		t.Fatalf("totals after reset %+v", got)
+	}
+}
+
+func TestFlusherTicksAndFlushesOnClose(t *testing.T) {
+	rdb := newRDB(t) // before the leak check: the fallback miniredis outlives it
+	defer goleak.VerifyNone(t, leakOpts()...)
+	prefix := uniq(t)
+	d, err := New(context.Background(), rdb, Config{Prefix: prefix, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.StartFlusher(5 * time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	countN(d, "t", evLocked, 2)
+	eventually(t, "flusher flushed", func() bool { return readStats(t, rdb, prefix)["t"].Locked == 2 })
+
+	// A long interval: only Close flushes. Restarting keeps what was flushed.
+	if err := d.StartFlusher(time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	countN(d, "t", evReleased, 2)
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got := readStats(t, rdb, prefix)["t"]; got != (Stats{Locked: 2, Released: 2}) {
+		t.Fatalf("after Close: %+v", got)
+	}
+	_ = d.Close()
+	if err := d.StartFlusher(time.Second); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("StartFlusher after Close: %v", err)
+	}
+}
+
+func TestStartFlusherRejectsNegative(t *testing.T) {
+	d := diagDedup(t, newRDB(t), uniq(t))
+	if err := d.StartFlusher(-time.Second); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("negative interval: %v", err)
+	}
+}
+
+func TestReadStatsIgnoresForeignFields(t *testing.T) {
+	rdb := newRDB(t)
+	prefix := uniq(t)
+	ctx := context.Background()
+	rdb.SAdd(ctx, statsTypesKey(prefix), "t", "gone")
+	rdb.HSet(ctx, statsKey(prefix, "t"), "locked", "7", "future_event", "3", "released", "junk")
+	got := readStats(t, rdb, prefix)
+	want := map[string]Stats{"t": {Locked: 7}, "gone": {}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("ReadStats = %+v, want %+v", got, want)
+	}
+}
+
+func TestReadStatsDefaultPrefixAndErrors(t *testing.T) {
+	mr := miniredis.RunT(t)
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = rdb.Close() })
+	ctx := context.Background()
+	rdb.SAdd(ctx, "dedup:stats:types", "t")
+	rdb.HSet(ctx, "dedup:stats:type:t", "duplicate", 2)
+	if got := readStats(t, rdb, ""); got["t"] != (Stats{Duplicates: 2}) {
+		t.Fatalf("default prefix: %+v", got)
+	}
+	mr.Close()
+	if _, err := ReadStats(ctx, rdb, ""); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("Redis down: %v", err)
+	}
+}
+
+func BenchmarkCount(b *testing.B) {
+	rdb := newRDB(b)
+	d, err := New(context.Background(), rdb, Config{Prefix: uniq(b), Logger: quietLogger()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer d.Close()
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			d.count("bench", evLocked)
+		}
+	})
+}

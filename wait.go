@@ -1,0 +1,180 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+var (
+	// ErrResultUnavailable reports that a waited-for task is gone from asynq
+	// without a result to read: it completed without asynq.Retention (asynq
+	// deletes such a task at once), its retention ran out, it was deleted, or
+	// its queue was removed. The error also matches the asynq error
+	// (asynq.ErrTaskNotFound or asynq.ErrQueueNotFound).
+	ErrResultUnavailable = errors.New("dedup: task result unavailable")
+
+	// ErrTaskFailed reports that a waited-for task was archived: its retries
+	// ran out, its handler returned asynq.SkipRetry, or someone archived it.
+	// The error quotes the task's last error message.
+	ErrTaskFailed = errors.New("dedup: task failed")
+)
+
+// waitBackoff spaces the polls of WaitResult: 25 ms doubling to 1 s, with
+// full jitter so that many waiters of one task spread out.
+var waitBackoff = Backoff{Min: 25 * time.Millisecond, Max: time.Second}
+
+// WaitResult waits until the task taskID of queue has run to its end, and
+// returns its TaskInfo: for a completed task, info.Result holds what its
+// handler wrote with the task's ResultWriter. It is meant for the caller of
+// a rejected duplicate (see WaitHolder), which may want the winner's result
+// instead of doing the work again.
+//
+// It ends with:
+//
+//   - the TaskInfo and nil when the task is completed;
+//   - the TaskInfo and an error matching ErrTaskFailed, quoting the last
+//     error, when the task is archived;
+//   - an error matching ErrResultUnavailable (and asynq.ErrTaskNotFound or
+//     asynq.ErrQueueNotFound) when the task is not in asynq;
+//   - the context's error (ctx.Err(), wrapping the last Redis error if
+//     there was one) when ctx is done first.
+//
+// Limits:
+//
+//   - Results need retention. A task enqueued without asynq.Retention is
+//     deleted as soon as it succeeds, so waiting for it ends in
+//     ErrResultUnavailable: the wait tells that it is over, not what it gave.
+//     With retention, asynq keeps the completed task (and its result) for
+//     that long; a wait that starts later finds nothing either.
+//   - A task that is not in asynq is waited for only while this package's
+//     lock still names it (the short gap between taking the lock and
+//     asynq storing the task, bounded by Config.HealGrace); otherwise the
+//     wait ends at once. A deleted task or a removed queue ends it the same
+//     way.
+//   - It polls asynq's Inspector (a few Redis commands per poll): first at
+//     once, then at growing intervals up to one second, with jitter. asynq's
+//     Inspector takes no context, so one poll in flight is bounded by the
+//     Redis client's own timeouts, not by ctx. Redis errors are retried
+//     until ctx is done: give ctx a deadline.
+//   - The task waited for is the one that held the key when the duplicate
+//     was rejected. A retried task is the same task; a task that fails for
+//     good gives ErrTaskFailed, and the caller decides whether to enqueue
+//     again.
+func (d *Dedup) WaitResult(ctx context.Context, queue, taskID string) (*asynq.TaskInfo, error) {
+	return d.waitResult(ctx, queue, taskID, nil)
+}
+
+// WaitHolder is WaitResult for the task named by a duplicate's error:
+//
+//	var dup *dedup.DuplicateTaskError
+//	if errors.As(err, &dup) {
+//		info, err = d.WaitHolder(ctx, dup)
+//	}
+//
+// It fails with ErrInvalidOption for a nil dup.
+func (d *Dedup) WaitHolder(ctx context.Context, dup *DuplicateTaskError) (*asynq.TaskInfo, error) {
+	if dup == nil {
+		return nil, fmt.Errorf("%w: WaitHolder: nil DuplicateTaskError", ErrInvalidOption)
+	}
+	return d.waitResult(ctx, dup.Queue, dup.TaskID, nil)
+}
+
+// waitResult is WaitResult; onPoll, if not nil, is told each state seen
+// (0 for a task not found while its lock names it), for tests.
+func (d *Dedup) waitResult(ctx context.Context, queue, taskID string, onPoll func(asynq.TaskState)) (*asynq.TaskInfo, error) {
+	if queue == "" || taskID == "" {
+		return nil, fmt.Errorf("%w: WaitResult needs a queue and a task ID", ErrInvalidOption)
+	}
+	var (
+		lastErr  error
+		missing  time.Time // since when the task has been missing while locked
+		attempts int
+	)
+	for {
+		if err := ctx.Err(); err != nil {
+			return nil, waitCtxErr(taskID, err, lastErr)
+		}
+		info, err := d.insp.GetTaskInfo(queue, taskID)
+		switch {
+		case err == nil:
+			lastErr, missing = nil, time.Time{}
+			if onPoll != nil {
+				onPoll(info.State)
+			}
+			switch info.State {
+			case asynq.TaskStateCompleted:
+				return info, nil
+			case asynq.TaskStateArchived:
+				return info, fmt.Errorf("%w: task %s in queue %q was archived; last error: %s", ErrTaskFailed, taskID, queue, info.LastErr)
+			}
+		case errors.Is(err, asynq.ErrTaskNotFound), errors.Is(err, asynq.ErrQueueNotFound):
+			locked, lerr := d.lockNames(ctx, queue, taskID)
+			if lerr != nil {
+				if ctx.Err() == nil {
+					lastErr = lerr
+				}
+				break
+			}
+			if missing.IsZero() {
+				missing = time.Now()
+			}
+			if !locked || time.Since(missing) > d.cfg.HealGrace {
+				return nil, fmt.Errorf("%w: task %s in queue %q: %w", ErrResultUnavailable, taskID, queue, err)
+			}
+			if onPoll != nil {
+				onPoll(0)
+			}
+		default:
+			lastErr = err
+			d.log.Debug("dedup: WaitResult poll failed", slog.String("task_id", taskID), slog.Any("error", err))
+		}
+		t := time.NewTimer(waitBackoff.Delay(attempts))
+		attempts++
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, waitCtxErr(taskID, ctx.Err(), lastErr)
+		case <-t.C:
+		}
+	}
+}
+
+func waitCtxErr(taskID string, ctxErr, lastErr error) error {
+	if lastErr != nil {
+		return fmt.Errorf("dedup: wait for task %s: %w (last error: %w)", taskID, ctxErr, unavailable("wait", lastErr))
+	}
+	return fmt.Errorf("dedup: wait for task %s: %w", taskID, ctxErr)
+}
+
+// lockNames reports whether the lock of taskID (found from a wrapper-chosen
+// ID, or from the index of a caller-chosen one) still names it as owner:
+// then asynq is about to store the task.
+func (d *Dedup) lockNames(ctx context.Context, queue, taskID string) (bool, error) {
+	lctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	fpHex, ok := parseLockedID(taskID)
+	if !ok {
+		v, err := d.rdb.Get(lctx, indexKey(d.cfg.Prefix, queue, taskID)).Result()
+		if errors.Is(err, redis.Nil) {
+			return false, nil
+		}
+		if err != nil {
+			return false, err
+		}
+		fpHex = v
+	}
+	owner, err := d.rdb.HGet(lctx, lockKeyHex(d.cfg.Prefix, queue, fpHex), "id").Result()
+	if errors.Is(err, redis.Nil) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return owner == taskID, nil
+}
