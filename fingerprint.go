@@ -94,6 +94,12 @@ func fingerprint(typ string, payload []byte, r *resolved) (uint64, error) {
 //
 //	<prefix>:{<queue>}:l:<16 hex digits of the fingerprint>   the lock (a hash)
 //	<prefix>:{<queue>}:i:<task ID>                          lock of a caller-chosen task ID
+//	<prefix>:{<queue>}:w:<task type>                        waiting keys (MaxPending), a sorted set
+//	<prefix>:stats:types, <prefix>:stats:type:<type>        flushed counters (no hash tag)
+//
+// Lock fields: id (owner task), ty (type), c (created, unix seconds), tok
+// (running attempt's token), rp (running policy), b (counted in w:), v
+// (payload version), n (coalesced enqueues), f (owed follow-up task).
 //
 // The prefix may not contain braces, so the hash tag is always "{<queue>}"
 // exactly as asynq forms it.
