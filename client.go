@@ -146,7 +146,7 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 	if callerID != "" && strings.TrimSpace(callerID) == "" {
 		return Result{}, fmt.Errorf("%w: blank task ID", ErrInvalidOption)
 	}
-	fp, err := fingerprint(typ, task.Payload(), &r)
+	fp, err := d.fingerprintHex(typ, task.Payload(), &r)
 	if err != nil {
 		return Result{}, err
 	}
@@ -194,7 +194,7 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 			if err != nil {
 				return Result{}, fmt.Errorf("dedup: merge %q into task %s: %w", typ, target, err)
 			}
-			if mfp, err := fingerprint(typ, merged, &r); err != nil || mfp != fp {
+			if mfp, err := d.fingerprintHex(typ, merged, &r); err != nil || mfp != fp {
 				return Result{}, fmt.Errorf("%w: merge function changed the key of %q (or broke its payload)", ErrInvalidPayload, typ)
 			}
 			ok, state, err := d.coalesce(ctx, ref, target, ver, merged)

@@ -91,6 +91,13 @@ type Config struct {
 	// full jitter.
 	ConnectBackoff Backoff
 
+	// HashKey, if set, switches fingerprints from 64-bit xxhash to a keyed
+	// 128-bit hash (HMAC-SHA-256, truncated), for deployments where payload
+	// fields come from untrusted users who could otherwise search for a
+	// collision to block someone else's key. Keep it secret and the same in
+	// every process; changing it changes every key. Default: none (xxhash).
+	HashKey []byte
+
 	// Logger receives warnings (fail-open, lost locks, Redis errors). Never
 	// given payload contents. Default slog.Default().
 	Logger *slog.Logger

@@ -134,10 +134,8 @@ func (r *lockRef) keys() []string {
 	return []string{r.key}
 }
 
-func (d *Dedup) newRef(queue string, fp uint64, id, typ string, callerID bool) *lockRef {
-	var h [16]byte
-	hexUint64(h[:], fp)
-	r := &lockRef{queue: queue, fpHex: string(h[:]), id: id, typ: typ}
+func (d *Dedup) newRef(queue, fpHex, id, typ string, callerID bool) *lockRef {
+	r := &lockRef{queue: queue, fpHex: fpHex, id: id, typ: typ}
 	r.key = lockKeyHex(d.cfg.Prefix, queue, r.fpHex)
 	if callerID {
 		r.idx = indexKey(d.cfg.Prefix, queue, id)

@@ -1,15 +1,19 @@
 package dedup
 
 import (
+	"crypto/hmac"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"io"
 	"strings"
 
 	"github.com/cespare/xxhash/v2"
 )
 
-// A fingerprint is the 64-bit xxhash of a prefix-free encoding of
+// A fingerprint is the 64-bit xxhash (or, with Config.HashKey, a keyed
+// 128-bit HMAC-SHA-256) of a prefix-free encoding of
 //
 //	version, namespace (the task type, or a shared-key marker), kind, material
 //
@@ -19,7 +23,9 @@ import (
 // stream: type "a:b" with key "c" and type "a" with key "b:c" hash different
 // streams, and only a true 64-bit hash collision can give them one lock.
 // With n keys live in one queue at once the chance that any two collide is
-// about n²/2⁶⁵ (3e-8 for a million live keys).
+// about n²/2⁶⁵ (3e-8 for a million live keys). xxhash is not built to resist
+// an adversary who picks payloads to collide with someone else's key; the
+// keyed hash is, as long as the key stays secret.
 const fingerprintVersion = 1
 
 const (
@@ -28,12 +34,43 @@ const (
 	kindKey    = 'k'
 )
 
-// fingerprint hashes one task under a resolved rule. It reads the payload
-// once and allocates nothing for scalar fields.
+// fingerprint hashes one task under a resolved rule with 64-bit xxhash. It
+// reads the payload once and allocates nothing for scalar fields.
 func fingerprint(typ string, payload []byte, r *resolved) (uint64, error) {
+	var buf [256]byte
+	head, tail, tailKey, err := fingerprintStream(&buf, typ, payload, r)
+	if err != nil {
+		return 0, err
+	}
 	var d xxhash.Digest
 	d.Reset()
+	_, _ = d.Write(head)
+	_, _ = d.Write(tail)
+	_, _ = d.WriteString(tailKey)
+	return d.Sum64(), nil
+}
+
+// keyedFingerprint is the strong variant (Config.HashKey): the first 128
+// bits of HMAC-SHA-256 under a secret key, over the same byte stream.
+func keyedFingerprint(secret []byte, typ string, payload []byte, r *resolved) ([16]byte, error) {
 	var buf [256]byte
+	var out [16]byte
+	head, tail, tailKey, err := fingerprintStream(&buf, typ, payload, r)
+	if err != nil {
+		return out, err
+	}
+	m := hmac.New(sha256.New, secret)
+	m.Write(head)
+	m.Write(tail)
+	_, _ = io.WriteString(m, tailKey)
+	copy(out[:], m.Sum(nil))
+	return out, nil
+}
+
+// fingerprintStream builds the byte stream a fingerprint hashes: head (in
+// buf when it fits), followed by tail (the raw payload) or tailKey (an
+// explicit key).
+func fingerprintStream(buf *[256]byte, typ string, payload []byte, r *resolved) (head, tail []byte, tailKey string, err error) {
 	b := append(buf[:0], fingerprintVersion)
 	keyed := r.keyFunc != nil || r.hasKey
 	if r.shared && keyed { // Shared applies to Key/KeyFunc keys only
@@ -48,44 +85,58 @@ func fingerprint(typ string, payload []byte, r *resolved) (uint64, error) {
 		if r.keyFunc != nil {
 			k, err := r.keyFunc(typ, payload)
 			if err != nil {
-				return 0, &PayloadError{Type: typ, Err: err}
+				return nil, nil, "", &PayloadError{Type: typ, Err: err}
 			}
 			key = k
 		}
 		if key == "" {
-			return 0, &PayloadError{Type: typ, Err: fmt.Errorf("empty dedup key")}
+			return nil, nil, "", &PayloadError{Type: typ, Err: fmt.Errorf("empty dedup key")}
 		}
-		b = append(b, kindKey)
-		_, _ = d.Write(b)
-		_, _ = d.WriteString(key)
+		return append(b, kindKey), nil, key, nil
 	case r.fields != nil:
 		b = append(b, kindFields)
 		var spans [maxFields]span
 		if err := selectFields(payload, r.fields, &spans); err != nil {
-			return 0, &PayloadError{Type: typ, Err: err}
+			return nil, nil, "", &PayloadError{Type: typ, Err: err}
 		}
 		for i, p := range r.fields.paths {
 			b = appendStringBytes(b, p)
 			sp := spans[i]
 			if sp.end == 0 {
 				if !r.missingAsNull {
-					return 0, &PayloadError{Type: typ, Field: p, Err: ErrFieldMissing}
+					return nil, nil, "", &PayloadError{Type: typ, Field: p, Err: ErrFieldMissing}
 				}
 				b = append(b, tagNull)
 				continue
 			}
 			var err error
 			if b, err = appendCanonical(b, payload[sp.start:sp.end]); err != nil {
-				return 0, &PayloadError{Type: typ, Field: p, Err: err}
+				return nil, nil, "", &PayloadError{Type: typ, Field: p, Err: err}
 			}
 		}
-		_, _ = d.Write(b)
+		return b, nil, "", nil
 	default:
-		b = append(b, kindRaw)
-		_, _ = d.Write(b)
-		_, _ = d.Write(payload)
+		return append(b, kindRaw), payload, "", nil
 	}
-	return d.Sum64(), nil
+}
+
+// fingerprintHex is the fingerprint a Dedup uses, as lock-key hex: 16 digits
+// of xxhash, or 32 of the keyed hash when Config.HashKey is set.
+func (d *Dedup) fingerprintHex(typ string, payload []byte, r *resolved) (string, error) {
+	if len(d.cfg.HashKey) > 0 {
+		fp, err := keyedFingerprint(d.cfg.HashKey, typ, payload, r)
+		if err != nil {
+			return "", err
+		}
+		return hex.EncodeToString(fp[:]), nil
+	}
+	fp, err := fingerprint(typ, payload, r)
+	if err != nil {
+		return "", err
+	}
+	var h [16]byte
+	hexUint64(h[:], fp)
+	return string(h[:]), nil
 }
 
 // Lock keys live in their queue's cluster hash slot, next to asynq's own
@@ -139,22 +190,22 @@ func hexUint64(dst []byte, v uint64) {
 // Task IDs chosen by the wrapper carry the fingerprint, so the middleware can
 // find a task's lock from its ID alone, however it is configured:
 //
-//	dd-<16 hex fingerprint>-<20 hex random>   locked by the wrapper
-//	dx-<20 hex random>                        opted out at enqueue
+//	dd-<16 or 32 hex fingerprint>-<20 hex random>   locked by the wrapper
+//	dx-<20 hex random>                              opted out at enqueue
 const (
 	lockedIDPrefix  = "dd-"
 	optOutIDPrefix  = "dx-"
-	lockedIDLen     = 3 + 16 + 1 + 20
 	randomHexDigits = 20
 )
 
-func newLockedID(fp uint64) string {
-	var b [lockedIDLen]byte
-	copy(b[:], lockedIDPrefix)
-	hexUint64(b[3:19], fp)
-	b[19] = '-'
-	randomHex(b[20:])
-	return string(b[:])
+func newLockedID(fpHex string) string {
+	b := make([]byte, 0, 3+len(fpHex)+1+randomHexDigits)
+	b = append(b, lockedIDPrefix...)
+	b = append(b, fpHex...)
+	b = append(b, '-')
+	var r [randomHexDigits]byte
+	randomHex(r[:])
+	return string(append(b, r[:]...))
 }
 
 func newOptOutID() string {
@@ -172,13 +223,14 @@ func randomHex(dst []byte) {
 
 // parseLockedID returns the fingerprint hex of a wrapper-chosen ID.
 func parseLockedID(id string) (fpHex string, ok bool) {
-	if len(id) != lockedIDLen || !strings.HasPrefix(id, lockedIDPrefix) || id[19] != '-' {
+	n := len(id) - len(lockedIDPrefix) - 1 - randomHexDigits
+	if (n != 16 && n != 32) || !strings.HasPrefix(id, lockedIDPrefix) || id[3+n] != '-' {
 		return "", false
 	}
-	for i := 3; i < lockedIDLen; i++ {
-		if i != 19 && unhex(id[i]) < 0 {
+	for i := 3; i < len(id); i++ {
+		if i != 3+n && unhex(id[i]) < 0 {
 			return "", false
 		}
 	}
-	return id[3:19], true
+	return id[3 : 3+n], true
 }

@@ -118,11 +118,11 @@ func (h *harness) keyOf(task *asynq.Task, q string, opts ...asynq.Option) string
 			}
 		}
 	}
-	fp, err := fingerprint(task.Type(), task.Payload(), &r)
+	fp, err := h.d.fingerprintHex(task.Type(), task.Payload(), &r)
 	if err != nil {
 		h.t.Fatal(err)
 	}
-	return lockKey(h.prefix, q, fp)
+	return lockKeyHex(h.prefix, q, fp)
 }
 
 // waitFor blocks until ch delivers or the test times out.

@@ -157,7 +157,7 @@ func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (*
 	if d.cfg.NoExecutionGuard || !d.active(&r) {
 		return nil, nil
 	}
-	fp, ferr := fingerprint(typ, t.Payload(), &r)
+	fp, ferr := d.fingerprintHex(typ, t.Payload(), &r)
 	if ferr != nil {
 		d.count(t.Type(), evUnguarded)
 		d.log.Warn("dedup: cannot key task at execution; running it unguarded", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", ferr))

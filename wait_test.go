@@ -157,7 +157,7 @@ func TestWaitResultUnknownTask(t *testing.T) {
 	h := newHarness(t, Config{})
 	h.enqueue(userTask(6, "")) // the queue exists
 	for _, c := range []struct{ queue, id string }{
-		{h.queue, newLockedID(42)},
+		{h.queue, newLockedID("000000000000002a")},
 		{h.queue, "no-such-task"},
 		{"no-such-queue-" + uniq(t), "x"},
 	} {
@@ -182,7 +182,7 @@ func TestWaitResultTaskNotStoredYet(t *testing.T) {
 	ctx := context.Background()
 	task := asynq.NewTask("wait:late", []byte("late"))
 	r := h.d.ruleFor(task.Type())
-	fpv, err := fingerprint(task.Type(), task.Payload(), &r)
+	fpv, err := h.d.fingerprintHex(task.Type(), task.Payload(), &r)
 	if err != nil {
 		t.Fatal(err)
 	}

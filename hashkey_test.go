@@ -1,0 +1,57 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/hibiken/asynq"
+)
+
+func TestKeyedHash(t *testing.T) {
+	h := newHarness(t, Config{HashKey: []byte("secret-1"), Rules: map[string]Rule{"user:reindex": {Fields: []string{"user_id"}}}})
+	info := h.enqueue(userTask(1, "a"))
+	fpHex, ok := parseLockedID(info.ID)
+	if !ok || len(fpHex) != 32 {
+		t.Fatalf("task ID %q does not carry a 128-bit fingerprint", info.ID)
+	}
+	key := h.keyOf(userTask(1, "b"), h.queue)
+	if !strings.HasSuffix(key, ":l:"+fpHex) || h.lockOwner(key) != info.ID {
+		t.Fatalf("lock %s not owned by %s", key, info.ID)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(userTask(1, "b"), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+		t.Fatalf("err = %v, want duplicate", err)
+	}
+	// Another secret gives other keys: the key space depends on the secret.
+	other := newHarnessOn(t, h.rdb, Config{Prefix: h.prefix, HashKey: []byte("secret-2"), Rules: map[string]Rule{"user:reindex": {Fields: []string{"user_id"}}}})
+	if k := other.keyOf(userTask(1, "a"), h.queue); k == key {
+		t.Fatal("two secrets, one key")
+	}
+	// The middleware finds the lock from the longer ID, and releases it.
+	done := make(chan struct{})
+	h.serve(func(context.Context, *asynq.Task) error { close(done); return nil }, nil)
+	waitFor(t, done, "run")
+	eventually(t, "released", func() bool { return h.lockOwner(key) == "" })
+}
+
+func TestParseLockedID(t *testing.T) {
+	for _, c := range []struct {
+		id string
+		ok bool
+	}{
+		{newLockedID("0123456789abcdef"), true},
+		{newLockedID("0123456789abcdef0123456789abcdef"), true},
+		{"dd-0123456789abcdef-0123456789abcdef012", false},  // random part short
+		{"dd-0123456789abcdeg-0123456789abcdef0123", false}, // not hex
+		{"dx-0123456789abcdef-0123456789abcdef0123", false}, // opted out
+		{"dd-0123456789abcdef00123456789abcdef0123", false}, // no separator
+		{"dd-0123456789abcde-f0123456789abcdef0123", false}, // separator misplaced
+		{"user-chosen", false},
+	} {
+		if _, ok := parseLockedID(c.id); ok != c.ok {
+			t.Errorf("parseLockedID(%q) ok = %v, want %v", c.id, ok, c.ok)
+		}
+	}
+}
