@@ -159,8 +159,8 @@ func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (*
 	}
 	fp, ferr := d.fingerprintHex(typ, t.Payload(), &r)
 	if ferr != nil {
-		d.count(t.Type(), evUnguarded)
 		d.log.Warn("dedup: cannot key task at execution; running it unguarded", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", ferr))
+		d.count(t.Type(), evUnguarded)
 		return nil, nil
 	}
 	return d.newRef(queue, fp, id, typ, false), nil

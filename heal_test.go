@@ -1,0 +1,165 @@
+package dedup
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// A lock whose owner task no longer exists in asynq, or is done, must not
+// block the key: each way a task can vanish is healed at the next enqueue.
+func TestOrphanedLockHealsEveryWay(t *testing.T) {
+	cases := []struct {
+		name   string
+		vanish func(h *harness, id string)
+	}{
+		{"deleted through the Inspector", func(h *harness, id string) {
+			if err := h.insp.DeleteTask(h.queue, id); err != nil {
+				h.t.Fatal(err)
+			}
+		}},
+		{"queue deleted", func(h *harness, id string) {
+			if err := h.insp.DeleteQueue(h.queue, true); err != nil {
+				h.t.Fatal(err)
+			}
+		}},
+		{"archived by hand", func(h *harness, id string) {
+			if err := h.insp.ArchiveTask(h.queue, id); err != nil {
+				h.t.Fatal(err)
+			}
+		}},
+		{"completed, lock left behind", func(h *harness, id string) {
+			// As if the release was lost: asynq completed the task, the lock stayed.
+			ctx := context.Background()
+			if err := h.rdb.HSet(ctx, asynqTaskKeyPrefix(h.queue)+id, "state", "completed").Err(); err != nil {
+				h.t.Fatal(err)
+			}
+		}},
+		{"lost (record gone)", func(h *harness, id string) {
+			if err := h.rdb.Del(context.Background(), asynqTaskKeyPrefix(h.queue)+id).Err(); err != nil {
+				h.t.Fatal(err)
+			}
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, Config{})
+			task := userTask(1, "")
+			key := h.keyOf(task, h.queue)
+			first := h.enqueue(task)
+			c.vanish(h, first.ID)
+			h.ageLock(key)
+			second, err := h.client.Enqueue(task, asynq.Queue(h.queue))
+			if err != nil {
+				t.Fatalf("enqueue after the owner vanished: %v", err)
+			}
+			if owner := h.lockOwner(key); owner != second.ID {
+				t.Fatalf("lock owner %q, want the new task %q", owner, second.ID)
+			}
+		})
+	}
+}
+
+func TestRequirePassPassesThrough(t *testing.T) {
+	needRealRedis(t)
+	p, err := spawnRedis("", "--requirepass", "s3cret")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.kill()
+	noauth := redis.NewClient(&redis.Options{Addr: p.addr, MaxRetries: -1})
+	defer noauth.Close()
+	_, err = New(context.Background(), noauth, Config{ConnectAttempts: 1, Logger: quietLogger()})
+	if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "NOAUTH") {
+		t.Fatalf("without the password: err = %v, want ErrUnavailable wrapping NOAUTH", err)
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: p.addr, Password: "s3cret"})
+	defer rdb.Close()
+	h := newHarnessOn(t, rdb, Config{})
+	info := h.enqueue(userTask(1, ""))
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+		t.Fatalf("with the password: err = %v", err)
+	}
+}
+
+func TestWarnsWhenLocksCanBeEvicted(t *testing.T) {
+	needRealRedis(t)
+	p, err := spawnRedis("", "--maxmemory-policy", "allkeys-lru")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.kill()
+	rdb := redis.NewClient(&redis.Options{Addr: p.addr})
+	defer rdb.Close()
+	var buf bytes.Buffer
+	d, err := New(context.Background(), rdb, Config{Logger: slog.New(slog.NewTextHandler(&buf, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if !strings.Contains(buf.String(), "maxmemory-policy=allkeys-lru") {
+		t.Fatalf("no eviction warning; log: %s", buf.String())
+	}
+	buf.Reset()
+	d2, err := New(context.Background(), newRDB(t), Config{Logger: slog.New(slog.NewTextHandler(&buf, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d2.Close()
+	if realRedisAddr != "" && strings.Contains(buf.String(), "maxmemory") {
+		t.Fatalf("warned under noeviction: %s", buf.String())
+	}
+}
+
+// Logs and errors name types, fields and task IDs, never payload contents.
+func TestNoPayloadInLogsOrErrors(t *testing.T) {
+	var buf syncBuffer
+	logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	h := newHarness(t, Config{Logger: logger, Rules: map[string]Rule{"secret": {Fields: []string{"user_id"}}}})
+	const secret = "hunter2-card-4111"
+	payload := []byte(`{"password":"` + secret + `"}`) // user_id missing
+	_, err := h.client.Enqueue(asynq.NewTask("secret", payload), asynq.Queue(h.queue))
+	if !errors.Is(err, ErrFieldMissing) || strings.Contains(err.Error(), secret) {
+		t.Fatalf("err = %v", err)
+	}
+	// The same payload reaching the server past the wrapper: logged as unguarded.
+	done := make(chan struct{})
+	h.serve(func(context.Context, *asynq.Task) error { close(done); return nil }, nil)
+	if _, err := h.asynq.Enqueue(asynq.NewTask("secret", payload), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, done, "run")
+	eventually(t, "unguarded logged", func() bool { return h.d.Stats().Unguarded == 1 }) // counted after logging
+	if strings.Contains(buf.String(), secret) {
+		t.Fatalf("payload in the log: %s", buf.String())
+	}
+	if !strings.Contains(buf.String(), "unguarded") {
+		t.Fatalf("expected an unguarded warning, log: %s", buf.String())
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger and a test to share.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
