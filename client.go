@@ -125,9 +125,13 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 		pass = append(pass, o)
 	}
 	if !d.active(&r) {
+		// Mark the task so the execution-time guard leaves it alone: in its ID,
+		// or for a caller-chosen ID with an opt-out mark where the middleware
+		// looks for its lock.
 		if callerID == "" {
-			// Mark the task so the execution-time guard leaves it alone.
 			pass = append(pass, asynq.TaskID(newOptOutID()))
+		} else if err := c.markOptOut(ctx, queue, explicitQueue, callerID, typ, &r, processAt); err != nil {
+			return Result{}, err
 		}
 		return created(c.next.EnqueueContext(ctx, task, pass...))
 	}
@@ -164,7 +168,7 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 	if r.running == RunningDefer {
 		args.followID = newLockedID(fp)
 	}
-	locked := true
+	locked, self := true, false
 	var backoff, reserved int
 	for merges := 0; ; {
 		rep, err := d.acquire(ctx, ref, args)
@@ -176,7 +180,9 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 			break
 		}
 		switch rep.status {
-		case statusTaken, statusSelf:
+		case statusTaken:
+		case statusSelf:
+			self = true // the caller's ID already holds the key: not this call's lock to give back
 		case statusHeld:
 			d.count(typ, evDuplicate)
 			return Result{}, &DuplicateTaskError{TaskID: rep.str(0), Queue: queue, Type: typ, Key: ref.key}
@@ -254,8 +260,8 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 
 	info, err := c.next.EnqueueContext(ctx, task, pass...)
 	if err != nil {
-		if !locked {
-			return Result{}, err
+		if !locked || self {
+			return Result{}, fmt.Errorf("dedup: enqueue %q: %w", typ, err)
 		}
 		return created(c.rollback(ctx, task, ref, err))
 	}
@@ -265,10 +271,11 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 	if !locked {
 		return created(info, nil)
 	}
-	d.count(typ, evLocked)
 	if info.Queue != queue {
+		// Relocation only moves this task's lock: no policy folds into others.
 		return created(c.relocate(ctx, task, ref, info, acquireArgs{ttl: waitTTL(d.ttlOf(&r), info.NextProcessAt), running: r.running}))
 	}
+	d.count(typ, evLocked)
 	if processAt.IsZero() && info.State == asynq.TaskStateScheduled {
 		// Scheduled through asynq.NewTask options: cover the delay too.
 		if _, err := d.extend(context.WithoutCancel(ctx), ref, "", waitTTL(d.ttlOf(&r), info.NextProcessAt)); err != nil {
@@ -360,7 +367,7 @@ func (c *Client) relocate(ctx context.Context, task *asynq.Task, old *lockRef, i
 	if old.idx != "" {
 		nr.idx = indexKey(d.cfg.Prefix, info.Queue, old.id)
 	}
-	rep, err := d.acquire(ctx, nr, args)
+	rep, err := d.acquire(ctx, nr, args) // Reject policy, no follow-up ID: it takes or names a holder
 	st, holder := rep.status, rep.str(0)
 	if _, uerr := d.unlock(ctx, old); uerr != nil {
 		d.count(task.Type(), evRedisError)
@@ -369,8 +376,9 @@ func (c *Client) relocate(ctx context.Context, task *asynq.Task, old *lockRef, i
 	case err != nil:
 		d.count(task.Type(), evRedisError)
 		d.log.Warn("dedup: could not move a lock to the task's queue; the execution-time guard will lock it", slog.String("type", task.Type()), slog.Any("error", err))
-		return info, nil
-	case st == statusHeld:
+	case st == statusTaken || st == statusSelf:
+		d.count(task.Type(), evLocked)
+	case st == statusHeld || st == statusReserved:
 		// Our task duplicates one already in that queue: take it back out.
 		if derr := d.insp.DeleteTask(info.Queue, info.ID); derr != nil {
 			d.log.Warn("dedup: duplicate landed in another queue and could not be removed; the execution-time guard will hold it back", slog.String("type", task.Type()), slog.String("task_id", info.ID), slog.Any("error", derr))
@@ -378,6 +386,45 @@ func (c *Client) relocate(ctx context.Context, task *asynq.Task, old *lockRef, i
 		}
 		d.count(task.Type(), evDuplicate)
 		return nil, &DuplicateTaskError{TaskID: holder, Queue: info.Queue, Type: task.Type(), Key: nr.key}
+	default:
+		d.log.Warn("dedup: unexpected reply moving a lock; the execution-time guard will lock the task", slog.String("type", task.Type()), slog.Int64("status", st))
 	}
 	return info, nil
+}
+
+// optOutMark is the index value that marks a caller-chosen task ID as opted
+// out (fingerprints are hex, so it cannot be one).
+const optOutMark = "-"
+
+// optOutMarkTTL is how long that mark lasts at least: tasks that wait longer
+// than it are treated as arriving without a lock.
+const optOutMarkTTL = 24 * time.Hour
+
+// markOptOut records that the caller-chosen task ID opted out, so the
+// middleware does not lock it at execution.
+func (c *Client) markOptOut(ctx context.Context, queue string, explicit bool, id, typ string, r *resolved, processAt time.Time) error {
+	d := c.d
+	if !explicit {
+		if q, ok := d.queues.Load(typ); ok {
+			queue = q.(string)
+		} else {
+			queue = "default"
+		}
+	}
+	ttl := waitTTL(max(d.ttlOf(r), optOutMarkTTL), processAt)
+	if !d.br.allow() {
+		return unavailable("opt-out mark", ErrCircuitOpen)
+	}
+	lctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	err := d.rdb.Set(lctx, indexKey(d.cfg.Prefix, queue, id), optOutMark, ttl).Err()
+	d.br.record(ctx, err)
+	if err != nil {
+		d.count(typ, evRedisError)
+		if d.cfg.FailOpen {
+			return nil // the guard may lock it at execution: the safe side
+		}
+		return unavailable("opt-out mark", err)
+	}
+	return nil
 }

@@ -83,6 +83,15 @@ type Config struct {
 	// CLI). Default false: such tasks take a lock when they start.
 	NoExecutionGuard bool
 
+	// BreakerThreshold is how many consecutive Redis failures open the
+	// circuit breaker, after which lock calls fail at once (ErrCircuitOpen)
+	// until a probe succeeds. Default 5; negative disables the breaker.
+	BreakerThreshold int
+
+	// BreakerBackoff spaces the probes while the breaker is open. Default:
+	// 500 ms doubling to 30 s, with full jitter (never below Min).
+	BreakerBackoff Backoff
+
 	// ConnectAttempts bounds the PINGs New makes before giving up (the
 	// context bounds them too). Default 5.
 	ConnectAttempts int
@@ -185,6 +194,12 @@ func (c *Config) withDefaults() (Config, error) {
 	}
 	if cfg.ConnectBackoff == (Backoff{}) {
 		cfg.ConnectBackoff = Backoff{Min: 100 * time.Millisecond, Max: 5 * time.Second}
+	}
+	if cfg.BreakerThreshold == 0 {
+		cfg.BreakerThreshold = 5
+	}
+	if cfg.BreakerBackoff == (Backoff{}) {
+		cfg.BreakerBackoff = Backoff{Min: 500 * time.Millisecond, Max: 30 * time.Second}
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

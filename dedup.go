@@ -21,6 +21,7 @@ type Dedup struct {
 	log   *slog.Logger
 	insp  *asynq.Inspector
 	hb    *heartbeater
+	br    *breaker
 	stats metrics
 
 	// queues remembers, per task type, the queue its tasks landed in when the
@@ -59,6 +60,7 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 		insp:  asynq.NewInspectorFromRedisClient(rdb),
 	}
 	d.hb = newHeartbeater(d, c.Lease/3)
+	d.br = &breaker{threshold: c.BreakerThreshold, backoff: c.BreakerBackoff, log: c.Logger, onOpen: func() { d.count("", evBreakerOpen) }}
 	lctx, cancel := context.WithTimeout(ctx, c.LockTimeout)
 	defer cancel()
 	for _, s := range allScripts {
@@ -171,8 +173,6 @@ func asynqPrefix(queue string) string { return "asynq:{" + queue + "}:" }
 func (d *Dedup) dedupPrefix(queue string) string { return d.cfg.Prefix + ":{" + queue + "}:" }
 
 func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, error) {
-	ctx, cancel := d.lockCtx(ctx)
-	defer cancel()
 	policy := "x"
 	switch a.conflict {
 	case Replace:
@@ -180,9 +180,9 @@ func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, 
 	case Merge:
 		policy = "m"
 	}
-	v, err := acquireScript.Run(ctx, d.rdb, r.keys(), r.id, ms(a.ttl), r.typ,
+	v, err := d.run(ctx, acquireScript, r.keys(), r.id, ms(a.ttl), r.typ,
 		asynqPrefix(r.queue), d.dedupPrefix(r.queue), d.graceSeconds(), r.fpHex,
-		policy, a.running.code(), a.payload, a.followID, a.max, d.parkSeconds()).Result()
+		policy, a.running.code(), a.payload, a.followID, a.max, d.parkSeconds())
 	if err != nil {
 		return reply{}, err
 	}
@@ -192,9 +192,7 @@ func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, 
 // coalesce writes a merged payload into target if the lock's version is
 // still ver. It reports whether it wrote, and the target's asynq state.
 func (d *Dedup) coalesce(ctx context.Context, r *lockRef, target, ver string, payload []byte) (bool, string, error) {
-	ctx, cancel := d.lockCtx(ctx)
-	defer cancel()
-	v, err := coalesceScript.Run(ctx, d.rdb, []string{r.key}, target, ver, payload, asynqPrefix(r.queue)).Result()
+	v, err := d.run(ctx, coalesceScript, []string{r.key}, target, ver, payload, asynqPrefix(r.queue))
 	if err != nil {
 		return false, "", err
 	}
@@ -208,11 +206,11 @@ func (d *Dedup) coalesce(ctx context.Context, r *lockRef, target, ver string, pa
 	return rep.status == 1, rep.str(0), nil
 }
 
-func (d *Dedup) start(ctx context.Context, r *lockRef, token string) (int64, string, error) {
-	ctx, cancel := d.lockCtx(ctx)
-	defer cancel()
-	v, err := startScript.Run(ctx, d.rdb, r.keys(), r.id, token, ms(d.cfg.Lease), r.typ,
-		asynqPrefix(r.queue), d.dedupPrefix(r.queue), d.graceSeconds(), r.fpHex).Result()
+// start makes this attempt the lock's running owner; running is the policy
+// recorded if start has to create the lock (it was lost or never taken).
+func (d *Dedup) start(ctx context.Context, r *lockRef, token string, running Running) (int64, string, error) {
+	v, err := d.run(ctx, startScript, r.keys(), r.id, token, ms(d.cfg.Lease), r.typ,
+		asynqPrefix(r.queue), d.dedupPrefix(r.queue), d.graceSeconds(), r.fpHex, running.code())
 	if err != nil {
 		return 0, "", err
 	}
@@ -222,9 +220,7 @@ func (d *Dedup) start(ctx context.Context, r *lockRef, token string) (int64, str
 // extend renews the lock if (task ID, token) still owns it; token "" means
 // the waiting lock.
 func (d *Dedup) extend(ctx context.Context, r *lockRef, token string, ttl time.Duration) (bool, error) {
-	ctx, cancel := d.lockCtx(ctx)
-	defer cancel()
-	v, err := extendScript.Run(ctx, d.rdb, r.keys(), r.id, token, ms(ttl), asynqPrefix(r.queue), d.parkSeconds()).Result()
+	v, err := d.run(ctx, extendScript, r.keys(), r.id, token, ms(ttl), asynqPrefix(r.queue), d.parkSeconds(), d.dedupPrefix(r.queue), r.fpHex)
 	if err != nil {
 		return false, err
 	}
@@ -235,14 +231,12 @@ func (d *Dedup) extend(ctx context.Context, r *lockRef, token string, ttl time.D
 // a retry. It reports whether the attempt still owned the lock, and the
 // follow-up that now holds it, if one was released.
 func (d *Dedup) finish(ctx context.Context, r *lockRef, token string, release bool, hold, followTTL time.Duration) (bool, string, error) {
-	ctx, cancel := d.lockCtx(ctx)
-	defer cancel()
 	mode := "hold"
 	if release {
 		mode = "release"
 	}
-	v, err := finishScript.Run(ctx, d.rdb, r.keys(), r.id, token, mode, ms(hold),
-		asynqPrefix(r.queue), ms(followTTL), d.parkSeconds()).Result()
+	v, err := d.run(ctx, finishScript, r.keys(), r.id, token, mode, ms(hold),
+		asynqPrefix(r.queue), ms(followTTL), d.parkSeconds(), d.dedupPrefix(r.queue), r.fpHex)
 	if err != nil {
 		return false, "", err
 	}
@@ -251,9 +245,7 @@ func (d *Dedup) finish(ctx context.Context, r *lockRef, token string, release bo
 }
 
 func (d *Dedup) unlock(ctx context.Context, r *lockRef) (bool, error) {
-	ctx, cancel := d.lockCtx(ctx)
-	defer cancel()
-	v, err := unlockScript.Run(ctx, d.rdb, r.keys(), r.id, d.dedupPrefix(r.queue), r.typ, r.fpHex).Result()
+	v, err := d.run(ctx, unlockScript, r.keys(), r.id, d.dedupPrefix(r.queue), r.typ, r.fpHex)
 	if err != nil {
 		return false, err
 	}

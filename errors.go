@@ -32,6 +32,12 @@ var (
 	// operation (fail-closed) or at start-up. It wraps the Redis error.
 	ErrUnavailable = errors.New("dedup: redis unavailable")
 
+	// ErrCircuitOpen is the cause of a lock call refused without asking
+	// Redis, because Redis kept failing (see Config.BreakerThreshold). It is
+	// handled like any Redis error: wrapped in ErrUnavailable (fail-closed)
+	// or let through (fail-open).
+	ErrCircuitOpen = errors.New("dedup: circuit open: redis keeps failing")
+
 	// ErrKeyBusy is returned by the middleware when a task arrives whose key
 	// is held by another live task (the execution-time guard). asynq retries
 	// it later; pass IsFailure to asynq.Config so that doesn't use up retries.

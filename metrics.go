@@ -16,22 +16,23 @@ import (
 type event int
 
 const (
-	evLocked     event = iota // enqueue took a lock
-	evDuplicate               // enqueue rejected as a duplicate
-	evRollback                // lock given back after asynq refused an enqueue
-	evStarted                 // attempt ran holding its lock
-	evBusy                    // attempt deferred or skipped by the execution-time guard
-	evReleased                // lock released
-	evHeld                    // lock kept across a retry
-	evLockLost                // running attempt found its lock gone
-	evRedisError              // failed lock call
-	evFailOpen                // call went on without a lock
-	evUnguarded               // attempt ran unlocked: key not computable at execution
-	evCoalesced               // enqueue replaced the payload of the waiting task (Replace)
-	evMerged                  // enqueue merged into the waiting task's payload (Merge)
-	evDeferred                // enqueue folded into the follow-up of a running key (Defer)
-	evOverBound               // enqueue of a new key refused: too many keys waiting (MaxPending)
-	evProcessed               // attempt finished (any outcome) holding its lock
+	evLocked      event = iota // enqueue took a lock
+	evDuplicate                // enqueue rejected as a duplicate
+	evRollback                 // lock given back after asynq refused an enqueue
+	evStarted                  // attempt ran holding its lock
+	evBusy                     // attempt deferred or skipped by the execution-time guard
+	evReleased                 // lock released
+	evHeld                     // lock kept across a retry
+	evLockLost                 // running attempt found its lock gone
+	evRedisError               // failed lock call
+	evFailOpen                 // call went on without a lock
+	evUnguarded                // attempt ran unlocked: key not computable at execution
+	evCoalesced                // enqueue replaced the payload of the waiting task (Replace)
+	evMerged                   // enqueue merged into the waiting task's payload (Merge)
+	evDeferred                 // enqueue folded into the follow-up of a running key (Defer)
+	evOverBound                // enqueue of a new key refused: too many keys waiting (MaxPending)
+	evProcessed                // attempt finished (any outcome) holding its lock
+	evBreakerOpen              // circuit breaker opened (counted under type "")
 	numEvents
 )
 
@@ -39,22 +40,23 @@ const (
 // hashes in Redis (ReadStats), the keys of Stats.Map and the "event" label
 // of the Prometheus collector. Never rename one: flushed totals would split.
 var eventNames = [numEvents]string{
-	evLocked:     "locked",
-	evDuplicate:  "duplicate",
-	evRollback:   "rollback",
-	evStarted:    "started",
-	evBusy:       "busy",
-	evReleased:   "released",
-	evHeld:       "held",
-	evLockLost:   "lock_lost",
-	evRedisError: "redis_error",
-	evFailOpen:   "fail_open",
-	evUnguarded:  "unguarded",
-	evCoalesced:  "coalesced",
-	evMerged:     "merged",
-	evDeferred:   "deferred",
-	evOverBound:  "over_bound",
-	evProcessed:  "processed",
+	evLocked:      "locked",
+	evDuplicate:   "duplicate",
+	evRollback:    "rollback",
+	evStarted:     "started",
+	evBusy:        "busy",
+	evReleased:    "released",
+	evHeld:        "held",
+	evLockLost:    "lock_lost",
+	evRedisError:  "redis_error",
+	evFailOpen:    "fail_open",
+	evUnguarded:   "unguarded",
+	evCoalesced:   "coalesced",
+	evMerged:      "merged",
+	evDeferred:    "deferred",
+	evOverBound:   "over_bound",
+	evProcessed:   "processed",
+	evBreakerOpen: "breaker_open",
 }
 
 // eventByName maps a name of eventNames back to its event.
@@ -85,6 +87,7 @@ type Stats struct {
 	Deferred    uint64 // enqueues folded into the follow-up of a running key, Defer ("deferred")
 	OverBound   uint64 // new keys refused because MaxPending keys were waiting ("over_bound")
 	Processed   uint64 // attempts that finished holding their lock ("processed")
+	BreakerOpen uint64 // times the circuit breaker opened ("breaker_open")
 }
 
 // field returns the counter of s that counts e.
@@ -122,6 +125,8 @@ func (s *Stats) field(e event) *uint64 {
 		return &s.OverBound
 	case evProcessed:
 		return &s.Processed
+	case evBreakerOpen:
+		return &s.BreakerOpen
 	}
 	panic(fmt.Sprintf("dedup: unknown event %d", e))
 }
@@ -129,7 +134,8 @@ func (s *Stats) field(e event) *uint64 {
 // EventNames returns the names of the counters of Stats, in the order of
 // its fields: "locked", "duplicate", "rollback", "started", "busy",
 // "released", "held", "lock_lost", "redis_error", "fail_open", "unguarded",
-// "coalesced", "merged", "deferred", "over_bound", "processed". They are the
+// "coalesced", "merged", "deferred", "over_bound", "processed",
+// "breaker_open". They are the
 // keys of Stats.Map, the fields of the stats hashes in Redis and the "event"
 // label of the Prometheus collector (package dedupprom).
 func EventNames() []string {

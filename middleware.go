@@ -60,7 +60,8 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return next.ProcessTask(ctx, t)
 	}
 	token := newToken()
-	st, holder, err := d.start(ctx, ref, token)
+	rule := d.ruleFor(t.Type())
+	st, holder, err := d.start(ctx, ref, token, rule.running)
 	if err != nil {
 		if d.onRedisError(ctx, "start", t.Type(), err) {
 			return next.ProcessTask(ctx, t)
@@ -107,7 +108,10 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, ref *lockRef, token s
 	if err != nil && !errors.Is(err, asynq.RevokeTask) && !errors.Is(err, asynq.SkipRetry) {
 		n, _ := asynq.GetRetryCount(ctx)
 		max, _ := asynq.GetMaxRetry(ctx)
-		if n < max {
+		// A context cancelled before its deadline means asynq gave the task up
+		// (shutdown puts it back in the queue, retries unchanged) or expired its
+		// lease: it may run again even if this was the last retry, so hold.
+		if n < max || errors.Is(ctx.Err(), context.Canceled) {
 			release = false
 			hold = d.cfg.RetryDelayFunc(n, err, t) + d.ttlOf(&r)
 		}
@@ -143,10 +147,10 @@ func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (*
 		return nil, nil
 	}
 	// A caller-chosen ID: the wrapper left an index to its lock.
-	lctx, cancel := d.lockCtx(ctx)
-	fpHex, err := d.rdb.Get(lctx, indexKey(d.cfg.Prefix, queue, id)).Result()
-	cancel()
+	fpHex, err := d.get(ctx, indexKey(d.cfg.Prefix, queue, id))
 	switch {
+	case err == nil && fpHex == optOutMark:
+		return nil, nil // enqueued with Skip under a caller-chosen ID
 	case err == nil:
 		return &lockRef{queue: queue, key: lockKeyHex(d.cfg.Prefix, queue, fpHex), idx: indexKey(d.cfg.Prefix, queue, id), fpHex: fpHex, id: id, typ: typ}, nil
 	case !errors.Is(err, redis.Nil):

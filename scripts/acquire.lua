@@ -28,11 +28,34 @@
 --        {-1, reason}               asynq's task record is not what this expects
 --
 -- The follow-up of a running task is a copy of its asynq record with the new
--- payload and a fresh ID, parked in asynq's scheduled set; the heartbeat
--- keeps it parked and the end of the run releases it (finish). If the worker
--- dies it comes due by itself: the owed work is never lost.
-local now, now_ms = now_parts()
+-- payload and a fresh ID (no retries used, no absolute deadline), parked in
+-- asynq's scheduled set; the heartbeat keeps it parked and the end of the
+-- run releases it (finish). A pointer <prefix>:{<queue>}:f:<fingerprint>
+-- outlives the running lease by the parking time, so if the worker dies the
+-- key's next enqueue still folds into the follow-up (and releases it), and
+-- otherwise the follow-up comes due by itself: the owed work is never lost.
+local now, now_ms, now_ns = now_parts()
 local tprefix = ARGV[4] .. 't:'
+local fkey = ARGV[5] .. 'f:' .. ARGV[7]
+
+-- adopt makes the waiting follow-up f the lock's owner, released to the
+-- pending list if it is still parked, and returns its state.
+local function adopt(f, fstate)
+  if fstate == 'scheduled' then
+    redis.call('ZREM', ARGV[4] .. 'scheduled', f)
+    redis.call('LPUSH', ARGV[4] .. 'pending', f)
+    redis.call('HSET', tprefix .. f, 'state', 'pending', 'pending_since', now_ns)
+    fstate = 'pending'
+  end
+  redis.call('DEL', fkey)
+  redis.call('HDEL', KEYS[1], 'tok', 'f')
+  redis.call('HSET', KEYS[1], 'id', f, 'ty', ARGV[3], 'c', now)
+  if ARGV[9] ~= 'x' then
+    redis.call('HSET', KEYS[1], 'rp', ARGV[9])
+  end
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return fstate
+end
 local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'tok', 'f', 'rp', 'v')
 local holder = rec[1]
 
@@ -73,20 +96,16 @@ if holder then
     end
     local f = rec[4]
     local fstate = f and redis.call('HGET', tprefix .. f, 'state')
-    if fstate == 'scheduled' then
-      -- The holder is gone but owed a follow-up: release it now.
-      redis.call('ZREM', ARGV[4] .. 'scheduled', f)
-      redis.call('LPUSH', ARGV[4] .. 'pending', f)
-      redis.call('HSET', tprefix .. f, 'state', 'pending')
+    if waiting(fstate) then
+      -- The holder is gone but owed a follow-up: that becomes the holder.
       redis.call('DEL', ARGV[5] .. 'i:' .. holder)
-      redis.call('HDEL', KEYS[1], 'tok', 'f', 'b')
-      redis.call('HSET', KEYS[1], 'id', f, 'c', now)
-      redis.call('PEXPIRE', KEYS[1], ARGV[2])
-      rec[4] = false
-      return coalesce(f, 'pending')
+      rec[6] = redis.call('HGET', KEYS[1], 'v')
+      return coalesce(f, adopt(f, fstate))
     end
     redis.call('DEL', KEYS[1], ARGV[5] .. 'i:' .. holder)
-    redis.call('ZREM', ARGV[5] .. 'w:' .. ARGV[3], ARGV[7])
+    if redis.call('HGET', KEYS[1], 'b') then
+      redis.call('ZREM', ARGV[5] .. 'w:' .. ARGV[3], ARGV[7])
+    end
     rec = {false, false, false, false, false, false}
     holder = false
   else
@@ -99,20 +118,33 @@ if holder then
     end
     if rec[3] or not waiting(state) then
       -- running
-      if rec[5] ~= 'd' or f then
+      if rec[5] ~= 'd' or f or ARGV[11] == '' then
         return {0, holder}
       end
       local msg = redis.call('HGET', tprefix .. holder, 'msg')
-      local copy = msg and pb_rewrite(msg, {[2] = ARGV[10], [3] = ARGV[11], [6] = false, [7] = false, [11] = false, [13] = false})
+      local copy = msg and pb_rewrite(msg, {[2] = ARGV[10], [3] = ARGV[11], [6] = false, [7] = false, [9] = false, [11] = false, [13] = false})
       if not copy then return {-1, 'malformed task message'} end
+      local park = tonumber(ARGV[13])
       redis.call('HSET', tprefix .. ARGV[11], 'msg', copy, 'state', 'scheduled')
-      redis.call('ZADD', ARGV[4] .. 'scheduled', now + tonumber(ARGV[13]), ARGV[11])
+      redis.call('ZADD', ARGV[4] .. 'scheduled', now + park, ARGV[11])
+      redis.call('SET', fkey, ARGV[11], 'PX', park * 1000)
       redis.call('HSET', KEYS[1], 'f', ARGV[11])
       redis.call('HINCRBY', KEYS[1], 'n', 1)
       return {5, ARGV[11]}
     end
     return coalesce(holder, state)
   end
+end
+
+-- No live lock. A follow-up whose run died may still be owed for this key.
+local orphan = redis.call('GET', fkey)
+if orphan then
+  local fstate = redis.call('HGET', tprefix .. orphan, 'state')
+  if waiting(fstate) then
+    rec = {orphan, false, false, false, false, false}
+    return coalesce(orphan, adopt(orphan, fstate))
+  end
+  redis.call('DEL', fkey)
 end
 
 local max = tonumber(ARGV[12])

@@ -9,6 +9,8 @@
 -- ARGV[3]  lifetime, integer milliseconds
 -- ARGV[4]  asynq key prefix    asynq:{<queue>}:
 -- ARGV[5]  how long a follow-up stays parked from now, integer seconds
+-- ARGV[6]  dedup key prefix    <prefix>:{<queue>}:
+-- ARGV[7]  fingerprint hex
 --
 -- Reply: 1 renewed; 0 the lock is gone or belongs to another task or attempt
 --
@@ -24,5 +26,6 @@ end
 if rec[3] then
   local now = now_parts()
   redis.call('ZADD', ARGV[4] .. 'scheduled', 'XX', now + tonumber(ARGV[5]), rec[3])
+  redis.call('PEXPIRE', ARGV[6] .. 'f:' .. ARGV[7], tonumber(ARGV[5]) * 1000)
 end
 return 1

@@ -9,6 +9,8 @@
 -- ARGV[5]  asynq key prefix    asynq:{<queue>}:
 -- ARGV[6]  lock lifetime for a released follow-up, integer milliseconds
 -- ARGV[7]  how long a follow-up stays parked without a heartbeat, integer seconds
+-- ARGV[8]  dedup key prefix    <prefix>:{<queue>}:
+-- ARGV[9]  fingerprint hex
 --
 -- Reply: {1, ''}        released (or held)
 --        {1, followup}  released to the owed follow-up task, now pending and the lock's owner
@@ -23,12 +25,16 @@ if ARGV[3] == 'release' then
     redis.call('DEL', KEYS[2])
   end
   if f then
+    redis.call('DEL', ARGV[8] .. 'f:' .. ARGV[9])
     local tkey = ARGV[5] .. 't:' .. f
-    if redis.call('HGET', tkey, 'state') == 'scheduled' then
+    local state = redis.call('HGET', tkey, 'state')
+    if waiting(state) then
       local now, _, ns = now_parts()
-      redis.call('ZREM', ARGV[5] .. 'scheduled', f)
-      redis.call('LPUSH', ARGV[5] .. 'pending', f)
-      redis.call('HSET', tkey, 'state', 'pending', 'pending_since', ns)
+      if state == 'scheduled' then
+        redis.call('ZREM', ARGV[5] .. 'scheduled', f)
+        redis.call('LPUSH', ARGV[5] .. 'pending', f)
+        redis.call('HSET', tkey, 'state', 'pending', 'pending_since', ns)
+      end
       redis.call('HDEL', KEYS[1], 'tok', 'f')
       redis.call('HSET', KEYS[1], 'id', f, 'c', now)
       redis.call('PEXPIRE', KEYS[1], ARGV[6])
@@ -48,5 +54,6 @@ if f then
   local now = now_parts()
   local hold_s = (ARGV[4] - ARGV[4] % 1000) / 1000
   redis.call('ZADD', ARGV[5] .. 'scheduled', 'XX', now + hold_s + tonumber(ARGV[7]), f)
+  redis.call('PEXPIRE', ARGV[8] .. 'f:' .. ARGV[9], (hold_s + tonumber(ARGV[7])) * 1000)
 end
 return {1, ''}

@@ -10,6 +10,7 @@
 -- ARGV[6]  dedup key prefix    <prefix>:{<queue>}:
 -- ARGV[7]  heal grace, integer seconds
 -- ARGV[8]  fingerprint hex
+-- ARGV[9]  running policy ('x' reject, 'a' allow, 'd' defer) recorded if this creates the lock
 --
 -- Reply: {1, ARGV[1]}  this attempt holds the lock (taken, or already the task's)
 --        {0, holder}   held by another live task: the attempt must not run
@@ -41,7 +42,10 @@ if rec[4] then
   redis.call('ZREM', ARGV[6] .. 'w:' .. ARGV[4], ARGV[8])
   redis.call('HDEL', KEYS[1], 'b')
 end
-if rec[3] == 'a' then
+if holder and redis.call('GET', ARGV[6] .. 'f:' .. ARGV[8]) == ARGV[1] then
+  redis.call('DEL', ARGV[6] .. 'f:' .. ARGV[8]) -- the follow-up is running: no longer owed
+end
+if rec[3] == 'a' or (not holder and ARGV[9] == 'a') then
   redis.call('DEL', KEYS[1])
   if KEYS[2] then
     redis.call('DEL', KEYS[2])
@@ -49,7 +53,13 @@ if rec[3] == 'a' then
   return {9, ARGV[1]}
 end
 if not holder then
+  if redis.call('GET', ARGV[6] .. 'f:' .. ARGV[8]) == ARGV[1] then
+    redis.call('DEL', ARGV[6] .. 'f:' .. ARGV[8])
+  end
   redis.call('HSET', KEYS[1], 'id', ARGV[1], 'ty', ARGV[4], 'c', now)
+  if ARGV[9] ~= 'x' then
+    redis.call('HSET', KEYS[1], 'rp', ARGV[9])
+  end
 end
 redis.call('HSET', KEYS[1], 'tok', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])

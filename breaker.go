@@ -1,0 +1,155 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Circuit breaker: while Redis stays down, lock calls must not each wait out
+// LockTimeout. After BreakerThreshold consecutive failures the breaker opens
+// and calls fail at once with ErrCircuitOpen (handled like any Redis error:
+// fail-closed or fail-open); after a backoff one call goes through as a
+// probe; its success closes the breaker, its failure reopens it for longer.
+
+// BreakerState is the circuit breaker's state.
+type BreakerState int
+
+const (
+	// BreakerClosed: lock calls go to Redis.
+	BreakerClosed BreakerState = iota
+	// BreakerOpen: lock calls fail at once with ErrCircuitOpen.
+	BreakerOpen
+	// BreakerProbing: one call is testing whether Redis is back.
+	BreakerProbing
+)
+
+func (s BreakerState) String() string {
+	switch s {
+	case BreakerClosed:
+		return "closed"
+	case BreakerOpen:
+		return "open"
+	case BreakerProbing:
+		return "probing"
+	}
+	return "unknown"
+}
+
+type breaker struct {
+	threshold int // consecutive failures that open it; < 0 disables
+	backoff   Backoff
+	log       *slog.Logger
+	onOpen    func()
+
+	mu        sync.Mutex
+	state     BreakerState
+	failures  int
+	opens     int // consecutive openings, for the backoff
+	openUntil time.Time
+}
+
+// allow reports whether a call may go to Redis now.
+func (b *breaker) allow() bool {
+	if b.threshold < 0 {
+		return true
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	switch b.state {
+	case BreakerOpen:
+		if time.Now().Before(b.openUntil) {
+			return false
+		}
+		b.state = BreakerProbing
+		return true // this call is the probe
+	case BreakerProbing:
+		return false
+	}
+	return true
+}
+
+// record notes a call's outcome. Only failures of Redis itself count: a
+// reply (even an error reply) proves Redis is up, and a caller's own
+// cancelled context says nothing about Redis.
+func (b *breaker) record(parent context.Context, err error) {
+	if b.threshold < 0 {
+		return
+	}
+	fault := err != nil && !errors.Is(err, redis.Nil) && !isReply(err) && parent.Err() == nil
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !fault {
+		if err == nil || isReply(err) || errors.Is(err, redis.Nil) {
+			if b.state != BreakerClosed {
+				b.log.Info("dedup: Redis answers again; circuit closed")
+			}
+			b.state, b.failures, b.opens = BreakerClosed, 0, 0
+		} else if b.state == BreakerProbing {
+			b.state = BreakerOpen // the probe was cancelled by its caller: probe again soon
+		}
+		return
+	}
+	b.failures++
+	if b.state == BreakerProbing || b.failures >= b.threshold {
+		wait := b.backoff.Min
+		if b.opens > 0 {
+			wait = b.backoff.Delay(b.opens)
+			if wait < b.backoff.Min {
+				wait = b.backoff.Min
+			}
+		}
+		b.opens++
+		b.state, b.openUntil = BreakerOpen, time.Now().Add(wait)
+		b.log.Warn("dedup: Redis failing; circuit open, lock calls fail fast", slog.Int("consecutive_failures", b.failures), slog.Duration("retry_in", wait), slog.Any("error", err))
+		if b.onOpen != nil {
+			b.onOpen()
+		}
+	}
+}
+
+func (b *breaker) current() BreakerState {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.state == BreakerOpen && !time.Now().Before(b.openUntil) {
+		return BreakerProbing // the next call probes
+	}
+	return b.state
+}
+
+// isReply reports whether err is an error reply from Redis (the server is up).
+func isReply(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re) && !errors.Is(err, context.DeadlineExceeded)
+}
+
+// BreakerState reports the circuit breaker's state.
+func (d *Dedup) BreakerState() BreakerState { return d.br.current() }
+
+// run executes a lock script through the breaker, bounded by LockTimeout.
+func (d *Dedup) run(ctx context.Context, s *redis.Script, keys []string, args ...any) (any, error) {
+	if !d.br.allow() {
+		return nil, ErrCircuitOpen
+	}
+	lctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	v, err := s.Run(lctx, d.rdb, keys, args...).Result()
+	d.br.record(ctx, err)
+	return v, err
+}
+
+// get reads a string key through the breaker, bounded by LockTimeout.
+func (d *Dedup) get(ctx context.Context, key string) (string, error) {
+	if !d.br.allow() {
+		return "", ErrCircuitOpen
+	}
+	lctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	v, err := d.rdb.Get(lctx, key).Result()
+	d.br.record(ctx, err)
+	return v, err
+}

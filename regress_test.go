@@ -1,0 +1,186 @@
+package dedup
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+)
+
+// Regression tests for bugs found in review.
+
+// Re-enqueueing under the same caller TaskID must not free the live task's lock.
+func TestRegressionCallerIDConflictKeepsLiveLock(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}}}})
+	first, err := h.client.Enqueue(counterTask("k", 1, 0), asynq.Queue(h.queue), asynq.TaskID("order-42"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := h.keyOf(counterTask("k", 1, 0), h.queue)
+	_, err = h.client.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID("order-42"))
+	if !errors.Is(err, asynq.ErrTaskIDConflict) {
+		t.Fatalf("same ID again: err = %v, want asynq's ErrTaskIDConflict", err)
+	}
+	if owner := h.lockOwner(key); owner != first.ID {
+		t.Fatalf("lock owner %q, want %q", owner, first.ID)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != first.ID {
+		t.Fatalf("third enqueue: err = %v, want duplicate of %s", err, first.ID)
+	}
+}
+
+// A queue set in NewTask with RunningDefer must not create a follow-up
+// without an ID when the lock moves to that queue.
+func TestRegressionRelocateNeverCreatesEmptyFollowUp(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}, OnRunning: RunningDefer}}})
+	release := make(chan struct{})
+	defer close(release)
+	rc := newRecorder(func(r run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	holder := h.enqueue(counterTask("k", 1, 0))
+	waitFor(t, rc.runs, "holder runs")
+	_, err := h.client.Submit(context.Background(), asynq.NewTask("counter", counterTask("k", 1, 1).Payload(), asynq.Queue(h.queue)))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) || dup.TaskID != holder.ID {
+		t.Fatalf("err = %v, want duplicate of the running %s (the relocated task was removed)", err, holder.ID)
+	}
+	if n, _ := h.rdb.Exists(context.Background(), asynqTaskKeyPrefix(h.queue)).Result(); n != 0 {
+		t.Fatal("a task record with an empty ID was written")
+	}
+	if n := h.queueSize(h.queue); n != 1 {
+		t.Fatalf("queue holds %d tasks, want only the running one", n)
+	}
+}
+
+// Shutdown puts an unfinished task back even on its last attempt: the lock
+// must stay.
+func TestRegressionShutdownOnLastAttemptHolds(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}}}})
+	rc := newRecorder(func(r run) error { <-r.ctx.Done(); return r.ctx.Err() })
+	srv := h.serve(rc.handler(), func(c *asynq.Config) { c.ShutdownTimeout = 200 * time.Millisecond })
+	first := h.enqueue(counterTask("k", 1, 0), asynq.MaxRetry(0))
+	waitFor(t, rc.runs, "run")
+	srv.Shutdown()
+	eventually(t, "attempt settled", func() bool { return h.d.Stats().Held == 1 })
+	if st := h.taskState(first.ID); st != asynq.TaskStatePending {
+		t.Fatalf("task state %v after shutdown, want pending (requeued)", st)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != first.ID {
+		t.Fatalf("err = %v, want duplicate of the requeued %s", err, first.ID)
+	}
+}
+
+// A worker dies with a follow-up owed; an enqueue after its lease lapsed
+// folds into the follow-up, so the newest payload still runs last.
+func TestRegressionDeferAfterDeadWorkerFoldsIntoFollowUp(t *testing.T) {
+	needRealRedis(t) // lease expiry
+	h := newHarness(t, Config{Lease: 300 * time.Millisecond, Rules: map[string]Rule{"counter": {
+		Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer,
+	}}})
+	stuck := make(chan struct{})
+	defer close(stuck)
+	rc := newRecorder(func(r run) error {
+		if decodeCounter(r.task).Seq == 0 {
+			<-stuck
+		}
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	h.enqueue(counterTask("k", 1, 0))
+	waitFor(t, rc.runs, "first run")
+	res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("%+v %v", res, err)
+	}
+	h.d.hb.stop() // the worker dies
+	key := h.keyOf(counterTask("k", 1, 0), h.queue)
+	eventually(t, "running lease lapsed", func() bool { return h.lockOwner(key) == "" })
+	res2, err := h.client.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || res2.TaskID != res.TaskID || res2.Outcome != Replaced {
+		t.Fatalf("enqueue after the lease lapsed: %+v %v, want replaced into the follow-up %s", res2, err, res.TaskID)
+	}
+	r := waitFor(t, rc.runs, "follow-up")
+	if r.id != res.TaskID || decodeCounter(r.task).Seq != 2 {
+		t.Fatalf("ran %s seq %d, want %s with seq 2", r.id, decodeCounter(r.task).Seq, res.TaskID)
+	}
+	select {
+	case r := <-rc.runs:
+		t.Fatalf("another run after the newest: %s seq %d", r.id, decodeCounter(r.task).Seq)
+	default:
+	}
+}
+
+// A lock re-created when the attempt starts keeps the type's running policy.
+func TestRegressionRunningPolicyKeptWhenStartCreatesLock(t *testing.T) {
+	needRealRedis(t) // lock TTL expiry
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {
+		Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer, TTL: 100 * time.Millisecond,
+	}}})
+	h.enqueue(counterTask("k", 1, 0))
+	key := h.keyOf(counterTask("k", 1, 0), h.queue)
+	eventually(t, "waiting lock expired", func() bool { return h.lockOwner(key) == "" })
+	release := make(chan struct{})
+	defer close(release)
+	rc := newRecorder(func(r run) error {
+		if decodeCounter(r.task).Seq == 0 {
+			<-release
+		}
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	waitFor(t, rc.runs, "run")
+	res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("enqueue during the run: %+v %v, want Deferred", res, err)
+	}
+}
+
+// Skip with a caller-chosen ID is not locked at execution either.
+func TestRegressionSkipWithCallerIDRunsUnguarded(t *testing.T) {
+	h := newHarness(t, Config{})
+	release := make(chan struct{})
+	defer close(release)
+	rc := newRecorder(func(r run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	p := []byte(`{"a":1}`)
+	h.enqueue(asynq.NewTask("t", p))
+	waitFor(t, rc.runs, "first")
+	info, err := h.client.Enqueue(asynq.NewTask("t", p), asynq.Queue(h.queue), Skip(), asynq.TaskID("mine-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := waitFor(t, rc.runs, "the opted-out task runs alongside"); r.id != info.ID {
+		t.Fatalf("ran %s", r.id)
+	}
+}
+
+// The protobuf rewrite round-trips through asynq's decoder: headers, a
+// payload needing a three-byte length, an empty payload.
+func TestRegressionPayloadRewriteRoundTrip(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Key: "x", OnConflict: Replace}}})
+	big := []byte(`{"key":"k","pad":"` + strings.Repeat("z", 20000) + `"}`)
+	info, err := h.client.Enqueue(asynq.NewTaskWithHeaders("counter", []byte(`{}`), map[string]string{"h1": "v1", "h2": strings.Repeat("w", 300)}),
+		asynq.Queue(h.queue), asynq.MaxRetry(7), asynq.Timeout(time.Minute), asynq.Retention(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range [][]byte{big, {}, []byte("x"), big[:200]} {
+		res, err := h.client.Submit(context.Background(), asynq.NewTask("counter", p), asynq.Queue(h.queue))
+		if err != nil || res.Outcome != Replaced {
+			t.Fatalf("%+v %v", res, err)
+		}
+		ti, err := h.insp.GetTaskInfo(h.queue, info.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(ti.Payload, p) || ti.MaxRetry != 7 || ti.Timeout != time.Minute || ti.Retention != time.Hour || ti.ID != info.ID || len(ti.Headers) != 2 {
+			t.Fatalf("round trip of %d bytes: got %d bytes, %+v", len(p), len(ti.Payload), ti)
+		}
+	}
+}
