@@ -45,6 +45,7 @@ type breaker struct {
 	backoff   Backoff
 	log       *slog.Logger
 	onOpen    func()
+	now       func() time.Time // time.Now; tests substitute a clock
 
 	mu        sync.Mutex
 	state     BreakerState
@@ -62,7 +63,7 @@ func (b *breaker) allow() bool {
 	defer b.mu.Unlock()
 	switch b.state {
 	case BreakerOpen:
-		if time.Now().Before(b.openUntil) {
+		if b.clock().Before(b.openUntil) {
 			return false
 		}
 		b.state = BreakerProbing
@@ -104,7 +105,7 @@ func (b *breaker) record(parent context.Context, err error) {
 			}
 		}
 		b.opens++
-		b.state, b.openUntil = BreakerOpen, time.Now().Add(wait)
+		b.state, b.openUntil = BreakerOpen, b.clock().Add(wait)
 		b.log.Warn("dedup: Redis failing; circuit open, lock calls fail fast", slog.Int("consecutive_failures", b.failures), slog.Duration("retry_in", wait), slog.Any("error", err))
 		if b.onOpen != nil {
 			b.onOpen()
@@ -112,10 +113,17 @@ func (b *breaker) record(parent context.Context, err error) {
 	}
 }
 
+func (b *breaker) clock() time.Time {
+	if b.now != nil {
+		return b.now()
+	}
+	return time.Now()
+}
+
 func (b *breaker) current() BreakerState {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.state == BreakerOpen && !time.Now().Before(b.openUntil) {
+	if b.state == BreakerOpen && !b.clock().Before(b.openUntil) {
 		return BreakerProbing // the next call probes
 	}
 	return b.state
@@ -137,7 +145,9 @@ func (d *Dedup) run(ctx context.Context, s *redis.Script, keys []string, args ..
 	}
 	lctx, cancel := d.lockCtx(ctx)
 	defer cancel()
-	v, err := s.Run(lctx, d.rdb, keys, args...).Result()
+	v, err := bounded(lctx, d.ctxTimeouts, func(c context.Context) (any, error) {
+		return s.Run(c, d.rdb, keys, args...).Result()
+	})
 	d.br.record(ctx, err)
 	return v, err
 }
@@ -149,7 +159,51 @@ func (d *Dedup) get(ctx context.Context, key string) (string, error) {
 	}
 	lctx, cancel := d.lockCtx(ctx)
 	defer cancel()
-	v, err := d.rdb.Get(lctx, key).Result()
+	v, err := bounded(lctx, d.ctxTimeouts, func(c context.Context) (any, error) {
+		return d.rdb.Get(c, key).Result()
+	})
 	d.br.record(ctx, err)
-	return v, err
+	s, _ := v.(string)
+	return s, err
+}
+
+// bounded returns when call does or ctx ends, whichever comes first. A
+// go-redis client applies a context's deadline to its socket reads only with
+// Options.ContextTimeoutEnabled; without it a hung Redis would hold the call
+// for ReadTimeout (3 s by default) and its retries. Then the call runs in a
+// goroutine that is abandoned at the deadline (it ends with go-redis's own
+// timeout).
+func bounded(ctx context.Context, ctxTimeouts bool, call func(context.Context) (any, error)) (any, error) {
+	if ctxTimeouts {
+		return call(ctx)
+	}
+	type result struct {
+		v   any
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		v, err := call(ctx)
+		ch <- result{v, err}
+	}()
+	select {
+	case r := <-ch:
+		return r.v, r.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// contextTimeouts reports whether the client honours context deadlines on
+// its socket reads (go-redis's Options.ContextTimeoutEnabled).
+func contextTimeouts(rdb redis.UniversalClient) bool {
+	switch c := rdb.(type) {
+	case *redis.Client:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.ClusterClient:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.Ring:
+		return c.Options().ContextTimeoutEnabled
+	}
+	return false
 }

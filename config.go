@@ -37,7 +37,10 @@ type Config struct {
 	Lease time.Duration
 
 	// LockTimeout bounds each lock call to Redis, so a slow Redis cannot hang
-	// an enqueue. Default DefaultLockTimeout (1 s).
+	// an enqueue. Default DefaultLockTimeout (1 s). It holds whatever the
+	// client's options; with go-redis's Options.ContextTimeoutEnabled the
+	// call is cancelled on the socket, without it the call is abandoned (a
+	// goroutine finishes it when go-redis's ReadTimeout fires).
 	LockTimeout time.Duration
 
 	// HealGrace is how old a lock must be before it is treated as orphaned

@@ -22,7 +22,9 @@ type Dedup struct {
 	insp  *asynq.Inspector
 	hb    *heartbeater
 	br    *breaker
-	stats metrics
+
+	ctxTimeouts bool // the client applies context deadlines to socket reads
+	stats       metrics
 
 	// queues remembers, per task type, the queue its tasks landed in when the
 	// call named none (a queue set in asynq.NewTask is invisible before the
@@ -60,6 +62,7 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 		insp:  asynq.NewInspectorFromRedisClient(rdb),
 	}
 	d.hb = newHeartbeater(d, c.Lease/3)
+	d.ctxTimeouts = contextTimeouts(rdb)
 	d.br = &breaker{threshold: c.BreakerThreshold, backoff: c.BreakerBackoff, log: c.Logger, onOpen: func() { d.count("", evBreakerOpen) }}
 	lctx, cancel := context.WithTimeout(ctx, c.LockTimeout)
 	defer cancel()
