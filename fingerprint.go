@@ -146,6 +146,7 @@ func (d *Dedup) fingerprintHex(typ string, payload []byte, r *resolved) (string,
 //	<prefix>:{<queue>}:l:<16 hex digits of the fingerprint>   the lock (a hash)
 //	<prefix>:{<queue>}:i:<task ID>                          lock of a caller-chosen task ID
 //	<prefix>:{<queue>}:w:<task type>                        waiting keys (MaxPending), a sorted set
+//	<prefix>:{<queue>}:f:<fingerprint>                      follow-up owed to the key (RunningDefer)
 //	<prefix>:stats:types, <prefix>:stats:type:<type>        flushed counters (no hash tag)
 //
 // Lock fields: id (owner task), ty (type), c (created, unix seconds), tok

@@ -1,0 +1,195 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// quietRedis silences go-redis's own logger, which prints dial failures to
+// stderr: every error reaches the user through the command's message.
+var quietRedis sync.Once
+
+type nopLogger struct{}
+
+func (nopLogger) Printf(context.Context, string, ...any) {}
+
+// conn is a connection to one Redis server or to a Redis Cluster.
+type conn struct {
+	rdb     redis.UniversalClient
+	cluster *redis.ClusterClient // nil for one server
+	where   string               // the addresses, for messages (never the password)
+}
+
+// dial parses a Redis URL (see the --url flag) without connecting yet.
+// With cluster the URL's host part may list several comma-separated seeds.
+func dial(raw string, cluster bool) (*conn, error) {
+	quietRedis.Do(func() { redis.SetLogger(nopLogger{}) })
+	raw = strings.TrimSpace(raw)
+	if raw == "" {
+		return nil, errors.New("bad --url: empty (want redis://host:port/db)")
+	}
+	scheme, userinfo, hosts, tail, err := splitURL(raw)
+	if err != nil {
+		return nil, err
+	}
+	password := ""
+	if i := strings.IndexByte(userinfo, ':'); i >= 0 {
+		password = strings.TrimSuffix(userinfo[i+1:], "@")
+	}
+	bad := func(err error) error {
+		msg := err.Error()
+		if password != "" {
+			msg = strings.ReplaceAll(msg, password, "xxxxx")
+		}
+		return fmt.Errorf("bad --url %s: %s", redact(raw, password), msg)
+	}
+	if !cluster {
+		if len(hosts) > 1 {
+			return nil, fmt.Errorf("bad --url %s: it lists %d addresses; pass --cluster for a Redis Cluster", redact(raw, password), len(hosts))
+		}
+		opt, err := redis.ParseURL(raw)
+		if err != nil {
+			return nil, bad(err)
+		}
+		if opt.DialTimeout == 0 {
+			opt.DialTimeout = dialTimeout
+		}
+		if opt.MaxRetries == 0 {
+			opt.MaxRetries = 1
+		}
+		if opt.DialerRetries == 0 {
+			opt.DialerRetries = 1
+		}
+		return &conn{rdb: redis.NewClient(opt), where: opt.Addr}, nil
+	}
+	if scheme != "redis" && scheme != "rediss" {
+		return nil, bad(fmt.Errorf("--cluster needs a redis:// or rediss:// URL, not %s://", scheme))
+	}
+	path, query, _ := strings.Cut(tail, "?")
+	if p := strings.Trim(path, "/"); p != "" && p != "0" {
+		return nil, bad(fmt.Errorf("a Redis Cluster has only database 0, the URL selects %q", p))
+	}
+	first := scheme + "://" + userinfo + hosts[0]
+	if query != "" {
+		first += "?" + query
+	}
+	opt, err := redis.ParseClusterURL(first)
+	if err != nil {
+		return nil, bad(err)
+	}
+	for _, h := range hosts[1:] {
+		if _, _, err := net.SplitHostPort(h); err != nil {
+			h = net.JoinHostPort(h, "6379")
+			if _, _, err := net.SplitHostPort(h); err != nil {
+				return nil, bad(fmt.Errorf("seed %q is not host:port", h))
+			}
+		}
+		opt.Addrs = append(opt.Addrs, h)
+	}
+	if opt.DialTimeout == 0 {
+		opt.DialTimeout = dialTimeout
+	}
+	if opt.MaxRetries == 0 {
+		opt.MaxRetries = 1
+	}
+	if opt.DialerRetries == 0 {
+		opt.DialerRetries = 1
+	}
+	c := redis.NewClusterClient(opt)
+	return &conn{rdb: c, cluster: c, where: "cluster " + strings.Join(opt.Addrs, ",")}, nil
+}
+
+// splitURL splits scheme://userinfo@host1,host2/path?query by hand, since
+// net/url refuses some host lists (IPv6 seeds).
+func splitURL(raw string) (scheme, userinfo string, hosts []string, tail string, err error) {
+	i := strings.Index(raw, "://")
+	if i <= 0 {
+		return "", "", nil, "", fmt.Errorf("bad --url %q: want scheme://host:port, such as %s", raw, defaultURL)
+	}
+	scheme, rest := raw[:i], raw[i+3:]
+	switch scheme {
+	case "redis", "rediss":
+	case "unix":
+		return scheme, "", nil, rest, nil
+	default:
+		return "", "", nil, "", fmt.Errorf("bad --url: scheme %q is not redis, rediss or unix", scheme)
+	}
+	end := strings.IndexAny(rest, "/?#")
+	if end < 0 {
+		end = len(rest)
+	}
+	auth, tail := rest[:end], rest[end:]
+	if at := strings.LastIndexByte(auth, '@'); at >= 0 {
+		userinfo, auth = auth[:at+1], auth[at+1:]
+	}
+	hosts = strings.Split(auth, ",")
+	for _, h := range hosts {
+		if h == "" && len(hosts) > 1 {
+			return "", "", nil, "", fmt.Errorf("bad --url: empty address in the host list %q", auth)
+		}
+	}
+	return scheme, userinfo, hosts, tail, nil
+}
+
+// redact hides the password of a URL for messages.
+func redact(raw, password string) string {
+	if password == "" {
+		return fmt.Sprintf("%q", raw)
+	}
+	return fmt.Sprintf("%q", strings.Replace(raw, ":"+password+"@", ":xxxxx@", 1))
+}
+
+// ping checks that Redis (every master of a cluster) answers.
+func (c *conn) ping(ctx context.Context) error {
+	var err error
+	if c.cluster != nil {
+		err = c.cluster.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
+			if err := m.Ping(ctx).Err(); err != nil {
+				return fmt.Errorf("master %s: %w", m.Options().Addr, err)
+			}
+			return nil
+		})
+	} else {
+		err = c.rdb.Ping(ctx).Err()
+	}
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded) {
+		return fmt.Errorf("cannot reach Redis at %s: timed out (%v)", c.where, err)
+	}
+	return fmt.Errorf("cannot reach Redis at %s: %v", c.where, err)
+}
+
+// masters returns the clients to SCAN: the one server, or every master of
+// the cluster, sorted by address so that a cursor can name where it stopped.
+func (c *conn) masters(ctx context.Context) ([]*redis.Client, error) {
+	if c.cluster == nil {
+		return []*redis.Client{c.rdb.(*redis.Client)}, nil
+	}
+	var (
+		mu  sync.Mutex
+		out []*redis.Client
+	)
+	err := c.cluster.ForEachMaster(ctx, func(_ context.Context, m *redis.Client) error {
+		mu.Lock()
+		out = append(out, m)
+		mu.Unlock()
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list cluster masters: %w", err)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Options().Addr < out[j].Options().Addr })
+	return out, nil
+}
+
+func (c *conn) close() error { return c.rdb.Close() }

@@ -1,0 +1,1086 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/asynq-dedup/dedup"
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// The end-to-end tests run the command (run, in process) against a real
+// redis-server that TestMain starts on a free loopback port. Without
+// redis-server they skip, unless DEDUP_REQUIRE_REDIS is set: then they fail.
+
+var redisAddr string // "" when no redis-server runs for the tests
+
+func TestMain(m *testing.M) {
+	stop, addr, err := startRedis()
+	if err != nil {
+		if os.Getenv("DEDUP_REQUIRE_REDIS") != "" {
+			fmt.Fprintf(os.Stderr, "dedupctl tests: DEDUP_REQUIRE_REDIS is set but: %v\n", err)
+			os.Exit(1)
+		}
+		fmt.Fprintf(os.Stderr, "dedupctl tests: %v; the end-to-end tests skip\n", err)
+	}
+	redisAddr = addr
+	code := m.Run()
+	if stop != nil {
+		stop()
+	}
+	os.Exit(code)
+}
+
+// startRedis starts redis-server on a free loopback port, persistence off,
+// and waits until it answers PING.
+func startRedis() (stop func(), addr string, err error) {
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		return nil, "", fmt.Errorf("redis-server not installed (apt-get install redis-server)")
+	}
+	addr, err = freeAddr()
+	if err != nil {
+		return nil, "", err
+	}
+	_, port, _ := net.SplitHostPort(addr)
+	dir, err := os.MkdirTemp("", "dedupctl-redis-")
+	if err != nil {
+		return nil, "", err
+	}
+	cmd := exec.Command(bin, "--bind", "127.0.0.1", "--port", port, "--save", "", "--appendonly", "no",
+		"--dir", dir, "--daemonize", "no", "--loglevel", "warning", "--logfile", filepath.Join(dir, "redis.log"))
+	if err := cmd.Start(); err != nil {
+		return nil, "", err
+	}
+	stop = func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		_ = os.RemoveAll(dir)
+	}
+	c := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
+	defer c.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		err := c.Ping(ctx).Err()
+		cancel()
+		if err == nil {
+			return stop, addr, nil
+		}
+		if time.Now().After(deadline) {
+			stop()
+			return nil, "", fmt.Errorf("redis-server on %s did not answer: %w", addr, err)
+		}
+		time.Sleep(20 * time.Millisecond) // waiting for a child process to listen; nothing to block on
+	}
+}
+
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
+}
+
+func needRedis(t *testing.T) {
+	t.Helper()
+	if redisAddr == "" {
+		t.Skip("needs redis-server (not installed here: apt-get install redis-server); CI has one")
+	}
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// result is one run of the command.
+type result struct {
+	stdout, stderr string
+	code           int
+}
+
+func (r result) String() string {
+	return fmt.Sprintf("exit %d\n--- stdout\n%s--- stderr\n%s", r.code, r.stdout, r.stderr)
+}
+
+// runCmd runs the command in process with stdin (a string or an io.Reader).
+func runCmd(stdin any, args ...string) result {
+	var in io.Reader
+	switch v := stdin.(type) {
+	case string:
+		in = strings.NewReader(v)
+	case io.Reader:
+		in = v
+	}
+	var out, errb bytes.Buffer
+	code := run(args, in, &out, &errb)
+	return result{stdout: out.String(), stderr: errb.String(), code: code}
+}
+
+// fixture is one test's private world on the shared Redis: its own key
+// prefix and queues, a Dedup and a wrapped asynq client.
+type fixture struct {
+	t      *testing.T
+	rdb    redis.UniversalClient
+	d      *dedup.Dedup
+	client *dedup.Client
+	insp   *asynq.Inspector
+	prefix string
+	url    string
+	qa, qb string
+	flags  []string // global flags for runs: --url, --prefix (and --cluster)
+}
+
+func newFixture(t *testing.T, cfg dedup.Config) *fixture {
+	t.Helper()
+	needRedis(t)
+	rdb := redis.NewClient(&redis.Options{Addr: redisAddr, PoolSize: 32})
+	t.Cleanup(func() { _ = rdb.Close() })
+	return newFixtureOn(t, rdb, "redis://"+redisAddr+"/0", nil, cfg)
+}
+
+func newFixtureOn(t *testing.T, rdb redis.UniversalClient, url string, extra []string, cfg dedup.Config) *fixture {
+	t.Helper()
+	id := randHex(4)
+	if cfg.Prefix == "" {
+		cfg.Prefix = "ctl-" + id
+	}
+	cfg.Logger = quietLogger()
+	d, err := dedup.New(context.Background(), rdb, cfg)
+	if err != nil {
+		t.Fatalf("dedup.New: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	f := &fixture{t: t, rdb: rdb, d: d, client: d.WrapClient(asynq.NewClientFromRedisClient(rdb)),
+		insp: asynq.NewInspectorFromRedisClient(rdb), prefix: cfg.Prefix, url: url,
+		qa: "qa-" + id, qb: "qb-" + id}
+	f.flags = append([]string{"--url", url, "--prefix", cfg.Prefix}, extra...)
+	return f
+}
+
+// run runs the command with the fixture's global flags first.
+func (f *fixture) run(stdin any, args ...string) result {
+	return runCmd(stdin, append(append([]string{}, f.flags...), args...)...)
+}
+
+// ok runs the command and fails the test unless it exits 0.
+func (f *fixture) ok(args ...string) result {
+	f.t.Helper()
+	r := f.run("", args...)
+	if r.code != 0 {
+		f.t.Fatalf("dedupctl %q: %v", args, r)
+	}
+	return r
+}
+
+// fail runs the command and fails the test unless it exits with code and
+// says want on stderr.
+func (f *fixture) fail(code int, want string, stdin any, args ...string) result {
+	f.t.Helper()
+	r := f.run(stdin, args...)
+	if r.code != code || !strings.Contains(r.stderr, want) {
+		f.t.Fatalf("dedupctl %q: want exit %d and %q on stderr, got %v", args, code, want, r)
+	}
+	return r
+}
+
+// enqueue enqueues a task keyed by its payload's user_id.
+func (f *fixture) enqueue(queue, typ string, user int, opts ...asynq.Option) *asynq.TaskInfo {
+	f.t.Helper()
+	payload := fmt.Sprintf(`{"user_id":%d,"at":%q}`, user, randHex(4))
+	opts = append([]asynq.Option{asynq.Queue(queue), dedup.Fields("user_id")}, opts...)
+	info, err := f.client.Enqueue(asynq.NewTask(typ, []byte(payload)), opts...)
+	if err != nil {
+		f.t.Fatalf("enqueue %s %d in %s: %v", typ, user, queue, err)
+	}
+	return info
+}
+
+// lockOf returns the lock key of a task enqueued through the wrapper.
+func (f *fixture) lockOf(info *asynq.TaskInfo) string {
+	f.t.Helper()
+	fp, ok := parseLockedID(info.ID)
+	if !ok {
+		f.t.Fatalf("task ID %q is not a dd- ID", info.ID)
+	}
+	return lockKey(f.prefix, info.Queue, fp)
+}
+
+func (f *fixture) exists(key string) bool {
+	f.t.Helper()
+	n, err := f.rdb.Exists(context.Background(), key).Result()
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return n == 1
+}
+
+func decode[T any](t *testing.T, r result) T {
+	t.Helper()
+	var v T
+	dec := json.NewDecoder(strings.NewReader(r.stdout))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&v); err != nil {
+		t.Fatalf("stdout is not one %T JSON document: %v\n%v", v, err, r)
+	}
+	if dec.More() {
+		t.Fatalf("stdout holds more than one JSON document:\n%v", r)
+	}
+	return v
+}
+
+// setup enqueues three email:welcome locks in qa (one coalesced twice with
+// Replace) and two report:build locks in qb.
+func (f *fixture) setup() (welcome []*asynq.TaskInfo, reports []*asynq.TaskInfo) {
+	for u := 1; u <= 3; u++ {
+		welcome = append(welcome, f.enqueue(f.qa, "email:welcome", u))
+	}
+	for range 2 {
+		f.enqueue(f.qa, "email:welcome", 1, dedup.OnConflict(dedup.Replace))
+	}
+	for u := 1; u <= 2; u++ {
+		reports = append(reports, f.enqueue(f.qb, "report:build", u))
+	}
+	return welcome, reports
+}
+
+// ---- unit tests ----
+
+func TestParseLockKey(t *testing.T) {
+	fp16, fp32 := "0123456789abcdef", "0123456789abcdef0123456789abcdef"
+	for _, c := range []struct {
+		key, queue, fp string
+		ok             bool
+	}{
+		{"dedup:{critical}:l:" + fp16, "critical", fp16, true},
+		{"dedup:{critical}:l:" + fp32, "critical", fp32, true},
+		{"dedup:{a}:l:b}:l:" + fp16, "a}:l:b", fp16, true}, // parsed from the end
+		{"dedup:{{x}}:l:" + fp16, "{x}", fp16, true},
+		{"dedup:{}:l:" + fp16, "", "", false},                     // empty queue
+		{"dedup:{q}:l:0123456789ABCDEF", "", "", false},           // upper case: never written
+		{"dedup:{q}:l:0123456789abcde", "", "", false},            // 15 digits
+		{"dedup:{q}:i:" + fp16, "", "", false},                    // index key
+		{"other:{q}:l:" + fp16, "", "", false},                    // other prefix
+		{"dedupx:{q}:l:" + fp16, "", "", false},                   // prefix is not a word prefix
+		{"dedup:{q}:l:" + fp16 + "0", "", "", false},              // 17 digits
+		{"asynq:{q}:t:dd-" + fp16 + "-0123", "", "", false},       // asynq's key
+		{"dedup:{q}:l:" + strings.Repeat("g", 16), "", "", false}, // not hex
+	} {
+		q, fp, ok := parseLockKey("dedup", c.key)
+		if ok != c.ok || q != c.queue || fp != c.fp {
+			t.Errorf("parseLockKey(%q) = %q, %q, %v; want %q, %q, %v", c.key, q, fp, ok, c.queue, c.fp, c.ok)
+		}
+	}
+}
+
+func TestNotLockKeyHints(t *testing.T) {
+	fp := "0123456789abcdef"
+	for key, want := range map[string]string{
+		"other:{q}:l:" + fp:   `its prefix is "other": pass --prefix other`,
+		"dedup:{q}:i:task-7":  `index key of task "task-7" (use --task task-7 --queue q)`,
+		"asynq:{q}:pending":   `not a dedup lock key: "asynq:{q}:pending" (want dedup:{<queue>}:l:<16 or 32 hex digits>)`,
+		"dedup:{q}:l:nothex!": "not a dedup lock key",
+	} {
+		if err := notLockKey("dedup", key); !strings.Contains(err.Error(), want) {
+			t.Errorf("notLockKey(%q) = %q; want it to say %q", key, err, want)
+		}
+	}
+}
+
+func TestParseLockedID(t *testing.T) {
+	fp := "0123456789abcdef"
+	rnd := "0123456789abcdef0123"
+	for id, want := range map[string]string{
+		"dd-" + fp + "-" + rnd:          fp,
+		"dd-" + fp + fp + "-" + rnd:     fp + fp,
+		"dx-" + rnd:                     "",
+		"dd-" + fp + "-" + rnd + "0":    "",
+		"my-own-id":                     "",
+		"dd-" + fp + "x" + rnd:          "",
+		"dd-" + fp[:15] + "-" + rnd[1:]: "",
+	} {
+		got, ok := parseLockedID(id)
+		if got != want || ok != (want != "") {
+			t.Errorf("parseLockedID(%q) = %q, %v; want %q", id, got, ok, want)
+		}
+	}
+}
+
+func TestFmtDuration(t *testing.T) {
+	for d, want := range map[time.Duration]string{
+		850 * time.Millisecond:                "850ms",
+		12*time.Second + 400*time.Millisecond: "12s",
+		4*time.Minute + 9*time.Second:         "4m09s",
+		time.Hour + 5*time.Minute:             "1h05m",
+		26 * time.Hour:                        "1d02h",
+	} {
+		if got := fmtDuration(d); got != want {
+			t.Errorf("fmtDuration(%v) = %q, want %q", d, got, want)
+		}
+	}
+}
+
+func TestUsageErrors(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "no command given"},
+		{[]string{"frobnicate"}, `unknown command "frobnicate" (commands: list, show, release, stats)`},
+		{[]string{"show"}, "missing argument: KEY (or --task ID [--queue Q])"},
+		{[]string{"release"}, "missing argument: KEY (or --task ID [--queue Q])"},
+		{[]string{"show", "a", "b"}, `too many arguments: ["b"]`},
+		{[]string{"list", "extra"}, `takes no arguments, got ["extra"]`},
+		{[]string{"list", "--bogus"}, "flag provided but not defined: -bogus"},
+		{[]string{"--bogus", "list"}, "flag provided but not defined: -bogus"},
+		{[]string{"list", "--limit", "x"}, `invalid value "x" for flag -limit`},
+		{[]string{"--prefix", "a{b", "list"}, `--prefix "a{b" contains a brace`},
+		{[]string{"--timeout", "0s", "stats"}, "--timeout must be positive"},
+		{[]string{"help", "nope"}, `unknown command "nope"`},
+	} {
+		r := runCmd("", c.args...)
+		if r.code != exitUsage || !strings.Contains(r.stderr, c.want) || r.stdout != "" {
+			t.Errorf("dedupctl %q: want exit 2 and %q on stderr only, got %v", c.args, c.want, r)
+		}
+	}
+}
+
+func TestHelp(t *testing.T) {
+	for _, args := range [][]string{{"-h"}, {"--help"}, {"help"}} {
+		r := runCmd("", args...)
+		if r.code != 0 || !strings.Contains(r.stdout, "Usage:\n  dedupctl [global flags] <command>") || !strings.Contains(r.stdout, "--cluster") {
+			t.Errorf("dedupctl %q: %v", args, r)
+		}
+	}
+	for _, c := range commands {
+		for _, args := range [][]string{{c.name, "-h"}, {"help", c.name}} {
+			r := runCmd("", args...)
+			if r.code != 0 || !strings.Contains(r.stdout, "Usage: dedupctl [global flags] "+c.name) || !strings.Contains(r.stdout, "Global flags:") {
+				t.Errorf("dedupctl %q: %v", args, r)
+			}
+		}
+	}
+	// The help shows built-in defaults, never a URL from the environment.
+	t.Setenv(urlEnv, "redis://:hunter2@10.0.0.1:6379/0")
+	if r := runCmd("", "-h"); strings.Contains(r.stdout, "hunter2") {
+		t.Errorf("help shows the password from %s:\n%s", urlEnv, r.stdout)
+	}
+}
+
+func TestMalformedURL(t *testing.T) {
+	for _, c := range []struct {
+		url     string
+		cluster bool
+		want    string
+	}{
+		{"127.0.0.1:6379", false, "bad --url"},
+		{"http://127.0.0.1:6379", false, `scheme "http" is not redis, rediss or unix`},
+		{"redis://127.0.0.1:notaport/0", false, `bad --url "redis://127.0.0.1:notaport/0"`},
+		{"redis://127.0.0.1:6379/zero", false, "invalid database number"},
+		{"redis://127.0.0.1:6379/0?frob=1", false, "unexpected option: frob"},
+		{"redis://:s3cret@127.0.0.1:notaport/0", false, "xxxxx"},
+		{"redis://127.0.0.1:7000,127.0.0.1:7001", false, "it lists 2 addresses; pass --cluster"},
+		{"redis://127.0.0.1:7000,,127.0.0.1:7001", true, "empty address"},
+		{"redis://127.0.0.1:7000/3", true, "a Redis Cluster has only database 0"},
+		{"unix:///tmp/redis.sock", true, "--cluster needs a redis:// or rediss:// URL"},
+		{"", false, "bad --url: empty"},
+	} {
+		args := []string{"--url", c.url}
+		if c.cluster {
+			args = append(args, "--cluster")
+		}
+		r := runCmd("", append(args, "list")...)
+		if r.code != exitError || !strings.Contains(r.stderr, c.want) || strings.Contains(r.stderr, "s3cret") {
+			t.Errorf("--url %q: want exit 1 and %q on stderr (no password), got %v", c.url, c.want, r)
+		}
+	}
+}
+
+func TestUnreachableRedis(t *testing.T) {
+	addr, err := freeAddr() // closed again: nothing listens there
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, cmd := range [][]string{{"list"}, {"stats"}, {"show", "dedup:{q}:l:0123456789abcdef"}, {"release", "--yes", "dedup:{q}:l:0123456789abcdef"}} {
+		start := time.Now()
+		r := runCmd("", append([]string{"--url", "redis://" + addr + "/0"}, cmd...)...)
+		want := "cannot reach Redis at " + addr + ": dial tcp " + addr
+		if r.code != exitError || !strings.Contains(r.stderr, want) || r.stdout != "" {
+			t.Errorf("%q against a closed port: want exit 1 and %q, got %v", cmd, want, r)
+		}
+		if el := time.Since(start); el > 5*time.Second {
+			t.Errorf("%q took %v to give up on a closed port", cmd, el)
+		}
+	}
+	// The same through the cluster client.
+	r := runCmd("", "--cluster", "--url", "redis://"+addr, "list")
+	if r.code != exitError || !strings.Contains(r.stderr, "cannot reach Redis at cluster "+addr) {
+		t.Errorf("--cluster against a closed port: %v", r)
+	}
+}
+
+// ---- end to end ----
+
+func TestListText(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	welcome, reports := f.setup()
+	r := f.ok("list")
+	lines := strings.Split(strings.TrimRight(r.stdout, "\n"), "\n")
+	if len(lines) != 7 || !strings.HasPrefix(lines[0], "KEY") || lines[6] != "5 locks" {
+		t.Fatalf("want a header, 5 rows and a count:\n%s", r.stdout)
+	}
+	for _, h := range []string{"TYPE", "OWNER", "QUEUE", "STATE", "TTL", "COALESCED"} {
+		if !strings.Contains(lines[0], h) {
+			t.Errorf("header lacks %s: %q", h, lines[0])
+		}
+	}
+	for i, info := range append(welcome, reports...) {
+		row := ""
+		for _, l := range lines {
+			if strings.HasPrefix(l, f.lockOf(info)+" ") {
+				row = l
+			}
+		}
+		n := "0"
+		if i == 0 {
+			n = "2" // two Replace enqueues of user 1 folded into it
+		}
+		got := strings.Fields(row)
+		if len(got) != 7 || got[0] != f.lockOf(info) || got[1] != info.Type || got[2] != info.ID || got[3] != info.Queue ||
+			got[4] != "waiting" || !strings.HasPrefix(got[5], "59m") || got[6] != n {
+			t.Errorf("row of %s (want coalesced %s): %q", info.ID, n, row)
+		}
+	}
+}
+
+func TestListJSON(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	welcome, reports := f.setup()
+	out := decode[listOutput](t, f.ok("--json", "list"))
+	if out.Count != 5 || len(out.Locks) != 5 || !out.Complete || out.NextCursor != "" || out.Prefix != f.prefix {
+		t.Fatalf("want 5 locks, complete: %+v", out)
+	}
+	byKey := map[string]*lockInfo{}
+	for _, l := range out.Locks {
+		byKey[l.Key] = l
+	}
+	for i, info := range append(welcome, reports...) {
+		l := byKey[f.lockOf(info)]
+		if l == nil {
+			t.Fatalf("lock of %s missing", info.ID)
+		}
+		wantN := int64(0)
+		if i == 0 {
+			wantN = 2 // two Replace enqueues of user 1 folded into it
+		}
+		if l.Owner != info.ID || l.Queue != info.Queue || l.Type != info.Type || l.State != "waiting" ||
+			l.TaskState != "pending" || l.Coalesced != wantN || l.TTLms <= 59*60*1000 || l.TTLms > 3600*1000 ||
+			l.Created == 0 || l.Fingerprint == "" || l.Fields != nil || l.FollowUp != "" {
+			t.Errorf("lock of %s: %+v", info.ID, l)
+		}
+	}
+}
+
+func TestListFilters(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	f.setup()
+	out := decode[listOutput](t, f.ok("list", "--type", "report:build", "--json"))
+	if out.Count != 2 || out.Type != "report:build" {
+		t.Fatalf("--type report:build: %+v", out)
+	}
+	for _, l := range out.Locks {
+		if l.Type != "report:build" || l.Queue != f.qb {
+			t.Errorf("--type report:build listed %+v", l)
+		}
+	}
+	if out := decode[listOutput](t, f.ok("--json", "list", "--queue", f.qa)); out.Count != 3 {
+		t.Errorf("--queue %s: %+v", f.qa, out)
+	}
+	if out := decode[listOutput](t, f.ok("--json", "list", "--queue", f.qa, "--type", "report:build")); out.Count != 0 || out.Locks == nil {
+		t.Errorf("--queue qa --type report:build: %+v", out)
+	}
+	r := f.ok("list", "--type", "nope")
+	if r.stdout != fmt.Sprintf("no locks of type nope held under prefix %q\n", f.prefix) {
+		t.Errorf("empty listing: %q", r.stdout)
+	}
+}
+
+// A queue name with braces and ":l:" in it still parses (from the end).
+func TestListOddQueueName(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	q := "odd{" + f.qa + "}:l:x"
+	info := f.enqueue(q, "email:welcome", 1)
+	out := decode[listOutput](t, f.ok("--json", "list"))
+	if out.Count != 1 || out.Locks[0].Queue != q || out.Locks[0].Owner != info.ID {
+		t.Fatalf("lock in queue %q: %+v", q, out)
+	}
+	show := decode[showOutput](t, f.ok("--json", "show", out.Locks[0].Key))
+	if show.OwnerTask == nil || !show.OwnerTask.Exists || show.OwnerTask.State != "pending" {
+		t.Errorf("show in queue %q: %+v", q, show.OwnerTask)
+	}
+}
+
+// 300 locks, listed 50 at most per call with tiny SCAN pages: following the
+// cursors reaches every lock, and no call prints more than --limit.
+func TestListPaging(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	want := map[string]bool{}
+	for u := range 300 {
+		want[f.lockOf(f.enqueue(f.qa, "sync:user", u))] = true
+	}
+	seen := map[string]int{}
+	cursor, calls := "", 0
+	for {
+		args := []string{"--json", "list", "--limit", "50", "--count", "20"}
+		if cursor != "" {
+			args = append(args, "--cursor", cursor)
+		}
+		out := decode[listOutput](t, f.ok(args...))
+		calls++
+		if out.Count > 50 || out.Count != len(out.Locks) {
+			t.Fatalf("call %d printed %d locks with --limit 50", calls, out.Count)
+		}
+		for _, l := range out.Locks {
+			seen[l.Key]++
+		}
+		if out.Complete {
+			if out.NextCursor != "" {
+				t.Errorf("complete listing with a cursor %q", out.NextCursor)
+			}
+			break
+		}
+		if out.NextCursor == "" || out.NextCursor == cursor {
+			t.Fatalf("incomplete listing without a new cursor: %+v", out)
+		}
+		cursor = out.NextCursor
+		if calls > 100 {
+			t.Fatal("paging does not end")
+		}
+	}
+	if calls < 6 {
+		t.Errorf("300 locks in %d calls of at most 50", calls)
+	}
+	for k := range want {
+		if seen[k] == 0 {
+			t.Errorf("paging never listed %s", k)
+		}
+	}
+	for k, n := range seen {
+		if !want[k] {
+			t.Errorf("paging listed a foreign key %s", k)
+		}
+		if n > 1 {
+			t.Logf("%s listed %d times (SCAN may repeat a key while Redis rehashes)", k, n)
+		}
+	}
+	// Text mode says how to go on.
+	r := f.ok("list", "--limit", "10")
+	lines := strings.Split(strings.TrimSpace(r.stdout), "\n")
+	last := lines[len(lines)-1]
+	if want := fmt.Sprintf("%d locks shown; more may follow: add --cursor ", len(lines)-2); !strings.HasPrefix(last, want) || len(lines)-2 > 10 || len(lines)-2 < 1 {
+		t.Errorf("text paging: want at most 10 rows and %q...:\n%s", want, r.stdout)
+	}
+	// --limit 0 lists everything in one call.
+	if out := decode[listOutput](t, f.ok("--json", "list", "--limit", "0")); out.Count < 300 || !out.Complete {
+		t.Errorf("--limit 0 listed %d (complete %v)", out.Count, out.Complete)
+	}
+	f.fail(exitUsage, "bad --cursor", "", "list", "--cursor", "nope")
+	f.fail(exitUsage, "names a cluster master, but --cluster is not set", "", "list", "--cursor", "127.0.0.1:7000/12")
+	f.fail(exitUsage, "--limit must be 0 (all) or positive", "", "list", "--limit", "-1")
+	f.fail(exitUsage, "--count must be positive", "", "list", "--count", "0")
+}
+
+// startServer runs an asynq server with the middleware on queue whose
+// handler blocks until the returned function is called.
+func (f *fixture) startServer(queue string) (started <-chan string, finish func()) {
+	f.t.Helper()
+	srv := asynq.NewServerFromRedisClient(f.rdb, asynq.Config{
+		Concurrency:       1,
+		Queues:            map[string]int{queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond,
+		LogLevel:          asynq.FatalLevel,
+		ShutdownTimeout:   5 * time.Second,
+		IsFailure:         dedup.IsFailure,
+	})
+	ch := make(chan string, 10)
+	release := make(chan struct{})
+	h := asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		ch <- id
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		return nil
+	})
+	if err := srv.Start(f.d.Middleware()(h)); err != nil {
+		f.t.Fatalf("asynq server: %v", err)
+	}
+	var once sync.Once
+	finish = func() {
+		once.Do(func() {
+			close(release)
+			srv.Shutdown()
+		})
+	}
+	f.t.Cleanup(finish)
+	return ch, finish
+}
+
+// waitRunning waits until the lock has a running attempt's token.
+func (f *fixture) waitRunning(key string) {
+	f.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n, err := f.rdb.HExists(context.Background(), key, "tok").Result()
+		if err != nil {
+			f.t.Fatal(err)
+		}
+		if n {
+			return
+		}
+		if time.Now().After(deadline) {
+			f.t.Fatalf("%s never got a running token", key)
+		}
+		time.Sleep(10 * time.Millisecond) // the server polls asynq; nothing to block on
+	}
+}
+
+// One running lock (a real server with a blocking handler, RunningDefer so
+// that a second enqueue owes a follow-up), one orphaned lock (its task
+// deleted), one waiting: list, show and release say what each is.
+func TestRunningOrphanedAndFollowUp(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{
+		"report:build": {Fields: []string{"user_id"}, OnRunning: dedup.RunningDefer, OnConflict: dedup.Replace},
+	}})
+	running := f.enqueue(f.qb, "report:build", 1)
+	orphan := f.enqueue(f.qa, "email:welcome", 2)
+	waiting := f.enqueue(f.qa, "email:welcome", 3)
+	if err := f.insp.DeleteTask(orphan.Queue, orphan.ID); err != nil {
+		t.Fatal(err)
+	}
+	started, finish := f.startServer(f.qb)
+	select {
+	case id := <-started:
+		if id != running.ID {
+			t.Fatalf("server ran %s, want %s", id, running.ID)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the server never ran the task")
+	}
+	runKey := f.lockOf(running)
+	f.waitRunning(runKey)
+	follow := f.enqueue(f.qb, "report:build", 1) // folded into a follow-up
+	if follow.ID == running.ID {
+		t.Fatal("the second enqueue did not create a follow-up")
+	}
+
+	out := decode[listOutput](t, f.ok("--json", "list"))
+	states := map[string]*lockInfo{}
+	for _, l := range out.Locks {
+		states[l.Owner] = l
+	}
+	if l := states[running.ID]; l == nil || l.State != "running" || l.TaskState != "active" || l.FollowUp != follow.ID || l.Coalesced != 1 || l.TTLms > 30_000 {
+		t.Errorf("running lock: %+v", l)
+	}
+	if l := states[orphan.ID]; l == nil || l.State != "orphaned" || l.TaskState != "missing" {
+		t.Errorf("orphaned lock: %+v", l)
+	}
+	if l := states[waiting.ID]; l == nil || l.State != "waiting" {
+		t.Errorf("waiting lock: %+v", l)
+	}
+	r := f.ok("list", "--queue", f.qb)
+	if !strings.Contains(r.stdout, "FOLLOW-UP") || !strings.Contains(r.stdout, follow.ID) || !strings.Contains(r.stdout, "running") {
+		t.Errorf("text list of the running lock:\n%s", r.stdout)
+	}
+
+	r = f.ok("show", runKey)
+	for _, want := range []string{"state            running", "owner in asynq   active (retried 0/25)", "follow-up        " + follow.ID + ": scheduled (retried 0/25, runs in ", "running policy   defer (d)", "follow-up key    " + followKey(f.prefix, f.qb, strings.Split(runKey, ":l:")[1])} {
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("show running lock lacks %q:\n%s", want, r.stdout)
+		}
+	}
+	r = f.ok("show", f.lockOf(orphan))
+	if !strings.Contains(r.stdout, "owner in asynq   missing (the lock is orphaned; it heals at the next enqueue)") || !strings.Contains(r.stdout, "state            orphaned") {
+		t.Errorf("show orphaned lock:\n%s", r.stdout)
+	}
+	so := decode[showOutput](t, f.ok("--json", "show", f.lockOf(orphan)))
+	if so.OwnerTask.Exists || so.OwnerTask.State != "missing" || so.State != "orphaned" {
+		t.Errorf("show --json orphaned: %+v %+v", so.lockInfo, so.OwnerTask)
+	}
+
+	// --task of the follow-up finds the lock but does not release it.
+	f.fail(exitError, "is its owed follow-up, not its owner", "", "release", "--yes", "--task", follow.ID, "--queue", f.qb)
+	r = f.ok("release", "--yes", runKey)
+	for _, want := range []string{"released " + runKey + " (type report:build, owner " + running.ID + ", running, ",
+		"note: owner " + running.ID + " is running: its handler goes on without the lock",
+		"note: follow-up task " + follow.ID + " stays owed"} {
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("release of the running lock lacks %q:\n%s", want, r.stdout)
+		}
+	}
+	if f.exists(runKey) {
+		t.Error("the running lock is still there")
+	}
+	finish()
+}
+
+func TestShow(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	welcome, _ := f.setup()
+	key := f.lockOf(welcome[0])
+	r := f.ok("show", key)
+	for _, want := range []string{
+		"key              " + key,
+		"queue            " + f.qa,
+		"type             email:welcome",
+		"state            waiting",
+		"owner            " + welcome[0].ID,
+		"owner in asynq   pending (retried 0/25)",
+		"coalesced        2",
+		"TTL left         59m",
+		"fields           c=",
+	} {
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("show lacks %q:\n%s", want, r.stdout)
+		}
+	}
+	o := decode[showOutput](t, f.ok("--json", "show", key))
+	if o.Key != key || o.Owner != welcome[0].ID || o.Fields["id"] != welcome[0].ID || o.Fields["n"] != "2" || o.Fields["v"] != "2" ||
+		!o.OwnerTask.Exists || o.OwnerTask.State != "pending" || o.OwnerTask.MaxRetry != 25 || o.OwnerTask.Type != "email:welcome" || o.PayloadVersion != "2" {
+		t.Errorf("show --json: %+v / %+v", o.lockInfo, o.OwnerTask)
+	}
+
+	// By task ID: with its queue, and searching asynq's queues.
+	for _, args := range [][]string{{"show", "--json", "--task", welcome[1].ID, "--queue", f.qa}, {"show", "--task", welcome[1].ID, "--json"}} {
+		o := decode[showOutput](t, f.ok(args...))
+		if o.Key != f.lockOf(welcome[1]) || o.TaskRole != "owner" || o.Task != welcome[1].ID {
+			t.Errorf("%q: %+v", args, o)
+		}
+	}
+	// The same work locked in another queue: the task ID still names one lock.
+	other := f.enqueue(f.qb, "email:welcome", 2)
+	if other.ID == welcome[1].ID || f.lockOf(other)[len(f.lockOf(other))-16:] != f.lockOf(welcome[1])[len(f.lockOf(welcome[1]))-16:] {
+		t.Fatalf("want the same fingerprint in two queues: %s, %s", other.ID, welcome[1].ID)
+	}
+	for _, info := range []*asynq.TaskInfo{welcome[1], other} {
+		if o := decode[showOutput](t, f.ok("--json", "show", "--task", info.ID)); o.Key != f.lockOf(info) {
+			t.Errorf("show --task %s (same work in two queues): %s", info.ID, o.Key)
+		}
+	}
+	// A caller-chosen task ID goes through its index key.
+	info := f.enqueue(f.qb, "email:welcome", 9, asynq.TaskID("welcome-9-"+f.qb))
+	o = decode[showOutput](t, f.ok("--json", "show", "--task", info.ID, "--queue", f.qb))
+	if o.Owner != info.ID || o.IndexKey != indexKey(f.prefix, f.qb, info.ID) || o.TaskRole != "owner" {
+		t.Errorf("show --task of a caller-chosen ID: %+v (index %q)", o.lockInfo, o.IndexKey)
+	}
+}
+
+func TestShowBadInput(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	welcome, _ := f.setup()
+	key := f.lockOf(welcome[0])
+	fp := key[len(key)-16:]
+	idKey := indexKey(f.prefix, f.qa, "task-7")
+	cases := []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{"show", "hello"}, exitError, `not a dedup lock key: "hello"`},
+		{[]string{"show", idKey}, exitError, "is the index key of task \"task-7\" (use --task task-7 --queue " + f.qa + ")"},
+		{[]string{"show", "other:{" + f.qa + "}:l:" + fp}, exitError, `its prefix is "other": pass --prefix other`},
+		{[]string{"show", lockKey(f.prefix, f.qa, "ffffffffffffffff")}, exitError, "no such lock: " + lockKey(f.prefix, f.qa, "ffffffffffffffff")},
+		{[]string{"show", lockKey(f.prefix, f.qb, fp)}, exitError, "no such lock"},
+		{[]string{"show", "--task", "dd-ffffffffffffffff-0123456789abcdef0123", "--queue", f.qa}, exitError, "no such lock: task"},
+		{[]string{"show", "--task", "nobody", "--queue", f.qa}, exitError, "no such lock: no index key"},
+		{[]string{"show", "--task", "x", key}, exitUsage, "give KEY or --task, not both"},
+		{[]string{"show", "--queue", f.qa, key}, exitUsage, "--queue goes with --task"},
+	}
+	// A key of the right shape that is not a hash.
+	strKey := lockKey(f.prefix, f.qa, "eeeeeeeeeeeeeeee")
+	if err := f.rdb.Set(context.Background(), strKey, "x", time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+	cases = append(cases, struct {
+		args []string
+		code int
+		want string
+	}{[]string{"show", strKey}, exitError, "not a dedup lock: " + strKey + " is a string"})
+	for _, c := range cases {
+		r := f.run("", c.args...)
+		if r.code != c.code || !strings.Contains(r.stderr, c.want) || r.stdout != "" {
+			t.Errorf("%q: want exit %d and %q, got %v", c.args, c.code, c.want, r)
+		}
+	}
+}
+
+func TestReleaseYes(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	welcome, _ := f.setup()
+	key := f.lockOf(welcome[2])
+	r := f.ok("release", key, "--yes")
+	want := "released " + key + " (type email:welcome, owner " + welcome[2].ID + ", waiting, 59m"
+	if !strings.HasPrefix(r.stdout, want) || !strings.Contains(r.stdout, "note: owner "+welcome[2].ID+" is still pending in asynq") || r.stderr != "" {
+		t.Errorf("release --yes: want %q, got %v", want, r)
+	}
+	if f.exists(key) {
+		t.Fatal("lock still there")
+	}
+	// The key is free: the same work enqueues again as a new task.
+	again := f.enqueue(f.qa, "email:welcome", 3)
+	if again.ID == welcome[2].ID {
+		t.Error("enqueue after release returned the old task")
+	}
+	f.fail(exitError, "not a dedup lock key", "", "release", "--yes", f.lockOf(welcome[1])+"0") // 17 digits
+	f.fail(exitError, "no such lock: "+lockKey(f.prefix, f.qa, "ffffffffffffffff"), "", "release", "--yes", lockKey(f.prefix, f.qa, "ffffffffffffffff"))
+	f.fail(exitError, "not a dedup lock key", "", "release", "--yes", "asynq:{"+f.qa+"}:pending")
+
+	// JSON, by caller-chosen task ID: the index key goes too.
+	info := f.enqueue(f.qb, "report:build", 5, asynq.TaskID("report-5-"+f.qb))
+	idx := indexKey(f.prefix, f.qb, info.ID)
+	if !f.exists(idx) {
+		t.Fatal("no index key for a caller-chosen ID")
+	}
+	o := decode[releaseOutput](t, f.ok("--json", "release", "--yes", "--task", info.ID, "--queue", f.qb))
+	if !o.Released || o.Owner != info.ID || o.IndexKeyRemove != idx || o.State != "waiting" || o.TaskState != "pending" || len(o.Notes) != 1 {
+		t.Errorf("release --json: %+v", o)
+	}
+	if f.exists(idx) {
+		t.Error("index key still there")
+	}
+}
+
+func TestReleasePrompt(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	welcome, _ := f.setup()
+	key := f.lockOf(welcome[1])
+	for _, answer := range []string{"n\n", "\n", "nope\n", "maybe"} {
+		r := f.fail(exitError, "not released: not confirmed", answer, "release", key)
+		if !strings.Contains(r.stderr, "Release this lock? [y/N] ") || !strings.Contains(r.stderr, "owner  "+welcome[1].ID+" (pending in asynq)") {
+			t.Errorf("prompt for %q:\n%s", answer, r.stderr)
+		}
+		if !f.exists(key) {
+			t.Fatalf("answer %q released the lock", answer)
+		}
+	}
+	f.fail(exitError, "not released: no answer on stdin; pass --yes", "", "release", key)
+	if !f.exists(key) {
+		t.Fatal("no answer released the lock")
+	}
+	r := f.run("y\n", "release", key)
+	if r.code != 0 || !strings.HasPrefix(r.stdout, "released "+key) {
+		t.Fatalf("answer y: %v", r)
+	}
+	if f.exists(key) {
+		t.Fatal("answer y left the lock")
+	}
+	key = f.lockOf(welcome[2])
+	if r := f.run("YES", "--json", "release", key); r.code != 0 || !decode[releaseOutput](t, r).Released {
+		t.Fatalf("answer YES, --json: %v", r)
+	}
+}
+
+// With stdin a pipe (no terminal) and no --yes, release refuses.
+func TestReleaseNoTerminal(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	welcome, _ := f.setup()
+	key := f.lockOf(welcome[0])
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pr.Close()
+	_, _ = pw.WriteString("y\n")
+	pw.Close()
+	f.fail(exitError, "not released: stdin is not a terminal, so nobody can confirm; pass --yes", pr, "release", key)
+	if !f.exists(key) {
+		t.Fatal("released without a terminal")
+	}
+}
+
+// The delete is owner-checked: a lock that changed hands after it was read
+// is left alone.
+func TestReleaseOwnerSafe(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{"email:welcome": {Fields: []string{"user_id"}, MaxPending: 100}}})
+	welcome, _ := f.setup()
+	ctx := context.Background()
+	key := f.lockOf(welcome[0])
+	fp := key[len(key)-16:]
+	wk := waitKey(f.prefix, f.qa, "email:welcome")
+	keys := []string{key, indexKey(f.prefix, f.qa, "stale"), wk}
+	res, err := releaseScript.Run(ctx, f.rdb, keys, "stale", fp).Slice()
+	if err != nil || len(res) != 2 || res[0] != int64(2) || res[1] != welcome[0].ID {
+		t.Fatalf("release with a stale owner: %v, %v", res, err)
+	}
+	if !f.exists(key) {
+		t.Fatal("a stale owner's release deleted the lock")
+	}
+	// The lock is counted in its type's waiting set (MaxPending); releasing
+	// takes it out.
+	if s, err := f.rdb.ZScore(ctx, wk, fp).Result(); err != nil || s == 0 {
+		t.Fatalf("lock not in the waiting set %s: %v", wk, err)
+	}
+	o := decode[showOutput](t, f.ok("--json", "show", key))
+	if o.WaitingSet != wk {
+		t.Errorf("show: waiting set %q, want %q", o.WaitingSet, wk)
+	}
+	f.ok("release", "--yes", key)
+	if err := f.rdb.ZScore(ctx, wk, fp).Err(); err != redis.Nil {
+		t.Errorf("released lock still in the waiting set: %v", err)
+	}
+	// --task of a task that is not the owner refuses.
+	if err := f.rdb.HSet(ctx, f.lockOf(welcome[1]), "id", "someone-else").Err(); err != nil {
+		t.Fatal(err)
+	}
+	f.fail(exitError, "not released: task "+welcome[1].ID+" does not hold it", "", "release", "--yes", "--task", welcome[1].ID, "--queue", f.qa)
+	if !f.exists(f.lockOf(welcome[1])) {
+		t.Fatal("released a lock its --task does not hold")
+	}
+}
+
+func TestStats(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	f.setup()
+	// Two duplicates, rejected.
+	for range 2 {
+		_, err := f.client.Enqueue(asynq.NewTask("report:build", []byte(`{"user_id":1}`)), asynq.Queue(f.qb), dedup.Fields("user_id"))
+		if err == nil {
+			t.Fatal("duplicate accepted")
+		}
+	}
+	if err := f.d.FlushStats(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	o := decode[statsOutput](t, f.ok("--json", "stats"))
+	if o.Types["email:welcome"]["locked"] != 3 || o.Types["email:welcome"]["coalesced"] != 2 ||
+		o.Types["report:build"]["locked"] != 2 || o.Types["report:build"]["duplicate"] != 2 ||
+		o.Totals["locked"] != 5 || o.Note != "" {
+		t.Errorf("stats counters: %+v", o)
+	}
+	if o.Locks.Total != 5 || o.Locks.ByState["waiting"] != 5 {
+		t.Errorf("stats locks: %+v", o.Locks)
+	}
+	if len(o.Top) != 1 || o.Top[0].Coalesced != 2 || o.Top[0].Type != "email:welcome" || o.Top[0].Queue != f.qa {
+		t.Errorf("top coalesced: %+v", o.Top)
+	}
+	r := f.ok("stats")
+	for _, want := range []string{
+		fmt.Sprintf("Counters flushed to Redis under prefix %q", f.prefix),
+		"TYPE", "LOCKED", "DUPLICATE", "COALESCED", "email:welcome", "report:build", "TOTAL",
+		"Live locks: 5 (5 waiting)",
+		"\n\nTop coalesced keys:\nKEY",
+		o.Top[0].Key,
+	} {
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("stats text lacks %q:\n%s", want, r.stdout)
+		}
+	}
+}
+
+func TestStatsEmpty(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	r := f.ok("stats")
+	want := noCounters + "\n\nLive locks: none\nTop coalesced keys: no live lock has coalesced enqueues\n"
+	if r.stdout != want {
+		t.Errorf("stats with nothing:\n%q\nwant\n%q", r.stdout, want)
+	}
+	o := decode[statsOutput](t, f.ok("stats", "--json"))
+	if o.Note != noCounters || len(o.Types) != 0 || o.Locks.Total != 0 || o.Top == nil {
+		t.Errorf("stats --json with nothing: %+v", o)
+	}
+}
+
+// The URL may come from the environment.
+func TestURLFromEnv(t *testing.T) {
+	f := newFixture(t, dedup.Config{})
+	f.enqueue(f.qa, "email:welcome", 1)
+	t.Setenv(urlEnv, f.url)
+	r := runCmd("", "--prefix", f.prefix, "list")
+	if r.code != 0 || !strings.Contains(r.stdout, "1 lock\n") {
+		t.Errorf("URL from %s: %v", urlEnv, r)
+	}
+}
+
+// An attempt that fails with retries left: the lock is held for the retry
+// and listed as retry-wait.
+func TestRetryWait(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	info := f.enqueue(f.qa, "email:welcome", 1)
+	srv := asynq.NewServerFromRedisClient(f.rdb, asynq.Config{
+		Concurrency:       1,
+		Queues:            map[string]int{f.qa: 1},
+		TaskCheckInterval: 20 * time.Millisecond,
+		LogLevel:          asynq.FatalLevel,
+		IsFailure:         dedup.IsFailure,
+		RetryDelayFunc:    func(int, error, *asynq.Task) time.Duration { return time.Hour },
+	})
+	failed := make(chan struct{}, 1)
+	h := asynq.HandlerFunc(func(context.Context, *asynq.Task) error {
+		select {
+		case failed <- struct{}{}:
+		default:
+		}
+		return fmt.Errorf("smtp: 421 try again later")
+	})
+	if err := srv.Start(f.d.Middleware()(h)); err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	<-failed
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ti, err := f.insp.GetTaskInfo(f.qa, info.ID)
+		if err == nil && ti.State == asynq.TaskStateRetry {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("task never reached retry: %v %v", ti, err)
+		}
+		time.Sleep(10 * time.Millisecond) // asynq moves it after the handler returns
+	}
+	out := decode[listOutput](t, f.ok("--json", "list"))
+	if out.Count != 1 || out.Locks[0].State != "retry-wait" || out.Locks[0].TaskState != "retry" {
+		t.Fatalf("failed attempt: %+v", out.Locks)
+	}
+	r := f.ok("show", f.lockOf(info))
+	if !strings.Contains(r.stdout, "owner in asynq   retry (retried 1/25, runs in 59m") || !strings.Contains(r.stdout, "last error: smtp: 421 try again later") {
+		t.Errorf("show of a lock waiting for a retry:\n%s", r.stdout)
+	}
+}

@@ -1,0 +1,199 @@
+package main
+
+import (
+	"bufio"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// releaseScript deletes a lock only if its owner is still the one the
+// operator confirmed, with the owner's index key (when it points to this
+// lock) and the lock's entry in its type's waiting set. All keys share the
+// queue's hash slot.
+//
+// KEYS[1] lock key, KEYS[2] index key of the owner, KEYS[3] waiting set of its type
+// ARGV[1] the owner read before, ARGV[2] the fingerprint hex
+//
+// Reply: {1, 1 if the index key was deleted else 0} released; {0, ""} no
+// lock; {2, owner} another owner now
+var releaseScript = redis.NewScript(`
+local rec = redis.call('HMGET', KEYS[1], 'id', 'b')
+if not rec[1] then
+  return {0, ''}
+end
+if rec[1] ~= ARGV[1] then
+  return {2, rec[1]}
+end
+redis.call('DEL', KEYS[1])
+local idx = 0
+if redis.call('GET', KEYS[2]) == ARGV[2] then
+  redis.call('DEL', KEYS[2])
+  idx = 1
+end
+if rec[2] then
+  redis.call('ZREM', KEYS[3], ARGV[2])
+end
+return {1, idx}
+`)
+
+type releaseOutput struct {
+	Released       bool     `json:"released"`
+	Key            string   `json:"key"`
+	Queue          string   `json:"queue"`
+	Type           string   `json:"type"`
+	Owner          string   `json:"owner"`
+	State          string   `json:"state"` // the lock's state when released
+	TaskState      string   `json:"task_state"`
+	TTLms          int64    `json:"ttl_ms"` // what was left
+	FollowUp       string   `json:"follow_up,omitempty"`
+	IndexKeyRemove string   `json:"index_key_deleted,omitempty"`
+	Notes          []string `json:"notes,omitempty"`
+}
+
+func releaseCommand() *command {
+	return &command{
+		name:     "release",
+		synopsis: "[--yes] KEY | --task ID [--queue Q]",
+		summary:  "force-release a lock (asks for confirmation unless --yes)",
+		help: `Force-releases a lock: deletes it (and its owner's index key, and its entry in
+the type's waiting set) so the key can be enqueued again. It asks on the
+terminal first; with --yes it does not ask, and without a terminal it refuses
+unless --yes is given.
+
+The delete is owner-safe: it happens only if the lock still has the owner
+that was shown, so a lock that changed hands meanwhile is left alone.
+Releasing deletes no task: a queued owner still runs (and takes the lock
+again when it starts if the key is free); a running owner goes on without
+the lock; an owed follow-up task stays owed.`,
+		bind: func(fs *flag.FlagSet) func(*app, []string) error {
+			s := &selector{}
+			s.register(fs, "to release")
+			yes := fs.Bool("yes", false, "release without asking")
+			return func(a *app, args []string) error { return runRelease(a, args, *s, *yes) }
+		},
+		maxArgs: 1,
+	}
+}
+
+func runRelease(a *app, args []string, s selector, yes bool) error {
+	if err := s.check(args); err != nil {
+		return err
+	}
+	ctx, cancel := a.ctx()
+	defer cancel()
+	c, err := a.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.close()
+	t, err := a.resolve(ctx, c, args, s)
+	if err != nil {
+		return err
+	}
+	l, err := readOne(ctx, c, a.g.prefix, t)
+	if err != nil {
+		return err
+	}
+	if t.task != "" && t.task != l.Owner {
+		role := "does not hold it"
+		if t.task == l.FollowUp {
+			role = "is its owed follow-up, not its owner"
+		}
+		return fmt.Errorf("not released: task %s %s (lock %s, owner %s); name the key to release it anyway", t.task, role, l.Key, l.Owner)
+	}
+	if !yes {
+		if err := a.confirm(l); err != nil {
+			return err
+		}
+		cancel()
+		ctx, cancel = a.ctx() // the answer may have taken a while
+		defer cancel()
+	}
+
+	prefix := a.g.prefix
+	idx := indexKey(prefix, l.Queue, l.Owner)
+	res, err := releaseScript.Run(ctx, c.rdb, []string{l.Key, idx, waitKey(prefix, l.Queue, l.Type)}, l.Owner, l.Fingerprint).Slice()
+	if err != nil {
+		return fmt.Errorf("release %s: %w", l.Key, err)
+	}
+	if len(res) != 2 {
+		return fmt.Errorf("release %s: unexpected reply %v", l.Key, res)
+	}
+	st, _ := res[0].(int64)
+	switch st {
+	case 0:
+		return fmt.Errorf("no such lock: %s (released or expired meanwhile)", l.Key)
+	case 2:
+		return fmt.Errorf("not released: %s changed owner from %s to %v since it was read; run again to release the new owner's lock", l.Key, l.Owner, res[1])
+	case 1:
+	default:
+		return fmt.Errorf("release %s: unexpected reply %v", l.Key, res)
+	}
+	out := releaseOutput{Released: true, Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, State: l.State,
+		TaskState: l.TaskState, TTLms: l.TTLms, FollowUp: l.FollowUp}
+	if n, _ := res[1].(int64); n == 1 {
+		out.IndexKeyRemove = idx
+	}
+	out.Notes = releaseNotes(l)
+	if a.g.json {
+		return writeJSON(a.stdout, out)
+	}
+	fmt.Fprintf(a.stdout, "released %s (type %s, owner %s, %s, %s left)\n", l.Key, orDash(l.Type), l.Owner, l.State, l.TTL)
+	if out.IndexKeyRemove != "" {
+		fmt.Fprintf(a.stdout, "deleted index key %s\n", out.IndexKeyRemove)
+	}
+	for _, n := range out.Notes {
+		fmt.Fprintf(a.stdout, "note: %s\n", n)
+	}
+	return nil
+}
+
+// releaseNotes says what releasing leaves behind.
+func releaseNotes(l *lockInfo) []string {
+	var notes []string
+	switch {
+	case l.State == "running" && l.FollowUp != "":
+		notes = append(notes, fmt.Sprintf("owner %s is running: its handler goes on without the lock (its heartbeat logs the loss)", l.Owner))
+	case l.State == "running":
+		notes = append(notes, fmt.Sprintf("owner %s is running: its handler goes on without the lock (its heartbeat logs the loss); the key's next enqueue creates a new task, which may run alongside it", l.Owner))
+	case l.TaskState == "pending" || l.TaskState == "scheduled" || l.TaskState == "retry" || l.TaskState == "active" || l.TaskState == "aggregating":
+		notes = append(notes, fmt.Sprintf("owner %s is still %s in asynq: releasing deletes no task; it still runs, and takes the lock again when it starts if the key is free", l.Owner, l.TaskState))
+	}
+	if l.FollowUp != "" {
+		notes = append(notes, fmt.Sprintf("follow-up task %s stays owed: the key's next enqueue folds into it and queues it at once, or it runs by itself when its parking time ends", l.FollowUp))
+	}
+	return notes
+}
+
+// confirm asks on stdin whether to release l; it refuses when stdin is not
+// a terminal (pass --yes in scripts).
+func (a *app) confirm(l *lockInfo) error {
+	if f, ok := a.stdin.(*os.File); ok {
+		fi, err := f.Stat()
+		if err != nil || fi.Mode()&os.ModeCharDevice == 0 {
+			return errors.New("not released: stdin is not a terminal, so nobody can confirm; pass --yes to release without asking")
+		}
+	}
+	w := a.stderr
+	fmt.Fprintf(w, "lock   %s\ntype   %s\nowner  %s (%s in asynq)\nstate  %s, %s left, coalesced %d\n", l.Key, orDash(l.Type), l.Owner, l.TaskState, l.State, l.TTL, l.Coalesced)
+	if l.FollowUp != "" {
+		fmt.Fprintf(w, "follow-up  %s\n", l.FollowUp)
+	}
+	fmt.Fprint(w, "Release this lock? [y/N] ")
+	line, err := bufio.NewReader(a.stdin).ReadString('\n')
+	if err != nil && (!errors.Is(err, io.EOF) || line == "") {
+		fmt.Fprintln(w)
+		return errors.New("not released: no answer on stdin; pass --yes to release without asking")
+	}
+	switch strings.ToLower(strings.TrimSpace(line)) {
+	case "y", "yes":
+		return nil
+	}
+	return errors.New("not released: not confirmed")
+}
