@@ -93,15 +93,33 @@ func (h *harness) lockOwner(key string) string {
 	return v
 }
 
-// locks returns the lock keys of this harness.
+// locks returns the lock keys of this harness (on every master of a cluster).
 func (h *harness) locks() []string {
 	h.t.Helper()
-	var out []string
-	iter := h.rdb.Scan(context.Background(), 0, h.prefix+":*:l:*", 1000).Iterator()
-	for iter.Next(context.Background()) {
-		out = append(out, iter.Val())
+	ctx := context.Background()
+	var (
+		mu  sync.Mutex
+		out []string
+	)
+	scan := func(ctx context.Context, c *redis.Client) error {
+		iter := c.Scan(ctx, 0, h.prefix+":*:l:*", 1000).Iterator()
+		for iter.Next(ctx) {
+			mu.Lock()
+			out = append(out, iter.Val())
+			mu.Unlock()
+		}
+		return iter.Err()
 	}
-	if err := iter.Err(); err != nil {
+	var err error
+	switch c := h.rdb.(type) {
+	case *redis.ClusterClient:
+		err = c.ForEachMaster(ctx, scan)
+	case *redis.Client:
+		err = scan(ctx, c)
+	default:
+		h.t.Fatalf("locks: unsupported client %T", h.rdb)
+	}
+	if err != nil {
 		h.t.Fatalf("scan: %v", err)
 	}
 	return out
