@@ -1,0 +1,384 @@
+// Command dedupbench measures what deduplication costs and saves, against a
+// real redis-server on loopback, in one process, with every case and its
+// baseline interleaved:
+//
+//  1. plain asynq Client.Enqueue (the baseline of every ratio);
+//  2. Enqueue with asynq.Unique(time.Hour), every payload new;
+//  3. asynq.Unique, every payload a duplicate of a waiting task;
+//  4. this library (dedup.Fields("user_id")), every enqueue accepted;
+//  5. every enqueue rejected as a duplicate of a waiting task;
+//  6. every enqueue coalesced (Rule{OnConflict: Replace}): the waiting
+//     task's payload is rewritten;
+//  7. end to end: 10,000 enqueues over 1,000 user_ids worked off by an asynq
+//     server whose handler sleeps 1 ms, plain asynq (10,000 tasks) against
+//     dedup Replace and dedup Reject (1,000 tasks). Two modes: "before", all
+//     enqueued before the server starts, timed from server start until the
+//     queue is drained; "live", the server already running, timed from the
+//     first enqueue until the queue is drained.
+//
+// Cases 1–6 run at each concurrency (-c) for -duration per round; each round
+// visits every case once (the order rotates), and a ratio is the case's ops/s
+// over plain Enqueue's in the same round at the same concurrency, reported as
+// the median over rounds (with its range). p50/p99 come from all rounds'
+// latencies; cmds/op counts the commands the shared go-redis client sent
+// (a hook on it), per call.
+//
+// Without -redis it starts its own redis-server (--save "" --appendonly no)
+// on a free 127.0.0.1 port and kills it at exit. Every case uses a queue of
+// its own and deletes that queue's keys when it is done (asynq Inspector
+// DeleteQueue with force, then SCAN+UNLINK of what remains and of dedup's
+// keys for it), so a Redis given with -redis is never flushed.
+//
+//	go run ./cmd/dedupbench                        # defaults: 2s × 3 rounds, c=1,64
+//	go run ./cmd/dedupbench -rounds 5 -json > out.json
+//	go run ./cmd/dedupbench -cases accepted -c 64 -cpuprofile cpu.out
+//
+// It exits with status 1 if any call had an unexpected outcome (they are
+// printed), 2 on a usage or setup error.
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"runtime"
+	"runtime/pprof"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/asynq-dedup/dedup"
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// dedupPrefix is the key prefix of the benchmark's Dedup.
+const dedupPrefix = "dedupbench"
+
+type config struct {
+	redisAddr   string
+	duration    time.Duration
+	warmup      time.Duration
+	rounds      int
+	conc        []int
+	cases       []string // selected case names, in table order
+	jsonOut     bool
+	cpuprofile  string
+	keys        int
+	payload     int
+	pool        int
+	ctxTimeouts bool
+	verbose     bool
+	quiet       bool
+
+	e2eTasks, e2eKeys, e2eWorkers, e2eProducers int
+	e2eWork, e2eCheck, e2eTimeout               time.Duration
+	e2eModes                                    []string
+
+	stdout, stderr io.Writer
+}
+
+func (c *config) has(name string) bool { return slices.Contains(c.cases, name) }
+
+func caseNames() []string {
+	names := make([]string, 0, len(allCases)+1)
+	for _, cd := range allCases {
+		names = append(names, cd.name)
+	}
+	return append(names, "e2e")
+}
+
+func parseFlags(args []string, stdout, stderr io.Writer) (config, error) {
+	cfg := config{stdout: stdout, stderr: stderr}
+	fs := flag.NewFlagSet("dedupbench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&cfg.redisAddr, "redis", "", "Redis `address` (host:port or redis:// URL); default: start a redis-server on a free loopback port")
+	fs.DurationVar(&cfg.duration, "duration", 2*time.Second, "timed run of each case, per concurrency and round")
+	fs.DurationVar(&cfg.warmup, "warmup", 500*time.Millisecond, "untimed run of each case before the first round (0: none)")
+	fs.IntVar(&cfg.rounds, "rounds", 3, "rounds; each runs every case once, interleaved")
+	conc := fs.String("c", "1,64", "comma-separated `list` of concurrencies (goroutines calling Enqueue)")
+	cases := fs.String("cases", "all", "comma-separated cases to run: all or "+strings.Join(caseNames(), ","))
+	fs.BoolVar(&cfg.jsonOut, "json", false, "print the results as JSON instead of a table")
+	fs.StringVar(&cfg.cpuprofile, "cpuprofile", "", "write a CPU profile of the timed rounds to `file` (samples are labelled case=…, c=…)")
+	fs.IntVar(&cfg.keys, "keys", 1000, "keys pre-enqueued for the duplicate, rejected and coalesced cases")
+	fs.IntVar(&cfg.payload, "payload", 200, "payload size in `bytes` (JSON)")
+	fs.IntVar(&cfg.pool, "pool", 0, "go-redis PoolSize of the shared client (0: max(c, e2e producers) + e2e workers + 16)")
+	fs.BoolVar(&cfg.ctxTimeouts, "ctx-timeouts", false, "set go-redis ContextTimeoutEnabled on the shared client (go-redis's default is off)")
+	fs.BoolVar(&cfg.verbose, "v", false, "also print the commands per call by name, and per-round numbers")
+	fs.BoolVar(&cfg.quiet, "q", false, "no progress lines on stderr")
+	fs.IntVar(&cfg.e2eTasks, "e2e-tasks", 10_000, "end to end: enqueues")
+	fs.IntVar(&cfg.e2eKeys, "e2e-keys", 1_000, "end to end: distinct user_ids they are spread over")
+	fs.DurationVar(&cfg.e2eWork, "e2e-work", time.Millisecond, "end to end: simulated work per task (sleep)")
+	fs.IntVar(&cfg.e2eWorkers, "e2e-workers", 64, "end to end: asynq server Concurrency")
+	fs.IntVar(&cfg.e2eProducers, "e2e-producers", 64, "end to end: goroutines enqueueing")
+	fs.DurationVar(&cfg.e2eCheck, "e2e-check", 10*time.Millisecond, "end to end: asynq TaskCheckInterval (its sleep when the queue is empty)")
+	fs.DurationVar(&cfg.e2eTimeout, "e2e-timeout", 5*time.Minute, "end to end: give up on a queue that does not drain")
+	modes := fs.String("e2e-mode", "before,live", "end to end: modes, before (enqueue all, then start the server) and/or live (server already running)")
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	if fs.NArg() > 0 {
+		return cfg, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	for _, f := range strings.Split(*conc, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			return cfg, fmt.Errorf("-c: bad concurrency %q", f)
+		}
+		if !slices.Contains(cfg.conc, n) {
+			cfg.conc = append(cfg.conc, n)
+		}
+	}
+	want := map[string]bool{}
+	for _, f := range strings.Split(*cases, ",") {
+		f = strings.TrimSpace(f)
+		switch {
+		case f == "all":
+			for _, n := range caseNames() {
+				want[n] = true
+			}
+		case slices.Contains(caseNames(), f):
+			want[f] = true
+		default:
+			return cfg, fmt.Errorf("-cases: unknown case %q (have all, %s)", f, strings.Join(caseNames(), ", "))
+		}
+	}
+	for _, n := range caseNames() {
+		if want[n] {
+			cfg.cases = append(cfg.cases, n)
+		}
+	}
+	for _, m := range strings.Split(*modes, ",") {
+		m = strings.TrimSpace(m)
+		if m != modeBefore && m != modeLive {
+			return cfg, fmt.Errorf("-e2e-mode: unknown mode %q (have before, live)", m)
+		}
+		if !slices.Contains(cfg.e2eModes, m) {
+			cfg.e2eModes = append(cfg.e2eModes, m)
+		}
+	}
+	switch {
+	case cfg.duration <= 0 || cfg.warmup < 0:
+		return cfg, errors.New("-duration must be positive, -warmup not negative")
+	case cfg.rounds < 1:
+		return cfg, errors.New("-rounds must be at least 1")
+	case cfg.keys < 1:
+		return cfg, errors.New("-keys must be at least 1")
+	case cfg.payload < 64:
+		return cfg, errors.New("-payload must be at least 64 bytes")
+	case cfg.pool < 0:
+		return cfg, errors.New("-pool must not be negative")
+	case cfg.e2eTasks < 1 || cfg.e2eKeys < 1 || cfg.e2eWorkers < 1 || cfg.e2eProducers < 1 || cfg.e2eWork < 0 || cfg.e2eCheck <= 0:
+		return cfg, errors.New("-e2e-*: bad value")
+	}
+	return cfg, nil
+}
+
+func main() {
+	cfg, err := parseFlags(os.Args[1:], os.Stdout, os.Stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		os.Exit(0)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "dedupbench:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, cfg)
+	stop()
+	os.Exit(code)
+}
+
+func (c *config) progress(format string, args ...any) {
+	if !c.quiet {
+		fmt.Fprintf(c.stderr, format+"\n", args...)
+	}
+}
+
+// run runs the benchmark and returns the exit status.
+func run(ctx context.Context, cfg config) int {
+	fail := func(err error) int {
+		if ctx.Err() != nil {
+			err = fmt.Errorf("interrupted: %w", err)
+		}
+		fmt.Fprintln(cfg.stderr, "dedupbench:", err)
+		return 2
+	}
+	var (
+		opts  *redis.Options
+		err   error
+		where string
+	)
+	if cfg.redisAddr == "" {
+		own, err := startRedis(ctx)
+		if err != nil {
+			return fail(err)
+		}
+		defer own.stop()
+		opts = &redis.Options{Addr: own.addr}
+		where = "own redis-server on " + own.addr + ` (--save "" --appendonly no)`
+	} else {
+		if opts, err = redisOptions(cfg.redisAddr); err != nil {
+			return fail(fmt.Errorf("-redis: %w", err))
+		}
+		where = "redis at " + opts.Addr + " (-redis; only this run's keys are touched)"
+	}
+	maxC := slices.Max(cfg.conc)
+	if cfg.pool == 0 {
+		cfg.pool = max(maxC, cfg.e2eProducers) + cfg.e2eWorkers + 16
+	}
+	opts.PoolSize = cfg.pool
+	opts.ContextTimeoutEnabled = cfg.ctxTimeouts
+	pollOpts := *opts
+	pollOpts.PoolSize = 2
+
+	e := &env{cfg: cfg, cnt: &counter{}, runID: randomHex(4)}
+	e.rdb = redis.NewClient(opts)
+	defer e.rdb.Close()
+	e.rdb.AddHook(e.cnt)
+	e.poll = redis.NewClient(&pollOpts)
+	defer e.poll.Close()
+	if err := e.rdb.Ping(ctx).Err(); err != nil {
+		return fail(fmt.Errorf("redis at %s: %w", opts.Addr, err))
+	}
+	logger := slog.New(slog.NewTextHandler(cfg.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	dcfg := dedup.Config{
+		Prefix: dedupPrefix,
+		Logger: logger,
+		Rules: map[string]dedup.Rule{
+			typeCoalesce:   {Fields: []string{"user_id"}, OnConflict: dedup.Replace},
+			typeE2EReplace: {Fields: []string{"user_id"}, OnConflict: dedup.Replace, OnRunning: dedup.RunningDefer},
+			typeE2EReject:  {Fields: []string{"user_id"}},
+		},
+	}
+	if e.d, err = dedup.New(ctx, e.rdb, dcfg); err != nil {
+		return fail(err)
+	}
+	defer e.d.Close()
+	if cfg.has("e2e") {
+		// The servers' middleware starts a Dedup's heartbeat: keep it off
+		// the one the throughput cases use.
+		if e.de2e, err = dedup.New(ctx, e.rdb, dcfg); err != nil {
+			return fail(err)
+		}
+		defer e.de2e.Close()
+	}
+	e.ac = asynq.NewClientFromRedisClient(e.rdb)
+	e.dc = e.d.WrapClient(e.ac)
+	e.insp = asynq.NewInspectorFromRedisClient(e.rdb)
+
+	rep := &report{
+		Meta: meta{
+			Date: time.Now().Format("2006-01-02"), Go: runtime.Version(),
+			Asynq: depVersion("github.com/hibiken/asynq"), GoRedis: depVersion("github.com/redis/go-redis/v9"),
+			Redis: redisVersion(ctx, e.rdb), CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
+			Where: where, Pool: cfg.pool, ContextTimeouts: cfg.ctxTimeouts,
+			Duration: cfg.duration.String(), Rounds: cfg.rounds, Concurrency: cfg.conc,
+			Payload: cfg.payload, Keys: cfg.keys,
+		},
+	}
+	var selected []*caseDef
+	for _, cd := range allCases {
+		if cfg.has(cd.name) {
+			selected = append(selected, cd)
+		}
+	}
+	cfg.progress("dedupbench: %s, %d cases × c=%v × %v × %d rounds", where, len(selected), cfg.conc, cfg.duration, cfg.rounds)
+
+	// Warm-up: fill the connection pool, load the scripts, settle the heap.
+	if cfg.warmup > 0 {
+		for _, cd := range selected {
+			if _, err := e.measure(ctx, cd, maxC, cfg.warmup); err != nil {
+				return fail(fmt.Errorf("warm-up %s: %w", cd.title, err))
+			}
+		}
+	}
+	if cfg.cpuprofile != "" {
+		f, err := os.Create(cfg.cpuprofile)
+		if err != nil {
+			return fail(err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			f.Close()
+			return fail(err)
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			f.Close()
+		}()
+	}
+
+	runs := map[int]map[string][]*runResult{}
+	for _, c := range cfg.conc {
+		runs[c] = map[string][]*runResult{}
+	}
+	e2eRuns := map[string]map[string][]*e2eResult{}
+	for r := range cfg.rounds {
+		for _, c := range cfg.conc {
+			for j := range selected {
+				cd := selected[(j+r)%len(selected)]
+				res, err := e.measure(ctx, cd, c, cfg.duration)
+				if err != nil {
+					return fail(fmt.Errorf("round %d, c=%d, %s: %w", r+1, c, cd.title, err))
+				}
+				runs[c][cd.name] = append(runs[c][cd.name], res)
+				cfg.progress("round %d/%d  c=%-3d %-18s %9s ops/s  p50 %-7s p99 %-7s cmds/op %.2f  errors %d",
+					r+1, cfg.rounds, c, cd.title, commas(int64(res.opsPerSec())), fmtLat(res.h.quantile(0.5)),
+					fmtLat(res.h.quantile(0.99)), float64(res.cmds.cmds)/float64(max(res.ops, 1)), res.errs)
+			}
+		}
+		if cfg.has("e2e") {
+			for _, m := range cfg.e2eModes {
+				if e2eRuns[m] == nil {
+					e2eRuns[m] = map[string][]*e2eResult{}
+				}
+				for j := range e2eVariants {
+					v := e2eVariants[(j+r)%len(e2eVariants)]
+					res, err := e.runE2E(ctx, m, v)
+					if err != nil {
+						return fail(fmt.Errorf("round %d, end to end %s, %s: %w", r+1, m, v.title, err))
+					}
+					e2eRuns[m][v.name] = append(e2eRuns[m][v.name], res)
+					cfg.progress("round %d/%d  e2e %-6s %-14s enqueue %-7s drain %-7s total %-7s processed %s  errors %d",
+						r+1, cfg.rounds, m, v.title, fmtSec(res.enqueue), fmtSec(res.drain), fmtSec(res.total), commas(res.processed), res.errs)
+				}
+			}
+		}
+	}
+	rep.summarize(cfg, selected, runs, e2eRuns)
+
+	// What this run left behind (nothing, if the cleanup works).
+	if n, err := countMatching(ctx, e.rdb, "*"+e.runID+"*"); err == nil {
+		rep.Meta.KeysLeft = n
+		if n > 0 {
+			fmt.Fprintf(cfg.stderr, "dedupbench: warning: %d keys of this run left in Redis after cleanup\n", n)
+		}
+	}
+	if cfg.jsonOut {
+		if err := rep.writeJSON(cfg.stdout); err != nil {
+			return fail(err)
+		}
+	} else {
+		rep.writeTable(cfg.stdout, cfg)
+	}
+	if rep.Errors > 0 {
+		fmt.Fprintf(cfg.stderr, "dedupbench: %d calls had an unexpected outcome (see the table)\n", rep.Errors)
+		return 1
+	}
+	return 0
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}

@@ -1,0 +1,129 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestHistQuantiles(t *testing.T) {
+	h := new(hist)
+	for i := 1; i <= 10000; i++ {
+		h.record(time.Duration(i) * time.Microsecond)
+	}
+	for _, c := range []struct {
+		q    float64
+		want time.Duration
+	}{{0.5, 5 * time.Millisecond}, {0.99, 9900 * time.Microsecond}, {1, 10 * time.Millisecond}} {
+		got := h.quantile(c.q)
+		if d := float64(got-c.want) / float64(c.want); d < -0.035 || d > 0.035 {
+			t.Errorf("quantile(%v) = %v, want %v ±3.5%%", c.q, got, c.want)
+		}
+	}
+	for i := range histBuckets {
+		low, w := bucketRange(i)
+		if bucketOf(low) != i || bucketOf(low+w-1) != i {
+			t.Fatalf("bucket %d: range [%d, %d) does not map back", i, low, low+w)
+		}
+	}
+}
+
+func TestPayload(t *testing.T) {
+	for _, user := range []int64{0, 7, 123456789012} {
+		p := payload(200, user, traceOf(user))
+		if len(p) != 200 {
+			t.Fatalf("payload is %d bytes, want 200: %s", len(p), p)
+		}
+		var v struct {
+			UserID  int64  `json:"user_id"`
+			TraceID string `json:"trace_id"`
+		}
+		if err := json.Unmarshal(p, &v); err != nil || v.UserID != user || len(v.TraceID) != 16 {
+			t.Fatalf("payload %s: %+v, %v", p, v, err)
+		}
+	}
+}
+
+func needRedisServer(t *testing.T) {
+	t.Helper()
+	if _, err := exec.LookPath("redis-server"); err != nil {
+		if os.Getenv("DEDUP_REQUIRE_REDIS") != "" {
+			t.Fatal("redis-server not installed but DEDUP_REQUIRE_REDIS is set")
+		}
+		t.Skip("redis-server not installed (apt-get install redis-server)")
+	}
+}
+
+// TestSmoke runs every case and the end-to-end comparison, tiny.
+func TestSmoke(t *testing.T) {
+	needRedisServer(t)
+	var out, errOut bytes.Buffer
+	cfg, err := parseFlags([]string{"-duration", "100ms", "-rounds", "1", "-warmup", "0", "-c", "1,4", "-keys", "50",
+		"-e2e-tasks", "300", "-e2e-keys", "30", "-e2e-workers", "8", "-e2e-producers", "8", "-q"}, &out, &errOut)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code := run(context.Background(), cfg); code != 0 {
+		t.Fatalf("exit status %d\nstdout:\n%s\nstderr:\n%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"plain Enqueue", "asynq.Unique dup", "dedup accepted", "dedup rejected", "dedup coalesced",
+		"c=4", "enqueued before workers start", "server already running", "dedup Replace", "→"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+	if strings.Contains(out.String(), "warning") || strings.Contains(out.String(), "UNEXPECTED") {
+		t.Errorf("output:\n%s", out.String())
+	}
+}
+
+// TestSmokeJSON checks the machine output and the commands per call.
+func TestSmokeJSON(t *testing.T) {
+	needRedisServer(t)
+	var out, errOut bytes.Buffer
+	cfg, err := parseFlags([]string{"-duration", "100ms", "-rounds", "2", "-warmup", "50ms", "-c", "2", "-keys", "20",
+		"-cases", "plain,accepted,rejected,coalesced", "-json", "-q"}, &out, &errOut)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code := run(context.Background(), cfg); code != 0 {
+		t.Fatalf("exit status %d\nstderr:\n%s", code, errOut.String())
+	}
+	var rep report
+	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	if len(rep.Throughput) != 4 || rep.E2E != nil || rep.Errors != 0 || rep.Meta.KeysLeft != 0 {
+		t.Fatalf("report: %s", out.String())
+	}
+	// Round trips per call: a lock script and asynq's enqueue script for a
+	// new key, the lock script alone otherwise (plus asynq's one SADD per
+	// new queue, hence the slack).
+	want := map[string]float64{"plain": 1, "accepted": 2, "rejected": 1, "coalesced": 1}
+	for _, s := range rep.Throughput {
+		if s.Ops == 0 || s.CmdsPerOp < want[s.Case] || s.CmdsPerOp > want[s.Case]+0.05 || s.Ratio == nil {
+			t.Errorf("%s: %d ops, %.3f cmds/op (want %v), ratio %v", s.Case, s.Ops, s.CmdsPerOp, want[s.Case], s.Ratio)
+		}
+	}
+}
+
+func TestFlags(t *testing.T) {
+	var out bytes.Buffer
+	for _, args := range [][]string{{"-cases", "nope"}, {"-c", "0"}, {"-rounds", "0"}, {"-e2e-mode", "sometimes"}, {"extra"}} {
+		if _, err := parseFlags(args, &out, &out); err == nil {
+			t.Errorf("%q: no error", args)
+		}
+	}
+	cfg, err := parseFlags([]string{"-cases", "e2e,plain", "-c", "64,1,64"}, &out, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(cfg.cases, ",") != "plain,e2e" || len(cfg.conc) != 2 {
+		t.Errorf("cases %v, conc %v", cfg.cases, cfg.conc)
+	}
+}
