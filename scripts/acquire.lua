@@ -34,13 +34,28 @@
 -- outlives the running lease by the parking time, so if the worker dies the
 -- key's next enqueue still folds into the follow-up (and releases it), and
 -- otherwise the follow-up comes due by itself: the owed work is never lost.
-local now, now_ms, now_ns = now_parts()
 local tprefix = ARGV[4] .. 't:'
 local fkey = ARGV[5] .. 'f:' .. ARGV[7]
+local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'tok', 'f', 'rp', 'v')
+local holder = rec[1]
+
+-- The common rejection, a running holder with nothing to fold into, needs
+-- no more reads.
+if holder and holder ~= ARGV[1] and rec[3] and not rec[4] and (rec[5] ~= 'd' or ARGV[11] == '') then
+  return {0, holder}
+end
+
+-- The clock is read only on the paths that need it.
+local clock
+local function now_all()
+  if not clock then clock = {now_parts()} end
+  return clock[1], clock[2], clock[3]
+end
 
 -- adopt makes the waiting follow-up f the lock's owner, released to the
 -- pending list if it is still parked, and returns its state.
 local function adopt(f, fstate)
+  local now, _, now_ns = now_all()
   if fstate == 'scheduled' then
     redis.call('ZREM', ARGV[4] .. 'scheduled', f)
     redis.call('LPUSH', ARGV[4] .. 'pending', f)
@@ -56,9 +71,6 @@ local function adopt(f, fstate)
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return fstate
 end
-local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'tok', 'f', 'rp', 'v')
-local holder = rec[1]
-
 local function coalesce(target, state)
   if ARGV[8] == 'x' then
     return {0, target}
@@ -87,6 +99,7 @@ if holder then
   local state = redis.call('HGET', tprefix .. holder, 'state')
   local live = state and state ~= 'completed' and state ~= 'archived'
   if not live then
+    local now = now_all()
     if now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
       -- Too young to tell: its producer may not have stored it in asynq yet.
       if not state and (ARGV[8] ~= 'x' or ARGV[9] == 'd') then
@@ -125,6 +138,7 @@ if holder then
       local copy = msg and pb_rewrite(msg, {[2] = ARGV[10], [3] = ARGV[11], [6] = false, [7] = false, [9] = false, [11] = false, [13] = false})
       if not copy then return {-1, 'malformed task message'} end
       local park = tonumber(ARGV[13])
+      local now = now_all()
       redis.call('HSET', tprefix .. ARGV[11], 'msg', copy, 'state', 'scheduled')
       redis.call('ZADD', ARGV[4] .. 'scheduled', now + park, ARGV[11])
       redis.call('SET', fkey, ARGV[11], 'PX', park * 1000)
@@ -147,6 +161,7 @@ if orphan then
   redis.call('DEL', fkey)
 end
 
+local now, now_ms = now_all()
 local max = tonumber(ARGV[12])
 local fields = {'id', ARGV[1], 'ty', ARGV[3], 'c', now}
 if max > 0 then
