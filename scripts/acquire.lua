@@ -39,12 +39,6 @@ local fkey = ARGV[5] .. 'f:' .. ARGV[7]
 local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'tok', 'f', 'rp', 'v')
 local holder = rec[1]
 
--- The common rejection, a running holder with nothing to fold into, needs
--- no more reads.
-if holder and holder ~= ARGV[1] and rec[3] and not rec[4] and (rec[5] ~= 'd' or ARGV[11] == '') then
-  return {0, holder}
-end
-
 -- The clock is read only on the paths that need it.
 local clock
 local function now_all()
