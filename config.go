@@ -103,6 +103,12 @@ type Config struct {
 	// full jitter.
 	ConnectBackoff Backoff
 
+	// NoDirectEnqueue makes a Client from NewClient always enqueue through
+	// asynq's client. By default, for a task without asynq.NewTask options,
+	// its lock script also stores the task in asynq's own layout (v0.26.0):
+	// one round trip instead of two. Default false.
+	NoDirectEnqueue bool
+
 	// HashKey, if set, switches fingerprints from 64-bit xxhash to a keyed
 	// 128-bit hash (HMAC-SHA-256, truncated), for deployments where payload
 	// fields come from untrusted users who could otherwise search for a

@@ -163,12 +163,14 @@ func (d *Dedup) lockCtx(ctx context.Context) (context.Context, context.CancelFun
 
 // acquireArgs are the per-call inputs of the acquire script.
 type acquireArgs struct {
-	ttl      time.Duration
-	conflict Conflict
-	running  Running
-	payload  []byte // for Replace and a Defer follow-up
-	followID string // ID a Defer follow-up would get
-	max      int    // MaxPending, 0 for none
+	ttl        time.Duration
+	conflict   Conflict
+	running    Running
+	payload    []byte // for Replace and a Defer follow-up
+	followID   string // ID a Defer follow-up would get
+	max        int    // MaxPending, 0 for none
+	msg        []byte // asynq's task message to store with the lock (direct path), or nil
+	scheduleAt int64  // for msg: unix seconds it is due, 0 for pending now
 }
 
 func asynqPrefix(queue string) string { return "asynq:{" + queue + "}:" }
@@ -185,7 +187,7 @@ func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, 
 	}
 	v, err := d.run(ctx, acquireScript, r.keys(), r.id, ms(a.ttl), r.typ,
 		asynqPrefix(r.queue), d.dedupPrefix(r.queue), d.graceSeconds(), r.fpHex,
-		policy, a.running.code(), a.payload, a.followID, a.max, d.parkSeconds())
+		policy, a.running.code(), a.payload, a.followID, a.max, d.parkSeconds(), a.msg, a.scheduleAt)
 	if err != nil {
 		return reply{}, err
 	}

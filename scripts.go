@@ -49,6 +49,7 @@ const (
 	statusMerge    = 4  // merge needed: payload and version returned
 	statusDeferred = 5  // follow-up created for the running holder
 	statusReserved = 6  // holder not stored in asynq yet (acquire only)
+	statusConflict = 7  // direct enqueue: the task ID already exists in asynq
 	statusOver     = 8  // too many keys waiting
 	statusAllowed  = 9  // running policy "allow": run without the lock (start only)
 )

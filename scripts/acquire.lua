@@ -16,6 +16,8 @@
 -- ARGV[11] ID for a follow-up task (defer)
 -- ARGV[12] most keys of this type waiting in this queue, 0 for no bound
 -- ARGV[13] how long a follow-up stays parked without a heartbeat, integer seconds
+-- ARGV[14] asynq task message to store with a taken lock ('' for none: the caller enqueues)
+-- ARGV[15] for ARGV[14]: unix seconds it is due, '0' for pending now
 --
 -- Reply: {1, id}                    lock taken for the new task ARGV[1]
 --        {0, holder}                held; rejected
@@ -24,6 +26,7 @@
 --        {4, target, payload, ver}  merge: the caller merges and calls coalesce
 --        {5, followup}              follow-up task created for the running holder
 --        {6, holder}                held by a task not stored in asynq yet: try again shortly
+--        {7, id}                    ARGV[14] given but task ARGV[1] already exists in asynq
 --        {8, waiting}               refused: ARGV[12] keys already waiting
 --        {-1, reason}               asynq's task record is not what this expects
 --
@@ -155,7 +158,11 @@ if orphan then
   redis.call('DEL', fkey)
 end
 
-local now, now_ms = now_all()
+local now, now_ms, now_ns = now_all()
+local tkey = tprefix .. ARGV[1]
+if ARGV[14] ~= '' and redis.call('EXISTS', tkey) == 1 then
+  return {7, ARGV[1]}
+end
 local max = tonumber(ARGV[12])
 local fields = {'id', ARGV[1], 'ty', ARGV[3], 'c', now}
 if max > 0 then
@@ -172,6 +179,16 @@ end
 if ARGV[9] ~= 'x' then
   fields[#fields + 1] = 'rp'
   fields[#fields + 1] = ARGV[9]
+end
+if ARGV[14] ~= '' then
+  -- Store the task as asynq's enqueue (or schedule) script would.
+  if ARGV[15] ~= '0' then
+    redis.call('HSET', tkey, 'msg', ARGV[14], 'state', 'scheduled')
+    redis.call('ZADD', ARGV[4] .. 'scheduled', ARGV[15], ARGV[1])
+  else
+    redis.call('HSET', tkey, 'msg', ARGV[14], 'state', 'pending', 'pending_since', now_ns)
+    redis.call('LPUSH', ARGV[4] .. 'pending', ARGV[1])
+  end
 end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])

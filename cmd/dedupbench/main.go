@@ -273,7 +273,7 @@ func run(ctx context.Context, cfg config) int {
 		defer e.de2e.Close()
 	}
 	e.ac = asynq.NewClientFromRedisClient(e.rdb)
-	e.dc = e.d.WrapClient(e.ac)
+	e.dc = e.d.NewClient() // one shared Redis: accepted enqueues take one round trip
 	e.insp = asynq.NewInspectorFromRedisClient(e.rdb)
 
 	rep := &report{

@@ -1,0 +1,152 @@
+package dedup
+
+import (
+	"context"
+	"fmt"
+	"reflect"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"google.golang.org/protobuf/encoding/protowire"
+)
+
+// decodeFields splits a protobuf message into field number → raw values, with
+// map entries (headers) sorted, so two encodings can be compared by content.
+func decodeFields(t *testing.T, b []byte) map[protowire.Number][]string {
+	t.Helper()
+	out := map[protowire.Number][]string{}
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			t.Fatalf("bad tag: %v", protowire.ParseError(n))
+		}
+		b = b[n:]
+		m := protowire.ConsumeFieldValue(num, typ, b)
+		if m < 0 {
+			t.Fatalf("bad field %d: %v", num, protowire.ParseError(m))
+		}
+		out[num] = append(out[num], string(b[:m]))
+		b = b[m:]
+	}
+	for _, v := range out {
+		sort.Strings(v)
+	}
+	return out
+}
+
+// The direct path stores what asynq v0.26.0's own client stores: the same
+// message fields, the same hash fields, the same queue structures.
+func TestDirectEnqueueMatchesAsynq(t *testing.T) {
+	h := newHarness(t, Config{})
+	if h.client.direct {
+		t.Fatal("WrapClient cannot know asynq's Redis: it must not store tasks itself")
+	}
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	// The first enqueue to a queue registers it in asynq:queues, once per
+	// process, as asynq's client does; do that before counting.
+	if err := h.client.publishQueue(ctx, h.queue); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(2 * time.Hour).Truncate(time.Second)
+	combos := [][]asynq.Option{
+		{},
+		{asynq.MaxRetry(3), asynq.Timeout(90 * time.Second), asynq.Retention(time.Hour)},
+		{asynq.Deadline(deadline)},
+		{asynq.Deadline(deadline), asynq.Timeout(time.Minute), asynq.MaxRetry(0)},
+		{asynq.ProcessIn(time.Hour)},
+		{asynq.ProcessAt(time.Now().Add(3 * time.Hour))},
+	}
+	for i, opts := range combos {
+		t.Run(fmt.Sprint(i), func(t *testing.T) {
+			task := asynq.NewTaskWithHeaders("direct:check", []byte(fmt.Sprintf(`{"n":%d}`, i)), map[string]string{"a": "1", "b": "2"})
+			theirsOpts := append([]asynq.Option{asynq.Queue(h.queue), asynq.TaskID(fmt.Sprintf("theirs-%d", i))}, opts...)
+			theirs, err := h.asynq.Enqueue(task, theirsOpts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cmds := countCommands(h)
+			oursOpts := append([]asynq.Option{asynq.Queue(h.queue), asynq.TaskID(fmt.Sprintf("ours-%d", i))}, opts...)
+			ours, err := h.client.Enqueue(task, oursOpts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n := cmds(); n != 1 {
+				t.Fatalf("%d commands for an accepted enqueue, want 1", n)
+			}
+			get := func(id string) map[string]string {
+				return h.rdb.HGetAll(ctx, asynqTaskKeyPrefix(h.queue)+id).Val()
+			}
+			th, oh := get(theirs.ID), get(ours.ID)
+			tf, of := decodeFields(t, []byte(th["msg"])), decodeFields(t, []byte(oh["msg"]))
+			delete(tf, 3) // the IDs differ by design
+			delete(of, 3)
+			if !reflect.DeepEqual(tf, of) {
+				t.Fatalf("message fields differ:\nasynq %v\nours  %v", tf, of)
+			}
+			if th["state"] != oh["state"] || (th["pending_since"] == "") != (oh["pending_since"] == "") || len(th) != len(oh) {
+				t.Fatalf("task hashes differ:\nasynq %v\nours  %v", th, oh)
+			}
+			ti, err := h.insp.GetTaskInfo(h.queue, ours.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want, _ := h.insp.GetTaskInfo(h.queue, theirs.ID)
+			ti.ID, want.ID = "", ""
+			ti.NextProcessAt, want.NextProcessAt = time.Time{}, time.Time{}
+			if !reflect.DeepEqual(ti, want) {
+				t.Fatalf("Inspector sees\nasynq %+v\nours  %+v", want, ti)
+			}
+			if ours.State != theirs.State || ours.MaxRetry != theirs.MaxRetry || ours.Timeout != theirs.Timeout || !ours.Deadline.Equal(theirs.Deadline) || ours.Retention != theirs.Retention {
+				t.Fatalf("returned TaskInfo\nasynq %+v\nours  %+v", theirs, ours)
+			}
+		})
+	}
+	// Options asynq.NewTask holds are invisible: such tasks take asynq's path.
+	if _, err := h.client.Enqueue(asynq.NewTask("direct:opts", []byte("warm-up"), asynq.MaxRetry(2)), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err) // asynq's client registers the queue on its first enqueue
+	}
+	task := asynq.NewTask("direct:opts", []byte("x"), asynq.MaxRetry(2))
+	cmds := countCommands(h)
+	info, err := h.client.Enqueue(task, asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := cmds(); n != 2 || info.MaxRetry != 2 {
+		t.Fatalf("NewTask options: %d commands, MaxRetry %d; want asynq's path (2) and 2", n, info.MaxRetry)
+	}
+	// A duplicate through the direct path is still one round trip and names the holder.
+	cmds = countCommands(h)
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); err == nil || cmds() != 1 {
+		t.Fatal("duplicate should be rejected in one command")
+	}
+}
+
+// countCommands counts the commands the harness's client sends from now on.
+func countCommands(h *harness) func() int {
+	h.t.Helper()
+	hk := cmdCounter(h.rdb)
+	start := hk.n.Load()
+	return func() int { return int(hk.n.Load() - start) }
+}
+
+// Tasks the lock script stored run like any other, and release their locks.
+func TestDirectEnqueuedTasksRun(t *testing.T) {
+	h := newHarness(t, Config{})
+	h.client = h.d.NewClient()
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	now := h.enqueue(userTask(1, ""), asynq.Retention(time.Hour))
+	later := h.enqueue(userTask(2, ""), asynq.ProcessIn(300*time.Millisecond))
+	got := map[string]bool{}
+	for range 2 {
+		got[waitFor(t, rc.runs, "runs").id] = true
+	}
+	if !got[now.ID] || !got[later.ID] {
+		t.Fatalf("ran %v, want %s and %s", got, now.ID, later.ID)
+	}
+	eventually(t, "locks released", func() bool { return len(h.locks()) == 0 })
+	eventually(t, "completed", func() bool { return h.taskState(now.ID) == asynq.TaskStateCompleted })
+}
