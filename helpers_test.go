@@ -24,6 +24,13 @@ import (
 var realRedisAddr string // "" when no redis-server is running for the tests
 
 func TestMain(m *testing.M) {
+	if os.Getenv(faultWorkerEnv) == "1" { // a worker process of TestFaultWorkerKilled
+		if err := runFaultWorker(); err != nil {
+			fmt.Fprintln(os.Stderr, "fault worker:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	var (
 		stop func()
 		addr string

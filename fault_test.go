@@ -1,0 +1,824 @@
+package dedup
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+)
+
+// Fault tests: real redis-server and real worker processes, started and
+// killed by the tests. Every wait on another process polls Redis (there is
+// no other signal between processes) with a bound.
+
+// faultPoll is eventually with a bound of the caller's choosing.
+func faultPoll(t *testing.T, bound time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(bound)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting until %s", bound, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// faultWorker is a worker process: this test binary running
+// runFaultWorker.
+type faultWorker struct {
+	name string
+	cmd  *exec.Cmd
+	log  string
+	done chan struct{} // closed when the process has exited and been reaped
+}
+
+func startFaultWorker(t *testing.T, addr, prefix, queue string, lease time.Duration, name string) *faultWorker {
+	t.Helper()
+	logPath := filepath.Join(t.TempDir(), "worker-"+name+".log")
+	logf, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logf.Close() // the child has its own descriptor
+	var env []string
+	for _, kv := range os.Environ() {
+		// The child needs no redis-server of its own (it is given one), and
+		// must not fail for lack of one.
+		if !strings.HasPrefix(kv, "DEDUP_REQUIRE_REDIS=") && !strings.HasPrefix(kv, "DEDUP_TEST_MINIREDIS=") {
+			env = append(env, kv)
+		}
+	}
+	env = append(env, "DEDUP_TEST_MINIREDIS=1", faultWorkerEnv+"=1", faultAddrEnv+"="+addr,
+		faultPrefixEnv+"="+prefix, faultQueueEnv+"="+queue, faultLeaseEnv+"="+lease.String(), faultNameEnv+"="+name)
+	cmd := exec.Command(os.Args[0], "-test.run=^$", "-test.count=1", "-test.timeout=5m")
+	cmd.Env = env
+	cmd.Stdout, cmd.Stderr = logf, logf // files: no copying goroutines
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start worker %s: %v", name, err)
+	}
+	w := &faultWorker{name: name, cmd: cmd, log: logPath, done: make(chan struct{})}
+	go func() { _ = cmd.Wait(); close(w.done) }()
+	t.Cleanup(func() {
+		w.kill()
+		if t.Failed() {
+			b, _ := os.ReadFile(logPath)
+			t.Logf("worker %s output:\n%s", name, b)
+		}
+	})
+	return w
+}
+
+// kill sends SIGKILL and waits until the process is gone.
+func (w *faultWorker) kill() {
+	_ = w.cmd.Process.Kill()
+	<-w.done
+}
+
+// stop asks the worker to shut down (SIGTERM), and kills it if it does not
+// within the bound.
+func (w *faultWorker) stop(t *testing.T) {
+	t.Helper()
+	if err := w.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		w.kill()
+		return
+	}
+	select {
+	case <-w.done:
+	case <-time.After(15 * time.Second):
+		t.Errorf("worker %s ignored SIGTERM; killing it", w.name)
+		w.kill()
+	}
+}
+
+// TestFaultWorkerKilled SIGKILLs a worker process in the middle of a handler
+// and checks the whole recovery:
+//
+//   - the lock is still held right after the kill (a duplicate is refused)
+//     and frees within about one Lease, while asynq still believes the task
+//     is running (its own lease is 30 s): the key does not wait for the 1 h
+//     TTL, nor for asynq;
+//   - a new task for the key is then accepted and runs on a second worker;
+//   - asynq's recoverer (which takes lease-expired tasks only once the lease
+//     is more than 30 s gone, so ~60 s after the kill) puts the killed task
+//     back; its retry meets the running new task, is deferred by the
+//     execution-time guard (ErrKeyBusy) without using up a retry, and runs
+//     to completion once the new task is done;
+//   - no two handlers ever ran the key at once (intervals recorded in Redis
+//     by both processes, on the Redis clock).
+//
+// It takes a little over a minute: asynq's 30 s lease plus its 30 s recovery
+// margin are hard-coded.
+func TestFaultWorkerKilled(t *testing.T) {
+	needRealRedis(t)
+	const lease = 1200 * time.Millisecond
+	h := newHarness(t, Config{Lease: lease, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
+	ctx := context.Background()
+	evKey := faultEventsKey(h.prefix)
+	t.Cleanup(func() { h.rdb.Del(context.Background(), evKey) })
+	events := func() []faultEvent {
+		t.Helper()
+		lines, err := h.rdb.LRange(ctx, evKey, 0, -1).Result()
+		if err != nil {
+			t.Fatalf("LRANGE: %v", err)
+		}
+		evs, err := parseFaultEvents(lines)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return evs
+	}
+	seen := func(kind, worker, id string) bool {
+		for _, e := range events() {
+			if e.kind == kind && e.worker == worker && e.id == id {
+				return true
+			}
+		}
+		return false
+	}
+	job := func(mode string) *asynq.Task {
+		b, _ := json.Marshal(faultJob{UserID: 7, Mode: mode})
+		return asynq.NewTask(faultTaskType, b)
+	}
+	keyOpt := Fields("user_id")
+
+	a := startFaultWorker(t, realRedisAddr, h.prefix, h.queue, lease, "A")
+	first := h.enqueue(job("block"), keyOpt, asynq.Retention(time.Hour))
+	key := h.keyOf(job("block"), h.queue, keyOpt)
+	faultPoll(t, 30*time.Second, "worker A runs the first task", func() bool { return seen("start", "A", first.ID) })
+	// A's heartbeat keeps the lock past its first lease: it is the lease
+	// that is being renewed, and that will lapse.
+	started := time.Now()
+	faultPoll(t, 10*time.Second, "two leases pass while A runs", func() bool {
+		if h.rdb.Exists(ctx, key).Val() == 0 {
+			t.Fatal("lock expired while its worker was alive")
+		}
+		return time.Since(started) > 2*lease
+	})
+	if owner, tok := h.lockOwner(key), h.rdb.HGet(ctx, key, "tok").Val(); owner != first.ID || tok == "" {
+		t.Fatalf("before the kill: lock owner %q token %q, want the running attempt of %s", owner, tok, first.ID)
+	}
+
+	a.kill()
+	killedAt := time.Now()
+	if err := faultRecord(ctx, h.rdb, h.prefix, "killed", "A", first.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	pttl := h.rdb.PTTL(ctx, key).Val()
+	if pttl <= 0 || pttl > lease {
+		t.Fatalf("right after the kill: lock PTTL %v, want the running lease (0, %v]", pttl, lease)
+	}
+	if pttl > lease/4 { // time left to ask before it lapses
+		var dup *DuplicateTaskError
+		if _, err := h.client.Enqueue(job("dup"), asynq.Queue(h.queue), keyOpt); !errors.As(err, &dup) || dup.TaskID != first.ID {
+			t.Fatalf("enqueue right after the kill: err = %v, want a duplicate of %s", err, first.ID)
+		}
+	} else {
+		t.Logf("lock PTTL %v right after the kill: too close to expiry to test a duplicate", pttl)
+	}
+	faultPoll(t, 10*time.Second, "the killed worker's lock expires", func() bool { return h.rdb.Exists(ctx, key).Val() == 0 })
+	freedIn := time.Since(killedAt)
+	if freedIn > 3*lease {
+		t.Fatalf("lock freed %v after the kill, want within about one lease (%v)", freedIn, lease)
+	}
+	if st := h.taskState(first.ID); st != asynq.TaskStateActive {
+		t.Fatalf("task %s is %v once its lock expired; asynq should still think it active", first.ID, st)
+	}
+	t.Logf("lock freed %v after SIGKILL (Lease %v); asynq still has the task active", freedIn.Round(time.Millisecond), lease)
+
+	// The key is free: new work for it is accepted, and runs on a new worker.
+	second := h.enqueue(job("hold"), keyOpt, asynq.Retention(time.Hour))
+	if second.ID == first.ID {
+		t.Fatal("same ID twice")
+	}
+	if owner := h.lockOwner(key); owner != second.ID {
+		t.Fatalf("lock owner %q after the new enqueue, want %s", owner, second.ID)
+	}
+	b := startFaultWorker(t, realRedisAddr, h.prefix, h.queue, lease, "B")
+	faultPoll(t, 30*time.Second, "worker B runs the new task", func() bool { return seen("start", "B", second.ID) })
+
+	// asynq's recoverer moves the killed task to retry once its asynq lease
+	// (30 s, last extended before the kill) has been expired for 30 s. It
+	// runs at a server's start (too early here) and then every minute: B's
+	// second pass, a minute after B started (so after the kill), is the
+	// first that finds the task. Its retry must find the key busy while the
+	// new task runs.
+	faultPoll(t, 100*time.Second, "the recovered task is deferred by the execution-time guard", func() bool { return seen("busy", "B", first.ID) })
+	if seen("end", "B", second.ID) || seen("start", "B", first.ID) {
+		t.Fatal("the recovered task ran while the new task held the key")
+	}
+	if err := h.rdb.Set(ctx, faultReleaseKey(h.prefix, second.ID), "1", time.Hour).Err(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.rdb.Del(context.Background(), faultReleaseKey(h.prefix, second.ID)) })
+	faultPoll(t, 30*time.Second, "both tasks completed", func() bool {
+		return h.taskState(second.ID) == asynq.TaskStateCompleted && h.taskState(first.ID) == asynq.TaskStateCompleted
+	})
+	faultPoll(t, 10*time.Second, "lock released", func() bool { return h.rdb.Exists(ctx, key).Val() == 0 })
+	b.stop(t)
+
+	if ti, err := h.insp.GetTaskInfo(h.queue, first.ID); err != nil || ti.Retried != 1 {
+		t.Fatalf("recovered task: info %+v, err %v; want Retried 1 (the crash counts, busy deferrals don't)", ti, err)
+	}
+	evs := events()
+	checkFaultIntervals(t, evs)
+	var starts, ends, busy int
+	for _, e := range evs {
+		switch {
+		case e.kind == "start" && e.id == first.ID && e.worker == "B":
+			starts++
+			if e.retry != 1 {
+				t.Errorf("recovered attempt ran with retry count %d, want 1", e.retry)
+			}
+		case e.kind == "end" && e.id == first.ID:
+			ends++
+		case e.kind == "busy":
+			busy++
+		}
+	}
+	if starts != 1 || ends != 1 {
+		t.Errorf("recovered task started %d and ended %d times on B, want 1 and 1", starts, ends)
+	}
+	t.Logf("%d records, %d busy deferrals of the recovered retry", len(evs), busy)
+	for _, e := range evs {
+		if e.kind != "busy" {
+			t.Logf("  %v", e)
+		}
+	}
+}
+
+// checkFaultIntervals fails the test if two handlers ever ran at once. All
+// records are of one key. A handler runs from its "start" to its "end", or
+// to the "killed" record the test writes once the process is gone.
+func checkFaultIntervals(t *testing.T, evs []faultEvent) {
+	t.Helper()
+	open := map[string]faultEvent{} // worker/task → its start
+	var last int64
+	for _, e := range evs {
+		if e.at < last {
+			t.Errorf("records out of time order at %v", e)
+		}
+		last = e.at
+		k := e.worker + "/" + e.id
+		switch e.kind {
+		case "start":
+			for _, o := range open {
+				t.Errorf("overlap: %v while %v had not ended", e, o)
+			}
+			open[k] = e
+		case "end", "killed":
+			if _, ok := open[k]; !ok {
+				t.Errorf("%v without a start", e)
+			}
+			delete(open, k)
+		}
+	}
+	if len(open) != 0 {
+		t.Errorf("handlers never ended: %v", open)
+	}
+}
+
+// faultOutageErr reports whether err is what an enqueue may return while
+// Redis is down or just back: the wrapper's ErrUnavailable (fail-closed), or
+// asynq's own error when the lock was taken but asynq's enqueue then failed
+// (or, just after the restart, met Redis still loading its AOF).
+// asynq flattens the go-redis error into text ("UNKNOWN: redis eval error:
+// dial tcp ...: connect: connection refused"), so that one is told by its
+// message.
+func faultOutageErr(err error) bool {
+	var ne net.Error
+	if errors.Is(err, ErrUnavailable) || errors.As(err, &ne) ||
+		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) {
+		return true
+	}
+	msg := err.Error()
+	for _, s := range []string{"connection refused", "connection reset", "broken pipe", "EOF", "i/o timeout", "closed network connection",
+		"LOADING"} { // the restarted server still reading its AOF
+		if strings.Contains(msg, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// faultRootType names the type of the innermost cause of err.
+func faultRootType(err error) string {
+	for {
+		next := errors.Unwrap(err)
+		if next == nil {
+			return fmt.Sprintf("%T", err)
+		}
+		err = next
+	}
+}
+
+// faultAttempt is one enqueue of the load tests.
+type faultAttempt struct {
+	user   int
+	id     string // task ID, on success
+	err    error
+	phase0 int32 // phase when the call began
+}
+
+const (
+	phaseUp      = 0 // Redis up, before the kill
+	phaseDown    = 1 // after the kill
+	phaseRestart = 2 // after the restarted Redis answered PING
+)
+
+// faultLoad runs producers that enqueue distinct keys through client until
+// stopped (or a per-producer cap), recording every attempt.
+type faultLoad struct {
+	phase atomic.Int32
+	stop  chan struct{}
+	wg    sync.WaitGroup
+
+	mu       sync.Mutex
+	attempts []faultAttempt
+}
+
+func startFaultLoad(client *Client, queue, typ string, producers int, pace time.Duration) *faultLoad {
+	l := &faultLoad{stop: make(chan struct{})}
+	for p := range producers {
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			tick := time.NewTicker(pace) // at most one enqueue per tick
+			defer tick.Stop()
+			for i := range 20000 { // bound; the test stops it long before
+				select {
+				case <-l.stop:
+					return
+				case <-tick.C:
+				}
+				user := (p+1)*1_000_000 + i
+				ph := l.phase.Load()
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				info, err := client.EnqueueContext(ctx, faultLoadTask(typ, user), asynq.Queue(queue))
+				cancel()
+				a := faultAttempt{user: user, err: err, phase0: ph}
+				if err == nil {
+					a.id = info.ID
+				}
+				l.mu.Lock()
+				l.attempts = append(l.attempts, a)
+				l.mu.Unlock()
+				if err != nil { // a producer backs off a little on errors
+					select {
+					case <-l.stop:
+						return
+					case <-time.After(20 * time.Millisecond):
+					}
+				}
+			}
+		}()
+	}
+	return l
+}
+
+func faultLoadTask(typ string, user int) *asynq.Task {
+	b, _ := json.Marshal(map[string]any{"user_id": user})
+	return asynq.NewTask(typ, b)
+}
+
+// count returns how many attempts match.
+func (l *faultLoad) count(match func(a faultAttempt) bool) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, a := range l.attempts {
+		if match(a) {
+			n++
+		}
+	}
+	return n
+}
+
+func (l *faultLoad) halt() []faultAttempt {
+	close(l.stop)
+	l.wg.Wait()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]faultAttempt(nil), l.attempts...)
+}
+
+// faultProcessed counts handler runs per task ID.
+type faultProcessed struct {
+	mu   sync.Mutex
+	runs map[string]int
+}
+
+func (p *faultProcessed) handler() asynq.HandlerFunc {
+	return func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		p.mu.Lock()
+		p.runs[id]++
+		p.mu.Unlock()
+		return nil
+	}
+}
+
+func (p *faultProcessed) ran(id string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.runs[id] > 0
+}
+
+func (p *faultProcessed) total() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.runs)
+}
+
+func (p *faultProcessed) reruns() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, c := range p.runs {
+		n += c - 1
+	}
+	return n
+}
+
+// TestFaultRedisRestartUnderLoad SIGKILLs the only redis-server (asynq's and
+// the locks') while producers enqueue through the wrapper and a server
+// processes, keeps producing through the outage, restarts redis-server on
+// the same address and checks that:
+//
+//   - every enqueue that failed failed the fail-closed way (ErrUnavailable,
+//     or asynq's own connection error after the lock was taken), nothing
+//     panicked;
+//   - the same Client, Dedup and asynq server recover by themselves:
+//     enqueues succeed and tasks run again, nothing recreated;
+//   - no task that was accepted is lost. The server runs with AOF and
+//     appendfsync always, so whatever Redis acknowledged survives the kill;
+//     with persistence off the restart would empty Redis and only tasks
+//     accepted after it could be checked. Every accepted task runs at least
+//     once, except those the kill caught between asynq's dequeue and its
+//     reply: asynq keeps them active and its crash recovery reruns them a
+//     minute later (its lease is 30 s plus a 30 s margin, hard-coded);
+//   - a failed enqueue leaves no lock that blocks its key beyond HealGrace:
+//     the key can be enqueued again, or is held by the task that did land
+//     although its reply was lost;
+//   - no goroutine is left once everything is shut down.
+func TestFaultRedisRestartUnderLoad(t *testing.T) {
+	needRealRedis(t)
+	ignore := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, ignore) }) // registered first: runs last
+	ctx := context.Background()
+
+	aof := []string{"--appendonly", "yes", "--appendfsync", "always", "--dir", t.TempDir()}
+	rp, err := spawnRedis("", aof...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rp.kill() }) // the current one (killing twice is harmless)
+	addr := rp.addr
+
+	rdb := redis.NewClient(&redis.Options{Addr: addr, PoolSize: 32, DialTimeout: 300 * time.Millisecond,
+		ReadTimeout: time.Second, WriteTimeout: time.Second})
+	name := uniq(t)
+	prefix, queue := "dd-"+name, "q-"+name
+	const concurrency = 8
+	retryDelay := func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond }
+	d, err := New(ctx, rdb, Config{Prefix: prefix, Lease: 2 * time.Second, LockTimeout: 500 * time.Millisecond,
+		HealGrace: time.Second, RetryDelayFunc: retryDelay, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := asynq.NewClientFromRedisClient(rdb)
+	client := d.WrapClient(ac)
+	insp := asynq.NewInspectorFromRedisClient(rdb)
+	processed := &faultProcessed{runs: map[string]int{}}
+	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{
+		Concurrency:              concurrency,
+		Queues:                   map[string]int{queue: 1},
+		TaskCheckInterval:        20 * time.Millisecond,
+		DelayedTaskCheckInterval: 100 * time.Millisecond,
+		LogLevel:                 asynq.FatalLevel,
+		ShutdownTimeout:          3 * time.Second,
+		IsFailure:                IsFailure,
+		RetryDelayFunc:           retryDelay,
+	})
+	if err := srv.Start(d.Middleware()(processed.handler())); err != nil {
+		t.Fatal(err)
+	}
+	shutdown := sync.OnceFunc(func() {
+		srv.Shutdown()
+		_ = d.Close()
+		_ = insp.Close()
+		_ = ac.Close()
+		_ = rdb.Close()
+	})
+	t.Cleanup(shutdown)
+
+	const typ = "fault:load"
+	load := startFaultLoad(client, queue, typ, 4, 2*time.Millisecond)
+	halted := false
+	defer func() {
+		if !halted {
+			load.halt()
+		}
+	}()
+	ok := func(a faultAttempt) bool { return a.err == nil }
+	faultPoll(t, 30*time.Second, "load before the kill", func() bool { return load.count(ok) >= 300 && processed.total() >= 100 })
+
+	rp.kill() // SIGKILL; its own directory goes, the AOF (in ours) stays
+	load.phase.Store(phaseDown)
+	killedAt := time.Now()
+	waitingAtKill := load.count(func(a faultAttempt) bool { return a.err == nil && !processed.ran(a.id) })
+	failed := func(a faultAttempt) bool { return a.err != nil && a.phase0 == phaseDown }
+	faultPoll(t, 30*time.Second, "enqueues fail during the outage", func() bool { return load.count(failed) >= 20 })
+
+	np, err := spawnRedis(addr, aof...)
+	if err != nil {
+		t.Fatalf("restart redis-server on %s: %v", addr, err)
+	}
+	rp = np
+	load.phase.Store(phaseRestart)
+	restartedAt := time.Now()
+	after := func(a faultAttempt) bool { return a.err == nil && a.phase0 == phaseRestart }
+	faultPoll(t, 30*time.Second, "enqueues succeed again after the restart", func() bool { return load.count(after) >= 300 })
+	recoveredIn := time.Since(restartedAt)
+	attempts := load.halt()
+	halted = true
+
+	// Settled: every call succeeds now, on the same client.
+	for i := range 50 {
+		if _, err := client.EnqueueContext(ctx, faultLoadTask(typ, 9_000_000+i), asynq.Queue(queue)); err != nil {
+			t.Fatalf("enqueue %d after recovery: %v", i, err)
+		}
+	}
+
+	var accepted []faultAttempt
+	var failures []faultAttempt
+	kinds := map[string]int{}
+	for _, a := range attempts {
+		if a.err == nil {
+			accepted = append(accepted, a)
+			continue
+		}
+		failures = append(failures, a)
+		if !faultOutageErr(a.err) {
+			t.Errorf("enqueue of user %d failed with %T %v: not an outage error", a.user, a.err, a.err)
+		}
+		if errors.Is(a.err, ErrUnavailable) {
+			kinds["ErrUnavailable"]++
+		} else {
+			kinds["not ErrUnavailable ("+faultRootType(a.err)+")"]++
+		}
+	}
+	for _, a := range failures {
+		if a.phase0 == phaseUp {
+			// Began before the kill and failed because of it: fine, counted.
+			kinds["began before the kill"]++
+		}
+	}
+
+	// No accepted task lost.
+	var stuck []string
+	faultPoll(t, 30*time.Second, "every accepted task ran (or is held by asynq as active)", func() bool {
+		qi, err := insp.GetQueueInfo(queue)
+		if err != nil && strings.Contains(err.Error(), "NOT_FOUND") { // asynq returns no sentinel here
+			// asynq's client registers a queue once per process: a Redis
+			// that restarts empty forgets it, and every task with it.
+			t.Fatalf("queue gone after the restart: Redis lost its data (%v)", err)
+		}
+		if err != nil || qi.Pending+qi.Retry+qi.Scheduled != 0 {
+			return false
+		}
+		stuck = stuck[:0]
+		var lost []string
+		for _, a := range accepted {
+			if processed.ran(a.id) {
+				continue
+			}
+			ti, err := insp.GetTaskInfo(queue, a.id)
+			switch {
+			case errors.Is(err, asynq.ErrTaskNotFound) && !processed.ran(a.id): // (it may have just run and gone)
+				lost = append(lost, a.id)
+			case err != nil || ti.State != asynq.TaskStateActive:
+				return false
+			default:
+				stuck = append(stuck, a.id)
+			}
+		}
+		if len(lost) > 0 {
+			t.Fatalf("%d accepted tasks lost: never run and gone from asynq (%v...)", len(lost), lost[0])
+		}
+		return true
+	})
+	if len(stuck) > 2*concurrency {
+		t.Errorf("%d accepted tasks left active, more than the kill can catch in flight: %v", len(stuck), stuck)
+	}
+
+	// A failed enqueue's key is not blocked for longer than HealGrace.
+	var landed, healed int
+	for _, a := range failures {
+		task := faultLoadTask(typ, a.user)
+		waited := false
+		faultPoll(t, 15*time.Second, fmt.Sprintf("key of the failed enqueue of user %d usable again", a.user), func() bool {
+			_, err := client.EnqueueContext(ctx, task, asynq.Queue(queue))
+			var dup *DuplicateTaskError
+			switch {
+			case err == nil:
+				return true
+			case errors.As(err, &dup):
+				// Held: legitimate only by a task that exists (its enqueue
+				// landed, the reply was lost), else it must heal soon.
+				if _, gerr := insp.GetTaskInfo(queue, dup.TaskID); gerr == nil {
+					landed++
+					return true
+				}
+				if !waited {
+					waited = true
+					healed++
+				}
+				return false
+			default:
+				t.Fatalf("re-enqueue of user %d: %v", a.user, err)
+				return false
+			}
+		})
+	}
+
+	s := d.Stats()
+	t.Logf("accepted %d (%d waiting when Redis was killed, %d after the restart), failed %d %v; ran %d tasks (%d reruns); %d left active by the kill; "+
+		"%d failed enqueues had landed, %d left a lock that healed; outage %v, recovered %v after the restart; stats %+v",
+		len(accepted), waitingAtKill, load.count(after), len(failures), kinds, processed.total(), processed.reruns(), len(stuck),
+		landed, healed, restartedAt.Sub(killedAt).Round(time.Millisecond), recoveredIn.Round(time.Millisecond), s)
+	if s.RedisErrors == 0 {
+		t.Error("no Redis error counted through the outage")
+	}
+	shutdown()
+}
+
+// TestFaultLockRedisDownFailOpen keeps the locks on their own redis-server,
+// apart from asynq's, with FailOpen: the lock server is SIGKILLed under load
+// and restarted. While it is down every enqueue still succeeds (counted in
+// Stats().FailOpen), tasks keep running, and duplicates get through (that is
+// what fail-open means); once it is back, locks are taken and duplicates
+// refused again, with the same Client and Dedup.
+func TestFaultLockRedisDownFailOpen(t *testing.T) {
+	needRealRedis(t)
+	ignore := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, ignore) })
+	ctx := context.Background()
+
+	lp, err := spawnRedis("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { lp.kill() }) // the current one (killing twice is harmless)
+	addr := lp.addr
+	lrdb := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: 300 * time.Millisecond, ReadTimeout: time.Second, WriteTimeout: time.Second})
+	ardb := redis.NewClient(&redis.Options{Addr: realRedisAddr, PoolSize: 32})
+	name := uniq(t)
+	prefix, queue := "dd-"+name, "q-"+name
+	d, err := New(ctx, lrdb, Config{Prefix: prefix, FailOpen: true, LockTimeout: 300 * time.Millisecond, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := asynq.NewClientFromRedisClient(ardb)
+	client := d.WrapClient(ac)
+	processed := &faultProcessed{runs: map[string]int{}}
+	srv := asynq.NewServerFromRedisClient(ardb, asynq.Config{
+		Concurrency:              8,
+		Queues:                   map[string]int{queue: 1},
+		TaskCheckInterval:        20 * time.Millisecond,
+		DelayedTaskCheckInterval: 100 * time.Millisecond,
+		LogLevel:                 asynq.FatalLevel,
+		ShutdownTimeout:          3 * time.Second,
+		IsFailure:                IsFailure,
+		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond },
+	})
+	if err := srv.Start(d.Middleware()(processed.handler())); err != nil {
+		t.Fatal(err)
+	}
+	shutdown := sync.OnceFunc(func() {
+		srv.Shutdown()
+		_ = d.Close()
+		_ = ac.Close()
+		_ = ardb.Close()
+		_ = lrdb.Close()
+	})
+	t.Cleanup(shutdown)
+
+	const typ = "fault:open"
+	load := startFaultLoad(client, queue, typ, 2, 10*time.Millisecond)
+	halted := false
+	defer func() {
+		if !halted {
+			load.halt()
+		}
+	}()
+	ok := func(a faultAttempt) bool { return a.err == nil }
+	faultPoll(t, 30*time.Second, "load before the kill", func() bool { return load.count(ok) >= 100 })
+	if s := d.Stats(); s.Locked < 100 || s.FailOpen != 0 {
+		t.Fatalf("before the kill: stats %+v", s)
+	}
+
+	lp.kill()
+	load.phase.Store(phaseDown)
+	down := func(a faultAttempt) bool { return a.phase0 == phaseDown }
+	faultPoll(t, 30*time.Second, "enqueues during the outage", func() bool { return load.count(down) >= 50 })
+	// While the lock server is surely down, from here: every enqueue goes
+	// through, and is counted as fail-open. The same key twice included:
+	// both get through, that is what fail-open means.
+	before := d.Stats().FailOpen
+	var mine []string
+	for i := range 22 {
+		task := faultLoadTask(typ, 42)
+		if i < 20 {
+			task = faultLoadTask(typ, 500+i)
+		}
+		info, err := client.EnqueueContext(ctx, task, asynq.Queue(queue))
+		if err != nil {
+			t.Fatalf("fail-open enqueue %d while the lock server is down: %v", i, err)
+		}
+		mine = append(mine, info.ID)
+	}
+	if n := d.Stats().FailOpen - before; n < uint64(len(mine)) {
+		t.Errorf("FailOpen grew by %d over %d enqueues made while the lock server was down", n, len(mine))
+	}
+
+	np, err := spawnRedis(addr)
+	if err != nil {
+		t.Fatalf("restart redis-server on %s: %v", addr, err)
+	}
+	lp = np
+	load.phase.Store(phaseRestart)
+	restartedAt := time.Now()
+	// Locks work again, on the same Dedup: a scheduled task keeps its lock,
+	// so its duplicate is refused. Until the client has reconnected (and a
+	// circuit breaker, if any, has probed) calls still fail open: each try
+	// uses a fresh key.
+	tries := 0
+	faultPoll(t, 45*time.Second, "locks taken again after the restart", func() bool {
+		tries++
+		task := faultLoadTask(typ, 100+tries)
+		info, err := client.EnqueueContext(ctx, task, asynq.Queue(queue), asynq.ProcessIn(time.Hour))
+		if err != nil {
+			t.Fatalf("enqueue after the restart: %v", err)
+		}
+		var dup *DuplicateTaskError
+		_, err = client.EnqueueContext(ctx, task, asynq.Queue(queue), asynq.ProcessIn(time.Hour))
+		switch {
+		case errors.As(err, &dup):
+			if dup.TaskID != info.ID {
+				t.Fatalf("duplicate of %s, want of %s", dup.TaskID, info.ID)
+			}
+			return true
+		case err != nil:
+			t.Fatalf("enqueue after the restart: %v", err)
+		}
+		return false
+	})
+	locksBack := time.Since(restartedAt)
+	after := func(a faultAttempt) bool { return a.err == nil && a.phase0 == phaseRestart }
+	faultPoll(t, 30*time.Second, "enqueues after the restart", func() bool { return load.count(after) >= 100 })
+	attempts := load.halt()
+	halted = true
+
+	var outage int
+	for _, a := range attempts {
+		if a.err != nil {
+			t.Errorf("enqueue of user %d failed with FailOpen: %v", a.user, a.err)
+		}
+		if a.phase0 == phaseDown {
+			outage++
+		}
+	}
+	faultPoll(t, 30*time.Second, "every task ran", func() bool {
+		for _, a := range attempts {
+			if !processed.ran(a.id) {
+				return false
+			}
+		}
+		for _, id := range mine {
+			if !processed.ran(id) {
+				return false
+			}
+		}
+		return true
+	})
+	s := d.Stats()
+	t.Logf("%d enqueues (%d during the outage, all let through); locks back %v after the restart (%d tries); stats %+v",
+		len(attempts), outage, locksBack.Round(time.Millisecond), tries, s)
+	shutdown()
+}
