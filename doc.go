@@ -2,13 +2,16 @@
 // and chosen payload fields, with a Redis lock that follows the task through
 // its whole life.
 //
-// A Client (Dedup.WrapClient) fingerprints each task — its type plus the
+// A Client (Dedup.NewClient, or Dedup.WrapClient around any Enqueuer)
+// fingerprints each task — its type plus the
 // selected JSON fields (canonicalised: member order, white space, string
 // escapes and number spelling do not matter), an explicit key, or the raw
 // payload — with xxhash, and takes the lock in one atomic Redis script. A
 // duplicate gets a *DuplicateTaskError carrying the ID of the task that holds
 // the key; it matches asynq.ErrDuplicateTask too, so code written for
-// asynq.Unique keeps working.
+// asynq.Unique keeps working. By policy (Conflict, Running) the new payload
+// can instead replace or be merged into the waiting task's, in place, or be
+// folded into one follow-up of a running task; Client.Submit says which.
 //
 // The server middleware (Dedup.Middleware) renews the lock on a short lease
 // while the handler runs, holds it across retries, and releases it when the

@@ -7,8 +7,10 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// Sentinel errors. Every error this package returns matches one of them with
-// errors.Is, and wraps its cause where it has one.
+// Sentinel errors. Errors this package makes match one of them with
+// errors.Is and wrap their cause; errors from asynq (such as
+// asynq.ErrTaskIDConflict), from the context, or from a function you gave
+// (MergeFunc, KeyFunc) are returned wrapped, so errors.Is finds them too.
 var (
 	// ErrDuplicateTask reports that another task holds the key. The error is
 	// always a *DuplicateTaskError, which also matches asynq.ErrDuplicateTask.
