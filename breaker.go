@@ -96,7 +96,9 @@ func (b *breaker) record(parent context.Context, err error) {
 		return
 	}
 	b.failures++
-	if b.state == BreakerProbing || b.failures >= b.threshold {
+	// Calls let through before the breaker opened fail after it did: they
+	// must not open it again (and push the probe further out).
+	if b.state == BreakerProbing || (b.state == BreakerClosed && b.failures >= b.threshold) {
 		wait := b.backoff.Min
 		if b.opens > 0 {
 			wait = b.backoff.Delay(b.opens)

@@ -208,3 +208,23 @@ func TestBreakerWithHungRedis(t *testing.T) {
 		t.Fatalf("queue holds %d tasks, want 2 (nothing enqueued while hung)", n)
 	}
 }
+
+// Calls let through before the breaker opened, failing after it did, must not
+// reopen it (and push the probe further out) or count more openings.
+func TestBreakerOneOpeningPerOutage(t *testing.T) {
+	now := time.Unix(1000, 0)
+	opens := 0
+	b := &breaker{threshold: 5, backoff: Backoff{Min: 500 * time.Millisecond, Max: 30 * time.Second}, log: quietLogger(),
+		now: func() time.Time { return now }, onOpen: func() { opens++ }}
+	down := &net.OpError{Op: "read", Err: errors.New("connection reset")}
+	for range 10 { // ten calls in flight when Redis went away
+		b.record(context.Background(), down)
+	}
+	if opens != 1 {
+		t.Fatalf("%d openings for one outage, want 1", opens)
+	}
+	now = now.Add(500 * time.Millisecond)
+	if !b.allow() {
+		t.Fatal("no probe after the first backoff")
+	}
+}

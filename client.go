@@ -292,8 +292,9 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 
 	info, err := c.next.EnqueueContext(ctx, task, pass...)
 	if err != nil {
+		err = enqueueError(typ, err)
 		if !locked || self {
-			return Result{}, fmt.Errorf("dedup: enqueue %q: %w", typ, err)
+			return Result{}, err
 		}
 		return created(c.rollback(ctx, task, ref, err))
 	}
@@ -377,7 +378,7 @@ func (c *Client) rollback(ctx context.Context, task *asynq.Task, ref *lockRef, e
 	case errors.Is(err, asynq.ErrTaskNotFound), errors.Is(err, asynq.ErrQueueNotFound):
 	default:
 		d.count(task.Type(), evRedisError)
-		return nil, fmt.Errorf("dedup: enqueue %q: %w", task.Type(), enqErr)
+		return nil, enqErr
 	}
 	if _, err := d.unlock(ctx, ref); err != nil {
 		d.count(task.Type(), evRedisError)
@@ -385,7 +386,17 @@ func (c *Client) rollback(ctx context.Context, task *asynq.Task, ref *lockRef, e
 	} else {
 		d.count(task.Type(), evRollback)
 	}
-	return nil, fmt.Errorf("dedup: enqueue %q: %w", task.Type(), enqErr)
+	return nil, enqErr
+}
+
+// enqueueError wraps an error from asynq's enqueue. asynq flattens Redis
+// failures into text, so anything but its own refusals (a taken task ID, a
+// Unique duplicate) is a failure to reach Redis: it matches ErrUnavailable.
+func enqueueError(typ string, err error) error {
+	if errors.Is(err, asynq.ErrTaskIDConflict) || errors.Is(err, asynq.ErrDuplicateTask) {
+		return fmt.Errorf("dedup: enqueue %q: %w", typ, err)
+	}
+	return fmt.Errorf("%w: enqueue %q: %w", ErrUnavailable, typ, err)
 }
 
 // relocate moves the lock to the queue the task actually landed in.

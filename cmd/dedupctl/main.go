@@ -307,6 +307,36 @@ func (a *app) ctx() (context.Context, context.CancelFunc) {
 }
 
 // connect parses --url and checks that Redis answers.
+// withConn runs fn with a connection, under the command's timeout.
+func (a *app) withConn(fn func(ctx context.Context, c *conn) error) error {
+	ctx, cancel := a.ctx()
+	defer cancel()
+	c, err := a.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.close()
+	return fn(ctx, c)
+}
+
+// withLock runs fn with the lock that args and s select.
+func (a *app) withLock(args []string, s selector, fn func(ctx context.Context, c *conn, t *target, l *lockInfo) error) error {
+	if err := s.check(args); err != nil {
+		return err
+	}
+	return a.withConn(func(ctx context.Context, c *conn) error {
+		t, err := a.resolve(ctx, c, args, s)
+		if err != nil {
+			return err
+		}
+		l, err := readOne(ctx, c, a.g.prefix, t)
+		if err != nil {
+			return err
+		}
+		return fn(ctx, c, t, l)
+	})
+}
+
 func (a *app) connect(ctx context.Context) (*conn, error) {
 	c, err := dial(a.g.url, a.g.cluster)
 	if err != nil {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -82,24 +83,12 @@ the lock; an owed follow-up task stays owed.`,
 }
 
 func runRelease(a *app, args []string, s selector, yes bool) error {
-	if err := s.check(args); err != nil {
-		return err
-	}
-	ctx, cancel := a.ctx()
-	defer cancel()
-	c, err := a.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer c.close()
-	t, err := a.resolve(ctx, c, args, s)
-	if err != nil {
-		return err
-	}
-	l, err := readOne(ctx, c, a.g.prefix, t)
-	if err != nil {
-		return err
-	}
+	return a.withLock(args, s, func(ctx context.Context, c *conn, t *target, l *lockInfo) error {
+		return release(a, ctx, c, t, l, yes)
+	})
+}
+
+func release(a *app, ctx context.Context, c *conn, t *target, l *lockInfo, yes bool) error {
 	if t.task != "" && t.task != l.Owner {
 		role := "does not hold it"
 		if t.task == l.FollowUp {
@@ -111,9 +100,9 @@ func runRelease(a *app, args []string, s selector, yes bool) error {
 		if err := a.confirm(l); err != nil {
 			return err
 		}
-		cancel()
-		ctx, cancel = a.ctx() // the answer may have taken a while
+		fresh, cancel := a.ctx() // the answer may have taken a while
 		defer cancel()
+		ctx = fresh
 	}
 
 	prefix := a.g.prefix

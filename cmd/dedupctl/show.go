@@ -254,33 +254,17 @@ IDs carry the fingerprint, and caller-chosen IDs have an index key.`,
 }
 
 func runShow(a *app, args []string, s selector) error {
-	if err := s.check(args); err != nil {
-		return err
-	}
-	ctx, cancel := a.ctx()
-	defer cancel()
-	c, err := a.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer c.close()
-	t, err := a.resolve(ctx, c, args, s)
-	if err != nil {
-		return err
-	}
-	l, err := readOne(ctx, c, a.g.prefix, t)
-	if err != nil {
-		return err
-	}
-	out, err := describe(ctx, c, a.g.prefix, l, t)
-	if err != nil {
-		return err
-	}
-	if a.g.json {
-		return writeJSON(a.stdout, out)
-	}
-	printShow(a.stdout, out, time.Now())
-	return nil
+	return a.withLock(args, s, func(ctx context.Context, c *conn, t *target, l *lockInfo) error {
+		out, err := describe(ctx, c, a.g.prefix, l, t)
+		if err != nil {
+			return err
+		}
+		if a.g.json {
+			return writeJSON(a.stdout, out)
+		}
+		printShow(a.stdout, out, time.Now())
+		return nil
+	})
 }
 
 // describe adds what asynq and the side keys say about a lock.
