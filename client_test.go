@@ -12,6 +12,7 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
 )
 
 func userTask(user int, trace string) *asynq.Task {
@@ -445,6 +446,9 @@ func TestNewErrors(t *testing.T) {
 	addr, err := freeAddr() // nothing listens there
 	if err != nil {
 		t.Fatal(err)
+	}
+	if realRedisAddr != "" { // miniredis serves its connections with goroutines of its own
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // failed attempts leave nothing running
 	}
 	dead := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
 	defer dead.Close()
