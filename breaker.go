@@ -140,31 +140,30 @@ func isReply(err error) bool {
 // BreakerState reports the circuit breaker's state.
 func (d *Dedup) BreakerState() BreakerState { return d.br.current() }
 
-// run executes a lock script through the breaker, bounded by LockTimeout.
-func (d *Dedup) run(ctx context.Context, s *redis.Script, keys []string, args ...any) (any, error) {
+// call makes one Redis call through the breaker, bounded by LockTimeout.
+func (d *Dedup) call(ctx context.Context, fn func(context.Context) (any, error)) (any, error) {
 	if !d.br.allow() {
 		return nil, ErrCircuitOpen
 	}
 	lctx, cancel := d.lockCtx(ctx)
 	defer cancel()
-	v, err := bounded(lctx, d.ctxTimeouts, func(c context.Context) (any, error) {
-		return s.Run(c, d.rdb, keys, args...).Result()
-	})
+	v, err := bounded(lctx, d.ctxTimeouts, fn)
 	d.br.record(ctx, err)
 	return v, err
 }
 
-// get reads a string key through the breaker, bounded by LockTimeout.
+// run executes a lock script through call.
+func (d *Dedup) run(ctx context.Context, s *redis.Script, keys []string, args ...any) (any, error) {
+	return d.call(ctx, func(c context.Context) (any, error) {
+		return s.Run(c, d.rdb, keys, args...).Result()
+	})
+}
+
+// get reads a string key through call.
 func (d *Dedup) get(ctx context.Context, key string) (string, error) {
-	if !d.br.allow() {
-		return "", ErrCircuitOpen
-	}
-	lctx, cancel := d.lockCtx(ctx)
-	defer cancel()
-	v, err := bounded(lctx, d.ctxTimeouts, func(c context.Context) (any, error) {
+	v, err := d.call(ctx, func(c context.Context) (any, error) {
 		return d.rdb.Get(c, key).Result()
 	})
-	d.br.record(ctx, err)
 	s, _ := v.(string)
 	return s, err
 }

@@ -144,20 +144,6 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 		dc.option(o)
 		pass = append(pass, o)
 	}
-	if !d.active(&r) {
-		// Mark the task so the execution-time guard leaves it alone: in its ID,
-		// or for a caller-chosen ID with an opt-out mark where the middleware
-		// looks for its lock.
-		if callerID == "" {
-			pass = append(pass, asynq.TaskID(newOptOutID()))
-		} else if err := c.markOptOut(ctx, queue, explicitQueue, callerID, typ, &r, processAt); err != nil {
-			return Result{}, err
-		}
-		return created(c.next.EnqueueContext(ctx, task, pass...))
-	}
-	if conflicting != "" {
-		return Result{}, fmt.Errorf("%w: %s cannot be combined with deduplication (use dedup.Skip() to enqueue this call without it)", ErrInvalidOption, conflicting)
-	}
 	if explicitQueue {
 		if strings.TrimSpace(queue) == "" {
 			return Result{}, fmt.Errorf("%w: blank queue name", ErrInvalidOption)
@@ -169,6 +155,20 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 	}
 	if callerID != "" && strings.TrimSpace(callerID) == "" {
 		return Result{}, fmt.Errorf("%w: blank task ID", ErrInvalidOption)
+	}
+	if !d.active(&r) {
+		// Mark the task so the execution-time guard leaves it alone: in its ID,
+		// or for a caller-chosen ID with an opt-out mark where the middleware
+		// looks for its lock.
+		if callerID == "" {
+			pass = append(pass, asynq.TaskID(newOptOutID()))
+		} else if err := c.markOptOut(ctx, queue, callerID, typ, &r, processAt); err != nil {
+			return Result{}, err
+		}
+		return created(c.next.EnqueueContext(ctx, task, pass...))
+	}
+	if conflicting != "" {
+		return Result{}, fmt.Errorf("%w: %s cannot be combined with deduplication (use dedup.Skip() to enqueue this call without it)", ErrInvalidOption, conflicting)
 	}
 	fp, err := d.fingerprintHex(typ, task.Payload(), &r)
 	if err != nil {
@@ -445,23 +445,12 @@ const optOutMarkTTL = 24 * time.Hour
 
 // markOptOut records that the caller-chosen task ID opted out, so the
 // middleware does not lock it at execution.
-func (c *Client) markOptOut(ctx context.Context, queue string, explicit bool, id, typ string, r *resolved, processAt time.Time) error {
+func (c *Client) markOptOut(ctx context.Context, queue, id, typ string, r *resolved, processAt time.Time) error {
 	d := c.d
-	if !explicit {
-		if q, ok := d.queues.Load(typ); ok {
-			queue = q.(string)
-		} else {
-			queue = "default"
-		}
-	}
 	ttl := waitTTL(max(d.ttlOf(r), optOutMarkTTL), processAt)
-	if !d.br.allow() {
-		return unavailable("opt-out mark", ErrCircuitOpen)
-	}
-	lctx, cancel := d.lockCtx(ctx)
-	defer cancel()
-	err := d.rdb.Set(lctx, indexKey(d.cfg.Prefix, queue, id), optOutMark, ttl).Err()
-	d.br.record(ctx, err)
+	_, err := d.call(ctx, func(cctx context.Context) (any, error) {
+		return nil, d.rdb.Set(cctx, indexKey(d.cfg.Prefix, queue, id), optOutMark, ttl).Err()
+	})
 	if err != nil {
 		d.count(typ, evRedisError)
 		if d.cfg.FailOpen {

@@ -467,25 +467,14 @@ func TestRedisDownFailClosedAndOpen(t *testing.T) {
 	needRealRedis(t)
 	for _, open := range []bool{false, true} {
 		t.Run(fmt.Sprintf("FailOpen=%v", open), func(t *testing.T) {
-			lockRedis, err := spawnRedis("")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer lockRedis.kill()
-			lrdb := redis.NewClient(&redis.Options{Addr: lockRedis.addr, MaxRetries: -1})
-			defer lrdb.Close()
-			d, err := New(context.Background(), lrdb, Config{FailOpen: open, LockTimeout: 200 * time.Millisecond, Logger: quietLogger()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer d.Close()
+			lockRedis, d := separateLockStore(t, Config{FailOpen: open})
 			h := newHarness(t, Config{})
 			c := d.WrapClient(h.asynq) // locks on lockRedis, tasks on the shared one
 			if _, err := c.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); err != nil {
 				t.Fatal(err)
 			}
 			lockRedis.kill()
-			_, err = c.Enqueue(userTask(2, ""), asynq.Queue(h.queue))
+			_, err := c.Enqueue(userTask(2, ""), asynq.Queue(h.queue))
 			if open {
 				if err != nil {
 					t.Fatalf("fail-open enqueue: %v", err)

@@ -181,9 +181,9 @@ func (c *Client) publishQueue(ctx context.Context, queue string) error {
 	if _, ok := c.published.Load(queue); ok {
 		return nil
 	}
-	lctx, cancel := c.d.lockCtx(ctx)
-	defer cancel()
-	if err := c.d.rdb.SAdd(lctx, "asynq:queues", queue).Err(); err != nil {
+	if _, err := c.d.call(ctx, func(cctx context.Context) (any, error) {
+		return nil, c.d.rdb.SAdd(cctx, "asynq:queues", queue).Err()
+	}); err != nil {
 		return err
 	}
 	c.published.Store(queue, true)

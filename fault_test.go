@@ -505,19 +505,7 @@ func TestFaultRedisRestartUnderLoad(t *testing.T) {
 	client := d.WrapClient(ac)
 	insp := asynq.NewInspectorFromRedisClient(rdb)
 	processed := &faultProcessed{runs: map[string]int{}}
-	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{
-		Concurrency:              concurrency,
-		Queues:                   map[string]int{queue: 1},
-		TaskCheckInterval:        20 * time.Millisecond,
-		DelayedTaskCheckInterval: 100 * time.Millisecond,
-		LogLevel:                 asynq.FatalLevel,
-		ShutdownTimeout:          3 * time.Second,
-		IsFailure:                IsFailure,
-		RetryDelayFunc:           retryDelay,
-	})
-	if err := srv.Start(d.Middleware()(processed.handler())); err != nil {
-		t.Fatal(err)
-	}
+	srv := startFaultServer(t, rdb, d, queue, concurrency, retryDelay, processed.handler())
 	shutdown := sync.OnceFunc(func() {
 		srv.Shutdown()
 		_ = d.Close()
@@ -697,19 +685,7 @@ func TestFaultLockRedisDownFailOpen(t *testing.T) {
 	ac := asynq.NewClientFromRedisClient(ardb)
 	client := d.WrapClient(ac)
 	processed := &faultProcessed{runs: map[string]int{}}
-	srv := asynq.NewServerFromRedisClient(ardb, asynq.Config{
-		Concurrency:              8,
-		Queues:                   map[string]int{queue: 1},
-		TaskCheckInterval:        20 * time.Millisecond,
-		DelayedTaskCheckInterval: 100 * time.Millisecond,
-		LogLevel:                 asynq.FatalLevel,
-		ShutdownTimeout:          3 * time.Second,
-		IsFailure:                IsFailure,
-		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond },
-	})
-	if err := srv.Start(d.Middleware()(processed.handler())); err != nil {
-		t.Fatal(err)
-	}
+	srv := startFaultServer(t, ardb, d, queue, 8, func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond }, processed.handler())
 	shutdown := sync.OnceFunc(func() {
 		srv.Shutdown()
 		_ = d.Close()
@@ -821,4 +797,24 @@ func TestFaultLockRedisDownFailOpen(t *testing.T) {
 	t.Logf("%d enqueues (%d during the outage, all let through); locks back %v after the restart (%d tries); stats %+v",
 		len(attempts), outage, locksBack.Round(time.Millisecond), tries, s)
 	shutdown()
+}
+
+// startFaultServer runs an asynq server with the middleware on one queue,
+// polling fast so a fault test sees recoveries promptly.
+func startFaultServer(t *testing.T, rdb redis.UniversalClient, d *Dedup, queue string, concurrency int, retryDelay asynq.RetryDelayFunc, h asynq.Handler) *asynq.Server {
+	t.Helper()
+	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{
+		Concurrency:              concurrency,
+		Queues:                   map[string]int{queue: 1},
+		TaskCheckInterval:        20 * time.Millisecond,
+		DelayedTaskCheckInterval: 100 * time.Millisecond,
+		LogLevel:                 asynq.FatalLevel,
+		ShutdownTimeout:          3 * time.Second,
+		IsFailure:                IsFailure,
+		RetryDelayFunc:           retryDelay,
+	})
+	if err := srv.Start(d.Middleware()(h)); err != nil {
+		t.Fatal(err)
+	}
+	return srv
 }

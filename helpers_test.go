@@ -170,3 +170,28 @@ func uniq(t testing.TB) string {
 	name := strings.NewReplacer("/", "_", " ", "_", ":", "_", "{", "_", "}", "_").Replace(t.Name())
 	return name + "-" + hex.EncodeToString(b[:])
 }
+
+// separateLockStore starts a redis-server of the test's own for a Dedup's
+// locks (tasks stay on the shared server), so the test can kill it.
+func separateLockStore(t *testing.T, cfg Config) (*redisProc, *Dedup) {
+	t.Helper()
+	p, err := spawnRedis("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.kill)
+	rdb := redis.NewClient(&redis.Options{Addr: p.addr, MaxRetries: -1})
+	t.Cleanup(func() { _ = rdb.Close() })
+	if cfg.LockTimeout == 0 {
+		cfg.LockTimeout = 200 * time.Millisecond
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = quietLogger()
+	}
+	d, err := New(context.Background(), rdb, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	return p, d
+}

@@ -92,7 +92,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		if panicked {
 			herr = errPanicked // the panic propagates after this returns
 		}
-		d.settle(ctx, t, ref, token, herr, live)
+		d.settle(ctx, t, &rule, ref, token, herr, live)
 	}()
 	err = next.ProcessTask(hctx, t)
 	panicked = false
@@ -101,10 +101,9 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 
 // settle releases the lock or holds it for the retry, by asynq's rules for
 // what follows the attempt. Its errors never fail the task.
-func (d *Dedup) settle(ctx context.Context, t *asynq.Task, ref *lockRef, token string, err error, live bool) {
+func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, ref *lockRef, token string, err error, live bool) {
 	release := true
 	var hold time.Duration
-	r := d.ruleFor(t.Type())
 	if err != nil && !errors.Is(err, asynq.RevokeTask) && !errors.Is(err, asynq.SkipRetry) {
 		n, _ := asynq.GetRetryCount(ctx)
 		max, _ := asynq.GetMaxRetry(ctx)
@@ -113,11 +112,11 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, ref *lockRef, token s
 		// lease: it may run again even if this was the last retry, so hold.
 		if n < max || errors.Is(ctx.Err(), context.Canceled) {
 			release = false
-			hold = d.cfg.RetryDelayFunc(n, err, t) + d.ttlOf(&r)
+			hold = d.cfg.RetryDelayFunc(n, err, t) + d.ttlOf(r)
 		}
 	}
 	d.count(t.Type(), evProcessed)
-	ok, follow, ferr := d.finish(context.WithoutCancel(ctx), ref, token, release, hold, d.ttlOf(&r))
+	ok, follow, ferr := d.finish(context.WithoutCancel(ctx), ref, token, release, hold, d.ttlOf(r))
 	switch {
 	case ferr != nil:
 		d.count(t.Type(), evRedisError)

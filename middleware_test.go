@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
 )
 
@@ -424,20 +423,9 @@ func TestMiddlewareRedisDown(t *testing.T) {
 	needRealRedis(t)
 	for _, open := range []bool{false, true} {
 		t.Run(fmt.Sprintf("FailOpen=%v", open), func(t *testing.T) {
-			lockRedis, err := spawnRedis("")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer lockRedis.kill()
-			lrdb := redis.NewClient(&redis.Options{Addr: lockRedis.addr, MaxRetries: -1})
-			defer lrdb.Close()
 			// Locks on lockRedis, tasks on the shared server.
+			lockRedis, d := separateLockStore(t, Config{FailOpen: open})
 			h := newHarness(t, Config{})
-			d, err := New(context.Background(), lrdb, Config{FailOpen: open, LockTimeout: 200 * time.Millisecond, Logger: quietLogger()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer d.Close()
 			h.d = d
 			rc := newRecorder(nil)
 			errs := make(chan error, 10)

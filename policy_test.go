@@ -351,21 +351,7 @@ func TestDeferFollowUpSurvivesDeadWorker(t *testing.T) {
 	h := newHarness(t, Config{Lease: 300 * time.Millisecond, Rules: map[string]Rule{"counter": {
 		Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer,
 	}}})
-	stuck := make(chan struct{})
-	defer close(stuck)
-	rc := newRecorder(func(r run) error {
-		if decodeCounter(r.task).Seq == 0 {
-			<-stuck // the first run never ends: its worker is "dead"
-		}
-		return nil
-	})
-	h.serve(rc.handler(), nil)
-	h.enqueue(counterTask("k", 1, 0))
-	waitFor(t, rc.runs, "first run")
-	res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
-	if err != nil || res.Outcome != Deferred {
-		t.Fatalf("%+v, %v", res, err)
-	}
+	rc, res := deferBehindStuckRun(t, h)
 	if res2, err := h.client.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue)); err != nil || res2.Outcome != Replaced || res2.TaskID != res.TaskID {
 		t.Fatalf("second enqueue while running: %+v, %v (want replaced into the follow-up)", res2, err)
 	}
@@ -485,4 +471,27 @@ func TestDeferFollowUpOwedAfterFailure(t *testing.T) {
 			eventually(t, "locks released", func() bool { return len(h.locks()) == 0 })
 		})
 	}
+}
+
+// deferBehindStuckRun starts a run of key "k" (seq 0) that never ends until
+// the test does, and enqueues seq 1 behind it: the returned Result is the
+// follow-up it created. Later runs are reported on rc.
+func deferBehindStuckRun(t *testing.T, h *harness) (*recorder, Result) {
+	t.Helper()
+	stuck := make(chan struct{})
+	rc := newRecorder(func(r run) error {
+		if decodeCounter(r.task).Seq == 0 {
+			<-stuck // the first run never ends: its worker is "dead"
+		}
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	t.Cleanup(func() { close(stuck) }) // before the server's shutdown, which waits for handlers
+	h.enqueue(counterTask("k", 1, 0))
+	waitFor(t, rc.runs, "first run")
+	res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("%+v, %v", res, err)
+	}
+	return rc, res
 }

@@ -83,21 +83,7 @@ func TestRegressionDeferAfterDeadWorkerFoldsIntoFollowUp(t *testing.T) {
 	h := newHarness(t, Config{Lease: 300 * time.Millisecond, Rules: map[string]Rule{"counter": {
 		Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer,
 	}}})
-	stuck := make(chan struct{})
-	defer close(stuck)
-	rc := newRecorder(func(r run) error {
-		if decodeCounter(r.task).Seq == 0 {
-			<-stuck
-		}
-		return nil
-	})
-	h.serve(rc.handler(), nil)
-	h.enqueue(counterTask("k", 1, 0))
-	waitFor(t, rc.runs, "first run")
-	res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
-	if err != nil || res.Outcome != Deferred {
-		t.Fatalf("%+v %v", res, err)
-	}
+	rc, res := deferBehindStuckRun(t, h)
 	h.d.hb.stop() // the worker dies
 	key := h.keyOf(counterTask("k", 1, 0), h.queue)
 	eventually(t, "running lease lapsed", func() bool { return h.lockOwner(key) == "" })

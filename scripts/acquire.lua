@@ -94,8 +94,7 @@ if holder then
     return {2, holder}
   end
   local state = redis.call('HGET', tprefix .. holder, 'state')
-  local live = state and state ~= 'completed' and state ~= 'archived'
-  if not live then
+  if gone(state) then
     local now = now_all()
     if now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
       -- Too young to tell: its producer may not have stored it in asynq yet.

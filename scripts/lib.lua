@@ -119,6 +119,12 @@ local function waiting(state)
   return state == 'pending' or state == 'scheduled' or state == 'retry'
 end
 
+-- gone reports whether an asynq task state (false: no record) means its
+-- task will never run again, so a lock it owns is orphaned.
+local function gone(state)
+  return (not state) or state == 'completed' or state == 'archived'
+end
+
 -- now_s and now_ms read the server clock as integers.
 local function now_parts()
   local t = redis.call('TIME')

@@ -26,7 +26,7 @@ if holder and holder ~= ARGV[1] then
   local orphan = false
   if now - (tonumber(rec[2]) or 0) >= tonumber(ARGV[7]) then
     local state = redis.call('HGET', tprefix .. holder, 'state')
-    orphan = (not state) or state == 'completed' or state == 'archived'
+    orphan = gone(state)
   end
   if not orphan then
     return {0, holder}

@@ -201,46 +201,50 @@ func (c *counts) add(o counts) {
 	}
 }
 
-// unlinkMatching deletes the keys matching pattern with SCAN and batched
-// UNLINK. It never touches other keys, so it is safe on a shared Redis.
-func unlinkMatching(ctx context.Context, rdb redis.Cmdable, pattern string) (int, error) {
+// scanMatching calls fn with each page of keys matching pattern.
+func scanMatching(ctx context.Context, rdb redis.Cmdable, pattern string, fn func(keys []string) error) error {
 	var cursor uint64
-	n := 0
 	for {
 		keys, next, err := rdb.Scan(ctx, cursor, pattern, 1000).Result()
 		if err != nil {
-			return n, err
+			return err
 		}
-		for len(keys) > 0 {
-			batch := keys[:min(len(keys), 500)]
-			keys = keys[len(batch):]
-			if err := rdb.Unlink(ctx, batch...).Err(); err != nil {
-				return n, err
-			}
-			n += len(batch)
+		if err := fn(keys); err != nil {
+			return err
 		}
 		if next == 0 {
-			return n, nil
+			return nil
 		}
 		cursor = next
 	}
 }
 
+// unlinkMatching deletes the keys matching pattern with SCAN and batched
+// UNLINK. It never touches other keys, so it is safe on a shared Redis.
+func unlinkMatching(ctx context.Context, rdb redis.Cmdable, pattern string) (int, error) {
+	n := 0
+	err := scanMatching(ctx, rdb, pattern, func(keys []string) error {
+		for len(keys) > 0 {
+			batch := keys[:min(len(keys), 500)]
+			keys = keys[len(batch):]
+			if err := rdb.Unlink(ctx, batch...).Err(); err != nil {
+				return err
+			}
+			n += len(batch)
+		}
+		return nil
+	})
+	return n, err
+}
+
 // countMatching counts the keys matching pattern.
 func countMatching(ctx context.Context, rdb redis.Cmdable, pattern string) (int, error) {
-	var cursor uint64
 	n := 0
-	for {
-		keys, next, err := rdb.Scan(ctx, cursor, pattern, 1000).Result()
-		if err != nil {
-			return n, err
-		}
+	err := scanMatching(ctx, rdb, pattern, func(keys []string) error {
 		n += len(keys)
-		if next == 0 {
-			return n, nil
-		}
-		cursor = next
-	}
+		return nil
+	})
+	return n, err
 }
 
 // redisCPU is the CPU time Redis's main thread has used (INFO cpu), the

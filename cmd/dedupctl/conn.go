@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -59,15 +60,7 @@ func dial(raw string, cluster bool) (*conn, error) {
 		if err != nil {
 			return nil, bad(err)
 		}
-		if opt.DialTimeout == 0 {
-			opt.DialTimeout = dialTimeout
-		}
-		if opt.MaxRetries == 0 {
-			opt.MaxRetries = 1
-		}
-		if opt.DialerRetries == 0 {
-			opt.DialerRetries = 1
-		}
+		quickFail(&opt.DialTimeout, &opt.MaxRetries, &opt.DialerRetries)
 		return &conn{rdb: redis.NewClient(opt), where: opt.Addr}, nil
 	}
 	if scheme != "redis" && scheme != "rediss" {
@@ -94,15 +87,7 @@ func dial(raw string, cluster bool) (*conn, error) {
 		}
 		opt.Addrs = append(opt.Addrs, h)
 	}
-	if opt.DialTimeout == 0 {
-		opt.DialTimeout = dialTimeout
-	}
-	if opt.MaxRetries == 0 {
-		opt.MaxRetries = 1
-	}
-	if opt.DialerRetries == 0 {
-		opt.DialerRetries = 1
-	}
+	quickFail(&opt.DialTimeout, &opt.MaxRetries, &opt.DialerRetries)
 	c := redis.NewClusterClient(opt)
 	return &conn{rdb: c, cluster: c, where: "cluster " + strings.Join(opt.Addrs, ",")}, nil
 }
@@ -193,3 +178,17 @@ func (c *conn) masters(ctx context.Context) ([]*redis.Client, error) {
 }
 
 func (c *conn) close() error { return c.rdb.Close() }
+
+// quickFail sets, where the URL left them unset, a short dial timeout and a
+// single retry, so an unreachable Redis is reported at once.
+func quickFail(dial *time.Duration, retries, dialerRetries *int) {
+	if *dial == 0 {
+		*dial = dialTimeout
+	}
+	if *retries == 0 {
+		*retries = 1
+	}
+	if *dialerRetries == 0 {
+		*dialerRetries = 1
+	}
+}
