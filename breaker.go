@@ -152,8 +152,21 @@ func (d *Dedup) call(ctx context.Context, fn func(context.Context) (any, error))
 	return v, err
 }
 
-// run executes a lock script through call.
+// run executes a lock script through the breaker, bounded by LockTimeout,
+// batched with concurrent calls when batching is on.
 func (d *Dedup) run(ctx context.Context, s *redis.Script, keys []string, args ...any) (any, error) {
+	if d.batch != nil {
+		if !d.br.allow() {
+			return nil, ErrCircuitOpen
+		}
+		lctx, cancel := d.lockCtx(ctx)
+		v, err, ok := d.batch.do(lctx, s, keys, args)
+		cancel()
+		if ok {
+			d.br.record(ctx, err)
+			return v, err
+		}
+	}
 	return d.call(ctx, func(c context.Context) (any, error) {
 		return s.Run(c, d.rdb, keys, args...).Result()
 	})

@@ -86,6 +86,13 @@ type Config struct {
 	// CLI). Default false: such tasks take a lock when they start.
 	NoExecutionGuard bool
 
+	// MaxBatch is the most lock calls sent to Redis as one pipeline. Calls
+	// made while every sender is busy are batched (auto-pipelining), which
+	// cuts Redis's per-call cost under load; a call never waits for a batch
+	// to fill. Default DefaultMaxBatch (64); negative turns batching off, so
+	// each call makes its own round trip from the calling goroutine.
+	MaxBatch int
+
 	// BreakerThreshold is how many consecutive Redis failures open the
 	// circuit breaker, after which lock calls fail at once (ErrCircuitOpen)
 	// until a probe succeeds. Default 5; negative disables the breaker.
@@ -203,6 +210,9 @@ func (c *Config) withDefaults() (Config, error) {
 	}
 	if cfg.ConnectBackoff == (Backoff{}) {
 		cfg.ConnectBackoff = Backoff{Min: 100 * time.Millisecond, Max: 5 * time.Second}
+	}
+	if cfg.MaxBatch == 0 {
+		cfg.MaxBatch = DefaultMaxBatch
 	}
 	if cfg.BreakerThreshold == 0 {
 		cfg.BreakerThreshold = 5

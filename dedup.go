@@ -22,6 +22,7 @@ type Dedup struct {
 	insp  *asynq.Inspector
 	hb    *heartbeater
 	br    *breaker
+	batch *batcher // nil when Config.MaxBatch < 0
 
 	ctxTimeouts bool // the client applies context deadlines to socket reads
 	stats       metrics
@@ -62,6 +63,9 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 		insp:  asynq.NewInspectorFromRedisClient(rdb),
 	}
 	d.hb = newHeartbeater(d, c.Lease/3)
+	if c.MaxBatch > 0 {
+		d.batch = newBatcher(rdb, c.MaxBatch, c.LockTimeout)
+	}
 	d.ctxTimeouts = contextTimeouts(rdb)
 	d.br = &breaker{threshold: c.BreakerThreshold, backoff: c.BreakerBackoff, log: c.Logger, onOpen: func() { d.count("", evBreakerOpen) }}
 	lctx, cancel := context.WithTimeout(ctx, c.LockTimeout)
@@ -96,6 +100,9 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 func (d *Dedup) Close() error {
 	d.hb.stop()
 	d.stopDiagnostics()
+	if d.batch != nil {
+		d.batch.stop()
+	}
 	return nil
 }
 
@@ -187,7 +194,8 @@ func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, 
 	}
 	v, err := d.run(ctx, acquireScript, r.keys(), r.id, ms(a.ttl), r.typ,
 		asynqPrefix(r.queue), d.dedupPrefix(r.queue), d.graceSeconds(), r.fpHex,
-		policy, a.running.code(), a.payload, a.followID, a.max, d.parkSeconds(), a.msg, a.scheduleAt)
+		policy, a.running.code(), a.payload, a.followID, a.max, d.parkSeconds(), a.msg, a.scheduleAt,
+		time.Now().UnixMilli())
 	if err != nil {
 		return reply{}, err
 	}

@@ -114,6 +114,52 @@ local function pb_rewrite(msg, repl)
   return table.concat(out)
 end
 
+-- pb_setpayload returns msg with its payload (field 2) set to p, the way
+-- pb_rewrite(msg, {[2] = p}) does, but by splicing in place: asynq writes the
+-- field once, right after the type, so this is one short scan and two
+-- substrings. Unusual messages (the field repeated) go to pb_rewrite.
+local function pb_setpayload(msg, p)
+  local i, n = 1, #msg
+  local from, to, at
+  while i <= n do
+    local start = i
+    local key
+    key, i = pb_varint(msg, i)
+    if not key then return nil end
+    local wt = key % 8
+    local num = (key - wt) / 8
+    if num > 2 and not at then at = start end
+    if wt == 0 then
+      local _
+      _, i = pb_varint(msg, i)
+      if not i then return nil end
+    elseif wt == 1 then
+      i = i + 8
+    elseif wt == 2 then
+      local len
+      len, i = pb_varint(msg, i)
+      if not len then return nil end
+      i = i + len
+    elseif wt == 5 then
+      i = i + 4
+    else
+      return nil
+    end
+    if i > n + 1 then return nil end
+    if num == 2 then
+      if from then return pb_rewrite(msg, {[2] = p}) end
+      from, to = start, i - 1
+    end
+  end
+  local field = ''
+  if #p > 0 then field = pb_putvarint(18) .. pb_putvarint(#p) .. p end
+  if from then
+    return string.sub(msg, 1, from - 1) .. field .. string.sub(msg, to + 1)
+  end
+  at = at or n + 1
+  return string.sub(msg, 1, at - 1) .. field .. string.sub(msg, at)
+end
+
 -- waiting reports whether an asynq task state means "not started yet".
 local function waiting(state)
   return state == 'pending' or state == 'scheduled' or state == 'retry'

@@ -774,7 +774,7 @@ func TestShow(t *testing.T) {
 		}
 	}
 	o := decode[showOutput](t, f.ok("--json", "show", key))
-	if o.Key != key || o.Owner != welcome[0].ID || o.Fields["id"] != welcome[0].ID || o.Fields["n"] != "2" || o.Fields["v"] != "2" ||
+	if o.Key != key || o.Owner != welcome[0].ID || o.Fields["id"] != welcome[0].ID || o.Fields["n"] != "2" ||
 		!o.OwnerTask.Exists || o.OwnerTask.State != "pending" || o.OwnerTask.MaxRetry != 25 || o.OwnerTask.Type != "email:welcome" || o.PayloadVersion != "2" {
 		t.Errorf("show --json: %+v / %+v", o.lockInfo, o.OwnerTask)
 	}

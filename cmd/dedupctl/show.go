@@ -290,7 +290,7 @@ func describe(ctx context.Context, c *conn, prefix string, l *lockInfo, t *targe
 	default:
 		out.RunningPolicy = l.Fields["rp"]
 	}
-	out.PayloadVersion = l.Fields["v"]
+	out.PayloadVersion = l.Fields["n"] // the fold count doubles as the merge version
 	if l.Fields["b"] != "" {
 		out.WaitingSet = waitKey(prefix, l.Queue, l.Type)
 	}
