@@ -3,43 +3,58 @@ package dedup
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
 )
 
-// Auto-pipelining. Under load most of Redis's time per lock call goes to
-// reading, parsing and answering the request, not to the script: a plain
-// asynq enqueue and a lock call each pay one socket read and one write on
-// both sides. Lock calls made at the same moment by many goroutines are
-// therefore sent together as one pipeline, so they share those costs. A call
-// never waits for company: a free sender takes it at once, and only calls
-// that arrive while every sender is busy are batched, so one goroutine alone
-// sees plain single round trips while 64 see pipelines of tens of calls.
+// Auto-pipelining. Under load a lock call's cost is mostly fixed per request
+// (a socket read and write on both sides, parsing, a goroutine wake-up), so
+// lock calls made at the same moment by many goroutines are sent together as
+// one pipeline and share it. A call never waits for company: with a free
+// pipeline slot it is sent at once, alone; only calls that arrive while every
+// slot is busy are batched. One goroutine therefore sees plain single round
+// trips, and 64 see pipelines of tens of calls.
 //
-// Invariants: the senders are a fixed set of goroutines started by New and
-// ended by Close (after Close, calls go straight to Redis); a call hands its
-// request to a sender (an unbuffered send, so a request is never queued where
-// no sender will see it) and waits for its reply or its own deadline,
-// whichever comes first; a request whose caller has given up before its batch
-// is sent is not sent.
+// Who sends a batch depends on the client. If it applies context deadlines
+// to socket reads (go-redis Options.ContextTimeoutEnabled), the caller that
+// finds a free slot sends the batch itself (its own call first, then every
+// call waiting at that moment), so no goroutine is woken for a lone call.
+// Otherwise a stalled Redis would hold that caller past LockTimeout, so a
+// fixed set of sender goroutines sends the batches while each caller waits
+// for its reply or its deadline, whichever comes first.
+//
+// Invariants: at most `slots` batches are in flight; a request is handed
+// over by an unbuffered send, so it is never queued where no sender will see
+// it; every request handed over is answered exactly once on its buffered
+// done channel (a sender never blocks on a caller that left); a request
+// whose caller gave up before its batch was sent is not sent. After stop,
+// calls go straight to Redis (do reports ok == false).
 
-// Batching defaults.
-const (
-	// DefaultMaxBatch is Config.MaxBatch's default.
-	DefaultMaxBatch = 64
-	// senders is how many pipelines may be in flight at once: enough to keep
-	// Redis busy while replies travel, few enough that batches stay large.
-	senders = 2
-)
+// DefaultMaxBatch is Config.MaxBatch's default.
+const DefaultMaxBatch = 64
 
-// batchReq is one script call waiting for a sender.
+// slots is how many batches may be in flight at once: enough to keep Redis
+// busy while replies travel, few enough that batches stay large.
+const slots = 2
+
+// batchReq is one script call waiting to be sent.
 type batchReq struct {
-	ctx  context.Context
-	s    *redis.Script
-	keys []string
-	args []any
-	done chan batchRes // buffered: a sender never blocks on an abandoned caller
+	ctx       context.Context
+	s         *redis.Script
+	keys      []string
+	args      []any
+	done      chan batchRes // buffered: answering never blocks
+	abandoned atomic.Bool   // the caller's deadline passed before it was sent
+}
+
+// gone reports why the caller no longer waits, or nil.
+func (r *batchReq) gone() error {
+	if r.abandoned.Load() {
+		return context.DeadlineExceeded
+	}
+	return r.ctx.Err()
 }
 
 type batchRes struct {
@@ -50,40 +65,77 @@ type batchRes struct {
 type batcher struct {
 	rdb     redis.UniversalClient
 	max     int
-	timeout time.Duration // bounds each pipeline
+	timeout time.Duration // bounds each call and each pipeline
+	lead    bool          // callers send batches themselves (ContextTimeoutEnabled)
+	slot    chan struct{} // lead mode: one token per batch in flight
 	reqs    chan *batchReq
 	stopped chan struct{}
 	once    sync.Once
-	wg      sync.WaitGroup
+	wg      sync.WaitGroup // sender goroutines (not in lead mode)
+	batches sync.Pool      // *[]*batchReq
 }
 
-func newBatcher(rdb redis.UniversalClient, max int, timeout time.Duration) *batcher {
-	b := &batcher{rdb: rdb, max: max, timeout: timeout, reqs: make(chan *batchReq), stopped: make(chan struct{})}
-	b.wg.Add(senders)
-	for range senders {
+func newBatcher(rdb redis.UniversalClient, max int, timeout time.Duration, lead bool) *batcher {
+	b := &batcher{rdb: rdb, max: max, timeout: timeout, lead: lead,
+		reqs: make(chan *batchReq), stopped: make(chan struct{})}
+	b.batches.New = func() any { s := make([]*batchReq, 0, max); return &s }
+	if lead {
+		b.slot = make(chan struct{}, slots)
+		return b
+	}
+	b.wg.Add(slots)
+	for range slots {
 		go b.send()
 	}
 	return b
 }
 
-// do runs s through a sender. ok is false when the batcher is stopped: the
-// caller must then make the call itself.
+// do runs s, bounded by timeout and ctx. ok is false when the batcher is
+// stopped: the caller must then make the call itself.
+//
+// The deadline is a pooled timer rather than a context.WithTimeout per call:
+// under load that allocation and its cancellation were a tenth of the
+// producer's CPU per enqueue.
 func (b *batcher) do(ctx context.Context, s *redis.Script, keys []string, args []any) (v any, err error, ok bool) {
 	req := &batchReq{ctx: ctx, s: s, keys: keys, args: args, done: make(chan batchRes, 1)}
+	t := timers.Get().(*time.Timer)
+	t.Reset(b.timeout)
+	defer func() {
+		t.Stop()
+		timers.Put(t)
+	}()
 	select {
+	case b.slot <- struct{}{}: // nil channel unless in lead mode
+		b.collect(req)
+		<-b.slot
+		r := <-req.done // collect answered it
+		return r.v, r.err, true
 	case b.reqs <- req:
 	case <-b.stopped:
 		return nil, nil, false
 	case <-ctx.Done():
 		return nil, ctx.Err(), true
+	case <-t.C:
+		return nil, context.DeadlineExceeded, true
 	}
 	select {
 	case r := <-req.done:
 		return r.v, r.err, true
 	case <-ctx.Done():
 		return nil, ctx.Err(), true
+	case <-t.C:
+		req.abandoned.Store(true)
+		return nil, context.DeadlineExceeded, true
 	}
 }
+
+// timers holds stopped timers for do (since Go 1.23 Stop leaves no stale
+// tick in a timer's channel, so Reset on a pooled timer is safe).
+var timers = sync.Pool{New: func() any {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return t
+}}
 
 // stop ends the senders after they have answered every request handed over.
 func (b *batcher) stop() {
@@ -91,38 +143,48 @@ func (b *batcher) stop() {
 	b.wg.Wait()
 }
 
+// send is a sender goroutine: it takes one request, then every request
+// waiting at that moment (up to max), and sends them as one batch.
 func (b *batcher) send() {
 	defer b.wg.Done()
-	batch := make([]*batchReq, 0, b.max)
 	for {
 		select {
 		case r := <-b.reqs:
-			batch = append(batch[:0], r)
+			b.collect(r)
 		case <-b.stopped:
 			return
 		}
-	more:
-		for len(batch) < b.max {
-			select {
-			case r := <-b.reqs:
-				batch = append(batch, r)
-			default:
-				break more
-			}
-		}
-		b.exec(batch)
-		clear(batch)
 	}
 }
 
+// collect sends first together with the requests waiting now (up to max)
+// and answers them all.
+func (b *batcher) collect(first *batchReq) {
+	bp := b.batches.Get().(*[]*batchReq)
+	batch := append((*bp)[:0], first)
+more:
+	for len(batch) < b.max {
+		select {
+		case r := <-b.reqs:
+			batch = append(batch, r)
+		default:
+			break more
+		}
+	}
+	b.exec(batch)
+	clear(batch)
+	*bp = batch[:0]
+	b.batches.Put(bp)
+}
+
 // exec sends one batch as a pipeline and answers each request. Scripts
-// missing from the server's cache (NOSCRIPT: Redis restarted or SCRIPT
+// missing from the server's cache (NOSCRIPT: Redis restarted, or SCRIPT
 // FLUSH) are sent again with EVAL, which caches them.
 func (b *batcher) exec(batch []*batchReq) {
-	live := batch[:0:0]
+	live := batch[:0]
 	for _, r := range batch {
-		if err := r.ctx.Err(); err != nil {
-			r.done <- batchRes{err: err} // its caller has given up: don't act for it
+		if err := r.gone(); err != nil {
+			r.done <- batchRes{err: err} // its caller left: do not act for it
 			continue
 		}
 		live = append(live, r)

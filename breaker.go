@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -47,6 +48,10 @@ type breaker struct {
 	onOpen    func()
 	now       func() time.Time // time.Now; tests substitute a clock
 
+	// healthy mirrors "closed with no failures counted", the state of almost
+	// every call, so allow and record skip the mutex then.
+	healthy atomic.Bool
+
 	mu        sync.Mutex
 	state     BreakerState
 	failures  int
@@ -56,7 +61,7 @@ type breaker struct {
 
 // allow reports whether a call may go to Redis now.
 func (b *breaker) allow() bool {
-	if b.threshold < 0 {
+	if b.threshold < 0 || b.healthy.Load() {
 		return true
 	}
 	b.mu.Lock()
@@ -81,9 +86,13 @@ func (b *breaker) record(parent context.Context, err error) {
 	if b.threshold < 0 {
 		return
 	}
+	if err == nil && b.healthy.Load() {
+		return
+	}
 	fault := err != nil && !errors.Is(err, redis.Nil) && !isReply(err) && parent.Err() == nil
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	defer func() { b.healthy.Store(b.state == BreakerClosed && b.failures == 0) }()
 	if !fault {
 		if err == nil || isReply(err) || errors.Is(err, redis.Nil) {
 			if b.state != BreakerClosed {
@@ -155,21 +164,24 @@ func (d *Dedup) call(ctx context.Context, fn func(context.Context) (any, error))
 // run executes a lock script through the breaker, bounded by LockTimeout,
 // batched with concurrent calls when batching is on.
 func (d *Dedup) run(ctx context.Context, s *redis.Script, keys []string, args ...any) (any, error) {
-	if d.batch != nil {
-		if !d.br.allow() {
-			return nil, ErrCircuitOpen
-		}
-		lctx, cancel := d.lockCtx(ctx)
-		v, err, ok := d.batch.do(lctx, s, keys, args)
-		cancel()
-		if ok {
-			d.br.record(ctx, err)
-			return v, err
-		}
+	if d.batch == nil {
+		return d.call(ctx, func(c context.Context) (any, error) {
+			return s.Run(c, d.rdb, keys, args...).Result()
+		})
 	}
-	return d.call(ctx, func(c context.Context) (any, error) {
-		return s.Run(c, d.rdb, keys, args...).Result()
-	})
+	if !d.br.allow() {
+		return nil, ErrCircuitOpen
+	}
+	v, err, ok := d.batch.do(ctx, s, keys, args)
+	if !ok { // closed: call directly
+		lctx, cancel := d.lockCtx(ctx)
+		v, err = bounded(lctx, d.ctxTimeouts, func(c context.Context) (any, error) {
+			return s.Run(c, d.rdb, keys, args...).Result()
+		})
+		cancel()
+	}
+	d.br.record(ctx, err)
+	return v, err
 }
 
 // get reads a string key through call.

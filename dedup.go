@@ -31,6 +31,8 @@ type Dedup struct {
 	// call named none (a queue set in asynq.NewTask is invisible before the
 	// enqueue), so the next lock is taken in the right queue at once.
 	queues sync.Map // string → string
+
+	qprefix sync.Map // queue → *queuePrefixes
 }
 
 // New checks that Redis answers (PING with backoff, bounded by ctx and
@@ -63,10 +65,10 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 		insp:  asynq.NewInspectorFromRedisClient(rdb),
 	}
 	d.hb = newHeartbeater(d, c.Lease/3)
-	if c.MaxBatch > 0 {
-		d.batch = newBatcher(rdb, c.MaxBatch, c.LockTimeout)
-	}
 	d.ctxTimeouts = contextTimeouts(rdb)
+	if c.MaxBatch > 0 {
+		d.batch = newBatcher(rdb, c.MaxBatch, c.LockTimeout, d.ctxTimeouts)
+	}
 	d.br = &breaker{threshold: c.BreakerThreshold, backoff: c.BreakerBackoff, log: c.Logger, onOpen: func() { d.count("", evBreakerOpen) }}
 	lctx, cancel := context.WithTimeout(ctx, c.LockTimeout)
 	defer cancel()
@@ -182,6 +184,18 @@ type acquireArgs struct {
 
 func asynqPrefix(queue string) string { return "asynq:{" + queue + "}:" }
 
+// queuePrefixes are a queue's asynq and dedup key prefixes, built once per
+// queue rather than per call.
+type queuePrefixes struct{ asynq, dedup string }
+
+func (d *Dedup) prefixes(queue string) *queuePrefixes {
+	if p, ok := d.qprefix.Load(queue); ok {
+		return p.(*queuePrefixes)
+	}
+	p, _ := d.qprefix.LoadOrStore(queue, &queuePrefixes{asynqPrefix(queue), d.dedupPrefix(queue)})
+	return p.(*queuePrefixes)
+}
+
 func (d *Dedup) dedupPrefix(queue string) string { return d.cfg.Prefix + ":{" + queue + "}:" }
 
 func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, error) {
@@ -192,8 +206,9 @@ func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, 
 	case Merge:
 		policy = "m"
 	}
+	qp := d.prefixes(r.queue)
 	v, err := d.run(ctx, acquireScript, r.keys(), r.id, ms(a.ttl), r.typ,
-		asynqPrefix(r.queue), d.dedupPrefix(r.queue), d.graceSeconds(), r.fpHex,
+		qp.asynq, qp.dedup, d.graceSeconds(), r.fpHex,
 		policy, a.running.code(), a.payload, a.followID, a.max, d.parkSeconds(), a.msg, a.scheduleAt,
 		time.Now().UnixMilli())
 	if err != nil {

@@ -370,11 +370,11 @@ func TestRunningAllow(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}, OnRunning: RunningAllow}}})
 	release := make(chan struct{})
 	rc := newRecorder(func(run) error { <-release; return nil })
-	h.serve(rc.handler(), nil)
 	first := h.enqueue(counterTask("k", 1, 0))
 	if _, err := h.client.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue)); !errors.Is(err, ErrDuplicateTask) {
 		t.Fatalf("while waiting: err = %v, want duplicate", err)
 	}
+	h.serve(rc.handler(), nil) // only now: a started run drops the lock
 	waitFor(t, rc.runs, "first run")
 	eventually(t, "key free once running", func() bool { return len(h.locks()) == 0 })
 	second := h.enqueue(counterTask("k", 1, 2))

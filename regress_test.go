@@ -41,7 +41,9 @@ func TestRegressionRelocateNeverCreatesEmptyFollowUp(t *testing.T) {
 	release := make(chan struct{})
 	defer close(release)
 	rc := newRecorder(func(r run) error { <-release; return nil })
-	h.serve(rc.handler(), nil)
+	// One worker, busy with the holder: the relocated duplicate stays pending
+	// until the wrapper deletes it (an active one could not be deleted).
+	h.serve(rc.handler(), func(c *asynq.Config) { c.Concurrency = 1 })
 	holder := h.enqueue(counterTask("k", 1, 0))
 	waitFor(t, rc.runs, "holder runs")
 	_, err := h.client.Submit(context.Background(), asynq.NewTask("counter", counterTask("k", 1, 1).Payload(), asynq.Queue(h.queue)))

@@ -4,6 +4,7 @@ import (
 	_ "embed"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -29,15 +30,27 @@ var (
 	coalesceSrc string
 
 	// Scripts that touch asynq's records or the clock get lib.lua's helpers.
-	acquireScript  = redis.NewScript(libSrc + acquireSrc)
-	startScript    = redis.NewScript(libSrc + startSrc)
-	extendScript   = redis.NewScript(libSrc + extendSrc)
-	finishScript   = redis.NewScript(libSrc + finishSrc)
-	coalesceScript = redis.NewScript(libSrc + coalesceSrc)
+	acquireScript  = redis.NewScript(withLib(acquireSrc))
+	startScript    = redis.NewScript(withLib(startSrc))
+	extendScript   = redis.NewScript(withLib(extendSrc))
+	finishScript   = redis.NewScript(withLib(finishSrc))
+	coalesceScript = redis.NewScript(withLib(coalesceSrc))
 	unlockScript   = redis.NewScript(unlockSrc)
 
 	allScripts = []*redis.Script{acquireScript, startScript, extendScript, finishScript, coalesceScript, unlockScript}
 )
+
+// libMarker marks where a script wants lib.lua's helpers; without it they go
+// first. Defining them costs every call, so a script can run its fast path
+// before the marker.
+const libMarker = "-- @lib"
+
+func withLib(src string) string {
+	if i := strings.Index(src, libMarker); i >= 0 {
+		return src[:i] + libSrc + src[i:]
+	}
+	return libSrc + src
+}
 
 // Script reply statuses (see each script's header).
 const (

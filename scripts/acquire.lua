@@ -48,13 +48,20 @@
 -- any sane clock skew. Only a call whose type defers (ARGV[11] given) looks
 -- for an orphaned follow-up, and only a caller-chosen ID (KEYS[2]) can
 -- collide with a stored task.
-local tprefix = ARGV[4] .. 't:'
-local fkey = ARGV[5] .. 'f:' .. ARGV[7]
 local now_ms = tonumber(ARGV[16])
 local now = (now_ms - now_ms % 1000) / 1000
-local now_ns = ARGV[16] .. '000000'
 local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'tok', 'f', 'rp', 'n')
 local holder = rec[1]
+local young = holder and now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6])
+if young and holder ~= ARGV[1] and ARGV[8] == 'x' and ARGV[11] == '' and not rec[4] then
+  -- Held, and no answer but "held" is possible: rejected.
+  return {0, holder}
+end
+-- @lib: lib.lua is spliced in here, after the fast path, so that a
+-- rejection does not pay for defining its functions.
+local tprefix = ARGV[4] .. 't:'
+local fkey = ARGV[5] .. 'f:' .. ARGV[7]
+local now_ns = ARGV[16] .. '000000'
 
 -- adopt makes the waiting follow-up f the lock's owner, released to the
 -- pending list if it is still parked, and returns its state.
@@ -101,11 +108,6 @@ end
 if holder then
   if holder == ARGV[1] then
     return {2, holder}
-  end
-  local young = now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6])
-  if young and ARGV[8] == 'x' and ARGV[11] == '' and not rec[4] then
-    -- Held, and no answer but "held" is possible: rejected.
-    return {0, holder}
   end
   -- A folding policy needs the holder's message too: read both at once.
   local state, msg

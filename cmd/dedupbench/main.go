@@ -77,6 +77,7 @@ type config struct {
 	payload     int
 	pool        int
 	ctxTimeouts bool
+	maxBatch    int
 	verbose     bool
 	quiet       bool
 
@@ -113,6 +114,7 @@ func parseFlags(args []string, stdout, stderr io.Writer) (config, error) {
 	fs.IntVar(&cfg.payload, "payload", 200, "payload size in `bytes` (JSON)")
 	fs.IntVar(&cfg.pool, "pool", 0, "go-redis PoolSize of the shared client (0: max(c, e2e producers) + e2e workers + 16)")
 	fs.BoolVar(&cfg.ctxTimeouts, "ctx-timeouts", false, "set go-redis ContextTimeoutEnabled on the shared client (go-redis's default is off)")
+	fs.IntVar(&cfg.maxBatch, "max-batch", 0, "dedup Config.MaxBatch (0: the library's default; -1: no batching)")
 	fs.BoolVar(&cfg.verbose, "v", false, "also print the commands per call by name, and per-round numbers")
 	fs.BoolVar(&cfg.quiet, "q", false, "no progress lines on stderr")
 	fs.IntVar(&cfg.e2eTasks, "e2e-tasks", 10_000, "end to end: enqueues")
@@ -252,8 +254,9 @@ func run(ctx context.Context, cfg config) int {
 	}
 	logger := slog.New(slog.NewTextHandler(cfg.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	dcfg := dedup.Config{
-		Prefix: dedupPrefix,
-		Logger: logger,
+		Prefix:   dedupPrefix,
+		Logger:   logger,
+		MaxBatch: cfg.maxBatch,
 		Rules: map[string]dedup.Rule{
 			typeCoalesce:   {Fields: []string{"user_id"}, OnConflict: dedup.Replace},
 			typeE2EReplace: {Fields: []string{"user_id"}, OnConflict: dedup.Replace, OnRunning: dedup.RunningDefer},
@@ -281,7 +284,7 @@ func run(ctx context.Context, cfg config) int {
 			Date: time.Now().Format("2006-01-02"), Go: runtime.Version(),
 			Asynq: depVersion("github.com/hibiken/asynq"), GoRedis: depVersion("github.com/redis/go-redis/v9"),
 			Redis: redisVersion(ctx, e.rdb), CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
-			Where: where, Pool: cfg.pool, ContextTimeouts: cfg.ctxTimeouts,
+			Where: where, Pool: cfg.pool, ContextTimeouts: cfg.ctxTimeouts, MaxBatch: cfg.maxBatch,
 			Duration: cfg.duration.String(), Rounds: cfg.rounds, Concurrency: cfg.conc,
 			Payload: cfg.payload, Keys: cfg.keys,
 		},

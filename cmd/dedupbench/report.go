@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/asynq-dedup/dedup"
 )
 
 type meta struct {
@@ -22,6 +24,7 @@ type meta struct {
 	Where           string `json:"where"`
 	Pool            int    `json:"pool_size"`
 	ContextTimeouts bool   `json:"context_timeout_enabled"`
+	MaxBatch        int    `json:"max_batch"` // dedup Config.MaxBatch as given (0: default)
 	Duration        string `json:"duration"`
 	Rounds          int    `json:"rounds"`
 	Concurrency     []int  `json:"concurrency"`
@@ -216,7 +219,7 @@ func (rep *report) writeJSON(w io.Writer) error {
 func (rep *report) writeTable(w io.Writer, cfg config) {
 	m := rep.Meta
 	fmt.Fprintf(w, "dedupbench  %s  %s  asynq %s  go-redis %s  redis %s  %d CPUs\n", m.Date, m.Go, m.Asynq, m.GoRedis, m.Redis, m.CPUs)
-	fmt.Fprintf(w, "%s; one shared go-redis client, PoolSize %d, ContextTimeoutEnabled %v\n", m.Where, m.Pool, m.ContextTimeouts)
+	fmt.Fprintf(w, "%s; one shared go-redis client, PoolSize %d, ContextTimeoutEnabled %v; dedup MaxBatch %s\n", m.Where, m.Pool, m.ContextTimeouts, batchDesc(m.MaxBatch))
 	if len(rep.Throughput) > 0 {
 		fmt.Fprintf(w, "%d B JSON payloads, %d keys pre-enqueued for dup/rejected/coalesced; %v per case × %d rounds, interleaved;\n", m.Payload, m.Keys, cfg.duration, m.Rounds)
 		fmt.Fprintf(w, "ops/s and ratio: medians over rounds (ratio = ops/s ÷ plain Enqueue's in the same round; range min–max); p50/p99 over all calls;\n")
@@ -377,4 +380,14 @@ func depVersion(path string) string {
 		}
 	}
 	return "(unknown)"
+}
+
+func batchDesc(n int) string {
+	switch {
+	case n == 0:
+		return fmt.Sprintf("%d (default)", dedup.DefaultMaxBatch)
+	case n < 0:
+		return "off"
+	}
+	return fmt.Sprint(n)
 }
