@@ -141,6 +141,9 @@ type lockRef struct {
 	typ   string
 }
 
+// stored is the task ID as the lock record stores it (packLockID).
+func (r *lockRef) stored() string { return packLockID(r.id, r.fpHex) }
+
 func (r *lockRef) keys() []string {
 	if r.idx != "" {
 		return []string{r.key, r.idx}
@@ -210,7 +213,7 @@ func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, 
 	v, err := d.run(ctx, acquireScript, r.keys(), r.id, ms(a.ttl), r.typ,
 		qp.asynq, qp.dedup, d.graceSeconds(), r.fpHex,
 		policy, a.running.code(), a.payload, a.followID, a.max, d.parkSeconds(), a.msg, a.scheduleAt,
-		time.Now().UnixMilli())
+		time.Now().UnixMilli(), r.stored())
 	if err != nil {
 		return reply{}, err
 	}
@@ -220,7 +223,7 @@ func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, 
 // coalesce writes a merged payload into target if the lock's version is
 // still ver. It reports whether it wrote, and the target's asynq state.
 func (d *Dedup) coalesce(ctx context.Context, r *lockRef, target, ver string, payload []byte) (bool, string, error) {
-	v, err := d.run(ctx, coalesceScript, []string{r.key}, target, ver, payload, asynqPrefix(r.queue))
+	v, err := d.run(ctx, coalesceScript, []string{r.key}, target, ver, payload, asynqPrefix(r.queue), r.fpHex)
 	if err != nil {
 		return false, "", err
 	}
@@ -238,7 +241,7 @@ func (d *Dedup) coalesce(ctx context.Context, r *lockRef, target, ver string, pa
 // recorded if start has to create the lock (it was lost or never taken).
 func (d *Dedup) start(ctx context.Context, r *lockRef, token string, running Running) (int64, string, error) {
 	v, err := d.run(ctx, startScript, r.keys(), r.id, token, ms(d.cfg.Lease), r.typ,
-		asynqPrefix(r.queue), d.dedupPrefix(r.queue), d.graceSeconds(), r.fpHex, running.code())
+		asynqPrefix(r.queue), d.dedupPrefix(r.queue), d.graceSeconds(), r.fpHex, running.code(), r.stored())
 	if err != nil {
 		return 0, "", err
 	}
@@ -248,7 +251,7 @@ func (d *Dedup) start(ctx context.Context, r *lockRef, token string, running Run
 // extend renews the lock if (task ID, token) still owns it; token "" means
 // the waiting lock.
 func (d *Dedup) extend(ctx context.Context, r *lockRef, token string, ttl time.Duration) (bool, error) {
-	v, err := d.run(ctx, extendScript, r.keys(), r.id, token, ms(ttl), asynqPrefix(r.queue), d.parkSeconds(), d.dedupPrefix(r.queue), r.fpHex)
+	v, err := d.run(ctx, extendScript, r.keys(), r.stored(), token, ms(ttl), asynqPrefix(r.queue), d.parkSeconds(), d.dedupPrefix(r.queue), r.fpHex)
 	if err != nil {
 		return false, err
 	}
@@ -263,7 +266,7 @@ func (d *Dedup) finish(ctx context.Context, r *lockRef, token string, release bo
 	if release {
 		mode = "release"
 	}
-	v, err := d.run(ctx, finishScript, r.keys(), r.id, token, mode, ms(hold),
+	v, err := d.run(ctx, finishScript, r.keys(), r.stored(), token, mode, ms(hold),
 		asynqPrefix(r.queue), ms(followTTL), d.parkSeconds(), d.dedupPrefix(r.queue), r.fpHex)
 	if err != nil {
 		return false, "", err
@@ -273,7 +276,7 @@ func (d *Dedup) finish(ctx context.Context, r *lockRef, token string, release bo
 }
 
 func (d *Dedup) unlock(ctx context.Context, r *lockRef) (bool, error) {
-	v, err := d.run(ctx, unlockScript, r.keys(), r.id, d.dedupPrefix(r.queue), r.typ, r.fpHex)
+	v, err := d.run(ctx, unlockScript, r.keys(), r.stored(), d.dedupPrefix(r.queue), r.typ, r.fpHex)
 	if err != nil {
 		return false, err
 	}

@@ -235,3 +235,43 @@ func parseLockedID(id string) (fpHex string, ok bool) {
 	}
 	return id[3 : 3+n], true
 }
+
+// Lock records store their owner's task ID compactly (a lock is mostly its
+// owner's ID): an ID the wrapper chose for the lock's key as its 20 random
+// hex digits, any other ID as itself, or as "=" + ID where that would be
+// ambiguous (20 hex digits, or a leading '='). The scripts' id_pack and
+// id_unpack (scripts/lib.lua) do the same; locks written before this layout,
+// with the whole ID, still read back as that ID.
+
+// packLockID returns id as the lock of key fpHex stores it.
+func packLockID(id, fpHex string) string {
+	if rest, ok := strings.CutPrefix(id, lockedIDPrefix); ok {
+		if r, ok := strings.CutPrefix(rest, fpHex); ok && len(r) == 1+randomHexDigits && r[0] == '-' && isLowerHex(r[1:]) {
+			return r[1:]
+		}
+	}
+	if strings.HasPrefix(id, "=") || (len(id) == randomHexDigits && isLowerHex(id)) {
+		return "=" + id
+	}
+	return id
+}
+
+// unpackLockID returns the task ID a lock of key fpHex stores as s.
+func unpackLockID(s, fpHex string) string {
+	if rest, ok := strings.CutPrefix(s, "="); ok {
+		return rest
+	}
+	if len(s) == randomHexDigits && isLowerHex(s) {
+		return lockedIDPrefix + fpHex + "-" + s
+	}
+	return s
+}
+
+func isLowerHex(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}

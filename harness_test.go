@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -90,7 +91,12 @@ func (h *harness) lockOwner(key string) string {
 	if err != nil {
 		h.t.Fatalf("HGET %s: %v", key, err)
 	}
-	return v
+	return ownerIn(key, v)
+}
+
+// ownerIn returns the task ID a lock at key stores as raw (packLockID).
+func ownerIn(key, raw string) string {
+	return unpackLockID(raw, key[strings.LastIndex(key, ":")+1:])
 }
 
 // locks returns the lock keys of this harness (on every master of a cluster).

@@ -113,9 +113,9 @@ func (h *heartbeater) beat() {
 		_, _ = d.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
 			for i, l := range ls {
 				if useSha {
-					cmds[i] = extendScript.EvalSha(ctx, p, l.ref.keys(), l.ref.id, l.token, lease, asynqPrefix(l.ref.queue), park, d.dedupPrefix(l.ref.queue), l.ref.fpHex)
+					cmds[i] = extendScript.EvalSha(ctx, p, l.ref.keys(), l.ref.stored(), l.token, lease, asynqPrefix(l.ref.queue), park, d.dedupPrefix(l.ref.queue), l.ref.fpHex)
 				} else {
-					cmds[i] = extendScript.Eval(ctx, p, l.ref.keys(), l.ref.id, l.token, lease, asynqPrefix(l.ref.queue), park, d.dedupPrefix(l.ref.queue), l.ref.fpHex)
+					cmds[i] = extendScript.Eval(ctx, p, l.ref.keys(), l.ref.stored(), l.token, lease, asynqPrefix(l.ref.queue), park, d.dedupPrefix(l.ref.queue), l.ref.fpHex)
 				}
 			}
 			return nil

@@ -865,7 +865,8 @@ func (m *modelRun) enqueueFailing(t *rapid.T) {
 // stored in asynq.
 func (m *modelRun) ghost(t *rapid.T, what string, k int, marker string) {
 	t.Helper()
-	id, err := m.raw.HGet(context.Background(), m.keys[k], "id").Result()
+	raw, err := m.raw.HGet(context.Background(), m.keys[k], "id").Result()
+	id := ownerIn(m.keys[k], raw)
 	if err != nil || m.byID[id] != nil {
 		m.diverge(t, "enqueue: lock owner is not a fresh unstored task", "%s: lock owner %q (%v); model: a new task that was never stored", what, id, err)
 	}
@@ -918,7 +919,7 @@ func (m *modelRun) lostAcquire(t *rapid.T, what string, k int, kind enqKind, hol
 
 // Invariants.
 
-var lockFields = map[string]bool{"id": true, "ty": true, "c": true, "tok": true, "n": true}
+var lockFields = map[string]bool{"id": true, "c": true, "tok": true, "n": true}
 
 // band is the lifetime a lock (and its holder's index) has in a phase.
 func band(p phase) (lo, hi time.Duration) {
@@ -956,23 +957,20 @@ func (m *modelRun) check(t *rapid.T) {
 		name := modelKeys[k]
 		if want == nil {
 			if len(got) != 0 {
-				m.diverge(t, "lock held where the model has it free", "lock %s is %v (owner %s); model: free", name, got, m.labelOf(got["id"]))
+				m.diverge(t, "lock held where the model has it free", "lock %s is %v (owner %s); model: free", name, got, m.labelOf(ownerIn(m.keys[k], got["id"])))
 			}
 			continue
 		}
 		if len(got) == 0 {
 			m.diverge(t, "lock free where the model has it held", "lock %s is free; model: held by %s", name, want.holder.label)
 		}
-		if got["id"] != want.holder.id || got["tok"] != want.tok {
-			m.diverge(t, "lock owner or attempt token differs from the model", "lock %s: owner %s token %q; model: owner %s token %q", name, m.labelOf(got["id"]), got["tok"], want.holder.label, want.tok)
+		if owner := ownerIn(m.keys[k], got["id"]); owner != want.holder.id || got["tok"] != want.tok {
+			m.diverge(t, "lock owner or attempt token differs from the model", "lock %s: owner %s token %q; model: owner %s token %q", name, m.labelOf(owner), got["tok"], want.holder.label, want.tok)
 		}
 		for f := range got {
 			if !lockFields[f] {
 				m.diverge(t, "lock has an unexpected field", "lock %s: unexpected field %q in %v", name, f, got)
 			}
-		}
-		if got["ty"] != modelType {
-			m.diverge(t, "lock has the wrong task type", "lock %s: type %q", name, got["ty"])
 		}
 		if c, err := strconv.ParseInt(got["c"], 10, 64); err != nil || (c == 0) != want.old {
 			m.diverge(t, "lock age differs from the model", "lock %s: created %q; model: older than the heal grace %v", name, got["c"], want.old)

@@ -176,5 +176,5 @@ func (d *Dedup) lockNames(ctx context.Context, queue, taskID string) (bool, erro
 	if err != nil {
 		return false, err
 	}
-	return owner == taskID, nil
+	return unpackLockID(owner, fpHex) == taskID, nil
 }

@@ -19,6 +19,7 @@
 -- ARGV[14] asynq task message to store with a taken lock ('' for none: the caller enqueues)
 -- ARGV[15] for ARGV[14]: unix seconds it is due, '0' for pending now
 -- ARGV[16] the producer's clock, unix integer milliseconds
+-- ARGV[17] ARGV[1] as lock records store it (see id_pack in lib.lua)
 --
 -- Reply: {1, id}                    lock taken for the new task ARGV[1]
 --        {0, holder}                held; rejected
@@ -52,6 +53,13 @@ local now_ms = tonumber(ARGV[16])
 local now = (now_ms - now_ms % 1000) / 1000
 local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'tok', 'f', 'rp', 'n')
 local holder = rec[1]
+if holder then -- id_unpack, inlined: lib.lua is not defined yet
+  if string.byte(holder) == 61 then
+    holder = string.sub(holder, 2)
+  elseif #holder == 20 and not string.find(holder, '[^0-9a-f]') then
+    holder = 'dd-' .. ARGV[7] .. '-' .. holder
+  end
+end
 local young = holder and now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6])
 if young and holder ~= ARGV[1] and ARGV[8] == 'x' and ARGV[11] == '' and not rec[4] then
   -- Held, and no answer but "held" is possible: rejected.
@@ -74,7 +82,7 @@ local function adopt(f, fstate)
   end
   redis.call('DEL', fkey)
   redis.call('HDEL', KEYS[1], 'tok', 'f')
-  redis.call('HSET', KEYS[1], 'id', f, 'ty', ARGV[3], 'c', now)
+  redis.call('HSET', KEYS[1], 'id', id_pack(f, ARGV[7]), 'c', now)
   if ARGV[9] ~= 'x' then
     redis.call('HSET', KEYS[1], 'rp', ARGV[9])
   end
@@ -184,7 +192,7 @@ if ARGV[14] ~= '' and KEYS[2] and redis.call('EXISTS', tkey) == 1 then
   return {7, ARGV[1]}
 end
 local max = tonumber(ARGV[12])
-local fields = {'id', ARGV[1], 'ty', ARGV[3], 'c', now}
+local fields = {'id', ARGV[17], 'c', now}
 if max > 0 then
   local wkey = ARGV[5] .. 'w:' .. ARGV[3]
   redis.call('ZREMRANGEBYSCORE', wkey, '-inf', now_ms)

@@ -6,6 +6,7 @@
 -- ARGV[2]  version acquire returned (the lock's fold count n)
 -- ARGV[3]  merged payload
 -- ARGV[4]  asynq key prefix    asynq:{<queue>}:
+-- ARGV[5]  fingerprint hex
 --
 -- Reply: {1, state}  written; state is the target's asynq state
 --        {0, ''}     something changed (another merge, the task started): call acquire again
@@ -14,8 +15,9 @@ local rec = redis.call('HMGET', KEYS[1], 'id', 'tok', 'f', 'n')
 if (rec[4] or '0') ~= ARGV[2] then
   return {0, ''}
 end
-local target = rec[3] or rec[1]
-if target ~= ARGV[1] or (target == rec[1] and rec[2]) then
+local owner = id_unpack(rec[1], ARGV[5])
+local target = rec[3] or owner
+if target ~= ARGV[1] or (target == owner and rec[2]) then
   return {0, ''}
 end
 local tkey = ARGV[4] .. 't:' .. target

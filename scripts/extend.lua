@@ -4,7 +4,7 @@
 --
 -- KEYS[1]  lock key
 -- KEYS[2]  (optional) index key of a caller-chosen task ID
--- ARGV[1]  task ID
+-- ARGV[1]  task ID, as lock records store it (see id_pack in lib.lua)
 -- ARGV[2]  attempt token, or '' to renew a waiting lock (no attempt running)
 -- ARGV[3]  lifetime, integer milliseconds
 -- ARGV[4]  asynq key prefix    asynq:{<queue>}:

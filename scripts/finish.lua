@@ -2,7 +2,7 @@
 --
 -- KEYS[1]  lock key
 -- KEYS[2]  (optional) index key of a caller-chosen task ID
--- ARGV[1]  task ID
+-- ARGV[1]  task ID, as lock records store it (see id_pack in lib.lua)
 -- ARGV[2]  attempt token
 -- ARGV[3]  'release' (success, revoked, final failure) or 'hold' (a retry follows)
 -- ARGV[4]  for 'hold': lifetime, integer milliseconds
@@ -36,7 +36,7 @@ if ARGV[3] == 'release' then
         redis.call('HSET', tkey, 'state', 'pending', 'pending_since', ns)
       end
       redis.call('HDEL', KEYS[1], 'tok', 'f')
-      redis.call('HSET', KEYS[1], 'id', f, 'c', now)
+      redis.call('HSET', KEYS[1], 'id', id_pack(f, ARGV[9]), 'c', now)
       redis.call('PEXPIRE', KEYS[1], ARGV[6])
       return {1, f}
     end

@@ -160,6 +160,29 @@ local function pb_setpayload(msg, p)
   return string.sub(msg, 1, at - 1) .. field .. string.sub(msg, at)
 end
 
+-- Lock records store their owner's task ID compactly: an ID the wrapper
+-- generated for the key (dd-<fingerprint>-<20 hex>) as its 20 hex digits,
+-- any other ID as itself, or as '=' .. ID where that would be ambiguous (20
+-- hex digits, or a leading '='). The Go side (packLockID) does the same.
+local function id_unpack(s, fp)
+  if not s then return s end
+  if string.byte(s) == 61 then return string.sub(s, 2) end
+  if #s == 20 and not string.find(s, '[^0-9a-f]') then return 'dd-' .. fp .. '-' .. s end
+  return s
+end
+
+local function id_pack(id, fp)
+  local p = 'dd-' .. fp .. '-'
+  local rest = string.sub(id, #p + 1)
+  if string.sub(id, 1, #p) == p and #rest == 20 and not string.find(rest, '[^0-9a-f]') then
+    return rest
+  end
+  if string.byte(id) == 61 or (#id == 20 and not string.find(id, '[^0-9a-f]')) then
+    return '=' .. id
+  end
+  return id
+end
+
 -- waiting reports whether an asynq task state means "not started yet".
 local function waiting(state)
   return state == 'pending' or state == 'scheduled' or state == 'retry'

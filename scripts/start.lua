@@ -11,6 +11,7 @@
 -- ARGV[7]  heal grace, integer seconds
 -- ARGV[8]  fingerprint hex
 -- ARGV[9]  running policy ('x' reject, 'a' allow, 'd' defer) recorded if this creates the lock
+-- ARGV[10] ARGV[1] as lock records store it (see id_pack in lib.lua)
 --
 -- Reply: {1, ARGV[1]}  this attempt holds the lock (taken, or already the task's)
 --        {0, holder}   held by another live task: the attempt must not run
@@ -21,7 +22,7 @@
 local now = now_parts()
 local tprefix = ARGV[5] .. 't:'
 local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'rp', 'b', 'f')
-local holder = rec[1]
+local holder = id_unpack(rec[1], ARGV[8])
 if holder and holder ~= ARGV[1] then
   local orphan = false
   if now - (tonumber(rec[2]) or 0) >= tonumber(ARGV[7]) then
@@ -56,7 +57,7 @@ if not holder then
   if redis.call('GET', ARGV[6] .. 'f:' .. ARGV[8]) == ARGV[1] then
     redis.call('DEL', ARGV[6] .. 'f:' .. ARGV[8])
   end
-  redis.call('HSET', KEYS[1], 'id', ARGV[1], 'ty', ARGV[4], 'c', now)
+  redis.call('HSET', KEYS[1], 'id', ARGV[10], 'c', now)
   if ARGV[9] ~= 'x' then
     redis.call('HSET', KEYS[1], 'rp', ARGV[9])
   end

@@ -2,7 +2,7 @@
 --
 -- KEYS[1]  lock key
 -- KEYS[2]  (optional) index key of a caller-chosen task ID
--- ARGV[1]  task ID that took the lock
+-- ARGV[1]  task ID that took the lock, as lock records store it (see id_pack in lib.lua)
 -- ARGV[2]  dedup key prefix    <prefix>:{<queue>}:
 -- ARGV[3]  task type
 -- ARGV[4]  fingerprint hex

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"google.golang.org/protobuf/encoding/protowire"
 )
 
 // The dedup key layout (fingerprint.go in the library):
@@ -18,9 +20,11 @@ import (
 //	<prefix>:{<queue>}:w:<task type>             waiting keys (MaxPending), a sorted set
 //	<prefix>:{<queue>}:f:<fingerprint>           owed follow-up task ID (RunningDefer)
 //
-// Lock fields: id (owner task), ty (type), c (created, unix s), tok (running
-// attempt's token: present = running), rp (running policy), b (counted in
-// w:), v (payload version), n (coalesced enqueues), f (owed follow-up).
+// Lock fields: id (owner task, packed: see unpackOwner), c (created, unix s),
+// tok (running attempt's token: present = running), rp (running policy), b
+// (counted in w:), n (enqueues folded in, also the merge version), f (owed
+// follow-up). Locks written by older versions also hold ty (the type); the
+// type is otherwise read from the owner's asynq task message.
 //
 // asynq v0.26.0 keeps a task in the hash asynq:{<queue>}:t:<id>, field
 // "state" (the library reads it the same way to heal orphaned locks, and
@@ -82,6 +86,46 @@ func notLockKey(prefix, key string) error {
 		}
 	}
 	return fmt.Errorf("not a dedup lock key: %q (want %s:{<queue>}:l:<16 or 32 hex digits>)", key, prefix)
+}
+
+// unpackOwner returns the task ID a lock of fingerprint fp stores as s: the
+// library keeps the 20 random hex digits of an ID it chose for the key
+// (dd-<fp>-<20 hex>), other IDs whole, or "=" + ID where that is ambiguous
+// (packLockID in fingerprint.go).
+func unpackOwner(s, fp string) string {
+	if rest, ok := strings.CutPrefix(s, "="); ok {
+		return rest
+	}
+	if len(s) == 20 && isHex(s) && strings.ToLower(s) == s {
+		return "dd-" + fp + "-" + s
+	}
+	return s
+}
+
+// msgType returns the task type (field 1) of an asynq v0.26.0 TaskMessage,
+// or "" if msg is not one.
+func msgType(msg string) string {
+	b := []byte(msg)
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return ""
+		}
+		b = b[n:]
+		if num == 1 && typ == protowire.BytesType {
+			v, m := protowire.ConsumeBytes(b)
+			if m < 0 {
+				return ""
+			}
+			return string(v)
+		}
+		m := protowire.ConsumeFieldValue(num, typ, b)
+		if m < 0 {
+			return ""
+		}
+		b = b[m:]
+	}
+	return ""
 }
 
 // parseLockedID returns the fingerprint in a wrapper-chosen task ID,
@@ -177,7 +221,7 @@ func readLocks(ctx context.Context, c redis.Cmdable, prefix string, keys []strin
 		if len(h) == 0 || h["id"] == "" || ttl == -2 {
 			continue // gone since the SCAN, or not a lock
 		}
-		l := &lockInfo{Key: r.key, Queue: r.queue, Fingerprint: r.fp, Type: h["ty"], Owner: h["id"], FollowUp: h["f"], Fields: h}
+		l := &lockInfo{Key: r.key, Queue: r.queue, Fingerprint: r.fp, Type: h["ty"], Owner: unpackOwner(h["id"], r.fp), FollowUp: h["f"], Fields: h}
 		l.Coalesced, _ = strconv.ParseInt(h["n"], 10, 64)
 		l.Created, _ = strconv.ParseInt(h["c"], 10, 64)
 		if ttl < 0 {
@@ -187,20 +231,24 @@ func readLocks(ctx context.Context, c redis.Cmdable, prefix string, keys []strin
 		}
 		out = append(out, l)
 	}
-	states := make([]*redis.StringCmd, len(out))
+	tasks := make([]*redis.SliceCmd, len(out))
 	_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, l := range out {
-			states[i] = p.HGet(ctx, asynqTaskKey(l.Queue, l.Owner), "state")
+			tasks[i] = p.HMGet(ctx, asynqTaskKey(l.Queue, l.Owner), "state", "msg")
 		}
 		return nil
 	})
 	for i, l := range out {
-		s, err := states[i].Result()
-		switch {
-		case err == redis.Nil:
-			s = "missing"
-		case err != nil:
+		v, err := tasks[i].Result()
+		if err != nil {
 			return nil, fmt.Errorf("read asynq task %s: %w", l.Owner, err)
+		}
+		s, _ := v[0].(string)
+		if s == "" {
+			s = "missing"
+		}
+		if msg, _ := v[1].(string); l.Type == "" {
+			l.Type = msgType(msg)
 		}
 		l.TaskState = s
 		l.State = lockState(l.Fields, s)

@@ -19,10 +19,10 @@ import (
 // queue's hash slot.
 //
 // KEYS[1] lock key, KEYS[2] index key of the owner, KEYS[3] waiting set of its type
-// ARGV[1] the owner read before, ARGV[2] the fingerprint hex
+// ARGV[1] the owner read before (the id field as stored), ARGV[2] the fingerprint hex
 //
 // Reply: {1, 1 if the index key was deleted else 0} released; {0, ""} no
-// lock; {2, owner} another owner now
+// lock; {2, owner as stored} another owner now
 var releaseScript = redis.NewScript(`
 local rec = redis.call('HMGET', KEYS[1], 'id', 'b')
 if not rec[1] then
@@ -107,7 +107,7 @@ func release(a *app, ctx context.Context, c *conn, t *target, l *lockInfo, yes b
 
 	prefix := a.g.prefix
 	idx := indexKey(prefix, l.Queue, l.Owner)
-	res, err := releaseScript.Run(ctx, c.rdb, []string{l.Key, idx, waitKey(prefix, l.Queue, l.Type)}, l.Owner, l.Fingerprint).Slice()
+	res, err := releaseScript.Run(ctx, c.rdb, []string{l.Key, idx, waitKey(prefix, l.Queue, l.Type)}, l.Fields["id"], l.Fingerprint).Slice()
 	if err != nil {
 		return fmt.Errorf("release %s: %w", l.Key, err)
 	}
@@ -119,7 +119,7 @@ func release(a *app, ctx context.Context, c *conn, t *target, l *lockInfo, yes b
 	case 0:
 		return fmt.Errorf("no such lock: %s (released or expired meanwhile)", l.Key)
 	case 2:
-		return fmt.Errorf("not released: %s changed owner from %s to %v since it was read; run again to release the new owner's lock", l.Key, l.Owner, res[1])
+		return fmt.Errorf("not released: %s changed owner from %s to %v since it was read; run again to release the new owner's lock", l.Key, l.Owner, unpackOwner(fmt.Sprint(res[1]), l.Fingerprint))
 	case 1:
 	default:
 		return fmt.Errorf("release %s: unexpected reply %v", l.Key, res)

@@ -120,7 +120,7 @@ func (a *app) resolve(ctx context.Context, c *conn, args []string, s selector) (
 		if err != nil {
 			return nil, err
 		}
-		if v[0] == s.task || v[1] == s.task {
+		if owner, _ := v[0].(string); unpackOwner(owner, t.fp) == s.task || v[1] == s.task {
 			mine = append(mine, t)
 		}
 	}
