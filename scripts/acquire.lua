@@ -65,8 +65,52 @@ if young and holder ~= ARGV[1] and ARGV[8] == 'x' and ARGV[11] == '' and not rec
   -- Held, and no answer but "held" is possible: rejected.
   return {0, holder}
 end
--- @lib: lib.lua is spliced in here, after the fast path, so that a
--- rejection does not pay for defining its functions.
+-- take takes the free key for the new task ARGV[1] (and stores the task,
+-- given ARGV[14]).
+local function take()
+  local tkey = ARGV[4] .. 't:' .. ARGV[1]
+  if ARGV[14] ~= '' and KEYS[2] and redis.call('EXISTS', tkey) == 1 then
+    return {7, ARGV[1]}
+  end
+  local max = tonumber(ARGV[12])
+  local fields = {'id', ARGV[17], 'c', now}
+  if max > 0 then
+    local wkey = ARGV[5] .. 'w:' .. ARGV[3]
+    redis.call('ZREMRANGEBYSCORE', wkey, '-inf', now_ms)
+    local n = redis.call('ZCARD', wkey)
+    if n >= max then
+      return {8, n}
+    end
+    redis.call('ZADD', wkey, now_ms + tonumber(ARGV[2]), ARGV[7])
+    fields[#fields + 1] = 'b'
+    fields[#fields + 1] = '1'
+  end
+  if ARGV[9] ~= 'x' then
+    fields[#fields + 1] = 'rp'
+    fields[#fields + 1] = ARGV[9]
+  end
+  if ARGV[14] ~= '' then
+    -- Store the task as asynq's enqueue (or schedule) script would.
+    if ARGV[15] ~= '0' then
+      redis.call('HSET', tkey, 'msg', ARGV[14], 'state', 'scheduled')
+      redis.call('ZADD', ARGV[4] .. 'scheduled', ARGV[15], ARGV[1])
+    else
+      redis.call('HSET', tkey, 'msg', ARGV[14], 'state', 'pending', 'pending_since', ARGV[16] .. '000000')
+      redis.call('LPUSH', ARGV[4] .. 'pending', ARGV[1])
+    end
+  end
+  redis.call('HSET', KEYS[1], unpack(fields))
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if KEYS[2] then
+    redis.call('SET', KEYS[2], ARGV[7], 'PX', ARGV[2])
+  end
+  return {1, ARGV[1]}
+end
+if not holder and ARGV[11] == '' then
+  return take() -- free, and no follow-up can be owed: no need for lib.lua
+end
+-- @lib: lib.lua is spliced in here, after the fast paths, so that they do
+-- not pay for defining its functions.
 local tprefix = ARGV[4] .. 't:'
 local fkey = ARGV[5] .. 'f:' .. ARGV[7]
 local now_ns = ARGV[16] .. '000000'
@@ -187,40 +231,4 @@ if ARGV[11] ~= '' then
   end
 end
 
-local tkey = tprefix .. ARGV[1]
-if ARGV[14] ~= '' and KEYS[2] and redis.call('EXISTS', tkey) == 1 then
-  return {7, ARGV[1]}
-end
-local max = tonumber(ARGV[12])
-local fields = {'id', ARGV[17], 'c', now}
-if max > 0 then
-  local wkey = ARGV[5] .. 'w:' .. ARGV[3]
-  redis.call('ZREMRANGEBYSCORE', wkey, '-inf', now_ms)
-  local n = redis.call('ZCARD', wkey)
-  if n >= max then
-    return {8, n}
-  end
-  redis.call('ZADD', wkey, now_ms + tonumber(ARGV[2]), ARGV[7])
-  fields[#fields + 1] = 'b'
-  fields[#fields + 1] = '1'
-end
-if ARGV[9] ~= 'x' then
-  fields[#fields + 1] = 'rp'
-  fields[#fields + 1] = ARGV[9]
-end
-if ARGV[14] ~= '' then
-  -- Store the task as asynq's enqueue (or schedule) script would.
-  if ARGV[15] ~= '0' then
-    redis.call('HSET', tkey, 'msg', ARGV[14], 'state', 'scheduled')
-    redis.call('ZADD', ARGV[4] .. 'scheduled', ARGV[15], ARGV[1])
-  else
-    redis.call('HSET', tkey, 'msg', ARGV[14], 'state', 'pending', 'pending_since', now_ns)
-    redis.call('LPUSH', ARGV[4] .. 'pending', ARGV[1])
-  end
-end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if KEYS[2] then
-  redis.call('SET', KEYS[2], ARGV[7], 'PX', ARGV[2])
-end
-return {1, ARGV[1]}
+return take()
