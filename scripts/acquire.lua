@@ -152,7 +152,9 @@ local function coalesce(target, state, msg)
   end
   local new = pb_setpayload(msg, ARGV[10])
   if not new then return {-1, 'malformed task message'} end
-  redis.call('HSET', tprefix .. target, 'msg', new)
+  if new ~= msg then -- the same payload again (common): nothing to write
+    redis.call('HSET', tprefix .. target, 'msg', new)
+  end
   redis.call('HINCRBY', KEYS[1], 'n', 1)
   return {3, target, state}
 end

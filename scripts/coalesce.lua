@@ -28,6 +28,8 @@ if not waiting(state) then
 end
 local new = t[2] and pb_setpayload(t[2], ARGV[3])
 if not new then return {-1, 'malformed task message'} end
-redis.call('HSET', tkey, 'msg', new)
+if new ~= t[2] then
+  redis.call('HSET', tkey, 'msg', new)
+end
 redis.call('HINCRBY', KEYS[1], 'n', 1)
 return {1, state}
