@@ -91,13 +91,25 @@ func newBatcher(rdb redis.UniversalClient, max int, timeout time.Duration, lead 
 }
 
 // do runs s, bounded by timeout and ctx. ok is false when the batcher is
-// stopped: the caller must then make the call itself.
+// stopped and did not send the call: the caller must then make it itself.
+// (In lead mode a caller that finds a free slot still sends: that needs no
+// goroutine of the batcher's.)
 //
 // The deadline is a pooled timer rather than a context.WithTimeout per call:
 // under load that allocation and its cancellation were a tenth of the
 // producer's CPU per enqueue.
 func (b *batcher) do(ctx context.Context, s *redis.Script, keys []string, args []any) (v any, err error, ok bool) {
 	req := &batchReq{ctx: ctx, s: s, keys: keys, args: args, done: make(chan batchRes, 1)}
+	if b.lead {
+		select {
+		case b.slot <- struct{}{}: // a free slot, the common case when calls are few
+			b.collect(req)
+			<-b.slot
+			r := <-req.done
+			return r.v, r.err, true
+		default:
+		}
+	}
 	t := timers.Get().(*time.Timer)
 	t.Reset(b.timeout)
 	defer func() {

@@ -1,6 +1,7 @@
 package dedup
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"strings"
@@ -134,4 +135,18 @@ func BenchmarkFingerprintObjectField(b *testing.B) {
 		b.Fatal(err)
 	}
 	benchFP(b, benchLarge, &resolved{fields: fs})
+}
+
+// BenchmarkFingerprintIndented is fields3/4KB with the payload indented
+// (json.Indent, tabs): the scanner's paths for white space.
+func BenchmarkFingerprintIndented(b *testing.B) {
+	var buf bytes.Buffer
+	if err := json.Indent(&buf, benchLarge, "", "\t"); err != nil {
+		b.Fatal(err)
+	}
+	fs, err := compileFields(benchPaths)
+	if err != nil {
+		b.Fatal(err)
+	}
+	benchFP(b, buf.Bytes(), &resolved{fields: fs})
 }

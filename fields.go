@@ -2,7 +2,9 @@ package dedup
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
+	"math/bits"
 	"slices"
 	"strings"
 	"unicode/utf16"
@@ -24,6 +26,10 @@ const (
 type fieldSet struct {
 	paths []string   // sorted, as given ("report.kind")
 	segs  [][]string // paths split on '.'
+	// nameLens[d] has bit n set when some path's segment d is n bytes long
+	// (bit 63: 63 or more), so that most member names that match no path
+	// are passed over without comparing them to each path.
+	nameLens []uint64
 }
 
 func compileFields(paths []string) (*fieldSet, error) {
@@ -45,6 +51,12 @@ func compileFields(paths []string) (*fieldSet, error) {
 			}
 		}
 		fs.segs[i] = segs
+		for len(fs.nameLens) < len(segs) {
+			fs.nameLens = append(fs.nameLens, 0)
+		}
+		for d, s := range segs {
+			fs.nameLens[d] |= 1 << min(len(s), 63)
+		}
 	}
 	return fs, nil
 }
@@ -62,10 +74,11 @@ type jsonError struct {
 func (e *jsonError) Error() string { return fmt.Sprintf("invalid JSON at offset %d: %s", e.off, e.msg) }
 
 // scanner walks a JSON document once. It records the spans of the selected
-// paths and validates everything else by skipping it.
+// paths and validates everything else by skipping it. Offsets are passed in
+// and returned rather than kept in the struct, so that the hot loops keep
+// them in registers instead of storing to memory after every byte.
 type scanner struct {
 	b     []byte
-	pos   int
 	fs    *fieldSet
 	spans *[maxFields]span
 }
@@ -81,29 +94,491 @@ func selectFields(payload []byte, fs *fieldSet, spans *[maxFields]span) error {
 	} else {
 		all = 1<<uint(n) - 1
 	}
-	s.ws()
-	if err := s.value(0, all); err != nil {
+	i, err := s.value(skipWS(payload, 0), 0, all)
+	if err != nil {
 		return err
 	}
-	s.ws()
-	if s.pos != len(s.b) {
-		return &jsonError{s.pos, "data after the top-level value"}
+	if i = skipWS(payload, i); i != len(payload) {
+		return fail(i, "data after the top-level value")
 	}
 	return nil
 }
 
-func (s *scanner) fail(msg string) error { return &jsonError{s.pos, msg} }
+// fail is the error for malformed JSON at offset i. Kept out of line: the
+// scanning functions only pay for it when the input is bad.
+//
+//go:noinline
+func fail(i int, msg string) error { return &jsonError{i, msg} }
 
-func (s *scanner) ws() {
-	b, i := s.b, s.pos
-	for i < len(b) && (b[i] == ' ' || b[i] == '\n' || b[i] == '\t' || b[i] == '\r') {
-		i++
-	}
-	s.pos = i
+// skipWS returns the offset of the first byte at or after i that is not JSON
+// white space.
+func skipWS(b []byte, i int) int {
+	i, _ = nonWS(b, i)
+	return i
 }
 
-// plainStr marks the bytes a string can hold without ending or escaping:
-// the scanner skips runs of them in a tight loop.
+// value scans the value at b[i] (white space skipped) at depth and returns
+// the offset just past it; active is the set of paths that pass through this
+// value and continue below it. Only objects on a selected path need the
+// member-matching walk; everything else is skipped, scalars directly.
+func (s *scanner) value(i, depth int, active uint64) (int, error) {
+	if depth <= maxDepth && i < len(s.b) {
+		switch c := s.b[i]; {
+		case c == '"':
+			i, _, err := scanString(s.b, i)
+			return i, err
+		case c == '-' || c-'0' <= 9:
+			return scanNumber(s.b, i)
+		case c == '{' && active != 0:
+			return s.object(i, depth, active)
+		}
+	}
+	return skip(s.b, i, depth)
+}
+
+// object scans the object at b[i] whose members may hold selected paths.
+func (s *scanner) object(i, depth int, active uint64) (int, error) {
+	b := s.b
+	i = skipWS(b, i+1)
+	if i < len(b) && b[i] == '}' {
+		return i + 1, nil
+	}
+	for {
+		i = skipWS(b, i)
+		if i >= len(b) || b[i] != '"' {
+			return i, fail(i, "expected member name")
+		}
+		// The name: read here, 8 bytes at a time, when it is plain (no
+		// escapes, only ASCII), as most names are; else by scanString.
+		var key []byte
+		var plain bool
+		var seen uint64 // OR of the name's bytes: is any ≥ 0x80?
+		for j := i + 1; j+8 <= len(b); j += 8 {
+			w := binary.LittleEndian.Uint64(b[j : j+8])
+			m := stringStops(w)
+			if m == 0 {
+				seen |= w
+				continue
+			}
+			n := bits.TrailingZeros64(m) >> 3 // index of the first stop
+			seen |= w & (1<<(n<<3) - 1)
+			if byte(w>>(n<<3)) == '"' && seen&swarHigh == 0 {
+				key, plain = b[i+1:j+n], true
+				i = j + n + 1
+			}
+			break
+		}
+		if !plain {
+			name := i
+			var err error
+			if i, plain, err = scanString(b, i); err != nil {
+				return i, err
+			}
+			key = b[name+1 : i-1]
+		}
+		i = skipWS(b, i)
+		if i >= len(b) || b[i] != ':' {
+			return i, fail(i, "expected ':'")
+		}
+		i = skipWS(b, i+1)
+		// A plain name of a length no path has at this depth matches none.
+		var ends, deeper uint64
+		if !plain || depth >= len(s.fs.nameLens) || s.fs.nameLens[depth]&(1<<min(len(key), 63)) != 0 {
+			ends, deeper = s.match(depth, active, key, plain)
+		}
+		// A repeated member name replaces what an earlier one selected.
+		for m := ends | deeper; m != 0; m &= m - 1 {
+			s.spans[bits.TrailingZeros64(m)] = span{}
+		}
+		start := i
+		var err error
+		if i, err = s.value(i, depth+1, deeper); err != nil {
+			return i, err
+		}
+		for m := ends; m != 0; m &= m - 1 {
+			s.spans[bits.TrailingZeros64(m)] = span{start, i}
+		}
+		i = skipWS(b, i)
+		if i >= len(b) {
+			return i, fail(i, "unterminated object")
+		}
+		switch b[i] {
+		case ',':
+			i++
+		case '}':
+			return i + 1, nil
+		default:
+			return i, fail(i, "expected ',' or '}'")
+		}
+	}
+}
+
+// match returns which active paths name key at this depth, split into those
+// that end here and those that continue into the member's value. plain says
+// key has no escapes and is ASCII, so it is already its decoded form.
+func (s *scanner) match(depth int, active uint64, key []byte, plain bool) (ends, deeper uint64) {
+	if !plain {
+		var buf [64]byte
+		key = appendUnescaped(buf[:0], key)
+	}
+	all := s.fs.segs
+	for m := active; m != 0; m &= m - 1 {
+		p := bits.TrailingZeros64(m)
+		segs := all[p]
+		// Lengths and first bytes first: most names differ in one or the
+		// other, and then cost no call to memequal.
+		if seg := segs[depth]; len(seg) != len(key) || seg[0] != key[0] || string(key) != seg {
+			continue
+		}
+		if depth == len(segs)-1 {
+			ends |= 1 << uint(p)
+		} else {
+			deeper |= 1 << uint(p)
+		}
+	}
+	return ends, deeper
+}
+
+// skip validates the value at b[i] (white space skipped) at depth and returns
+// the offset just past it, with the same errors as a recursive scanner. This
+// is where most of a payload is read, so it is one loop with no calls on the
+// common paths (Go keeps no registers across a call: each would cost a round
+// of spills and reloads):
+//   - no recursion: the kinds of the open containers are bits in kinds;
+//   - strings are passed 8 bytes at a time (stringStops), escapes inline;
+//   - member names go through the same string code (name is set);
+//   - compact JSON, with no white space between tokens, takes short cuts.
+//
+// c is always b[i], or 0 at the end of b.
+func skip(b []byte, i, depth int) (int, error) {
+	var c byte
+	if i < len(b) {
+		c = b[i]
+	}
+	if depth > maxDepth {
+		return i, fail(i, "nesting too deep")
+	}
+	base := depth
+	var kinds kindStack
+	obj := false  // the innermost open container is an object
+	name := false // c starts a member name, not a value
+	var err error
+	for {
+		switch {
+		case c == '"':
+			i++
+			for {
+				// Pass plain bytes 8 at a time, then one at a time near the
+				// end of b.
+				if i+8 <= len(b) {
+					m := stringStops(binary.LittleEndian.Uint64(b[i : i+8]))
+					if m == 0 {
+						i += 8
+						continue
+					}
+					i += bits.TrailingZeros64(m) >> 3
+				} else {
+					for i < len(b) && plainStr[b[i]] {
+						i++
+					}
+					if i == len(b) {
+						return i, fail(i, "unterminated string")
+					}
+				}
+				if b[i] == '"' {
+					break
+				}
+				if n := escapeLen(b, i); n != 0 {
+					i += n
+					continue
+				}
+				return scanEscape(b, i) // the error
+			}
+			i++
+			if name {
+				if i+1 < len(b) && b[i] == ':' && b[i+1] > ' ' { // compact JSON
+					i++
+					c = b[i]
+				} else {
+					if i, c = nonWS(b, i); c != ':' {
+						return i, fail(i, "expected ':'")
+					}
+					i, c = nonWS(b, i+1)
+				}
+				name = false
+				continue // to the member's value
+			}
+		case name:
+			return i, fail(i, "expected member name")
+		case c == '-' || c-'0' <= 9:
+			// As scanNumber, but only an exponent costs a call.
+			if c == '-' {
+				i++
+			}
+			switch {
+			case i < len(b) && b[i] == '0':
+				i++
+			case i < len(b) && b[i]-'1' < 9:
+				for i++; i < len(b) && b[i]-'0' <= 9; i++ {
+				}
+			default:
+				return i, fail(i, "invalid number")
+			}
+			if i < len(b) && b[i] == '.' {
+				j := i + 1
+				for j < len(b) && b[j]-'0' <= 9 {
+					j++
+				}
+				if j == i+1 {
+					return j, fail(j, "invalid number fraction")
+				}
+				i = j
+			}
+			if i < len(b) && b[i]|0x20 == 'e' {
+				if i, err = numberTail(b, i); err != nil {
+					return i, err
+				}
+			}
+		case c == '{' || c == '[':
+			open := c
+			if i, c = nonWS(b, i+1); c == open+2 { // '{'+2 == '}', '['+2 == ']'
+				i++
+				break // empty
+			}
+			obj = open == '{'
+			if depth == maxDepth { // the first element is too deep
+				if obj {
+					return deepMember(b, i, c)
+				}
+				return i, fail(i, "nesting too deep")
+			}
+			kinds.set(depth, obj)
+			depth++
+			name = obj
+			continue
+		case c == 't' || c == 'f' || c == 'n':
+			n := literalLen(b, i)
+			if n == 0 {
+				return i, fail(i, "invalid literal")
+			}
+			i += n
+		case i >= len(b):
+			return i, fail(i, "unexpected end of input")
+		default:
+			return i, fail(i, "unexpected character") // never quote payload bytes
+		}
+		// After a value: close the containers it completes, then move on to
+		// the next element or member.
+		for {
+			if depth == base {
+				return i, nil
+			}
+			if i+1 < len(b) && b[i] == ',' && b[i+1] > ' ' { // compact JSON
+				i++
+				c = b[i]
+				name = obj
+				break
+			}
+			i, c = nonWS(b, i)
+			if c == ',' {
+				i, c = nonWS(b, i+1)
+				name = obj
+				break
+			}
+			if c == '}' && obj || c == ']' && !obj {
+				i++
+				if depth--; depth > base {
+					obj = kinds.isObject(depth - 1)
+				}
+				continue
+			}
+			switch {
+			case i >= len(b) && obj:
+				return i, fail(i, "unterminated object")
+			case i >= len(b):
+				return i, fail(i, "unterminated array")
+			case obj:
+				return i, fail(i, "expected ',' or '}'")
+			}
+			return i, fail(i, "expected ',' or ']'")
+		}
+	}
+}
+
+// deepMember returns the error for an object opened at maxDepth: that of its
+// first member name and colon if they are bad, else that its value is too
+// deep (the order in which a recursive scanner would find them).
+func deepMember(b []byte, i int, c byte) (int, error) {
+	if c != '"' {
+		return i, fail(i, "expected member name")
+	}
+	i, _, err := scanString(b, i)
+	if err != nil {
+		return i, err
+	}
+	if i = skipWS(b, i); i >= len(b) || b[i] != ':' {
+		return i, fail(i, "expected ':'")
+	}
+	i = skipWS(b, i+1)
+	return i, fail(i, "nesting too deep")
+}
+
+// nonWS returns the offset of the first byte at or after i that is not JSON
+// white space, and that byte; at the end of b, len(b) and 0. The first test
+// is all compact JSON needs.
+func nonWS(b []byte, i int) (int, byte) {
+	if i < len(b) && b[i] > ' ' {
+		return i, b[i]
+	}
+	return nonWSLoop(b, i)
+}
+
+func nonWSLoop(b []byte, i int) (int, byte) {
+	const ws = 1<<' ' | 1<<'\t' | 1<<'\n' | 1<<'\r'
+	for ; i < len(b); i++ {
+		if c := b[i]; c > ' ' || ws>>c&1 == 0 {
+			return i, c
+		}
+	}
+	return i, 0
+}
+
+// kindStack has bit d set when the container open at depth d is an object,
+// clear when it is an array: skip keeps one instead of recursing.
+type kindStack [maxDepth/64 + 1]uint64
+
+func (k *kindStack) set(depth int, obj bool) {
+	d := uint(depth)
+	if obj {
+		k[d/64] |= 1 << (d % 64)
+	} else {
+		k[d/64] &^= 1 << (d % 64)
+	}
+}
+
+func (k *kindStack) isObject(depth int) bool {
+	d := uint(depth)
+	return k[d/64]&(1<<(d%64)) != 0
+}
+
+// literalLen returns the length of the literal true, false or null at b[i],
+// or 0 if there is none. Comparing with constant strings compiles to a few
+// wide loads.
+func literalLen(b []byte, i int) int {
+	switch w := b[i:min(i+5, len(b))]; {
+	case len(w) >= 4 && (string(w[:4]) == "true" || string(w[:4]) == "null"):
+		return 4
+	case string(w) == "false":
+		return 5
+	}
+	return 0
+}
+
+// SWAR ("SIMD within a register") constants: a byte value repeated in each
+// of the 8 bytes of a word.
+const (
+	swarOnes = 0x0101010101010101
+	swarHigh = 0x8080808080808080
+)
+
+// stringStops returns the high bit of every byte of the little-endian word w
+// that ends a run of plain string bytes: '"', '\\' or a control character
+// (< 0x20). Borrows between bytes can flag bytes above the first stop, never
+// below it, so the lowest set bit is exact. Bytes ≥ 0x80 are never flagged.
+func stringStops(w uint64) uint64 {
+	q := w ^ (swarOnes * '"')  // zero bytes where w has '"'
+	e := w ^ (swarOnes * '\\') // zero bytes where w has '\\'
+	// A byte's high bit survives x - 1 (x - 0x20) when it is 0 (< 0x20) or
+	// ≥ 0x81 (0xa0); &^ w drops the bytes ≥ 0x80, whose high bit is the same
+	// in q, e and w.
+	return ((q - swarOnes) | (e - swarOnes) | (w - swarOnes*0x20)) &^ w & swarHigh
+}
+
+// scanString scans the string at b[i] (its opening quote) and returns the
+// offset just past its closing quote. plain reports that it holds no escapes
+// and only ASCII, so that its contents are their own decoded form. (skip and
+// object have their own copies of this loop, for speed.)
+func scanString(b []byte, i int) (end int, plain bool, err error) {
+	i++
+	var seen uint64 // OR of the plain bytes passed: is any ≥ 0x80?
+	esc := false
+	for {
+		if i+8 <= len(b) {
+			w := binary.LittleEndian.Uint64(b[i:])
+			m := stringStops(w)
+			if m == 0 {
+				seen |= w
+				i += 8
+				continue
+			}
+			m &= -m // the first stop
+			seen |= w & (m - 1)
+			i += bits.TrailingZeros64(m) >> 3
+		} else {
+			for i < len(b) && plainStr[b[i]] {
+				seen |= uint64(b[i])
+				i++
+			}
+			if i == len(b) {
+				return i, false, fail(i, "unterminated string")
+			}
+		}
+		if b[i] == '"' {
+			return i + 1, !esc && seen&swarHigh == 0, nil
+		}
+		esc = true
+		if n := escapeLen(b, i); n != 0 {
+			i += n
+			continue
+		}
+		i, err = scanEscape(b, i)
+		return i, false, err
+	}
+}
+
+// escapeLen returns the length of the valid escape sequence at b[i], or 0
+// if there is none (scanEscape then says what is wrong).
+func escapeLen(b []byte, i int) int {
+	if b[i] != '\\' || i+1 >= len(b) {
+		return 0
+	}
+	switch b[i+1] {
+	case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+		return 2
+	case 'u':
+		if i+6 <= len(b) && isHex[b[i+2]] && isHex[b[i+3]] && isHex[b[i+4]] && isHex[b[i+5]] {
+			return 6
+		}
+	}
+	return 0
+}
+
+// isHex marks the hexadecimal digits.
+var isHex = func() (t [256]bool) {
+	for c := range t {
+		t[c] = unhex(byte(c)) >= 0
+	}
+	return t
+}()
+
+// scanEscape returns the error for what stopped a run of plain string bytes
+// at b[i] when it is neither the closing quote nor a valid escape sequence.
+func scanEscape(b []byte, i int) (int, error) {
+	switch {
+	case b[i] != '\\':
+		return i, fail(i, "control character in string")
+	case i+1 >= len(b):
+		return i, fail(i, "unterminated escape")
+	case b[i+1] != 'u':
+		return i, fail(i, "invalid escape")
+	case i+6 > len(b):
+		return i, fail(i, "short \\u escape")
+	}
+	return i, fail(i, "invalid \\u escape")
+}
+
+// plainStr marks the bytes a string can hold without ending or escaping, for
+// the bytes scanString cannot read as a whole word.
 var plainStr = func() (t [256]bool) {
 	for c := 0x20; c < 256; c++ {
 		t[c] = c != '"' && c != '\\'
@@ -111,250 +586,52 @@ var plainStr = func() (t [256]bool) {
 	return t
 }()
 
-// value scans one value at depth; active is the set of paths that pass
-// through this value and continue below it.
-func (s *scanner) value(depth int, active uint64) error {
-	if depth > maxDepth {
-		return s.fail("nesting too deep")
-	}
-	if s.pos >= len(s.b) {
-		return s.fail("unexpected end of input")
-	}
-	switch c := s.b[s.pos]; {
-	case c == '{':
-		return s.object(depth, active)
-	case c == '[':
-		return s.array(depth)
-	case c == '"':
-		_, _, err := s.str()
-		return err
-	case c == '-' || (c >= '0' && c <= '9'):
-		return s.number()
-	case c == 't':
-		return s.lit("true")
-	case c == 'f':
-		return s.lit("false")
-	case c == 'n':
-		return s.lit("null")
-	default:
-		return s.fail("unexpected character") // never quote payload bytes
-	}
-}
-
-func (s *scanner) lit(word string) error {
-	if len(s.b)-s.pos < len(word) || string(s.b[s.pos:s.pos+len(word)]) != word {
-		return s.fail("invalid literal")
-	}
-	s.pos += len(word)
-	return nil
-}
-
-// str scans a string and returns its raw contents (between the quotes) and
-// whether it contains escapes.
-func (s *scanner) str() (raw []byte, escaped bool, err error) {
-	s.pos++ // opening quote
-	start := s.pos
-	for s.pos < len(s.b) {
-		i, b := s.pos, s.b
-		for i < len(b) && plainStr[b[i]] {
-			i++
-		}
-		s.pos = i
-		if i == len(b) {
-			break
-		}
-		c := b[i]
-		switch {
-		case c == '"':
-			raw = s.b[start:s.pos]
-			s.pos++
-			return raw, escaped, nil
-		case c == '\\':
-			escaped = true
-			if s.pos+1 >= len(s.b) {
-				return nil, false, s.fail("unterminated escape")
-			}
-			switch s.b[s.pos+1] {
-			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
-				s.pos += 2
-			case 'u':
-				if s.pos+6 > len(s.b) {
-					return nil, false, s.fail("short \\u escape")
-				}
-				for _, h := range s.b[s.pos+2 : s.pos+6] {
-					if unhex(h) < 0 {
-						return nil, false, s.fail("invalid \\u escape")
-					}
-				}
-				s.pos += 6
-			default:
-				return nil, false, s.fail("invalid escape")
-			}
-		case c < 0x20:
-			return nil, false, s.fail("control character in string")
-		default:
-			s.pos++
-		}
-	}
-	return nil, false, s.fail("unterminated string")
-}
-
-func (s *scanner) number() error {
-	start := s.pos
-	if s.b[s.pos] == '-' {
-		s.pos++
+// scanNumber scans the number at b[i] and returns the offset just past it.
+// (skip reads the integer part inline, the same way.)
+func scanNumber(b []byte, i int) (int, error) {
+	if b[i] == '-' {
+		i++
 	}
 	switch {
-	case s.pos < len(s.b) && s.b[s.pos] == '0':
-		s.pos++
-	case s.pos < len(s.b) && s.b[s.pos] >= '1' && s.b[s.pos] <= '9':
-		s.digits()
+	case i < len(b) && b[i] == '0':
+		i++
+	case i < len(b) && b[i]-'1' < 9:
+		i = skipDigits(b, i+1)
 	default:
-		return s.fail("invalid number")
+		return i, fail(i, "invalid number")
 	}
-	if s.pos < len(s.b) && s.b[s.pos] == '.' {
-		s.pos++
-		if s.digits() == 0 {
-			return s.fail("invalid number fraction")
-		}
-	}
-	if s.pos < len(s.b) && (s.b[s.pos] == 'e' || s.b[s.pos] == 'E') {
-		s.pos++
-		if s.pos < len(s.b) && (s.b[s.pos] == '+' || s.b[s.pos] == '-') {
-			s.pos++
-		}
-		if s.digits() == 0 {
-			return s.fail("invalid number exponent")
-		}
-	}
-	_ = start
-	return nil
+	return numberTail(b, i)
 }
 
-func (s *scanner) digits() int {
-	n := 0
-	for s.pos < len(s.b) && s.b[s.pos] >= '0' && s.b[s.pos] <= '9' {
-		s.pos++
-		n++
+// numberTail scans the optional fraction and exponent of a number at b[i],
+// just past its integer part.
+func numberTail(b []byte, i int) (int, error) {
+	if i < len(b) && b[i] == '.' {
+		j := skipDigits(b, i+1)
+		if j == i+1 {
+			return j, fail(j, "invalid number fraction")
+		}
+		i = j
 	}
-	return n
+	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
+		i++
+		if i < len(b) && (b[i] == '+' || b[i] == '-') {
+			i++
+		}
+		j := skipDigits(b, i)
+		if j == i {
+			return j, fail(j, "invalid number exponent")
+		}
+		i = j
+	}
+	return i, nil
 }
 
-func (s *scanner) array(depth int) error {
-	s.pos++
-	s.ws()
-	if s.pos < len(s.b) && s.b[s.pos] == ']' {
-		s.pos++
-		return nil
+func skipDigits(b []byte, i int) int {
+	for i < len(b) && b[i]-'0' <= 9 {
+		i++
 	}
-	for {
-		s.ws()
-		if err := s.value(depth+1, 0); err != nil {
-			return err
-		}
-		s.ws()
-		if s.pos >= len(s.b) {
-			return s.fail("unterminated array")
-		}
-		switch s.b[s.pos] {
-		case ',':
-			s.pos++
-		case ']':
-			s.pos++
-			return nil
-		default:
-			return s.fail("expected ',' or ']'")
-		}
-	}
-}
-
-func (s *scanner) object(depth int, active uint64) error {
-	s.pos++
-	s.ws()
-	if s.pos < len(s.b) && s.b[s.pos] == '}' {
-		s.pos++
-		return nil
-	}
-	for {
-		s.ws()
-		if s.pos >= len(s.b) || s.b[s.pos] != '"' {
-			return s.fail("expected member name")
-		}
-		key, esc, err := s.str()
-		if err != nil {
-			return err
-		}
-		s.ws()
-		if s.pos >= len(s.b) || s.b[s.pos] != ':' {
-			return s.fail("expected ':'")
-		}
-		s.pos++
-		s.ws()
-		var ends, deeper uint64
-		if active != 0 {
-			ends, deeper = s.match(depth, active, key, esc)
-		}
-		// A repeated member name replaces what an earlier one selected.
-		for m := ends | deeper; m != 0; m &= m - 1 {
-			i := trailingZeros(m)
-			if len(s.fs.segs[i]) > depth {
-				s.spans[i] = span{}
-			}
-		}
-		start := s.pos
-		if err := s.value(depth+1, deeper); err != nil {
-			return err
-		}
-		for m := ends; m != 0; m &= m - 1 {
-			s.spans[trailingZeros(m)] = span{start, s.pos}
-		}
-		s.ws()
-		if s.pos >= len(s.b) {
-			return s.fail("unterminated object")
-		}
-		switch s.b[s.pos] {
-		case ',':
-			s.pos++
-		case '}':
-			s.pos++
-			return nil
-		default:
-			return s.fail("expected ',' or '}'")
-		}
-	}
-}
-
-// match returns which active paths name key at this depth, split into those
-// that end here and those that continue into the member's value.
-func (s *scanner) match(depth int, active uint64, key []byte, esc bool) (ends, deeper uint64) {
-	var decoded []byte
-	if esc || !isPlainASCII(key) {
-		var buf [64]byte
-		decoded = appendUnescaped(buf[:0], key)
-		key = decoded
-	}
-	for m := active; m != 0; m &= m - 1 {
-		i := trailingZeros(m)
-		segs := s.fs.segs[i]
-		if string(key) != segs[depth] {
-			continue
-		}
-		if depth == len(segs)-1 {
-			ends |= 1 << uint(i)
-		} else {
-			deeper |= 1 << uint(i)
-		}
-	}
-	return ends, deeper
-}
-
-func trailingZeros(m uint64) int {
-	n := 0
-	for m&1 == 0 {
-		m >>= 1
-		n++
-	}
-	return n
+	return i
 }
 
 func unhex(c byte) int {
@@ -449,51 +726,50 @@ const (
 //   - objects: members sorted by decoded name, duplicate names keep the last;
 //   - arrays: elements in order; white space never matters.
 func appendCanonical(dst, v []byte) ([]byte, error) {
-	s := scanner{b: v}
-	return s.canon(dst)
+	dst, _, err := canon(dst, v, 0)
+	return dst, err
 }
 
-func (s *scanner) canon(dst []byte) ([]byte, error) {
-	s.ws()
-	c := s.b[s.pos]
-	switch {
+// canon appends the encoding of the value at or after v[i] (leading white
+// space allowed) and returns the offset just past it.
+func canon(dst, v []byte, i int) ([]byte, int, error) {
+	i = skipWS(v, i)
+	var err error
+	switch c := v[i]; {
 	case c == '"':
-		raw, esc, err := s.str()
-		if err != nil {
-			return nil, err
+		start := i
+		var plain bool
+		if i, plain, err = scanString(v, i); err != nil {
+			return nil, i, err
 		}
-		return appendCanonString(dst, raw, esc), nil
-	case c == '-' || (c >= '0' && c <= '9'):
-		start := s.pos
-		if err := s.number(); err != nil {
-			return nil, err
+		return appendCanonString(dst, v[start+1:i-1], plain), i, nil
+	case c == '-' || c-'0' <= 9:
+		start := i
+		if i, err = scanNumber(v, i); err != nil {
+			return nil, i, err
 		}
-		return appendCanonNumber(dst, s.b[start:s.pos])
+		dst, err = appendCanonNumber(dst, v[start:i])
+		return dst, i, err
 	case c == 't':
-		s.pos += 4
-		return append(dst, tagTrue), nil
+		return append(dst, tagTrue), i + len("true"), nil
 	case c == 'f':
-		s.pos += 5
-		return append(dst, tagFalse), nil
+		return append(dst, tagFalse), i + len("false"), nil
 	case c == 'n':
-		s.pos += 4
-		return append(dst, tagNull), nil
+		return append(dst, tagNull), i + len("null"), nil
 	case c == '[':
 		dst = append(dst, tagArray)
-		s.pos++
+		i++
 		for {
-			s.ws()
-			if s.b[s.pos] == ']' {
-				s.pos++
-				return append(dst, tagEnd), nil
-			}
-			if s.b[s.pos] == ',' {
-				s.pos++
+			i = skipWS(v, i)
+			switch v[i] {
+			case ']':
+				return append(dst, tagEnd), i + 1, nil
+			case ',':
+				i++
 				continue
 			}
-			var err error
-			if dst, err = s.canon(dst); err != nil {
-				return nil, err
+			if dst, i, err = canon(dst, v, i); err != nil {
+				return nil, i, err
 			}
 		}
 	case c == '{':
@@ -504,51 +780,52 @@ func (s *scanner) canon(dst []byte) ([]byte, error) {
 		type member struct{ key, val, end int } // scratch[key:val] name, [val:end] value
 		var members []member
 		var scratch []byte
-		s.pos++
+		i++
 		for {
-			s.ws()
-			switch s.b[s.pos] {
+			i = skipWS(v, i)
+			switch v[i] {
 			case '}':
-				s.pos++
 				// Stable sort keeps source order among equal names; keep the last.
 				slices.SortStableFunc(members, func(a, b member) int {
 					return bytes.Compare(scratch[a.key:a.val], scratch[b.key:b.val])
 				})
 				dst = append(dst, tagObject)
-				for i, m := range members {
-					if i+1 < len(members) {
-						if n := members[i+1]; bytes.Equal(scratch[n.key:n.val], scratch[m.key:m.val]) {
+				for k, m := range members {
+					if k+1 < len(members) {
+						if n := members[k+1]; bytes.Equal(scratch[n.key:n.val], scratch[m.key:m.val]) {
 							continue
 						}
 					}
 					dst = append(dst, scratch[m.key:m.end]...)
 				}
-				return append(dst, tagEnd), nil
+				return append(dst, tagEnd), i + 1, nil
 			case ',':
-				s.pos++
+				i++
 				continue
 			}
-			raw, esc, err := s.str()
-			if err != nil {
-				return nil, err
+			start := i
+			var plain bool
+			if i, plain, err = scanString(v, i); err != nil {
+				return nil, i, err
 			}
 			m := member{key: len(scratch)}
-			scratch = appendCanonString(scratch, raw, esc)
+			scratch = appendCanonString(scratch, v[start+1:i-1], plain)
 			m.val = len(scratch)
-			s.ws()
-			s.pos++ // ':'
-			if scratch, err = s.canon(scratch); err != nil {
-				return nil, err
+			i = skipWS(v, i) + 1 // ':'
+			if scratch, i, err = canon(scratch, v, i); err != nil {
+				return nil, i, err
 			}
 			m.end = len(scratch)
 			members = append(members, m)
 		}
 	}
-	return nil, s.fail("unexpected character")
+	return nil, i, fail(i, "unexpected character")
 }
 
-func appendCanonString(dst, raw []byte, esc bool) []byte {
-	if esc || !isPlainASCII(raw) {
+// appendCanonString writes the string with raw contents raw; plain says they
+// need no decoding (no escapes, only ASCII).
+func appendCanonString(dst, raw []byte, plain bool) []byte {
+	if !plain {
 		var buf [128]byte
 		raw = appendUnescaped(buf[:0], raw)
 	}
@@ -556,30 +833,23 @@ func appendCanonString(dst, raw []byte, esc bool) []byte {
 }
 
 // appendStringBytes writes s verbatim in the string encoding: tagString, s
-// with 0x00 and 0x01 escaped, then a 0x00 terminator. Task types and field
-// paths are written this way: they are not JSON, so nothing is unescaped.
+// with 0x00 and 0x01 escaped (as 0x01 0x01 and 0x01 0x02), then a 0x00
+// terminator. Task types and field paths are written this way: they are not
+// JSON, so nothing is unescaped. Runs without 0x00 or 0x01 are copied whole.
 func appendStringBytes[S string | []byte](dst []byte, s S) []byte {
 	dst = append(dst, tagString)
-	for i := 0; i < len(s); i++ {
-		switch c := s[i]; c {
-		case 0x00:
-			dst = append(dst, 0x01, 0x01)
-		case 0x01:
-			dst = append(dst, 0x01, 0x02)
-		default:
-			dst = append(dst, c)
+	for {
+		i := 0
+		for i < len(s) && s[i] > 0x01 {
+			i++
 		}
-	}
-	return append(dst, 0x00)
-}
-
-func isPlainASCII(b []byte) bool {
-	for _, c := range b {
-		if c >= utf8.RuneSelf {
-			return false
+		dst = append(dst, s[:i]...)
+		if i == len(s) {
+			return append(dst, 0x00)
 		}
+		dst = append(dst, 0x01, s[i]+1)
+		s = s[i+1:]
 	}
-	return true
 }
 
 // maxExponent bounds the decimal exponent of a selected number: far beyond
@@ -592,6 +862,22 @@ func appendCanonNumber(dst, n []byte) ([]byte, error) {
 	neg := n[0] == '-'
 	if neg {
 		n = n[1:]
+	}
+	if isDigits(n) && n[0] != '0' {
+		// An integer other than 0, the usual case: its digits without
+		// the trailing zeros, which make the exponent.
+		t := len(n)
+		for n[t-1] == '0' {
+			t--
+		}
+		dst = append(dst, tagNumber)
+		if neg {
+			dst = append(dst, '-')
+		}
+		dst = append(dst, n[:t]...)
+		dst = append(dst, 'e')
+		dst = appendInt(dst, int64(len(n)-t))
+		return append(dst, 0x00), nil
 	}
 	mant := n
 	var exp int64
@@ -647,6 +933,16 @@ func appendCanonNumber(dst, n []byte) ([]byte, error) {
 	dst = append(dst, 'e')
 	dst = appendInt(dst, exp)
 	return append(dst, 0x00), nil
+}
+
+// isDigits reports whether b holds only decimal digits.
+func isDigits(b []byte) bool {
+	for _, c := range b {
+		if c-'0' > 9 {
+			return false
+		}
+	}
+	return true
 }
 
 func indexAny(b []byte, x, y byte) int {

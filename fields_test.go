@@ -2,8 +2,11 @@ package dedup
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -490,4 +493,346 @@ func TestAppendCanonicalPrefixFree(t *testing.T) {
 			}
 		}
 	}
+}
+
+// --- Reference scanner ------------------------------------------------------
+
+// refScanner is a plain recursive scanner that reads a byte at a time: the
+// reference for selectFields, which must find the same spans and fail with
+// the same error (offset and message) for every input. (selectFields was
+// this scanner before it was tuned.)
+type refScanner struct {
+	b     []byte
+	pos   int
+	fs    *fieldSet
+	spans *[maxFields]span
+}
+
+func refSelectFields(payload []byte, fs *fieldSet, spans *[maxFields]span) error {
+	s := refScanner{b: payload, fs: fs, spans: spans}
+	all := uint64(1)<<uint(len(fs.paths)) - 1 // 1<<64 - 1 wraps to all ones
+	s.ws()
+	if err := s.value(0, all); err != nil {
+		return err
+	}
+	if s.ws(); s.pos != len(s.b) {
+		return s.fail("data after the top-level value")
+	}
+	return nil
+}
+
+func (s *refScanner) fail(msg string) error { return &jsonError{s.pos, msg} }
+
+func (s *refScanner) ws() {
+	for s.pos < len(s.b) && strings.IndexByte(" \t\n\r", s.b[s.pos]) >= 0 {
+		s.pos++
+	}
+}
+
+func (s *refScanner) value(depth int, active uint64) error {
+	if depth > maxDepth {
+		return s.fail("nesting too deep")
+	}
+	if s.pos >= len(s.b) {
+		return s.fail("unexpected end of input")
+	}
+	switch c := s.b[s.pos]; {
+	case c == '{':
+		return s.object(depth, active)
+	case c == '[':
+		return s.array(depth)
+	case c == '"':
+		_, _, err := s.str()
+		return err
+	case c == '-' || c >= '0' && c <= '9':
+		return s.number()
+	case c == 't':
+		return s.lit("true")
+	case c == 'f':
+		return s.lit("false")
+	case c == 'n':
+		return s.lit("null")
+	}
+	return s.fail("unexpected character")
+}
+
+func (s *refScanner) lit(word string) error {
+	if !bytes.HasPrefix(s.b[s.pos:], []byte(word)) {
+		return s.fail("invalid literal")
+	}
+	s.pos += len(word)
+	return nil
+}
+
+func (s *refScanner) str() (raw []byte, escaped bool, err error) {
+	s.pos++
+	start := s.pos
+	for s.pos < len(s.b) {
+		switch c := s.b[s.pos]; {
+		case c == '"':
+			s.pos++
+			return s.b[start : s.pos-1], escaped, nil
+		case c == '\\':
+			escaped = true
+			if s.pos+1 >= len(s.b) {
+				return nil, false, s.fail("unterminated escape")
+			}
+			switch s.b[s.pos+1] {
+			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+				s.pos += 2
+			case 'u':
+				if s.pos+6 > len(s.b) {
+					return nil, false, s.fail("short \\u escape")
+				}
+				for _, h := range s.b[s.pos+2 : s.pos+6] {
+					if unhex(h) < 0 {
+						return nil, false, s.fail("invalid \\u escape")
+					}
+				}
+				s.pos += 6
+			default:
+				return nil, false, s.fail("invalid escape")
+			}
+		case c < 0x20:
+			return nil, false, s.fail("control character in string")
+		default:
+			s.pos++
+		}
+	}
+	return nil, false, s.fail("unterminated string")
+}
+
+func (s *refScanner) number() error {
+	if s.b[s.pos] == '-' {
+		s.pos++
+	}
+	switch {
+	case s.pos < len(s.b) && s.b[s.pos] == '0':
+		s.pos++
+	case s.pos < len(s.b) && s.b[s.pos] >= '1' && s.b[s.pos] <= '9':
+		s.digits()
+	default:
+		return s.fail("invalid number")
+	}
+	if s.pos < len(s.b) && s.b[s.pos] == '.' {
+		s.pos++
+		if s.digits() == 0 {
+			return s.fail("invalid number fraction")
+		}
+	}
+	if s.pos < len(s.b) && (s.b[s.pos] == 'e' || s.b[s.pos] == 'E') {
+		s.pos++
+		if s.pos < len(s.b) && (s.b[s.pos] == '+' || s.b[s.pos] == '-') {
+			s.pos++
+		}
+		if s.digits() == 0 {
+			return s.fail("invalid number exponent")
+		}
+	}
+	return nil
+}
+
+func (s *refScanner) digits() int {
+	n := 0
+	for ; s.pos < len(s.b) && s.b[s.pos] >= '0' && s.b[s.pos] <= '9'; s.pos++ {
+		n++
+	}
+	return n
+}
+
+func (s *refScanner) array(depth int) error {
+	s.pos++
+	if s.ws(); s.pos < len(s.b) && s.b[s.pos] == ']' {
+		s.pos++
+		return nil
+	}
+	for {
+		s.ws()
+		if err := s.value(depth+1, 0); err != nil {
+			return err
+		}
+		if s.ws(); s.pos >= len(s.b) {
+			return s.fail("unterminated array")
+		}
+		switch s.b[s.pos] {
+		case ',':
+			s.pos++
+		case ']':
+			s.pos++
+			return nil
+		default:
+			return s.fail("expected ',' or ']'")
+		}
+	}
+}
+
+func (s *refScanner) object(depth int, active uint64) error {
+	s.pos++
+	if s.ws(); s.pos < len(s.b) && s.b[s.pos] == '}' {
+		s.pos++
+		return nil
+	}
+	for {
+		if s.ws(); s.pos >= len(s.b) || s.b[s.pos] != '"' {
+			return s.fail("expected member name")
+		}
+		key, _, err := s.str()
+		if err != nil {
+			return err
+		}
+		if s.ws(); s.pos >= len(s.b) || s.b[s.pos] != ':' {
+			return s.fail("expected ':'")
+		}
+		s.pos++
+		s.ws()
+		// Which paths name this member at this depth, ending here or going
+		// deeper. A repeated name replaces what an earlier one selected.
+		name := string(appendUnescaped(nil, key))
+		var ends, deeper uint64
+		for i, segs := range s.fs.segs {
+			if active&(1<<i) == 0 || segs[depth] != name {
+				continue
+			}
+			s.spans[i] = span{}
+			if depth == len(segs)-1 {
+				ends |= 1 << i
+			} else {
+				deeper |= 1 << i
+			}
+		}
+		start := s.pos
+		if err := s.value(depth+1, deeper); err != nil {
+			return err
+		}
+		for i := range s.fs.segs {
+			if ends&(1<<i) != 0 {
+				s.spans[i] = span{start, s.pos}
+			}
+		}
+		if s.ws(); s.pos >= len(s.b) {
+			return s.fail("unterminated object")
+		}
+		switch s.b[s.pos] {
+		case ',':
+			s.pos++
+		case '}':
+			s.pos++
+			return nil
+		default:
+			return s.fail("expected ',' or '}'")
+		}
+	}
+}
+
+// checkAgainstReference runs selectFields and the reference scanner on
+// payload and reports any difference in spans or errors.
+func checkAgainstReference(t testing.TB, payload []byte, fs *fieldSet) {
+	t.Helper()
+	var got, want [maxFields]span
+	gotErr := selectFields(payload, fs, &got)
+	wantErr := refSelectFields(payload, fs, &want)
+	if fmt.Sprint(gotErr) != fmt.Sprint(wantErr) {
+		t.Fatalf("selectFields(%.80q) = %v, reference %v", payload, gotErr, wantErr)
+	}
+	if gotErr == nil && got != want {
+		t.Fatalf("selectFields(%.80q): spans %v, reference %v", payload, got[:len(fs.paths)], want[:len(fs.paths)])
+	}
+}
+
+// referencePathSets are the field selections payloads are compared under.
+var referencePathSets = [][]string{
+	nil, // validation only
+	benchPaths,
+	fuzzPaths,
+	{"items", "meta.tags", "report", "report.filters.currency", "x.y"},
+	{strings.Repeat("a", 8), strings.Repeat("b", 63), strings.Repeat("c", 64), "k", "a.b"},
+}
+
+func referenceFieldSets(t testing.TB) []*fieldSet {
+	var sets []*fieldSet
+	for _, ps := range referencePathSets {
+		if ps == nil {
+			sets = append(sets, &fieldSet{})
+		} else {
+			sets = append(sets, mustFieldSet(t, ps...))
+		}
+	}
+	return sets
+}
+
+func TestSelectFieldsMatchesReference(t *testing.T) {
+	// selectFields reads strings 8 bytes at a time, skips unselected values
+	// without recursion and takes short cuts for compact JSON: none of that
+	// may change which spans it finds or where and why it fails. Compare it
+	// with the reference on valid payloads, every prefix of them, and
+	// random edits (with bytes that matter to the scanner).
+	var indented bytes.Buffer
+	if err := json.Indent(&indented, benchLarge, "", "\t"); err != nil {
+		t.Fatal(err)
+	}
+	seeds := [][]byte{benchSmall, benchLarge, indented.Bytes()}
+	for _, s := range []string{
+		`{"a":1, "b" : {"c":"x","d":[1,{"e":2}],"n":null}, "t":true, "o":{}, "arr":[{"k":1}]}`,
+		`{"aaaaaaaa":"12345678","bbbbbbbbbbbbbbb":"\u00e9\"\\\/\b\f\n\r\t","k":[[],{},[{}],-0.5e+7,true,false,null]}`,
+		`{"` + strings.Repeat("b", 63) + `":{"x":1},"` + strings.Repeat("c", 64) + `":2,"k\u0000":3,"k":"` + strings.Repeat("é", 9) + `"}`,
+		"{\"k\xff\":1,\"k\\ufffd\":2,\"a\":{\"b\":{\"c\":\"\xed\xa0\x80\"}},\"a\":{\"b\":{\"c\":3}}}",
+		` [ 1 , "x" , { "a" : { "b" : [ ] } } ] `,
+		deepJSON(maxDepth, false), deepJSON(maxDepth, true),
+		strings.Repeat(`{"a":`, maxDepth) + `{"b":1}` + strings.Repeat("}", maxDepth),
+		strings.Repeat(`[`, maxDepth) + `{"b":[]}` + strings.Repeat("]", maxDepth),
+	} {
+		seeds = append(seeds, []byte(s))
+	}
+	for _, bad := range badJSON {
+		seeds = append(seeds, []byte(bad.in))
+	}
+	sets := referenceFieldSets(t)
+	check := func(p []byte) {
+		for _, fs := range sets {
+			checkAgainstReference(t, p, fs)
+		}
+	}
+	const edits = " \t\n\r{}[]:,\"\\/ubfnrt0123456789-+.eE\x00\x1f\x7f\x80\xff"
+	rng := rand.New(rand.NewPCG(1, 2))
+	for _, seed := range seeds {
+		step := 1 // every prefix of short seeds, a sample of long ones
+		if len(seed) > 500 {
+			step = 7 // not a multiple of 8, so the word offsets vary
+		}
+		for n := 0; n <= len(seed); n += step {
+			check(seed[:n])
+		}
+		p := make([]byte, len(seed)+1)
+		for range 200 {
+			p = append(p[:0], seed...)
+			for range 1 + rng.IntN(3) {
+				i := rng.IntN(len(p) + 1)
+				c := edits[rng.IntN(len(edits))]
+				switch {
+				case i == len(p) || rng.IntN(3) == 0:
+					p = slices.Insert(p, i, c)
+				case rng.IntN(2) == 0:
+					p = slices.Delete(p, i, i+1)
+				default:
+					p[i] = c
+				}
+			}
+			check(p)
+		}
+	}
+}
+
+func FuzzSelectFields(f *testing.F) {
+	f.Add([]byte(benchSmall), "report.kind")
+	f.Add([]byte(`{"a":{"b":[1,"\u00e9\"",{"c":null}]},"a":{"b":2}}`), "a.b")
+	f.Add([]byte(`{"aaaaaaaa":"x\ty","k":01}`), "aaaaaaaa")
+	f.Add([]byte(deepJSON(maxDepth, true)), "")
+	f.Fuzz(func(t *testing.T, payload []byte, path string) {
+		paths := fuzzPaths
+		if _, err := compileFields([]string{path}); err == nil {
+			paths = append(paths[:len(paths):len(paths)], path)
+		}
+		checkAgainstReference(t, payload, mustFieldSet(t, paths...))
+		checkAgainstReference(t, payload, &fieldSet{})
+	})
 }
