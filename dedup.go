@@ -217,7 +217,14 @@ func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, 
 	if err != nil {
 		return reply{}, err
 	}
-	return parseReply(v)
+	rep, err := parseReply(v)
+	if err == nil && rep.status == statusHeldRaw {
+		rep.status = statusHeld
+		if len(rep.strs) > 0 {
+			rep.strs[0] = unpackLockID(rep.strs[0], r.fpHex)
+		}
+	}
+	return rep, err
 }
 
 // coalesce writes a merged payload into target if the lock's version is

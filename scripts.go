@@ -65,6 +65,7 @@ const (
 	statusConflict = 7  // direct enqueue: the task ID already exists in asynq
 	statusOver     = 8  // too many keys waiting
 	statusAllowed  = 9  // running policy "allow": run without the lock (start only)
+	statusHeldRaw  = 10 // statusHeld, the holder as the lock stores it (acquire only)
 )
 
 // reply is a checked {status, string...} script reply.

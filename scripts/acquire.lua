@@ -23,6 +23,7 @@
 --
 -- Reply: {1, id}                    lock taken for the new task ARGV[1]
 --        {0, holder}                held; rejected
+--        {10, stored}               the same, the holder's ID as the lock stores it (the fast path)
 --        {2, id}                    already held by task ARGV[1]; untouched
 --        {3, target, state}         payload of waiting task target replaced
 --        {4, target, payload, ver}  merge: the caller merges and calls coalesce
@@ -51,9 +52,18 @@
 -- collide with a stored task.
 local now_ms = tonumber(ARGV[16])
 local now = (now_ms - now_ms % 1000) / 1000
-local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'tok', 'f', 'rp', 'n')
+local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'f')
 local holder = rec[1]
-if holder then -- id_unpack, inlined: lib.lua is not defined yet
+if holder and holder ~= ARGV[17] and ARGV[8] == 'x' and ARGV[11] == '' and not rec[3]
+    and now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
+  -- Held by another task, young, and no answer but "held" is possible:
+  -- rejected, naming the owner as the lock stores it (the caller unpacks it).
+  return {10, holder}
+end
+if holder then
+  local more = redis.call('HMGET', KEYS[1], 'tok', 'rp', 'n')
+  rec = {rec[1], rec[2], more[1], rec[3], more[2], more[3]}
+  -- id_unpack, inlined: lib.lua is not defined yet
   if string.byte(holder) == 61 then
     holder = string.sub(holder, 2)
   elseif #holder == 20 and not string.find(holder, '[^0-9a-f]') then
@@ -61,10 +71,6 @@ if holder then -- id_unpack, inlined: lib.lua is not defined yet
   end
 end
 local young = holder and now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6])
-if young and holder ~= ARGV[1] and ARGV[8] == 'x' and ARGV[11] == '' and not rec[4] then
-  -- Held, and no answer but "held" is possible: rejected.
-  return {0, holder}
-end
 -- take takes the free key for the new task ARGV[1] (and stores the task,
 -- given ARGV[14]).
 local function take()
