@@ -52,7 +52,9 @@
 -- collide with a stored task.
 local now_ms = tonumber(ARGV[16])
 local now = (now_ms - now_ms % 1000) / 1000
-local rec = redis.call('HMGET', KEYS[1], 'id', 'c', 'f')
+-- A folding policy needs the whole record anyway: read it at once.
+local rec = ARGV[8] == 'x' and redis.call('HMGET', KEYS[1], 'id', 'c', 'f')
+  or redis.call('HMGET', KEYS[1], 'id', 'c', 'f', 'tok', 'rp', 'n')
 local holder = rec[1]
 if holder and holder ~= ARGV[17] and ARGV[8] == 'x' and ARGV[11] == '' and not rec[3]
     and now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
@@ -61,8 +63,13 @@ if holder and holder ~= ARGV[17] and ARGV[8] == 'x' and ARGV[11] == '' and not r
   return {10, holder}
 end
 if holder then
-  local more = redis.call('HMGET', KEYS[1], 'tok', 'rp', 'n')
-  rec = {rec[1], rec[2], more[1], rec[3], more[2], more[3]}
+  -- rec becomes {id, c, tok, f, rp, n}.
+  if ARGV[8] == 'x' then
+    local more = redis.call('HMGET', KEYS[1], 'tok', 'rp', 'n')
+    rec = {rec[1], rec[2], more[1], rec[3], more[2], more[3]}
+  else
+    rec = {rec[1], rec[2], rec[4], rec[3], rec[5], rec[6]}
+  end
   -- id_unpack, inlined: lib.lua is not defined yet
   if string.byte(holder) == 61 then
     holder = string.sub(holder, 2)

@@ -115,9 +115,10 @@ local function pb_rewrite(msg, repl)
 end
 
 -- pb_setpayload returns msg with its payload (field 2) set to p, the way
--- pb_rewrite(msg, {[2] = p}) does, but by splicing in place: asynq writes the
--- field once, right after the type, so this is one short scan and two
--- substrings. Unusual messages (the field repeated) go to pb_rewrite.
+-- pb_rewrite(msg, {[2] = p}) does, but by splicing in place: asynq (Go's
+-- protobuf) writes fields once and in number order, the payload right after
+-- the type, so the scan stops at the first field after it and the rest is
+-- copied untouched. Unusual messages (field 2 repeated) go to pb_rewrite.
 local function pb_setpayload(msg, p)
   local i, n = 1, #msg
   local from, to, at
@@ -128,7 +129,10 @@ local function pb_setpayload(msg, p)
     if not key then return nil end
     local wt = key % 8
     local num = (key - wt) / 8
-    if num > 2 and not at then at = start end
+    if num > 2 and not at then
+      at = start
+      if from then break end -- fields come in number order: no field 2 follows
+    end
     if wt == 0 then
       local _
       _, i = pb_varint(msg, i)
