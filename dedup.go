@@ -210,10 +210,29 @@ func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, 
 		policy = "m"
 	}
 	qp := d.prefixes(r.queue)
-	v, err := d.run(ctx, acquireScript, r.keys(), r.id, ms(a.ttl), r.typ,
-		qp.asynq, qp.dedup, d.graceSeconds(), r.fpHex,
-		policy, a.running.code(), a.payload, a.followID, a.max, d.parkSeconds(), a.msg, a.scheduleAt,
-		time.Now().UnixMilli(), r.stored())
+	// The optional arguments go only as far as the last one that differs
+	// from its default (see the script's header): a plain call sends 8.
+	args := make([]any, 8, 15)
+	args[0], args[1], args[2], args[3] = r.id, r.stored(), time.Now().UnixMilli(), d.graceSeconds()
+	args[4], args[5], args[6], args[7] = ms(a.ttl), qp.asynq, r.typ, a.msg
+	opt := [...]any{policy, a.running.code(), a.scheduleAt, a.max, a.payload, a.followID, d.parkSeconds()}
+	n := 0
+	switch {
+	case a.followID != "":
+		n = 7
+	case len(a.payload) > 0:
+		n = 5
+	case a.max > 0:
+		n = 4
+	case a.scheduleAt != 0:
+		n = 3
+	case a.running != RunningReject:
+		n = 2
+	case policy != "x":
+		n = 1
+	}
+	args = append(args, opt[:n]...)
+	v, err := d.run(ctx, acquireScript, r.keys(), args...)
 	if err != nil {
 		return reply{}, err
 	}
