@@ -103,10 +103,8 @@ func (b *batcher) do(ctx context.Context, s *redis.Script, keys []string, args [
 	if b.lead {
 		select {
 		case b.slot <- struct{}{}: // a free slot, the common case when calls are few
-			b.collect(req)
-			<-b.slot
-			r := <-req.done
-			return r.v, r.err, true
+			v, err := b.lead1(req)
+			return v, err, true
 		default:
 		}
 	}
@@ -118,10 +116,8 @@ func (b *batcher) do(ctx context.Context, s *redis.Script, keys []string, args [
 	}()
 	select {
 	case b.slot <- struct{}{}: // nil channel unless in lead mode
-		b.collect(req)
-		<-b.slot
-		r := <-req.done // collect answered it
-		return r.v, r.err, true
+		v, err := b.lead1(req)
+		return v, err, true
 	case b.reqs <- req:
 	case <-b.stopped:
 		return nil, nil, false
@@ -139,6 +135,15 @@ func (b *batcher) do(ctx context.Context, s *redis.Script, keys []string, args [
 		req.abandoned.Store(true)
 		return nil, context.DeadlineExceeded, true
 	}
+}
+
+// lead1 sends req's batch from the caller, which holds a slot, and frees
+// the slot.
+func (b *batcher) lead1(req *batchReq) (any, error) {
+	b.collect(req)
+	<-b.slot
+	r := <-req.done // collect answered it
+	return r.v, r.err
 }
 
 // timers holds stopped timers for do (since Go 1.23 Stop leaves no stale

@@ -120,9 +120,9 @@ func TestBatcherBatchesWaitingCalls(t *testing.T) {
 			}
 			wg.Add(slots + waiting)
 			for i := range slots {
+				// One at a time: a call started while the first is still
+				// being collected could join its batch.
 				go call(i)
-			}
-			for range slots {
 				waitFor(t, g.held, "a slot's send held")
 			}
 			for i := range waiting {
@@ -175,9 +175,7 @@ func TestBatcherAbandonedCallNotSent(t *testing.T) {
 			defer wg.Done()
 			_, _, _ = b.do(context.Background(), echoScript, []string{key}, []any{"x"})
 		}()
-	}
-	for range slots {
-		waitFor(t, g.held, "a slot's send held")
+		waitFor(t, g.held, "a slot's send held") // one at a time, so each is its own batch
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
@@ -198,14 +196,7 @@ func TestBatcherAbandonedCallNotSent(t *testing.T) {
 // A batch of scripts the server has not cached (a restarted Redis, SCRIPT
 // FLUSH) is sent again with EVAL.
 func TestBatcherNoScript(t *testing.T) {
-	needRealRedis(t) // SCRIPT FLUSH: on a server of its own
-	p, err := spawnRedis("")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.kill)
-	rdb := redis.NewClient(&redis.Options{Addr: p.addr})
-	t.Cleanup(func() { _ = rdb.Close() })
+	_, rdb := ownRedis(t, nil) // a script cache without this script: a server of its own
 	g := newGate(slots)
 	rdb.AddHook(g)
 	b := newBatcher(rdb, 64, 10*time.Second, false)

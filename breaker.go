@@ -151,37 +151,40 @@ func (d *Dedup) BreakerState() BreakerState { return d.br.current() }
 
 // call makes one Redis call through the breaker, bounded by LockTimeout.
 func (d *Dedup) call(ctx context.Context, fn func(context.Context) (any, error)) (any, error) {
+	return d.guard(ctx, func() (any, error) { return d.direct(ctx, fn) })
+}
+
+// run executes a lock script like call, batched with concurrent calls when
+// batching is on (and straight to Redis once the batcher is stopped).
+func (d *Dedup) run(ctx context.Context, s *redis.Script, keys []string, args ...any) (any, error) {
+	return d.guard(ctx, func() (any, error) {
+		if d.batch != nil {
+			if v, err, ok := d.batch.do(ctx, s, keys, args); ok {
+				return v, err
+			}
+		}
+		return d.direct(ctx, func(c context.Context) (any, error) {
+			return s.Run(c, d.rdb, keys, args...).Result()
+		})
+	})
+}
+
+// guard runs send through the circuit breaker and records its outcome.
+func (d *Dedup) guard(ctx context.Context, send func() (any, error)) (any, error) {
 	if !d.br.allow() {
 		return nil, ErrCircuitOpen
 	}
-	lctx, cancel := d.lockCtx(ctx)
-	defer cancel()
-	v, err := bounded(lctx, d.ctxTimeouts, fn)
+	v, err := send()
 	d.br.record(ctx, err)
 	return v, err
 }
 
-// run executes a lock script through the breaker, bounded by LockTimeout,
-// batched with concurrent calls when batching is on.
-func (d *Dedup) run(ctx context.Context, s *redis.Script, keys []string, args ...any) (any, error) {
-	if d.batch == nil {
-		return d.call(ctx, func(c context.Context) (any, error) {
-			return s.Run(c, d.rdb, keys, args...).Result()
-		})
-	}
-	if !d.br.allow() {
-		return nil, ErrCircuitOpen
-	}
-	v, err, ok := d.batch.do(ctx, s, keys, args)
-	if !ok { // closed: call directly
-		lctx, cancel := d.lockCtx(ctx)
-		v, err = bounded(lctx, d.ctxTimeouts, func(c context.Context) (any, error) {
-			return s.Run(c, d.rdb, keys, args...).Result()
-		})
-		cancel()
-	}
-	d.br.record(ctx, err)
-	return v, err
+// direct makes one Redis call from this goroutine's side, bounded by
+// LockTimeout.
+func (d *Dedup) direct(ctx context.Context, fn func(context.Context) (any, error)) (any, error) {
+	lctx, cancel := d.lockCtx(ctx)
+	defer cancel()
+	return bounded(lctx, d.ctxTimeouts, fn)
 }
 
 // get reads a string key through call.

@@ -31,8 +31,6 @@ type Dedup struct {
 	// call named none (a queue set in asynq.NewTask is invisible before the
 	// enqueue), so the next lock is taken in the right queue at once.
 	queues sync.Map // string → string
-
-	qprefix sync.Map // queue → *queuePrefixes
 }
 
 // New checks that Redis answers (PING with backoff, bounded by ctx and
@@ -187,18 +185,6 @@ type acquireArgs struct {
 
 func asynqPrefix(queue string) string { return "asynq:{" + queue + "}:" }
 
-// queuePrefixes are a queue's asynq and dedup key prefixes, built once per
-// queue rather than per call.
-type queuePrefixes struct{ asynq, dedup string }
-
-func (d *Dedup) prefixes(queue string) *queuePrefixes {
-	if p, ok := d.qprefix.Load(queue); ok {
-		return p.(*queuePrefixes)
-	}
-	p, _ := d.qprefix.LoadOrStore(queue, &queuePrefixes{asynqPrefix(queue), d.dedupPrefix(queue)})
-	return p.(*queuePrefixes)
-}
-
 func (d *Dedup) dedupPrefix(queue string) string { return d.cfg.Prefix + ":{" + queue + "}:" }
 
 func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, error) {
@@ -209,12 +195,11 @@ func (d *Dedup) acquire(ctx context.Context, r *lockRef, a acquireArgs) (reply, 
 	case Merge:
 		policy = "m"
 	}
-	qp := d.prefixes(r.queue)
 	// The optional arguments go only as far as the last one that differs
 	// from its default (see the script's header): a plain call sends 8.
 	args := make([]any, 8, 15)
 	args[0], args[1], args[2], args[3] = r.id, r.stored(), time.Now().UnixMilli(), d.graceSeconds()
-	args[4], args[5], args[6], args[7] = ms(a.ttl), qp.asynq, r.typ, a.msg
+	args[4], args[5], args[6], args[7] = ms(a.ttl), asynqPrefix(r.queue), r.typ, a.msg
 	opt := [...]any{policy, a.running.code(), a.scheduleAt, a.max, a.payload, a.followID, d.parkSeconds()}
 	n := 0
 	switch {

@@ -171,17 +171,31 @@ func uniq(t testing.TB) string {
 	return name + "-" + hex.EncodeToString(b[:])
 }
 
-// separateLockStore starts a redis-server of the test's own for a Dedup's
-// locks (tasks stay on the shared server), so the test can kill it.
-func separateLockStore(t *testing.T, cfg Config) (*redisProc, *Dedup) {
+// ownRedis starts a redis-server of the test's own (for what must not touch
+// the shared one: SCRIPT FLUSH, short key names, a kill) and returns it with
+// a client; tweak may adjust the client's options.
+func ownRedis(t *testing.T, tweak func(*redis.Options)) (*redisProc, *redis.Client) {
 	t.Helper()
+	needRealRedis(t)
 	p, err := spawnRedis("")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(p.kill)
-	rdb := redis.NewClient(&redis.Options{Addr: p.addr, MaxRetries: -1})
+	o := &redis.Options{Addr: p.addr}
+	if tweak != nil {
+		tweak(o)
+	}
+	rdb := redis.NewClient(o)
 	t.Cleanup(func() { _ = rdb.Close() })
+	return p, rdb
+}
+
+// separateLockStore starts a redis-server of the test's own for a Dedup's
+// locks (tasks stay on the shared server), so the test can kill it.
+func separateLockStore(t *testing.T, cfg Config) (*redisProc, *Dedup) {
+	t.Helper()
+	p, rdb := ownRedis(t, func(o *redis.Options) { o.MaxRetries = -1 })
 	if cfg.LockTimeout == 0 {
 		cfg.LockTimeout = 200 * time.Millisecond
 	}

@@ -36,14 +36,7 @@ const (
 // the realistic short key names collide with nothing, and measures each
 // per-lock key with MEMORY USAGE.
 func TestLockMemory(t *testing.T) {
-	needRealRedis(t) // MEMORY USAGE and OBJECT ENCODING: miniredis has neither
-	p, err := spawnRedis("")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.kill)
-	rdb := redis.NewClient(&redis.Options{Addr: p.addr})
-	t.Cleanup(func() { _ = rdb.Close() })
+	_, rdb := ownRedis(t, nil) // MEMORY USAGE and OBJECT ENCODING: miniredis has neither
 	ctx := context.Background()
 	const replaceType = "profile:update"
 	d, err := New(ctx, rdb, Config{Logger: quietLogger(), Rules: map[string]Rule{

@@ -83,14 +83,7 @@ if holder then
   else
     rec = {rec[1], rec[2], rec[4], rec[3], rec[5], rec[6]}
   end
-  -- id_unpack, inlined: lib.lua is not defined yet
-  if string.byte(holder) == 61 then
-    holder = string.sub(holder, 2)
-  elseif #holder == 20 and not string.find(holder, '[^0-9a-f]') then
-    holder = 'dd-' .. fp() .. '-' .. holder
-  end
 end
-local young = holder and now - (tonumber(rec[2]) or 0) < tonumber(grace)
 -- take takes the free key for the new task id (and stores the task,
 -- given msg).
 local function take()
@@ -140,6 +133,8 @@ end
 local tprefix = aprefix .. 't:'
 local fkey = dprefix() .. 'f:' .. fp()
 local now_ns = ARGV[3] .. '000000'
+holder = id_unpack(holder, fp())
+local young = holder and now - (tonumber(rec[2]) or 0) < tonumber(grace)
 
 -- adopt makes the waiting follow-up f the lock's owner, released to the
 -- pending list if it is still parked, and returns its state.

@@ -30,35 +30,42 @@ local function pb_putvarint(n)
   return table.concat(t)
 end
 
+-- pb_field reads the field starting at position i: returns its number and
+-- the position after it, or nil if the message is malformed there.
+local function pb_field(msg, i)
+  local key
+  key, i = pb_varint(msg, i)
+  if not key then return nil end
+  local wt = key % 8
+  if wt == 0 then
+    local _
+    _, i = pb_varint(msg, i)
+    if not i then return nil end
+  elseif wt == 1 then
+    i = i + 8
+  elseif wt == 2 then
+    local len
+    len, i = pb_varint(msg, i)
+    if not len then return nil end
+    i = i + len
+  elseif wt == 5 then
+    i = i + 4
+  else
+    return nil
+  end
+  if i > #msg + 1 then return nil end
+  return (key - wt) / 8, i
+end
+
 -- pb_fields splits a message into {num, from, to} entries (to inclusive),
 -- or returns nil for a malformed message.
 local function pb_fields(msg)
   local out, i, n = {}, 1, #msg
   while i <= n do
-    local from = i
-    local key
-    key, i = pb_varint(msg, i)
-    if not key then return nil end
-    local wt = key % 8
-    local num = (key - wt) / 8
-    if wt == 0 then
-      local _
-      _, i = pb_varint(msg, i)
-      if not i then return nil end
-    elseif wt == 1 then
-      i = i + 8
-    elseif wt == 2 then
-      local len
-      len, i = pb_varint(msg, i)
-      if not len then return nil end
-      i = i + len
-    elseif wt == 5 then
-      i = i + 4
-    else
-      return nil
-    end
-    if i > n + 1 then return nil end
-    out[#out + 1] = {num, from, i - 1}
+    local num, after = pb_field(msg, i)
+    if not num then return nil end
+    out[#out + 1] = {num, i, after - 1}
+    i = after
   end
   return out
 end
@@ -123,37 +130,17 @@ local function pb_setpayload(msg, p)
   local i, n = 1, #msg
   local from, to, at
   while i <= n do
-    local start = i
-    local key
-    key, i = pb_varint(msg, i)
-    if not key then return nil end
-    local wt = key % 8
-    local num = (key - wt) / 8
+    local num, after = pb_field(msg, i)
+    if not num then return nil end
     if num > 2 and not at then
-      at = start
+      at = i
       if from then break end -- fields come in number order: no field 2 follows
     end
-    if wt == 0 then
-      local _
-      _, i = pb_varint(msg, i)
-      if not i then return nil end
-    elseif wt == 1 then
-      i = i + 8
-    elseif wt == 2 then
-      local len
-      len, i = pb_varint(msg, i)
-      if not len then return nil end
-      i = i + len
-    elseif wt == 5 then
-      i = i + 4
-    else
-      return nil
-    end
-    if i > n + 1 then return nil end
     if num == 2 then
       if from then return pb_rewrite(msg, {[2] = p}) end
-      from, to = start, i - 1
+      from, to = i, after - 1
     end
+    i = after
   end
   local field = ''
   if #p > 0 then field = pb_putvarint(18) .. pb_putvarint(#p) .. p end
