@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/redistest"
+
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -166,7 +168,7 @@ func (p *stallProxy) close() {
 // opens and calls fail at once, until a probe finds Redis answering again.
 func TestBreakerWithHungRedis(t *testing.T) {
 	needRealRedis(t)
-	proxy := newStallProxy(t, realRedisAddr)
+	proxy := newStallProxy(t, redistest.Addr())
 	lrdb := redis.NewClient(&redis.Options{Addr: proxy.addr(), MaxRetries: -1, PoolSize: 4})
 	defer lrdb.Close()
 	d, err := New(context.Background(), lrdb, Config{

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/redistest"
+
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
@@ -447,7 +449,7 @@ func TestNewErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if realRedisAddr != "" { // miniredis serves its connections with goroutines of its own
+	if redistest.Addr() != "" { // miniredis serves its connections with goroutines of its own
 		defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // failed attempts leave nothing running
 	}
 	dead := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
@@ -473,7 +475,7 @@ func TestRedisDownFailClosedAndOpen(t *testing.T) {
 			if _, err := c.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); err != nil {
 				t.Fatal(err)
 			}
-			lockRedis.kill()
+			lockRedis.Kill()
 			_, err := c.Enqueue(userTask(2, ""), asynq.Queue(h.queue))
 			if open {
 				if err != nil {

@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/redistest"
+
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
@@ -156,7 +158,7 @@ func TestFaultWorkerKilled(t *testing.T) {
 	}
 	keyOpt := Fields("user_id")
 
-	a := startFaultWorker(t, realRedisAddr, h.prefix, h.queue, lease, "A")
+	a := startFaultWorker(t, redistest.Addr(), h.prefix, h.queue, lease, "A")
 	first := h.enqueue(job("block"), keyOpt, asynq.Retention(time.Hour))
 	key := h.keyOf(job("block"), h.queue, keyOpt)
 	faultPoll(t, 30*time.Second, "worker A runs the first task", func() bool { return seen("start", "A", first.ID) })
@@ -208,7 +210,7 @@ func TestFaultWorkerKilled(t *testing.T) {
 	if owner := h.lockOwner(key); owner != second.ID {
 		t.Fatalf("lock owner %q after the new enqueue, want %s", owner, second.ID)
 	}
-	b := startFaultWorker(t, realRedisAddr, h.prefix, h.queue, lease, "B")
+	b := startFaultWorker(t, redistest.Addr(), h.prefix, h.queue, lease, "B")
 	faultPoll(t, 30*time.Second, "worker B runs the new task", func() bool { return seen("start", "B", second.ID) })
 
 	// asynq's recoverer moves the killed task to retry once its asynq lease
@@ -487,8 +489,8 @@ func TestFaultRedisRestartUnderLoad(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { rp.kill() }) // the current one (killing twice is harmless)
-	addr := rp.addr
+	t.Cleanup(func() { rp.Kill() }) // the current one (killing twice is harmless)
+	addr := rp.Addr
 
 	rdb := redis.NewClient(&redis.Options{Addr: addr, PoolSize: 32, DialTimeout: 300 * time.Millisecond,
 		ReadTimeout: time.Second, WriteTimeout: time.Second})
@@ -526,7 +528,7 @@ func TestFaultRedisRestartUnderLoad(t *testing.T) {
 	ok := func(a faultAttempt) bool { return a.err == nil }
 	faultPoll(t, 30*time.Second, "load before the kill", func() bool { return load.count(ok) >= 300 && processed.total() >= 100 })
 
-	rp.kill() // SIGKILL; its own directory goes, the AOF (in ours) stays
+	rp.Kill() // SIGKILL; its own directory goes, the AOF (in ours) stays
 	load.phase.Store(phaseDown)
 	killedAt := time.Now()
 	waitingAtKill := load.count(func(a faultAttempt) bool { return a.err == nil && !processed.ran(a.id) })
@@ -672,10 +674,10 @@ func TestFaultLockRedisDownFailOpen(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { lp.kill() }) // the current one (killing twice is harmless)
-	addr := lp.addr
+	t.Cleanup(func() { lp.Kill() }) // the current one (killing twice is harmless)
+	addr := lp.Addr
 	lrdb := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: 300 * time.Millisecond, ReadTimeout: time.Second, WriteTimeout: time.Second})
-	ardb := redis.NewClient(&redis.Options{Addr: realRedisAddr, PoolSize: 32})
+	ardb := redis.NewClient(&redis.Options{Addr: redistest.Addr(), PoolSize: 32})
 	name := uniq(t)
 	prefix, queue := "dd-"+name, "q-"+name
 	d, err := New(ctx, lrdb, Config{Prefix: prefix, FailOpen: true, LockTimeout: 300 * time.Millisecond, Logger: quietLogger()})
@@ -709,7 +711,7 @@ func TestFaultLockRedisDownFailOpen(t *testing.T) {
 		t.Fatalf("before the kill: stats %+v", s)
 	}
 
-	lp.kill()
+	lp.Kill()
 	load.phase.Store(phaseDown)
 	down := func(a faultAttempt) bool { return a.phase0 == phaseDown }
 	faultPoll(t, 30*time.Second, "enqueues during the outage", func() bool { return load.count(down) >= 50 })

@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/asynq-dedup/dedup/internal/redistest"
+
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -73,14 +75,14 @@ func TestRequirePassPassesThrough(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.kill()
-	noauth := redis.NewClient(&redis.Options{Addr: p.addr, MaxRetries: -1})
+	defer p.Kill()
+	noauth := redis.NewClient(&redis.Options{Addr: p.Addr, MaxRetries: -1})
 	defer noauth.Close()
 	_, err = New(context.Background(), noauth, Config{ConnectAttempts: 1, Logger: quietLogger()})
 	if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "NOAUTH") {
 		t.Fatalf("without the password: err = %v, want ErrUnavailable wrapping NOAUTH", err)
 	}
-	rdb := redis.NewClient(&redis.Options{Addr: p.addr, Password: "s3cret"})
+	rdb := redis.NewClient(&redis.Options{Addr: p.Addr, Password: "s3cret"})
 	defer rdb.Close()
 	h := newHarnessOn(t, rdb, Config{})
 	info := h.enqueue(userTask(1, ""))
@@ -96,8 +98,8 @@ func TestWarnsWhenLocksCanBeEvicted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.kill()
-	rdb := redis.NewClient(&redis.Options{Addr: p.addr})
+	defer p.Kill()
+	rdb := redis.NewClient(&redis.Options{Addr: p.Addr})
 	defer rdb.Close()
 	var buf bytes.Buffer
 	d, err := New(context.Background(), rdb, Config{Logger: slog.New(slog.NewTextHandler(&buf, nil))})
@@ -114,7 +116,7 @@ func TestWarnsWhenLocksCanBeEvicted(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer d2.Close()
-	if realRedisAddr != "" && strings.Contains(buf.String(), "maxmemory") {
+	if redistest.Addr() != "" && strings.Contains(buf.String(), "maxmemory") {
 		t.Fatalf("warned under noeviction: %s", buf.String())
 	}
 }

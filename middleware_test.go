@@ -429,7 +429,7 @@ func TestMiddlewareRedisDown(t *testing.T) {
 			h.d = d
 			rc := newRecorder(nil)
 			errs := make(chan error, 10)
-			lockRedis.kill()
+			lockRedis.Kill()
 			h.serve(rc.handler(), func(c *asynq.Config) {
 				c.ErrorHandler = asynq.ErrorHandlerFunc(func(_ context.Context, _ *asynq.Task, err error) { errs <- err })
 				c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return time.Hour }

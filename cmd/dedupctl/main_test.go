@@ -9,14 +9,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/asynq-dedup/dedup/internal/redistest"
 
 	"github.com/asynq-dedup/dedup"
 	"github.com/hibiken/asynq"
@@ -24,86 +23,17 @@ import (
 )
 
 // The end-to-end tests run the command (run, in process) against a real
-// redis-server that TestMain starts on a free loopback port. Without
-// redis-server they skip, unless DEDUP_REQUIRE_REDIS is set: then they fail.
+// redis-server that TestMain starts on a free loopback port
+// (internal/redistest). Without redis-server they skip, unless
+// DEDUP_REQUIRE_REDIS is set: then they fail.
 
-var redisAddr string // "" when no redis-server runs for the tests
+func TestMain(m *testing.M) { os.Exit(redistest.Main(m, "dedupctl")) }
 
-func TestMain(m *testing.M) {
-	stop, addr, err := startRedis()
-	if err != nil {
-		if os.Getenv("DEDUP_REQUIRE_REDIS") != "" {
-			fmt.Fprintf(os.Stderr, "dedupctl tests: DEDUP_REQUIRE_REDIS is set but: %v\n", err)
-			os.Exit(1)
-		}
-		fmt.Fprintf(os.Stderr, "dedupctl tests: %v; the end-to-end tests skip\n", err)
-	}
-	redisAddr = addr
-	code := m.Run()
-	if stop != nil {
-		stop()
-	}
-	os.Exit(code)
-}
-
-// startRedis starts redis-server on a free loopback port, persistence off,
-// and waits until it answers PING.
-func startRedis() (stop func(), addr string, err error) {
-	bin, err := exec.LookPath("redis-server")
-	if err != nil {
-		return nil, "", fmt.Errorf("redis-server not installed (apt-get install redis-server)")
-	}
-	addr, err = freeAddr()
-	if err != nil {
-		return nil, "", err
-	}
-	_, port, _ := net.SplitHostPort(addr)
-	dir, err := os.MkdirTemp("", "dedupctl-redis-")
-	if err != nil {
-		return nil, "", err
-	}
-	cmd := exec.Command(bin, "--bind", "127.0.0.1", "--port", port, "--save", "", "--appendonly", "no",
-		"--dir", dir, "--daemonize", "no", "--loglevel", "warning", "--logfile", filepath.Join(dir, "redis.log"))
-	if err := cmd.Start(); err != nil {
-		return nil, "", err
-	}
-	stop = func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		_ = os.RemoveAll(dir)
-	}
-	c := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
-	defer c.Close()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-		err := c.Ping(ctx).Err()
-		cancel()
-		if err == nil {
-			return stop, addr, nil
-		}
-		if time.Now().After(deadline) {
-			stop()
-			return nil, "", fmt.Errorf("redis-server on %s did not answer: %w", addr, err)
-		}
-		time.Sleep(20 * time.Millisecond) // waiting for a child process to listen; nothing to block on
-	}
-}
-
-func freeAddr() (string, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
-	}
-	defer l.Close()
-	return l.Addr().String(), nil
-}
+func freeAddr() (string, error) { return redistest.FreeAddr() }
 
 func needRedis(t *testing.T) {
 	t.Helper()
-	if redisAddr == "" {
-		t.Skip("needs redis-server (not installed here: apt-get install redis-server); CI has one")
-	}
+	redistest.NeedReal(t)
 }
 
 func randHex(n int) string {
@@ -155,9 +85,9 @@ type fixture struct {
 func newFixture(t *testing.T, cfg dedup.Config) *fixture {
 	t.Helper()
 	needRedis(t)
-	rdb := redis.NewClient(&redis.Options{Addr: redisAddr, PoolSize: 32})
+	rdb := redis.NewClient(&redis.Options{Addr: redistest.Addr(), PoolSize: 32})
 	t.Cleanup(func() { _ = rdb.Close() })
-	return newFixtureOn(t, rdb, "redis://"+redisAddr+"/0", nil, cfg)
+	return newFixtureOn(t, rdb, "redis://"+redistest.Addr()+"/0", nil, cfg)
 }
 
 func newFixtureOn(t *testing.T, rdb redis.UniversalClient, url string, extra []string, cfg dedup.Config) *fixture {

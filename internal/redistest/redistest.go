@@ -1,0 +1,204 @@
+// Package redistest starts the redis-server the tests of this module run
+// against: one per test binary, on a free loopback port, with persistence
+// off. Where redis-server is not installed the tests fall back to an
+// in-process miniredis and those that need the real thing skip, unless
+// DEDUP_REQUIRE_REDIS is set (as in CI): then the test binary fails.
+package redistest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+)
+
+// Environment variables.
+const (
+	// RequireEnv makes a missing redis-server fail the tests instead of
+	// falling back to miniredis.
+	RequireEnv = "DEDUP_REQUIRE_REDIS"
+	// MiniredisEnv forces the miniredis fallback (to try it where
+	// redis-server is installed).
+	MiniredisEnv = "DEDUP_TEST_MINIREDIS"
+)
+
+var addr string // the shared server's address, "" when there is none
+
+// Main runs m with a shared redis-server and returns the exit code; call it
+// from TestMain: os.Exit(redistest.Main(m, "dedup")). name labels its
+// messages.
+func Main(m *testing.M, name string) int {
+	var (
+		p   *Proc
+		err = fmt.Errorf("%s is set", MiniredisEnv)
+	)
+	if os.Getenv(MiniredisEnv) == "" {
+		p, err = Spawn("")
+	}
+	if err != nil && os.Getenv(RequireEnv) != "" {
+		fmt.Fprintf(os.Stderr, "%s tests: %s is set but: %v\n", name, RequireEnv, err)
+		return 1
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s tests: %v; using miniredis, tests that need a real redis-server skip\n", name, err)
+	} else {
+		addr = p.Addr
+		defer p.Kill()
+	}
+	return m.Run()
+}
+
+// Addr is the shared redis-server's address, or "" when the tests run on
+// miniredis.
+func Addr() string { return addr }
+
+// Client returns a client of the shared redis-server, or of a fresh
+// miniredis when there is none. It is closed when the test ends.
+func Client(t testing.TB) *redis.Client {
+	t.Helper()
+	var c *redis.Client
+	if addr != "" {
+		c = redis.NewClient(&redis.Options{Addr: addr, PoolSize: 64})
+	} else {
+		mr := miniredis.RunT(t)
+		c = redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// NeedReal skips a test that needs a real redis-server.
+func NeedReal(t testing.TB) {
+	t.Helper()
+	if addr == "" {
+		t.Skip("needs a real redis-server (not installed here: apt-get install redis-server); CI has one")
+	}
+}
+
+// Uniq returns a name unique to this test run, safe in key names and hash
+// tags: each test gets its own queues and key prefix on the shared server,
+// so nothing is flushed.
+func Uniq(t testing.TB) string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	name := strings.NewReplacer("/", "_", " ", "_", ":", "_", "{", "_", "}", "_").Replace(t.Name())
+	return name + "-" + hex.EncodeToString(b[:])
+}
+
+// Proc is a redis-server child process on 127.0.0.1.
+type Proc struct {
+	Addr string
+	Cmd  *exec.Cmd
+	dir  string
+}
+
+// Spawn starts redis-server on a free loopback port (or on addr, to restart
+// one there), with persistence off and extra arguments after the defaults,
+// and waits until it answers PING.
+func Spawn(addr string, extra ...string) (*Proc, error) {
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		return nil, fmt.Errorf("redis-server not installed")
+	}
+	if addr == "" {
+		if addr, err = FreeAddr(); err != nil {
+			return nil, err
+		}
+	}
+	_, port, _ := net.SplitHostPort(addr)
+	dir, err := os.MkdirTemp("", "dedup-redis-")
+	if err != nil {
+		return nil, err
+	}
+	args := append([]string{"--bind", "127.0.0.1", "--port", port, "--save", "", "--appendonly", "no",
+		"--dir", dir, "--daemonize", "no", "--loglevel", "warning",
+		"--logfile", filepath.Join(dir, "redis.log")}, extra...)
+	cmd := exec.Command(bin, args...)
+	if err := cmd.Start(); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
+	}
+	p := &Proc{Addr: addr, Cmd: cmd, dir: dir}
+	if err := p.awaitPing(passwordOf(extra)); err != nil {
+		p.Kill()
+		return nil, err
+	}
+	return p, nil
+}
+
+// awaitPing polls the new server until it answers: a child process start
+// has no signal to wait on.
+func (p *Proc) awaitPing(password string) error {
+	c := redis.NewClient(&redis.Options{Addr: p.Addr, Password: password, MaxRetries: -1})
+	defer c.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		err := c.Ping(ctx).Err()
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("redis-server on %s did not answer: %w", p.Addr, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func passwordOf(args []string) string {
+	for i, a := range args {
+		if a == "--requirepass" && i+1 < len(args) {
+			return args[i+1]
+		}
+	}
+	return ""
+}
+
+// Kill stops the server with SIGKILL, waits for it and removes its
+// directory. Killing twice is harmless.
+func (p *Proc) Kill() {
+	_ = p.Cmd.Process.Kill()
+	_ = p.Cmd.Wait()
+	_ = os.RemoveAll(p.dir)
+}
+
+// Own starts a redis-server of the test's own (for what must not touch the
+// shared one: SCRIPT FLUSH, a kill) and returns it with a client; tweak may
+// adjust the client's options. It skips without a real redis-server.
+func Own(t *testing.T, tweak func(*redis.Options)) (*Proc, *redis.Client) {
+	t.Helper()
+	NeedReal(t)
+	p, err := Spawn("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Kill)
+	o := &redis.Options{Addr: p.Addr}
+	if tweak != nil {
+		tweak(o)
+	}
+	rdb := redis.NewClient(o)
+	t.Cleanup(func() { _ = rdb.Close() })
+	return p, rdb
+}
+
+// FreeAddr returns a loopback address nothing listens on (at the moment).
+func FreeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
+}
