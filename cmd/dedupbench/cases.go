@@ -245,6 +245,7 @@ type runResult struct {
 	h       *hist
 	cpu     time.Duration // this process (client side: Go code, go-redis, GC)
 	rcpu    time.Duration // Redis's main thread
+	rcpuOK  bool          // both INFO cpu readings succeeded (else rcpu is 0)
 }
 
 func (r *runResult) opsPerSec() float64 {
@@ -252,6 +253,15 @@ func (r *runResult) opsPerSec() float64 {
 		return 0
 	}
 	return float64(r.ops) / r.elapsed.Seconds()
+}
+
+// redisPerOp is Redis's main-thread CPU seconds per call, and false when the
+// run has no usable reading (INFO failed, no calls, a counter that went back).
+func (r *runResult) redisPerOp() (float64, bool) {
+	if !r.rcpuOK || r.ops <= 0 || r.rcpu < 0 {
+		return 0, false
+	}
+	return r.rcpu.Seconds() / float64(r.ops), true
 }
 
 const maxSamples = 5
@@ -334,7 +344,7 @@ func (e *env) measure(ctx context.Context, cd *caseDef, c int, dur time.Duration
 	cpu1 := processCPU()
 	r := &runResult{elapsed: elapsed, errs: errs.Load(), samples: samples, cmds: e.cnt.snapshot().sub(before), h: new(hist), cpu: cpu1 - cpu0}
 	if rcpu1, err := redisCPU(ctx, e.poll); err == nil && rerr == nil {
-		r.rcpu = rcpu1 - rcpu0
+		r.rcpu, r.rcpuOK = rcpu1-rcpu0, true
 	}
 	for i := range c {
 		r.ops += ops[i]

@@ -126,3 +126,20 @@ func TestFlags(t *testing.T) {
 		t.Errorf("cases %v, conc %v", cfg.cases, cfg.conc)
 	}
 }
+
+func TestParseCPU(t *testing.T) {
+	for _, c := range []struct {
+		info string
+		want time.Duration
+		ok   bool
+	}{
+		{"# CPU\r\nused_cpu_sys:1.5\r\nused_cpu_user:2.5\r\nused_cpu_sys_main_thread:0.25\r\nused_cpu_user_main_thread:0.5\r\n", 750 * time.Millisecond, true},
+		{"# CPU\r\nused_cpu_sys:1.5\r\nused_cpu_user:2.5\r\n", 4 * time.Second, true}, // before Redis 6.2: the whole process
+		{"# CPU\r\n", 0, false},
+	} {
+		got, err := parseCPU(c.info)
+		if (err == nil) != c.ok || got != c.want {
+			t.Errorf("parseCPU(%q) = %v, %v; want %v (ok %v)", c.info, got, err, c.want, c.ok)
+		}
+	}
+}

@@ -255,6 +255,12 @@ func redisCPU(ctx context.Context, rdb *redis.Client) (time.Duration, error) {
 	if err != nil {
 		return 0, err
 	}
+	return parseCPU(s)
+}
+
+// parseCPU reads the main thread's CPU time out of INFO cpu's text, or the
+// whole process's when the per-thread fields are missing.
+func parseCPU(s string) (time.Duration, error) {
 	f := map[string]float64{}
 	sc := bufio.NewScanner(strings.NewReader(s))
 	for sc.Scan() {
@@ -266,9 +272,13 @@ func redisCPU(ctx context.Context, rdb *redis.Client) (time.Duration, error) {
 			f[k] = x
 		}
 	}
-	sec := f["used_cpu_sys"] + f["used_cpu_user"]
-	if _, ok := f["used_cpu_user_main_thread"]; ok {
-		sec = f["used_cpu_sys_main_thread"] + f["used_cpu_user_main_thread"]
+	for _, pre := range []string{"used_cpu_%s_main_thread", "used_cpu_%s"} {
+		sys, ok1 := f[fmt.Sprintf(pre, "sys")]
+		user, ok2 := f[fmt.Sprintf(pre, "user")]
+		if ok1 && ok2 {
+			return time.Duration((sys + user) * float64(time.Second)), nil
+		}
 	}
-	return time.Duration(sec * float64(time.Second)), nil
+	// A reading of 0 would pass for a case that cost Redis nothing.
+	return 0, errors.New("INFO cpu: no used_cpu_sys/used_cpu_user fields")
 }
