@@ -19,7 +19,9 @@
 // Cases 1–6 run at each concurrency (-c) for -duration per round; each round
 // visits every case once (the order rotates), and a ratio is the case's ops/s
 // over plain Enqueue's in the same round at the same concurrency, reported as
-// the median over rounds (with its range). p50/p99 come from all rounds'
+// the median over rounds (with its range); so is the Redis CPU ratio, the
+// case's Redis main-thread CPU per call over plain Enqueue's, which bounds
+// a Redis shared by many producers. p50/p99 come from all rounds'
 // latencies; cmds/op counts the commands the shared go-redis client sent
 // (a hook on it), per call.
 //

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"math"
 	"os"
 	"os/exec"
 	"strings"
@@ -108,22 +109,97 @@ func TestSmokeJSON(t *testing.T) {
 		if s.Ops == 0 || s.CmdsPerOp < want[s.Case] || s.CmdsPerOp > want[s.Case]+0.05 || s.Ratio == nil {
 			t.Errorf("%s: %d ops, %.3f cmds/op (want %v), ratio %v", s.Case, s.Ops, s.CmdsPerOp, want[s.Case], s.Ratio)
 		}
+		// Every round has a CPU reading here; plain over itself is 1.
+		if s.RCPURatio == nil || len(s.RCPURatioRounds) != 2 || *s.RCPURatio <= 0 || (s.Case == "plain" && *s.RCPURatio != 1) {
+			t.Errorf("%s: redis CPU ratio %v, rounds %v", s.Case, deref(s.RCPURatio), s.RCPURatioRounds)
+		}
+	}
+	if !strings.Contains(out.String(), `"redis_cpu_ratio":`) {
+		t.Errorf("JSON lacks redis_cpu_ratio:\n%s", out.String())
 	}
 }
 
-func TestFlags(t *testing.T) {
-	var out bytes.Buffer
-	for _, args := range [][]string{{"-cases", "nope"}, {"-c", "0"}, {"-rounds", "0"}, {"-e2e-mode", "sometimes"}, {"extra"}} {
-		if _, err := parseFlags(args, &out, &out); err == nil {
-			t.Errorf("%q: no error", args)
+func deref(p *float64) any {
+	if p == nil {
+		return nil
+	}
+	return *p
+}
+
+// fakeRun is a timed run of one second with ops calls that cost Redis
+// rcpu, or whose CPU reading failed when rcpu < 0.
+func fakeRun(ops int64, rcpu time.Duration) *runResult {
+	r := &runResult{ops: ops, elapsed: time.Second, h: new(hist), rcpu: rcpu, rcpuOK: rcpu >= 0}
+	if rcpu < 0 {
+		r.rcpu = 0 // as measure leaves it
+	}
+	return r
+}
+
+// TestRedisCPURatio: per round, Redis CPU per call over plain Enqueue's in
+// that round; a round whose reading failed on either side is left out
+// rather than counted as 0 or +Inf.
+func TestRedisCPURatio(t *testing.T) {
+	ms := time.Millisecond
+	var plainCase, accepted *caseDef
+	for _, cd := range allCases {
+		switch cd.name {
+		case "plain":
+			plainCase = cd
+		case "accepted":
+			accepted = cd
 		}
 	}
-	cfg, err := parseFlags([]string{"-cases", "e2e,plain", "-c", "64,1,64"}, &out, &out)
+	runs := map[int]map[string][]*runResult{1: {
+		// 10 µs per call, but round 3's reading failed.
+		"plain": {fakeRun(1000, 10*ms), fakeRun(1000, 10*ms), fakeRun(1000, -1), fakeRun(1000, 10*ms), fakeRun(1000, 10*ms)},
+		// 20, 15, (plain failed), 30 µs per call, then its own reading failed.
+		"accepted": {fakeRun(500, 10*ms), fakeRun(1000, 15*ms), fakeRun(1000, 12*ms), fakeRun(1000, 30*ms), fakeRun(1000, -1)},
+	}}
+	cfg := config{conc: []int{1}, duration: time.Second}
+	rep := &report{Meta: meta{Rounds: 5}}
+	rep.summarize(cfg, []*caseDef{plainCase, accepted}, runs, nil)
+	if len(rep.Throughput) != 2 {
+		t.Fatalf("%d summaries", len(rep.Throughput))
+	}
+	near := func(p *float64, want float64) bool { return p != nil && math.Abs(*p-want) < 1e-9 }
+	p, a := rep.Throughput[0], rep.Throughput[1]
+	if !near(p.RCPURatio, 1) || len(p.RCPURatioRounds) != 4 {
+		t.Errorf("plain: ratio %v, rounds %v", deref(p.RCPURatio), p.RCPURatioRounds)
+	}
+	if !near(a.RCPURatio, 2) || !near(a.RCPURatioMin, 1.5) || !near(a.RCPURatioMax, 3) || len(a.RCPURatioRounds) != 3 {
+		t.Errorf("accepted: ratio %v (%v–%v), rounds %v", deref(a.RCPURatio), deref(a.RCPURatioMin), deref(a.RCPURatioMax), a.RCPURatioRounds)
+	}
+	// The throughput ratio still counts every round.
+	if !near(a.Ratio, 1) || !near(a.RatioMin, 0.5) || len(a.RatioRounds) != 5 {
+		t.Errorf("accepted: throughput ratio %v (min %v), rounds %v", deref(a.Ratio), deref(a.RatioMin), a.RatioRounds)
+	}
+
+	js, err := json.Marshal(rep)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if strings.Join(cfg.cases, ",") != "plain,e2e" || len(cfg.conc) != 2 {
-		t.Errorf("cases %v, conc %v", cfg.cases, cfg.conc)
+	var back struct {
+		Throughput []map[string]any `json:"throughput"`
+	}
+	if err := json.Unmarshal(js, &back); err != nil {
+		t.Fatal(err)
+	}
+	for f, want := range map[string]float64{"redis_cpu_ratio": 2, "redis_cpu_ratio_min": 1.5, "redis_cpu_ratio_max": 3} {
+		if got, ok := back.Throughput[1][f].(float64); !ok || math.Abs(got-want) > 1e-9 {
+			t.Errorf("JSON %s = %v, want %v:\n%s", f, back.Throughput[1][f], want, js)
+		}
+	}
+	if rs, ok := back.Throughput[1]["redis_cpu_ratio_rounds"].([]any); !ok || len(rs) != 3 {
+		t.Errorf("JSON redis_cpu_ratio_rounds = %v", back.Throughput[1]["redis_cpu_ratio_rounds"])
+	}
+
+	var out bytes.Buffer
+	rep.writeTable(&out, cfg)
+	for _, want := range []string{"rds ratio  (range)", "rds ratio: Redis main-thread CPU per call", "2.00  (1.50–3.00)"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("table lacks %q:\n%s", want, out.String())
+		}
 	}
 }
 
@@ -141,5 +217,21 @@ func TestParseCPU(t *testing.T) {
 		if (err == nil) != c.ok || got != c.want {
 			t.Errorf("parseCPU(%q) = %v, %v; want %v (ok %v)", c.info, got, err, c.want, c.ok)
 		}
+	}
+}
+
+func TestFlags(t *testing.T) {
+	var out bytes.Buffer
+	for _, args := range [][]string{{"-cases", "nope"}, {"-c", "0"}, {"-rounds", "0"}, {"-e2e-mode", "sometimes"}, {"extra"}} {
+		if _, err := parseFlags(args, &out, &out); err == nil {
+			t.Errorf("%q: no error", args)
+		}
+	}
+	cfg, err := parseFlags([]string{"-cases", "e2e,plain", "-c", "64,1,64"}, &out, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(cfg.cases, ",") != "plain,e2e" || len(cfg.conc) != 2 {
+		t.Errorf("cases %v, conc %v", cfg.cases, cfg.conc)
 	}
 }

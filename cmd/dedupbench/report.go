@@ -46,6 +46,10 @@ type caseSummary struct {
 	RatioMin        *float64           `json:"ratio_min,omitempty"`
 	RatioMax        *float64           `json:"ratio_max,omitempty"`
 	RatioRounds     []float64          `json:"ratio_rounds,omitempty"`
+	RCPURatio       *float64           `json:"redis_cpu_ratio,omitempty"` // median of per-round Redis CPU per call ÷ plain Enqueue's (rounds without a reading left out)
+	RCPURatioMin    *float64           `json:"redis_cpu_ratio_min,omitempty"`
+	RCPURatioMax    *float64           `json:"redis_cpu_ratio_max,omitempty"`
+	RCPURatioRounds []float64          `json:"redis_cpu_ratio_rounds,omitempty"`
 	CmdsPerOp       float64            `json:"cmds_per_op"`
 	RttsPerOp       float64            `json:"round_trips_per_op"`
 	CmdsByName      map[string]float64 `json:"cmds_per_op_by_name"`
@@ -133,12 +137,23 @@ func (rep *report) summarize(cfg config, selected []*caseDef, runs map[int]map[s
 				if i < len(plain) && plain[i].opsPerSec() > 0 {
 					s.RatioRounds = append(s.RatioRounds, r.opsPerSec()/plain[i].opsPerSec())
 				}
+				if i < len(plain) {
+					x, ok := r.redisPerOp()
+					b, okb := plain[i].redisPerOp()
+					if ok && okb && b > 0 {
+						s.RCPURatioRounds = append(s.RCPURatioRounds, x/b)
+					}
+				}
 			}
 			s.OpsPerSec = median(s.OpsPerSecRounds)
 			s.P50, s.P99 = int64(h.quantile(0.5)), int64(h.quantile(0.99))
 			if len(s.RatioRounds) > 0 {
 				s.Ratio = ptr(median(s.RatioRounds))
 				s.RatioMin, s.RatioMax = ptr(slices.Min(s.RatioRounds)), ptr(slices.Max(s.RatioRounds))
+			}
+			if len(s.RCPURatioRounds) > 0 {
+				s.RCPURatio = ptr(median(s.RCPURatioRounds))
+				s.RCPURatioMin, s.RCPURatioMax = ptr(slices.Min(s.RCPURatioRounds)), ptr(slices.Max(s.RCPURatioRounds))
 			}
 			if s.Ops > 0 {
 				s.CmdsPerOp = float64(cmds.cmds) / float64(s.Ops)
@@ -224,26 +239,24 @@ func (rep *report) writeTable(w io.Writer, cfg config) {
 		fmt.Fprintf(w, "%d B JSON payloads, %d keys pre-enqueued for dup/rejected/coalesced; %v per case × %d rounds, interleaved;\n", m.Payload, m.Keys, cfg.duration, m.Rounds)
 		fmt.Fprintf(w, "ops/s and ratio: medians over rounds (ratio = ops/s ÷ plain Enqueue's in the same round; range min–max); p50/p99 over all calls;\n")
 		fmt.Fprintf(w, "cmds/op, rtt/op: commands and round trips per call through the shared client; cli µs, rds µs: CPU time per call of this process and of Redis's main thread\n")
+		fmt.Fprintf(w, "rds ratio: Redis main-thread CPU per call ÷ plain Enqueue's in the same round (median, range min–max; rounds without a CPU reading skipped)\n")
 	}
 	var errs []string
 	for _, c := range cfg.conc {
 		if len(rep.Throughput) == 0 {
 			break
 		}
-		fmt.Fprintf(w, "\n%-18s %8s %7s %7s %5s %-12s %7s %6s %7s %7s %6s\n", fmt.Sprintf("c=%d", c), "ops/s", "p50", "p99", "ratio", " (range)", "cmds/op", "rtt/op", "cli µs", "rds µs", "errors")
+		fmt.Fprintf(w, "\n%-18s %8s %7s %7s %5s %-12s %9s %-12s %7s %6s %7s %7s %6s\n", fmt.Sprintf("c=%d", c), "ops/s", "p50", "p99",
+			"ratio", " (range)", "rds ratio", " (range)", "cmds/op", "rtt/op", "cli µs", "rds µs", "errors")
 		for _, s := range rep.Throughput {
 			if s.C != c {
 				continue
 			}
-			ratio, rng := "-", ""
-			if s.Ratio != nil {
-				ratio = fmt.Sprintf("%.2f", *s.Ratio)
-				if len(s.RatioRounds) > 1 {
-					rng = fmt.Sprintf(" (%.2f–%.2f)", *s.RatioMin, *s.RatioMax)
-				}
-			}
-			fmt.Fprintf(w, "%-18s %8s %7s %7s %5s %-12s %7.2f %6.2f %7.1f %7.1f %6d\n", s.Title, commas(int64(s.OpsPerSec)),
-				fmtLat(time.Duration(s.P50)), fmtLat(time.Duration(s.P99)), ratio, rng, s.CmdsPerOp, s.RttsPerOp, s.ClientUsPerOp, s.RedisUsPerOp, s.Errors)
+			ratio, rng := fmtRatio(s.Ratio, s.RatioMin, s.RatioMax, len(s.RatioRounds))
+			rratio, rrng := fmtRatio(s.RCPURatio, s.RCPURatioMin, s.RCPURatioMax, len(s.RCPURatioRounds))
+			fmt.Fprintf(w, "%-18s %8s %7s %7s %5s %-12s %9s %-12s %7.2f %6.2f %7.1f %7.1f %6d\n", s.Title, commas(int64(s.OpsPerSec)),
+				fmtLat(time.Duration(s.P50)), fmtLat(time.Duration(s.P99)), ratio, rng, rratio, rrng,
+				s.CmdsPerOp, s.RttsPerOp, s.ClientUsPerOp, s.RedisUsPerOp, s.Errors)
 			for _, e := range s.ErrorSamples {
 				errs = append(errs, fmt.Sprintf("c=%d %s: %s", c, s.Title, e))
 			}
@@ -331,6 +344,18 @@ func (rep *report) writeTable(w io.Writer, cfg config) {
 	if m.KeysLeft > 0 {
 		fmt.Fprintf(w, "\nwarning: %d keys of this run were left in Redis\n", m.KeysLeft)
 	}
+}
+
+// fmtRatio formats a median ratio ("-" if none) and, over more than one
+// round, its range.
+func fmtRatio(med, lo, hi *float64, rounds int) (ratio, rng string) {
+	if med == nil {
+		return "-", ""
+	}
+	if rounds > 1 {
+		rng = fmt.Sprintf(" (%.2f–%.2f)", *lo, *hi)
+	}
+	return fmt.Sprintf("%.2f", *med), rng
 }
 
 func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
