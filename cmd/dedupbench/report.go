@@ -120,68 +120,11 @@ func (rep *report) summarize(cfg config, selected []*caseDef, runs map[int]map[s
 	for _, c := range cfg.conc {
 		plain := runs[c]["plain"]
 		for _, cd := range selected {
-			rs := runs[c][cd.name]
-			s := caseSummary{Case: cd.name, Title: cd.title, C: c, CmdsByName: map[string]float64{}}
-			h := new(hist)
-			var cmds counts
-			var cpu, rcpu time.Duration
-			for i, r := range rs {
-				cpu += r.cpu
-				rcpu += r.rcpu
-				s.OpsPerSecRounds = append(s.OpsPerSecRounds, r.opsPerSec())
-				s.Ops += r.ops
-				s.Errors += r.errs
-				s.ErrorSamples = append(s.ErrorSamples, r.samples...)
-				h.merge(r.h)
-				cmds.add(r.cmds)
-				if i < len(plain) && plain[i].opsPerSec() > 0 {
-					s.RatioRounds = append(s.RatioRounds, r.opsPerSec()/plain[i].opsPerSec())
-				}
-				if i < len(plain) {
-					x, ok := r.redisPerOp()
-					b, okb := plain[i].redisPerOp()
-					if ok && okb && b > 0 {
-						s.RCPURatioRounds = append(s.RCPURatioRounds, x/b)
-					}
-				}
-			}
-			s.OpsPerSec = median(s.OpsPerSecRounds)
-			s.P50, s.P99 = int64(h.quantile(0.5)), int64(h.quantile(0.99))
-			if len(s.RatioRounds) > 0 {
-				s.Ratio = ptr(median(s.RatioRounds))
-				s.RatioMin, s.RatioMax = ptr(slices.Min(s.RatioRounds)), ptr(slices.Max(s.RatioRounds))
-			}
-			if len(s.RCPURatioRounds) > 0 {
-				s.RCPURatio = ptr(median(s.RCPURatioRounds))
-				s.RCPURatioMin, s.RCPURatioMax = ptr(slices.Min(s.RCPURatioRounds)), ptr(slices.Max(s.RCPURatioRounds))
-			}
-			if s.Ops > 0 {
-				s.CmdsPerOp = float64(cmds.cmds) / float64(s.Ops)
-				s.RttsPerOp = float64(cmds.rtts) / float64(s.Ops)
-				s.ClientUsPerOp = cpu.Seconds() * 1e6 / float64(s.Ops)
-				s.RedisUsPerOp = rcpu.Seconds() * 1e6 / float64(s.Ops)
-				for k, v := range cmds.byName {
-					s.CmdsByName[k] = float64(v) / float64(s.Ops)
-				}
-			}
-			if len(s.ErrorSamples) > maxSamples {
-				s.ErrorSamples = s.ErrorSamples[:maxSamples]
-			}
+			s := summarizeCase(cd, c, runs[c][cd.name], plain)
 			rep.Errors += s.Errors
 			rep.Throughput = append(rep.Throughput, s)
 		}
-		var base *caseSummary
-		for i := range rep.Throughput {
-			if t := &rep.Throughput[i]; t.C == c && t.Case == "plain" {
-				base = t
-			}
-		}
-		for i := range rep.Throughput {
-			t := &rep.Throughput[i]
-			if base != nil && t.C == c && t.ClientUsPerOp+t.RedisUsPerOp > 0 {
-				t.CPURatio = ptr((base.ClientUsPerOp + base.RedisUsPerOp) / (t.ClientUsPerOp + t.RedisUsPerOp))
-			}
-		}
+		rep.setCPURatios(c)
 	}
 	if len(e2eRuns) == 0 {
 		return
@@ -191,38 +134,113 @@ func (rep *report) summarize(cfg config, selected []*caseDef, runs map[int]map[s
 	for _, m := range cfg.e2eModes {
 		plain := e2eRuns[m]["plain"]
 		for _, v := range e2eVariants {
-			rs := e2eRuns[m][v.name]
-			s := e2eSummary{Mode: m, Variant: v.name, Title: v.title}
-			var enq, drain, total, proc, created, folded, rejected, cmds []float64
-			for i, r := range rs {
-				enq = append(enq, r.enqueue.Seconds())
-				drain = append(drain, r.drain.Seconds())
-				total = append(total, r.total.Seconds())
-				s.KeySecRounds = append(s.KeySecRounds, r.key(m).Seconds())
-				proc = append(proc, float64(r.processed))
-				created = append(created, float64(r.created))
-				folded = append(folded, float64(r.folded))
-				rejected = append(rejected, float64(r.rejected))
-				cmds = append(cmds, float64(r.cmds))
-				s.Errors += r.errs
-				s.ErrorSamples = append(s.ErrorSamples, r.samples...)
-				if i < len(plain) && r.key(m) > 0 {
-					s.SpeedupRounds = append(s.SpeedupRounds, plain[i].key(m).Seconds()/r.key(m).Seconds())
-				}
-			}
-			s.EnqueueSec, s.DrainSec, s.TotalSec, s.KeySec = median(enq), median(drain), median(total), median(s.KeySecRounds)
-			s.Processed, s.Created, s.Folded, s.Rejected = int64(median(proc)), int64(median(created)), int64(median(folded)), int64(median(rejected))
-			s.Cmds = int64(median(cmds))
-			if len(s.SpeedupRounds) > 0 {
-				s.Speedup = ptr(median(s.SpeedupRounds))
-			}
-			if len(s.ErrorSamples) > maxSamples {
-				s.ErrorSamples = s.ErrorSamples[:maxSamples]
-			}
+			s := summarizeE2E(m, v, e2eRuns[m][v.name], plain)
 			rep.Errors += s.Errors
 			rep.E2E = append(rep.E2E, s)
 		}
 	}
+}
+
+// summarizeCase sums up case cd's rounds rs at concurrency c; plain holds
+// plain Enqueue's rounds at c, for the ratios round by round.
+func summarizeCase(cd *caseDef, c int, rs, plain []*runResult) caseSummary {
+	s := caseSummary{Case: cd.name, Title: cd.title, C: c, CmdsByName: map[string]float64{}}
+	h := new(hist)
+	var cmds counts
+	var cpu, rcpu time.Duration
+	for i, r := range rs {
+		cpu += r.cpu
+		rcpu += r.rcpu
+		s.OpsPerSecRounds = append(s.OpsPerSecRounds, r.opsPerSec())
+		s.Ops += r.ops
+		s.Errors += r.errs
+		s.ErrorSamples = append(s.ErrorSamples, r.samples...)
+		h.merge(r.h)
+		cmds.add(r.cmds)
+		if i < len(plain) && plain[i].opsPerSec() > 0 {
+			s.RatioRounds = append(s.RatioRounds, r.opsPerSec()/plain[i].opsPerSec())
+		}
+		if i < len(plain) {
+			x, ok := r.redisPerOp()
+			b, okb := plain[i].redisPerOp()
+			if ok && okb && b > 0 {
+				s.RCPURatioRounds = append(s.RCPURatioRounds, x/b)
+			}
+		}
+	}
+	s.OpsPerSec = median(s.OpsPerSecRounds)
+	s.P50, s.P99 = int64(h.quantile(0.5)), int64(h.quantile(0.99))
+	if len(s.RatioRounds) > 0 {
+		s.Ratio = ptr(median(s.RatioRounds))
+		s.RatioMin, s.RatioMax = ptr(slices.Min(s.RatioRounds)), ptr(slices.Max(s.RatioRounds))
+	}
+	if len(s.RCPURatioRounds) > 0 {
+		s.RCPURatio = ptr(median(s.RCPURatioRounds))
+		s.RCPURatioMin, s.RCPURatioMax = ptr(slices.Min(s.RCPURatioRounds)), ptr(slices.Max(s.RCPURatioRounds))
+	}
+	if s.Ops > 0 {
+		s.CmdsPerOp = float64(cmds.cmds) / float64(s.Ops)
+		s.RttsPerOp = float64(cmds.rtts) / float64(s.Ops)
+		s.ClientUsPerOp = cpu.Seconds() * 1e6 / float64(s.Ops)
+		s.RedisUsPerOp = rcpu.Seconds() * 1e6 / float64(s.Ops)
+		for k, v := range cmds.byName {
+			s.CmdsByName[k] = float64(v) / float64(s.Ops)
+		}
+	}
+	if len(s.ErrorSamples) > maxSamples {
+		s.ErrorSamples = s.ErrorSamples[:maxSamples]
+	}
+	return s
+}
+
+// setCPURatios sets CPURatio of the cases at concurrency c, once plain
+// Enqueue's CPU time per call is known.
+func (rep *report) setCPURatios(c int) {
+	var base *caseSummary
+	for i := range rep.Throughput {
+		if t := &rep.Throughput[i]; t.C == c && t.Case == "plain" {
+			base = t
+		}
+	}
+	for i := range rep.Throughput {
+		t := &rep.Throughput[i]
+		if base != nil && t.C == c && t.ClientUsPerOp+t.RedisUsPerOp > 0 {
+			t.CPURatio = ptr((base.ClientUsPerOp + base.RedisUsPerOp) / (t.ClientUsPerOp + t.RedisUsPerOp))
+		}
+	}
+}
+
+// summarizeE2E sums up variant v's rounds rs in mode m; plain holds plain
+// asynq's rounds, for the speedup round by round.
+func summarizeE2E(m string, v e2eVariant, rs, plain []*e2eResult) e2eSummary {
+	s := e2eSummary{Mode: m, Variant: v.name, Title: v.title}
+	var enq, drain, total, proc, created, folded, rejected, cmds []float64
+	for i, r := range rs {
+		enq = append(enq, r.enqueue.Seconds())
+		drain = append(drain, r.drain.Seconds())
+		total = append(total, r.total.Seconds())
+		s.KeySecRounds = append(s.KeySecRounds, r.key(m).Seconds())
+		proc = append(proc, float64(r.processed))
+		created = append(created, float64(r.created))
+		folded = append(folded, float64(r.folded))
+		rejected = append(rejected, float64(r.rejected))
+		cmds = append(cmds, float64(r.cmds))
+		s.Errors += r.errs
+		s.ErrorSamples = append(s.ErrorSamples, r.samples...)
+		if i < len(plain) && r.key(m) > 0 {
+			s.SpeedupRounds = append(s.SpeedupRounds, plain[i].key(m).Seconds()/r.key(m).Seconds())
+		}
+	}
+	s.EnqueueSec, s.DrainSec, s.TotalSec, s.KeySec = median(enq), median(drain), median(total), median(s.KeySecRounds)
+	s.Processed, s.Created, s.Folded, s.Rejected = int64(median(proc)), int64(median(created)), int64(median(folded)), int64(median(rejected))
+	s.Cmds = int64(median(cmds))
+	if len(s.SpeedupRounds) > 0 {
+		s.Speedup = ptr(median(s.SpeedupRounds))
+	}
+	if len(s.ErrorSamples) > maxSamples {
+		s.ErrorSamples = s.ErrorSamples[:maxSamples]
+	}
+	return s
 }
 
 func (rep *report) writeJSON(w io.Writer) error {
