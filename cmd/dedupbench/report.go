@@ -250,6 +250,29 @@ func (rep *report) writeJSON(w io.Writer) error {
 }
 
 func (rep *report) writeTable(w io.Writer, cfg config) {
+	rep.writeHeader(w, cfg)
+	errs := rep.writeThroughput(w, cfg)
+	if cfg.verbose {
+		rep.writeCmdsByName(w)
+	}
+	if len(rep.E2E) > 0 {
+		errs = append(errs, rep.writeE2E(w, cfg)...)
+		fmt.Fprintln(w)
+		rep.writeE2ESpeedups(w, cfg)
+	}
+	if len(errs) > 0 {
+		fmt.Fprintf(w, "\nUNEXPECTED OUTCOMES (%d in all; samples):\n", rep.Errors)
+		for _, e := range errs {
+			fmt.Fprintf(w, "  %s\n", e)
+		}
+	}
+	if rep.Meta.KeysLeft > 0 {
+		fmt.Fprintf(w, "\nwarning: %d keys of this run were left in Redis\n", rep.Meta.KeysLeft)
+	}
+}
+
+// writeHeader writes what was run where, and what the columns mean.
+func (rep *report) writeHeader(w io.Writer, cfg config) {
 	m := rep.Meta
 	fmt.Fprintf(w, "dedupbench  %s  %s  asynq %s  go-redis %s  redis %s  %d CPUs\n", m.Date, m.Go, m.Asynq, m.GoRedis, m.Redis, m.CPUs)
 	fmt.Fprintf(w, "%s; one shared go-redis client, PoolSize %d, ContextTimeoutEnabled %v; dedup MaxBatch %s\n", m.Where, m.Pool, m.ContextTimeouts, batchDesc(m.MaxBatch))
@@ -259,7 +282,11 @@ func (rep *report) writeTable(w io.Writer, cfg config) {
 		fmt.Fprintf(w, "cmds/op, rtt/op: commands and round trips per call through the shared client; cli µs, rds µs: CPU time per call of this process and of Redis's main thread\n")
 		fmt.Fprintf(w, "rds ratio: Redis main-thread CPU per call ÷ plain Enqueue's in the same round (median, range min–max; rounds without a CPU reading skipped)\n")
 	}
-	var errs []string
+}
+
+// writeThroughput writes one table per concurrency and returns the error
+// samples, for the list at the end.
+func (rep *report) writeThroughput(w io.Writer, cfg config) (errs []string) {
 	for _, c := range cfg.conc {
 		if len(rep.Throughput) == 0 {
 			break
@@ -280,87 +307,91 @@ func (rep *report) writeTable(w io.Writer, cfg config) {
 			}
 		}
 	}
-	if cfg.verbose {
-		fmt.Fprintf(w, "\ncommands per call, by name:\n")
-		for _, s := range rep.Throughput {
-			names := make([]string, 0, len(s.CmdsByName))
-			for k := range s.CmdsByName {
-				names = append(names, k)
-			}
-			slices.SortFunc(names, func(a, b string) int {
-				if s.CmdsByName[a] != s.CmdsByName[b] {
-					if s.CmdsByName[a] > s.CmdsByName[b] {
-						return -1
-					}
-					return 1
-				}
-				return strings.Compare(a, b)
-			})
-			parts := make([]string, 0, len(names))
-			for _, n := range names {
-				parts = append(parts, fmt.Sprintf("%s %.4g", n, s.CmdsByName[n]))
-			}
-			rounds := make([]string, 0, len(s.OpsPerSecRounds))
-			for _, x := range s.OpsPerSecRounds {
-				rounds = append(rounds, commas(int64(x)))
-			}
-			fmt.Fprintf(w, "  c=%-3d %-20s %s   (ops/s by round: %s)\n", s.C, s.Title, strings.Join(parts, ", "), strings.Join(rounds, " "))
+	return errs
+}
+
+// writeCmdsByName writes (-v) each case's commands per call by name, most
+// first, and its ops/s round by round.
+func (rep *report) writeCmdsByName(w io.Writer) {
+	fmt.Fprintf(w, "\ncommands per call, by name:\n")
+	for _, s := range rep.Throughput {
+		names := make([]string, 0, len(s.CmdsByName))
+		for k := range s.CmdsByName {
+			names = append(names, k)
 		}
+		slices.SortFunc(names, func(a, b string) int {
+			if s.CmdsByName[a] != s.CmdsByName[b] {
+				if s.CmdsByName[a] > s.CmdsByName[b] {
+					return -1
+				}
+				return 1
+			}
+			return strings.Compare(a, b)
+		})
+		parts := make([]string, 0, len(names))
+		for _, n := range names {
+			parts = append(parts, fmt.Sprintf("%s %.4g", n, s.CmdsByName[n]))
+		}
+		rounds := make([]string, 0, len(s.OpsPerSecRounds))
+		for _, x := range s.OpsPerSecRounds {
+			rounds = append(rounds, commas(int64(x)))
+		}
+		fmt.Fprintf(w, "  c=%-3d %-20s %s   (ops/s by round: %s)\n", s.C, s.Title, strings.Join(parts, ", "), strings.Join(rounds, " "))
 	}
-	if len(rep.E2E) > 0 {
-		ec := rep.E2EConfig
-		fmt.Fprintf(w, "\nend to end: %s enqueues over %s user_ids by %d producers; asynq server Concurrency %d, handler sleeps %v,\n"+
-			"TaskCheckInterval %v; dedup Replace = Rule{OnConflict: Replace, OnRunning: RunningDefer}, dedup Reject = defaults; medians of %d rounds\n",
-			commas(int64(ec.Tasks)), commas(int64(ec.Keys)), ec.Producers, ec.Workers, cfg.e2eWork, cfg.e2eCheck, m.Rounds)
-		for _, mode := range cfg.e2eModes {
-			fmt.Fprintf(w, "\n%s\n", modeTitles[mode])
-			fmt.Fprintf(w, "  %-16s %8s %8s %8s %10s %8s %8s %8s %10s %8s\n", "", "enqueue", "drain", "total", "processed", "created", "folded", "rejected", "redis cmds", "speedup")
-			for _, s := range rep.E2E {
-				if s.Mode != mode {
-					continue
-				}
-				sp := "-"
-				if s.Speedup != nil {
-					sp = fmt.Sprintf("%.2f×", *s.Speedup)
-				}
-				fmt.Fprintf(w, "  %-16s %8s %8s %8s %10s %8s %8s %8s %10s %8s\n", s.Title, fmtSec(secs(s.EnqueueSec)), fmtSec(secs(s.DrainSec)),
-					fmtSec(secs(s.TotalSec)), commas(s.Processed), commas(s.Created), commas(s.Folded), commas(s.Rejected), commas(s.Cmds), sp)
-				for _, e := range s.ErrorSamples {
-					errs = append(errs, fmt.Sprintf("end to end %s %s: %s", mode, s.Title, e))
-				}
-			}
-		}
-		fmt.Fprintln(w)
-		for _, mode := range cfg.e2eModes {
-			var plain, repl *e2eSummary
-			for i := range rep.E2E {
-				s := &rep.E2E[i]
-				if s.Mode == mode && s.Variant == "plain" {
-					plain = s
-				}
-				if s.Mode == mode && s.Variant == "replace" {
-					repl = s
-				}
-			}
-			if plain == nil || repl == nil || repl.Speedup == nil {
+}
+
+// writeE2E writes one end-to-end table per mode and returns the error
+// samples, for the list at the end.
+func (rep *report) writeE2E(w io.Writer, cfg config) (errs []string) {
+	ec := rep.E2EConfig
+	fmt.Fprintf(w, "\nend to end: %s enqueues over %s user_ids by %d producers; asynq server Concurrency %d, handler sleeps %v,\n"+
+		"TaskCheckInterval %v; dedup Replace = Rule{OnConflict: Replace, OnRunning: RunningDefer}, dedup Reject = defaults; medians of %d rounds\n",
+		commas(int64(ec.Tasks)), commas(int64(ec.Keys)), ec.Producers, ec.Workers, cfg.e2eWork, cfg.e2eCheck, rep.Meta.Rounds)
+	for _, mode := range cfg.e2eModes {
+		fmt.Fprintf(w, "\n%s\n", modeTitles[mode])
+		fmt.Fprintf(w, "  %-16s %8s %8s %8s %10s %8s %8s %8s %10s %8s\n", "", "enqueue", "drain", "total", "processed", "created", "folded", "rejected", "redis cmds", "speedup")
+		for _, s := range rep.E2E {
+			if s.Mode != mode {
 				continue
 			}
-			what := "drain after enqueueing first"
-			if mode == modeLive {
-				what = "server running, first enqueue to drained"
+			sp := "-"
+			if s.Speedup != nil {
+				sp = fmt.Sprintf("%.2f×", *s.Speedup)
 			}
-			fmt.Fprintf(w, "end to end (%s over %s keys, %v handler, %s): plain %.2f s, dedup Replace %.2f s → %.1f× faster\n",
-				commas(int64(ec.Tasks)), commas(int64(ec.Keys)), cfg.e2eWork, what, plain.KeySec, repl.KeySec, *repl.Speedup)
+			fmt.Fprintf(w, "  %-16s %8s %8s %8s %10s %8s %8s %8s %10s %8s\n", s.Title, fmtSec(secs(s.EnqueueSec)), fmtSec(secs(s.DrainSec)),
+				fmtSec(secs(s.TotalSec)), commas(s.Processed), commas(s.Created), commas(s.Folded), commas(s.Rejected), commas(s.Cmds), sp)
+			for _, e := range s.ErrorSamples {
+				errs = append(errs, fmt.Sprintf("end to end %s %s: %s", mode, s.Title, e))
+			}
 		}
 	}
-	if len(errs) > 0 {
-		fmt.Fprintf(w, "\nUNEXPECTED OUTCOMES (%d in all; samples):\n", rep.Errors)
-		for _, e := range errs {
-			fmt.Fprintf(w, "  %s\n", e)
+	return errs
+}
+
+// writeE2ESpeedups writes, per mode, the one line that sums it up: plain
+// asynq against dedup Replace.
+func (rep *report) writeE2ESpeedups(w io.Writer, cfg config) {
+	ec := rep.E2EConfig
+	for _, mode := range cfg.e2eModes {
+		var plain, repl *e2eSummary
+		for i := range rep.E2E {
+			s := &rep.E2E[i]
+			if s.Mode == mode && s.Variant == "plain" {
+				plain = s
+			}
+			if s.Mode == mode && s.Variant == "replace" {
+				repl = s
+			}
 		}
-	}
-	if m.KeysLeft > 0 {
-		fmt.Fprintf(w, "\nwarning: %d keys of this run were left in Redis\n", m.KeysLeft)
+		if plain == nil || repl == nil || repl.Speedup == nil {
+			continue
+		}
+		what := "drain after enqueueing first"
+		if mode == modeLive {
+			what = "server running, first enqueue to drained"
+		}
+		fmt.Fprintf(w, "end to end (%s over %s keys, %v handler, %s): plain %.2f s, dedup Replace %.2f s → %.1f× faster\n",
+			commas(int64(ec.Tasks)), commas(int64(ec.Keys)), cfg.e2eWork, what, plain.KeySec, repl.KeySec, *repl.Speedup)
 	}
 }
 
