@@ -100,50 +100,82 @@ func caseNames() []string {
 	return append(names, "e2e")
 }
 
+// listFlags are the flags that take a comma-separated list, split after
+// parsing.
+type listFlags struct{ conc, cases, modes *string }
+
 func parseFlags(args []string, stdout, stderr io.Writer) (config, error) {
 	cfg := config{stdout: stdout, stderr: stderr}
 	fs := flag.NewFlagSet("dedupbench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&cfg.redisAddr, "redis", "", "Redis `address` (host:port or redis:// URL); default: start a redis-server on a free loopback port")
-	fs.DurationVar(&cfg.duration, "duration", 2*time.Second, "timed run of each case, per concurrency and round")
-	fs.DurationVar(&cfg.warmup, "warmup", 500*time.Millisecond, "untimed run of each case before the first round (0: none)")
-	fs.IntVar(&cfg.rounds, "rounds", 3, "rounds; each runs every case once, interleaved")
-	conc := fs.String("c", "1,64", "comma-separated `list` of concurrencies (goroutines calling Enqueue)")
-	cases := fs.String("cases", "all", "comma-separated cases to run: all or "+strings.Join(caseNames(), ","))
-	fs.BoolVar(&cfg.jsonOut, "json", false, "print the results as JSON instead of a table")
-	fs.StringVar(&cfg.cpuprofile, "cpuprofile", "", "write a CPU profile of the timed rounds to `file` (samples are labelled case=…, c=…)")
-	fs.IntVar(&cfg.keys, "keys", 1000, "keys pre-enqueued for the duplicate, rejected and coalesced cases")
-	fs.IntVar(&cfg.payload, "payload", 200, "payload size in `bytes` (JSON)")
-	fs.IntVar(&cfg.pool, "pool", 0, "go-redis PoolSize of the shared client (0: max(c, e2e producers) + e2e workers + 16)")
-	fs.BoolVar(&cfg.ctxTimeouts, "ctx-timeouts", false, "set go-redis ContextTimeoutEnabled on the shared client (go-redis's default is off)")
-	fs.IntVar(&cfg.maxBatch, "max-batch", 0, "dedup Config.MaxBatch (0: the library's default; -1: no batching)")
-	fs.BoolVar(&cfg.verbose, "v", false, "also print the commands per call by name, and per-round numbers")
-	fs.BoolVar(&cfg.quiet, "q", false, "no progress lines on stderr")
-	fs.IntVar(&cfg.e2eTasks, "e2e-tasks", 10_000, "end to end: enqueues")
-	fs.IntVar(&cfg.e2eKeys, "e2e-keys", 1_000, "end to end: distinct user_ids they are spread over")
-	fs.DurationVar(&cfg.e2eWork, "e2e-work", time.Millisecond, "end to end: simulated work per task (sleep)")
-	fs.IntVar(&cfg.e2eWorkers, "e2e-workers", 64, "end to end: asynq server Concurrency")
-	fs.IntVar(&cfg.e2eProducers, "e2e-producers", 64, "end to end: goroutines enqueueing")
-	fs.DurationVar(&cfg.e2eCheck, "e2e-check", 10*time.Millisecond, "end to end: asynq TaskCheckInterval (its sleep when the queue is empty)")
-	fs.DurationVar(&cfg.e2eTimeout, "e2e-timeout", 5*time.Minute, "end to end: give up on a queue that does not drain")
-	modes := fs.String("e2e-mode", "before,live", "end to end: modes, before (enqueue all, then start the server) and/or live (server already running)")
+	lists := cfg.define(fs)
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
 	if fs.NArg() > 0 {
 		return cfg, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	for _, f := range strings.Split(*conc, ",") {
+	var err error
+	if cfg.conc, err = parseConc(*lists.conc); err != nil {
+		return cfg, err
+	}
+	if cfg.cases, err = parseCases(*lists.cases); err != nil {
+		return cfg, err
+	}
+	if cfg.e2eModes, err = parseModes(*lists.modes); err != nil {
+		return cfg, err
+	}
+	return cfg, cfg.check()
+}
+
+// define defines the flags on fs, into c.
+func (c *config) define(fs *flag.FlagSet) listFlags {
+	fs.StringVar(&c.redisAddr, "redis", "", "Redis `address` (host:port or redis:// URL); default: start a redis-server on a free loopback port")
+	fs.DurationVar(&c.duration, "duration", 2*time.Second, "timed run of each case, per concurrency and round")
+	fs.DurationVar(&c.warmup, "warmup", 500*time.Millisecond, "untimed run of each case before the first round (0: none)")
+	fs.IntVar(&c.rounds, "rounds", 3, "rounds; each runs every case once, interleaved")
+	conc := fs.String("c", "1,64", "comma-separated `list` of concurrencies (goroutines calling Enqueue)")
+	cases := fs.String("cases", "all", "comma-separated cases to run: all or "+strings.Join(caseNames(), ","))
+	fs.BoolVar(&c.jsonOut, "json", false, "print the results as JSON instead of a table")
+	fs.StringVar(&c.cpuprofile, "cpuprofile", "", "write a CPU profile of the timed rounds to `file` (samples are labelled case=…, c=…)")
+	fs.IntVar(&c.keys, "keys", 1000, "keys pre-enqueued for the duplicate, rejected and coalesced cases")
+	fs.IntVar(&c.payload, "payload", 200, "payload size in `bytes` (JSON)")
+	fs.IntVar(&c.pool, "pool", 0, "go-redis PoolSize of the shared client (0: max(c, e2e producers) + e2e workers + 16)")
+	fs.BoolVar(&c.ctxTimeouts, "ctx-timeouts", false, "set go-redis ContextTimeoutEnabled on the shared client (go-redis's default is off)")
+	fs.IntVar(&c.maxBatch, "max-batch", 0, "dedup Config.MaxBatch (0: the library's default; -1: no batching)")
+	fs.BoolVar(&c.verbose, "v", false, "also print the commands per call by name, and per-round numbers")
+	fs.BoolVar(&c.quiet, "q", false, "no progress lines on stderr")
+	fs.IntVar(&c.e2eTasks, "e2e-tasks", 10_000, "end to end: enqueues")
+	fs.IntVar(&c.e2eKeys, "e2e-keys", 1_000, "end to end: distinct user_ids they are spread over")
+	fs.DurationVar(&c.e2eWork, "e2e-work", time.Millisecond, "end to end: simulated work per task (sleep)")
+	fs.IntVar(&c.e2eWorkers, "e2e-workers", 64, "end to end: asynq server Concurrency")
+	fs.IntVar(&c.e2eProducers, "e2e-producers", 64, "end to end: goroutines enqueueing")
+	fs.DurationVar(&c.e2eCheck, "e2e-check", 10*time.Millisecond, "end to end: asynq TaskCheckInterval (its sleep when the queue is empty)")
+	fs.DurationVar(&c.e2eTimeout, "e2e-timeout", 5*time.Minute, "end to end: give up on a queue that does not drain")
+	modes := fs.String("e2e-mode", "before,live", "end to end: modes, before (enqueue all, then start the server) and/or live (server already running)")
+	return listFlags{conc: conc, cases: cases, modes: modes}
+}
+
+// parseConc parses -c: distinct concurrencies, in the order given.
+func parseConc(list string) ([]int, error) {
+	var conc []int
+	for _, f := range strings.Split(list, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(f))
 		if err != nil || n < 1 {
-			return cfg, fmt.Errorf("-c: bad concurrency %q", f)
+			return conc, fmt.Errorf("-c: bad concurrency %q", f)
 		}
-		if !slices.Contains(cfg.conc, n) {
-			cfg.conc = append(cfg.conc, n)
+		if !slices.Contains(conc, n) {
+			conc = append(conc, n)
 		}
 	}
+	return conc, nil
+}
+
+// parseCases parses -cases into case names in table order, whatever the
+// order given.
+func parseCases(list string) (cases []string, _ error) {
 	want := map[string]bool{}
-	for _, f := range strings.Split(*cases, ",") {
+	for _, f := range strings.Split(list, ",") {
 		f = strings.TrimSpace(f)
 		switch {
 		case f == "all":
@@ -153,38 +185,48 @@ func parseFlags(args []string, stdout, stderr io.Writer) (config, error) {
 		case slices.Contains(caseNames(), f):
 			want[f] = true
 		default:
-			return cfg, fmt.Errorf("-cases: unknown case %q (have all, %s)", f, strings.Join(caseNames(), ", "))
+			return nil, fmt.Errorf("-cases: unknown case %q (have all, %s)", f, strings.Join(caseNames(), ", "))
 		}
 	}
 	for _, n := range caseNames() {
 		if want[n] {
-			cfg.cases = append(cfg.cases, n)
+			cases = append(cases, n)
 		}
 	}
-	for _, m := range strings.Split(*modes, ",") {
+	return cases, nil
+}
+
+// parseModes parses -e2e-mode: distinct modes, in the order given.
+func parseModes(list string) (modes []string, _ error) {
+	for _, m := range strings.Split(list, ",") {
 		m = strings.TrimSpace(m)
 		if m != modeBefore && m != modeLive {
-			return cfg, fmt.Errorf("-e2e-mode: unknown mode %q (have before, live)", m)
+			return modes, fmt.Errorf("-e2e-mode: unknown mode %q (have before, live)", m)
 		}
-		if !slices.Contains(cfg.e2eModes, m) {
-			cfg.e2eModes = append(cfg.e2eModes, m)
+		if !slices.Contains(modes, m) {
+			modes = append(modes, m)
 		}
 	}
+	return modes, nil
+}
+
+// check rejects values no run can use.
+func (c *config) check() error {
 	switch {
-	case cfg.duration <= 0 || cfg.warmup < 0:
-		return cfg, errors.New("-duration must be positive, -warmup not negative")
-	case cfg.rounds < 1:
-		return cfg, errors.New("-rounds must be at least 1")
-	case cfg.keys < 1:
-		return cfg, errors.New("-keys must be at least 1")
-	case cfg.payload < 64:
-		return cfg, errors.New("-payload must be at least 64 bytes")
-	case cfg.pool < 0:
-		return cfg, errors.New("-pool must not be negative")
-	case cfg.e2eTasks < 1 || cfg.e2eKeys < 1 || cfg.e2eWorkers < 1 || cfg.e2eProducers < 1 || cfg.e2eWork < 0 || cfg.e2eCheck <= 0:
-		return cfg, errors.New("-e2e-*: bad value")
+	case c.duration <= 0 || c.warmup < 0:
+		return errors.New("-duration must be positive, -warmup not negative")
+	case c.rounds < 1:
+		return errors.New("-rounds must be at least 1")
+	case c.keys < 1:
+		return errors.New("-keys must be at least 1")
+	case c.payload < 64:
+		return errors.New("-payload must be at least 64 bytes")
+	case c.pool < 0:
+		return errors.New("-pool must not be negative")
+	case c.e2eTasks < 1 || c.e2eKeys < 1 || c.e2eWorkers < 1 || c.e2eProducers < 1 || c.e2eWork < 0 || c.e2eCheck <= 0:
+		return errors.New("-e2e-*: bad value")
 	}
-	return cfg, nil
+	return nil
 }
 
 func main() {
