@@ -271,87 +271,107 @@ const maxSamples = 5
 // timed calls into its own histogram until the deadline.
 func (e *env) measure(ctx context.Context, cd *caseDef, c int, dur time.Duration) (*runResult, error) {
 	q := e.newQueue(cd.name)
-	defer func() {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
-		defer cancel()
-		if err := e.cleanup(cctx, q); err != nil {
-			fmt.Fprintf(e.cfg.stderr, "dedupbench: cleanup: %v\n", err)
-		}
-	}()
+	defer e.cleanupAfter(ctx, q)
 	opts := cd.opts(q)
 	if cd.setup != nil {
 		if err := cd.setup(ctx, e, opts); err != nil {
 			return nil, fmt.Errorf("%s: setup: %w", cd.title, err)
 		}
 	}
-	var (
-		wg       sync.WaitGroup
-		start    = make(chan struct{})
-		deadline time.Time // written before start is closed
-		hs       = make([]*hist, c)
-		ops      = make([]int64, c)
-		errs     atomic.Int64
-		mu       sync.Mutex
-		samples  []string
-	)
-	for i := range hs {
-		hs[i] = new(hist)
-	}
+	w := newCallers(c)
 	done := ctx.Done()
 	pprof.Do(ctx, pprof.Labels("case", cd.name, "c", strconv.Itoa(c)), func(ctx context.Context) {
-		for i := range c {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				h := hs[i]
-				<-start
-				var n int64
-				for {
-					select {
-					case <-done:
-						ops[i] = n
-						return
-					default:
-					}
-					t0 := time.Now()
-					err := cd.op(ctx, e, opts)
-					t1 := time.Now()
-					h.record(t1.Sub(t0))
-					n++
-					if err != nil {
-						if errs.Add(1) <= maxSamples {
-							mu.Lock()
-							samples = append(samples, err.Error())
-							mu.Unlock()
-						}
-					}
-					if !t1.Before(deadline) {
-						break
-					}
-				}
-				ops[i] = n
-			}()
-		}
+		w.spawn(done, func() error { return cd.op(ctx, e, opts) })
 	})
 	rcpu0, rerr := redisCPU(ctx, e.poll) // on the uncounted client
 	before := e.cnt.snapshot()
 	cpu0 := processCPU()
 	t0 := time.Now()
-	deadline = t0.Add(dur)
-	close(start)
-	wg.Wait()
+	w.deadline = t0.Add(dur)
+	close(w.start)
+	w.wg.Wait()
 	elapsed := time.Since(t0)
 	cpu1 := processCPU()
-	r := &runResult{elapsed: elapsed, errs: errs.Load(), samples: samples, cmds: e.cnt.snapshot().sub(before), h: new(hist), cpu: cpu1 - cpu0}
+	r := &runResult{elapsed: elapsed, errs: w.errs.Load(), samples: w.samples, cmds: e.cnt.snapshot().sub(before), h: new(hist), cpu: cpu1 - cpu0}
 	if rcpu1, err := redisCPU(ctx, e.poll); err == nil && rerr == nil {
 		r.rcpu, r.rcpuOK = rcpu1-rcpu0, true
 	}
 	for i := range c {
-		r.ops += ops[i]
-		r.h.merge(hs[i])
+		r.ops += w.ops[i]
+		r.h.merge(w.hs[i])
 	}
 	if err := ctx.Err(); err != nil {
 		return r, err
 	}
 	return r, nil
+}
+
+// cleanupAfter runs cleanup from a defer: it goes on when ctx was cancelled
+// (an interrupt), gives up after a minute, and prints a failure, as there
+// is no one left to return it to.
+func (e *env) cleanupAfter(ctx context.Context, q string) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	defer cancel()
+	if err := e.cleanup(cctx, q); err != nil {
+		fmt.Fprintf(e.cfg.stderr, "dedupbench: cleanup: %v\n", err)
+	}
+}
+
+// callers are the goroutines of one timed run. Each owns a histogram and a
+// count, so they share only the error count and samples.
+type callers struct {
+	wg       sync.WaitGroup
+	start    chan struct{}
+	deadline time.Time // written before start is closed
+	hs       []*hist
+	ops      []int64
+	errs     atomic.Int64
+	mu       sync.Mutex
+	samples  []string
+}
+
+func newCallers(c int) *callers {
+	w := &callers{start: make(chan struct{}), hs: make([]*hist, c), ops: make([]int64, c)}
+	for i := range w.hs {
+		w.hs[i] = new(hist)
+	}
+	return w
+}
+
+// spawn starts one goroutine per histogram; each waits for start, then
+// calls op until the deadline or until done is closed.
+func (w *callers) spawn(done <-chan struct{}, op func() error) {
+	for i := range w.hs {
+		w.wg.Add(1)
+		go func() {
+			defer w.wg.Done()
+			w.ops[i] = w.loop(w.hs[i], done, op)
+		}()
+	}
+}
+
+// loop is one goroutine's timed calls; it returns how many it made.
+func (w *callers) loop(h *hist, done <-chan struct{}, op func() error) int64 {
+	<-w.start
+	var n int64
+	for {
+		select {
+		case <-done:
+			return n
+		default:
+		}
+		t0 := time.Now()
+		err := op()
+		t1 := time.Now()
+		h.record(t1.Sub(t0))
+		n++
+		if err != nil && w.errs.Add(1) <= maxSamples {
+			w.mu.Lock()
+			w.samples = append(w.samples, err.Error())
+			w.mu.Unlock()
+		}
+		if !t1.Before(w.deadline) {
+			return n
+		}
+	}
 }
