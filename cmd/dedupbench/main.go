@@ -259,157 +259,38 @@ func run(ctx context.Context, cfg config) int {
 		fmt.Fprintln(cfg.stderr, "dedupbench:", err)
 		return 2
 	}
-	var (
-		opts  *redis.Options
-		err   error
-		where string
-	)
-	if cfg.redisAddr == "" {
-		own, err := startRedis(ctx)
-		if err != nil {
-			return fail(err)
-		}
-		defer own.stop()
-		opts = &redis.Options{Addr: own.addr}
-		where = "own redis-server on " + own.addr + ` (--save "" --appendonly no)`
-	} else {
-		if opts, err = redisOptions(cfg.redisAddr); err != nil {
-			return fail(fmt.Errorf("-redis: %w", err))
-		}
-		where = "redis at " + opts.Addr + " (-redis; only this run's keys are touched)"
-	}
-	maxC := slices.Max(cfg.conc)
-	if cfg.pool == 0 {
-		cfg.pool = max(maxC, cfg.e2eProducers) + cfg.e2eWorkers + 16
-	}
-	opts.PoolSize = cfg.pool
-	opts.ContextTimeoutEnabled = cfg.ctxTimeouts
-	pollOpts := *opts
-	pollOpts.PoolSize = 2
-
-	e := &env{cfg: cfg, cnt: &counter{}, runID: randomHex(4)}
-	e.rdb = redis.NewClient(opts)
-	defer e.rdb.Close()
-	e.rdb.AddHook(e.cnt)
-	e.poll = redis.NewClient(&pollOpts)
-	defer e.poll.Close()
-	if err := e.rdb.Ping(ctx).Err(); err != nil {
-		return fail(fmt.Errorf("redis at %s: %w", opts.Addr, err))
-	}
-	logger := slog.New(slog.NewTextHandler(cfg.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	dcfg := dedup.Config{
-		Prefix:   dedupPrefix,
-		Logger:   logger,
-		MaxBatch: cfg.maxBatch,
-		Rules: map[string]dedup.Rule{
-			typeCoalesce:   {Fields: []string{"user_id"}, OnConflict: dedup.Replace},
-			typeE2EReplace: {Fields: []string{"user_id"}, OnConflict: dedup.Replace, OnRunning: dedup.RunningDefer},
-			typeE2EReject:  {Fields: []string{"user_id"}},
-		},
-	}
-	if e.d, err = dedup.New(ctx, e.rdb, dcfg); err != nil {
+	opts, where, stop, err := redisTarget(ctx, cfg.redisAddr)
+	if err != nil {
 		return fail(err)
 	}
-	defer e.d.Close()
-	if cfg.has("e2e") {
-		// The servers' middleware starts a Dedup's heartbeat: keep it off
-		// the one the throughput cases use.
-		if e.de2e, err = dedup.New(ctx, e.rdb, dcfg); err != nil {
-			return fail(err)
-		}
-		defer e.de2e.Close()
+	defer stop()
+	if cfg.pool == 0 {
+		cfg.pool = max(slices.Max(cfg.conc), cfg.e2eProducers) + cfg.e2eWorkers + 16
 	}
-	e.ac = asynq.NewClientFromRedisClient(e.rdb)
-	e.dc = e.d.NewClient() // one shared Redis: accepted enqueues take one round trip
-	e.insp = asynq.NewInspectorFromRedisClient(e.rdb)
-
-	rep := &report{
-		Meta: meta{
-			Date: time.Now().Format("2006-01-02"), Go: runtime.Version(),
-			Asynq: depVersion("github.com/hibiken/asynq"), GoRedis: depVersion("github.com/redis/go-redis/v9"),
-			Redis: redisVersion(ctx, e.rdb), CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
-			Where: where, Pool: cfg.pool, ContextTimeouts: cfg.ctxTimeouts, MaxBatch: cfg.maxBatch,
-			Duration: cfg.duration.String(), Rounds: cfg.rounds, Concurrency: cfg.conc,
-			Payload: cfg.payload, Keys: cfg.keys,
-		},
+	e, err := newEnv(ctx, cfg, opts)
+	if err != nil {
+		return fail(err)
 	}
-	var selected []*caseDef
-	for _, cd := range allCases {
-		if cfg.has(cd.name) {
-			selected = append(selected, cd)
-		}
-	}
+	defer e.close()
+	rep := newReport(ctx, e, where)
+	selected := selectedCases(cfg)
 	cfg.progress("dedupbench: %s, %d cases × c=%v × %v × %d rounds", where, len(selected), cfg.conc, cfg.duration, cfg.rounds)
-
-	// Warm-up: fill the connection pool, load the scripts, settle the heap.
-	if cfg.warmup > 0 {
-		for _, cd := range selected {
-			if _, err := e.measure(ctx, cd, maxC, cfg.warmup); err != nil {
-				return fail(fmt.Errorf("warm-up %s: %w", cd.title, err))
-			}
-		}
+	if err := e.warmUp(ctx, selected); err != nil {
+		return fail(err)
 	}
 	if cfg.cpuprofile != "" {
-		f, err := os.Create(cfg.cpuprofile)
+		stopProfile, err := startProfile(cfg.cpuprofile)
 		if err != nil {
 			return fail(err)
 		}
-		if err := pprof.StartCPUProfile(f); err != nil {
-			f.Close()
-			return fail(err)
-		}
-		defer func() {
-			pprof.StopCPUProfile()
-			f.Close()
-		}()
+		defer stopProfile()
 	}
-
-	runs := map[int]map[string][]*runResult{}
-	for _, c := range cfg.conc {
-		runs[c] = map[string][]*runResult{}
-	}
-	e2eRuns := map[string]map[string][]*e2eResult{}
-	for r := range cfg.rounds {
-		for _, c := range cfg.conc {
-			for j := range selected {
-				cd := selected[(j+r)%len(selected)]
-				res, err := e.measure(ctx, cd, c, cfg.duration)
-				if err != nil {
-					return fail(fmt.Errorf("round %d, c=%d, %s: %w", r+1, c, cd.title, err))
-				}
-				runs[c][cd.name] = append(runs[c][cd.name], res)
-				cfg.progress("round %d/%d  c=%-3d %-18s %9s ops/s  p50 %-7s p99 %-7s cmds/op %.2f  errors %d",
-					r+1, cfg.rounds, c, cd.title, commas(int64(res.opsPerSec())), fmtLat(res.h.quantile(0.5)),
-					fmtLat(res.h.quantile(0.99)), float64(res.cmds.cmds)/float64(max(res.ops, 1)), res.errs)
-			}
-		}
-		if cfg.has("e2e") {
-			for _, m := range cfg.e2eModes {
-				if e2eRuns[m] == nil {
-					e2eRuns[m] = map[string][]*e2eResult{}
-				}
-				for j := range e2eVariants {
-					v := e2eVariants[(j+r)%len(e2eVariants)]
-					res, err := e.runE2E(ctx, m, v)
-					if err != nil {
-						return fail(fmt.Errorf("round %d, end to end %s, %s: %w", r+1, m, v.title, err))
-					}
-					e2eRuns[m][v.name] = append(e2eRuns[m][v.name], res)
-					cfg.progress("round %d/%d  e2e %-6s %-14s enqueue %-7s drain %-7s total %-7s processed %s  errors %d",
-						r+1, cfg.rounds, m, v.title, fmtSec(res.enqueue), fmtSec(res.drain), fmtSec(res.total), commas(res.processed), res.errs)
-				}
-			}
-		}
+	runs, e2eRuns, err := e.rounds(ctx, selected)
+	if err != nil {
+		return fail(err)
 	}
 	rep.summarize(cfg, selected, runs, e2eRuns)
-
-	// What this run left behind (nothing, if the cleanup works).
-	if n, err := countMatching(ctx, e.rdb, "*"+e.runID+"*"); err == nil {
-		rep.Meta.KeysLeft = n
-		if n > 0 {
-			fmt.Fprintf(cfg.stderr, "dedupbench: warning: %d keys of this run left in Redis after cleanup\n", n)
-		}
-	}
+	e.countLeft(ctx, rep)
 	if cfg.jsonOut {
 		if err := rep.writeJSON(cfg.stdout); err != nil {
 			return fail(err)
@@ -422,6 +303,209 @@ func run(ctx context.Context, cfg config) int {
 		return 1
 	}
 	return 0
+}
+
+// redisTarget starts a redis-server of our own, or takes -redis, and
+// returns its options, a description for the header and what to call at
+// exit.
+func redisTarget(ctx context.Context, addr string) (opts *redis.Options, where string, stop func(), err error) {
+	if addr == "" {
+		own, err := startRedis(ctx)
+		if err != nil {
+			return nil, "", nil, err
+		}
+		return &redis.Options{Addr: own.addr}, "own redis-server on " + own.addr + ` (--save "" --appendonly no)`, own.stop, nil
+	}
+	if opts, err = redisOptions(addr); err != nil {
+		return nil, "", nil, fmt.Errorf("-redis: %w", err)
+	}
+	return opts, "redis at " + opts.Addr + " (-redis; only this run's keys are touched)", func() {}, nil
+}
+
+// newEnv connects the clients every case shares; on an error it closes
+// what it opened.
+func newEnv(ctx context.Context, cfg config, opts *redis.Options) (*env, error) {
+	opts.PoolSize = cfg.pool
+	opts.ContextTimeoutEnabled = cfg.ctxTimeouts
+	pollOpts := *opts
+	pollOpts.PoolSize = 2
+
+	e := &env{cfg: cfg, cnt: &counter{}, runID: randomHex(4)}
+	e.rdb = redis.NewClient(opts)
+	e.rdb.AddHook(e.cnt)
+	e.poll = redis.NewClient(&pollOpts)
+	if err := e.rdb.Ping(ctx).Err(); err != nil {
+		e.close()
+		return nil, fmt.Errorf("redis at %s: %w", opts.Addr, err)
+	}
+	logger := slog.New(slog.NewTextHandler(cfg.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	dcfg := dedup.Config{
+		Prefix:   dedupPrefix,
+		Logger:   logger,
+		MaxBatch: cfg.maxBatch,
+		Rules: map[string]dedup.Rule{
+			typeCoalesce:   {Fields: []string{"user_id"}, OnConflict: dedup.Replace},
+			typeE2EReplace: {Fields: []string{"user_id"}, OnConflict: dedup.Replace, OnRunning: dedup.RunningDefer},
+			typeE2EReject:  {Fields: []string{"user_id"}},
+		},
+	}
+	var err error
+	if e.d, err = dedup.New(ctx, e.rdb, dcfg); err != nil {
+		e.close()
+		return nil, err
+	}
+	if cfg.has("e2e") {
+		// The servers' middleware starts a Dedup's heartbeat: keep it off
+		// the one the throughput cases use.
+		if e.de2e, err = dedup.New(ctx, e.rdb, dcfg); err != nil {
+			e.close()
+			return nil, err
+		}
+	}
+	e.ac = asynq.NewClientFromRedisClient(e.rdb)
+	e.dc = e.d.NewClient() // one shared Redis: accepted enqueues take one round trip
+	e.insp = asynq.NewInspectorFromRedisClient(e.rdb)
+	return e, nil
+}
+
+// close closes what newEnv opened, the last first.
+func (e *env) close() {
+	if e.de2e != nil {
+		e.de2e.Close()
+	}
+	if e.d != nil {
+		e.d.Close()
+	}
+	e.poll.Close()
+	e.rdb.Close()
+}
+
+// newReport starts the report with what describes the run.
+func newReport(ctx context.Context, e *env, where string) *report {
+	cfg := e.cfg
+	return &report{
+		Meta: meta{
+			Date: time.Now().Format("2006-01-02"), Go: runtime.Version(),
+			Asynq: depVersion("github.com/hibiken/asynq"), GoRedis: depVersion("github.com/redis/go-redis/v9"),
+			Redis: redisVersion(ctx, e.rdb), CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
+			Where: where, Pool: cfg.pool, ContextTimeouts: cfg.ctxTimeouts, MaxBatch: cfg.maxBatch,
+			Duration: cfg.duration.String(), Rounds: cfg.rounds, Concurrency: cfg.conc,
+			Payload: cfg.payload, Keys: cfg.keys,
+		},
+	}
+}
+
+// selectedCases are the throughput cases cfg selects, in table order.
+func selectedCases(cfg config) []*caseDef {
+	var selected []*caseDef
+	for _, cd := range allCases {
+		if cfg.has(cd.name) {
+			selected = append(selected, cd)
+		}
+	}
+	return selected
+}
+
+// warmUp fills the connection pool, loads the scripts and settles the heap.
+func (e *env) warmUp(ctx context.Context, selected []*caseDef) error {
+	if e.cfg.warmup <= 0 {
+		return nil
+	}
+	for _, cd := range selected {
+		if _, err := e.measure(ctx, cd, slices.Max(e.cfg.conc), e.cfg.warmup); err != nil {
+			return fmt.Errorf("warm-up %s: %w", cd.title, err)
+		}
+	}
+	return nil
+}
+
+// startProfile starts the CPU profile into path and returns what stops it.
+func startProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
+}
+
+// rounds runs every round: each case at each concurrency, then the end to
+// end variants in each mode, each round starting one later in the order,
+// so that no case always runs right after the same one.
+func (e *env) rounds(ctx context.Context, selected []*caseDef) (map[int]map[string][]*runResult, map[string]map[string][]*e2eResult, error) {
+	runs := map[int]map[string][]*runResult{}
+	for _, c := range e.cfg.conc {
+		runs[c] = map[string][]*runResult{}
+	}
+	e2eRuns := map[string]map[string][]*e2eResult{}
+	for r := range e.cfg.rounds {
+		if err := e.throughputRound(ctx, r, selected, runs); err != nil {
+			return nil, nil, err
+		}
+		if e.cfg.has("e2e") {
+			if err := e.e2eRound(ctx, r, e2eRuns); err != nil {
+				return nil, nil, err
+			}
+		}
+	}
+	return runs, e2eRuns, nil
+}
+
+// throughputRound runs round r of the throughput cases into runs.
+func (e *env) throughputRound(ctx context.Context, r int, selected []*caseDef, runs map[int]map[string][]*runResult) error {
+	cfg := e.cfg
+	for _, c := range cfg.conc {
+		for j := range selected {
+			cd := selected[(j+r)%len(selected)]
+			res, err := e.measure(ctx, cd, c, cfg.duration)
+			if err != nil {
+				return fmt.Errorf("round %d, c=%d, %s: %w", r+1, c, cd.title, err)
+			}
+			runs[c][cd.name] = append(runs[c][cd.name], res)
+			cfg.progress("round %d/%d  c=%-3d %-18s %9s ops/s  p50 %-7s p99 %-7s cmds/op %.2f  errors %d",
+				r+1, cfg.rounds, c, cd.title, commas(int64(res.opsPerSec())), fmtLat(res.h.quantile(0.5)),
+				fmtLat(res.h.quantile(0.99)), float64(res.cmds.cmds)/float64(max(res.ops, 1)), res.errs)
+		}
+	}
+	return nil
+}
+
+// e2eRound runs round r of the end-to-end variants into e2eRuns.
+func (e *env) e2eRound(ctx context.Context, r int, e2eRuns map[string]map[string][]*e2eResult) error {
+	cfg := e.cfg
+	for _, m := range cfg.e2eModes {
+		if e2eRuns[m] == nil {
+			e2eRuns[m] = map[string][]*e2eResult{}
+		}
+		for j := range e2eVariants {
+			v := e2eVariants[(j+r)%len(e2eVariants)]
+			res, err := e.runE2E(ctx, m, v)
+			if err != nil {
+				return fmt.Errorf("round %d, end to end %s, %s: %w", r+1, m, v.title, err)
+			}
+			e2eRuns[m][v.name] = append(e2eRuns[m][v.name], res)
+			cfg.progress("round %d/%d  e2e %-6s %-14s enqueue %-7s drain %-7s total %-7s processed %s  errors %d",
+				r+1, cfg.rounds, m, v.title, fmtSec(res.enqueue), fmtSec(res.drain), fmtSec(res.total), commas(res.processed), res.errs)
+		}
+	}
+	return nil
+}
+
+// countLeft notes what this run left behind in Redis (nothing, if the
+// cleanup works).
+func (e *env) countLeft(ctx context.Context, rep *report) {
+	if n, err := countMatching(ctx, e.rdb, "*"+e.runID+"*"); err == nil {
+		rep.Meta.KeysLeft = n
+		if n > 0 {
+			fmt.Fprintf(e.cfg.stderr, "dedupbench: warning: %d keys of this run left in Redis after cleanup\n", n)
+		}
+	}
 }
 
 func randomHex(n int) string {
