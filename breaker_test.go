@@ -10,67 +10,12 @@ import (
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/asynq-dedup/dedup/internal/store"
+	"go.uber.org/goleak"
 
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
-
-func TestBreakerStates(t *testing.T) {
-	now := time.Unix(1000, 0)
-	b := &breaker{threshold: 3, backoff: Backoff{Min: time.Second, Max: 8 * time.Second}, log: quietLogger(), now: func() time.Time { return now }}
-	ctx := context.Background()
-	down := &net.OpError{Op: "dial", Err: errors.New("connection refused")}
-	for i := range 3 {
-		if !b.allow() {
-			t.Fatalf("call %d refused while closed", i)
-		}
-		b.record(ctx, down)
-	}
-	if b.current() != BreakerOpen || b.allow() {
-		t.Fatal("not open after 3 consecutive failures")
-	}
-	// Replies, even error replies, and a caller's own cancellation say Redis is up.
-	b2 := &breaker{threshold: 1, backoff: Backoff{Min: time.Second, Max: time.Second}, log: quietLogger()}
-	b2.record(ctx, redis.Nil)
-	b2.record(ctx, errors.Join(errors.New("x"), redisReplyErr("ERR wrong")))
-	cctx, cancel := context.WithCancel(ctx)
-	cancel()
-	b2.record(cctx, context.Canceled)
-	if b2.current() != BreakerClosed {
-		t.Fatal("opened on non-faults")
-	}
-	now = now.Add(time.Second)
-	if !b.allow() || b.current() != BreakerProbing {
-		t.Fatal("no probe after the backoff")
-	}
-	if b.allow() {
-		t.Fatal("two probes at once")
-	}
-	b.record(ctx, down) // the probe fails: open again, for longer or equal
-	if b.current() != BreakerOpen {
-		t.Fatal("failed probe did not reopen")
-	}
-	now = now.Add(8 * time.Second)
-	if !b.allow() {
-		t.Fatal("no probe after the capped backoff")
-	}
-	b.record(ctx, nil)
-	if b.current() != BreakerClosed || !b.allow() {
-		t.Fatal("successful probe did not close")
-	}
-	off := &breaker{threshold: -1}
-	for range 10 {
-		off.record(ctx, down)
-	}
-	if !off.allow() {
-		t.Fatal("disabled breaker refused a call")
-	}
-}
-
-type redisReplyErr string
-
-func (e redisReplyErr) Error() string { return string(e) }
-func (e redisReplyErr) RedisError()   {}
 
 // stallProxy forwards TCP between a client and Redis on loopback; while
 // stalled it forwards nothing (a hung Redis), until resumed.
@@ -211,22 +156,41 @@ func TestBreakerWithHungRedis(t *testing.T) {
 	}
 }
 
-// Calls let through before the breaker opened, failing after it did, must not
-// reopen it (and push the probe further out) or count more openings.
-func TestBreakerOneOpeningPerOutage(t *testing.T) {
-	now := time.Unix(1000, 0)
-	opens := 0
-	b := &breaker{threshold: 5, backoff: Backoff{Min: 500 * time.Millisecond, Max: 30 * time.Second}, log: quietLogger(),
-		now: func() time.Time { return now }, onOpen: func() { opens++ }}
-	down := &net.OpError{Op: "read", Err: errors.New("connection reset")}
-	for range 10 { // ten calls in flight when Redis went away
-		b.record(context.Background(), down)
+// After Close the batcher's goroutines are gone and lock calls still work,
+// each on its own round trip; MaxBatch < 0 never batches.
+func TestBatcherClosedAndOff(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	for _, maxBatch := range []int{0, -1} {
+		rdb := newRDB(t)
+		q := uniq(t)
+		d, err := New(context.Background(), rdb, Config{Prefix: uniq(t), Logger: quietLogger(), MaxBatch: maxBatch})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.store.Batching() != (maxBatch >= 0) {
+			t.Fatalf("MaxBatch %d: batcher %v", maxBatch, d.store.Batching())
+		}
+		c := d.WrapClient(asynq.NewClientFromRedisClient(rdb))
+		if _, err := c.Enqueue(asynq.NewTask("t", []byte(`{"a":1}`)), asynq.Queue(q)); err != nil {
+			t.Fatal(err)
+		}
+		_ = d.Close()
+		if _, err := c.Enqueue(asynq.NewTask("t", []byte(`{"a":1}`)), asynq.Queue(q)); !errors.Is(err, ErrDuplicateTask) {
+			t.Fatalf("MaxBatch %d, after Close: err = %v, want a duplicate", maxBatch, err)
+		}
+		if _, err := c.Enqueue(asynq.NewTask("t", []byte(`{"a":2}`)), asynq.Queue(q)); err != nil {
+			t.Fatalf("MaxBatch %d, after Close: %v", maxBatch, err)
+		}
 	}
-	if opens != 1 {
-		t.Fatalf("%d openings for one outage, want 1", opens)
-	}
-	now = now.Add(500 * time.Millisecond)
-	if !b.allow() {
-		t.Fatal("no probe after the first backoff")
+}
+
+// The root package's breaker states are the store's.
+func TestBreakerStateValues(t *testing.T) {
+	for st, want := range map[store.BreakerState]BreakerState{
+		store.BreakerClosed: BreakerClosed, store.BreakerOpen: BreakerOpen, store.BreakerProbing: BreakerProbing,
+	} {
+		if BreakerState(st) != want {
+			t.Errorf("store state %d is %v here, want %v", st, BreakerState(st), want)
+		}
 	}
 }

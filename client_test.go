@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/asynq-dedup/dedup/internal/store"
 
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
@@ -194,7 +195,7 @@ func TestSkipOptOut(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !strings.HasPrefix(info.ID, optOutIDPrefix) {
+		if !store.IsOptOutID(info.ID) {
 			t.Fatalf("opted-out task ID %q is not marked", info.ID)
 		}
 		if _, err := h.client.Enqueue(asynq.NewTask("noisy", nil), asynq.Queue(h.queue)); err != nil {

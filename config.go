@@ -18,6 +18,9 @@ const (
 	DefaultHealGrace   = time.Minute
 )
 
+// DefaultMaxBatch is Config.MaxBatch's default.
+const DefaultMaxBatch = 64
+
 // Config configures a Dedup. The zero value is ready to use: every type that
 // passes through the wrapper is deduplicated on its whole payload.
 type Config struct {

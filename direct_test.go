@@ -47,7 +47,7 @@ func TestDirectEnqueueMatchesAsynq(t *testing.T) {
 	ctx := context.Background()
 	// The first enqueue to a queue registers it in asynq:queues, once per
 	// process, as asynq's client does; do that before counting.
-	if err := h.client.publishQueue(ctx, h.queue); err != nil {
+	if err := h.d.store.PublishQueue(ctx, h.queue); err != nil {
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(2 * time.Hour).Truncate(time.Second)

@@ -2,12 +2,10 @@ package dedup
 
 import (
 	"crypto/hmac"
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
 	"io"
-	"strings"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -139,139 +137,10 @@ func (d *Dedup) fingerprintHex(typ string, payload []byte, r *resolved) (string,
 	return string(h[:]), nil
 }
 
-// Lock keys live in their queue's cluster hash slot, next to asynq's own
-// keys ("asynq:{queue}:..."), so one script can read a lock and asynq's task
-// record together, on one node or on Redis Cluster:
-//
-//	<prefix>:{<queue>}:l:<16 hex digits of the fingerprint>   the lock (a hash)
-//	<prefix>:{<queue>}:i:<task ID>                          lock of a caller-chosen task ID
-//	<prefix>:{<queue>}:w:<task type>                        waiting keys (MaxPending), a sorted set
-//	<prefix>:{<queue>}:f:<fingerprint>                      follow-up owed to the key (RunningDefer)
-//	<prefix>:stats:types, <prefix>:stats:type:<type>        flushed counters (no hash tag)
-//
-// Lock fields: id (owner task), ty (type), c (created, unix seconds), tok
-// (running attempt's token), rp (running policy), b (counted in w:), v
-// (payload version), n (coalesced enqueues), f (owed follow-up task).
-//
-// The prefix may not contain braces, so the hash tag is always "{<queue>}"
-// exactly as asynq forms it.
-
-func lockKey(prefix, queue string, fp uint64) string {
-	var h [16]byte
-	hexUint64(h[:], fp)
-	return prefix + ":{" + queue + "}:l:" + string(h[:])
-}
-
-func lockKeyHex(prefix, queue, fpHex string) string {
-	return prefix + ":{" + queue + "}:l:" + fpHex
-}
-
-func indexKey(prefix, queue, taskID string) string {
-	return prefix + ":{" + queue + "}:i:" + taskID
-}
-
-func indexKeyPrefix(prefix, queue string) string {
-	return prefix + ":{" + queue + "}:i:"
-}
-
-// asynqTaskKeyPrefix is where asynq v0.26.0 keeps a task's hash:
-// "asynq:{<queue>}:t:<id>" (internal/base.TaskKey). Guarded by a test.
-func asynqTaskKeyPrefix(queue string) string {
-	return "asynq:{" + queue + "}:t:"
-}
-
 func hexUint64(dst []byte, v uint64) {
 	const digits = "0123456789abcdef"
 	for i := 15; i >= 0; i-- {
 		dst[i] = digits[v&0xf]
 		v >>= 4
 	}
-}
-
-// Task IDs chosen by the wrapper carry the fingerprint, so the middleware can
-// find a task's lock from its ID alone, however it is configured:
-//
-//	dd-<16 or 32 hex fingerprint>-<20 hex random>   locked by the wrapper
-//	dx-<20 hex random>                              opted out at enqueue
-const (
-	lockedIDPrefix  = "dd-"
-	optOutIDPrefix  = "dx-"
-	randomHexDigits = 20
-)
-
-func newLockedID(fpHex string) string {
-	b := make([]byte, 0, 3+len(fpHex)+1+randomHexDigits)
-	b = append(b, lockedIDPrefix...)
-	b = append(b, fpHex...)
-	b = append(b, '-')
-	var r [randomHexDigits]byte
-	randomHex(r[:])
-	return string(append(b, r[:]...))
-}
-
-func newOptOutID() string {
-	var b [3 + randomHexDigits]byte
-	copy(b[:], optOutIDPrefix)
-	randomHex(b[3:])
-	return string(b[:])
-}
-
-func randomHex(dst []byte) {
-	var r [randomHexDigits / 2]byte
-	_, _ = rand.Read(r[:]) // crypto/rand.Read never fails (Go ≥ 1.24)
-	hex.Encode(dst, r[:len(dst)/2])
-}
-
-// parseLockedID returns the fingerprint hex of a wrapper-chosen ID.
-func parseLockedID(id string) (fpHex string, ok bool) {
-	n := len(id) - len(lockedIDPrefix) - 1 - randomHexDigits
-	if (n != 16 && n != 32) || !strings.HasPrefix(id, lockedIDPrefix) || id[3+n] != '-' {
-		return "", false
-	}
-	for i := 3; i < len(id); i++ {
-		if i != 3+n && unhex(id[i]) < 0 {
-			return "", false
-		}
-	}
-	return id[3 : 3+n], true
-}
-
-// Lock records store their owner's task ID compactly (a lock is mostly its
-// owner's ID): an ID the wrapper chose for the lock's key as its 20 random
-// hex digits, any other ID as itself, or as "=" + ID where that would be
-// ambiguous (20 hex digits, or a leading '='). The scripts' id_pack and
-// id_unpack (scripts/lib.lua) do the same; locks written before this layout,
-// with the whole ID, still read back as that ID.
-
-// packLockID returns id as the lock of key fpHex stores it.
-func packLockID(id, fpHex string) string {
-	if rest, ok := strings.CutPrefix(id, lockedIDPrefix); ok {
-		if r, ok := strings.CutPrefix(rest, fpHex); ok && len(r) == 1+randomHexDigits && r[0] == '-' && isLowerHex(r[1:]) {
-			return r[1:]
-		}
-	}
-	if strings.HasPrefix(id, "=") || (len(id) == randomHexDigits && isLowerHex(id)) {
-		return "=" + id
-	}
-	return id
-}
-
-// unpackLockID returns the task ID a lock of key fpHex stores as s.
-func unpackLockID(s, fpHex string) string {
-	if rest, ok := strings.CutPrefix(s, "="); ok {
-		return rest
-	}
-	if len(s) == randomHexDigits && isLowerHex(s) {
-		return lockedIDPrefix + fpHex + "-" + s
-	}
-	return s
-}
-
-func isLowerHex(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if c := s[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
-			return false
-		}
-	}
-	return true
 }

@@ -2,12 +2,13 @@ package dedup
 
 import (
 	"context"
-	"io"
 	"log/slog"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/asynq-dedup/dedup/internal/redistest"
 
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
@@ -26,7 +27,7 @@ type harness struct {
 	prefix string
 }
 
-func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+func quietLogger() *slog.Logger { return redistest.QuietLogger() }
 
 func newHarness(t *testing.T, cfg Config) *harness {
 	t.Helper()
@@ -149,28 +150,12 @@ func (h *harness) keyOf(task *asynq.Task, q string, opts ...asynq.Option) string
 	return lockKeyHex(h.prefix, q, fp)
 }
 
-// waitFor blocks until ch delivers or the test times out.
 func waitFor[T any](t *testing.T, ch <-chan T, what string) T {
 	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(30 * time.Second):
-		t.Fatalf("timed out waiting for %s", what)
-		var zero T
-		return zero
-	}
+	return redistest.WaitFor(t, ch, what)
 }
 
-// eventually polls cond (Redis state changed by another process has no
-// signal to wait on) until it holds or 30 s pass.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting until %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	redistest.Eventually(t, what, cond)
 }

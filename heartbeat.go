@@ -6,7 +6,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/redis/go-redis/v9"
+	"github.com/asynq-dedup/dedup/internal/store"
 )
 
 // heartbeater renews the leases of all running attempts of one Dedup with a
@@ -105,39 +105,17 @@ func (h *heartbeater) beat() {
 		return
 	}
 	d := h.d
-	ctx, cancel := context.WithTimeout(context.Background(), d.cfg.LockTimeout)
-	defer cancel()
-	lease, park := ms(d.cfg.Lease), d.parkSeconds()
-	exec := func(useSha bool) []*redis.Cmd {
-		cmds := make([]*redis.Cmd, len(ls))
-		_, _ = d.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-			for i, l := range ls {
-				if useSha {
-					cmds[i] = extendScript.EvalSha(ctx, p, l.ref.keys(), l.ref.stored(), l.token, lease, asynqPrefix(l.ref.queue), park, d.dedupPrefix(l.ref.queue), l.ref.fpHex)
-				} else {
-					cmds[i] = extendScript.Eval(ctx, p, l.ref.keys(), l.ref.stored(), l.token, lease, asynqPrefix(l.ref.queue), park, d.dedupPrefix(l.ref.queue), l.ref.fpHex)
-				}
-			}
-			return nil
-		})
-		return cmds
+	es := make([]*store.Extend, len(ls))
+	for i, l := range ls {
+		es[i] = &store.Extend{Ref: l.ref, Token: l.token, TTL: d.cfg.Lease}
 	}
-	cmds := exec(true)
-	for _, c := range cmds {
-		if c.Err() != nil && redis.HasErrorPrefix(c.Err(), "NOSCRIPT") {
-			cmds = exec(false) // scripts flushed (restart, failover): send them whole
-			break
-		}
-	}
-	for i, c := range cmds {
-		v, err := c.Result()
-		if err != nil {
+	for i, r := range d.store.ExtendAll(context.Background(), es) {
+		switch {
+		case r.Err != nil:
 			// Renewal errors never fail a task; the lease may still be renewed in time.
-			d.count(ls[i].ref.typ, evRedisError)
-			d.log.Warn("dedup: heartbeat failed", slog.String("task_id", ls[i].ref.id), slog.Any("error", err))
-			continue
-		}
-		if ok, err := parseFlag(v); err == nil && !ok {
+			d.count(ls[i].ref.Type, evRedisError)
+			d.log.Warn("dedup: heartbeat failed", slog.String("task_id", ls[i].ref.ID), slog.Any("error", r.Err))
+		case !r.Renewed:
 			h.lost(ls[i])
 		}
 	}
@@ -153,8 +131,8 @@ func (h *heartbeater) lost(l *lease) {
 		return
 	}
 	d := h.d
-	d.count(l.ref.typ, evLockLost)
-	d.log.Warn("dedup: lock lost while the handler runs", slog.String("type", l.ref.typ), slog.String("task_id", l.ref.id), slog.Bool("cancelled", d.cfg.CancelOnLockLoss))
+	d.count(l.ref.Type, evLockLost)
+	d.log.Warn("dedup: lock lost while the handler runs", slog.String("type", l.ref.Type), slog.String("task_id", l.ref.ID), slog.Bool("cancelled", d.cfg.CancelOnLockLoss))
 	if d.cfg.CancelOnLockLoss {
 		l.cancel(ErrLockLost)
 	}

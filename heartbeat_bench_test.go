@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -74,11 +75,11 @@ func isExtend(cmd redis.Cmder) bool {
 	}
 	switch cmd.Name() {
 	case "evalsha":
-		return args[1] == extendScript.Hash()
+		return args[1] == store.ScriptHash("extend")
 	case "eval":
 		src, ok := args[1].(string)
 		sum := sha1.Sum([]byte(src))
-		return ok && hex.EncodeToString(sum[:]) == extendScript.Hash()
+		return ok && hex.EncodeToString(sum[:]) == store.ScriptHash("extend")
 	}
 	return false
 }
@@ -370,16 +371,15 @@ func BenchmarkHeartbeat(b *testing.B) {
 		ls := make([]*lease, n)
 		keys := make([]string, 0, n)
 		for i := range ls {
-			var fp [16]byte
-			randomHex(fp[:])
-			id := newLockedID(string(fp[:]))
-			ref := d.newRef(queue, string(fp[:]), id, "bench:task", false)
+			fp := newToken() // 16 random hex digits, as a fingerprint
+			id := newLockedID(fp)
+			ref := d.newRef(queue, fp, id, "bench:task", false)
 			tok := newToken()
-			if st, holder, err := d.start(ctx, ref, tok, RunningReject); err != nil || st != statusTaken {
+			if st, holder, err := d.start(ctx, ref, tok, RunningReject); err != nil || st != store.StatusTaken {
 				b.Fatalf("start: %d %q %v", st, holder, err)
 			}
-			ls[i] = &lease{ref: ref, token: tok, cancel: func(error) {}}
-			keys = append(keys, ref.key)
+			ls[i] = &lease{ref: *ref, token: tok, cancel: func(error) {}}
+			keys = append(keys, d.lockKey(ref))
 		}
 		b.Cleanup(func() { _ = rdb.Del(context.Background(), keys...).Err() })
 		return d, hook, ls
@@ -430,7 +430,7 @@ func BenchmarkHeartbeat(b *testing.B) {
 							return
 						case <-ticks[i]:
 						}
-						if ok, err := d.extend(ctx, l.ref, l.token, d.cfg.Lease); err != nil || !ok {
+						if ok, err := d.extend(ctx, &l.ref, l.token, d.cfg.Lease); err != nil || !ok {
 							failed.Add(1)
 						}
 						wg.Done()

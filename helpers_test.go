@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -24,6 +25,7 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	os.Setenv(store.CheckKeysEnv, "1") // every script refuses a key it was not given
 	os.Exit(redistest.Main(m, "dedup"))
 }
 

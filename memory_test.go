@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -80,7 +81,7 @@ func TestLockMemory(t *testing.T) {
 
 	// The same lock while its task runs: the attempt's token is added.
 	ref := d.newRef("default", fp, ids[0], "email:welcome", false)
-	if st, holder, err := d.start(ctx, ref, newToken(), RunningReject); err != nil || st != statusTaken {
+	if st, holder, err := d.start(ctx, ref, newToken(), RunningReject); err != nil || st != store.StatusTaken {
 		t.Fatalf("start: %d %q %v", st, holder, err)
 	}
 	running := memUsage(t, rdb, lockKey)

@@ -5,11 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
-	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
-	"github.com/redis/go-redis/v9"
 )
 
 // errPanicked stands for a handler that panicked while its lock's fate is
@@ -51,48 +49,61 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	}
 	ref, err := d.resolve(ctx, queue, id, t)
 	if err != nil {
-		if d.onRedisError(ctx, "resolve", t.Type(), err) {
-			return next.ProcessTask(ctx, t)
-		}
-		return unavailable("resolve", err)
+		return d.unlocked(ctx, "resolve", t, next, err)
 	}
 	if ref == nil {
 		return next.ProcessTask(ctx, t)
 	}
-	token := newToken()
 	rule := d.ruleFor(t.Type())
-	st, holder, err := d.start(ctx, ref, token, rule.running)
-	if err != nil {
-		if d.onRedisError(ctx, "start", t.Type(), err) {
-			return next.ProcessTask(ctx, t)
-		}
-		return unavailable("start", err)
-	}
-	if st == statusAllowed {
+	l := &lease{ref: *ref, token: store.NewToken()}
+	st, err := d.store.Start(ctx, &store.Start{Ref: l.ref, Token: l.token, Lease: d.cfg.Lease, Running: rule.running.code()})
+	switch {
+	case err != nil:
+		return d.unlocked(ctx, "start", t, next, err)
+	case st.Status == store.StatusAllowed:
 		return next.ProcessTask(ctx, t) // RunningAllow: the key was freed as the task started
-	}
-	if st != statusTaken {
-		d.count(t.Type(), evBusy)
-		if d.cfg.SkipBusy {
-			d.log.Info("dedup: skipped task, key held by another task", slog.String("type", t.Type()), slog.String("task_id", id), slog.String("holder", holder))
-			return nil
-		}
-		return &BusyError{TaskID: id, Holder: holder, Key: ref.key}
+	case st.Status != store.StatusTaken:
+		return d.busy(t, l, st.Holder)
 	}
 	d.count(t.Type(), evStarted)
+	l.follow = st.Follow
+	return d.run(ctx, t, next, &rule, l)
+}
 
+// unlocked runs the handler without a lock after a Redis error, if
+// fail-open allows it.
+func (d *Dedup) unlocked(ctx context.Context, op string, t *asynq.Task, next asynq.Handler, err error) error {
+	if d.onRedisError(ctx, op, t.Type(), err) {
+		return next.ProcessTask(ctx, t)
+	}
+	return unavailable(op, err)
+}
+
+// busy answers a task whose key another live task holds.
+func (d *Dedup) busy(t *asynq.Task, l *lease, holder string) error {
+	d.count(t.Type(), evBusy)
+	if d.cfg.SkipBusy {
+		d.log.Info("dedup: skipped task, key held by another task", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
+		return nil
+	}
+	return &BusyError{TaskID: l.ref.ID, Holder: holder, Key: d.lockKey(&l.ref)}
+}
+
+// run runs the handler under the heartbeat and settles the lock after it,
+// even if it panics (the panic goes on to asynq).
+func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule *resolved, l *lease) (err error) {
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	l := &lease{ref: ref, token: token, cancel: cancel}
+	l.cancel = cancel
 	d.hb.add(l)
 	panicked := true
 	defer func() {
 		live := d.hb.remove(l)
 		herr := err
 		if panicked {
-			herr = errPanicked // the panic propagates after this returns
+			herr = errPanicked
 		}
-		d.settle(ctx, t, &rule, ref, token, herr, live)
+		d.settle(ctx, t, rule, l, herr, live)
 	}()
 	err = next.ProcessTask(hctx, t)
 	panicked = false
@@ -101,9 +112,8 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 
 // settle releases the lock or holds it for the retry, by asynq's rules for
 // what follows the attempt. Its errors never fail the task.
-func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, ref *lockRef, token string, err error, live bool) {
-	release := true
-	var hold time.Duration
+func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error, live bool) {
+	f := &store.Finish{Ref: l.ref, Token: l.token, Release: true, FollowTTL: d.ttlOf(r), Follow: l.follow}
 	if err != nil && !errors.Is(err, asynq.RevokeTask) && !errors.Is(err, asynq.SkipRetry) {
 		n, _ := asynq.GetRetryCount(ctx)
 		max, _ := asynq.GetMaxRetry(ctx)
@@ -111,22 +121,22 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, ref *loc
 		// (shutdown puts it back in the queue, retries unchanged) or expired its
 		// lease: it may run again even if this was the last retry, so hold.
 		if n < max || errors.Is(ctx.Err(), context.Canceled) {
-			release = false
-			hold = d.cfg.RetryDelayFunc(n, err, t) + d.ttlOf(r)
+			f.Release = false
+			f.Hold = d.cfg.RetryDelayFunc(n, err, t) + d.ttlOf(r)
 		}
 	}
 	d.count(t.Type(), evProcessed)
-	ok, follow, ferr := d.finish(context.WithoutCancel(ctx), ref, token, release, hold, d.ttlOf(r))
+	ok, follow, ferr := d.store.Finish(context.WithoutCancel(ctx), f)
 	switch {
 	case ferr != nil:
 		d.count(t.Type(), evRedisError)
-		d.log.Warn("dedup: could not settle lock; it expires within one lease", slog.String("type", t.Type()), slog.String("task_id", ref.id), slog.Any("error", ferr))
+		d.log.Warn("dedup: could not settle lock; it expires within one lease", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", ferr))
 	case !ok:
 		if live { // else the heartbeat already reported it
 			d.count(t.Type(), evLockLost)
 		}
-		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", t.Type()), slog.String("task_id", ref.id))
-	case release:
+		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID))
+	case f.Release:
 		d.count(t.Type(), evReleased)
 		if follow != "" {
 			d.log.Debug("dedup: follow-up released", slog.String("type", t.Type()), slog.String("task_id", follow))
@@ -137,49 +147,50 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, ref *loc
 }
 
 // resolve finds the lock of the task being run, or nil for none.
-func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (*lockRef, error) {
+func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (*store.Ref, error) {
 	typ := t.Type()
-	if fpHex, ok := parseLockedID(id); ok {
-		return &lockRef{queue: queue, key: lockKeyHex(d.cfg.Prefix, queue, fpHex), fpHex: fpHex, id: id, typ: typ}, nil
+	if fp, ok := store.ParseLockedID(id); ok {
+		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, nil
 	}
-	if strings.HasPrefix(id, optOutIDPrefix) {
+	if store.IsOptOutID(id) {
 		return nil, nil
 	}
 	// A caller-chosen ID: the wrapper left an index to its lock.
-	fpHex, err := d.get(ctx, indexKey(d.cfg.Prefix, queue, id))
+	fp, found, err := d.store.IndexOf(ctx, queue, id)
 	switch {
-	case err == nil && fpHex == optOutMark:
-		return nil, nil // enqueued with Skip under a caller-chosen ID
-	case err == nil:
-		return &lockRef{queue: queue, key: lockKeyHex(d.cfg.Prefix, queue, fpHex), idx: indexKey(d.cfg.Prefix, queue, id), fpHex: fpHex, id: id, typ: typ}, nil
-	case !errors.Is(err, redis.Nil):
+	case err != nil:
 		return nil, err
+	case found && fp == store.OptOutMark:
+		return nil, nil // enqueued with Skip under a caller-chosen ID
+	case found:
+		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ, Indexed: true}, nil
 	}
-	// No lock was taken at enqueue: the execution-time guard takes one now.
-	r := d.ruleFor(typ)
-	if d.cfg.NoExecutionGuard || !d.active(&r) {
-		return nil, nil
-	}
-	fp, ferr := d.fingerprintHex(typ, t.Payload(), &r)
-	if ferr != nil {
-		d.log.Warn("dedup: cannot key task at execution; running it unguarded", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", ferr))
-		d.count(t.Type(), evUnguarded)
-		return nil, nil
-	}
-	return d.newRef(queue, fp, id, typ, false), nil
+	return d.guardRef(queue, id, t), nil
 }
 
-func newToken() string {
-	var b [16]byte
-	randomHex(b[:])
-	return string(b[:])
+// guardRef is the lock the execution-time guard takes for a task that
+// arrives without one (asynq.Scheduler, other services), or nil.
+func (d *Dedup) guardRef(queue, id string, t *asynq.Task) *store.Ref {
+	typ := t.Type()
+	r := d.ruleFor(typ)
+	if d.cfg.NoExecutionGuard || !d.active(&r) {
+		return nil
+	}
+	fp, err := d.fingerprintHex(typ, t.Payload(), &r)
+	if err != nil {
+		d.log.Warn("dedup: cannot key task at execution; running it unguarded", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", err))
+		d.count(typ, evUnguarded)
+		return nil
+	}
+	return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}
 }
 
 // lease is one running attempt registered with the heartbeat.
 type lease struct {
-	ref    *lockRef
+	ref    store.Ref
 	token  string
+	follow string // the follow-up its lock owed when it started
 	cancel context.CancelCauseFunc
 }
 
-func (l *lease) String() string { return fmt.Sprintf("%s@%s", l.ref.id, l.ref.key) }
+func (l *lease) String() string { return fmt.Sprintf("%s@%s:%s", l.ref.ID, l.ref.Queue, l.ref.FP) }

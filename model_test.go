@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 	"pgregory.net/rapid"
@@ -167,7 +168,7 @@ type mAttempt struct {
 	label string // t1#2: task t1's second attempt
 	task  *mTask
 	tok   string
-	ref   *lockRef
+	ref   *store.Ref
 }
 
 type modelRun struct {
@@ -498,10 +499,10 @@ func (m *modelRun) created(t *rapid.T, what string, k int, callerID, marker stri
 // ref is what the middleware resolves for a task it is about to run: from a
 // generated ID, or a caller-chosen ID's index, or (index gone) the type's
 // rule applied to the payload.
-func (m *modelRun) ref(t *rapid.T, tk *mTask) *lockRef {
+func (m *modelRun) ref(t *rapid.T, tk *mTask) *store.Ref {
 	t.Helper()
 	ref, err := m.h.d.resolve(context.Background(), m.queue, tk.id, asynq.NewTask(modelType, modelPayload(tk.key, tk.payload)))
-	if err != nil || ref == nil || ref.key != m.keys[tk.key] || ref.id != tk.id || (ref.idx != "") != tk.index {
+	if err != nil || ref == nil || m.h.d.lockKey(ref) != m.keys[tk.key] || ref.ID != tk.id || ref.Indexed != tk.index {
 		m.diverge(t, "resolve: task does not lead to its lock", "resolve %s: %+v, %v; want lock %s, index %v", tk.label, ref, err, m.keys[tk.key], tk.index)
 	}
 	return ref
@@ -564,14 +565,14 @@ func (m *modelRun) startTask(t *rapid.T, tk *mTask) {
 		m.diverge(t, "start: unexpected error", "%s: %v", what, err)
 	}
 	if !taken {
-		if st != statusHeld || got != holder.id {
+		if st != store.StatusHeld || got != holder.id {
 			m.diverge(t, "start: not busy as the model says", "%s: status %d holder %s; model: busy, held by %s", what, st, m.labelOf(got), holder.label)
 		}
 		m.setState(t, tk, "retry") // BusyError: asynq retries it later
 		t.Logf("%s → busy, held by %s", what, holder.label)
 		return
 	}
-	if st != statusTaken || got != tk.id {
+	if st != store.StatusTaken || got != tk.id {
 		m.diverge(t, "start: not taken as the model says", "%s: status %d holder %s; model: taken", what, st, m.labelOf(got))
 	}
 	l := m.locks[tk.key]
@@ -1091,9 +1092,8 @@ type faults struct {
 
 func newFaults() *faults {
 	f := &faults{scripts: map[string]string{}}
-	for name, s := range map[string]*redis.Script{"acquire": acquireScript, "start": startScript, "extend": extendScript,
-		"finish": finishScript, "unlock": unlockScript, "coalesce": coalesceScript} {
-		f.scripts[s.Hash()] = name
+	for _, name := range []string{"acquire", "start", "extend", "finish", "unlock", "coalesce"} {
+		f.scripts[store.ScriptHash(name)] = name
 	}
 	return f
 }
@@ -1151,7 +1151,11 @@ func (f *faults) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		fail, run := f.trip(cmd)
 		if run {
-			_ = next(ctx, cmd)
+			err := next(ctx, cmd)
+			if isNeed(cmd) {
+				f.untrip() // it changed nothing: the fault waits for the call that works
+				return err
+			}
 		}
 		if fail {
 			cmd.SetErr(errInjected)
@@ -1164,13 +1168,25 @@ func (f *faults) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 func (f *faults) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
 		fail, run := false, false
-		for _, c := range cmds {
+		tripped := make([]bool, len(cmds))
+		for i, c := range cmds {
 			if fl, r := f.trip(c); fl {
-				fail, run = true, run || r
+				fail, run, tripped[i] = true, run || r, true
 			}
 		}
 		if run {
-			_ = next(ctx, cmds)
+			err := next(ctx, cmds)
+			fail = false
+			for i, c := range cmds {
+				if tripped[i] && isNeed(c) {
+					f.untrip()
+				} else if tripped[i] {
+					fail = true
+				}
+			}
+			if !fail {
+				return err
+			}
 		}
 		if fail {
 			for _, c := range cmds {
@@ -1179,5 +1195,30 @@ func (f *faults) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Proce
 			return errInjected
 		}
 		return next(ctx, cmds)
+	}
+}
+
+// isNeed reports whether cmd ran a script that answered that it lacks keys
+// (internal/store's roles): such a call changes nothing and is made again.
+func isNeed(cmd redis.Cmder) bool {
+	c, ok := cmd.(*redis.Cmd)
+	if !ok || c.Err() != nil {
+		return false
+	}
+	arr, ok := c.Val().([]any)
+	if !ok || len(arr) == 0 {
+		return false
+	}
+	st, ok := arr[0].(int64)
+	return ok && st == 11
+}
+
+// untrip takes back the last trip.
+func (f *faults) untrip() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.n--
+	if len(f.fired) > 0 {
+		f.fired = f.fired[:len(f.fired)-1]
 	}
 }

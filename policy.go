@@ -2,7 +2,8 @@ package dedup
 
 import (
 	"fmt"
-	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
 
 	"github.com/hibiken/asynq"
 )
@@ -34,6 +35,17 @@ func (c Conflict) String() string {
 		return "merge"
 	}
 	return fmt.Sprintf("Conflict(%d)", int(c))
+}
+
+// fold is the policy as the lock script spells it.
+func (c Conflict) fold() store.Fold {
+	switch c {
+	case Replace:
+		return store.FoldReplace
+	case Merge:
+		return store.FoldMerge
+	}
+	return store.FoldReject
 }
 
 // Running says what an enqueue does when its key's task is running.
@@ -69,14 +81,15 @@ func (r Running) String() string {
 	return fmt.Sprintf("Running(%d)", int(r))
 }
 
-func (r Running) code() string {
+// code is the policy as locks record it.
+func (r Running) code() store.Running {
 	switch r {
 	case RunningAllow:
-		return "a"
+		return store.RunAllow
 	case RunningDefer:
-		return "d"
+		return store.RunDefer
 	}
-	return "x"
+	return store.RunReject
 }
 
 // MergeFunc combines the payload stored in a waiting task with a new one.
@@ -164,15 +177,4 @@ func WaitForRoom() asynq.Option {
 		r.waitForRoom = true
 		return nil
 	}}
-}
-
-// parkSeconds is how long a Defer follow-up stays parked without a
-// heartbeat: two leases, so a live run always renews it in time and a dead
-// one releases it soon.
-func (d *Dedup) parkSeconds() int64 {
-	s := int64((2*d.cfg.Lease + time.Second - 1) / time.Second)
-	if s < 2 {
-		s = 2
-	}
-	return s
 }

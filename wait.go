@@ -7,8 +7,8 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
-	"github.com/redis/go-redis/v9"
 )
 
 var (
@@ -100,9 +100,10 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID string, onPoll fun
 		if err := ctx.Err(); err != nil {
 			return nil, waitCtxErr(taskID, err, lastErr)
 		}
-		info, err := d.insp.GetTaskInfo(queue, taskID)
+		v, err := d.store.Foreign(ctx, func() (any, error) { return d.insp.GetTaskInfo(queue, taskID) })
+		info, _ := v.(*asynq.TaskInfo)
 		switch {
-		case err == nil:
+		case err == nil && info != nil:
 			lastErr, missing = nil, time.Time{}
 			if onPoll != nil {
 				onPoll(info.State)
@@ -131,7 +132,9 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID string, onPoll fun
 				onPoll(0)
 			}
 		default:
-			lastErr = err
+			if ctx.Err() == nil { // not just the wait ending mid-poll
+				lastErr = err
+			}
 			d.log.Debug("dedup: WaitResult poll failed", slog.String("task_id", taskID), slog.Any("error", err))
 		}
 		t := time.NewTimer(waitBackoff.Delay(attempts))
@@ -156,25 +159,14 @@ func waitCtxErr(taskID string, ctxErr, lastErr error) error {
 // ID, or from the index of a caller-chosen one) still names it as owner:
 // then asynq is about to store the task.
 func (d *Dedup) lockNames(ctx context.Context, queue, taskID string) (bool, error) {
-	lctx, cancel := d.lockCtx(ctx)
-	defer cancel()
-	fpHex, ok := parseLockedID(taskID)
+	fp, ok := store.ParseLockedID(taskID)
 	if !ok {
-		v, err := d.rdb.Get(lctx, indexKey(d.cfg.Prefix, queue, taskID)).Result()
-		if errors.Is(err, redis.Nil) {
-			return false, nil
-		}
-		if err != nil {
+		v, found, err := d.store.IndexOf(ctx, queue, taskID)
+		if err != nil || !found {
 			return false, err
 		}
-		fpHex = v
+		fp = v
 	}
-	owner, err := d.rdb.HGet(lctx, lockKeyHex(d.cfg.Prefix, queue, fpHex), "id").Result()
-	if errors.Is(err, redis.Nil) {
-		return false, nil
-	}
-	if err != nil {
-		return false, err
-	}
-	return unpackLockID(owner, fpHex) == taskID, nil
+	owner, found, err := d.store.OwnerOf(ctx, queue, fp)
+	return found && owner == taskID, err
 }

@@ -189,10 +189,10 @@ func TestWaitResultTaskNotStoredYet(t *testing.T) {
 	id := newLockedID(fpv)
 	ref := h.d.newRef(h.queue, fpv, id, task.Type(), false)
 	// The lock as the wrapper leaves it just before asynq stores the task.
-	if err := h.rdb.HSet(ctx, ref.key, "id", id, "ty", task.Type(), "c", time.Now().Unix()).Err(); err != nil {
+	if err := h.rdb.HSet(ctx, h.d.lockKey(ref), "id", id, "ty", task.Type(), "c", time.Now().Unix()).Err(); err != nil {
 		t.Fatal(err)
 	}
-	h.rdb.Expire(ctx, ref.key, time.Minute)
+	h.rdb.Expire(ctx, h.d.lockKey(ref), time.Minute)
 	missing := make(chan struct{}, 100)
 	type res struct {
 		info *asynq.TaskInfo

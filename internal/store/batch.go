@@ -1,4 +1,4 @@
-package dedup
+package store
 
 import (
 	"context"
@@ -31,9 +31,6 @@ import (
 // done channel (a sender never blocks on a caller that left); a request
 // whose caller gave up before its batch was sent is not sent. After stop,
 // calls go straight to Redis (do reports ok == false).
-
-// DefaultMaxBatch is Config.MaxBatch's default.
-const DefaultMaxBatch = 64
 
 // slots is how many batches may be in flight at once: enough to keep Redis
 // busy while replies travel, few enough that batches stay large.

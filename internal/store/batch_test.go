@@ -1,4 +1,4 @@
-package dedup
+package store
 
 import (
 	"context"
@@ -10,7 +10,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/hibiken/asynq"
+	"github.com/asynq-dedup/dedup/internal/redistest"
+
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
 )
@@ -97,7 +98,7 @@ func TestBatcherBatchesWaitingCalls(t *testing.T) {
 	for _, lead := range []bool{true, false} {
 		t.Run(fmt.Sprintf("lead=%v", lead), func(t *testing.T) {
 			defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
-			rdb := newRDB(t)
+			rdb := redistest.Client(t)
 			if err := echoScript.Load(context.Background(), rdb).Err(); err != nil {
 				t.Fatal(err) // else a lone call's EVALSHA, NOSCRIPT, EVAL counts twice
 			}
@@ -123,7 +124,7 @@ func TestBatcherBatchesWaitingCalls(t *testing.T) {
 				// One at a time: a call started while the first is still
 				// being collected could join its batch.
 				go call(i)
-				waitFor(t, g.held, "a slot's send held")
+				redistest.WaitFor(t, g.held, "a slot's send held")
 			}
 			for i := range waiting {
 				go call(slots + i)
@@ -132,7 +133,7 @@ func TestBatcherBatchesWaitingCalls(t *testing.T) {
 			if !lead {
 				want += slots // and the held calls' callers, waiting for replies
 			}
-			eventually(t, "calls waiting for a free slot", func() bool { return waitingIn() >= want })
+			redistest.Eventually(t, "calls waiting for a free slot", func() bool { return waitingIn() >= want })
 			g.open()
 			wg.Wait()
 			close(errs)
@@ -159,13 +160,13 @@ func TestBatcherBatchesWaitingCalls(t *testing.T) {
 // A call whose deadline passes while every slot is busy returns
 // DeadlineExceeded and is never sent.
 func TestBatcherAbandonedCallNotSent(t *testing.T) {
-	rdb := newRDB(t)
+	rdb := redistest.Client(t)
 	g := newGate(slots)
 	rdb.AddHook(g)
 	b := newBatcher(rdb, 64, 10*time.Second, false)
 	defer b.stop()
 	defer g.open()
-	key := uniq(t)
+	key := redistest.Uniq(t)
 	set := redis.NewScript(`redis.call('SET', KEYS[1], ARGV[1]) return 1`)
 
 	var wg sync.WaitGroup
@@ -175,7 +176,7 @@ func TestBatcherAbandonedCallNotSent(t *testing.T) {
 			defer wg.Done()
 			_, _, _ = b.do(context.Background(), echoScript, []string{key}, []any{"x"})
 		}()
-		waitFor(t, g.held, "a slot's send held") // one at a time, so each is its own batch
+		redistest.WaitFor(t, g.held, "a slot's send held") // one at a time, so each is its own batch
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
@@ -196,7 +197,7 @@ func TestBatcherAbandonedCallNotSent(t *testing.T) {
 // A batch of scripts the server has not cached (a restarted Redis, SCRIPT
 // FLUSH) is sent again with EVAL.
 func TestBatcherNoScript(t *testing.T) {
-	_, rdb := ownRedis(t, nil) // a script cache without this script: a server of its own
+	_, rdb := redistest.Own(t, nil) // a script cache without this script: a server of its own
 	g := newGate(slots)
 	rdb.AddHook(g)
 	b := newBatcher(rdb, 64, 10*time.Second, false)
@@ -217,10 +218,10 @@ func TestBatcherNoScript(t *testing.T) {
 			}
 		}()
 		if i < slots {
-			waitFor(t, g.held, "a slot's send held")
+			redistest.WaitFor(t, g.held, "a slot's send held")
 		}
 	}
-	eventually(t, "calls waiting for a free slot", func() bool { return waitingIn() >= n })
+	redistest.Eventually(t, "calls waiting for a free slot", func() bool { return waitingIn() >= n })
 	g.open()
 	wg.Wait()
 	close(errs)
@@ -233,33 +234,5 @@ func TestBatcherNoScript(t *testing.T) {
 	}
 	if !batched {
 		t.Fatalf("sends %v: no pipeline met NOSCRIPT", g.sent())
-	}
-}
-
-// After Close the batcher's goroutines are gone and lock calls still work,
-// each on its own round trip; MaxBatch < 0 never batches.
-func TestBatcherClosedAndOff(t *testing.T) {
-	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
-	for _, maxBatch := range []int{0, -1} {
-		rdb := newRDB(t)
-		q := uniq(t)
-		d, err := New(context.Background(), rdb, Config{Prefix: uniq(t), Logger: quietLogger(), MaxBatch: maxBatch})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if (d.batch == nil) != (maxBatch < 0) {
-			t.Fatalf("MaxBatch %d: batcher %v", maxBatch, d.batch)
-		}
-		c := d.WrapClient(asynq.NewClientFromRedisClient(rdb))
-		if _, err := c.Enqueue(asynq.NewTask("t", []byte(`{"a":1}`)), asynq.Queue(q)); err != nil {
-			t.Fatal(err)
-		}
-		_ = d.Close()
-		if _, err := c.Enqueue(asynq.NewTask("t", []byte(`{"a":1}`)), asynq.Queue(q)); !errors.Is(err, ErrDuplicateTask) {
-			t.Fatalf("MaxBatch %d, after Close: err = %v, want a duplicate", maxBatch, err)
-		}
-		if _, err := c.Enqueue(asynq.NewTask("t", []byte(`{"a":2}`)), asynq.Queue(q)); err != nil {
-			t.Fatalf("MaxBatch %d, after Close: %v", maxBatch, err)
-		}
 	}
 }

@@ -1,27 +1,28 @@
-package dedup
+package store
 
 import (
 	"context"
 	"testing"
 
+	"github.com/asynq-dedup/dedup/internal/redistest"
+
 	"github.com/hibiken/asynq"
-	"github.com/redis/go-redis/v9"
 	"pgregory.net/rapid"
 )
 
 // setPayloadBoth runs lib.lua's splice (pb_setpayload) and its general
 // rewrite (pb_rewrite) on the same message.
-var setPayloadBoth = redis.NewScript(withLib(`
+var setPayloadBoth = LibScript(`
 return {pb_setpayload(ARGV[1], ARGV[2]) or '<nil>', pb_rewrite(ARGV[1], {[2] = ARGV[2]}) or '<nil>'}
-`))
+`)
 
 // The payload splice Replace uses gives the same bytes as the general
 // protobuf rewrite, on messages asynq itself stored (with and without a
 // payload, with options set) and any new payload, empty included.
 func TestSetPayloadMatchesRewrite(t *testing.T) {
-	rdb := newRDB(t)
+	rdb := redistest.Client(t)
 	ctx := context.Background()
-	q := uniq(t)
+	q := redistest.Uniq(t)
 	c := asynq.NewClientFromRedisClient(rdb)
 	var msgs []string
 	for _, tc := range []struct {
@@ -36,7 +37,7 @@ func TestSetPayloadMatchesRewrite(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		msg, err := rdb.HGet(ctx, asynqPrefix(q)+"t:"+info.ID, "msg").Result()
+		msg, err := rdb.HGet(ctx, TaskKey(q, info.ID), "msg").Result()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -45,7 +46,7 @@ func TestSetPayloadMatchesRewrite(t *testing.T) {
 	rapid.Check(t, func(t *rapid.T) {
 		msg := rapid.SampledFrom(msgs).Draw(t, "msg")
 		p := rapid.SliceOfN(rapid.Byte(), 0, 400).Draw(t, "payload")
-		v, err := setPayloadBoth.Run(ctx, rdb, nil, msg, p).StringSlice()
+		v, err := setPayloadBoth.Run(ctx, rdb, nil, msg, payloadField(p)).StringSlice()
 		if err != nil {
 			t.Fatal(err)
 		}

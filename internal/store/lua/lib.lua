@@ -1,8 +1,9 @@
--- lib: helpers prepended to the scripts that read or write asynq's own task
--- record. They parse and rewrite asynq v0.26.0's TaskMessage protobuf
--- (type = 1, payload = 2, id = 3, retried = 6, error_msg = 7,
--- last_failed_at = 11, completed_at = 13); TestAsynqLayoutPinned and the
--- rewrite tests guard this against layout changes.
+-- lib: helpers spliced into the scripts that read or write asynq's own task
+-- record (at their "-- @lib" line, after the fast paths, which then do not
+-- pay for defining them). They parse and rewrite asynq v0.26.0's
+-- TaskMessage protobuf (type = 1, payload = 2, id = 3, retried = 6,
+-- error_msg = 7, deadline = 9, last_failed_at = 11, completed_at = 13);
+-- TestAsynqLayoutPinned and the rewrite tests guard this.
 -- Lengths are below 2^53, so the arithmetic on them is exact.
 
 -- pb_varint reads a varint at position i; returns value and next position,
@@ -28,6 +29,13 @@ local function pb_putvarint(n)
   end
   t[#t + 1] = string.char(n)
   return table.concat(t)
+end
+
+-- pb_str encodes a length-delimited field ('' for an empty value, which
+-- proto3 omits).
+local function pb_str(num, v)
+  if #v == 0 then return '' end
+  return pb_putvarint(num * 8 + 2) .. pb_putvarint(#v) .. v
 end
 
 -- pb_field reads the field starting at position i: returns its number and
@@ -87,25 +95,19 @@ local function pb_bytes(msg, num)
   return val
 end
 
--- pb_rewrite returns msg with each field in repl replaced: repl[num] is a
--- string (written as a length-delimited field, omitted when empty, as
--- proto3 does) or false (the field is dropped). Fields keep number order.
--- Returns nil for a malformed message.
+-- pb_rewrite returns msg with each field in repl replaced: repl[num] is the
+-- whole encoded field (as pb_str makes it; '' drops the field). Fields
+-- keep number order. Returns nil for a malformed message.
 local function pb_rewrite(msg, repl)
   local fields = pb_fields(msg)
   if not fields then return nil end
   local nums = {}
-  for num, v in pairs(repl) do
-    if v then nums[#nums + 1] = num end
-  end
+  for num in pairs(repl) do nums[#nums + 1] = num end
   table.sort(nums)
   local out, k = {}, 1
   local function emit_upto(limit)
     while k <= #nums and nums[k] < limit do
-      local v = repl[nums[k]]
-      if #v > 0 then
-        out[#out + 1] = pb_putvarint(nums[k] * 8 + 2) .. pb_putvarint(#v) .. v
-      end
+      out[#out + 1] = repl[nums[k]]
       k = k + 1
     end
   end
@@ -113,7 +115,7 @@ local function pb_rewrite(msg, repl)
     emit_upto(f[1])
     if repl[f[1]] == nil then
       out[#out + 1] = string.sub(msg, f[2], f[3])
-    elseif repl[f[1]] and k <= #nums and nums[k] == f[1] then
+    elseif k <= #nums and nums[k] == f[1] then
       emit_upto(f[1] + 1)
     end
   end
@@ -121,57 +123,32 @@ local function pb_rewrite(msg, repl)
   return table.concat(out)
 end
 
--- pb_setpayload returns msg with its payload (field 2) set to p, the way
--- pb_rewrite(msg, {[2] = p}) does, but by splicing in place: asynq (Go's
--- protobuf) writes fields once and in number order, the payload right after
--- the type, so the scan stops at the first field after it and the rest is
--- copied untouched. Unusual messages (field 2 repeated) go to pb_rewrite.
-local function pb_setpayload(msg, p)
-  local i, n = 1, #msg
-  local from, to, at
-  while i <= n do
-    local num, after = pb_field(msg, i)
-    if not num then return nil end
-    if num > 2 and not at then
-      at = i
-      if from then break end -- fields come in number order: no field 2 follows
-    end
-    if num == 2 then
-      if from then return pb_rewrite(msg, {[2] = p}) end
-      from, to = i, after - 1
-    end
-    i = after
+-- pb_setpayload returns msg with its payload field replaced by field (the
+-- whole encoded field 2, '' for an empty payload), as
+-- pb_rewrite(msg, {[2] = field}) does, but by splicing: asynq (Go's
+-- protobuf) writes each field once, in number order, so the payload, if
+-- any, follows the type (field 1) and everything after it is copied
+-- untouched. Messages of another shape go to pb_rewrite.
+local function pb_setpayload(msg, field)
+  local i = 1
+  if string.byte(msg, 1) == 10 then -- field 1 (type), length-delimited
+    local len
+    len, i = pb_varint(msg, 2)
+    if not len then return nil end
+    i = i + len
   end
-  local field = ''
-  if #p > 0 then field = pb_putvarint(18) .. pb_putvarint(#p) .. p end
-  if from then
-    return string.sub(msg, 1, from - 1) .. field .. string.sub(msg, to + 1)
+  local j = i
+  if string.byte(msg, j) == 18 then -- field 2 (payload), length-delimited
+    local len
+    len, j = pb_varint(msg, j + 1)
+    if not len then return nil end
+    j = j + len
   end
-  at = at or n + 1
-  return string.sub(msg, 1, at - 1) .. field .. string.sub(msg, at)
-end
-
--- Lock records store their owner's task ID compactly: an ID the wrapper
--- generated for the key (dd-<fingerprint>-<20 hex>) as its 20 hex digits,
--- any other ID as itself, or as '=' .. ID where that would be ambiguous (20
--- hex digits, or a leading '='). The Go side (packLockID) does the same.
-local function id_unpack(s, fp)
-  if not s then return s end
-  if string.byte(s) == 61 then return string.sub(s, 2) end
-  if #s == 20 and not string.find(s, '[^0-9a-f]') then return 'dd-' .. fp .. '-' .. s end
-  return s
-end
-
-local function id_pack(id, fp)
-  local p = 'dd-' .. fp .. '-'
-  local rest = string.sub(id, #p + 1)
-  if string.sub(id, 1, #p) == p and #rest == 20 and not string.find(rest, '[^0-9a-f]') then
-    return rest
+  local next_tag = j <= #msg and pb_varint(msg, j)
+  if j > #msg + 1 or (j <= #msg and (not next_tag or next_tag < 24)) then
+    return pb_rewrite(msg, {[2] = field}) -- a field 1 or 2 follows: the general path
   end
-  if string.byte(id) == 61 or (#id == 20 and not string.find(id, '[^0-9a-f]')) then
-    return '=' .. id
-  end
-  return id
+  return string.sub(msg, 1, i - 1) .. field .. string.sub(msg, j)
 end
 
 -- waiting reports whether an asynq task state means "not started yet".
@@ -185,9 +162,10 @@ local function gone(state)
   return (not state) or state == 'completed' or state == 'archived'
 end
 
--- now_s and now_ms read the server clock as integers.
+-- now_parts reads the server clock: unix seconds, milliseconds, and
+-- nanoseconds as a string (asynq's pending_since).
 local function now_parts()
-  local t = redis.call('TIME')
+  local t = call('TIME')
   local s, us = tonumber(t[1]), tonumber(t[2])
   return s, s * 1000 + (us - us % 1000) / 1000, t[1] .. string.format('%06d', us) .. '000'
 end

@@ -1,0 +1,222 @@
+package dedup
+
+import (
+	"context"
+	"fmt"
+	"reflect"
+	"strings"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/hibiken/asynq"
+)
+
+// call is one enqueue, composed from its task and options: what every later
+// step needs, worked out once.
+type call struct {
+	task *asynq.Task
+	typ  string
+	rule resolved       // the type's rule with the call's options applied
+	pass []asynq.Option // asynq's own options, for next.EnqueueContext
+
+	queue         string
+	explicitQueue bool // the call named the queue (asynq.Queue)
+	callerID      string
+	processAt     time.Time // zero: due now
+	conflicting   string    // asynq.Unique or asynq.Group, which deduplication refuses
+	msg           store.Message
+	msgUnknown    bool // an asynq option the direct path cannot store
+
+	// Set by prepare, for a deduplicated call.
+	ref     store.Ref
+	acquire store.Acquire
+	locked  bool // the lock is taken (false: fail-open)
+	self    bool // the caller's own task ID already held the key: not this call's lock
+}
+
+// compose reads the call's options: this package's apply to the type's
+// rule, asynq's are kept for asynq and read for what the lock needs.
+func (c *Client) compose(task *asynq.Task, opts []asynq.Option) (*call, error) {
+	if task == nil {
+		return nil, fmt.Errorf("%w: nil task", ErrInvalidOption)
+	}
+	k := &call{task: task, typ: task.Type(), rule: c.d.ruleFor(task.Type()), pass: make([]asynq.Option, 0, len(opts)+1)}
+	k.msg.Retry = store.DefaultMaxRetry
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if ov, ok := o.(option); ok {
+			if err := ov.apply(&k.rule); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		k.asynqOption(o)
+		k.pass = append(k.pass, o)
+	}
+	return k, k.chooseQueue(c.d)
+}
+
+// asynqOption reads one of asynq's options.
+func (k *call) asynqOption(o asynq.Option) {
+	switch v := o.Value(); o.Type() {
+	case asynq.QueueOpt:
+		if s, ok := v.(string); ok {
+			k.queue, k.explicitQueue = s, true
+		}
+	case asynq.TaskIDOpt:
+		if s, ok := v.(string); ok {
+			k.callerID = s
+		}
+	case asynq.ProcessAtOpt:
+		if t, ok := v.(time.Time); ok {
+			k.processAt = t
+		}
+	case asynq.ProcessInOpt:
+		if d, ok := v.(time.Duration); ok {
+			k.processAt = time.Now().Add(d)
+		}
+	case asynq.UniqueOpt, asynq.GroupOpt:
+		k.conflicting = o.String()
+		k.msgUnknown = true
+	default:
+		k.msgUnknown = k.msgUnknown || !k.messageOption(o)
+	}
+}
+
+// messageOption records an option the direct path stores in asynq's
+// message; it reports false for one it cannot reproduce.
+func (k *call) messageOption(o asynq.Option) bool {
+	var ok bool
+	switch v := o.Value(); o.Type() {
+	case asynq.MaxRetryOpt:
+		k.msg.Retry, ok = v.(int)
+	case asynq.TimeoutOpt:
+		k.msg.Timeout, ok = v.(time.Duration)
+	case asynq.DeadlineOpt:
+		k.msg.Deadline, ok = v.(time.Time)
+	case asynq.RetentionOpt:
+		k.msg.Retention, ok = v.(time.Duration)
+	}
+	return ok
+}
+
+// chooseQueue picks the queue the lock lives in: the call's, else the one
+// tasks of this type last landed in, else "default".
+func (k *call) chooseQueue(d *Dedup) error {
+	switch {
+	case k.explicitQueue && strings.TrimSpace(k.queue) == "":
+		return fmt.Errorf("%w: blank queue name", ErrInvalidOption)
+	case k.explicitQueue:
+	default:
+		k.queue = "default"
+		if q, ok := d.queues.Load(k.typ); ok {
+			k.queue = q.(string)
+		}
+	}
+	if k.callerID != "" && strings.TrimSpace(k.callerID) == "" {
+		return fmt.Errorf("%w: blank task ID", ErrInvalidOption)
+	}
+	return nil
+}
+
+// prepare makes a deduplicated call ready for the lock script: its key,
+// task ID, the script's arguments and, on the direct path, the task to
+// store with the lock.
+func (c *Client) prepare(ctx context.Context, k *call) error {
+	d := c.d
+	if k.conflicting != "" {
+		return fmt.Errorf("%w: %s cannot be combined with deduplication (use dedup.Skip() to enqueue this call without it)", ErrInvalidOption, k.conflicting)
+	}
+	fp, err := d.fingerprintHex(k.typ, k.task.Payload(), &k.rule)
+	if err != nil {
+		return err
+	}
+	id := k.callerID
+	if id == "" {
+		id = store.NewLockedID(fp)
+		k.pass = append(k.pass, asynq.TaskID(id))
+	}
+	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Indexed: k.callerID != ""}
+	r := &k.rule
+	k.acquire = store.Acquire{Ref: k.ref, OnWaiting: r.conflict.fold(), OnRunning: r.running.code(),
+		TTL: waitTTL(d.ttlOf(r), k.processAt), Now: time.Now(), MaxPending: r.maxPending}
+	if r.conflict == Replace || r.running == RunningDefer {
+		k.acquire.Payload = k.task.Payload()
+	}
+	if r.running == RunningDefer {
+		k.acquire.FollowID = store.NewLockedID(fp)
+	}
+	k.locked = true
+	c.prepareDirect(ctx, k)
+	return nil
+}
+
+// Direct enqueue: for a Client from Dedup.NewClient (whose asynq client
+// shares the Dedup's Redis) and a task that carries no options from
+// asynq.NewTask (which the wrapper cannot see), the acquire script stores
+// asynq's task record itself, in the same atomic step that takes the lock:
+// one round trip for an accepted enqueue instead of two, and no window in
+// which the lock exists without its task. It stores exactly what asynq
+// v0.26.0's own client stores; TestDirectEnqueueMatchesAsynq compares the
+// two field by field.
+
+// prepareDirect adds the task's record to the acquire call when the direct
+// path applies.
+func (c *Client) prepareDirect(ctx context.Context, k *call) {
+	if !c.direct || k.msgUnknown || strings.TrimSpace(k.typ) == "" {
+		return
+	}
+	if !k.explicitQueue && k.queue != "default" {
+		return // the remembered queue came from NewTask options: asynq's path
+	}
+	if n, ok := taskOptsLen(k.task); !ok || n > 0 {
+		return
+	}
+	m := &k.msg
+	m.Type, m.Payload, m.Headers, m.ID, m.Queue = k.typ, k.task.Payload(), k.task.Headers(), k.ref.ID, k.queue
+	m.Retry = max(m.Retry, 0)
+	if m.Deadline.IsZero() && m.Timeout == 0 {
+		m.Timeout = store.DefaultTimeout
+	}
+	if c.d.store.PublishQueue(ctx, k.queue) != nil {
+		return // asynq's client registers it
+	}
+	k.acquire.Message = m.Encode()
+	if k.scheduled() {
+		k.acquire.DueAt = k.processAt.Unix()
+	}
+}
+
+// scheduled reports whether the task is due later than now.
+func (k *call) scheduled() bool { return !k.processAt.IsZero() && k.processAt.After(time.Now()) }
+
+// storedInfo is the TaskInfo asynq's client would return for the task the
+// direct path stored.
+func (k *call) storedInfo() *asynq.TaskInfo {
+	m := &k.msg
+	ti := &asynq.TaskInfo{
+		ID: m.ID, Queue: m.Queue, Type: m.Type, Payload: m.Payload, Headers: m.Headers,
+		MaxRetry: m.Retry, Timeout: m.Timeout, Retention: m.Retention,
+		State: asynq.TaskStatePending, NextProcessAt: time.Now(),
+	}
+	if !m.Deadline.IsZero() {
+		ti.Deadline = time.Unix(m.Deadline.Unix(), 0)
+	}
+	if k.scheduled() {
+		ti.State, ti.NextProcessAt = asynq.TaskStateScheduled, k.processAt
+	}
+	return ti
+}
+
+// taskOptsLen reads the length of asynq.Task's unexported opts (options
+// given to NewTask). ok is false if the field is not there (a changed
+// asynq): then the direct path is never taken.
+func taskOptsLen(t *asynq.Task) (n int, ok bool) {
+	f := reflect.ValueOf(t).Elem().FieldByName("opts")
+	if !f.IsValid() || f.Kind() != reflect.Slice {
+		return 0, false
+	}
+	return f.Len(), true
+}

@@ -1,0 +1,192 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/hibiken/asynq"
+)
+
+// next says what an enqueue does after one acquire.
+type next int
+
+const (
+	done    next = iota // the answer is final
+	enqueue             // the lock is taken (or fail-open): enqueue through asynq
+	again               // call acquire again
+)
+
+// waits counts the retries of one enqueue's acquire.
+type waits struct{ merges, reserved, room int }
+
+// maxMergeAttempts bounds the compare-and-set retries of one Merge.
+const maxMergeAttempts = 32
+
+// A holder whose producer has not stored it yet is waited for, briefly.
+const maxReservedWaits = 20
+
+var reservedBackoff = Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
+
+// roomBackoff spaces the polls of WaitForRoom.
+var roomBackoff = Backoff{Min: 10 * time.Millisecond, Max: time.Second}
+
+// lock runs the acquire script until its answer is final: the call is
+// answered (a duplicate, a fold, a task the script stored itself), or the
+// lock is taken and the task is to be enqueued.
+func (c *Client) lock(ctx context.Context, k *call) (Result, next, error) {
+	var w waits
+	for {
+		res, err := c.d.store.Acquire(ctx, &k.acquire)
+		if err != nil {
+			return c.acquireFailed(ctx, k, err)
+		}
+		out, n, err := c.outcome(ctx, k, res, &w)
+		if n != again {
+			return out, n, err
+		}
+	}
+}
+
+// acquireFailed decides what a failed acquire means: fail-closed, or
+// fail-open (the execution-time guard still locks the task).
+func (c *Client) acquireFailed(ctx context.Context, k *call, err error) (Result, next, error) {
+	if errors.Is(err, store.ErrMoving) {
+		return Result{}, done, fmt.Errorf("%w: %q: %w", ErrContention, k.typ, err)
+	}
+	if !c.d.onRedisError(ctx, "acquire", k.typ, err) {
+		return Result{}, done, unavailable("acquire", err)
+	}
+	k.locked = false
+	return Result{}, enqueue, nil
+}
+
+// outcome turns the script's answer into the call's.
+func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, w *waits) (Result, next, error) {
+	d := c.d
+	switch res.Status {
+	case store.StatusTaken:
+		if k.acquire.Message == nil {
+			return Result{}, enqueue, nil
+		}
+		d.count(k.typ, evLocked) // the script stored the task too: one round trip
+		return Result{Outcome: Created, TaskID: k.ref.ID, Info: k.storedInfo()}, done, nil
+	case store.StatusSelf:
+		k.self = true
+		return Result{}, enqueue, nil
+	case store.StatusConflict:
+		return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)
+	case store.StatusHeld:
+		return Result{}, done, c.duplicate(k, res.Task)
+	case store.StatusReplaced:
+		return c.folded(k, Replaced, evCoalesced, res.Task, k.task.Payload(), res.State), done, nil
+	case store.StatusDeferred:
+		return c.folded(k, Deferred, evDeferred, res.Task, k.task.Payload(), "scheduled"), done, nil
+	case store.StatusMerge:
+		return c.merge(ctx, k, res, w)
+	case store.StatusReserved:
+		return c.waitReserved(ctx, k, res.Task, w)
+	case store.StatusOver:
+		return c.waitRoom(ctx, k, res.Waiting, w)
+	case store.StatusBroken:
+		return Result{}, done, fmt.Errorf("%w: %s", ErrIncompatible, res.Reason)
+	}
+	return Result{}, done, fmt.Errorf("dedup: unexpected acquire status %d", res.Status)
+}
+
+// duplicate is the error of a call whose key holder is named.
+func (c *Client) duplicate(k *call, holder string) error {
+	c.d.count(k.typ, evDuplicate)
+	return &DuplicateTaskError{TaskID: holder, Queue: k.queue, Type: k.typ, Key: c.d.lockKey(&k.ref)}
+}
+
+// folded describes the task a call was folded into, from what the lock
+// script saw.
+func (c *Client) folded(k *call, o Outcome, ev event, id string, payload []byte, state string) Result {
+	c.d.count(k.typ, ev)
+	c.d.noteCoalesced(k.typ, k.ref.FP, k.rule.key)
+	return Result{Outcome: o, TaskID: id, Info: &asynq.TaskInfo{
+		ID: id, Queue: k.queue, Type: k.typ, Payload: payload, State: parseState(state),
+	}}
+}
+
+func parseState(s string) asynq.TaskState {
+	switch s {
+	case store.StatePending:
+		return asynq.TaskStatePending
+	case store.StateScheduled:
+		return asynq.TaskStateScheduled
+	case store.StateRetry:
+		return asynq.TaskStateRetry
+	case store.StateActive:
+		return asynq.TaskStateActive
+	}
+	return 0
+}
+
+// merge merges the new payload into the stored one and writes it with a
+// compare-and-set; a lost race reads the new state and merges again.
+func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w *waits) (Result, next, error) {
+	d := c.d
+	merged, err := k.rule.merge(res.Payload, k.task.Payload())
+	if err != nil {
+		return Result{}, done, fmt.Errorf("dedup: merge %q into task %s: %w", k.typ, res.Task, err)
+	}
+	if mfp, err := d.fingerprintHex(k.typ, merged, &k.rule); err != nil || mfp != k.ref.FP {
+		return Result{}, done, fmt.Errorf("%w: merge function changed the key of %q (or broke its payload)", ErrInvalidPayload, k.typ)
+	}
+	cr, err := d.store.Coalesce(ctx, &store.Coalesce{Ref: k.ref, Target: res.Task, Follow: res.FollowUp, Version: res.Version, Payload: merged})
+	switch {
+	case err != nil:
+		d.count(k.typ, evRedisError)
+		return Result{}, done, unavailable("coalesce", err)
+	case cr.Broken != "":
+		return Result{}, done, fmt.Errorf("%w: %s", ErrIncompatible, cr.Broken)
+	case cr.Written:
+		return c.folded(k, Merged, evMerged, res.Task, merged, cr.State), done, nil
+	}
+	if w.merges++; w.merges >= maxMergeAttempts {
+		return Result{}, done, fmt.Errorf("%w: %q into task %s after %d attempts", ErrContention, k.typ, res.Task, w.merges)
+	}
+	return Result{}, again, nil
+}
+
+// waitReserved waits for a holder whose producer took the lock but has not
+// stored the task yet (one round trip away), to fold into it once it has.
+func (c *Client) waitReserved(ctx context.Context, k *call, holder string, w *waits) (Result, next, error) {
+	if w.reserved++; w.reserved > maxReservedWaits {
+		return Result{}, done, c.duplicate(k, holder)
+	}
+	if err := sleep(ctx, reservedBackoff.Delay(w.reserved)); err != nil {
+		return Result{}, done, fmt.Errorf("dedup: waiting for task %s to be stored: %w", holder, err)
+	}
+	return Result{}, again, nil
+}
+
+// waitRoom waits, with WaitForRoom, while the type's MaxPending keys wait.
+func (c *Client) waitRoom(ctx context.Context, k *call, waiting int64, w *waits) (Result, next, error) {
+	if !k.rule.waitForRoom {
+		c.d.count(k.typ, evOverBound)
+		return Result{}, done, fmt.Errorf("%w: %d keys of %q already waiting in queue %q", ErrTooManyPending, waiting, k.typ, k.queue)
+	}
+	if err := sleep(ctx, roomBackoff.Delay(w.room)); err != nil {
+		c.d.count(k.typ, evOverBound)
+		return Result{}, done, fmt.Errorf("%w: waited for room: %w", ErrTooManyPending, err)
+	}
+	w.room++
+	return Result{}, again, nil
+}
+
+// sleep waits d, or returns ctx's error if it ends first.
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}

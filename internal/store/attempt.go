@@ -1,0 +1,202 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// The scripts of a task's run, for the server middleware: Start when an
+// attempt begins, Extend while it runs (the heartbeat), Finish when it
+// ends.
+
+// Start is one call of the start script (lua/start.lua): make an attempt
+// the running owner of its task's lock.
+type Start struct {
+	Ref     Ref
+	Token   string        // the attempt's random token
+	Lease   time.Duration // the running lock's lifetime
+	Running Running       // running policy, recorded if Start creates the lock
+}
+
+// StartResult is what start did.
+type StartResult struct {
+	Status Status // StatusTaken, StatusHeld or StatusAllowed
+	Holder string // StatusHeld: the task holding the key
+	Follow string // StatusTaken: the follow-up the lock owes, "" for none
+}
+
+// Start runs the start script, calling it again with the keys it asks for.
+func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
+	r := &st.Ref
+	lock := s.keys.LockOf(r)
+	holder := ""
+	for n := 0; ; n++ {
+		kl := newKeyList("", 6)
+		kl.add(roleLock, lock)
+		kl.add(roleWait, s.keys.Wait(r.Queue, r.Type))
+		kl.add(roleFollow, s.keys.Follow(r.Queue, r.FP))
+		if r.Indexed {
+			kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
+		}
+		if holder != "" {
+			id := UnpackOwner(holder, r.FP)
+			kl.add(roleHolder, TaskKey(r.Queue, id))
+			kl.add(roleHolderIndex, s.keys.Index(r.Queue, id))
+		}
+		v, err := s.run(ctx, s.sc.start, kl.keys, string(kl.roles), r.ID, r.stored(), st.Token,
+			ms(st.Lease), s.graceSeconds(), string(st.Running), r.FP, holder)
+		if err != nil {
+			return StartResult{}, err
+		}
+		rep, err := parseReply(v)
+		if err != nil {
+			return StartResult{}, err
+		}
+		switch {
+		case rep.status == StatusHeld:
+			return StartResult{Status: StatusHeld, Holder: UnpackOwner(rep.str(0), r.FP)}, nil
+		case rep.status != statusNeed:
+			return StartResult{Status: rep.status, Follow: rep.str(0)}, nil
+		case n == maxNeeds:
+			return StartResult{}, fmt.Errorf("%w: %s", ErrMoving, lock)
+		}
+		holder = rep.str(1)
+	}
+}
+
+// Extend is one call of the extend script (lua/extend.lua): renew a lock
+// if its owner (task and attempt) still holds it.
+type Extend struct {
+	Ref   Ref
+	Token string        // the running attempt's token; "" renews a waiting lock
+	TTL   time.Duration // the new lifetime
+}
+
+func (e *Extend) keysArgs(s *Store) ([]string, []any) {
+	r := &e.Ref
+	keys := []string{s.keys.LockOf(r), ScheduledKey(r.Queue), s.keys.Follow(r.Queue, r.FP)}
+	if r.Indexed {
+		keys = append(keys, s.keys.Index(r.Queue, r.ID))
+	}
+	return keys, []any{r.stored(), e.Token, ms(e.TTL), s.parkSeconds(), r.ID}
+}
+
+// Extend runs the extend script. It reports whether the lock was renewed
+// (false: it is gone or another task's or attempt's).
+func (s *Store) Extend(ctx context.Context, e *Extend) (bool, error) {
+	keys, args := e.keysArgs(s)
+	v, err := s.run(ctx, s.sc.extend, keys, args...)
+	if err != nil {
+		return false, err
+	}
+	return parseFlag(v)
+}
+
+// ExtendResult is the outcome of one Extend of ExtendAll.
+type ExtendResult struct {
+	Renewed bool
+	Err     error
+}
+
+// ExtendAll renews many locks in one pipeline (one per node on Redis
+// Cluster), through the breaker and bounded by LockTimeout: the heartbeat
+// of every running attempt of a process. Scripts missing from the server's
+// cache are sent again whole.
+func (s *Store) ExtendAll(ctx context.Context, es []*Extend) []ExtendResult {
+	out := make([]ExtendResult, len(es))
+	cmds, err := s.extendPipeline(ctx, es, true)
+	for _, c := range cmds {
+		if c.Err() != nil && redis.HasErrorPrefix(c.Err(), "NOSCRIPT") {
+			cmds, err = s.extendPipeline(ctx, es, false) // scripts flushed (restart, failover)
+			break
+		}
+	}
+	for i := range out {
+		if cmds == nil {
+			out[i].Err = err // the pipeline did not complete
+			continue
+		}
+		c, ok := cmds[i].(*redis.Cmd)
+		if !ok {
+			out[i].Err = fmt.Errorf("dedup: unexpected pipeline reply %T", cmds[i])
+			continue
+		}
+		v, err := c.Result()
+		if err != nil {
+			out[i].Err = err
+			continue
+		}
+		out[i].Renewed, out[i].Err = parseFlag(v)
+	}
+	return out
+}
+
+func (s *Store) extendPipeline(ctx context.Context, es []*Extend, sha bool) ([]redis.Cmder, error) {
+	return s.Pipelined(ctx, func(p redis.Pipeliner) {
+		for _, e := range es {
+			keys, args := e.keysArgs(s)
+			if sha {
+				s.sc.extend.EvalSha(ctx, p, keys, args...)
+			} else {
+				s.sc.extend.Eval(ctx, p, keys, args...)
+			}
+		}
+	})
+}
+
+// Finish is one call of the finish script (lua/finish.lua): an attempt
+// ended; release its lock (to the follow-up it owes, if any) or hold it
+// for the retry.
+type Finish struct {
+	Ref       Ref
+	Token     string
+	Release   bool          // release; false: hold for a retry
+	Hold      time.Duration // for a hold: the lock's lifetime
+	FollowTTL time.Duration // a released follow-up's lock lifetime
+	Follow    string        // the follow-up the lock owes, if known (StartResult.Follow)
+}
+
+// Finish runs the finish script. It reports whether the attempt still owned
+// the lock, and the follow-up that now holds it, if one was released.
+func (s *Store) Finish(ctx context.Context, f *Finish) (owned bool, follow string, err error) {
+	r := &f.Ref
+	mode := "hold"
+	if f.Release {
+		mode = "release"
+	}
+	hintF := f.Follow
+	for n := 0; ; n++ {
+		kl := newKeyList("", 6)
+		kl.add(roleLock, s.keys.LockOf(r))
+		kl.add(roleScheduled, ScheduledKey(r.Queue))
+		kl.add(rolePending, PendingKey(r.Queue))
+		kl.add(roleFollow, s.keys.Follow(r.Queue, r.FP))
+		if r.Indexed {
+			kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
+		}
+		stored := ""
+		if hintF != "" {
+			kl.add(roleFollowTask, TaskKey(r.Queue, hintF))
+			stored = PackOwner(hintF, r.FP)
+		}
+		v, err := s.run(ctx, s.sc.finish, kl.keys, string(kl.roles), r.stored(), f.Token, mode,
+			ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID)
+		if err != nil {
+			return false, "", err
+		}
+		rep, err := parseReply(v)
+		if err != nil {
+			return false, "", err
+		}
+		switch {
+		case rep.status != statusNeed:
+			return rep.status == StatusTaken, rep.str(0), nil
+		case n == maxNeeds:
+			return false, "", fmt.Errorf("%w: %s", ErrMoving, kl.keys[0])
+		}
+		hintF = rep.str(1)
+	}
+}

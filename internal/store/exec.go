@@ -1,0 +1,211 @@
+package store
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Config configures a Store. Every field is required (the root package's
+// Config supplies the defaults).
+type Config struct {
+	Prefix           string
+	LockTimeout      time.Duration // bound of every call
+	HealGrace        time.Duration // a younger lock is never treated as orphaned
+	Lease            time.Duration // a running lock's lifetime; follow-ups stay parked two leases
+	MaxBatch         int           // most script calls per pipeline; < 0: no batching
+	BreakerThreshold int           // consecutive failures that open the breaker; < 0: no breaker
+	// BreakerWait is how long the breaker stays open after opens earlier
+	// consecutive openings.
+	BreakerWait    func(opens int) time.Duration
+	ErrCircuitOpen error  // the error of a call the open breaker refuses
+	OnBreakerOpen  func() // called each time the breaker opens
+	Logger         *slog.Logger
+}
+
+// Store is the library's one path to Redis: every call goes through the
+// circuit breaker and is bounded by Config.LockTimeout; concurrent script
+// calls share pipelines (batch.go). It is safe for concurrent use.
+type Store struct {
+	rdb       redis.UniversalClient
+	keys      Keys
+	cfg       Config
+	sc        *scriptSet
+	br        *breaker
+	batch     *batcher // nil without batching
+	hints     hintCache
+	published sync.Map // queues registered by PublishQueue
+
+	// socketBound: the client cuts a call off at its context's deadline on
+	// the socket (go-redis ContextTimeoutEnabled), so a call can run on the
+	// caller's goroutine. Otherwise a hung Redis would hold it for the
+	// client's ReadTimeout (3 s by default) and its retries, so it runs on
+	// another goroutine that the caller leaves at LockTimeout.
+	socketBound bool
+}
+
+// New returns a Store over rdb. It does not take ownership of rdb.
+func New(rdb redis.UniversalClient, cfg Config) *Store {
+	s := &Store{rdb: rdb, keys: NewKeys(cfg.Prefix), cfg: cfg, sc: scripts(), socketBound: contextTimeouts(rdb)}
+	s.br = &breaker{threshold: cfg.BreakerThreshold, wait: cfg.BreakerWait, log: cfg.Logger, onOpen: cfg.OnBreakerOpen}
+	if cfg.MaxBatch > 0 {
+		s.batch = newBatcher(s.rdb, cfg.MaxBatch, cfg.LockTimeout, s.socketBound)
+	}
+	return s
+}
+
+// Close stops the batcher's goroutines; later calls go straight to Redis.
+// It does not close the Redis client.
+func (s *Store) Close() {
+	if s.batch != nil {
+		s.batch.stop()
+	}
+}
+
+// Keys returns the key names of this Store's prefix.
+func (s *Store) Keys() Keys { return s.keys }
+
+// BreakerState reports the circuit breaker's state.
+func (s *Store) BreakerState() BreakerState { return s.br.current() }
+
+// LoadScripts loads the scripts into Redis's cache, best effort: a call
+// whose script is missing sends it whole (EVALSHA falls back to EVAL).
+func (s *Store) LoadScripts(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
+	defer cancel()
+	for _, sc := range s.sc.all() {
+		if err := sc.Load(ctx, s.rdb).Err(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// run executes a script through the breaker, batched with concurrent calls
+// when batching is on (and straight to Redis once the batcher is stopped).
+func (s *Store) run(ctx context.Context, sc *redis.Script, keys []string, args ...any) (any, error) {
+	return s.guard(ctx, func() (any, error) {
+		if s.batch != nil {
+			if v, err, ok := s.batch.do(ctx, sc, keys, args); ok {
+				return v, err
+			}
+		}
+		return s.direct(ctx, func(c context.Context) (any, error) {
+			return sc.Run(c, s.rdb, keys, args...).Result()
+		})
+	})
+}
+
+// Do makes a Redis call outside the scripts through the breaker, bounded by
+// LockTimeout. fn returns its result rather than writing it to a variable
+// of the caller: a call the caller leaves at the deadline goes on in its
+// own goroutine.
+func (s *Store) Do(ctx context.Context, fn func(ctx context.Context, c redis.Cmdable) (any, error)) (any, error) {
+	return s.guard(ctx, func() (any, error) {
+		return s.direct(ctx, func(c context.Context) (any, error) { return fn(c, s.rdb) })
+	})
+}
+
+// Foreign runs fn, a call through a client this package does not drive
+// (asynq's Inspector takes no context), through the breaker, and leaves it
+// running when ctx or LockTimeout ends first. Like Do's, fn returns its
+// result.
+func (s *Store) Foreign(ctx context.Context, fn func() (any, error)) (any, error) {
+	return s.guard(ctx, func() (any, error) {
+		lctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
+		defer cancel()
+		return abandonable(lctx, func(context.Context) (any, error) { return fn() })
+	})
+}
+
+// guard runs send through the circuit breaker and records its outcome.
+func (s *Store) guard(ctx context.Context, send func() (any, error)) (any, error) {
+	if !s.br.allow() {
+		return nil, s.cfg.ErrCircuitOpen
+	}
+	v, err := send()
+	s.br.record(ctx, err)
+	return v, err
+}
+
+// direct makes one call from this goroutine's side, bounded by LockTimeout.
+func (s *Store) direct(ctx context.Context, fn func(context.Context) (any, error)) (any, error) {
+	lctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
+	defer cancel()
+	if s.socketBound {
+		return fn(lctx)
+	}
+	return abandonable(lctx, fn)
+}
+
+// abandonable returns when call does or ctx ends, whichever comes first;
+// the call then goes on in its goroutine until the client's own timeouts
+// end it.
+func abandonable(ctx context.Context, call func(context.Context) (any, error)) (any, error) {
+	type result struct {
+		v   any
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		v, err := call(ctx)
+		ch <- result{v, err}
+	}()
+	select {
+	case r := <-ch:
+		return r.v, r.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// Pipelined sends the commands fn queues as one pipeline (one per node on
+// Redis Cluster) through the breaker, bounded by LockTimeout, and returns
+// them, each with its own result. It returns nil commands, and the error,
+// when the pipeline did not complete: refused by the breaker, or left at the
+// deadline (its commands may still be filled in, so they must not be read).
+func (s *Store) Pipelined(ctx context.Context, fn func(p redis.Pipeliner)) ([]redis.Cmder, error) {
+	p := s.rdb.Pipeline()
+	fn(p)
+	v, err := s.Do(ctx, func(c context.Context, _ redis.Cmdable) (any, error) { return p.Exec(c) })
+	cmds, _ := v.([]redis.Cmder)
+	return cmds, err
+}
+
+func ms(d time.Duration) int64 {
+	m := d.Milliseconds()
+	if m < 1 {
+		m = 1 // PX 0 is an error in Redis
+	}
+	return m
+}
+
+// graceSeconds is HealGrace in whole seconds, at least 1.
+func (s *Store) graceSeconds() int64 { return max(int64(s.cfg.HealGrace/time.Second), 1) }
+
+// parkSeconds is how long a Defer follow-up stays parked without a
+// heartbeat: two leases, so a live run always renews it in time and a dead
+// one releases it soon.
+func (s *Store) parkSeconds() int64 {
+	return max(int64((2*s.cfg.Lease+time.Second-1)/time.Second), 2)
+}
+
+// Batching reports whether concurrent script calls share pipelines.
+func (s *Store) Batching() bool { return s.batch != nil }
+
+// contextTimeouts reports whether the client honours context deadlines on
+// its socket reads (go-redis's Options.ContextTimeoutEnabled).
+func contextTimeouts(rdb redis.UniversalClient) bool {
+	switch c := rdb.(type) {
+	case *redis.Client:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.ClusterClient:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.Ring:
+		return c.Options().ContextTimeoutEnabled
+	}
+	return false
+}

@@ -1,0 +1,138 @@
+package store
+
+import "strings"
+
+// Keys builds the key names of one deployment (one key prefix). Every key
+// of a queue carries the queue's hash tag "{<queue>}" exactly as asynq's
+// own keys do, so a lock lives in the Redis Cluster slot of its queue, next
+// to asynq's records of that queue, and one script can use both:
+//
+//	<prefix>:{<queue>}:l:<fingerprint>  lock (a hash, see record.go)
+//	<prefix>:{<queue>}:i:<task ID>      index: fingerprint of a caller-chosen task ID's lock, or OptOutMark
+//	<prefix>:{<queue>}:w:<task type>    waiting keys of a type (MaxPending), a sorted set of fingerprints
+//	<prefix>:{<queue>}:f:<fingerprint>  follow-up task owed to the key (RunningDefer)
+//	<prefix>:stats:types                set of the task types with flushed counters (no hash tag)
+//	<prefix>:stats:type:<task type>     one type's flushed counters, a hash of event name → total
+//
+// The prefix may not contain braces (Config validates it), so the hash tag
+// is always the queue's.
+type Keys struct{ prefix string }
+
+// NewKeys returns the key names under prefix.
+func NewKeys(prefix string) Keys { return Keys{prefix: prefix} }
+
+// Prefix is the key prefix.
+func (k Keys) Prefix() string { return k.prefix }
+
+func (k Keys) queue(queue, kind string) string { return k.prefix + ":{" + queue + "}:" + kind + ":" }
+
+// Lock is the lock of fingerprint fp in queue.
+func (k Keys) Lock(queue, fp string) string { return k.queue(queue, "l") + fp }
+
+// Index is the index key of a caller-chosen task ID.
+func (k Keys) Index(queue, id string) string { return k.queue(queue, "i") + id }
+
+// Wait is the set of a type's keys waiting in queue (MaxPending).
+func (k Keys) Wait(queue, typ string) string { return k.queue(queue, "w") + typ }
+
+// Follow is the pointer to the follow-up task owed to a key (RunningDefer).
+func (k Keys) Follow(queue, fp string) string { return k.queue(queue, "f") + fp }
+
+// StatsTypes is the set of the task types that have flushed counters.
+func (k Keys) StatsTypes() string { return k.prefix + ":stats:types" }
+
+// Stats is the hash of one task type's flushed counters.
+func (k Keys) Stats(typ string) string { return k.prefix + ":stats:type:" + typ }
+
+// LockPattern is the SCAN MATCH pattern of the lock keys of queue, or of
+// every queue for "".
+func (k Keys) LockPattern(queue string) string {
+	q := "*"
+	if queue != "" {
+		q = globEscape(queue)
+	}
+	return globEscape(k.prefix) + ":{" + q + "}:l:*"
+}
+
+// ParseLock splits a lock key into its queue and fingerprint. The
+// fingerprint is read from the end, so queue names holding braces or ":l:"
+// still parse.
+func (k Keys) ParseLock(key string) (queue, fp string, ok bool) {
+	head := k.prefix + ":{"
+	if !strings.HasPrefix(key, head) {
+		return "", "", false
+	}
+	for _, n := range []int{16, 32} {
+		end := len(key) - n - len("}:l:")
+		if end <= len(head) || key[end:end+4] != "}:l:" || !IsFingerprint(key[end+4:]) {
+			continue
+		}
+		return key[len(head):end], key[end+4:], true
+	}
+	return "", "", false
+}
+
+// ParseIndex splits an index key into its queue and task ID.
+func (k Keys) ParseIndex(key string) (queue, id string, ok bool) {
+	rest, ok := strings.CutPrefix(key, k.prefix+":{")
+	if !ok {
+		return "", "", false
+	}
+	queue, id, ok = strings.Cut(rest, "}:i:")
+	return queue, id, ok && queue != "" && id != ""
+}
+
+// PrefixOf guesses the prefix of what looks like a key of this layout (the
+// part before ":{"), or "".
+func PrefixOf(key string) string {
+	if i := strings.IndexByte(key, '{'); i > 1 && key[i-1] == ':' {
+		return key[:i-1]
+	}
+	return ""
+}
+
+// globEscape quotes the characters special to Redis's MATCH patterns.
+func globEscape(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		switch r {
+		case '*', '?', '[', ']', '\\', '^':
+			b.WriteByte('\\')
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
+}
+
+// asynq v0.26.0's keys (its internal/base), in the queue's slot.
+
+// TaskKey is asynq's hash of one task: fields "msg" (the TaskMessage
+// protobuf, see asynq.go), "state", "pending_since", ...
+func TaskKey(queue, id string) string { return asynqQueue(queue) + "t:" + id }
+
+// PendingKey is asynq's list of a queue's pending task IDs.
+func PendingKey(queue string) string { return asynqQueue(queue) + "pending" }
+
+// ScheduledKey is asynq's sorted set of a queue's scheduled task IDs, by
+// due time in unix seconds.
+func ScheduledKey(queue string) string { return asynqQueue(queue) + "scheduled" }
+
+// QueuesKey is asynq's set of queue names.
+const QueuesKey = "asynq:queues"
+
+func asynqQueue(queue string) string { return "asynq:{" + queue + "}:" }
+
+// Ref names one lock and the task that owns or wants it.
+type Ref struct {
+	Queue   string
+	FP      string // fingerprint, hex
+	ID      string // task ID
+	Type    string // task type
+	Indexed bool   // the ID is caller-chosen: an index key leads to the lock
+}
+
+// Lock is the key of r's lock.
+func (k Keys) LockOf(r *Ref) string { return k.Lock(r.Queue, r.FP) }
+
+// stored is r's task ID as its lock record stores it.
+func (r *Ref) stored() string { return PackOwner(r.ID, r.FP) }

@@ -1,0 +1,281 @@
+-- acquire: at enqueue, take the key's lock for a new task, fold the new
+-- payload into the task that holds the key, or name the holder.
+--
+-- KEYS, by the role letters of ARGV[1] from its third character on:
+--   L  the lock                                         always
+--   I  index key of the new task's caller-chosen ID     with a caller-chosen ID
+--   T  asynq record of the new task                     with ARGV[8]
+--   P  asynq pending list, S asynq scheduled set        with ARGV[8]; to release a follow-up
+--   W  the type's waiting set                           with ARGV[14]; to heal a counted lock
+--   F  the key's follow-up pointer                      with ARGV[15]; to release a follow-up
+--   N  asynq record of the new follow-up ARGV[15]       with ARGV[15]
+--   H  asynq record of the holder ARGV[10], J its index key      when the holder must be read
+--   G  asynq record of the follow-up ARGV[11]                    when the follow-up must be read
+-- A call that needs a key it was not given changes nothing and replies
+-- {11, ...} naming what it lacks: the caller calls again with those keys.
+--
+-- ARGV[1]  policy for a waiting holder ('x' reject, 'r' replace, 'm'
+--          merge), for a running one ('x' reject, 'a' allow, 'd' defer),
+--          then the roles of KEYS, one letter each
+-- ARGV[2]  ID of the new task, if one is created
+-- ARGV[3]  ARGV[2] as lock records store it
+-- ARGV[4]  fingerprint (member of W, value of I)
+-- ARGV[5]  the producer's clock, unix integer milliseconds
+-- ARGV[6]  heal grace, integer seconds
+-- ARGV[7]  lock lifetime while waiting, integer milliseconds
+-- ARGV[8]  asynq task message to store with a taken lock ('' for none: the caller enqueues)
+-- The rest may be left out (most calls do: every argument costs); the
+-- default is in brackets:
+-- ARGV[9]  the new payload as an encoded TaskMessage field 2 ('' when empty) ['']
+-- ARGV[10] the holder H and J belong to, as lock records store it ['']
+-- ARGV[11] the follow-up G belongs to ['']
+-- ARGV[12] ARGV[11] as lock records store it ['']
+-- ARGV[13] for ARGV[8]: unix seconds it is due, '0' for pending now ['0']
+-- ARGV[14] most keys of the type waiting in the queue, '0' for no bound ['0']
+-- ARGV[15] ID for a new follow-up (defer) ['']
+-- ARGV[16] how long a new follow-up stays parked, integer seconds ['0']
+--
+-- Reply (holder and f: the lock's owner as stored and its follow-up after
+-- the call, for the caller's hints):
+--   {1}                                taken for ARGV[2]
+--   {2}                                already held by ARGV[2]; untouched
+--   {0, who[, holder, f]}              held by who (as stored, or a follow-up); rejected
+--   {3, target, state, holder, f}      payload of waiting task target replaced
+--   {4, target, payload, ver, holder, f}  merge: the caller merges and calls coalesce
+--   {5, followup, holder, f}           follow-up task created for the running holder
+--   {6, holder}                        held by a task not stored in asynq yet: try again shortly
+--   {7}                                ARGV[8] given, but task ARGV[2] already exists in asynq
+--   {8, waiting}                       refused: ARGV[14] keys already waiting
+--   {11, lacking, holder, f}           nothing done: call again with the keys of these roles
+--   {-1, reason}                       asynq's task record is not what this expects
+--
+-- A follow-up of a running task is a copy of its asynq record with the new
+-- payload and a fresh ID (no retries used, no absolute deadline), parked in
+-- asynq's scheduled set; the heartbeat keeps it parked and the end of the
+-- run releases it (finish). The pointer F outlives the running lease by the
+-- parking time, so if the worker dies the key's next deferring enqueue
+-- still folds into the follow-up (and releases it); otherwise the follow-up
+-- comes due by itself: the owed work is never lost.
+--
+-- Cost: every call is most of a script's time, so the common paths make
+-- few. A lock younger than the heal grace is held whatever its owner's
+-- state, so a plain rejection reads the lock alone; an accepted direct
+-- enqueue makes five calls, as many as asynq's own enqueue plus the lock's.
+-- The clock is the producer's (ARGV[5]): asynq stamps pending_since with
+-- it too, and the heal grace is far wider than any sane clock skew.
+local A = ARGV
+local policy, running = string.sub(A[1], 1, 1), string.sub(A[1], 2, 2)
+roles(2)
+local id, stored, fp, ttl, msg = A[2], A[3], A[4], A[7], A[8]
+local now_ms = tonumber(A[5])
+local now = (now_ms - now_ms % 1000) / 1000
+local grace = tonumber(A[6])
+local follow = A[15] or ''
+-- A folding policy needs the whole record anyway: read it at once.
+local rec = policy == 'x' and call('HMGET', K.L, 'id', 'c', 'f')
+  or call('HMGET', K.L, 'id', 'c', 'f', 'tok', 'rp', 'n', 'b')
+local holder = rec[1]
+if holder and holder ~= stored and holder ~= id and policy == 'x' and follow == '' and not rec[3]
+    and now - (tonumber(rec[2]) or 0) < grace then
+  return {0, holder} -- young, and no answer but "held" is possible
+end
+
+-- take takes the free key for the new task (and stores the task, given msg).
+local function take()
+  if K.I and msg ~= '' and call('EXISTS', K.T) == 1 then
+    return {7}
+  end
+  local max = tonumber(A[14] or '0')
+  local fields = {'id', stored, 'c', now}
+  if max > 0 then
+    call('ZREMRANGEBYSCORE', K.W, '-inf', now_ms)
+    local n = call('ZCARD', K.W)
+    if n >= max then
+      return {8, n}
+    end
+    call('ZADD', K.W, now_ms + tonumber(ttl), fp)
+    fields[#fields + 1] = 'b'
+    fields[#fields + 1] = '1'
+  end
+  if running ~= 'x' then
+    fields[#fields + 1] = 'rp'
+    fields[#fields + 1] = running
+  end
+  if msg ~= '' then
+    -- Store the task as asynq's enqueue (or schedule) script would.
+    local due = A[13] or '0'
+    if due ~= '0' then
+      call('HSET', K.T, 'msg', msg, 'state', 'scheduled')
+      call('ZADD', K.S, due, id)
+    else
+      call('HSET', K.T, 'msg', msg, 'state', 'pending', 'pending_since', A[5] .. '000000')
+      call('LPUSH', K.P, id)
+    end
+  end
+  call('HSET', K.L, unpack(fields))
+  call('PEXPIRE', K.L, ttl)
+  if K.I then
+    call('SET', K.I, fp, 'PX', ttl)
+  end
+  return {1}
+end
+if not holder and follow == '' then
+  return take() -- free, and no follow-up can be owed
+end
+if holder == stored or holder == id then -- (a lock of the earlier layout holds the whole ID)
+  return {2}
+end
+-- @lib: lib.lua is spliced in here, after the fast paths.
+local field, fhint_s = A[9] or '', A[12] or ''
+if holder and policy == 'x' then
+  local more = call('HMGET', K.L, 'tok', 'rp', 'n', 'b')
+  rec = {rec[1], rec[2], rec[3], more[1], more[2], more[3], more[4]}
+end
+-- rec: id, c, f, tok, rp, n, b
+local f = rec[3]
+if not holder or holder ~= A[10] then
+  K.H, K.J = nil, nil -- given for another holder: not ours to touch
+end
+local lacking = ''
+local fu = f -- the follow-up whose record is read
+-- lacks records which of the roles in r were not given.
+local function lacks(r)
+  for i = 1, #r do
+    local c = string.sub(r, i, i)
+    if not K[c] then lacking = lacking .. c end
+  end
+  return lacking ~= ''
+end
+local function need()
+  return {11, lacking, holder or '', fu or ''}
+end
+
+-- Read: the holder's record, then the follow-up's.
+local state, hmsg
+if holder then
+  if lacks('H') then return need() end
+  if policy == 'x' then
+    state = call('HGET', K.H, 'state')
+  else
+    local t = call('HMGET', K.H, 'state', 'msg')
+    state, hmsg = t[1], t[2]
+  end
+  if gone(state) and now - (tonumber(rec[2]) or 0) < grace then
+    -- Too young to tell: its producer may not have stored it in asynq yet.
+    if not state and (policy ~= 'x' or running == 'd') then
+      return {6, holder}
+    end
+    return {0, holder, holder, f or ''}
+  end
+end
+local live = holder and not gone(state)
+local orphan = false -- the key's follow-up pointer, when no live task holds the key
+if not live and follow ~= '' then
+  if lacks('F') then return need() end
+  orphan = call('GET', K.F)
+  fu = fu or orphan
+end
+local fstate, fmsg
+if fu then
+  if fu ~= A[11] then K.G = nil end
+  if lacks('G') then return need() end
+  if policy == 'x' then
+    fstate = call('HGET', K.G, 'state')
+  else
+    local t = call('HMGET', K.G, 'state', 'msg')
+    fstate, fmsg = t[1], t[2]
+  end
+end
+
+-- coalesce folds the new payload into the waiting task t (record key tkey,
+-- state, message); ch and cf are the lock's holder and follow-up after it.
+local function coalesce(t, tkey, tstate, tmsg, ch, cf)
+  if policy == 'x' or not tmsg then
+    return {0, t, ch, cf}
+  end
+  if policy == 'm' then
+    local p = pb_bytes(tmsg, 2)
+    if not p then return {-1, 'malformed task message'} end
+    return {4, t, p, rec[6] or '0', ch, cf}
+  end
+  local new = pb_setpayload(tmsg, field)
+  if not new then return {-1, 'malformed task message'} end
+  if new ~= tmsg then -- the same payload again (common): nothing to write
+    call('HSET', tkey, 'msg', new)
+  end
+  call('HINCRBY', K.L, 'n', 1)
+  return {3, t, tstate, ch, cf}
+end
+
+-- adopt makes the waiting follow-up fu the lock's owner, released to the
+-- pending list if it is still parked, and returns its state.
+local function adopt()
+  if fstate == 'scheduled' then
+    call('ZREM', K.S, fu)
+    call('LPUSH', K.P, fu)
+    call('HSET', K.G, 'state', 'pending', 'pending_since', A[5] .. '000000')
+    fstate = 'pending'
+  end
+  call('DEL', K.F)
+  call('HDEL', K.L, 'tok', 'f')
+  if running ~= 'x' then
+    call('HSET', K.L, 'id', fhint_s, 'c', now, 'rp', running)
+  else
+    call('HSET', K.L, 'id', fhint_s, 'c', now)
+  end
+  call('PEXPIRE', K.L, ttl)
+  return fstate
+end
+
+if live then
+  if f and waiting(fstate) then
+    return coalesce(f, K.G, fstate, fmsg, holder, f)
+  end
+  if rec[4] or not waiting(state) then -- running
+    if rec[5] ~= 'd' or f or follow == '' then
+      return {0, holder, holder, f or ''}
+    end
+    if lacks('NSF') then return need() end
+    hmsg = hmsg or call('HGET', K.H, 'msg')
+    local copy = hmsg and pb_rewrite(hmsg, {[2] = field, [3] = pb_str(3, follow),
+      [6] = '', [7] = '', [9] = '', [11] = '', [13] = ''})
+    if not copy then return {-1, 'malformed task message'} end
+    local park = tonumber(A[16] or '0')
+    call('HSET', K.N, 'msg', copy, 'state', 'scheduled')
+    call('ZADD', K.S, now + park, follow)
+    call('SET', K.F, follow, 'PX', park * 1000)
+    call('HSET', K.L, 'f', follow)
+    call('HINCRBY', K.L, 'n', 1)
+    return {5, follow, holder, follow}
+  end
+  return coalesce(holder, K.H, state, hmsg, holder, '')
+end
+
+-- No live task holds the key: its holder (if any) is gone for longer than
+-- the grace. A waiting follow-up it still owes becomes the holder.
+if f and waiting(fstate) then
+  if lacks('SPFJ') then return need() end
+  call('DEL', K.J)
+  return coalesce(f, K.G, adopt(), fmsg, fhint_s, '')
+end
+-- Otherwise heal: drop the orphaned lock (with its index key and
+-- waiting-set entry), adopt a follow-up owed by a run that died, drop a
+-- stale follow-up pointer, and take the key.
+local adopt_orphan = orphan and not f and waiting(fstate)
+if (holder and lacks('J' .. (rec[7] and 'W' or ''))) or (adopt_orphan and lacks('SP')) then
+  return need()
+end
+if holder then
+  call('DEL', K.L, K.J)
+  if rec[7] then
+    call('ZREM', K.W, fp)
+  end
+  rec = {}
+end
+if adopt_orphan then
+  return coalesce(orphan, K.G, adopt(), fmsg, fhint_s, '')
+end
+if orphan then
+  call('DEL', K.F)
+end
+return take()

@@ -1,0 +1,67 @@
+-- finish: an attempt ended; release the lock, or hold it for the retry.
+--
+-- KEYS, by the role letters of ARGV[1]:
+--   L  the lock; S, P  asynq scheduled set and pending list; F  the key's follow-up pointer   always
+--   I  index key of the task's caller-chosen ID                                               with a caller-chosen ID
+--   G  asynq record of the follow-up ARGV[8]                                                  when the lock owes one
+-- ARGV[1]  the roles of KEYS, one letter each
+-- ARGV[2]  task ID, as lock records store it
+-- ARGV[3]  attempt token
+-- ARGV[4]  'release' (success, revoked, final failure) or 'hold' (a retry follows)
+-- ARGV[5]  for 'hold': lifetime, integer milliseconds
+-- ARGV[6]  lock lifetime for a released follow-up, integer milliseconds
+-- ARGV[7]  how long a follow-up stays parked without a heartbeat, integer seconds
+-- ARGV[8]  the follow-up G belongs to ['']
+-- ARGV[9]  ARGV[8] as lock records store it ['']
+-- ARGV[10] task ID (a lock of the earlier layout holds it whole)
+--
+-- Reply: {1, ''}             released (or held)
+--        {1, followup}       released to the owed follow-up task, now pending and the lock's owner
+--        {0}                 not ours any more (another task or a newer attempt): untouched
+--        {11, 'G', followup} nothing done: call again with the follow-up's record
+-- @lib: lib.lua is spliced in here.
+roles(0)
+local rec = call('HMGET', K.L, 'id', 'tok', 'f')
+if (rec[1] ~= ARGV[2] and rec[1] ~= ARGV[10]) or rec[2] ~= ARGV[3] then
+  return {0}
+end
+local f = rec[3]
+if ARGV[4] == 'release' then
+  if f and (f ~= ARGV[8] or not K.G) then
+    return {11, 'G', f}
+  end
+  if K.I then
+    call('DEL', K.I)
+  end
+  if f then
+    call('DEL', K.F)
+    local state = call('HGET', K.G, 'state')
+    if waiting(state) then
+      local now, _, ns = now_parts()
+      if state == 'scheduled' then
+        call('ZREM', K.S, f)
+        call('LPUSH', K.P, f)
+        call('HSET', K.G, 'state', 'pending', 'pending_since', ns)
+      end
+      call('HDEL', K.L, 'tok', 'f')
+      call('HSET', K.L, 'id', ARGV[9], 'c', now)
+      call('PEXPIRE', K.L, ARGV[6])
+      return {1, f}
+    end
+  end
+  call('DEL', K.L)
+  return {1, ''}
+end
+call('HDEL', K.L, 'tok')
+call('PEXPIRE', K.L, ARGV[5])
+if K.I then
+  call('PEXPIRE', K.I, ARGV[5])
+end
+if f then
+  -- Parked until the retry has run: the follow-up must come after it.
+  local now = now_parts()
+  local hold_s = (ARGV[5] - ARGV[5] % 1000) / 1000
+  call('ZADD', K.S, 'XX', now + hold_s + tonumber(ARGV[7]), f)
+  call('PEXPIRE', K.F, (hold_s + tonumber(ARGV[7])) * 1000)
+end
+return {1, ''}

@@ -1,0 +1,73 @@
+-- start: an attempt of a task begins; make it the lock's running owner.
+--
+-- KEYS, by the role letters of ARGV[1]:
+--   L  the lock; W  the task type's waiting set; F  the key's follow-up pointer    always
+--   I  index key of the task's caller-chosen ID                                  with a caller-chosen ID
+--   H  asynq record of the holder ARGV[9], J its index key                       when the holder must be read
+-- ARGV[1]  the roles of KEYS, one letter each
+-- ARGV[2]  task ID
+-- ARGV[3]  ARGV[2] as lock records store it
+-- ARGV[4]  attempt token (random per attempt)
+-- ARGV[5]  lease, integer milliseconds
+-- ARGV[6]  heal grace, integer seconds
+-- ARGV[7]  running policy ('x' reject, 'a' allow, 'd' defer) recorded if this creates the lock
+-- ARGV[8]  fingerprint (member of W, value of I)
+-- ARGV[9]  the holder H and J belong to, as lock records store it ['']
+--
+-- Reply: {1, f}                     this attempt holds the lock; f: the follow-up it owes, or ''
+--        {0, holder}                held by another live task (as stored): the attempt must not run
+--        {9}                        the key's running policy is "allow": lock dropped, run unlocked
+--        {11, lacking, holder}      nothing done: call again with the keys of these roles
+--
+-- A new attempt replaces an older attempt's token, so a leftover handler of
+-- that attempt can neither renew nor release the lock any more.
+-- @lib: lib.lua is spliced in here.
+roles(0)
+local id, stored, fp = ARGV[2], ARGV[3], ARGV[8]
+local now = now_parts()
+local rec = call('HMGET', K.L, 'id', 'c', 'rp', 'b', 'f')
+local holder = rec[1]
+if holder and holder ~= stored and holder ~= id then
+  if now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
+    return {0, holder} -- too young to be an orphan
+  end
+  if holder ~= ARGV[9] or not K.H or not K.J then
+    return {11, 'HJ', holder}
+  end
+  if not gone(call('HGET', K.H, 'state')) then
+    return {0, holder}
+  end
+  if rec[5] and rec[5] ~= id then
+    return {0, holder} -- an orphan owed a follow-up: acquire or the follow-up settles it
+  end
+  call('DEL', K.L, K.J)
+  holder = false
+  rec = {}
+end
+if rec[4] then
+  call('ZREM', K.W, fp)
+  call('HDEL', K.L, 'b')
+end
+if call('GET', K.F) == id then
+  call('DEL', K.F) -- the follow-up is running: no longer owed
+end
+if rec[3] == 'a' or (not holder and ARGV[7] == 'a') then
+  call('DEL', K.L)
+  if K.I then
+    call('DEL', K.I)
+  end
+  return {9}
+end
+if not holder then
+  if ARGV[7] ~= 'x' then
+    call('HSET', K.L, 'id', stored, 'c', now, 'rp', ARGV[7])
+  else
+    call('HSET', K.L, 'id', stored, 'c', now)
+  end
+end
+call('HSET', K.L, 'tok', ARGV[4])
+call('PEXPIRE', K.L, ARGV[5])
+if K.I then
+  call('SET', K.I, fp, 'PX', ARGV[5])
+end
+return {1, rec[5] or ''}

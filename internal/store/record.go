@@ -1,0 +1,172 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// The lock record: a hash at Keys.Lock with these fields. The Lua scripts
+// use the same names.
+const (
+	FieldOwner   = "id"  // owner task ID, packed (PackOwner)
+	FieldCreated = "c"   // when the owner took the lock, unix seconds (heal grace)
+	FieldToken   = "tok" // the running attempt's token; present while an attempt runs
+	FieldRunning = "rp"  // running policy: "a" allow, "d" defer; absent: reject
+	FieldBounded = "b"   // "1": counted in the type's waiting set (Keys.Wait)
+	FieldFolds   = "n"   // enqueues folded into the key; Merge's version
+	FieldFollow  = "f"   // the follow-up task owed to the key (RunningDefer), whole ID
+	fieldOldType = "ty"  // the owner's type, in locks written before it moved to the task
+)
+
+// Running is what acquire does when the key is held by a running task; a
+// lock records it (FieldRunning), so the server needs no configuration.
+type Running byte
+
+// Running policies, as the record and the scripts spell them.
+const (
+	RunReject Running = 'x' // name the holder (not recorded: the default)
+	RunAllow  Running = 'a' // the lock is dropped when its task starts
+	RunDefer  Running = 'd' // fold into one follow-up task, queued when the run ends
+)
+
+// Lock is one lock as read from Redis, for operators (dedupctl).
+type Lock struct {
+	Key       string
+	Queue     string
+	FP        string
+	Owner     string // task ID
+	Type      string // the owner's task type, from its asynq record ("" if unknown)
+	Follow    string // owed follow-up task, "" for none
+	Created   int64  // unix seconds
+	Folds     int64
+	TTL       time.Duration // -1: no expiry
+	TaskState string        // the owner's state in asynq; "missing" when it has no record
+	Fields    map[string]string
+}
+
+// Lock states as operators see them.
+const (
+	LockRunning   = "running"    // an attempt holds the lock
+	LockRetryWait = "retry-wait" // asynq waits to retry the owner
+	LockOrphaned  = "orphaned"   // the owner is gone, completed or archived: the lock heals at the key's next enqueue
+	LockWaiting   = "waiting"    // the owner waits to run
+)
+
+// State derives what the lock is doing from its record and its owner's
+// asynq state.
+func (l *Lock) State() string {
+	switch {
+	case l.Fields[FieldToken] != "":
+		return LockRunning
+	case l.TaskState == StateRetry:
+		return LockRetryWait
+	case l.TaskState == "missing" || Gone(l.TaskState):
+		return LockOrphaned
+	}
+	return LockWaiting
+}
+
+// RunningPolicy is the record's running policy code ("" for reject).
+func (l *Lock) RunningPolicy() string { return l.Fields[FieldRunning] }
+
+// Bounded reports whether the lock is counted in its type's waiting set.
+func (l *Lock) Bounded() bool { return l.Fields[FieldBounded] != "" }
+
+// OwnerStored is the owner as the record stores it, for owner-checked
+// release.
+func (l *Lock) OwnerStored() string { return l.Fields[FieldOwner] }
+
+// ReadLocks reads the locks at keys in two pipelined round trips (the
+// records and their TTLs, then their owners' asynq records). Keys that are
+// not lock hashes of k, or have gone meanwhile, are left out.
+func ReadLocks(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*Lock, error) {
+	out, err := readRecords(ctx, c, k, keys)
+	if err != nil || len(out) == 0 {
+		return nil, err
+	}
+	tasks := make([]*redis.SliceCmd, len(out))
+	_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, l := range out {
+			tasks[i] = p.HMGet(ctx, TaskKey(l.Queue, l.Owner), "state", "msg")
+		}
+		return nil
+	})
+	for i, l := range out {
+		v, err := tasks[i].Result()
+		if err != nil {
+			return nil, fmt.Errorf("read asynq task %s: %w", l.Owner, err)
+		}
+		s, _ := v[0].(string)
+		if s == "" {
+			s = "missing"
+		}
+		if msg, _ := v[1].(string); l.Type == "" {
+			l.Type = MessageType(msg)
+		}
+		l.TaskState = s
+	}
+	return out, nil
+}
+
+// readRecords reads the lock hashes and TTLs at keys in one round trip.
+func readRecords(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*Lock, error) {
+	type read struct {
+		l   *Lock
+		h   *redis.MapStringStringCmd
+		ttl *redis.DurationCmd
+	}
+	var reads []read
+	for _, key := range keys {
+		if q, fp, ok := k.ParseLock(key); ok {
+			reads = append(reads, read{l: &Lock{Key: key, Queue: q, FP: fp}})
+		}
+	}
+	if len(reads) == 0 {
+		return nil, nil
+	}
+	_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i := range reads {
+			reads[i].h = p.HGetAll(ctx, reads[i].l.Key)
+			reads[i].ttl = p.PTTL(ctx, reads[i].l.Key)
+		}
+		return nil
+	})
+	var out []*Lock
+	for _, r := range reads {
+		h, err := r.h.Result()
+		if err != nil && strings.HasPrefix(err.Error(), "WRONGTYPE") {
+			continue // a string or set whose name looks like a lock key
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read %s: %w", r.l.Key, err)
+		}
+		ttl, err := r.ttl.Result()
+		if err != nil {
+			return nil, fmt.Errorf("read %s: %w", r.l.Key, err)
+		}
+		if len(h) == 0 || h[FieldOwner] == "" || ttl == -2 {
+			continue // gone since the SCAN, or not a lock
+		}
+		out = append(out, fillLock(r.l, h, ttl))
+	}
+	return out, nil
+}
+
+func fillLock(l *Lock, h map[string]string, ttl time.Duration) *Lock {
+	l.Fields = h
+	l.Owner = UnpackOwner(h[FieldOwner], l.FP)
+	l.Type = h[fieldOldType]
+	l.Follow = h[FieldFollow]
+	l.Folds, _ = strconv.ParseInt(h[FieldFolds], 10, 64)
+	l.Created, _ = strconv.ParseInt(h[FieldCreated], 10, 64)
+	l.TTL = ttl
+	if ttl < 0 {
+		l.TTL = -1
+	}
+	return l
+}

@@ -1,0 +1,72 @@
+package store
+
+import (
+	"fmt"
+	"strconv"
+)
+
+// Status is the first element of a script's reply (see each script's header).
+type Status int64
+
+// Script reply statuses.
+const (
+	StatusBroken   Status = -1 // asynq's record is not what the scripts expect
+	StatusHeld     Status = 0  // held by another task
+	StatusTaken    Status = 1  // taken (or, for finish, settled)
+	StatusSelf     Status = 2  // already held by the same task (acquire)
+	StatusReplaced Status = 3  // payload of the waiting holder replaced (acquire)
+	StatusMerge    Status = 4  // merge needed: payload and version returned (acquire)
+	StatusDeferred Status = 5  // follow-up created for the running holder (acquire)
+	StatusReserved Status = 6  // holder not stored in asynq yet (acquire)
+	StatusConflict Status = 7  // direct enqueue: the task ID already exists in asynq (acquire)
+	StatusOver     Status = 8  // too many keys waiting (acquire)
+	StatusAllowed  Status = 9  // running policy "allow": run without the lock (start)
+	statusNeed     Status = 11 // the script lacks keys: call again with them
+)
+
+// reply is a checked {status, string...} script reply.
+type reply struct {
+	status Status
+	strs   []string
+}
+
+// str returns element i after the status, "" if there is none.
+func (r reply) str(i int) string {
+	if i < len(r.strs) {
+		return r.strs[i]
+	}
+	return ""
+}
+
+// parseReply checks a {status, string|integer...} script reply.
+func parseReply(v any) (reply, error) {
+	arr, ok := v.([]any)
+	if !ok || len(arr) < 1 {
+		return reply{}, fmt.Errorf("dedup: unexpected script reply %T", v)
+	}
+	st, ok := arr[0].(int64)
+	if !ok {
+		return reply{}, fmt.Errorf("dedup: unexpected script status %T", arr[0])
+	}
+	r := reply{status: Status(st), strs: make([]string, 0, len(arr)-1)}
+	for _, e := range arr[1:] {
+		switch x := e.(type) {
+		case string:
+			r.strs = append(r.strs, x)
+		case int64:
+			r.strs = append(r.strs, strconv.FormatInt(x, 10))
+		default:
+			return reply{}, fmt.Errorf("dedup: unexpected script reply element %T", e)
+		}
+	}
+	return r, nil
+}
+
+// parseFlag checks a 0/1 script reply.
+func parseFlag(v any) (bool, error) {
+	n, ok := v.(int64)
+	if !ok {
+		return false, fmt.Errorf("dedup: unexpected script reply %T", v)
+	}
+	return n == 1, nil
+}

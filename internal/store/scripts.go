@@ -1,0 +1,108 @@
+package store
+
+import (
+	_ "embed"
+	"os"
+	"strings"
+	"sync"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// One Lua script per operation; each file's header documents its KEYS,
+// ARGV and reply. They use integer arithmetic only and run unchanged on
+// redis-server, Redis Cluster (all keys of a call share the queue's hash
+// slot, and all are in KEYS) and miniredis.
+var (
+	//go:embed lua/prelude.lua
+	preludeSrc string
+	//go:embed lua/checked.lua
+	checkedSrc string
+	//go:embed lua/lib.lua
+	libSrc string
+	//go:embed lua/acquire.lua
+	acquireSrc string
+	//go:embed lua/start.lua
+	startSrc string
+	//go:embed lua/extend.lua
+	extendSrc string
+	//go:embed lua/finish.lua
+	finishSrc string
+	//go:embed lua/unlock.lua
+	unlockSrc string
+	//go:embed lua/coalesce.lua
+	coalesceSrc string
+	//go:embed lua/release.lua
+	releaseSrc string
+)
+
+// CheckKeysEnv, when set in the environment of a process that creates a
+// Store, makes its scripts fail on any key they were not given in KEYS
+// (the tests set it; see lua/checked.lua). It costs a table lookup per
+// Redis call, so production leaves it unset.
+const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
+
+// scriptSet holds the scripts, in one of two builds.
+type scriptSet struct {
+	acquire, start, extend, finish, unlock, coalesce, release *redis.Script
+}
+
+func (s *scriptSet) all() []*redis.Script {
+	return []*redis.Script{s.acquire, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release}
+}
+
+var (
+	plainScripts   = sync.OnceValue(func() *scriptSet { return buildScripts(false) })
+	checkedScripts = sync.OnceValue(func() *scriptSet { return buildScripts(true) })
+)
+
+// scripts returns the build the environment asks for.
+func scripts() *scriptSet {
+	if os.Getenv(CheckKeysEnv) != "" {
+		return checkedScripts()
+	}
+	return plainScripts()
+}
+
+func buildScripts(checked bool) *scriptSet {
+	b := func(src string) *redis.Script { return redis.NewScript(source(src, checked)) }
+	return &scriptSet{
+		acquire: b(acquireSrc), start: b(startSrc), extend: b(extendSrc), finish: b(finishSrc),
+		unlock: b(unlockSrc), coalesce: b(coalesceSrc), release: b(releaseSrc),
+	}
+}
+
+// libMarker marks where a script wants lib.lua's helpers (after its fast
+// paths, if it has any); a script without it gets none.
+const libMarker = "-- @lib"
+
+// source assembles a script: the prelude (with the key check, for
+// checked), then the script, with lib.lua at its marker if it has one.
+func source(body string, checked bool) string {
+	head := preludeSrc
+	if checked {
+		head += checkedSrc
+	}
+	if i := strings.Index(body, libMarker); i >= 0 {
+		return head + body[:i] + libSrc + body[i:]
+	}
+	return head + body
+}
+
+// LibScript returns a script of body with the prelude and lib.lua's
+// helpers, for tests of the helpers.
+func LibScript(body string) *redis.Script { return redis.NewScript(source(libMarker+"\n"+body, true)) }
+
+// ScriptHash is the SHA1 by which Redis knows the script of an operation
+// ("acquire", "start", "extend", "finish", "unlock", "coalesce",
+// "release"), in the build a Store created now uses; for tests that count
+// commands.
+func ScriptHash(op string) string {
+	sc := scripts()
+	m := map[string]*redis.Script{"acquire": sc.acquire, "start": sc.start, "extend": sc.extend, "finish": sc.finish,
+		"unlock": sc.unlock, "coalesce": sc.coalesce, "release": sc.release}
+	if s, ok := m[op]; ok {
+		return s.Hash()
+	}
+	return ""
+}
