@@ -8,139 +8,24 @@ import (
 	"strings"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/redis/go-redis/v9"
-
-	"google.golang.org/protobuf/encoding/protowire"
 )
 
-// The dedup key layout (fingerprint.go in the library):
-//
-//	<prefix>:{<queue>}:l:<16 or 32 hex digits>   lock, a hash
-//	<prefix>:{<queue>}:i:<task ID>               index of a caller-chosen task ID → fingerprint
-//	<prefix>:{<queue>}:w:<task type>             waiting keys (MaxPending), a sorted set
-//	<prefix>:{<queue>}:f:<fingerprint>           owed follow-up task ID (RunningDefer)
-//
-// Lock fields: id (owner task, packed: see unpackOwner), c (created, unix s),
-// tok (running attempt's token: present = running), rp (running policy), b
-// (counted in w:), n (enqueues folded in, also the merge version), f (owed
-// follow-up). Locks written by older versions also hold ty (the type); the
-// type is otherwise read from the owner's asynq task message.
-//
-// asynq v0.26.0 keeps a task in the hash asynq:{<queue>}:t:<id>, field
-// "state" (the library reads it the same way to heal orphaned locks, and
-// pins the layout with a test).
-
-func lockKey(prefix, queue, fp string) string  { return prefix + ":{" + queue + "}:l:" + fp }
-func indexKey(prefix, queue, id string) string { return prefix + ":{" + queue + "}:i:" + id }
-func waitKey(prefix, queue, typ string) string { return prefix + ":{" + queue + "}:w:" + typ }
-func followKey(prefix, queue, fp string) string {
-	return prefix + ":{" + queue + "}:f:" + fp
-}
-func asynqTaskKey(queue, id string) string { return "asynq:{" + queue + "}:t:" + id }
-
-// optOutMark is the value of an index key whose task was enqueued with
-// dedup.Skip (client.go).
-const optOutMark = "-"
-
-func isHex(s string) bool {
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
-			return false
-		}
-	}
-	return true
-}
-
-// parseLockKey splits a lock key of prefix into queue and fingerprint. The
-// fingerprint is read from the end, so queue names holding braces or
-// ":l:" still parse.
-func parseLockKey(prefix, key string) (queue, fp string, ok bool) {
-	head := prefix + ":{"
-	if !strings.HasPrefix(key, head) {
-		return "", "", false
-	}
-	for _, n := range []int{16, 32} {
-		end := len(key) - n - len("}:l:")
-		if end <= len(head) || key[end:end+4] != "}:l:" || !isHex(key[end+4:]) {
-			continue
-		}
-		return key[len(head):end], key[end+4:], true
-	}
-	return "", "", false
-}
+// The key layout, the lock record and what it says of asynq's records are
+// the library's (internal/store); this file only presents them.
 
 // notLockKey explains why key is not a lock key of prefix.
 func notLockKey(prefix, key string) error {
-	if i := strings.IndexByte(key, '{'); i > 1 && key[i-1] == ':' {
-		if other := key[:i-1]; other != prefix {
-			if _, _, ok := parseLockKey(other, key); ok {
-				return fmt.Errorf("not a dedup lock key of prefix %q: %q (its prefix is %q: pass --prefix %s)", prefix, key, other, other)
-			}
+	if other := store.PrefixOf(key); other != "" && other != prefix {
+		if _, _, ok := store.NewKeys(other).ParseLock(key); ok {
+			return fmt.Errorf("not a dedup lock key of prefix %q: %q (its prefix is %q: pass --prefix %s)", prefix, key, other, other)
 		}
 	}
-	head := prefix + ":{"
-	if strings.HasPrefix(key, head) {
-		if q, id, ok := strings.Cut(key[len(head):], "}:i:"); ok && q != "" && id != "" {
-			return fmt.Errorf("not a dedup lock key: %q is the index key of task %q (use --task %s --queue %s)", key, id, id, q)
-		}
+	if q, id, ok := store.NewKeys(prefix).ParseIndex(key); ok {
+		return fmt.Errorf("not a dedup lock key: %q is the index key of task %q (use --task %s --queue %s)", key, id, id, q)
 	}
-	return fmt.Errorf("not a dedup lock key: %q (want %s:{<queue>}:l:<16 or 32 hex digits>)", key, prefix)
-}
-
-// unpackOwner returns the task ID a lock of fingerprint fp stores as s: the
-// library keeps the 20 random hex digits of an ID it chose for the key
-// (dd-<fp>-<20 hex>), other IDs whole, or "=" + ID where that is ambiguous
-// (packLockID in fingerprint.go).
-func unpackOwner(s, fp string) string {
-	if rest, ok := strings.CutPrefix(s, "="); ok {
-		return rest
-	}
-	if len(s) == 20 && isHex(s) && strings.ToLower(s) == s {
-		return "dd-" + fp + "-" + s
-	}
-	return s
-}
-
-// msgType returns the task type (field 1) of an asynq v0.26.0 TaskMessage,
-// or "" if msg is not one.
-func msgType(msg string) string {
-	b := []byte(msg)
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 {
-			return ""
-		}
-		b = b[n:]
-		if num == 1 && typ == protowire.BytesType {
-			v, m := protowire.ConsumeBytes(b)
-			if m < 0 {
-				return ""
-			}
-			return string(v)
-		}
-		m := protowire.ConsumeFieldValue(num, typ, b)
-		if m < 0 {
-			return ""
-		}
-		b = b[m:]
-	}
-	return ""
-}
-
-// parseLockedID returns the fingerprint in a wrapper-chosen task ID,
-// dd-<16 or 32 hex>-<20 hex> (fingerprint.go).
-func parseLockedID(id string) (fp string, ok bool) {
-	const pre, rnd = "dd-", 20
-	n := len(id) - len(pre) - 1 - rnd
-	if (n != 16 && n != 32) || !strings.HasPrefix(id, pre) || id[len(pre)+n] != '-' {
-		return "", false
-	}
-	fp = id[len(pre) : len(pre)+n]
-	if !isHex(fp) || !isHex(id[len(pre)+n+1:]) {
-		return "", false
-	}
-	return fp, true
+	return fmt.Errorf("not a dedup lock key: %q (want %s)", key, store.NewKeys(prefix).Lock("<queue>", "<16 or 32 hex digits>"))
 }
 
 // lockInfo is one lock as read from Redis.
@@ -159,105 +44,33 @@ type lockInfo struct {
 	Created     int64             `json:"created,omitempty"` // unix seconds
 	Node        string            `json:"node,omitempty"`    // cluster master that holds it
 	Fields      map[string]string `json:"fields,omitempty"`  // show only: the raw hash
+
+	lock *store.Lock // as read
 }
 
-// lockState derives the state shown for a lock: running while an attempt
-// holds its token, retry-wait while asynq waits to retry the owner,
-// orphaned when the owner is gone, completed or archived (the library heals
-// such a lock at the key's next enqueue), waiting otherwise.
-func lockState(fields map[string]string, taskState string) string {
-	switch {
-	case fields["tok"] != "":
-		return "running"
-	case taskState == "retry":
-		return "retry-wait"
-	case taskState == "missing" || taskState == "completed" || taskState == "archived":
-		return "orphaned"
+// infoOf presents a lock read by store.ReadLocks.
+func infoOf(l *store.Lock) *lockInfo {
+	li := &lockInfo{Key: l.Key, Queue: l.Queue, Fingerprint: l.FP, Type: l.Type, Owner: l.Owner, State: l.State(),
+		TaskState: l.TaskState, Coalesced: l.Folds, FollowUp: l.Follow, Created: l.Created, Fields: l.Fields, lock: l}
+	li.TTLms, li.TTL = -1, "no expiry"
+	if l.TTL >= 0 {
+		li.TTLms, li.TTL = l.TTL.Milliseconds(), fmtDuration(l.TTL)
 	}
-	return "waiting"
+	return li
 }
 
-// readLocks reads the given keys' locks in two pipelined round trips
-// (HGETALL and PTTL, then the owners' asynq state). Keys that are not lock
-// hashes of prefix, or have gone meanwhile, are left out.
+// readLocks reads the given keys' locks; keys that are not lock hashes of
+// prefix, or have gone meanwhile, are left out.
 func readLocks(ctx context.Context, c redis.Cmdable, prefix string, keys []string) ([]*lockInfo, error) {
-	if len(keys) == 0 {
-		return nil, nil
+	ls, err := store.ReadLocks(ctx, c, store.NewKeys(prefix), keys)
+	if err != nil {
+		return nil, err
 	}
-	type read struct {
-		key, queue, fp string
-		h              *redis.MapStringStringCmd
-		ttl            *redis.DurationCmd
-	}
-	reads := make([]read, 0, len(keys))
-	for _, k := range keys {
-		if q, fp, ok := parseLockKey(prefix, k); ok {
-			reads = append(reads, read{key: k, queue: q, fp: fp})
-		}
-	}
-	if len(reads) == 0 {
-		return nil, nil
-	}
-	_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i := range reads {
-			reads[i].h = p.HGetAll(ctx, reads[i].key)
-			reads[i].ttl = p.PTTL(ctx, reads[i].key)
-		}
-		return nil
-	})
-	var out []*lockInfo
-	for _, r := range reads {
-		h, err := r.h.Result()
-		if isWrongType(err) {
-			continue // a string or set whose name looks like a lock key
-		}
-		if err != nil {
-			return nil, fmt.Errorf("read %s: %w", r.key, err)
-		}
-		ttl, err := r.ttl.Result()
-		if err != nil {
-			return nil, fmt.Errorf("read %s: %w", r.key, err)
-		}
-		if len(h) == 0 || h["id"] == "" || ttl == -2 {
-			continue // gone since the SCAN, or not a lock
-		}
-		l := &lockInfo{Key: r.key, Queue: r.queue, Fingerprint: r.fp, Type: h["ty"], Owner: unpackOwner(h["id"], r.fp), FollowUp: h["f"], Fields: h}
-		l.Coalesced, _ = strconv.ParseInt(h["n"], 10, 64)
-		l.Created, _ = strconv.ParseInt(h["c"], 10, 64)
-		if ttl < 0 {
-			l.TTLms, l.TTL = -1, "no expiry"
-		} else {
-			l.TTLms, l.TTL = ttl.Milliseconds(), fmtDuration(ttl)
-		}
-		out = append(out, l)
-	}
-	tasks := make([]*redis.SliceCmd, len(out))
-	_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, l := range out {
-			tasks[i] = p.HMGet(ctx, asynqTaskKey(l.Queue, l.Owner), "state", "msg")
-		}
-		return nil
-	})
-	for i, l := range out {
-		v, err := tasks[i].Result()
-		if err != nil {
-			return nil, fmt.Errorf("read asynq task %s: %w", l.Owner, err)
-		}
-		s, _ := v[0].(string)
-		if s == "" {
-			s = "missing"
-		}
-		if msg, _ := v[1].(string); l.Type == "" {
-			l.Type = msgType(msg)
-		}
-		l.TaskState = s
-		l.State = lockState(l.Fields, s)
+	out := make([]*lockInfo, len(ls))
+	for i, l := range ls {
+		out[i] = infoOf(l)
 	}
 	return out, nil
-}
-
-func isWrongType(err error) bool {
-	return err != nil && strings.HasPrefix(err.Error(), "WRONGTYPE")
 }
 
 // scanFilter selects locks.
@@ -268,27 +81,6 @@ type scanFilter struct {
 
 func (f scanFilter) match(l *lockInfo) bool {
 	return (f.typ == "" || l.Type == f.typ) && (f.queue == "" || l.Queue == f.queue)
-}
-
-// globEscape quotes the characters special to Redis's MATCH patterns.
-func globEscape(s string) string {
-	var b strings.Builder
-	for _, r := range s {
-		switch r {
-		case '*', '?', '[', ']', '\\', '^':
-			b.WriteByte('\\')
-		}
-		b.WriteRune(r)
-	}
-	return b.String()
-}
-
-func matchPattern(prefix string, f scanFilter) string {
-	q := "*"
-	if f.queue != "" {
-		q = globEscape(f.queue)
-	}
-	return globEscape(prefix) + ":{" + q + "}:l:*"
 }
 
 // position is where a listing stopped: a master (index in the sorted list)
@@ -357,7 +149,7 @@ func newScanner(ctx context.Context, c *conn, prefix string, f scanFilter, count
 // position after the page (done when every master has been scanned).
 func (s *scanner) page(ctx context.Context, p position, count int64) (locks []*lockInfo, next position, done bool, err error) {
 	m := s.masters[p.node]
-	keys, cur, err := m.Scan(ctx, p.cursor, matchPattern(s.prefix, s.filter), count).Result()
+	keys, cur, err := m.Scan(ctx, p.cursor, store.NewKeys(s.prefix).LockPattern(s.filter.queue), count).Result()
 	if err != nil {
 		return nil, p, false, fmt.Errorf("SCAN on %s: %w", m.Options().Addr, err)
 	}

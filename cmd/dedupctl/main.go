@@ -18,6 +18,8 @@ import (
 	"os"
 	"strings"
 	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
 )
 
 func main() {
@@ -95,6 +97,12 @@ func lookup(name string) *command {
 	return nil
 }
 
+// lockKeyForm shows the form of a lock key, in the library's own layout.
+var lockKeyForm = store.NewKeys("<prefix>").Lock("<queue>", "<fingerprint>")
+
+// sampleTaskID is a task ID the wrapper would choose for the sample lock.
+const sampleTaskID = "dd-5d1e0c8b2f3a4b6c-0123456789abcdef0123"
+
 const topHelp = `dedupctl browses and manages the locks of github.com/asynq-dedup/dedup in Redis.
 
 Usage:
@@ -104,16 +112,16 @@ Commands:
 %s
 Global flags (also accepted after the command):
 %s
-Locks are the Redis hashes <prefix>:{<queue>}:l:<fingerprint>. Every command
+Locks are the Redis hashes %s. Every command
 reads Redis with SCAN, never KEYS; with --cluster on every master.
 
 Examples:
   dedupctl list --type email:welcome
   dedupctl --url redis://10.0.0.5:6379/0 --json list --limit 0
   dedupctl --cluster --url redis://10.0.0.1:7000,10.0.0.2:7000 stats
-  dedupctl show 'dedup:{critical}:l:5d1e0c8b2f3a4b6c'
-  dedupctl show --task dd-5d1e0c8b2f3a4b6c-0123456789abcdef0123 --queue critical
-  dedupctl release --yes 'dedup:{critical}:l:5d1e0c8b2f3a4b6c'
+  dedupctl show '%[4]s'
+  dedupctl show --task %[5]s --queue critical
+  dedupctl release --yes '%[4]s'
 
 Exit status: 0 done, 1 error (Redis unreachable, bad --url, no such lock,
 release refused or declined), 2 usage error.
@@ -125,7 +133,8 @@ func (a *app) topUsage(w io.Writer) {
 	for _, c := range commands {
 		fmt.Fprintf(&cmds, "  %-8s %s\n", c.name, c.summary)
 	}
-	fmt.Fprintf(w, topHelp, cmds.String(), globalDefaults())
+	sample := store.NewKeys("dedup").Lock("critical", "5d1e0c8b2f3a4b6c")
+	fmt.Fprintf(w, topHelp, cmds.String(), globalDefaults(), lockKeyForm, sample, sampleTaskID)
 }
 
 func (a *app) commandUsage(w io.Writer, c *command) {

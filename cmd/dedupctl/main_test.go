@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
+
 	"github.com/asynq-dedup/dedup/internal/redistest"
 
 	"github.com/asynq-dedup/dedup"
@@ -150,11 +152,11 @@ func (f *fixture) enqueue(queue, typ string, user int, opts ...asynq.Option) *as
 // lockOf returns the lock key of a task enqueued through the wrapper.
 func (f *fixture) lockOf(info *asynq.TaskInfo) string {
 	f.t.Helper()
-	fp, ok := parseLockedID(info.ID)
+	fp, ok := store.ParseLockedID(info.ID)
 	if !ok {
 		f.t.Fatalf("task ID %q is not a dd- ID", info.ID)
 	}
-	return lockKey(f.prefix, info.Queue, fp)
+	return store.NewKeys(f.prefix).Lock(info.Queue, fp)
 }
 
 func (f *fixture) exists(key string) bool {
@@ -197,33 +199,6 @@ func (f *fixture) setup() (welcome []*asynq.TaskInfo, reports []*asynq.TaskInfo)
 
 // ---- unit tests ----
 
-func TestParseLockKey(t *testing.T) {
-	fp16, fp32 := "0123456789abcdef", "0123456789abcdef0123456789abcdef"
-	for _, c := range []struct {
-		key, queue, fp string
-		ok             bool
-	}{
-		{"dedup:{critical}:l:" + fp16, "critical", fp16, true},
-		{"dedup:{critical}:l:" + fp32, "critical", fp32, true},
-		{"dedup:{a}:l:b}:l:" + fp16, "a}:l:b", fp16, true}, // parsed from the end
-		{"dedup:{{x}}:l:" + fp16, "{x}", fp16, true},
-		{"dedup:{}:l:" + fp16, "", "", false},                     // empty queue
-		{"dedup:{q}:l:0123456789ABCDEF", "", "", false},           // upper case: never written
-		{"dedup:{q}:l:0123456789abcde", "", "", false},            // 15 digits
-		{"dedup:{q}:i:" + fp16, "", "", false},                    // index key
-		{"other:{q}:l:" + fp16, "", "", false},                    // other prefix
-		{"dedupx:{q}:l:" + fp16, "", "", false},                   // prefix is not a word prefix
-		{"dedup:{q}:l:" + fp16 + "0", "", "", false},              // 17 digits
-		{"asynq:{q}:t:dd-" + fp16 + "-0123", "", "", false},       // asynq's key
-		{"dedup:{q}:l:" + strings.Repeat("g", 16), "", "", false}, // not hex
-	} {
-		q, fp, ok := parseLockKey("dedup", c.key)
-		if ok != c.ok || q != c.queue || fp != c.fp {
-			t.Errorf("parseLockKey(%q) = %q, %q, %v; want %q, %q, %v", c.key, q, fp, ok, c.queue, c.fp, c.ok)
-		}
-	}
-}
-
 func TestNotLockKeyHints(t *testing.T) {
 	fp := "0123456789abcdef"
 	for key, want := range map[string]string{
@@ -234,25 +209,6 @@ func TestNotLockKeyHints(t *testing.T) {
 	} {
 		if err := notLockKey("dedup", key); !strings.Contains(err.Error(), want) {
 			t.Errorf("notLockKey(%q) = %q; want it to say %q", key, err, want)
-		}
-	}
-}
-
-func TestParseLockedID(t *testing.T) {
-	fp := "0123456789abcdef"
-	rnd := "0123456789abcdef0123"
-	for id, want := range map[string]string{
-		"dd-" + fp + "-" + rnd:          fp,
-		"dd-" + fp + fp + "-" + rnd:     fp + fp,
-		"dx-" + rnd:                     "",
-		"dd-" + fp + "-" + rnd + "0":    "",
-		"my-own-id":                     "",
-		"dd-" + fp + "x" + rnd:          "",
-		"dd-" + fp[:15] + "-" + rnd[1:]: "",
-	} {
-		got, ok := parseLockedID(id)
-		if got != want || ok != (want != "") {
-			t.Errorf("parseLockedID(%q) = %q, %v; want %q", id, got, ok, want)
 		}
 	}
 }
@@ -652,7 +608,7 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 	}
 
 	r = f.ok("show", runKey)
-	for _, want := range []string{"state            running", "owner in asynq   active (retried 0/25)", "follow-up        " + follow.ID + ": scheduled (retried 0/25, runs in ", "running policy   defer (d)", "follow-up key    " + followKey(f.prefix, f.qb, strings.Split(runKey, ":l:")[1])} {
+	for _, want := range []string{"state            running", "owner in asynq   active (retried 0/25)", "follow-up        " + follow.ID + ": scheduled (retried 0/25, runs in ", "running policy   defer (d)", "follow-up key    " + store.NewKeys(f.prefix).Follow(f.qb, strings.Split(runKey, ":l:")[1])} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("show running lock lacks %q:\n%s", want, r.stdout)
 		}
@@ -729,7 +685,7 @@ func TestShow(t *testing.T) {
 	// A caller-chosen task ID goes through its index key.
 	info := f.enqueue(f.qb, "email:welcome", 9, asynq.TaskID("welcome-9-"+f.qb))
 	o = decode[showOutput](t, f.ok("--json", "show", "--task", info.ID, "--queue", f.qb))
-	if o.Owner != info.ID || o.IndexKey != indexKey(f.prefix, f.qb, info.ID) || o.TaskRole != "owner" {
+	if o.Owner != info.ID || o.IndexKey != store.NewKeys(f.prefix).Index(f.qb, info.ID) || o.TaskRole != "owner" {
 		t.Errorf("show --task of a caller-chosen ID: %+v (index %q)", o.lockInfo, o.IndexKey)
 	}
 }
@@ -740,7 +696,7 @@ func TestShowBadInput(t *testing.T) {
 	welcome, _ := f.setup()
 	key := f.lockOf(welcome[0])
 	fp := key[len(key)-16:]
-	idKey := indexKey(f.prefix, f.qa, "task-7")
+	idKey := store.NewKeys(f.prefix).Index(f.qa, "task-7")
 	cases := []struct {
 		args []string
 		code int
@@ -749,15 +705,15 @@ func TestShowBadInput(t *testing.T) {
 		{[]string{"show", "hello"}, exitError, `not a dedup lock key: "hello"`},
 		{[]string{"show", idKey}, exitError, "is the index key of task \"task-7\" (use --task task-7 --queue " + f.qa + ")"},
 		{[]string{"show", "other:{" + f.qa + "}:l:" + fp}, exitError, `its prefix is "other": pass --prefix other`},
-		{[]string{"show", lockKey(f.prefix, f.qa, "ffffffffffffffff")}, exitError, "no such lock: " + lockKey(f.prefix, f.qa, "ffffffffffffffff")},
-		{[]string{"show", lockKey(f.prefix, f.qb, fp)}, exitError, "no such lock"},
+		{[]string{"show", store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff")}, exitError, "no such lock: " + store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff")},
+		{[]string{"show", store.NewKeys(f.prefix).Lock(f.qb, fp)}, exitError, "no such lock"},
 		{[]string{"show", "--task", "dd-ffffffffffffffff-0123456789abcdef0123", "--queue", f.qa}, exitError, "no such lock: task"},
 		{[]string{"show", "--task", "nobody", "--queue", f.qa}, exitError, "no such lock: no index key"},
 		{[]string{"show", "--task", "x", key}, exitUsage, "give KEY or --task, not both"},
 		{[]string{"show", "--queue", f.qa, key}, exitUsage, "--queue goes with --task"},
 	}
 	// A key of the right shape that is not a hash.
-	strKey := lockKey(f.prefix, f.qa, "eeeeeeeeeeeeeeee")
+	strKey := store.NewKeys(f.prefix).Lock(f.qa, "eeeeeeeeeeeeeeee")
 	if err := f.rdb.Set(context.Background(), strKey, "x", time.Minute).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -793,12 +749,12 @@ func TestReleaseYes(t *testing.T) {
 		t.Error("enqueue after release returned the old task")
 	}
 	f.fail(exitError, "not a dedup lock key", "", "release", "--yes", f.lockOf(welcome[1])+"0") // 17 digits
-	f.fail(exitError, "no such lock: "+lockKey(f.prefix, f.qa, "ffffffffffffffff"), "", "release", "--yes", lockKey(f.prefix, f.qa, "ffffffffffffffff"))
+	f.fail(exitError, "no such lock: "+store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff"), "", "release", "--yes", store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff"))
 	f.fail(exitError, "not a dedup lock key", "", "release", "--yes", "asynq:{"+f.qa+"}:pending")
 
 	// JSON, by caller-chosen task ID: the index key goes too.
 	info := f.enqueue(f.qb, "report:build", 5, asynq.TaskID("report-5-"+f.qb))
-	idx := indexKey(f.prefix, f.qb, info.ID)
+	idx := store.NewKeys(f.prefix).Index(f.qb, info.ID)
 	if !f.exists(idx) {
 		t.Fatal("no index key for a caller-chosen ID")
 	}
@@ -870,11 +826,11 @@ func TestReleaseOwnerSafe(t *testing.T) {
 	ctx := context.Background()
 	key := f.lockOf(welcome[0])
 	fp := key[len(key)-16:]
-	wk := waitKey(f.prefix, f.qa, "email:welcome")
-	keys := []string{key, indexKey(f.prefix, f.qa, "stale"), wk}
-	res, err := releaseScript.Run(ctx, f.rdb, keys, "stale", fp).Slice()
-	if err != nil || len(res) != 2 || res[0] != int64(2) || unpackOwner(fmt.Sprint(res[1]), fp) != welcome[0].ID {
-		t.Fatalf("release with a stale owner: %v, %v", res, err)
+	wk := store.NewKeys(f.prefix).Wait(f.qa, "email:welcome")
+	stale := &store.Lock{Key: key, Queue: f.qa, FP: fp, Owner: "stale", Type: "email:welcome", Fields: map[string]string{store.FieldOwner: "stale"}}
+	res, err := store.ReleaseLock(ctx, f.rdb, store.NewKeys(f.prefix), stale)
+	if err != nil || res.Released || res.Gone || res.Owner != welcome[0].ID {
+		t.Fatalf("release with a stale owner: %+v, %v", res, err)
 	}
 	if !f.exists(key) {
 		t.Fatal("a stale owner's release deleted the lock")

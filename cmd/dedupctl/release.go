@@ -10,38 +10,8 @@ import (
 	"os"
 	"strings"
 
-	"github.com/redis/go-redis/v9"
+	"github.com/asynq-dedup/dedup/internal/store"
 )
-
-// releaseScript deletes a lock only if its owner is still the one the
-// operator confirmed, with the owner's index key (when it points to this
-// lock) and the lock's entry in its type's waiting set. All keys share the
-// queue's hash slot.
-//
-// KEYS[1] lock key, KEYS[2] index key of the owner, KEYS[3] waiting set of its type
-// ARGV[1] the owner read before (the id field as stored), ARGV[2] the fingerprint hex
-//
-// Reply: {1, 1 if the index key was deleted else 0} released; {0, ""} no
-// lock; {2, owner as stored} another owner now
-var releaseScript = redis.NewScript(`
-local rec = redis.call('HMGET', KEYS[1], 'id', 'b')
-if not rec[1] then
-  return {0, ''}
-end
-if rec[1] ~= ARGV[1] then
-  return {2, rec[1]}
-end
-redis.call('DEL', KEYS[1])
-local idx = 0
-if redis.call('GET', KEYS[2]) == ARGV[2] then
-  redis.call('DEL', KEYS[2])
-  idx = 1
-end
-if rec[2] then
-  redis.call('ZREM', KEYS[3], ARGV[2])
-end
-return {1, idx}
-`)
 
 type releaseOutput struct {
 	Released       bool     `json:"released"`
@@ -105,30 +75,18 @@ func release(a *app, ctx context.Context, c *conn, t *target, l *lockInfo, yes b
 		ctx = fresh
 	}
 
-	prefix := a.g.prefix
-	idx := indexKey(prefix, l.Queue, l.Owner)
-	res, err := releaseScript.Run(ctx, c.rdb, []string{l.Key, idx, waitKey(prefix, l.Queue, l.Type)}, l.Fields["id"], l.Fingerprint).Slice()
-	if err != nil {
+	res, err := store.ReleaseLock(ctx, c.rdb, store.NewKeys(a.g.prefix), l.lock)
+	switch {
+	case err != nil:
 		return fmt.Errorf("release %s: %w", l.Key, err)
-	}
-	if len(res) != 2 {
-		return fmt.Errorf("release %s: unexpected reply %v", l.Key, res)
-	}
-	st, _ := res[0].(int64)
-	switch st {
-	case 0:
+	case res.Gone:
 		return fmt.Errorf("no such lock: %s (released or expired meanwhile)", l.Key)
-	case 2:
-		return fmt.Errorf("not released: %s changed owner from %s to %v since it was read; run again to release the new owner's lock", l.Key, l.Owner, unpackOwner(fmt.Sprint(res[1]), l.Fingerprint))
-	case 1:
-	default:
-		return fmt.Errorf("release %s: unexpected reply %v", l.Key, res)
+	case !res.Released:
+		return fmt.Errorf("not released: %s changed owner from %s to %s since it was read; run again to release the new owner's lock", l.Key, l.Owner, res.Owner)
 	}
 	out := releaseOutput{Released: true, Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, State: l.State,
 		TaskState: l.TaskState, TTLms: l.TTLms, FollowUp: l.FollowUp}
-	if n, _ := res[1].(int64); n == 1 {
-		out.IndexKeyRemove = idx
-	}
+	out.IndexKeyRemove = res.Index
 	out.Notes = releaseNotes(l)
 	if a.g.json {
 		return writeJSON(a.stdout, out)

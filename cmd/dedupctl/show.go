@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -50,77 +51,88 @@ func (a *app) resolve(ctx context.Context, c *conn, args []string, s selector) (
 	if err := s.check(args); err != nil {
 		return nil, err
 	}
-	prefix := a.g.prefix
+	keys := store.NewKeys(a.g.prefix)
 	if s.task == "" {
-		key := args[0]
-		q, fp, ok := parseLockKey(prefix, key)
+		q, fp, ok := keys.ParseLock(args[0])
 		if !ok {
-			return nil, notLockKey(prefix, key)
+			return nil, notLockKey(a.g.prefix, args[0])
 		}
-		return &target{key: key, queue: q, fp: fp}, nil
+		return &target{key: args[0], queue: q, fp: fp}, nil
 	}
+	queues, err := taskQueues(c, s)
+	if err != nil {
+		return nil, err
+	}
+	found, err := findTaskLocks(ctx, c, keys, queues, s.task)
+	if err != nil {
+		return nil, err
+	}
+	if len(found) == 0 {
+		return nil, noTaskLock(keys, s, queues)
+	}
+	return pickMine(ctx, c, keys, found, s.task)
+}
 
-	queues := []string{s.queue}
-	if s.queue == "" {
-		all, err := asynq.NewInspectorFromRedisClient(c.rdb).Queues()
-		if err != nil {
-			return nil, fmt.Errorf("list asynq queues: %w", err)
-		}
-		if len(all) == 0 {
-			return nil, fmt.Errorf("no lock for task %q: asynq knows no queues (pass --queue)", s.task)
-		}
-		sort.Strings(all)
-		queues = all
+// taskQueues lists the queues to look for --task in: --queue, or every
+// queue asynq knows.
+func taskQueues(c *conn, s selector) ([]string, error) {
+	if s.queue != "" {
+		return []string{s.queue}, nil
 	}
-	fp, locked := parseLockedID(s.task)
+	all, err := asynq.NewInspectorFromRedisClient(c.rdb).Queues()
+	if err != nil {
+		return nil, fmt.Errorf("list asynq queues: %w", err)
+	}
+	if len(all) == 0 {
+		return nil, fmt.Errorf("no lock for task %q: asynq knows no queues (pass --queue)", s.task)
+	}
+	sort.Strings(all)
+	return all, nil
+}
+
+// findTaskLocks finds the task's lock in each queue.
+func findTaskLocks(ctx context.Context, c *conn, keys store.Keys, queues []string, task string) ([]*target, error) {
 	var found []*target
 	for _, q := range queues {
-		if locked {
-			key := lockKey(prefix, q, fp)
-			n, err := c.rdb.Exists(ctx, key).Result()
-			if err != nil {
-				return nil, err
-			}
-			if n == 1 {
-				found = append(found, &target{key: key, queue: q, fp: fp, task: s.task})
-			}
-			continue
-		}
-		v, err := c.rdb.Get(ctx, indexKey(prefix, q, s.task)).Result()
+		tl, err := store.FindLock(ctx, c.rdb, keys, q, task)
 		switch {
-		case errors.Is(err, redis.Nil):
-			continue
 		case err != nil:
 			return nil, err
-		case v == optOutMark:
-			return nil, fmt.Errorf("task %q in queue %s was enqueued with deduplication off (dedup.Skip): it has no lock", s.task, q)
-		case (len(v) != 16 && len(v) != 32) || !isHex(v):
-			return nil, fmt.Errorf("index key %s holds %q, not a fingerprint", indexKey(prefix, q, s.task), v)
+		case tl.OptOut:
+			return nil, fmt.Errorf("task %q in queue %s was enqueued with deduplication off (dedup.Skip): it has no lock", task, q)
+		case tl.Found:
+			found = append(found, &target{key: keys.Lock(q, tl.FP), queue: q, fp: tl.FP, task: task})
 		}
-		found = append(found, &target{key: lockKey(prefix, q, v), queue: q, fp: v, task: s.task})
 	}
+	return found, nil
+}
+
+// noTaskLock explains that no queue has a lock for --task.
+func noTaskLock(keys store.Keys, s selector, queues []string) error {
 	where := "queue " + s.queue
 	if s.queue == "" {
 		where = "any queue (" + strings.Join(queues, ", ") + ")"
 	}
-	switch len(found) {
-	case 0:
-		if locked {
-			return nil, fmt.Errorf("no such lock: task %q would hold %s in %s, and there is none", s.task, lockKey(prefix, "<queue>", fp), where)
-		}
-		return nil, fmt.Errorf("no such lock: no index key %s for task %q in %s (the task was not enqueued through the dedup wrapper with its own ID, or its lock is gone)", indexKey(prefix, "<queue>", s.task), s.task, where)
-	case 1:
+	if fp, ok := store.ParseLockedID(s.task); ok {
+		return fmt.Errorf("no such lock: task %q would hold %s in %s, and there is none", s.task, keys.Lock("<queue>", fp), where)
+	}
+	return fmt.Errorf("no such lock: no index key %s for task %q in %s (the task was not enqueued through the dedup wrapper with its own ID, or its lock is gone)", keys.Index("<queue>", s.task), s.task, where)
+}
+
+// pickMine chooses among the locks found for a task: the same work may be
+// locked in several queues, so it keeps the lock the task owns (or is owed
+// as follow-up).
+func pickMine(ctx context.Context, c *conn, keys store.Keys, found []*target, task string) (*target, error) {
+	if len(found) == 1 {
 		return found[0], nil
 	}
-	// The same work may be locked in several queues: keep the lock this
-	// task owns (or is owed as follow-up).
 	var mine []*target
 	for _, t := range found {
-		v, err := c.rdb.HMGet(ctx, t.key, "id", "f").Result()
+		ls, err := store.ReadLocks(ctx, c.rdb, keys, []string{t.key})
 		if err != nil {
 			return nil, err
 		}
-		if owner, _ := v[0].(string); unpackOwner(owner, t.fp) == s.task || v[1] == s.task {
+		if len(ls) == 1 && (ls[0].Owner == task || ls[0].Follow == task) {
 			mine = append(mine, t)
 		}
 	}
@@ -131,7 +143,7 @@ func (a *app) resolve(ctx context.Context, c *conn, args []string, s selector) (
 	for _, t := range found {
 		qs = append(qs, t.queue)
 	}
-	return nil, fmt.Errorf("task %q has a lock in several queues (%s): pass --queue", s.task, strings.Join(qs, ", "))
+	return nil, fmt.Errorf("task %q has a lock in several queues (%s): pass --queue", task, strings.Join(qs, ", "))
 }
 
 // readOne reads one lock, or explains why there is none.
@@ -241,7 +253,7 @@ owner task (and its owed follow-up). An owner that is missing, completed or
 archived means the lock is orphaned: the library heals it at the key's next
 enqueue.
 
-KEY is a lock key, <prefix>:{<queue>}:l:<16 or 32 hex digits>, as list prints
+KEY is a lock key, ` + lockKeyForm + `, as list prints
 it. With --task the lock is found from a task ID: dd-<fingerprint>-<random>
 IDs carry the fingerprint, and caller-chosen IDs have an index key.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
@@ -269,49 +281,32 @@ func runShow(a *app, args []string, s selector) error {
 
 // describe adds what asynq and the side keys say about a lock.
 func describe(ctx context.Context, c *conn, prefix string, l *lockInfo, t *target) (*showOutput, error) {
-	now := time.Now()
 	insp := asynq.NewInspectorFromRedisClient(c.rdb)
 	out := &showOutput{lockInfo: *l, Task: t.task}
 	var err error
-	if out.OwnerTask, err = inspectTask(insp, l.Queue, l.Owner, now); err != nil {
+	if out.OwnerTask, err = inspectTask(insp, l.Queue, l.Owner, time.Now()); err != nil {
 		return nil, err
 	}
 	if l.FollowUp != "" {
-		if out.FollowUpTask, err = inspectTask(insp, l.Queue, l.FollowUp, now); err != nil {
+		if out.FollowUpTask, err = inspectTask(insp, l.Queue, l.FollowUp, time.Now()); err != nil {
 			return nil, err
 		}
 	}
-	switch l.Fields["rp"] {
-	case "a":
+	switch rp := l.lock.RunningPolicy(); rp {
+	case string(store.RunAllow):
 		out.RunningPolicy = "allow (a)"
-	case "d":
+	case string(store.RunDefer):
 		out.RunningPolicy = "defer (d)"
 	case "":
 	default:
-		out.RunningPolicy = l.Fields["rp"]
+		out.RunningPolicy = rp
 	}
-	out.PayloadVersion = l.Fields["n"] // the fold count doubles as the merge version
-	if l.Fields["b"] != "" {
-		out.WaitingSet = waitKey(prefix, l.Queue, l.Type)
+	out.PayloadVersion = l.Fields[store.FieldFolds] // the fold count doubles as the merge version
+	keys := store.NewKeys(prefix)
+	if l.lock.Bounded() {
+		out.WaitingSet = keys.Wait(l.Queue, l.Type)
 	}
-	if _, ok := parseLockedID(l.Owner); !ok {
-		ik := indexKey(prefix, l.Queue, l.Owner)
-		if v, err := c.rdb.Get(ctx, ik).Result(); err == nil && v == l.Fingerprint {
-			out.IndexKey = ik
-		} else if err != nil && !errors.Is(err, redis.Nil) {
-			return nil, err
-		}
-	}
-	fk := followKey(prefix, l.Queue, l.Fingerprint)
-	if v, err := c.rdb.Get(ctx, fk).Result(); err == nil {
-		out.FollowUpKey = fk
-		if l.FollowUp == "" && v != "" {
-			// A follow-up owed by a run that died: the next enqueue adopts it.
-			if out.FollowUpTask, err = inspectTask(insp, l.Queue, v, now); err != nil {
-				return nil, err
-			}
-		}
-	} else if !errors.Is(err, redis.Nil) {
+	if err := describeSideKeys(ctx, c, keys, l, out); err != nil {
 		return nil, err
 	}
 	switch {
@@ -324,6 +319,36 @@ func describe(ctx context.Context, c *conn, prefix string, l *lockInfo, t *targe
 		out.TaskRole = "other"
 	}
 	return out, nil
+}
+
+// describeSideKeys adds the owner's index key (when it points to this
+// lock) and the key's follow-up pointer, with the follow-up a dead run left
+// owed.
+func describeSideKeys(ctx context.Context, c *conn, keys store.Keys, l *lockInfo, out *showOutput) error {
+	if _, ok := store.ParseLockedID(l.Owner); !ok {
+		ik := keys.Index(l.Queue, l.Owner)
+		if v, err := c.rdb.Get(ctx, ik).Result(); err == nil && v == l.Fingerprint {
+			out.IndexKey = ik
+		} else if err != nil && !errors.Is(err, redis.Nil) {
+			return err
+		}
+	}
+	fk := keys.Follow(l.Queue, l.Fingerprint)
+	v, err := c.rdb.Get(ctx, fk).Result()
+	if errors.Is(err, redis.Nil) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	out.FollowUpKey = fk
+	if l.FollowUp == "" && v != "" {
+		// A follow-up owed by a run that died: the next enqueue adopts it.
+		if out.FollowUpTask, err = inspectTask(asynq.NewInspectorFromRedisClient(c.rdb), l.Queue, v, time.Now()); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func printShow(w io.Writer, o *showOutput, now time.Time) {

@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -169,4 +170,33 @@ func fillLock(l *Lock, h map[string]string, ttl time.Duration) *Lock {
 		l.TTL = -1
 	}
 	return l
+}
+
+// TaskLock is where a task's lock is, as found from the task's ID.
+type TaskLock struct {
+	FP     string // the lock's fingerprint
+	Found  bool   // the lock (wrapper-chosen ID) or the index key (caller-chosen ID) exists
+	OptOut bool   // the caller-chosen ID was enqueued without deduplication
+}
+
+// FindLock finds the lock of task id in queue: an ID the wrapper chose
+// carries the fingerprint (found when that lock exists); a caller-chosen ID
+// has an index key.
+func FindLock(ctx context.Context, c redis.Cmdable, k Keys, queue, id string) (TaskLock, error) {
+	if fp, ok := ParseLockedID(id); ok {
+		n, err := c.Exists(ctx, k.Lock(queue, fp)).Result()
+		return TaskLock{FP: fp, Found: n == 1}, err
+	}
+	v, err := c.Get(ctx, k.Index(queue, id)).Result()
+	switch {
+	case errors.Is(err, redis.Nil):
+		return TaskLock{}, nil
+	case err != nil:
+		return TaskLock{}, err
+	case v == OptOutMark:
+		return TaskLock{Found: true, OptOut: true}, nil
+	case !IsFingerprint(v):
+		return TaskLock{}, fmt.Errorf("index key %s holds %q, not a fingerprint", k.Index(queue, id), v)
+	}
+	return TaskLock{FP: v, Found: true}, nil
 }

@@ -10,7 +10,7 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/asynq-dedup/dedup"
-	dedupprom "github.com/asynq-dedup/dedup/prometheus"
+	dedupprom "github.com/asynq-dedup/dedup/dedupprom"
 	"github.com/hibiken/asynq"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"

@@ -3,7 +3,7 @@
 // metrics do). It lives in its own package so that programs that use only
 // package dedup do not link client_golang.
 //
-//	import dedupprom "github.com/asynq-dedup/dedup/prometheus"
+//	import dedupprom "github.com/asynq-dedup/dedup/dedupprom"
 //
 //	prometheus.MustRegister(dedupprom.NewCollector(d))
 //
