@@ -235,10 +235,23 @@ func (r *reporter) reportNow() {
 	r.win, r.base = r.newWindow(), cur
 	r.mu.Unlock()
 
+	ctx := context.Background()
+	if !r.cfg.Logger.Enabled(ctx, r.cfg.Level) {
+		return
+	}
 	byType := map[string][]*hotEntry{}
 	for _, e := range w.h {
 		byType[e.k.typ] = append(byType[e.k.typ], e)
 	}
+	for _, typ := range reportTypes(cur, byType) {
+		if attrs := r.typeReport(typ, cur[typ], base[typ], byType[typ], w, now); attrs != nil {
+			r.cfg.Logger.LogAttrs(ctx, r.cfg.Level, "dedup: coalescing report", attrs...)
+		}
+	}
+}
+
+// reportTypes are the types with counts or hot keys, sorted.
+func reportTypes(cur map[string]counts, byType map[string][]*hotEntry) []string {
 	types := make([]string, 0, len(cur))
 	for typ := range cur {
 		types = append(types, typ)
@@ -249,52 +262,54 @@ func (r *reporter) reportNow() {
 		}
 	}
 	slices.Sort(types)
-	ctx := context.Background()
-	log := r.cfg.Logger
-	if !log.Enabled(ctx, r.cfg.Level) {
-		return
+	return types
+}
+
+// typeReport is one type's record of window w, or nil when the type had no
+// enqueues in it.
+func (r *reporter) typeReport(typ string, c, b counts, es []*hotEntry, w *window, now time.Time) []slog.Attr {
+	delta := func(e event) uint64 { return c[e] - b[e] }
+	folded := delta(evCoalesced) + delta(evMerged) + delta(evDeferred)
+	attempts := folded + delta(evLocked) + delta(evDuplicate)
+	if attempts == 0 && len(es) == 0 {
+		return nil
 	}
-	for _, typ := range types {
-		c, b := cur[typ], base[typ]
-		delta := func(e event) uint64 { return c[e] - b[e] }
-		folded := delta(evCoalesced) + delta(evMerged) + delta(evDeferred)
-		attempts := folded + delta(evLocked) + delta(evDuplicate)
-		es := byType[typ]
-		if attempts == 0 && len(es) == 0 {
-			continue
-		}
-		slices.SortFunc(es, func(a, b *hotEntry) int {
-			if c := cmp.Compare(b.n, a.n); c != 0 {
-				return c
-			}
-			return strings.Compare(a.k.fp, b.k.fp)
-		})
-		top := make(hotKeys, 0, min(len(es), r.cfg.TopK))
-		for _, e := range es[:min(len(es), r.cfg.TopK)] {
-			top = append(top, hotKeyReport{Fingerprint: e.k.fp, Key: e.key, Count: e.n, Overcount: e.over})
-		}
-		ratio := 0.0
-		if attempts > 0 {
-			ratio = float64(folded) / float64(attempts)
-		}
-		attrs := []slog.Attr{
-			slog.String("type", typ),
-			slog.String("window", now.Sub(w.start).Round(time.Millisecond).String()),
-			slog.Uint64("attempts", attempts),
-			slog.Uint64("locked", delta(evLocked)),
-			slog.Uint64("coalesced", delta(evCoalesced)),
-			slog.Uint64("merged", delta(evMerged)),
-			slog.Uint64("deferred", delta(evDeferred)),
-			slog.Uint64("duplicates", delta(evDuplicate)),
-			slog.Float64("ratio", float64(int64(ratio*10000+0.5))/10000),
-			slog.Int("keys", len(es)),
-			slog.Any("top", top),
-		}
-		if w.evicted > 0 {
-			attrs = append(attrs, slog.Uint64("evicted", w.evicted))
-		}
-		log.LogAttrs(ctx, r.cfg.Level, "dedup: coalescing report", attrs...)
+	ratio := 0.0
+	if attempts > 0 {
+		ratio = float64(folded) / float64(attempts)
 	}
+	attrs := []slog.Attr{
+		slog.String("type", typ),
+		slog.String("window", now.Sub(w.start).Round(time.Millisecond).String()),
+		slog.Uint64("attempts", attempts),
+		slog.Uint64("locked", delta(evLocked)),
+		slog.Uint64("coalesced", delta(evCoalesced)),
+		slog.Uint64("merged", delta(evMerged)),
+		slog.Uint64("deferred", delta(evDeferred)),
+		slog.Uint64("duplicates", delta(evDuplicate)),
+		slog.Float64("ratio", float64(int64(ratio*10000+0.5))/10000),
+		slog.Int("keys", len(es)),
+		slog.Any("top", r.top(es)),
+	}
+	if w.evicted > 0 {
+		attrs = append(attrs, slog.Uint64("evicted", w.evicted))
+	}
+	return attrs
+}
+
+// top lists the most coalesced of a type's keys, most first.
+func (r *reporter) top(es []*hotEntry) hotKeys {
+	slices.SortFunc(es, func(a, b *hotEntry) int {
+		if c := cmp.Compare(b.n, a.n); c != 0 {
+			return c
+		}
+		return strings.Compare(a.k.fp, b.k.fp)
+	})
+	top := make(hotKeys, 0, min(len(es), r.cfg.TopK))
+	for _, e := range es[:min(len(es), r.cfg.TopK)] {
+		top = append(top, hotKeyReport{Fingerprint: e.k.fp, Key: e.key, Count: e.n, Overcount: e.over})
+	}
+	return top
 }
 
 // entryHeap is a min-heap of entries by count.

@@ -150,16 +150,21 @@ local function need()
   return {11, lacking, holder or '', fu or ''}
 end
 
+-- read_task reads a task's asynq state, and its message when the policy
+-- may fold into it.
+local function read_task(key)
+  if policy == 'x' then
+    return call('HGET', key, 'state')
+  end
+  local t = call('HMGET', key, 'state', 'msg')
+  return t[1], t[2]
+end
+
 -- Read: the holder's record, then the follow-up's.
 local state, hmsg
 if holder then
   if lacks('H') then return need() end
-  if policy == 'x' then
-    state = call('HGET', K.H, 'state')
-  else
-    local t = call('HMGET', K.H, 'state', 'msg')
-    state, hmsg = t[1], t[2]
-  end
+  state, hmsg = read_task(K.H)
   if gone(state) and now - (tonumber(rec[2]) or 0) < grace then
     -- Too young to tell: its producer may not have stored it in asynq yet.
     if not state and (policy ~= 'x' or running == 'd') then
@@ -179,12 +184,7 @@ local fstate, fmsg
 if fu then
   if fu ~= A[11] then K.G = nil end
   if lacks('G') then return need() end
-  if policy == 'x' then
-    fstate = call('HGET', K.G, 'state')
-  else
-    local t = call('HMGET', K.G, 'state', 'msg')
-    fstate, fmsg = t[1], t[2]
-  end
+  fstate, fmsg = read_task(K.G)
 end
 
 -- coalesce folds the new payload into the waiting task t (record key tkey,

@@ -126,9 +126,11 @@ end
 -- pb_setpayload returns msg with its payload field replaced by field (the
 -- whole encoded field 2, '' for an empty payload), as
 -- pb_rewrite(msg, {[2] = field}) does, but by splicing: asynq (Go's
--- protobuf) writes each field once, in number order, so the payload, if
--- any, follows the type (field 1) and everything after it is copied
--- untouched. Messages of another shape go to pb_rewrite.
+-- protobuf) writes each field once, in number order, so the payload follows
+-- the type (field 1) and everything after it is copied untouched, unread.
+-- Any other start (no payload right after the type, or a field 1 or 2 after
+-- it) goes to pb_rewrite. The splice is exact for every message whose
+-- fields 1 and 2 all come before its other fields, as asynq's always do.
 local function pb_setpayload(msg, field)
   local i = 1
   if string.byte(msg, 1) == 10 then -- field 1 (type), length-delimited
@@ -137,16 +139,15 @@ local function pb_setpayload(msg, field)
     if not len then return nil end
     i = i + len
   end
-  local j = i
-  if string.byte(msg, j) == 18 then -- field 2 (payload), length-delimited
-    local len
-    len, j = pb_varint(msg, j + 1)
-    if not len then return nil end
-    j = j + len
+  if string.byte(msg, i) ~= 18 then -- no payload field right after the type
+    return pb_rewrite(msg, {[2] = field})
   end
+  local len, j = pb_varint(msg, i + 1)
+  if not len then return nil end
+  j = j + len
   local next_tag = j <= #msg and pb_varint(msg, j)
   if j > #msg + 1 or (j <= #msg and (not next_tag or next_tag < 24)) then
-    return pb_rewrite(msg, {[2] = field}) -- a field 1 or 2 follows: the general path
+    return pb_rewrite(msg, {[2] = field}) -- cut short, or a field 1 or 2 follows
   end
   return string.sub(msg, 1, i - 1) .. field .. string.sub(msg, j)
 end
