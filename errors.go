@@ -55,7 +55,9 @@ var (
 	ErrIncompatible = errors.New("dedup: asynq task record not understood")
 
 	// ErrContention reports a Merge that kept losing its compare-and-set to
-	// other producers; the stored payload has every other merge, not this one.
+	// other producers (the stored payload has every other merge, not this
+	// one), or a lock that changed hands every time the enqueue read it.
+	// The call changed nothing.
 	ErrContention = errors.New("dedup: merge contention")
 
 	// ErrLockLost is the cause of a handler context cancelled because its

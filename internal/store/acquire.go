@@ -112,25 +112,37 @@ func (a *Acquire) build(s *Store, lock string, h hint, all bool) ([]string, []an
 	if a.FollowID != "" {
 		kl.add(roleNewFollow, TaskKey(r.Queue, a.FollowID))
 	}
-	holder, follow := "", ""
-	if h.holder != "" {
-		holder = UnpackOwner(h.holder, r.FP)
+	var passed hint // the holder and follow-up whose keys are passed
+	if h.holder != "" && (all || a.mayReadHolder(s, h)) {
+		passed.holder = h.holder
+		holder := UnpackOwner(h.holder, r.FP)
 		kl.add(roleHolder, TaskKey(r.Queue, holder))
 		if all {
 			kl.add(roleHolderIndex, s.keys.Index(r.Queue, holder))
 		}
 	}
 	if h.follow != "" {
-		follow = h.follow
-		kl.add(roleFollowTask, TaskKey(r.Queue, follow))
+		passed.follow = h.follow
+		kl.add(roleFollowTask, TaskKey(r.Queue, h.follow))
 	}
-	return kl.keys, a.args(s, kl, h, follow)
+	return kl.keys, a.args(s, kl, passed)
+}
+
+// mayReadHolder reports whether the script may need the holder's record:
+// when it may fold into it, or the lock may be older than the heal grace.
+// Without it a plain rejection of a young lock sends one key and no hint.
+func (a *Acquire) mayReadHolder(s *Store, h hint) bool {
+	if a.OnWaiting != FoldReject || a.FollowID != "" || h.follow != "" || h.since == 0 {
+		return true
+	}
+	return a.Now.Unix()-h.since >= s.graceSeconds()/2 // a margin for producers' clocks
 }
 
 // args lays out ARGV; the optional arguments go only as far as the last
 // one that differs from its default (a plain call sends 8).
-func (a *Acquire) args(s *Store, kl *keyList, h hint, follow string) []any {
+func (a *Acquire) args(s *Store, kl *keyList, h hint) []any {
 	r := &a.Ref
+	follow := h.follow
 	args := make([]any, 8, 16)
 	args[0], args[1], args[2], args[3] = string(kl.roles), r.ID, r.stored(), r.FP
 	args[4], args[5], args[6], args[7] = a.Now.UnixMilli(), s.graceSeconds(), ms(a.TTL), a.Message
@@ -163,13 +175,13 @@ func (a *Acquire) result(s *Store, lock string, rep reply) AcquireResult {
 	res := AcquireResult{Status: rep.status}
 	switch rep.status {
 	case StatusTaken:
-		s.hints.put(lock, hint{holder: a.Ref.stored()})
+		s.hints.put(lock, hint{holder: a.Ref.stored(), since: a.Now.Unix()})
+	case statusHeldYoung:
+		res.Status, res.Task = StatusHeld, UnpackOwner(rep.str(0), fp)
+		since, _ := strconv.ParseInt(rep.str(1), 10, 64)
+		s.hints.put(lock, hint{holder: rep.str(0), since: since})
 	case StatusHeld:
-		holder := rep.str(1)
-		if len(rep.strs) < 2 {
-			holder = rep.str(0) // the fast path names the holder only
-		}
-		s.hints.put(lock, hint{holder: holder, follow: rep.str(2)})
+		s.hints.put(lock, hint{holder: rep.str(1), follow: rep.str(2)})
 		res.Task = UnpackOwner(rep.str(0), fp)
 	case StatusReplaced, StatusMerge:
 		res.Task, res.State = UnpackOwner(rep.str(0), fp), rep.str(1)

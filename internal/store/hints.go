@@ -28,10 +28,12 @@ type hintShard struct {
 	m  map[string]hint
 }
 
-// hint is what a lock held at the last reply: its owner as stored, and its
-// follow-up ("" for none).
+// hint is what a lock held at the last reply: its owner as stored, its
+// follow-up ("" for none), and when the owner took it (unix seconds, 0 if
+// unknown).
 type hint struct {
 	holder, follow string
+	since          int64
 }
 
 func (c *hintCache) shard(lockKey string) *hintShard {

@@ -131,7 +131,7 @@ type Ref struct {
 	Indexed bool   // the ID is caller-chosen: an index key leads to the lock
 }
 
-// Lock is the key of r's lock.
+// LockOf is the key of r's lock.
 func (k Keys) LockOf(r *Ref) string { return k.Lock(r.Queue, r.FP) }
 
 // stored is r's task ID as its lock record stores it.

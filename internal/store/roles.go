@@ -26,21 +26,23 @@ const (
 	roleFollowTask  = 'G' // asynq record of the lock's follow-up
 )
 
-// keyList is a script's KEYS with the role letter of each.
+// keyList is a script's KEYS with the role letter of each, after a head
+// the script reads first (acquire's policies).
 type keyList struct {
-	roles []byte
+	roles []byte // head, then one letter per key
+	head  int
 	keys  []string
 }
 
 func newKeyList(head string, n int) *keyList {
-	k := &keyList{roles: make([]byte, 0, len(head)+n), keys: make([]string, 0, n)}
+	k := &keyList{roles: make([]byte, 0, len(head)+n), head: len(head), keys: make([]string, 0, n)}
 	k.roles = append(k.roles, head...)
 	return k
 }
 
 // add appends key under role r, once.
 func (k *keyList) add(r byte, key string) {
-	for _, have := range k.roles {
+	for _, have := range k.roles[k.head:] {
 		if have == r {
 			return
 		}

@@ -18,6 +18,8 @@ var (
 	preludeSrc string
 	//go:embed lua/checked.lua
 	checkedSrc string
+	//go:embed lua/pb.lua
+	pbSrc string
 	//go:embed lua/lib.lua
 	libSrc string
 	//go:embed lua/acquire.lua
@@ -72,19 +74,30 @@ func buildScripts(checked bool) *scriptSet {
 	}
 }
 
-// libMarker marks where a script wants lib.lua's helpers (after its fast
-// paths, if it has any); a script without it gets none.
-const libMarker = "-- @lib"
+// Markers of where a script wants pb.lua's and lib.lua's helpers (after
+// its fast paths, which then do not pay for defining them); a script
+// without a marker gets none. lib.lua needs pb.lua: a script with only the
+// lib marker gets both there.
+const (
+	pbMarker  = "-- @pb"
+	libMarker = "-- @lib"
+)
 
 // source assembles a script: the prelude (with the key check, for
-// checked), then the script, with lib.lua at its marker if it has one.
+// checked), then the script with the helpers at its markers.
 func source(body string, checked bool) string {
 	head := preludeSrc
 	if checked {
 		head += checkedSrc
 	}
+	lib := libSrc
+	if i := strings.Index(body, pbMarker); i >= 0 {
+		body = body[:i] + pbSrc + body[i:]
+	} else {
+		lib = pbSrc + libSrc
+	}
 	if i := strings.Index(body, libMarker); i >= 0 {
-		return head + body[:i] + libSrc + body[i:]
+		body = body[:i] + lib + body[i:]
 	}
 	return head + body
 }

@@ -39,7 +39,8 @@
 -- the call, for the caller's hints):
 --   {1}                                taken for ARGV[2]
 --   {2}                                already held by ARGV[2]; untouched
---   {0, who[, holder, f]}              held by who (as stored, or a follow-up); rejected
+--   {0, who, holder, f}                held by who (as stored, or a follow-up); rejected
+--   {10, holder, created}              the same, from the lock alone: it is younger than the grace
 --   {3, target, state, holder, f}      payload of waiting task target replaced
 --   {4, target, payload, ver, holder, f}  merge: the caller merges and calls coalesce
 --   {5, followup, holder, f}           follow-up task created for the running holder
@@ -77,7 +78,7 @@ local rec = policy == 'x' and call('HMGET', K.L, 'id', 'c', 'f')
 local holder = rec[1]
 if holder and holder ~= stored and holder ~= id and policy == 'x' and follow == '' and not rec[3]
     and now - (tonumber(rec[2]) or 0) < grace then
-  return {0, holder} -- young, and no answer but "held" is possible
+  return {10, holder, rec[2]} -- young, and no answer but "held" is possible
 end
 
 -- take takes the free key for the new task (and stores the task, given msg).
@@ -124,6 +125,21 @@ if not holder and follow == '' then
 end
 if holder == stored or holder == id then -- (a lock of the earlier layout holds the whole ID)
   return {2}
+end
+-- @pb: pb.lua is spliced in here, for the last fast path.
+-- Replace into a waiting holder whose record the caller gave, with no
+-- follow-up and no attempt running: the common fold.
+if holder and policy == 'r' and not rec[3] and not rec[4] and K.H and holder == A[10] then
+  local t = call('HMGET', K.H, 'state', 'msg')
+  local state = t[1]
+  local new = (state == 'pending' or state == 'scheduled' or state == 'retry') and t[2] and pb_splice(t[2], A[9] or '')
+  if new then
+    if new ~= t[2] then -- the same payload again (common): nothing to write
+      call('HSET', K.H, 'msg', new)
+    end
+    call('HINCRBY', K.L, 'n', 1)
+    return {3, holder, state, holder, ''}
+  end
 end
 -- @lib: lib.lua is spliced in here, after the fast paths.
 local field, fhint_s = A[9] or '', A[12] or ''

@@ -1,24 +1,10 @@
 -- lib: helpers spliced into the scripts that read or write asynq's own task
 -- record (at their "-- @lib" line, after the fast paths, which then do not
--- pay for defining them). They parse and rewrite asynq v0.26.0's
+-- pay for defining them), after pb.lua. They parse and rewrite asynq v0.26.0's
 -- TaskMessage protobuf (type = 1, payload = 2, id = 3, retried = 6,
 -- error_msg = 7, deadline = 9, last_failed_at = 11, completed_at = 13);
 -- TestAsynqLayoutPinned and the rewrite tests guard this.
 -- Lengths are below 2^53, so the arithmetic on them is exact.
-
--- pb_varint reads a varint at position i; returns value and next position,
--- or nil if the bytes end first.
-local function pb_varint(s, i)
-  local v, m = 0, 1
-  while true do
-    local b = string.byte(s, i)
-    if not b then return nil end
-    i = i + 1
-    if b < 128 then return v + b * m, i end
-    v = v + (b - 128) * m
-    m = m * 128
-  end
-end
 
 local function pb_putvarint(n)
   local t = {}
@@ -125,31 +111,10 @@ end
 
 -- pb_setpayload returns msg with its payload field replaced by field (the
 -- whole encoded field 2, '' for an empty payload), as
--- pb_rewrite(msg, {[2] = field}) does, but by splicing: asynq (Go's
--- protobuf) writes each field once, in number order, so the payload follows
--- the type (field 1) and everything after it is copied untouched, unread.
--- Any other start (no payload right after the type, or a field 1 or 2 after
--- it) goes to pb_rewrite. The splice is exact for every message whose
--- fields 1 and 2 all come before its other fields, as asynq's always do.
+-- pb_rewrite(msg, {[2] = field}) does: by pb_splice when the message has
+-- asynq's shape, else by the rewrite. Returns nil for a malformed message.
 local function pb_setpayload(msg, field)
-  local i = 1
-  if string.byte(msg, 1) == 10 then -- field 1 (type), length-delimited
-    local len
-    len, i = pb_varint(msg, 2)
-    if not len then return nil end
-    i = i + len
-  end
-  if string.byte(msg, i) ~= 18 then -- no payload field right after the type
-    return pb_rewrite(msg, {[2] = field})
-  end
-  local len, j = pb_varint(msg, i + 1)
-  if not len then return nil end
-  j = j + len
-  local next_tag = j <= #msg and pb_varint(msg, j)
-  if j > #msg + 1 or (j <= #msg and (not next_tag or next_tag < 24)) then
-    return pb_rewrite(msg, {[2] = field}) -- cut short, or a field 1 or 2 follows
-  end
-  return string.sub(msg, 1, i - 1) .. field .. string.sub(msg, j)
+  return pb_splice(msg, field) or pb_rewrite(msg, {[2] = field})
 end
 
 -- waiting reports whether an asynq task state means "not started yet".
