@@ -251,6 +251,50 @@ func TestFingerprintFieldsOption(t *testing.T) {
 	}
 }
 
+// TestFieldErrorTexts pins the texts of the errors for bad field selections
+// and bad payloads, which users may log or match: they must not change when
+// the JSON code is reorganised.
+func TestFieldErrorTexts(t *testing.T) {
+	many := make([]string, 65)
+	for i := range many {
+		many[i] = fmt.Sprintf("f%d", i)
+	}
+	ruleErr := func(paths ...string) error {
+		_, err := compileRules(map[string]Rule{"t": {Fields: paths}})
+		return err
+	}
+	optErr := func(paths ...string) error {
+		return Fields(paths...).(option).applyTo(&resolved{})
+	}
+	fpErr := func(payload string, paths ...string) error {
+		_, err := fingerprint("t", []byte(payload), fieldsRule(t, paths...))
+		return err
+	}
+	for _, tt := range []struct {
+		err          error
+		want         string
+		invalidInput bool // ErrInvalidOption, else ErrInvalidPayload
+	}{
+		{ruleErr("ok", "a..b"), `rule for "t": dedup: invalid option: field path "a..b" has an empty segment`, true},
+		{ruleErr(many...), `rule for "t": dedup: invalid option: 65 fields selected, at most 64`, true},
+		{optErr("a", ""), `dedup: invalid option: field path "" has an empty segment`, true},
+		{optErr(many...), `dedup: invalid option: 65 fields selected, at most 64`, true},
+		{optErr(), `dedup: invalid option: Fields needs at least one path`, true},
+		{fpErr(`{"a":`, "a"), `dedup: task "t": invalid JSON at offset 5: unexpected end of input`, false},
+		{fpErr(`{"a":1}x`, "a"), `dedup: task "t": invalid JSON at offset 7: data after the top-level value`, false},
+		{fpErr(deepJSON(600, false), "a"), `dedup: task "t": invalid JSON at offset 513: nesting too deep`, false},
+		{fpErr(`{"b":1}`, "a"), `dedup: task "t": field "a": dedup: selected field missing`, false},
+		{fpErr(`{"a":1e1000000001}`, "a"), `dedup: task "t": field "a": number exponent out of range (|exp| > 1000000000)`, false},
+	} {
+		if tt.err == nil || tt.err.Error() != tt.want {
+			t.Errorf("error %v\n want %s", tt.err, tt.want)
+		}
+		if want := map[bool]error{true: ErrInvalidOption, false: ErrInvalidPayload}[tt.invalidInput]; !errors.Is(tt.err, want) {
+			t.Errorf("%v does not match %v", tt.err, want)
+		}
+	}
+}
+
 // secret is a credential-looking value in test payloads; no error text may
 // contain it.
 const secret = "s3cr3t-Hunter2-AKIAIOSFODNN7"
