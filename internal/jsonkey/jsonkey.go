@@ -169,67 +169,38 @@ func (s *scanner) value(i, depth int, active uint64) (int, error) {
 // object scans the object at b[i] whose members may hold selected paths.
 func (s *scanner) object(i, depth int, active uint64) (int, error) {
 	b := s.b
-	i = skipWS(b, i+1)
-	if i < len(b) && b[i] == '}' {
+	if i = skipWS(b, i+1); i < len(b) && b[i] == '}' {
 		return i + 1, nil
 	}
 	for {
-		i = skipWS(b, i)
-		if i >= len(b) || b[i] != '"' {
-			return i, fail(i, "expected member name")
+		// The member's name and colon.
+		key, plain, j, err := memberName(b, skipWS(b, i))
+		if err != nil {
+			return j, err
 		}
-		// The name: read here, 8 bytes at a time, when it is plain (no
-		// escapes, only ASCII), as most names are; else by scanString.
-		var key []byte
-		var plain bool
-		var seen uint64 // OR of the name's bytes: is any ≥ 0x80?
-		for j := i + 1; j+8 <= len(b); j += 8 {
-			w := binary.LittleEndian.Uint64(b[j : j+8])
-			m := stringStops(w)
-			if m == 0 {
-				seen |= w
-				continue
-			}
-			n := bits.TrailingZeros64(m) >> 3 // index of the first stop
-			seen |= w & (1<<(n<<3) - 1)
-			if byte(w>>(n<<3)) == '"' && seen&swarHigh == 0 {
-				key, plain = b[i+1:j+n], true
-				i = j + n + 1
-			}
-			break
-		}
-		if !plain {
-			name := i
-			var err error
-			if i, plain, err = scanString(b, i); err != nil {
-				return i, err
-			}
-			key = b[name+1 : i-1]
-		}
-		i = skipWS(b, i)
-		if i >= len(b) || b[i] != ':' {
+		if i = skipWS(b, j); i >= len(b) || b[i] != ':' {
 			return i, fail(i, "expected ':'")
 		}
-		i = skipWS(b, i+1)
-		// A plain name of a length no path has at this depth matches none.
+		// The paths it continues. A plain name of a length no path has at
+		// this depth matches none.
 		var ends, deeper uint64
 		if !plain || depth >= len(s.fs.nameLens) || s.fs.nameLens[depth]&(1<<min(len(key), 63)) != 0 {
 			ends, deeper = s.match(depth, active, key, plain)
 		}
-		// A repeated member name replaces what an earlier one selected.
+		// Its value. A repeated member name replaces what an earlier one
+		// selected.
 		for m := ends | deeper; m != 0; m &= m - 1 {
 			s.spans[bits.TrailingZeros64(m)] = Span{}
 		}
-		start := i
-		var err error
-		if i, err = s.value(i, depth+1, deeper); err != nil {
+		start := skipWS(b, i+1)
+		if i, err = s.value(start, depth+1, deeper); err != nil {
 			return i, err
 		}
 		for m := ends; m != 0; m &= m - 1 {
 			s.spans[bits.TrailingZeros64(m)] = Span{start, i}
 		}
-		i = skipWS(b, i)
-		if i >= len(b) {
+		// Then a comma, or the end of the object.
+		if i = skipWS(b, i); i >= len(b) {
 			return i, fail(i, "unterminated object")
 		}
 		switch b[i] {
@@ -241,6 +212,35 @@ func (s *scanner) object(i, depth int, active uint64) (int, error) {
 			return i, fail(i, "expected ',' or '}'")
 		}
 	}
+}
+
+// memberName reads the member name at b[i] and returns its raw contents,
+// whether they are plain (no escapes, only ASCII, so their own decoded form),
+// and the offset just past it. Plain names, as most are, are read here 8
+// bytes at a time; the others by scanString.
+func memberName(b []byte, i int) (key []byte, plain bool, end int, err error) {
+	if i >= len(b) || b[i] != '"' {
+		return nil, false, i, fail(i, "expected member name")
+	}
+	var seen uint64 // OR of the name's bytes: is any ≥ 0x80?
+	for j := i + 1; j+8 <= len(b); j += 8 {
+		w := binary.LittleEndian.Uint64(b[j : j+8])
+		m := stringStops(w)
+		if m == 0 {
+			seen |= w
+			continue
+		}
+		n := bits.TrailingZeros64(m) >> 3 // index of the first stop
+		seen |= w & (1<<(n<<3) - 1)
+		if byte(w>>(n<<3)) == '"' && seen&swarHigh == 0 {
+			return b[i+1 : j+n], true, j + n + 1, nil
+		}
+		break
+	}
+	if end, plain, err = scanString(b, i); err != nil {
+		return nil, false, end, err
+	}
+	return b[i+1 : end-1], plain, end, nil
 }
 
 // match returns which active paths name key at this depth, split into those
