@@ -774,6 +774,11 @@ func AppendCanonical(dst, v []byte) ([]byte, error) {
 
 // canon appends the encoding of the value at or after v[i] (leading white
 // space allowed) and returns the offset just past it.
+//
+// canon stays one self-recursive function, longer than the others: split
+// into mutually recursive functions for arrays and objects, or storing a
+// slice of its results, it makes dst escape, and fingerprint's stack buffer
+// then moves to the heap (one allocation for every key).
 func canon(dst, v []byte, i int) ([]byte, int, error) {
 	i = skipWS(v, i)
 	var err error
@@ -815,11 +820,8 @@ func canon(dst, v []byte, i int) ([]byte, int, error) {
 			}
 		}
 	case c == '{':
-		// Members are encoded one after another into scratch and sorted as
-		// offsets. canon stays self-recursive and stores no slice of its
-		// results: either would make dst escape, moving a caller's stack
-		// buffer to the heap.
-		type member struct{ key, val, end int } // scratch[key:val] name, [val:end] value
+		// Members are encoded one after another into scratch, then sorted
+		// as offsets by appendMembers.
 		var members []member
 		var scratch []byte
 		i++
@@ -827,20 +829,7 @@ func canon(dst, v []byte, i int) ([]byte, int, error) {
 			i = skipWS(v, i)
 			switch v[i] {
 			case '}':
-				// Stable sort keeps source order among equal names; keep the last.
-				slices.SortStableFunc(members, func(a, b member) int {
-					return bytes.Compare(scratch[a.key:a.val], scratch[b.key:b.val])
-				})
-				dst = append(dst, tagObject)
-				for k, m := range members {
-					if k+1 < len(members) {
-						if n := members[k+1]; bytes.Equal(scratch[n.key:n.val], scratch[m.key:m.val]) {
-							continue
-						}
-					}
-					dst = append(dst, scratch[m.key:m.end]...)
-				}
-				return append(dst, tagEnd), i + 1, nil
+				return appendMembers(dst, scratch, members), i + 1, nil
 			case ',':
 				i++
 				continue
@@ -862,6 +851,30 @@ func canon(dst, v []byte, i int) ([]byte, int, error) {
 		}
 	}
 	return nil, i, fail(i, "unexpected character")
+}
+
+// member is one member of an object being encoded: scratch[key:val] is its
+// encoded name, scratch[val:end] its encoded value.
+type member struct{ key, val, end int }
+
+// appendMembers appends the encoding of an object whose members are encoded
+// in scratch: tagObject, the members sorted by name (of equal names, the
+// last only), tagEnd.
+func appendMembers(dst, scratch []byte, members []member) []byte {
+	// Stable sort keeps source order among equal names; keep the last.
+	slices.SortStableFunc(members, func(a, b member) int {
+		return bytes.Compare(scratch[a.key:a.val], scratch[b.key:b.val])
+	})
+	dst = append(dst, tagObject)
+	for k, m := range members {
+		if k+1 < len(members) {
+			if n := members[k+1]; bytes.Equal(scratch[n.key:n.val], scratch[m.key:m.val]) {
+				continue
+			}
+		}
+		dst = append(dst, scratch[m.key:m.end]...)
+	}
+	return append(dst, tagEnd)
 }
 
 // appendCanonString writes the string with raw contents raw; plain says they
