@@ -935,32 +935,46 @@ func appendCanonNumber(dst, n []byte) ([]byte, error) {
 		dst = appendInt(dst, int64(len(n)-t))
 		return append(dst, 0x00), nil
 	}
-	mant := n
-	var exp int64
-	if i := indexAny(n, 'e', 'E'); i >= 0 {
-		mant = n[:i]
-		e := n[i+1:]
-		eneg := false
-		if e[0] == '+' || e[0] == '-' {
-			eneg = e[0] == '-'
-			e = e[1:]
-		}
-		for _, c := range e {
-			exp = exp*10 + int64(c-'0')
-			if exp > maxExponent {
-				return nil, fmt.Errorf("number exponent out of range (|exp| > %d)", maxExponent)
-			}
-		}
-		if eneg {
-			exp = -exp
-		}
+	mant, exp, err := splitExponent(n)
+	if err != nil {
+		return nil, err
 	}
 	intPart, frac := mant, []byte(nil)
 	if i := indexAny(mant, '.', '.'); i >= 0 {
 		intPart, frac = mant[:i], mant[i+1:]
 	}
-	exp -= int64(len(frac))
-	// Digits are intPart followed by frac; find the significant range.
+	return appendDecimal(dst, neg, intPart, frac, exp-int64(len(frac))), nil
+}
+
+// splitExponent splits the unsigned number n into the digits before its
+// exponent (with any fraction) and the exponent's value, 0 if it has none.
+func splitExponent(n []byte) (mant []byte, exp int64, err error) {
+	i := indexAny(n, 'e', 'E')
+	if i < 0 {
+		return n, 0, nil
+	}
+	e := n[i+1:]
+	neg := false
+	if e[0] == '+' || e[0] == '-' {
+		neg = e[0] == '-'
+		e = e[1:]
+	}
+	for _, c := range e {
+		exp = exp*10 + int64(c-'0')
+		if exp > maxExponent {
+			return nil, 0, fmt.Errorf("number exponent out of range (|exp| > %d)", maxExponent)
+		}
+	}
+	if neg {
+		exp = -exp
+	}
+	return n[:i], exp, nil
+}
+
+// appendDecimal writes the number ±d × 10^exp, where d is the decimal
+// digits of intPart followed by those of frac: its significant digits,
+// without leading or trailing zeros, and the exponent that goes with them.
+func appendDecimal(dst []byte, neg bool, intPart, frac []byte, exp int64) []byte {
 	total := len(intPart) + len(frac)
 	at := func(i int) byte {
 		if i < len(intPart) {
@@ -973,7 +987,7 @@ func appendCanonNumber(dst, n []byte) ([]byte, error) {
 		lead++
 	}
 	if lead == total {
-		return append(dst, tagNumber, '0', 0x00), nil
+		return append(dst, tagNumber, '0', 0x00)
 	}
 	for at(trail) == '0' {
 		trail--
@@ -988,7 +1002,7 @@ func appendCanonNumber(dst, n []byte) ([]byte, error) {
 	}
 	dst = append(dst, 'e')
 	dst = appendInt(dst, exp)
-	return append(dst, 0x00), nil
+	return append(dst, 0x00)
 }
 
 // isDigits reports whether b holds only decimal digits.
