@@ -271,31 +271,35 @@ func (s *scanner) match(depth int, active uint64, key []byte, plain bool) (ends,
 
 // skip validates the value at b[i] (white space skipped) at depth and returns
 // the offset just past it, with the same errors as a recursive scanner. This
-// is where most of a payload is read, so the common tokens cost no call (Go
-// keeps no registers across a call: each would cost a round of spills and
-// reloads): plain strings, passed 8 bytes at a time (stringStops), and one
-// at a time near the end of b; literals, commas, and member names in compact
-// JSON. Escapes, numbers, containers opening and closing, and errors go to
-// helpers. It does not recurse: the kinds of the open containers are bits in
-// kinds.
+// is where most of a payload is read, so it is one loop with no calls on the
+// common paths (Go keeps no registers across a call: each would cost a round
+// of spills and reloads):
+//   - no recursion: the kinds of the open containers are bits in kinds;
+//   - strings are passed 8 bytes at a time (stringStops), escapes inline;
+//   - member names go through the same string code (name is set);
+//   - compact JSON, with no white space between tokens, takes short cuts.
 //
-// skip is longer than this package's other functions: its loop is one state
-// machine, and each cut tried inside the string loop (its tail near the end
-// of b, or the 8-byte steps as a helper) made Select 3-17% slower.
+// c is always b[i], or 0 at the end of b.
 func skip(b []byte, i, depth int) (int, error) {
+	var c byte
+	if i < len(b) {
+		c = b[i]
+	}
 	if depth > MaxDepth {
 		return i, fail(i, "nesting too deep")
 	}
 	base := depth
 	var kinds kindStack
-	obj := false        // the innermost open container is an object
-	name := false       // c starts a member name, not a value
-	i, c := nonWS(b, i) // c is always b[i], or 0 at the end of b
+	obj := false  // the innermost open container is an object
+	name := false // c starts a member name, not a value
 	var err error
 	for {
 		switch {
 		case c == '"':
-			for i++; ; {
+			i++
+			for {
+				// Pass plain bytes 8 at a time, then one at a time near the
+				// end of b.
 				if i+8 <= len(b) {
 					m := stringStops(binary.LittleEndian.Uint64(b[i : i+8]))
 					if m == 0 {
@@ -303,96 +307,138 @@ func skip(b []byte, i, depth int) (int, error) {
 						continue
 					}
 					i += bits.TrailingZeros64(m) >> 3
-				} else if i = plainEnd(b, i); i == len(b) {
-					return i, fail(i, "unterminated string")
-				}
-				if b[i] != '"' { // an escape
-					if i, err = stringTail(b, i); err != nil {
-						return i, err
+				} else {
+					for i < len(b) && plainStr[b[i]] {
+						i++
+					}
+					if i == len(b) {
+						return i, fail(i, "unterminated string")
 					}
 				}
-				break
+				if b[i] == '"' {
+					break
+				}
+				if n := escapeLen(b, i); n != 0 {
+					i += n
+					continue
+				}
+				return scanEscape(b, i) // the error
 			}
-			if i++; name { // then a colon, and the member's value
+			i++
+			if name {
 				if i+1 < len(b) && b[i] == ':' && b[i+1] > ' ' { // compact JSON
-					i, c = i+1, b[i+1]
-				} else if i, c, err = colon(b, i); err != nil {
-					return i, err
+					i++
+					c = b[i]
+				} else {
+					if i, c = nonWS(b, i); c != ':' {
+						return i, fail(i, "expected ':'")
+					}
+					i, c = nonWS(b, i+1)
 				}
 				name = false
-				continue
+				continue // to the member's value
 			}
 		case name:
 			return i, fail(i, "expected member name")
 		case c == '-' || c-'0' <= 9:
-			if i, err = scanNumber(b, i); err != nil {
-				return i, err
+			// As scanNumber, but only an exponent costs a call.
+			if c == '-' {
+				i++
+			}
+			switch {
+			case i < len(b) && b[i] == '0':
+				i++
+			case i < len(b) && b[i]-'1' < 9:
+				for i++; i < len(b) && b[i]-'0' <= 9; i++ {
+				}
+			default:
+				return i, fail(i, "invalid number")
+			}
+			if i < len(b) && b[i] == '.' {
+				j := i + 1
+				for j < len(b) && b[j]-'0' <= 9 {
+					j++
+				}
+				if j == i+1 {
+					return j, fail(j, "invalid number fraction")
+				}
+				i = j
+			}
+			if i < len(b) && b[i]|0x20 == 'e' {
+				if i, err = numberTail(b, i); err != nil {
+					return i, err
+				}
 			}
 		case c == '{' || c == '[':
-			d := depth
-			if i, c, depth, err = kinds.open(b, i, depth); err != nil {
-				return i, err
+			open := c
+			if i, c = nonWS(b, i+1); c == open+2 { // '{'+2 == '}', '['+2 == ']'
+				i++
+				break // empty
 			}
-			if depth > d { // not empty: on to its first element or member
-				obj, name = kinds.isObject(d), kinds.isObject(d)
-				continue
+			obj = open == '{'
+			if depth == MaxDepth { // the first element is too deep
+				if obj {
+					return deepMember(b, i, c)
+				}
+				return i, fail(i, "nesting too deep")
 			}
-		default: // true, false or null
+			kinds.set(depth, obj)
+			depth++
+			name = obj
+			continue
+		case c == 't' || c == 'f' || c == 'n':
 			n := literalLen(b, i)
 			if n == 0 {
-				return i, badValue(b, i)
+				return i, fail(i, "invalid literal")
 			}
 			i += n
+		case i >= len(b):
+			return i, fail(i, "unexpected end of input")
+		default:
+			return i, fail(i, "unexpected character") // never quote payload bytes
 		}
-		// After a value: a comma, or the ends of the containers it completes.
-		if depth == base {
-			return i, nil
-		}
-		if i+1 < len(b) && b[i] == ',' && b[i+1] > ' ' { // compact JSON
-			i, c, name = i+1, b[i+1], obj
-			continue
-		}
-		if i, c = nonWS(b, i); c != ',' {
-			if i, depth, err = kinds.close(b, i, c, depth, base); err != nil || depth == base {
-				return i, err
+		// After a value: close the containers it completes, then move on to
+		// the next element or member.
+		for {
+			if depth == base {
+				return i, nil
 			}
-			obj = kinds.isObject(depth - 1)
+			if i+1 < len(b) && b[i] == ',' && b[i+1] > ' ' { // compact JSON
+				i++
+				c = b[i]
+				name = obj
+				break
+			}
+			i, c = nonWS(b, i)
+			if c == ',' {
+				i, c = nonWS(b, i+1)
+				name = obj
+				break
+			}
+			if c == '}' && obj || c == ']' && !obj {
+				i++
+				if depth--; depth > base {
+					obj = kinds.isObject(depth - 1)
+				}
+				continue
+			}
+			switch {
+			case i >= len(b) && obj:
+				return i, fail(i, "unterminated object")
+			case i >= len(b):
+				return i, fail(i, "unterminated array")
+			case obj:
+				return i, fail(i, "expected ',' or '}'")
+			}
+			return i, fail(i, "expected ',' or ']'")
 		}
-		i, c = nonWS(b, i+1)
-		name = obj
 	}
 }
 
-// badValue is the error for b[i] where a value should start.
-func badValue(b []byte, i int) error {
-	switch {
-	case i >= len(b):
-		return fail(i, "unexpected end of input")
-	case b[i] == 't' || b[i] == 'f' || b[i] == 'n':
-		return fail(i, "invalid literal")
-	}
-	return fail(i, "unexpected character") // never quote payload bytes
-}
-
-// colon reads the colon after a member name, with white space before or
-// after it, from b[i], and returns the offset and byte of the member's value.
-func colon(b []byte, i int) (int, byte, error) {
-	i, c := nonWS(b, i)
-	if c != ':' {
-		return i, c, fail(i, "expected ':'")
-	}
-	i, c = nonWS(b, i+1)
-	return i, c, nil
-}
-
-// deepElement returns the error for a container opened at MaxDepth, whose
-// first element starts at b[i] (c): that of its first member name and colon
-// if they are bad, else that the element is too deep (the order in which a
-// recursive scanner would find them).
-func deepElement(b []byte, i int, c byte, obj bool) (int, error) {
-	if !obj {
-		return i, fail(i, "nesting too deep")
-	}
+// deepMember returns the error for an object opened at MaxDepth: that of its
+// first member name and colon if they are bad, else that its value is too
+// deep (the order in which a recursive scanner would find them).
+func deepMember(b []byte, i int, c byte) (int, error) {
 	if c != '"' {
 		return i, fail(i, "expected member name")
 	}
@@ -445,58 +491,6 @@ func (k *kindStack) isObject(depth int) bool {
 	return k[d/64]&(1<<(d%64)) != 0
 }
 
-// open reads the bracket or brace at b[i] that opens a container at depth.
-// For an empty container it returns the offset just past it and depth; else
-// the offset and byte of its first element or member name and depth+1, with
-// the container's kind recorded.
-func (k *kindStack) open(b []byte, i, depth int) (int, byte, int, error) {
-	open := b[i]
-	i, c := nonWS(b, i+1)
-	if c == open+2 { // '{'+2 == '}', '['+2 == ']'
-		return i + 1, 0, depth, nil
-	}
-	if depth == MaxDepth { // the first element is too deep
-		i, err := deepElement(b, i, c, open == '{')
-		return i, 0, depth, err
-	}
-	k.set(depth, open == '{')
-	return i, c, depth + 1, nil
-}
-
-// close reads the brackets and braces from b[i] on (c is b[i], not white
-// space and not a comma) that close open containers, from depth down to
-// base at most. It returns the offset and the depth it stops at: base, just
-// past the last, or a comma.
-func (k *kindStack) close(b []byte, i int, c byte, depth, base int) (int, int, error) {
-	for {
-		obj := k.isObject(depth - 1)
-		if obj && c != '}' || !obj && c != ']' {
-			return i, depth, closeError(i, len(b), obj)
-		}
-		i++
-		if depth--; depth == base {
-			return i, depth, nil
-		}
-		if i, c = nonWS(b, i); c == ',' {
-			return i, depth, nil
-		}
-	}
-}
-
-// closeError is the error for b[i] (n is len(b)) after a value in an open
-// object (obj) or array, where a comma or the container's end should be.
-func closeError(i, n int, obj bool) error {
-	switch {
-	case i >= n && obj:
-		return fail(i, "unterminated object")
-	case i >= n:
-		return fail(i, "unterminated array")
-	case obj:
-		return fail(i, "expected ',' or '}'")
-	}
-	return fail(i, "expected ',' or ']'")
-}
-
 // literalLen returns the length of the literal true, false or null at b[i],
 // or 0 if there is none. Comparing with constant strings compiles to a few
 // wide loads.
@@ -528,43 +522,6 @@ func stringStops(w uint64) uint64 {
 	// ≥ 0x81 (0xa0); &^ w drops the bytes ≥ 0x80, whose high bit is the same
 	// in q, e and w.
 	return ((q - swarOnes) | (e - swarOnes) | (w - swarOnes*0x20)) &^ w & swarHigh
-}
-
-// plainEnd returns the offset of the first byte at or after i that ends a
-// run of plain string bytes ('"', '\\' or a control character), or len(b):
-// 8 bytes at a time, then one at a time near the end of b. It is small
-// enough to be inlined.
-func plainEnd(b []byte, i int) int {
-	for ; i+8 <= len(b); i += 8 {
-		if m := stringStops(binary.LittleEndian.Uint64(b[i:])); m != 0 {
-			return i + bits.TrailingZeros64(m)>>3
-		}
-	}
-	for i < len(b) && plainStr[b[i]] {
-		i++
-	}
-	return i
-}
-
-// stringTail reads the rest of a string from b[i], where skip's 8-byte
-// steps stopped short of its closing quote: at an escape, a control
-// character, or near the end of b. It returns the offset of the closing
-// quote.
-func stringTail(b []byte, i int) (int, error) {
-	for {
-		i = plainEnd(b, i)
-		switch {
-		case i == len(b):
-			return i, fail(i, "unterminated string")
-		case b[i] == '"':
-			return i, nil
-		}
-		n := escapeLen(b, i)
-		if n == 0 {
-			return scanEscape(b, i) // the error
-		}
-		i += n
-	}
 }
 
 // scanString scans the string at b[i] (its opening quote) and returns the
