@@ -6,6 +6,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/jsonkey"
+
 	"github.com/hibiken/asynq"
 )
 
@@ -233,7 +235,7 @@ func (c *Config) withDefaults() (Config, error) {
 // call's options applied.
 type resolved struct {
 	skip          bool
-	fields        *fieldSet
+	fields        *jsonkey.Fields
 	missingAsNull bool
 	key           string
 	hasKey        bool
@@ -246,6 +248,16 @@ type resolved struct {
 	running       Running
 	maxPending    int
 	waitForRoom   bool
+}
+
+// compileFields compiles a field selection (nil for none), with errors
+// matching ErrInvalidOption.
+func compileFields(paths []string) (*jsonkey.Fields, error) {
+	fs, err := jsonkey.Compile(paths)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidOption, err)
+	}
+	return fs, nil
 }
 
 func compileRules(rules map[string]Rule) (map[string]*resolved, error) {

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 
+	"github.com/asynq-dedup/dedup/internal/jsonkey"
+
 	"github.com/cespare/xxhash/v2"
 )
 
@@ -75,7 +77,7 @@ func fingerprintStream(buf *[256]byte, typ string, payload []byte, r *resolved) 
 		b = append(b, 'S')
 	} else {
 		b = append(b, 'T')
-		b = appendStringBytes(b, typ)
+		b = jsonkey.AppendString(b, typ)
 	}
 	switch {
 	case keyed:
@@ -93,22 +95,22 @@ func fingerprintStream(buf *[256]byte, typ string, payload []byte, r *resolved) 
 		return append(b, kindKey), nil, key, nil
 	case r.fields != nil:
 		b = append(b, kindFields)
-		var spans [maxFields]span
-		if err := selectFields(payload, r.fields, &spans); err != nil {
+		var spans [jsonkey.MaxFields]jsonkey.Span
+		if err := jsonkey.Select(payload, r.fields, &spans); err != nil {
 			return nil, nil, "", &PayloadError{Type: typ, Err: err}
 		}
-		for i, p := range r.fields.paths {
-			b = appendStringBytes(b, p)
+		for i, p := range r.fields.Paths() {
+			b = jsonkey.AppendString(b, p)
 			sp := spans[i]
-			if sp.end == 0 {
+			if sp.End == 0 {
 				if !r.missingAsNull {
 					return nil, nil, "", &PayloadError{Type: typ, Field: p, Err: ErrFieldMissing}
 				}
-				b = append(b, tagNull)
+				b = append(b, jsonkey.TagNull)
 				continue
 			}
 			var err error
-			if b, err = appendCanonical(b, payload[sp.start:sp.end]); err != nil {
+			if b, err = jsonkey.AppendCanonical(b, payload[sp.Start:sp.End]); err != nil {
 				return nil, nil, "", &PayloadError{Type: typ, Field: p, Err: err}
 			}
 		}

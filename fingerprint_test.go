@@ -11,12 +11,35 @@ import (
 	"testing"
 	"unicode/utf16"
 
+	"github.com/asynq-dedup/dedup/internal/jsonkey"
+	"github.com/asynq-dedup/dedup/internal/jsonkey/jsonkeytest"
+
 	"pgregory.net/rapid"
 )
 
 // Tests of fingerprint: which payloads share a key and which don't, errors
 // for payloads that cannot be fingerprinted, property tests over random JSON
 // spelled in random equivalent ways, and FuzzFingerprint.
+
+// mustFieldSet compiles paths or fails the test.
+func mustFieldSet(t testing.TB, paths ...string) *jsonkey.Fields {
+	t.Helper()
+	fs, err := jsonkey.Compile(paths)
+	if err != nil {
+		t.Fatalf("jsonkey.Compile(%q): %v", paths, err)
+	}
+	return fs
+}
+
+// canonJSON validates v as one JSON value, as fingerprint does before it
+// encodes anything, and returns its canonical encoding.
+func canonJSON(v []byte) ([]byte, error) {
+	var spans [jsonkey.MaxFields]jsonkey.Span
+	if err := jsonkey.Select(v, nil, &spans); err != nil {
+		return nil, err
+	}
+	return jsonkey.AppendCanonical(nil, v)
+}
 
 func fieldsRule(t testing.TB, paths ...string) *resolved {
 	t.Helper()
@@ -68,16 +91,16 @@ func TestFingerprintSelectedValueEquivalence(t *testing.T) {
 	// whose other members and layout differ.
 	r := fieldsRule(t, "v")
 	nested := fieldsRule(t, "report.kind")
-	for _, tc := range canonCases {
-		pa := `{"trace_id":"4bf92f35","v":` + tc.a + `}`
-		pb := "{ \"v\" : " + tc.b + " ,\n\"trace_id\":\"00f067aa\", \"extra\":[1,{}]}"
-		if got := mustFP(t, "t", pa, r) == mustFP(t, "t", pb, r); got != tc.eq {
-			t.Errorf("v=%s vs v=%s: same fingerprint %v, want %v", tc.a, tc.b, got, tc.eq)
+	for _, tc := range jsonkeytest.CanonCases {
+		pa := `{"trace_id":"4bf92f35","v":` + tc.A + `}`
+		pb := "{ \"v\" : " + tc.B + " ,\n\"trace_id\":\"00f067aa\", \"extra\":[1,{}]}"
+		if got := mustFP(t, "t", pa, r) == mustFP(t, "t", pb, r); got != tc.Equal {
+			t.Errorf("v=%s vs v=%s: same fingerprint %v, want %v", tc.A, tc.B, got, tc.Equal)
 		}
-		na := `{"report":{"kind":` + tc.a + `,"id":1},"id":2}`
-		nb := `{"id":3,"report":{"id":4,"kind":` + tc.b + `}}`
-		if got := mustFP(t, "t", na, nested) == mustFP(t, "t", nb, nested); got != tc.eq {
-			t.Errorf("report.kind=%s vs %s: same fingerprint %v, want %v", tc.a, tc.b, got, tc.eq)
+		na := `{"report":{"kind":` + tc.A + `,"id":1},"id":2}`
+		nb := `{"id":3,"report":{"id":4,"kind":` + tc.B + `}}`
+		if got := mustFP(t, "t", na, nested) == mustFP(t, "t", nb, nested); got != tc.Equal {
+			t.Errorf("report.kind=%s vs %s: same fingerprint %v, want %v", tc.A, tc.B, got, tc.Equal)
 		}
 	}
 }
@@ -251,6 +274,50 @@ func TestFingerprintFieldsOption(t *testing.T) {
 	}
 }
 
+// TestFieldErrorTexts pins the texts of the errors for bad field selections
+// and bad payloads, which users may log or match: they must not change when
+// the JSON code is reorganised.
+func TestFieldErrorTexts(t *testing.T) {
+	many := make([]string, 65)
+	for i := range many {
+		many[i] = fmt.Sprintf("f%d", i)
+	}
+	ruleErr := func(paths ...string) error {
+		_, err := compileRules(map[string]Rule{"t": {Fields: paths}})
+		return err
+	}
+	optErr := func(paths ...string) error {
+		return Fields(paths...).(option).applyTo(&resolved{})
+	}
+	fpErr := func(payload string, paths ...string) error {
+		_, err := fingerprint("t", []byte(payload), fieldsRule(t, paths...))
+		return err
+	}
+	for _, tt := range []struct {
+		err          error
+		want         string
+		invalidInput bool // ErrInvalidOption, else ErrInvalidPayload
+	}{
+		{ruleErr("ok", "a..b"), `rule for "t": dedup: invalid option: field path "a..b" has an empty segment`, true},
+		{ruleErr(many...), `rule for "t": dedup: invalid option: 65 fields selected, at most 64`, true},
+		{optErr("a", ""), `dedup: invalid option: field path "" has an empty segment`, true},
+		{optErr(many...), `dedup: invalid option: 65 fields selected, at most 64`, true},
+		{optErr(), `dedup: invalid option: Fields needs at least one path`, true},
+		{fpErr(`{"a":`, "a"), `dedup: task "t": invalid JSON at offset 5: unexpected end of input`, false},
+		{fpErr(`{"a":1}x`, "a"), `dedup: task "t": invalid JSON at offset 7: data after the top-level value`, false},
+		{fpErr(jsonkeytest.Deep(600, false), "a"), `dedup: task "t": invalid JSON at offset 513: nesting too deep`, false},
+		{fpErr(`{"b":1}`, "a"), `dedup: task "t": field "a": dedup: selected field missing`, false},
+		{fpErr(`{"a":1e1000000001}`, "a"), `dedup: task "t": field "a": number exponent out of range (|exp| > 1000000000)`, false},
+	} {
+		if tt.err == nil || tt.err.Error() != tt.want {
+			t.Errorf("error %v\n want %s", tt.err, tt.want)
+		}
+		if want := map[bool]error{true: ErrInvalidOption, false: ErrInvalidPayload}[tt.invalidInput]; !errors.Is(tt.err, want) {
+			t.Errorf("%v does not match %v", tt.err, want)
+		}
+	}
+}
+
 // secret is a credential-looking value in test payloads; no error text may
 // contain it.
 const secret = "s3cr3t-Hunter2-AKIAIOSFODNN7"
@@ -290,16 +357,16 @@ func TestFingerprintNotJSON(t *testing.T) {
 		`{"a":1,"password":"` + secret + "\x01\"}",      // control character
 		`{"a":1,"password":"` + secret + `\q"}`,         // invalid escape
 		`{"a":1,"b":{"c":2},"password":` + secret + `}`, // unquoted after the selected fields
-		`{"a":1,"password":"` + secret + `","deep":` + deepJSON(maxDepth+1, false) + `}`,
+		`{"a":1,"password":"` + secret + `","deep":` + jsonkeytest.Deep(jsonkey.MaxDepth+1, false) + `}`,
 		`{"a":1,"n":` + secret + `}`,
 		`{"a":1,"password":"` + secret + `"}` + "\x00",
 		"{\"a\":1,\"password\":'" + secret + "'}",
 	}
-	for _, tt := range badJSON {
-		payloads = append(payloads, tt.in)
+	for _, tt := range jsonkeytest.BadJSON {
+		payloads = append(payloads, tt.In)
 	}
-	for _, n := range []int{maxDepth + 1, 100_000} {
-		payloads = append(payloads, deepJSON(n, false), deepJSON(n, true), `{"a":`+deepJSON(n, true)+`}`)
+	for _, n := range []int{jsonkey.MaxDepth + 1, 100_000} {
+		payloads = append(payloads, jsonkeytest.Deep(n, false), jsonkeytest.Deep(n, true), `{"a":`+jsonkeytest.Deep(n, true)+`}`)
 	}
 	for _, p := range payloads {
 		_, err := fingerprint(typ, []byte(p), r)
@@ -406,12 +473,12 @@ func TestFingerprintAllocs(t *testing.T) {
 		r       *resolved
 		payload []byte
 	}{
-		{"fields 200B", fieldsRule(t, benchPaths...), benchSmall},
-		{"fields 4KB", fieldsRule(t, benchPaths...), benchLarge},
-		{"raw 200B", &resolved{}, benchSmall},
-		{"raw 4KB", &resolved{}, benchLarge},
-		{"key", keyRule("user-1234567", false), benchSmall},
-		{"shared key", keyRule("user-1234567", true), benchSmall},
+		{"fields 200B", fieldsRule(t, jsonkeytest.PayloadPaths...), jsonkeytest.Payload200B},
+		{"fields 4KB", fieldsRule(t, jsonkeytest.PayloadPaths...), jsonkeytest.Payload4KB},
+		{"raw 200B", &resolved{}, jsonkeytest.Payload200B},
+		{"raw 4KB", &resolved{}, jsonkeytest.Payload4KB},
+		{"key", keyRule("user-1234567", false), jsonkeytest.Payload200B},
+		{"shared key", keyRule("user-1234567", true), jsonkeytest.Payload200B},
 		{"escaped string and number", fieldsRule(t, "s", "n"), escaped},
 		{"missing as null", &resolved{fields: mustFieldSet(t, "s", "zz"), missingAsNull: true}, escaped},
 	} {
@@ -428,13 +495,13 @@ func TestFingerprintAllocs(t *testing.T) {
 
 func TestFingerprintConcurrent(t *testing.T) {
 	// fingerprint keeps no shared state: run it in parallel (for -race).
-	r := fieldsRule(t, benchPaths...)
-	want := mustFP(t, "t", string(benchLarge), r)
+	r := fieldsRule(t, jsonkeytest.PayloadPaths...)
+	want := mustFP(t, "t", string(jsonkeytest.Payload4KB), r)
 	var wg sync.WaitGroup
 	for range 8 {
 		wg.Go(func() {
 			for range 50 {
-				if got, err := fingerprint("t", benchLarge, r); err != nil || got != want {
+				if got, err := fingerprint("t", jsonkeytest.Payload4KB, r); err != nil || got != want {
 					t.Errorf("got %#x, %v; want %#x", got, err, want)
 					return
 				}
@@ -993,8 +1060,6 @@ func jsonDepth(b []byte) int {
 	return deepest
 }
 
-var fuzzPaths = []string{"a", "b.c", "é", "k\uFFFD", "a.b.c"}
-
 func FuzzFingerprint(f *testing.F) {
 	seeds := []string{
 		`{"a":1,"b":{"c":"x"}}`,
@@ -1007,7 +1072,7 @@ func FuzzFingerprint(f *testing.F) {
 		`{"\u0061":{"\u0062":{"c":[]}},"b":{"\u0063":{}}}`,
 		`[{"a":1}]`, `"a"`, `null`, `{}`, ``, `{"a":`, `{"a":1}x`, `{"a":01}`, `{"a":"\ud800"}`,
 		"\x0a\x03foo\x10\x96\x01",
-		deepJSON(maxDepth, true), deepJSON(maxDepth+1, false),
+		jsonkeytest.Deep(jsonkey.MaxDepth, true), jsonkeytest.Deep(jsonkey.MaxDepth+1, false),
 	}
 	for _, s := range seeds {
 		f.Add([]byte(s), "")
@@ -1015,8 +1080,8 @@ func FuzzFingerprint(f *testing.F) {
 	f.Add([]byte(`{"x":{"y":[1,{"z":2}]},"q":"w"}`), "x.y")
 	f.Add([]byte(`{"x":{"y":{"z":"1"},"y":{"z":1}}}`), "x.y.z")
 	f.Fuzz(func(t *testing.T, payload []byte, path string) {
-		paths := fuzzPaths
-		if _, err := compileFields([]string{path}); err == nil {
+		paths := jsonkeytest.FuzzPaths
+		if _, err := jsonkey.Compile([]string{path}); err == nil {
 			paths = append(paths[:len(paths):len(paths)], path)
 		}
 		fs := mustFieldSet(t, paths...)
@@ -1043,10 +1108,10 @@ func FuzzFingerprint(f *testing.F) {
 			if !errors.Is(err, ErrInvalidPayload) || !errors.As(err, &pe) || pe.Type != "fuzz" {
 				t.Fatalf("error %v (%T) is not a *PayloadError", err, err)
 			}
-			var je *jsonError
+			var je *jsonkey.SyntaxError
 			switch {
 			case !valid:
-			case errors.As(err, &je) && jsonDepth(payload) > maxDepth:
+			case errors.As(err, &je) && jsonDepth(payload) > jsonkey.MaxDepth:
 				// Deeper than this package accepts; encoding/json allows 10000.
 			case !errors.As(err, &je) && pe.Field != "" && strings.Contains(err.Error(), "exponent"):
 				// A selected number too large to compare exactly.
@@ -1088,8 +1153,8 @@ func FuzzFingerprint(f *testing.F) {
 // canonical encodings are equal exactly when encoding/json decodes the
 // values equally (numbers compared as exact rationals).
 func FuzzCanonicalEquality(f *testing.F) {
-	for _, tc := range canonCases {
-		f.Add([]byte(tc.a), []byte(tc.b))
+	for _, tc := range jsonkeytest.CanonCases {
+		f.Add([]byte(tc.A), []byte(tc.B))
 	}
 	f.Fuzz(func(t *testing.T, a, b []byte) {
 		ca, erra := canonJSON(a)

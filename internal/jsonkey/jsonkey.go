@@ -1,4 +1,4 @@
-package dedup
+package jsonkey
 
 import (
 	"bytes"
@@ -11,19 +11,21 @@ import (
 	"unicode/utf8"
 )
 
-// Field selection: a single pass over the payload that validates it as JSON,
-// remembers where each selected path's value lies, and never builds maps.
-// The selected values are then written in a canonical, prefix-free byte
-// encoding (see appendCanonical) that feeds the key hash.
-
 const (
-	maxFields = 64  // paths per rule: one bit each in a uint64 mask
-	maxDepth  = 512 // nesting bound, so hostile payloads cannot exhaust the stack
+	// MaxFields is the most paths one Fields holds: each has one bit in a
+	// uint64 mask while the payload is scanned.
+	MaxFields = 64
+	// MaxDepth bounds the nesting of arrays and objects in a payload, so
+	// that hostile payloads cannot exhaust the stack: deeper is a
+	// *SyntaxError ("nesting too deep").
+	MaxDepth = 512
 )
 
-// fieldSet is a compiled, sorted, de-duplicated list of JSON paths. The order
-// the user lists fields in does not change the key.
-type fieldSet struct {
+// Fields is a compiled, sorted, de-duplicated list of JSON paths, made by
+// Compile: the order the paths were listed in does not matter. A nil *Fields,
+// like the zero Fields, selects nothing. A Fields is never modified after
+// Compile, so one may be used by any number of goroutines at once.
+type Fields struct {
 	paths []string   // sorted, as given ("report.kind")
 	segs  [][]string // paths split on '.'
 	// nameLens[d] has bit n set when some path's segment d is n bytes long
@@ -32,22 +34,29 @@ type fieldSet struct {
 	nameLens []uint64
 }
 
-func compileFields(paths []string) (*fieldSet, error) {
+// Compile sorts and de-duplicates paths and splits each on '.' into the
+// member names it descends through ("report.kind": member "kind" of the
+// top-level member "report"). Names are matched byte for byte against the
+// decoded member names of a payload. It returns nil, nil for no paths, and
+// an error for more than MaxFields distinct paths or a path with an empty
+// segment; the error's text is a bare description ("70 fields selected, at
+// most 64") for the caller to prefix.
+func Compile(paths []string) (*Fields, error) {
 	if len(paths) == 0 {
 		return nil, nil
 	}
 	ps := slices.Clone(paths)
 	slices.Sort(ps)
 	ps = slices.Compact(ps)
-	if len(ps) > maxFields {
-		return nil, fmt.Errorf("%w: %d fields selected, at most %d", ErrInvalidOption, len(ps), maxFields)
+	if len(ps) > MaxFields {
+		return nil, fmt.Errorf("%d fields selected, at most %d", len(ps), MaxFields)
 	}
-	fs := &fieldSet{paths: ps, segs: make([][]string, len(ps))}
+	fs := &Fields{paths: ps, segs: make([][]string, len(ps))}
 	for i, p := range ps {
 		segs := strings.Split(p, ".")
 		for _, s := range segs {
 			if s == "" {
-				return nil, fmt.Errorf("%w: field path %q has an empty segment", ErrInvalidOption, p)
+				return nil, fmt.Errorf("field path %q has an empty segment", p)
 			}
 		}
 		fs.segs[i] = segs
@@ -61,17 +70,32 @@ func compileFields(paths []string) (*fieldSet, error) {
 	return fs, nil
 }
 
-// span is the byte range of one JSON value inside the payload; end == 0 means
-// the path was not found.
-type span struct{ start, end int }
-
-// jsonError describes malformed JSON; it never includes payload bytes.
-type jsonError struct {
-	off int
-	msg string
+// Paths returns the compiled paths, sorted: Select's spans[i] is where
+// Paths()[i] was found. The slice is shared; callers must not modify it.
+func (fs *Fields) Paths() []string {
+	if fs == nil {
+		return nil
+	}
+	return fs.paths
 }
 
-func (e *jsonError) Error() string { return fmt.Sprintf("invalid JSON at offset %d: %s", e.off, e.msg) }
+// Span is where one selected value lies in the payload: payload[Start:End].
+type Span struct {
+	Start int // offset of the value's first byte
+	End   int // offset just past its last byte; 0 when the path was not found
+}
+
+// SyntaxError reports malformed JSON (or JSON nested deeper than MaxDepth).
+// It gives the offset and what was wrong, never the payload's bytes.
+type SyntaxError struct {
+	Offset int // where in the payload the problem was found
+	msg    string
+}
+
+// Error returns "invalid JSON at offset N: " and what was wrong.
+func (e *SyntaxError) Error() string {
+	return fmt.Sprintf("invalid JSON at offset %d: %s", e.Offset, e.msg)
+}
 
 // scanner walks a JSON document once. It records the spans of the selected
 // paths and validates everything else by skipping it. Offsets are passed in
@@ -79,21 +103,27 @@ func (e *jsonError) Error() string { return fmt.Sprintf("invalid JSON at offset 
 // them in registers instead of storing to memory after every byte.
 type scanner struct {
 	b     []byte
-	fs    *fieldSet
-	spans *[maxFields]span
+	fs    *Fields
+	spans *[MaxFields]Span
 }
 
-// selectFields validates payload as one JSON value and returns the spans of
-// every selected path (last occurrence wins for duplicate member names, as in
-// encoding/json).
-func selectFields(payload []byte, fs *fieldSet, spans *[maxFields]span) error {
+// Select validates payload as one JSON value and records in spans[i] where
+// the value of fs.Paths()[i] lies, or Span{} where the path is absent. A
+// repeated member name replaces what an earlier one selected (the last one
+// wins, as in encoding/json). A path descends through objects only, never
+// into arrays. With no paths (fs nil or empty) Select only validates. It
+// returns a *SyntaxError for anything that is not one JSON value, and
+// allocates nothing (but see the package doc for one exception).
+func Select(payload []byte, fs *Fields, spans *[MaxFields]Span) error {
 	s := scanner{b: payload, fs: fs, spans: spans}
 	var all uint64
-	if n := len(fs.paths); n == 64 {
+	n := len(fs.Paths())
+	if n == 64 {
 		all = ^uint64(0)
 	} else {
 		all = 1<<uint(n) - 1
 	}
+	clear(spans[:n])
 	i, err := s.value(skipWS(payload, 0), 0, all)
 	if err != nil {
 		return err
@@ -108,7 +138,7 @@ func selectFields(payload []byte, fs *fieldSet, spans *[maxFields]span) error {
 // scanning functions only pay for it when the input is bad.
 //
 //go:noinline
-func fail(i int, msg string) error { return &jsonError{i, msg} }
+func fail(i int, msg string) error { return &SyntaxError{Offset: i, msg: msg} }
 
 // skipWS returns the offset of the first byte at or after i that is not JSON
 // white space.
@@ -122,7 +152,7 @@ func skipWS(b []byte, i int) int {
 // value and continue below it. Only objects on a selected path need the
 // member-matching walk; everything else is skipped, scalars directly.
 func (s *scanner) value(i, depth int, active uint64) (int, error) {
-	if depth <= maxDepth && i < len(s.b) {
+	if depth <= MaxDepth && i < len(s.b) {
 		switch c := s.b[i]; {
 		case c == '"':
 			i, _, err := scanString(s.b, i)
@@ -139,67 +169,38 @@ func (s *scanner) value(i, depth int, active uint64) (int, error) {
 // object scans the object at b[i] whose members may hold selected paths.
 func (s *scanner) object(i, depth int, active uint64) (int, error) {
 	b := s.b
-	i = skipWS(b, i+1)
-	if i < len(b) && b[i] == '}' {
+	if i = skipWS(b, i+1); i < len(b) && b[i] == '}' {
 		return i + 1, nil
 	}
 	for {
-		i = skipWS(b, i)
-		if i >= len(b) || b[i] != '"' {
-			return i, fail(i, "expected member name")
+		// The member's name and colon.
+		key, plain, j, err := memberName(b, skipWS(b, i))
+		if err != nil {
+			return j, err
 		}
-		// The name: read here, 8 bytes at a time, when it is plain (no
-		// escapes, only ASCII), as most names are; else by scanString.
-		var key []byte
-		var plain bool
-		var seen uint64 // OR of the name's bytes: is any ≥ 0x80?
-		for j := i + 1; j+8 <= len(b); j += 8 {
-			w := binary.LittleEndian.Uint64(b[j : j+8])
-			m := stringStops(w)
-			if m == 0 {
-				seen |= w
-				continue
-			}
-			n := bits.TrailingZeros64(m) >> 3 // index of the first stop
-			seen |= w & (1<<(n<<3) - 1)
-			if byte(w>>(n<<3)) == '"' && seen&swarHigh == 0 {
-				key, plain = b[i+1:j+n], true
-				i = j + n + 1
-			}
-			break
-		}
-		if !plain {
-			name := i
-			var err error
-			if i, plain, err = scanString(b, i); err != nil {
-				return i, err
-			}
-			key = b[name+1 : i-1]
-		}
-		i = skipWS(b, i)
-		if i >= len(b) || b[i] != ':' {
+		if i = skipWS(b, j); i >= len(b) || b[i] != ':' {
 			return i, fail(i, "expected ':'")
 		}
-		i = skipWS(b, i+1)
-		// A plain name of a length no path has at this depth matches none.
+		// The paths it continues. A plain name of a length no path has at
+		// this depth matches none.
 		var ends, deeper uint64
 		if !plain || depth >= len(s.fs.nameLens) || s.fs.nameLens[depth]&(1<<min(len(key), 63)) != 0 {
 			ends, deeper = s.match(depth, active, key, plain)
 		}
-		// A repeated member name replaces what an earlier one selected.
+		// Its value. A repeated member name replaces what an earlier one
+		// selected.
 		for m := ends | deeper; m != 0; m &= m - 1 {
-			s.spans[bits.TrailingZeros64(m)] = span{}
+			s.spans[bits.TrailingZeros64(m)] = Span{}
 		}
-		start := i
-		var err error
-		if i, err = s.value(i, depth+1, deeper); err != nil {
+		start := skipWS(b, i+1)
+		if i, err = s.value(start, depth+1, deeper); err != nil {
 			return i, err
 		}
 		for m := ends; m != 0; m &= m - 1 {
-			s.spans[bits.TrailingZeros64(m)] = span{start, i}
+			s.spans[bits.TrailingZeros64(m)] = Span{start, i}
 		}
-		i = skipWS(b, i)
-		if i >= len(b) {
+		// Then a comma, or the end of the object.
+		if i = skipWS(b, i); i >= len(b) {
 			return i, fail(i, "unterminated object")
 		}
 		switch b[i] {
@@ -211,6 +212,35 @@ func (s *scanner) object(i, depth int, active uint64) (int, error) {
 			return i, fail(i, "expected ',' or '}'")
 		}
 	}
+}
+
+// memberName reads the member name at b[i] and returns its raw contents,
+// whether they are plain (no escapes, only ASCII, so their own decoded form),
+// and the offset just past it. Plain names, as most are, are read here 8
+// bytes at a time; the others by scanString.
+func memberName(b []byte, i int) (key []byte, plain bool, end int, err error) {
+	if i >= len(b) || b[i] != '"' {
+		return nil, false, i, fail(i, "expected member name")
+	}
+	var seen uint64 // OR of the name's bytes: is any ≥ 0x80?
+	for j := i + 1; j+8 <= len(b); j += 8 {
+		w := binary.LittleEndian.Uint64(b[j : j+8])
+		m := stringStops(w)
+		if m == 0 {
+			seen |= w
+			continue
+		}
+		n := bits.TrailingZeros64(m) >> 3 // index of the first stop
+		seen |= w & (1<<(n<<3) - 1)
+		if byte(w>>(n<<3)) == '"' && seen&swarHigh == 0 {
+			return b[i+1 : j+n], true, j + n + 1, nil
+		}
+		break
+	}
+	if end, plain, err = scanString(b, i); err != nil {
+		return nil, false, end, err
+	}
+	return b[i+1 : end-1], plain, end, nil
 }
 
 // match returns which active paths name key at this depth, split into those
@@ -255,7 +285,7 @@ func skip(b []byte, i, depth int) (int, error) {
 	if i < len(b) {
 		c = b[i]
 	}
-	if depth > maxDepth {
+	if depth > MaxDepth {
 		return i, fail(i, "nesting too deep")
 	}
 	base := depth
@@ -346,7 +376,7 @@ func skip(b []byte, i, depth int) (int, error) {
 				break // empty
 			}
 			obj = open == '{'
-			if depth == maxDepth { // the first element is too deep
+			if depth == MaxDepth { // the first element is too deep
 				if obj {
 					return deepMember(b, i, c)
 				}
@@ -405,7 +435,7 @@ func skip(b []byte, i, depth int) (int, error) {
 	}
 }
 
-// deepMember returns the error for an object opened at maxDepth: that of its
+// deepMember returns the error for an object opened at MaxDepth: that of its
 // first member name and colon if they are bad, else that its value is too
 // deep (the order in which a recursive scanner would find them).
 func deepMember(b []byte, i int, c byte) (int, error) {
@@ -445,7 +475,7 @@ func nonWSLoop(b []byte, i int) (int, byte) {
 
 // kindStack has bit d set when the container open at depth d is an object,
 // clear when it is an array: skip keeps one instead of recursing.
-type kindStack [maxDepth/64 + 1]uint64
+type kindStack [MaxDepth/64 + 1]uint64
 
 func (k *kindStack) set(depth int, obj bool) {
 	d := uint(depth)
@@ -705,10 +735,14 @@ func hex4(b []byte) rune {
 	return rune(unhex(b[0])<<12 | unhex(b[1])<<8 | unhex(b[2])<<4 | unhex(b[3]))
 }
 
-// Canonical encoding tags. The encoding is prefix-free, so a sequence of
-// encoded values can be hashed without length prefixes.
+// TagNull is the canonical encoding of JSON null: one byte. A caller that
+// treats an absent field as null writes it in the field's place.
+const TagNull = 'z'
+
+// Canonical encoding tags: each value's encoding starts with one. The
+// encoding is prefix-free, so a sequence of encoded values can be hashed
+// without length prefixes.
 const (
-	tagNull   = 'z'
 	tagTrue   = 't'
 	tagFalse  = 'f'
 	tagNumber = 'n'
@@ -718,20 +752,33 @@ const (
 	tagEnd    = 0xff // closes arrays and objects; never starts a value
 )
 
-// appendCanonical appends the canonical encoding of the valid JSON value v:
+// AppendCanonical appends to dst the canonical encoding of the JSON value v,
+// so that values encoding/json decodes equally encode equally, and others
+// never do:
 //   - strings: decoded (escapes resolved, invalid UTF-8 as U+FFFD), with 0x00
 //     and 0x01 escaped, then a 0x00 terminator;
 //   - numbers: exact decimal — sign, significant digits without leading or
 //     trailing zeros, and a base-10 exponent; -0 and 0 are equal;
 //   - objects: members sorted by decoded name, duplicate names keep the last;
 //   - arrays: elements in order; white space never matters.
-func appendCanonical(dst, v []byte) ([]byte, error) {
+//
+// v must be valid JSON, such as a span of a payload Select accepted:
+// AppendCanonical does not validate it again, and on other input it may fail
+// or panic. For valid JSON its only error is for a number whose decimal
+// exponent is beyond ±1e9, which it cannot compare exactly; the error does
+// not quote the number.
+func AppendCanonical(dst, v []byte) ([]byte, error) {
 	dst, _, err := canon(dst, v, 0)
 	return dst, err
 }
 
 // canon appends the encoding of the value at or after v[i] (leading white
 // space allowed) and returns the offset just past it.
+//
+// canon stays one self-recursive function, longer than the others: split
+// into mutually recursive functions for arrays and objects, or storing a
+// slice of its results, it makes dst escape, and fingerprint's stack buffer
+// then moves to the heap (one allocation for every key).
 func canon(dst, v []byte, i int) ([]byte, int, error) {
 	i = skipWS(v, i)
 	var err error
@@ -755,7 +802,7 @@ func canon(dst, v []byte, i int) ([]byte, int, error) {
 	case c == 'f':
 		return append(dst, tagFalse), i + len("false"), nil
 	case c == 'n':
-		return append(dst, tagNull), i + len("null"), nil
+		return append(dst, TagNull), i + len("null"), nil
 	case c == '[':
 		dst = append(dst, tagArray)
 		i++
@@ -773,11 +820,8 @@ func canon(dst, v []byte, i int) ([]byte, int, error) {
 			}
 		}
 	case c == '{':
-		// Members are encoded one after another into scratch and sorted as
-		// offsets. canon stays self-recursive and stores no slice of its
-		// results: either would make dst escape, moving fingerprint's stack
-		// buffer to the heap.
-		type member struct{ key, val, end int } // scratch[key:val] name, [val:end] value
+		// Members are encoded one after another into scratch, then sorted
+		// as offsets by appendMembers.
 		var members []member
 		var scratch []byte
 		i++
@@ -785,20 +829,7 @@ func canon(dst, v []byte, i int) ([]byte, int, error) {
 			i = skipWS(v, i)
 			switch v[i] {
 			case '}':
-				// Stable sort keeps source order among equal names; keep the last.
-				slices.SortStableFunc(members, func(a, b member) int {
-					return bytes.Compare(scratch[a.key:a.val], scratch[b.key:b.val])
-				})
-				dst = append(dst, tagObject)
-				for k, m := range members {
-					if k+1 < len(members) {
-						if n := members[k+1]; bytes.Equal(scratch[n.key:n.val], scratch[m.key:m.val]) {
-							continue
-						}
-					}
-					dst = append(dst, scratch[m.key:m.end]...)
-				}
-				return append(dst, tagEnd), i + 1, nil
+				return appendMembers(dst, scratch, members), i + 1, nil
 			case ',':
 				i++
 				continue
@@ -822,6 +853,30 @@ func canon(dst, v []byte, i int) ([]byte, int, error) {
 	return nil, i, fail(i, "unexpected character")
 }
 
+// member is one member of an object being encoded: scratch[key:val] is its
+// encoded name, scratch[val:end] its encoded value.
+type member struct{ key, val, end int }
+
+// appendMembers appends the encoding of an object whose members are encoded
+// in scratch: tagObject, the members sorted by name (of equal names, the
+// last only), tagEnd.
+func appendMembers(dst, scratch []byte, members []member) []byte {
+	// Stable sort keeps source order among equal names; keep the last.
+	slices.SortStableFunc(members, func(a, b member) int {
+		return bytes.Compare(scratch[a.key:a.val], scratch[b.key:b.val])
+	})
+	dst = append(dst, tagObject)
+	for k, m := range members {
+		if k+1 < len(members) {
+			if n := members[k+1]; bytes.Equal(scratch[n.key:n.val], scratch[m.key:m.val]) {
+				continue
+			}
+		}
+		dst = append(dst, scratch[m.key:m.end]...)
+	}
+	return append(dst, tagEnd)
+}
+
 // appendCanonString writes the string with raw contents raw; plain says they
 // need no decoding (no escapes, only ASCII).
 func appendCanonString(dst, raw []byte, plain bool) []byte {
@@ -829,14 +884,15 @@ func appendCanonString(dst, raw []byte, plain bool) []byte {
 		var buf [128]byte
 		raw = appendUnescaped(buf[:0], raw)
 	}
-	return appendStringBytes(dst, raw)
+	return AppendString(dst, raw)
 }
 
-// appendStringBytes writes s verbatim in the string encoding: tagString, s
-// with 0x00 and 0x01 escaped (as 0x01 0x01 and 0x01 0x02), then a 0x00
-// terminator. Task types and field paths are written this way: they are not
-// JSON, so nothing is unescaped. Runs without 0x00 or 0x01 are copied whole.
-func appendStringBytes[S string | []byte](dst []byte, s S) []byte {
+// AppendString appends s verbatim in the canonical string encoding: the
+// string tag, s with 0x00 and 0x01 escaped (as 0x01 0x01 and 0x01 0x02), then
+// a 0x00 terminator, as AppendCanonical writes a decoded JSON string. For
+// text that is not JSON (task types, field paths): nothing is unescaped. Runs
+// without 0x00 or 0x01 are copied whole.
+func AppendString[S string | []byte](dst []byte, s S) []byte {
 	dst = append(dst, tagString)
 	for {
 		i := 0
@@ -879,32 +935,46 @@ func appendCanonNumber(dst, n []byte) ([]byte, error) {
 		dst = appendInt(dst, int64(len(n)-t))
 		return append(dst, 0x00), nil
 	}
-	mant := n
-	var exp int64
-	if i := indexAny(n, 'e', 'E'); i >= 0 {
-		mant = n[:i]
-		e := n[i+1:]
-		eneg := false
-		if e[0] == '+' || e[0] == '-' {
-			eneg = e[0] == '-'
-			e = e[1:]
-		}
-		for _, c := range e {
-			exp = exp*10 + int64(c-'0')
-			if exp > maxExponent {
-				return nil, fmt.Errorf("number exponent out of range (|exp| > %d)", maxExponent)
-			}
-		}
-		if eneg {
-			exp = -exp
-		}
+	mant, exp, err := splitExponent(n)
+	if err != nil {
+		return nil, err
 	}
 	intPart, frac := mant, []byte(nil)
 	if i := indexAny(mant, '.', '.'); i >= 0 {
 		intPart, frac = mant[:i], mant[i+1:]
 	}
-	exp -= int64(len(frac))
-	// Digits are intPart followed by frac; find the significant range.
+	return appendDecimal(dst, neg, intPart, frac, exp-int64(len(frac))), nil
+}
+
+// splitExponent splits the unsigned number n into the digits before its
+// exponent (with any fraction) and the exponent's value, 0 if it has none.
+func splitExponent(n []byte) (mant []byte, exp int64, err error) {
+	i := indexAny(n, 'e', 'E')
+	if i < 0 {
+		return n, 0, nil
+	}
+	e := n[i+1:]
+	neg := false
+	if e[0] == '+' || e[0] == '-' {
+		neg = e[0] == '-'
+		e = e[1:]
+	}
+	for _, c := range e {
+		exp = exp*10 + int64(c-'0')
+		if exp > maxExponent {
+			return nil, 0, fmt.Errorf("number exponent out of range (|exp| > %d)", maxExponent)
+		}
+	}
+	if neg {
+		exp = -exp
+	}
+	return n[:i], exp, nil
+}
+
+// appendDecimal writes the number ±d × 10^exp, where d is the decimal
+// digits of intPart followed by those of frac: its significant digits,
+// without leading or trailing zeros, and the exponent that goes with them.
+func appendDecimal(dst []byte, neg bool, intPart, frac []byte, exp int64) []byte {
 	total := len(intPart) + len(frac)
 	at := func(i int) byte {
 		if i < len(intPart) {
@@ -917,7 +987,7 @@ func appendCanonNumber(dst, n []byte) ([]byte, error) {
 		lead++
 	}
 	if lead == total {
-		return append(dst, tagNumber, '0', 0x00), nil
+		return append(dst, tagNumber, '0', 0x00)
 	}
 	for at(trail) == '0' {
 		trail--
@@ -932,7 +1002,7 @@ func appendCanonNumber(dst, n []byte) ([]byte, error) {
 	}
 	dst = append(dst, 'e')
 	dst = appendInt(dst, exp)
-	return append(dst, 0x00), nil
+	return append(dst, 0x00)
 }
 
 // isDigits reports whether b holds only decimal digits.

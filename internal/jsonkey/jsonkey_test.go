@@ -1,4 +1,4 @@
-package dedup
+package jsonkey
 
 import (
 	"bytes"
@@ -9,30 +9,33 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/asynq-dedup/dedup/internal/jsonkey/jsonkeytest"
 )
 
-// Tests of field selection (compileFields, selectFields) and of the canonical
-// JSON encoding (appendCanonical). Fingerprint-level tests are in
-// fingerprint_test.go; property and fuzz tests too.
+// Tests of field selection (Compile, Select) and of the canonical JSON
+// encoding (AppendCanonical), and FuzzSelectFields. Tests of the keys made
+// from them (equality, property and fuzz tests) are in package dedup's
+// fingerprint_test.go.
 
 // mustFieldSet compiles paths or fails the test.
-func mustFieldSet(t testing.TB, paths ...string) *fieldSet {
+func mustFieldSet(t testing.TB, paths ...string) *Fields {
 	t.Helper()
-	fs, err := compileFields(paths)
+	fs, err := Compile(paths)
 	if err != nil {
-		t.Fatalf("compileFields(%q): %v", paths, err)
+		t.Fatalf("Compile(%q): %v", paths, err)
 	}
 	return fs
 }
 
-// canonJSON validates v as one JSON value, as fingerprint does before it
-// encodes anything, and returns its canonical encoding.
+// canonJSON validates v as one JSON value, as Select does before a caller
+// encodes any of its spans, and returns its canonical encoding.
 func canonJSON(v []byte) ([]byte, error) {
-	var spans [maxFields]span
-	if err := selectFields(v, &fieldSet{}, &spans); err != nil {
+	var spans [MaxFields]Span
+	if err := Select(v, &Fields{}, &spans); err != nil {
 		return nil, err
 	}
-	return appendCanonical(nil, v)
+	return AppendCanonical(nil, v)
 }
 
 func mustCanon(t testing.TB, v string) []byte {
@@ -44,21 +47,21 @@ func mustCanon(t testing.TB, v string) []byte {
 	return c
 }
 
-// selected runs selectFields and returns each path's raw value text, or
+// selected runs Select and returns each path's raw value text, or
 // "<missing>".
 func selected(t testing.TB, payload string, paths ...string) map[string]string {
 	t.Helper()
 	fs := mustFieldSet(t, paths...)
-	var spans [maxFields]span
-	if err := selectFields([]byte(payload), fs, &spans); err != nil {
-		t.Fatalf("selectFields(%q): %v", payload, err)
+	var spans [MaxFields]Span
+	if err := Select([]byte(payload), fs, &spans); err != nil {
+		t.Fatalf("Select(%q): %v", payload, err)
 	}
 	out := make(map[string]string, len(fs.paths))
 	for i, p := range fs.paths {
-		if sp := spans[i]; sp.end == 0 {
+		if sp := spans[i]; sp.End == 0 {
 			out[p] = "<missing>"
 		} else {
-			out[p] = payload[sp.start:sp.end]
+			out[p] = payload[sp.Start:sp.End]
 		}
 	}
 	return out
@@ -67,9 +70,9 @@ func selected(t testing.TB, payload string, paths ...string) map[string]string {
 func TestCompileFields(t *testing.T) {
 	t.Run("none", func(t *testing.T) {
 		for _, in := range [][]string{nil, {}} {
-			fs, err := compileFields(in)
+			fs, err := Compile(in)
 			if fs != nil || err != nil {
-				t.Errorf("compileFields(%q) = %v, %v; want nil, nil", in, fs, err)
+				t.Errorf("Compile(%q) = %v, %v; want nil, nil", in, fs, err)
 			}
 		}
 	})
@@ -84,31 +87,33 @@ func TestCompileFields(t *testing.T) {
 			t.Errorf("segs = %q", fs.segs)
 		}
 		if in[0] != "b" || in[2] != "a" {
-			t.Errorf("compileFields reordered the caller's slice: %q", in)
+			t.Errorf("Compile reordered the caller's slice: %q", in)
 		}
 	})
 	t.Run("empty segment", func(t *testing.T) {
 		for _, p := range []string{"", ".", "a.", ".a", "a..b", "a.b.", "..."} {
-			fs, err := compileFields([]string{"ok", p})
-			if !errors.Is(err, ErrInvalidOption) || fs != nil {
-				t.Errorf("compileFields(%q) = %v, %v; want ErrInvalidOption", p, fs, err)
+			fs, err := Compile([]string{"ok", p})
+			// The caller prefixes the text (package dedup: "dedup: invalid option: ").
+			want := fmt.Sprintf("field path %q has an empty segment", p)
+			if err == nil || err.Error() != want || fs != nil {
+				t.Errorf("Compile(%q) = %v, %v; want error %q", p, fs, err, want)
 			}
 		}
 	})
 	t.Run("limit", func(t *testing.T) {
 		var ps []string
-		for i := range maxFields {
+		for i := range MaxFields {
 			ps = append(ps, fmt.Sprintf("f%d", i))
 		}
-		if _, err := compileFields(ps); err != nil {
-			t.Errorf("%d fields: %v", maxFields, err)
+		if _, err := Compile(ps); err != nil {
+			t.Errorf("%d fields: %v", MaxFields, err)
 		}
 		// Duplicates don't count towards the limit.
-		if _, err := compileFields(append(ps, ps[:10]...)); err != nil {
-			t.Errorf("%d fields with duplicates: %v", maxFields, err)
+		if _, err := Compile(append(ps, ps[:10]...)); err != nil {
+			t.Errorf("%d fields with duplicates: %v", MaxFields, err)
 		}
-		if _, err := compileFields(append(ps, "one.more")); !errors.Is(err, ErrInvalidOption) {
-			t.Errorf("%d fields: err = %v, want ErrInvalidOption", maxFields+1, err)
+		if _, err := Compile(append(ps, "one.more")); err == nil || err.Error() != "65 fields selected, at most 64" {
+			t.Errorf("%d fields: err = %v, want too many fields", MaxFields+1, err)
 		}
 	})
 	t.Run("unusual but valid", func(t *testing.T) {
@@ -116,8 +121,8 @@ func TestCompileFields(t *testing.T) {
 		// non-empty segment is allowed, including ones that look like JSON
 		// escapes (they are not decoded).
 		for _, p := range []string{"é", `a\`, `\u0061`, "a b", "0", "a.0.b", `"`} {
-			if _, err := compileFields([]string{p}); err != nil {
-				t.Errorf("compileFields(%q): %v", p, err)
+			if _, err := Compile([]string{p}); err != nil {
+				t.Errorf("Compile(%q): %v", p, err)
 			}
 		}
 	})
@@ -190,7 +195,7 @@ func TestSelectFieldsMaxFields(t *testing.T) {
 	var paths []string
 	var sb strings.Builder
 	sb.WriteString("{")
-	for i := range maxFields {
+	for i := range MaxFields {
 		p := fmt.Sprintf("f%02d", i)
 		paths = append(paths, p)
 		if i > 0 {
@@ -207,96 +212,26 @@ func TestSelectFieldsMaxFields(t *testing.T) {
 	}
 }
 
-// badJSON lists inputs that are not one valid JSON value.
-var badJSON = []struct{ name, in string }{
-	{"empty", ""},
-	{"white space only", " \t\n"},
-	{"plain text", "hello"},
-	{"open object", "{"},
-	{"close object", "}"},
-	{"open array", "["},
-	{"truncated member", `{"a":`},
-	{"truncated name", `{"a`},
-	{"truncated value", `{"a":"b`},
-	{"truncated literal", `{"a":tru`},
-	{"truncated nested", `{"a":{"b":[1,2`},
-	{"missing colon", `{"a" 1}`},
-	{"missing value", `{"a":}`},
-	{"missing comma", `{"a":1 "b":2}`},
-	{"array missing comma", `[1 2]`},
-	{"trailing comma object", `{"a":1,}`},
-	{"trailing comma array", `[1,]`},
-	{"leading comma array", `[,1]`},
-	{"lone comma object", `{,}`},
-	{"unquoted name", `{a:1}`},
-	{"single quotes", `{'a':1}`},
-	{"non-string name", `{1:1}`},
-	{"trailing garbage", `{"a":1}x`},
-	{"two values", `{"a":1} {"a":1}`},
-	{"trailing NUL", "{\"a\":1}\x00"},
-	{"trailing bracket", `{"a":1}}`},
-	{"BOM", "\xef\xbb\xbf{\"a\":1}"},
-	{"comment", `{"a":1 /* c */}`},
-	{"raw control char", "{\"a\":\"x\x01y\"}"},
-	{"raw newline in string", "{\"a\":\"x\ny\"}"},
-	{"raw tab in string", "{\"a\":\"x\ty\"}"},
-	{"raw NUL in string", "{\"a\":\"x\x00\"}"},
-	{"control char in name", "{\"a\x1f\":1}"},
-	{"invalid escape", `{"a":"\x41"}`},
-	{"invalid escape quote", `{"a":"\'"}`},
-	{"short unicode escape", `{"a":"\u12"}`},
-	{"short unicode escape at end", `"\u12`},
-	{"non-hex unicode escape", `{"a":"\u12G4"}`},
-	{"uppercase U escape", `{"a":"\U0041"}`},
-	{"backslash at end", `"abc\`},
-	{"escape in name", `{"\q":1}`},
-	{"leading zero", `{"a":01}`},
-	{"leading zeros negative", `-00`},
-	{"plus sign", `+1`},
-	{"double minus", `--1`},
-	{"lone minus", `-`},
-	{"dot first", `.5`},
-	{"dot last", `1.`},
-	{"exponent without digits", `1e`},
-	{"exponent sign only", `1e+`},
-	{"double exponent", `1e2e3`},
-	{"hex number", `0x10`},
-	{"Infinity", `Infinity`},
-	{"NaN", `NaN`},
-	{"capital literal", `True`},
-	{"literal prefix", `nul`},
-	{"literal suffix", `nulll`},
-	{"literal glued", `truefalse`},
-}
-
-// deepJSON nests n arrays (or objects) around a scalar.
-func deepJSON(n int, object bool) string {
-	if object {
-		return strings.Repeat(`{"a":`, n) + "1" + strings.Repeat("}", n)
-	}
-	return strings.Repeat("[", n) + "1" + strings.Repeat("]", n)
-}
-
 func TestSelectFieldsRejectsInvalid(t *testing.T) {
 	fs := mustFieldSet(t, "a", "a.b")
 	run := func(t *testing.T, in string) {
 		t.Helper()
-		var spans [maxFields]span
-		err := selectFields([]byte(in), fs, &spans)
-		var je *jsonError
+		var spans [MaxFields]Span
+		err := Select([]byte(in), fs, &spans)
+		var je *SyntaxError
 		if !errors.As(err, &je) {
-			t.Fatalf("selectFields(%.40q) = %v, want a *jsonError", in, err)
+			t.Fatalf("Select(%.40q) = %v, want a *SyntaxError", in, err)
 		}
-		if je.off < 0 || je.off > len(in) {
-			t.Errorf("error offset %d outside the input (len %d)", je.off, len(in))
+		if je.Offset < 0 || je.Offset > len(in) {
+			t.Errorf("error offset %d outside the input (len %d)", je.Offset, len(in))
 		}
 	}
-	for _, tt := range badJSON {
-		t.Run(tt.name, func(t *testing.T) { run(t, tt.in) })
+	for _, tt := range jsonkeytest.BadJSON {
+		t.Run(tt.Name, func(t *testing.T) { run(t, tt.In) })
 	}
-	for _, n := range []int{maxDepth + 1, 1000, 100_000, 1_000_000} {
-		t.Run(fmt.Sprintf("nesting %d arrays", n), func(t *testing.T) { run(t, deepJSON(n, false)) })
-		t.Run(fmt.Sprintf("nesting %d objects", n), func(t *testing.T) { run(t, deepJSON(n, true)) })
+	for _, n := range []int{MaxDepth + 1, 1000, 100_000, 1_000_000} {
+		t.Run(fmt.Sprintf("nesting %d arrays", n), func(t *testing.T) { run(t, jsonkeytest.Deep(n, false)) })
+		t.Run(fmt.Sprintf("nesting %d objects", n), func(t *testing.T) { run(t, jsonkeytest.Deep(n, true)) })
 		// Deeply nested but truncated, and unselected.
 		t.Run(fmt.Sprintf("nesting %d unclosed", n), func(t *testing.T) { run(t, `{"z":`+strings.Repeat("[", n)) })
 	}
@@ -310,147 +245,28 @@ func TestSelectFieldsAcceptsValid(t *testing.T) {
 		`"\"\\\/\b\f\n\r\t\u0000\uFFFF\ud83d\ude00"`,
 		"\"\xff\xfe invalid UTF-8 is accepted, as by encoding/json\"",
 		`123456789012345678901234567890.123456789e-999999`,
-		deepJSON(maxDepth, false), deepJSON(maxDepth, true),
+		jsonkeytest.Deep(MaxDepth, false), jsonkeytest.Deep(MaxDepth, true),
 	} {
-		var spans [maxFields]span
-		if err := selectFields([]byte(in), fs, &spans); err != nil {
-			t.Errorf("selectFields(%.60q): %v", in, err)
+		var spans [MaxFields]Span
+		if err := Select([]byte(in), fs, &spans); err != nil {
+			t.Errorf("Select(%.60q): %v", in, err)
 		}
 	}
 }
 
-// canonCase is a pair of JSON texts and whether they must encode equally.
-type canonCase struct {
-	a, b string
-	eq   bool
-}
-
-// canonCases are the equivalences (and non-equivalences) of values; the
-// fingerprint tests reuse them for selected fields.
-var canonCases = []canonCase{
-	// Object member order and white space.
-	{`{"a":1,"b":2}`, `{"b":2,"a":1}`, true},
-	{`{"a":1,"b":{"x":[1,2],"y":null}}`, `{"b":{"y":null,"x":[1,2]},"a":1}`, true},
-	{` { "a" : [ 1 , 2 ] } `, `{"a":[1,2]}`, true},
-	{"{\n\t\"a\":\r\n[1,\t2]\n}", `{"a":[1,2]}`, true},
-	{`[ ]`, `[]`, true},
-	{`{ }`, `{}`, true},
-	// String escapes.
-	{`"\u00e9"`, `"é"`, true},
-	{`"\u00E9"`, `"é"`, true},
-	{`"e\u0301"`, `"é"`, false}, // no Unicode normalisation
-	{`"\/"`, `"/"`, true},
-	{`"\ud83d\ude00"`, `"😀"`, true},
-	{`"\uD83D\uDE00"`, `"😀"`, true},
-	{`"\n"`, `"\u000a"`, true},
-	{`"\""`, `"\u0022"`, true},
-	{`"\\"`, `"\u005c"`, true},
-	{`"\b\f\n\r\t"`, `"\u0008\u000c\u000A\u000d\u0009"`, true},
-	{`"<>&"`, `"\u003c\u003e\u0026"`, true},
-	{`"\u2028"`, "\"\u2028\"", true},
-	{`"\u0000"`, `""`, false},
-	{`"a\u0000"`, `"a"`, false},
-	{`"\u0000"`, `"\u0001"`, false},
-	{`"\u0001"`, `"\u0001\u0001"`, false},
-	{`"a\u0000b"`, `"a\u0000b"`, true},
-	// Invalid UTF-8 and lone surrogates become U+FFFD, as in encoding/json.
-	{"\"\xff\"", `"\ufffd"`, true},
-	{"\"\xff\xfe\"", `"\ufffd\ufffd"`, true},
-	{"\"\xed\xa0\x80\"", `"\ufffd\ufffd\ufffd"`, true}, // UTF-8 encoded surrogate
-	{`"\ud800"`, `"\ufffd"`, true},
-	{`"\udc00"`, `"\ufffd"`, true},
-	{`"\ud800A"`, `"\ufffdA"`, true},
-	{`"\ud800\u0041"`, `"\ufffdA"`, true},
-	{`"\ude00\ud83d"`, `"\ufffd\ufffd"`, true}, // pair in the wrong order
-	{`"\ud83d\ud83d\ude00"`, `"\ufffd😀"`, true},
-	// Numbers compare as exact decimals.
-	{`1`, `1.0`, true},
-	{`1`, `1e0`, true},
-	{`1`, `1E0`, true},
-	{`1`, `1e+0`, true},
-	{`1`, `10e-1`, true},
-	{`1`, `0.1e1`, true},
-	{`1`, `1.000e00`, true},
-	{`1`, `0.0001e4`, true},
-	{`-0`, `0`, true},
-	{`0`, `0.0`, true},
-	{`0`, `-0.000e-7`, true},
-	{`0`, `0e999`, true},
-	{`100`, `1e2`, true},
-	{`100`, `1E+2`, true},
-	{`100`, `100.00`, true},
-	{`100`, `0.001e5`, true},
-	{`-1.5`, `-15e-1`, true},
-	{`-1.5`, `-0.15E1`, true},
-	{`123456789012345678901234567890`, `1.23456789012345678901234567890e29`, true},
-	{`9007199254740992`, `9007199254740993`, false}, // 2^53, 2^53+1: one float64
-	{`9007199254740993`, `9.007199254740993e15`, true},
-	{`0.1`, `0.10000000000000001`, false}, // one float64
-	{`1e400`, `1e401`, false},             // both +Inf as float64
-	{`1e-400`, `0`, false},                // 0 as float64
-	{`1e-400`, `10e-401`, true},
-	{`1`, `-1`, false},
-	{`1`, `10`, false},
-	{`1.5`, `15`, false},
-	{`0.01`, `0.1`, false},
-	{`12`, `21`, false},
-	// Types are distinct.
-	{`1`, `"1"`, false},
-	{`true`, `"true"`, false},
-	{`false`, `"false"`, false},
-	{`null`, `"null"`, false},
-	{`null`, `""`, false},
-	{`null`, `0`, false},
-	{`null`, `false`, false},
-	{`false`, `0`, false},
-	{`true`, `1`, false},
-	{`true`, `false`, false},
-	{`[]`, `{}`, false},
-	{`[]`, `""`, false},
-	{`[]`, `null`, false},
-	{`[]`, `[null]`, false},
-	{`{}`, `{"a":null}`, false},
-	{`[[]]`, `[]`, false},
-	{`[1]`, `1`, false},
-	{`{"a":[1]}`, `{"a":1}`, false},
-	// Structure is unambiguous.
-	{`[1,2]`, `[2,1]`, false},
-	{`["a","b"]`, `["ab"]`, false},
-	{`["ab",""]`, `["a","b"]`, false},
-	{`[["a"],"b"]`, `["a",["b"]]`, false},
-	{`[[],[]]`, `[[[]]]`, false},
-	{`{"a":"bc"}`, `{"ab":"c"}`, false},
-	{`{"a":{"b":1}}`, `{"a":{},"b":1}`, false},
-	{`{"a":1,"b":2}`, `{"a":2,"b":1}`, false},
-	{`{"a":[1,2]}`, `{"a":[1],"b":[2]}`, false},
-	{`["\u0000",""]`, `["","\u0000"]`, false},
-	// Member names decode like strings.
-	{`{"\u0061":1}`, `{"a":1}`, true},
-	{`{"\/":1}`, `{"/":1}`, true},
-	{`{"a":1}`, `{"A":1}`, false},
-	// Duplicate member names: the last one wins, as in encoding/json.
-	{`{"a":1,"a":2}`, `{"a":2}`, true},
-	{`{"a":1,"a":2}`, `{"a":1}`, false},
-	{`{"a":1,"b":0,"a":2}`, `{"b":0,"a":2}`, true},
-	{`{"a":{"x":1},"a":{"y":2}}`, `{"a":{"y":2}}`, true},
-	{`{"a":1,"\u0061":2}`, `{"a":2}`, true},
-	{`{"a":1,"a":2,"a":3}`, `{"a":3}`, true},
-	{`[{"a":1,"a":2}]`, `[{"a":2}]`, true},
-}
-
 func TestAppendCanonical(t *testing.T) {
-	for _, tc := range canonCases {
-		ca, cb := mustCanon(t, tc.a), mustCanon(t, tc.b)
-		if got := bytes.Equal(ca, cb); got != tc.eq {
-			t.Errorf("canonical(%s) == canonical(%s): %v, want %v\n  %q\n  %q", tc.a, tc.b, got, tc.eq, ca, cb)
+	for _, tc := range jsonkeytest.CanonCases {
+		ca, cb := mustCanon(t, tc.A), mustCanon(t, tc.B)
+		if got := bytes.Equal(ca, cb); got != tc.Equal {
+			t.Errorf("canonical(%s) == canonical(%s): %v, want %v\n  %q\n  %q", tc.A, tc.B, got, tc.Equal, ca, cb)
 		}
 	}
 }
 
 func TestAppendCanonicalAppends(t *testing.T) {
-	// appendCanonical appends to dst and leaves what is there alone.
+	// AppendCanonical appends to dst and leaves what is there alone.
 	dst := []byte("prefix")
-	out, err := appendCanonical(dst, []byte(`{"b":[1,"x"],"a":null}`))
+	out, err := AppendCanonical(dst, []byte(`{"b":[1,"x"],"a":null}`))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -483,8 +299,8 @@ func TestAppendCanonicalPrefixFree(t *testing.T) {
 	// No canonical encoding is a proper prefix of another: sequences of
 	// encodings can be hashed without separators.
 	var encs [][]byte
-	for _, tc := range canonCases {
-		encs = append(encs, mustCanon(t, tc.a), mustCanon(t, tc.b))
+	for _, tc := range jsonkeytest.CanonCases {
+		encs = append(encs, mustCanon(t, tc.A), mustCanon(t, tc.B))
 	}
 	for _, a := range encs {
 		for _, b := range encs {
@@ -498,17 +314,17 @@ func TestAppendCanonicalPrefixFree(t *testing.T) {
 // --- Reference scanner ------------------------------------------------------
 
 // refScanner is a plain recursive scanner that reads a byte at a time: the
-// reference for selectFields, which must find the same spans and fail with
-// the same error (offset and message) for every input. (selectFields was
+// reference for Select, which must find the same spans and fail with
+// the same error (offset and message) for every input. (Select was
 // this scanner before it was tuned.)
 type refScanner struct {
 	b     []byte
 	pos   int
-	fs    *fieldSet
-	spans *[maxFields]span
+	fs    *Fields
+	spans *[MaxFields]Span
 }
 
-func refSelectFields(payload []byte, fs *fieldSet, spans *[maxFields]span) error {
+func refSelectFields(payload []byte, fs *Fields, spans *[MaxFields]Span) error {
 	s := refScanner{b: payload, fs: fs, spans: spans}
 	all := uint64(1)<<uint(len(fs.paths)) - 1 // 1<<64 - 1 wraps to all ones
 	s.ws()
@@ -521,7 +337,7 @@ func refSelectFields(payload []byte, fs *fieldSet, spans *[maxFields]span) error
 	return nil
 }
 
-func (s *refScanner) fail(msg string) error { return &jsonError{s.pos, msg} }
+func (s *refScanner) fail(msg string) error { return &SyntaxError{s.pos, msg} }
 
 func (s *refScanner) ws() {
 	for s.pos < len(s.b) && strings.IndexByte(" \t\n\r", s.b[s.pos]) >= 0 {
@@ -530,7 +346,7 @@ func (s *refScanner) ws() {
 }
 
 func (s *refScanner) value(depth int, active uint64) error {
-	if depth > maxDepth {
+	if depth > MaxDepth {
 		return s.fail("nesting too deep")
 	}
 	if s.pos >= len(s.b) {
@@ -693,7 +509,7 @@ func (s *refScanner) object(depth int, active uint64) error {
 			if active&(1<<i) == 0 || segs[depth] != name {
 				continue
 			}
-			s.spans[i] = span{}
+			s.spans[i] = Span{}
 			if depth == len(segs)-1 {
 				ends |= 1 << i
 			} else {
@@ -706,7 +522,7 @@ func (s *refScanner) object(depth int, active uint64) error {
 		}
 		for i := range s.fs.segs {
 			if ends&(1<<i) != 0 {
-				s.spans[i] = span{start, s.pos}
+				s.spans[i] = Span{start, s.pos}
 			}
 		}
 		if s.ws(); s.pos >= len(s.b) {
@@ -724,35 +540,35 @@ func (s *refScanner) object(depth int, active uint64) error {
 	}
 }
 
-// checkAgainstReference runs selectFields and the reference scanner on
+// checkAgainstReference runs Select and the reference scanner on
 // payload and reports any difference in spans or errors.
-func checkAgainstReference(t testing.TB, payload []byte, fs *fieldSet) {
+func checkAgainstReference(t testing.TB, payload []byte, fs *Fields) {
 	t.Helper()
-	var got, want [maxFields]span
-	gotErr := selectFields(payload, fs, &got)
+	var got, want [MaxFields]Span
+	gotErr := Select(payload, fs, &got)
 	wantErr := refSelectFields(payload, fs, &want)
 	if fmt.Sprint(gotErr) != fmt.Sprint(wantErr) {
-		t.Fatalf("selectFields(%.80q) = %v, reference %v", payload, gotErr, wantErr)
+		t.Fatalf("Select(%.80q) = %v, reference %v", payload, gotErr, wantErr)
 	}
 	if gotErr == nil && got != want {
-		t.Fatalf("selectFields(%.80q): spans %v, reference %v", payload, got[:len(fs.paths)], want[:len(fs.paths)])
+		t.Fatalf("Select(%.80q): spans %v, reference %v", payload, got[:len(fs.paths)], want[:len(fs.paths)])
 	}
 }
 
 // referencePathSets are the field selections payloads are compared under.
 var referencePathSets = [][]string{
 	nil, // validation only
-	benchPaths,
-	fuzzPaths,
+	jsonkeytest.PayloadPaths,
+	jsonkeytest.FuzzPaths,
 	{"items", "meta.tags", "report", "report.filters.currency", "x.y"},
 	{strings.Repeat("a", 8), strings.Repeat("b", 63), strings.Repeat("c", 64), "k", "a.b"},
 }
 
-func referenceFieldSets(t testing.TB) []*fieldSet {
-	var sets []*fieldSet
+func referenceFieldSets(t testing.TB) []*Fields {
+	var sets []*Fields
 	for _, ps := range referencePathSets {
 		if ps == nil {
-			sets = append(sets, &fieldSet{})
+			sets = append(sets, &Fields{})
 		} else {
 			sets = append(sets, mustFieldSet(t, ps...))
 		}
@@ -761,30 +577,30 @@ func referenceFieldSets(t testing.TB) []*fieldSet {
 }
 
 func TestSelectFieldsMatchesReference(t *testing.T) {
-	// selectFields reads strings 8 bytes at a time, skips unselected values
+	// Select reads strings 8 bytes at a time, skips unselected values
 	// without recursion and takes short cuts for compact JSON: none of that
 	// may change which spans it finds or where and why it fails. Compare it
 	// with the reference on valid payloads, every prefix of them, and
 	// random edits (with bytes that matter to the scanner).
 	var indented bytes.Buffer
-	if err := json.Indent(&indented, benchLarge, "", "\t"); err != nil {
+	if err := json.Indent(&indented, jsonkeytest.Payload4KB, "", "\t"); err != nil {
 		t.Fatal(err)
 	}
-	seeds := [][]byte{benchSmall, benchLarge, indented.Bytes()}
+	seeds := [][]byte{jsonkeytest.Payload200B, jsonkeytest.Payload4KB, indented.Bytes()}
 	for _, s := range []string{
 		`{"a":1, "b" : {"c":"x","d":[1,{"e":2}],"n":null}, "t":true, "o":{}, "arr":[{"k":1}]}`,
 		`{"aaaaaaaa":"12345678","bbbbbbbbbbbbbbb":"\u00e9\"\\\/\b\f\n\r\t","k":[[],{},[{}],-0.5e+7,true,false,null]}`,
 		`{"` + strings.Repeat("b", 63) + `":{"x":1},"` + strings.Repeat("c", 64) + `":2,"k\u0000":3,"k":"` + strings.Repeat("é", 9) + `"}`,
 		"{\"k\xff\":1,\"k\\ufffd\":2,\"a\":{\"b\":{\"c\":\"\xed\xa0\x80\"}},\"a\":{\"b\":{\"c\":3}}}",
 		` [ 1 , "x" , { "a" : { "b" : [ ] } } ] `,
-		deepJSON(maxDepth, false), deepJSON(maxDepth, true),
-		strings.Repeat(`{"a":`, maxDepth) + `{"b":1}` + strings.Repeat("}", maxDepth),
-		strings.Repeat(`[`, maxDepth) + `{"b":[]}` + strings.Repeat("]", maxDepth),
+		jsonkeytest.Deep(MaxDepth, false), jsonkeytest.Deep(MaxDepth, true),
+		strings.Repeat(`{"a":`, MaxDepth) + `{"b":1}` + strings.Repeat("}", MaxDepth),
+		strings.Repeat(`[`, MaxDepth) + `{"b":[]}` + strings.Repeat("]", MaxDepth),
 	} {
 		seeds = append(seeds, []byte(s))
 	}
-	for _, bad := range badJSON {
-		seeds = append(seeds, []byte(bad.in))
+	for _, bad := range jsonkeytest.BadJSON {
+		seeds = append(seeds, []byte(bad.In))
 	}
 	sets := referenceFieldSets(t)
 	check := func(p []byte) {
@@ -823,16 +639,16 @@ func TestSelectFieldsMatchesReference(t *testing.T) {
 }
 
 func FuzzSelectFields(f *testing.F) {
-	f.Add([]byte(benchSmall), "report.kind")
+	f.Add([]byte(jsonkeytest.Payload200B), "report.kind")
 	f.Add([]byte(`{"a":{"b":[1,"\u00e9\"",{"c":null}]},"a":{"b":2}}`), "a.b")
 	f.Add([]byte(`{"aaaaaaaa":"x\ty","k":01}`), "aaaaaaaa")
-	f.Add([]byte(deepJSON(maxDepth, true)), "")
+	f.Add([]byte(jsonkeytest.Deep(MaxDepth, true)), "")
 	f.Fuzz(func(t *testing.T, payload []byte, path string) {
-		paths := fuzzPaths
-		if _, err := compileFields([]string{path}); err == nil {
+		paths := jsonkeytest.FuzzPaths
+		if _, err := Compile([]string{path}); err == nil {
 			paths = append(paths[:len(paths):len(paths)], path)
 		}
 		checkAgainstReference(t, payload, mustFieldSet(t, paths...))
-		checkAgainstReference(t, payload, &fieldSet{})
+		checkAgainstReference(t, payload, &Fields{})
 	})
 }
