@@ -360,7 +360,6 @@ func (a *app) ctx() (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.Background(), a.g.timeout)
 }
 
-// connect parses --url and checks that Redis answers.
 // withConn runs fn with a connection, under the command's timeout.
 func (a *app) withConn(fn func(ctx context.Context, c *conn) error) error {
 	ctx, cancel := a.ctx()
@@ -391,6 +390,7 @@ func (a *app) withLock(args []string, s selector, fn func(ctx context.Context, c
 	})
 }
 
+// connect parses --url and checks that Redis answers.
 func (a *app) connect(ctx context.Context) (*conn, error) {
 	c, err := dial(a.g.url, a.g.cluster)
 	if err != nil {
