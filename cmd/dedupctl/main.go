@@ -185,78 +185,123 @@ func defaultGlobals() globals {
 
 // run is main without the process: it returns the exit status.
 func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
-	a := &app{stdin: stdin, stdout: stdout, stderr: stderr}
-	a.g = defaultGlobals()
-	if v := os.Getenv(urlEnv); v != "" {
-		a.g.url = v
+	a := newApp(stdin, stdout, stderr)
+	line, status, ok := a.parseGlobals(args)
+	if !ok {
+		return status
 	}
-
-	top := flag.NewFlagSet("dedupctl", flag.ContinueOnError)
-	top.SetOutput(io.Discard)
-	top.Usage = func() {}
-	a.g.register(top)
-	if err := top.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			a.topUsage(stdout)
-			return exitOK
-		}
-		fmt.Fprintf(stderr, "dedupctl: %v\nRun \"dedupctl -h\" for usage.\n", err)
-		return exitUsage
-	}
-	if top.NArg() == 0 {
-		fmt.Fprintln(stderr, "dedupctl: no command given")
-		a.topUsage(stderr)
-		return exitUsage
-	}
-	name, rest := top.Arg(0), top.Args()[1:]
+	name, rest := line[0], line[1:]
 	if name == "help" {
-		if len(rest) > 0 {
-			if c := lookup(rest[0]); c != nil {
-				a.commandUsage(stdout, c)
-				return exitOK
-			}
-			fmt.Fprintf(stderr, "dedupctl help: unknown command %q (commands: %s)\n", rest[0], commandNames())
-			return exitUsage
-		}
-		a.topUsage(stdout)
-		return exitOK
+		return a.help(rest)
 	}
 	c := lookup(name)
 	if c == nil {
-		fmt.Fprintf(stderr, "dedupctl: unknown command %q (commands: %s)\nRun \"dedupctl -h\" for usage.\n", name, commandNames())
+		fmt.Fprintf(a.stderr, "dedupctl: unknown command %q (commands: %s)\nRun \"dedupctl -h\" for usage.\n", name, commandNames())
 		return exitUsage
 	}
+	return a.runCommand(c, rest)
+}
 
-	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
+// newApp starts from the built-in globals; $DEDUP_REDIS_URL only moves the
+// default, so --url still wins.
+func newApp(stdin io.Reader, stdout, stderr io.Writer) *app {
+	a := &app{stdin: stdin, stdout: stdout, stderr: stderr, g: defaultGlobals()}
+	if v := os.Getenv(urlEnv); v != "" {
+		a.g.url = v
+	}
+	return a
+}
+
+// quietFlagSet returns a flag set that prints nothing: the usage and
+// the errors are printed by dedupctl, in its own form.
+func quietFlagSet(name string) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	fs.Usage = func() {}
+	return fs
+}
+
+// parseGlobals parses the global flags before the command and returns the
+// command line from the command's name on. When there is no command to run
+// (-h, a bad flag, no command) it has said so, and ok is false with the
+// exit status.
+func (a *app) parseGlobals(args []string) (line []string, status int, ok bool) {
+	top := quietFlagSet("dedupctl")
+	a.g.register(top)
+	if err := top.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			a.topUsage(a.stdout)
+			return nil, exitOK, false
+		}
+		fmt.Fprintf(a.stderr, "dedupctl: %v\nRun \"dedupctl -h\" for usage.\n", err)
+		return nil, exitUsage, false
+	}
+	if top.NArg() == 0 {
+		fmt.Fprintln(a.stderr, "dedupctl: no command given")
+		a.topUsage(a.stderr)
+		return nil, exitUsage, false
+	}
+	return top.Args(), exitOK, true
+}
+
+// help runs "dedupctl help [command]"; arguments after the command are
+// ignored.
+func (a *app) help(args []string) int {
+	if len(args) == 0 {
+		a.topUsage(a.stdout)
+		return exitOK
+	}
+	c := lookup(args[0])
+	if c == nil {
+		fmt.Fprintf(a.stderr, "dedupctl help: unknown command %q (commands: %s)\n", args[0], commandNames())
+		return exitUsage
+	}
+	a.commandUsage(a.stdout, c)
+	return exitOK
+}
+
+// runCommand parses c's command line, runs c and returns the exit status.
+func (a *app) runCommand(c *command, args []string) int {
+	exec, pos, err := a.parseCommand(c, args)
+	if errors.Is(err, flag.ErrHelp) {
+		a.commandUsage(a.stdout, c)
+		return exitOK
+	}
+	if err != nil {
+		return a.usageFailed(c, err)
+	}
+	if err := exec(a, pos); err != nil {
+		var ue *usageError
+		if errors.As(err, &ue) {
+			return a.usageFailed(c, err)
+		}
+		fmt.Fprintf(a.stderr, "dedupctl %s: %v\n", c.name, err)
+		return exitError
+	}
+	return exitOK
+}
+
+// parseCommand parses c's own flags and the global ones, which may come
+// before, between or after its arguments, and checks them all. It returns
+// the function that runs c and c's positional arguments.
+func (a *app) parseCommand(c *command, args []string) (func(*app, []string) error, []string, error) {
+	fs := quietFlagSet(c.name)
 	exec := c.bind(fs)
 	a.g.register(fs)
-	pos, err := parseInterleaved(fs, rest)
+	pos, err := parseInterleaved(fs, args)
 	if err == nil {
 		err = checkArgs(c, pos)
 	}
 	if err == nil {
 		err = a.checkGlobals()
 	}
-	if errors.Is(err, flag.ErrHelp) {
-		a.commandUsage(stdout, c)
-		return exitOK
-	}
-	if err != nil {
-		fmt.Fprintf(stderr, "dedupctl %s: %v\nRun \"dedupctl %s -h\" for usage.\n", c.name, err, c.name)
-		return exitUsage
-	}
-	if err := exec(a, pos); err != nil {
-		var ue *usageError
-		if errors.As(err, &ue) {
-			fmt.Fprintf(stderr, "dedupctl %s: %v\nRun \"dedupctl %s -h\" for usage.\n", c.name, err, c.name)
-			return exitUsage
-		}
-		fmt.Fprintf(stderr, "dedupctl %s: %v\n", c.name, err)
-		return exitError
-	}
-	return exitOK
+	return exec, pos, err
+}
+
+// usageFailed reports a command line c cannot run and points to its help.
+func (a *app) usageFailed(c *command, err error) int {
+	fmt.Fprintf(a.stderr, "dedupctl %s: %v\nRun \"dedupctl %s -h\" for usage.\n", c.name, err, c.name)
+	return exitUsage
 }
 
 func commandNames() string {
@@ -315,7 +360,6 @@ func (a *app) ctx() (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.Background(), a.g.timeout)
 }
 
-// connect parses --url and checks that Redis answers.
 // withConn runs fn with a connection, under the command's timeout.
 func (a *app) withConn(fn func(ctx context.Context, c *conn) error) error {
 	ctx, cancel := a.ctx()
@@ -346,6 +390,7 @@ func (a *app) withLock(args []string, s selector, fn func(ctx context.Context, c
 	})
 }
 
+// connect parses --url and checks that Redis answers.
 func (a *app) connect(ctx context.Context) (*conn, error) {
 	c, err := dial(a.g.url, a.g.cluster)
 	if err != nil {

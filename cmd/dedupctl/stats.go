@@ -1,9 +1,12 @@
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"io"
+	"maps"
+	"slices"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -60,19 +63,28 @@ func runStats(a *app, top int, count int64) error {
 	if count <= 0 {
 		return usagef("--count must be positive, got %d", count)
 	}
-	ctx, cancel := a.ctx()
-	defer cancel()
-	c, err := a.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer c.close()
-	byType, err := dedup.ReadStats(ctx, c.rdb, a.g.prefix)
-	if err != nil {
-		return err
-	}
+	return a.withConn(func(ctx context.Context, c *conn) error {
+		byType, err := dedup.ReadStats(ctx, c.rdb, a.g.prefix)
+		if err != nil {
+			return err
+		}
+		out := newStatsOutput(a.g.prefix, byType)
+		if err := scanLockStats(ctx, c, a.g.prefix, count, top, &out); err != nil {
+			return err
+		}
+		if a.g.json {
+			return writeJSON(a.stdout, out)
+		}
+		printStats(a.stdout, out)
+		return nil
+	})
+}
+
+// newStatsOutput holds the flushed counters per type and their totals. Its
+// maps and Top are never nil, so --json prints {} and [] rather than null.
+func newStatsOutput(prefix string, byType map[string]dedup.Stats) statsOutput {
 	out := statsOutput{
-		Prefix: a.g.prefix,
+		Prefix: prefix,
 		Types:  map[string]map[string]uint64{},
 		Totals: map[string]uint64{},
 		Locks:  lockCounts{ByState: map[string]int{}},
@@ -88,8 +100,13 @@ func runStats(a *app, top int, count int64) error {
 	if len(byType) == 0 {
 		out.Note = noCounters
 	}
+	return out
+}
 
-	s, err := newScanner(ctx, c, a.g.prefix, scanFilter{}, count)
+// scanLockStats counts the live locks by state into out.Locks and keeps
+// the top most coalesced ones in out.Top.
+func scanLockStats(ctx context.Context, c *conn, prefix string, count int64, top int, out *statsOutput) error {
+	s, err := newScanner(ctx, c, prefix, scanFilter{}, count)
 	if err != nil {
 		return err
 	}
@@ -101,22 +118,23 @@ func runStats(a *app, top int, count int64) error {
 		}
 		out.Top = append(out.Top, topKey{Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, Coalesced: l.Coalesced})
 		if len(out.Top) > 4*top { // keep memory bounded on huge keyspaces
-			sortTop(out.Top)
-			out.Top = out.Top[:top]
+			out.Top = keepTop(out.Top, top)
 		}
 	})
 	if err != nil {
 		return err
 	}
-	sortTop(out.Top)
-	if len(out.Top) > top {
-		out.Top = out.Top[:top]
-	}
-	if a.g.json {
-		return writeJSON(a.stdout, out)
-	}
-	printStats(a.stdout, out)
+	out.Top = keepTop(out.Top, top)
 	return nil
+}
+
+// keepTop returns the n most coalesced of t, most first.
+func keepTop(t []topKey, n int) []topKey {
+	sortTop(t)
+	if len(t) > n {
+		t = t[:n]
+	}
+	return t
 }
 
 func sortTop(t []topKey) {
@@ -129,70 +147,79 @@ func sortTop(t []topKey) {
 }
 
 func printStats(w io.Writer, o statsOutput) {
+	printCounters(w, o)
+	fmt.Fprintln(w)
+	printLockCounts(w, o.Locks)
+	printTop(w, o.Top)
+}
+
+// printCounters prints the flushed counters as a table: a row per task type
+// (and their total), a column per event that happened.
+func printCounters(w io.Writer, o statsOutput) {
 	if len(o.Types) == 0 {
 		fmt.Fprintln(w, noCounters)
-	} else {
-		// Columns: the events that happened, in dedup.EventNames order.
-		var events []string
-		for _, e := range dedup.EventNames() {
-			if o.Totals[e] > 0 {
-				events = append(events, e)
-			}
-		}
-		types := make([]string, 0, len(o.Types))
-		for t := range o.Types {
-			types = append(types, t)
-		}
-		sort.Strings(types)
-		fmt.Fprintf(w, "Counters flushed to Redis under prefix %q (all processes, since the first flush):\n", o.Prefix)
-		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintf(tw, "%s\t%s\t\n", "TYPE"+strings.Repeat(" ", max(0, typeWidth(types)-4)), strings.ToUpper(strings.Join(events, "\t")))
-		line := func(name string, m map[string]uint64) {
-			fmt.Fprint(tw, name)
-			for _, e := range events {
-				fmt.Fprintf(tw, "\t%d", m[e])
-			}
-			fmt.Fprintln(tw, "\t")
-		}
-		// Numbers align right, type names left: pad the names to one width.
-		width := typeWidth(types)
-		pad := func(s string) string { return s + strings.Repeat(" ", width-len(s)) }
-		for _, t := range types {
-			line(pad(typeName(t)), o.Types[t])
-		}
-		if len(types) > 1 {
-			line(pad("TOTAL"), o.Totals)
-		}
-		_ = tw.Flush()
-		if len(events) == 0 {
-			fmt.Fprintln(w, "(every counter is 0)")
-		}
+		return
 	}
+	events := eventsSeen(o.Totals)
+	types := slices.Sorted(maps.Keys(o.Types))
+	fmt.Fprintf(w, "Counters flushed to Redis under prefix %q (all processes, since the first flush):\n", o.Prefix)
+	// Numbers align right, type names left: pad the names to one width.
+	width := typeWidth(types)
+	pad := func(s string) string { return s + strings.Repeat(" ", width-len(s)) }
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(tw, "%s\t%s\t\n", pad("TYPE"), strings.ToUpper(strings.Join(events, "\t")))
+	line := func(name string, m map[string]uint64) {
+		fmt.Fprint(tw, name)
+		for _, e := range events {
+			fmt.Fprintf(tw, "\t%d", m[e])
+		}
+		fmt.Fprintln(tw, "\t")
+	}
+	for _, t := range types {
+		line(pad(typeName(t)), o.Types[t])
+	}
+	if len(types) > 1 {
+		line(pad("TOTAL"), o.Totals)
+	}
+	_ = tw.Flush()
+	if len(events) == 0 {
+		fmt.Fprintln(w, "(every counter is 0)")
+	}
+}
 
-	fmt.Fprintln(w)
-	states := make([]string, 0, len(o.Locks.ByState))
-	for s := range o.Locks.ByState {
-		states = append(states, s)
+// eventsSeen lists the events that happened, in dedup.EventNames order:
+// columns of zeros would only hide the others.
+func eventsSeen(totals map[string]uint64) []string {
+	var events []string
+	for _, e := range dedup.EventNames() {
+		if totals[e] > 0 {
+			events = append(events, e)
+		}
 	}
-	sort.Strings(states)
-	var parts []string
-	for _, s := range states {
-		parts = append(parts, fmt.Sprintf("%d %s", o.Locks.ByState[s], s))
-	}
-	if o.Locks.Total == 0 {
+	return events
+}
+
+func printLockCounts(w io.Writer, l lockCounts) {
+	if l.Total == 0 {
 		fmt.Fprintln(w, "Live locks: none")
-	} else {
-		fmt.Fprintf(w, "Live locks: %d (%s)\n", o.Locks.Total, strings.Join(parts, ", "))
+		return
 	}
+	var parts []string
+	for _, s := range slices.Sorted(maps.Keys(l.ByState)) {
+		parts = append(parts, fmt.Sprintf("%d %s", l.ByState[s], s))
+	}
+	fmt.Fprintf(w, "Live locks: %d (%s)\n", l.Total, strings.Join(parts, ", "))
+}
 
-	if len(o.Top) == 0 {
+func printTop(w io.Writer, top []topKey) {
+	if len(top) == 0 {
 		fmt.Fprintln(w, "Top coalesced keys: no live lock has coalesced enqueues")
 		return
 	}
 	fmt.Fprintln(w, "\nTop coalesced keys:")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "KEY\tTYPE\tOWNER\tCOALESCED")
-	for _, t := range o.Top {
+	for _, t := range top {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\n", t.Key, orDash(t.Type), t.Owner, t.Coalesced)
 	}
 	_ = tw.Flush()

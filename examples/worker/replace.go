@@ -55,78 +55,121 @@ type sample struct {
 // It returns an error when Redis cannot be used or any check fails; the
 // summary is returned whenever the run got as far as producing.
 func runReplace(ctx context.Context, out io.Writer, o options) (*replaceSummary, error) {
-	// The type's whole policy is its rule, so no enqueue can forget it: key
-	// on user_id; a newer payload replaces a waiting one; updates that meet
-	// a running user are folded into one follow-up task.
-	cfg := dedup.Config{Rules: map[string]dedup.Rule{replaceType: {
-		Fields:     []string{"user_id"},
-		OnConflict: dedup.Replace,
-		OnRunning:  dedup.RunningDefer,
-	}}}
-	e, err := newEnv(ctx, o, cfg, replaceType)
+	e, err := newEnv(ctx, o, replaceConfig(), replaceType)
 	if err != nil {
 		return nil, err
 	}
 	defer e.close()
-	wctx, cancel := context.WithTimeout(ctx, o.Timeout)
+	r := &replaceRun{
+		e:       e,
+		o:       o,
+		s:       &replaceSummary{report: report{Queue: e.queue}, Phase1: newTally(), Phase2: newTally()},
+		perUser: (o.Enqueues + o.Users - 1) / o.Users,
+	}
+	phaseErr := r.phases(ctx)
+	var c checks
+	r.settle(ctx, &c, phaseErr)
+	r.check(&c)
+	r.s.FailedChecks = c
+
+	printReplace(printer{out}, r.s, o, e.where)
+	return r.s, c.err()
+}
+
+// replaceConfig puts the type's whole policy in its rule, so no enqueue can
+// forget it: key on user_id; a newer payload replaces a waiting one;
+// updates that meet a running user are folded into one follow-up task.
+func replaceConfig() dedup.Config {
+	return dedup.Config{Rules: map[string]dedup.Rule{replaceType: {
+		Fields:     []string{"user_id"},
+		OnConflict: dedup.Replace,
+		OnRunning:  dedup.RunningDefer,
+	}}}
+}
+
+// replaceRun is one replace-mode run, carried from step to step.
+type replaceRun struct {
+	e            *env
+	o            options
+	s            *replaceSummary
+	perUser      int           // most updates a user gets per phase
+	sent1, sent2 int           // updates each phase sent
+	runs1        map[int][]int // the runs by the end of phase 1
+}
+
+// phases runs phase 1 and, if it went well, phase 2, both within
+// o.Timeout. It returns the first error.
+func (r *replaceRun) phases(ctx context.Context) error {
+	wctx, cancel := context.WithTimeout(ctx, r.o.Timeout)
 	defer cancel()
-
-	// Submit, unlike EnqueueContext, says whether the update created a task,
-	// replaced a waiting one's payload, or was deferred behind a running one.
-	send := func(ctx context.Context, t *asynq.Task) (dedup.Result, error) {
-		return e.client.Submit(ctx, t, asynq.Queue(e.queue))
+	if err := r.phase1(wctx); err != nil {
+		return err
 	}
-	s := &replaceSummary{report: report{Queue: e.queue}, Phase1: newTally(), Phase2: newTally()}
-	perUser := (o.Enqueues + o.Users - 1) / o.Users // most updates a user gets per phase
+	return r.phase2(wctx)
+}
 
-	// Phase 1: the server has not started, so all updates meet waiting tasks.
+// phase1 sends every update before the server starts, so all of them meet
+// waiting tasks; then it starts the server and waits for the runs.
+func (r *replaceRun) phase1(ctx context.Context) error {
 	t0 := time.Now()
-	sent1 := produce(wctx, o.Producers, replaceType, newPlan(o, 0).next, send, s.Phase1)
-	s.Enqueue1 = time.Since(t0)
-	phaseErr := e.start()
-	if phaseErr == nil {
-		phaseErr = e.w.waitFor(wctx, s.Phase1.Created)
+	r.sent1 = produce(ctx, r.o.Producers, replaceType, newPlan(r.o, 0).next, r.send, r.s.Phase1)
+	r.s.Enqueue1 = time.Since(t0)
+	err := r.e.start()
+	if err == nil {
+		err = r.e.w.waitFor(ctx, r.s.Phase1.Created)
 	}
-	s.Process1 = time.Since(t0) - s.Enqueue1
-	runs1 := e.w.runsOf()
+	r.s.Process1 = time.Since(t0) - r.s.Enqueue1
+	r.runs1 = r.e.w.runsOf()
+	return err
+}
 
-	// Phase 2, once phase 1 is done (every lock settled, so each user starts
-	// free): newer versions, with the workers running.
-	sent2 := 0
-	if phaseErr == nil {
-		t0 = time.Now()
-		sent2 = produce(wctx, o.Producers, replaceType, newPlan(o, perUser).next, send, s.Phase2)
-		phaseErr = e.w.waitFor(wctx, s.Phase1.Created+s.Phase2.Created+s.Phase2.Deferred)
-		s.Took2 = time.Since(t0)
-	}
-	cancel()
+// phase2 sends newer versions with the workers running. It follows a
+// finished phase 1 (every lock settled), so each user starts free.
+func (r *replaceRun) phase2(ctx context.Context) error {
+	t0 := time.Now()
+	r.sent2 = produce(ctx, r.o.Producers, replaceType, newPlan(r.o, r.perUser).next, r.send, r.s.Phase2)
+	err := r.e.w.waitFor(ctx, r.s.Phase1.Created+r.s.Phase2.Created+r.s.Phase2.Deferred)
+	r.s.Took2 = time.Since(t0)
+	return err
+}
 
+// send uses Submit because, unlike EnqueueContext, it says whether the
+// update created a task, replaced a waiting one's payload, or was deferred
+// behind a running one.
+func (r *replaceRun) send(ctx context.Context, t *asynq.Task) (dedup.Result, error) {
+	return r.e.client.Submit(ctx, t, asynq.Queue(r.e.queue))
+}
+
+// settle finishes the environment's part of the summary and the checks,
+// then splits the runs it recorded by phase.
+func (r *replaceRun) settle(ctx context.Context, c *checks, phaseErr error) {
+	s := r.s
 	all := newTally()
 	all.merge(s.Phase1)
 	all.merge(s.Phase2)
-	var c checks
-	e.finish(ctx, &s.report, &c, phaseErr, all)
-	s.Ran = e.w.runsOf()
+	r.e.finish(ctx, &s.report, c, phaseErr, all)
+	s.Ran = r.e.w.runsOf()
+	s.Runs1, s.Stale1, s.sample1 = phaseRuns(s.Phase1, r.runs1, nil, 1)
+	s.Runs2, s.Stale2, s.sample2 = phaseRuns(s.Phase2, s.Ran, r.runs1, r.perUser+1)
+}
 
-	s.Runs1, s.Stale1, s.sample1 = phaseRuns(s.Phase1, runs1, nil, 1)
-	s.Runs2, s.Stale2, s.sample2 = phaseRuns(s.Phase2, s.Ran, runs1, perUser+1)
+// check adds what replace mode promises: in phase 1 one run per user with
+// its latest version; in phase 2 a run per new task or follow-up, each user
+// ending on its latest version; no run ever going back a version.
+func (r *replaceRun) check(c *checks) {
+	s, o := r.s, r.o
 	active := min(o.Users, o.Enqueues) // users that get updates
-
 	p1, p2 := s.Phase1, s.Phase2
-	c.add(sent1 == o.Enqueues, "phase 1: only %s of %s updates were sent", commas(sent1), commas(o.Enqueues))
+	c.add(r.sent1 == o.Enqueues, "phase 1: only %s of %s updates were sent", commas(r.sent1), commas(o.Enqueues))
 	c.add(p1.Created == active, "phase 1: %s new tasks, want one per user (%s)", commas(p1.Created), commas(active))
-	c.add(p1.Replaced == sent1-active, "phase 1: %s replaced, want every update but each user's first (%s)", commas(p1.Replaced), commas(sent1-active))
+	c.add(p1.Replaced == r.sent1-active, "phase 1: %s replaced, want every update but each user's first (%s)", commas(p1.Replaced), commas(r.sent1-active))
 	c.add(p1.Deferred == 0 && p1.Rejected == 0, "phase 1: %s deferred and %s rejected with no worker running", commas(p1.Deferred), commas(p1.Rejected))
 	c.add(s.Runs1 == active && s.Stale1 == 0, "phase 1: %s runs, %s users did not run exactly once with their latest version", commas(s.Runs1), commas(s.Stale1))
-	c.add(sent2 == o.Enqueues, "phase 2: only %s of %s updates were sent", commas(sent2), commas(o.Enqueues))
+	c.add(r.sent2 == o.Enqueues, "phase 2: only %s of %s updates were sent", commas(r.sent2), commas(o.Enqueues))
 	c.add(p2.Rejected == 0, "phase 2: %s updates rejected", commas(p2.Rejected))
 	c.add(s.Runs2 == p2.Created+p2.Deferred, "phase 2: %s runs, want new tasks + deferred (%s)", commas(s.Runs2), commas(p2.Created+p2.Deferred))
 	c.add(s.Stale2 == 0, "phase 2: %s users' last run did not have their latest version", commas(s.Stale2))
 	c.add(s.Backwards == 0, "%s runs got a version no newer than their user's previous run", commas(s.Backwards))
-	s.FailedChecks = c
-
-	printReplace(printer{out}, s, o, e.where)
-	return s, c.err()
 }
 
 // plan hands a phase's updates (update i is for user i % o.Users) to the
