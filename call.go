@@ -34,28 +34,37 @@ type call struct {
 	self    bool // the caller's own task ID already held the key: not this call's lock
 }
 
-// compose reads the call's options: this package's apply to the type's
-// rule, asynq's are kept for asynq and read for what the lock needs.
-func (c *Client) compose(task *asynq.Task, opts []asynq.Option) (*call, error) {
+// compose reads the call's options into k: this package's apply to the
+// type's rule, asynq's are kept for asynq and read for what the lock needs.
+func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
 	if task == nil {
-		return nil, fmt.Errorf("%w: nil task", ErrInvalidOption)
+		return fmt.Errorf("%w: nil task", ErrInvalidOption)
 	}
-	k := &call{task: task, typ: task.Type(), rule: c.d.ruleFor(task.Type()), pass: make([]asynq.Option, 0, len(opts)+1)}
+	k.task, k.typ, k.rule = task, task.Type(), c.d.ruleFor(task.Type())
+	k.pass = make([]asynq.Option, 0, len(opts)+1)
 	k.msg.Retry = store.DefaultMaxRetry
+	var rule *resolved // the options' functions get a copy, so k stays on the caller's stack
 	for _, o := range opts {
 		if o == nil {
 			continue
 		}
 		if ov, ok := o.(option); ok {
-			if err := ov.apply(&k.rule); err != nil {
-				return nil, err
+			if rule == nil {
+				rule = new(resolved)
+				*rule = k.rule
+			}
+			if err := ov.apply(rule); err != nil {
+				return err
 			}
 			continue
 		}
 		k.asynqOption(o)
 		k.pass = append(k.pass, o)
 	}
-	return k, k.chooseQueue(c.d)
+	if rule != nil {
+		k.rule = *rule
+	}
+	return k.chooseQueue(c.d)
 }
 
 // asynqOption reads one of asynq's options.
@@ -183,7 +192,7 @@ func (c *Client) prepareDirect(ctx context.Context, k *call) {
 	if c.d.store.PublishQueue(ctx, k.queue) != nil {
 		return // asynq's client registers it
 	}
-	k.acquire.Message = m.Encode()
+	k.acquire.Message = m
 	if k.scheduled() {
 		k.acquire.DueAt = k.processAt.Unix()
 	}

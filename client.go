@@ -94,21 +94,21 @@ func (c *Client) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...a
 // follow-up of a running one (Defer), and which task carries its payload.
 // A rejected call returns a *DuplicateTaskError, as EnqueueContext does.
 func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Option) (Result, error) {
-	k, err := c.compose(task, opts)
-	if err != nil {
+	var k call // kept on the stack: a call is composed for every enqueue
+	if err := c.compose(&k, task, opts); err != nil {
 		return Result{}, err
 	}
 	if !c.d.active(&k.rule) {
-		return c.enqueueUnlocked(ctx, k)
+		return c.enqueueUnlocked(ctx, &k)
 	}
-	if err := c.prepare(ctx, k); err != nil {
+	if err := c.prepare(ctx, &k); err != nil {
 		return Result{}, err
 	}
-	res, n, err := c.lock(ctx, k)
+	res, n, err := c.lock(ctx, &k)
 	if n != enqueue {
 		return res, err
 	}
-	return c.enqueueLocked(ctx, k)
+	return c.enqueueLocked(ctx, &k)
 }
 
 // enqueueUnlocked enqueues a call without deduplication, marked so that the
@@ -178,7 +178,8 @@ func created(info *asynq.TaskInfo, err error) (Result, error) {
 func (c *Client) rollback(ctx context.Context, k *call, enqErr error) (*asynq.TaskInfo, error) {
 	d := c.d
 	ctx = context.WithoutCancel(ctx)
-	v, err := d.store.Foreign(ctx, func() (any, error) { return d.insp.GetTaskInfo(k.queue, k.ref.ID) })
+	queue, id := k.queue, k.ref.ID
+	v, err := d.store.Foreign(ctx, func() (any, error) { return d.insp.GetTaskInfo(queue, id) })
 	ti, _ := v.(*asynq.TaskInfo)
 	switch {
 	case err == nil:

@@ -68,7 +68,7 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	d := c.d
 	switch res.Status {
 	case store.StatusTaken:
-		if k.acquire.Message == nil {
+		if !res.Stored {
 			return Result{}, enqueue, nil
 		}
 		d.count(k.typ, evLocked) // the script stored the task too: one round trip
@@ -79,7 +79,7 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	case store.StatusConflict:
 		return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)
 	case store.StatusHeld:
-		return Result{}, done, c.duplicate(k, res.Task)
+		return Result{}, done, c.duplicate(k, res.Task, res.Lock)
 	case store.StatusReplaced:
 		return c.folded(k, Replaced, evCoalesced, res.Task, k.task.Payload(), res.State), done, nil
 	case store.StatusDeferred:
@@ -87,7 +87,7 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	case store.StatusMerge:
 		return c.merge(ctx, k, res, w)
 	case store.StatusReserved:
-		return c.waitReserved(ctx, k, res.Task, w)
+		return c.waitReserved(ctx, k, res, w)
 	case store.StatusOver:
 		return c.waitRoom(ctx, k, res.Waiting, w)
 	case store.StatusBroken:
@@ -97,9 +97,9 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 }
 
 // duplicate is the error of a call whose key holder is named.
-func (c *Client) duplicate(k *call, holder string) error {
+func (c *Client) duplicate(k *call, holder, lock string) error {
 	c.d.count(k.typ, evDuplicate)
-	return &DuplicateTaskError{TaskID: holder, Queue: k.queue, Type: k.typ, Key: c.d.lockKey(&k.ref)}
+	return &DuplicateTaskError{TaskID: holder, Queue: k.queue, Type: k.typ, Key: lock}
 }
 
 // folded describes the task a call was folded into, from what the lock
@@ -155,12 +155,12 @@ func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w 
 
 // waitReserved waits for a holder whose producer took the lock but has not
 // stored the task yet (one round trip away), to fold into it once it has.
-func (c *Client) waitReserved(ctx context.Context, k *call, holder string, w *waits) (Result, next, error) {
+func (c *Client) waitReserved(ctx context.Context, k *call, res store.AcquireResult, w *waits) (Result, next, error) {
 	if w.reserved++; w.reserved > maxReservedWaits {
-		return Result{}, done, c.duplicate(k, holder)
+		return Result{}, done, c.duplicate(k, res.Task, res.Lock)
 	}
 	if err := sleep(ctx, reservedBackoff.Delay(w.reserved)); err != nil {
-		return Result{}, done, fmt.Errorf("dedup: waiting for task %s to be stored: %w", holder, err)
+		return Result{}, done, fmt.Errorf("dedup: waiting for task %s to be stored: %w", res.Task, err)
 	}
 	return Result{}, again, nil
 }

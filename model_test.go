@@ -1095,6 +1095,9 @@ func newFaults() *faults {
 	for _, name := range []string{"acquire", "start", "extend", "finish", "unlock", "coalesce"} {
 		f.scripts[store.ScriptHash(name)] = name
 	}
+	// The replace script is acquire's first step when the holder is known:
+	// the model sees one lock call either way.
+	f.scripts[store.ScriptHash("replace")] = "acquire"
 	return f
 }
 
@@ -1198,8 +1201,9 @@ func (f *faults) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Proce
 	}
 }
 
-// isNeed reports whether cmd ran a script that answered that it lacks keys
-// (internal/store's roles): such a call changes nothing and is made again.
+// isNeed reports whether cmd ran a script that changed nothing and is
+// followed by another: one that answered that it lacks keys (internal/
+// store's roles), or the replace script finding it does not apply.
 func isNeed(cmd redis.Cmder) bool {
 	c, ok := cmd.(*redis.Cmd)
 	if !ok || c.Err() != nil {
@@ -1210,6 +1214,10 @@ func isNeed(cmd redis.Cmder) bool {
 		return false
 	}
 	st, ok := arr[0].(int64)
+	if ok && st == 0 && len(c.Args()) > 1 {
+		sha, _ := c.Args()[1].(string)
+		return sha == store.ScriptHash("replace")
+	}
 	return ok && st == 11
 }
 

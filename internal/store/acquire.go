@@ -29,11 +29,11 @@ type Acquire struct {
 	TTL       time.Duration // the lock's lifetime while its task waits
 	Now       time.Time     // the producer's clock
 
-	Message    []byte // asynq's record of the new task, stored with a taken lock (the direct path); nil: the caller enqueues
-	DueAt      int64  // for Message: unix seconds it is due; 0: pending now
-	MaxPending int    // most keys of the type waiting in the queue; 0: no bound
-	Payload    []byte // the new payload, for FoldReplace and a follow-up
-	FollowID   string // ID of a follow-up created for a running holder (RunDefer)
+	Message    *Message // the new task, stored with a taken lock (the direct path); nil: the caller enqueues
+	DueAt      int64    // for Message: unix seconds it is due; 0: pending now
+	MaxPending int      // most keys of the type waiting in the queue; 0: no bound
+	Payload    []byte   // the new payload, for FoldReplace and a follow-up
+	FollowID   string   // ID of a follow-up created for a running holder (RunDefer)
 }
 
 // AcquireResult is what acquire did.
@@ -50,6 +50,8 @@ type AcquireResult struct {
 	Version  string // StatusMerge: the version Coalesce compares
 	Waiting  int64  // StatusOver: keys waiting
 	Reason   string // StatusBroken
+	Lock     string // the lock's key
+	Stored   bool   // StatusTaken: the task (Acquire.Message) was stored with the lock
 }
 
 // ErrMoving reports a lock whose holder changed every time a script asked
@@ -64,8 +66,14 @@ const maxNeeds = 4
 func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) {
 	lock := s.keys.LockOf(&a.Ref)
 	h, _ := s.hints.get(lock)
+	if a.replacesKnownHolder(&h) {
+		res, done, err := s.replace(ctx, a, lock, &h)
+		if done || err != nil {
+			return res, err
+		}
+	}
 	for n := 0; ; n++ {
-		keys, args := a.build(s, lock, h, n > 0)
+		keys, args := a.build(s, lock, &h, n > 0)
 		v, err := s.run(ctx, s.sc.acquire, keys, args...)
 		if err != nil {
 			return AcquireResult{}, err
@@ -75,25 +83,47 @@ func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) 
 			return AcquireResult{}, err
 		}
 		if rep.status != statusNeed {
-			return a.result(s, lock, rep), nil
+			return a.result(s, lock, &h, rep), nil
 		}
 		if n == maxNeeds {
 			return AcquireResult{}, fmt.Errorf("%w: %s", ErrMoving, lock)
 		}
-		h = hint{holder: rep.str(1), follow: rep.str(2)}
+		h = newHint(&a.Ref, rep.str(1), rep.str(2))
+		h.read = true
 	}
 }
 
-// build returns the script's KEYS and ARGV; all declares every key a slow
-// path may need, as after a statusNeed reply.
-func (a *Acquire) build(s *Store, lock string, h hint, all bool) ([]string, []any) {
+// replacesKnownHolder reports whether the call is a Replace into the
+// holder a hint names, which the replace script does alone.
+func (a *Acquire) replacesKnownHolder(h *hint) bool {
+	return a.OnWaiting == FoldReplace && h.holder != "" && h.follow == "" && h.holderID != a.Ref.ID
+}
+
+// replace runs the replace script (lua/replace.lua); done is false when it
+// did not apply and acquire must run.
+func (s *Store) replace(ctx context.Context, a *Acquire, lock string, h *hint) (AcquireResult, bool, error) {
+	v, err := s.run(ctx, s.sc.replace, []string{lock, h.holderTask}, h.holder, payloadField(a.Payload))
+	if err != nil {
+		return AcquireResult{}, false, err
+	}
+	rep, err := parseReply(v)
+	if err != nil || rep.status != StatusReplaced {
+		return AcquireResult{}, false, err
+	}
+	return AcquireResult{Status: StatusReplaced, Task: h.holderID, State: rep.str(0), Lock: lock}, true, nil
+}
+
+// build returns the script's KEYS and ARGV, with the keys of h's holder and
+// follow-up; all declares every key a slow path may need, as after a
+// statusNeed reply.
+func (a *Acquire) build(s *Store, lock string, h *hint, all bool) ([]string, []any) {
 	r := &a.Ref
-	kl := newKeyList(string([]byte{byte(a.OnWaiting), byte(a.OnRunning)}), 8)
+	kl := newKeyList(byte(a.OnWaiting), byte(a.OnRunning))
 	kl.add(roleLock, lock)
 	if r.Indexed {
 		kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
 	}
-	if a.Message != nil {
+	if a.sendsMessage(h) {
 		kl.add(roleTask, TaskKey(r.Queue, r.ID))
 		if a.DueAt != 0 {
 			kl.add(roleScheduled, ScheduledKey(r.Queue))
@@ -112,91 +142,93 @@ func (a *Acquire) build(s *Store, lock string, h hint, all bool) ([]string, []an
 	if a.FollowID != "" {
 		kl.add(roleNewFollow, TaskKey(r.Queue, a.FollowID))
 	}
-	var passed hint // the holder and follow-up whose keys are passed
-	if h.holder != "" && (all || a.mayReadHolder(s, h)) {
-		passed.holder = h.holder
-		holder := UnpackOwner(h.holder, r.FP)
-		kl.add(roleHolder, TaskKey(r.Queue, holder))
+	if h.holder != "" && (all || a.folds() || h.read) {
+		kl.add(roleHolder, h.holderTask)
 		if all {
-			kl.add(roleHolderIndex, s.keys.Index(r.Queue, holder))
+			kl.add(roleHolderIndex, s.keys.Index(r.Queue, h.holderID))
 		}
 	}
 	if h.follow != "" {
-		passed.follow = h.follow
-		kl.add(roleFollowTask, TaskKey(r.Queue, h.follow))
+		kl.add(roleFollowTask, h.followTask)
 	}
-	return kl.keys, a.args(s, kl, passed)
+	return kl.keys, a.args(s, kl, h)
 }
 
-// mayReadHolder reports whether the script may need the holder's record:
-// when it may fold into it, or the lock may be older than the heal grace.
-// Without it a plain rejection of a young lock sends one key and no hint.
-func (a *Acquire) mayReadHolder(s *Store, h hint) bool {
-	if a.OnWaiting != FoldReject || a.FollowID != "" || h.follow != "" || h.since == 0 {
-		return true
-	}
-	return a.Now.Unix()-h.since >= s.graceSeconds()/2 // a margin for producers' clocks
-}
+// folds reports whether the call may fold into the task holding the key,
+// and so read its record.
+func (a *Acquire) folds() bool { return a.OnWaiting != FoldReject || a.FollowID != "" }
+
+// sendsMessage reports whether the call sends the task to store with the
+// lock: not when a hint says the key is held, since it would go unused
+// (if the key turns out free, the lock is taken without it and the task is
+// enqueued through asynq's client: AcquireResult.Stored is false).
+func (a *Acquire) sendsMessage(h *hint) bool { return a.Message != nil && h.holder == "" }
 
 // args lays out ARGV; the optional arguments go only as far as the last
 // one that differs from its default (a plain call sends 8).
-func (a *Acquire) args(s *Store, kl *keyList, h hint) []any {
+func (a *Acquire) args(s *Store, kl *keyList, h *hint) []any {
 	r := &a.Ref
-	follow := h.follow
-	args := make([]any, 8, 16)
-	args[0], args[1], args[2], args[3] = string(kl.roles), r.ID, r.stored(), r.FP
-	args[4], args[5], args[6], args[7] = a.Now.UnixMilli(), s.graceSeconds(), ms(a.TTL), a.Message
-	followStored := ""
-	if follow != "" {
-		followStored = PackOwner(follow, r.FP)
+	var msg []byte
+	if a.sendsMessage(h) {
+		msg = a.Message.Encode() // only now: a call expecting the key held never encodes it
 	}
-	opt := [...]any{payloadField(a.Payload), h.holder, follow, followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds()}
+	args := make([]any, 7, 16)
+	args[0], args[1], args[2], args[3] = kl.roleString(), r.ID, r.stored(), a.Now.UnixMilli()
+	args[4], args[5], args[6] = s.graceSeconds(), ms(a.TTL), msg
 	n := 0
 	switch {
 	case a.FollowID != "":
-		n = 8
+		n = 9
 	case a.MaxPending > 0:
+		n = 7
+	case a.DueAt != 0 && msg != nil:
 		n = 6
-	case a.DueAt != 0:
+	case h.follow != "":
 		n = 5
-	case follow != "":
-		n = 4
+	case kl.has(roleWait) || kl.has(roleIndex):
+		n = 3
 	case h.holder != "":
 		n = 2
 	case len(a.Payload) > 0 && a.OnWaiting == FoldReplace:
 		n = 1
 	}
+	if n == 0 {
+		return args
+	}
+	opt := [...]any{payloadField(a.Payload), h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds()}
 	return append(args, opt[:n]...)
 }
 
-// result reads the reply and remembers the lock's holder for the next call.
-func (a *Acquire) result(s *Store, lock string, rep reply) AcquireResult {
-	fp := a.Ref.FP
-	res := AcquireResult{Status: rep.status}
+// result reads the reply and remembers the lock's holder for the next
+// call; h is the hint the call passed.
+func (a *Acquire) result(s *Store, lock string, h *hint, rep reply) AcquireResult {
+	res := AcquireResult{Status: rep.status, Lock: lock}
 	switch rep.status {
 	case StatusTaken:
-		s.hints.put(lock, hint{holder: a.Ref.stored(), since: a.Now.Unix()})
+		res.Stored = a.sendsMessage(h)
+		if a.folds() { // other calls learn the holder when they meet it: most keys are taken once
+			s.remember(lock, &a.Ref, h, a.Ref.stored(), "", false)
+		}
 	case statusHeldYoung:
-		res.Status, res.Task = StatusHeld, UnpackOwner(rep.str(0), fp)
-		since, _ := strconv.ParseInt(rep.str(1), 10, 64)
-		s.hints.put(lock, hint{holder: rep.str(0), since: since})
+		res.Status, res.Task = StatusHeld, h.id(&a.Ref, rep.str(0))
+		s.remember(lock, &a.Ref, h, rep.str(0), "", false)
 	case StatusHeld:
-		s.hints.put(lock, hint{holder: rep.str(1), follow: rep.str(2)})
-		res.Task = UnpackOwner(rep.str(0), fp)
+		res.Task = h.id(&a.Ref, rep.str(0))
+		s.remember(lock, &a.Ref, h, rep.str(1), rep.str(2), true)
 	case StatusReplaced, StatusMerge:
-		res.Task, res.State = UnpackOwner(rep.str(0), fp), rep.str(1)
+		res.Task, res.State = h.id(&a.Ref, rep.str(0)), rep.str(1)
 		last := len(rep.strs) - 2
 		if rep.status == StatusMerge {
 			res.Payload, res.Version, res.State = []byte(rep.str(1)), rep.str(2), ""
 		}
-		s.hints.put(lock, hint{holder: rep.str(last), follow: rep.str(last + 1)})
+		s.remember(lock, &a.Ref, h, rep.str(last), rep.str(last+1), true)
 		res.FollowUp = rep.str(last+1) != "" && rep.str(0) == rep.str(last+1)
 	case StatusDeferred:
 		res.Task, res.FollowUp = rep.str(0), true
-		s.hints.put(lock, hint{holder: rep.str(1), follow: rep.str(2)})
+		s.remember(lock, &a.Ref, h, rep.str(1), rep.str(2), true)
 	case StatusReserved:
-		res.Task = UnpackOwner(rep.str(0), fp)
-		s.hints.put(lock, hint{holder: rep.str(0)})
+		res.Task = h.id(&a.Ref, rep.str(0))
+		s.remember(lock, &a.Ref, h, rep.str(0), "", true)
 	case StatusOver:
 		res.Waiting, _ = strconv.ParseInt(rep.str(0), 10, 64)
 	case StatusBroken:
@@ -205,13 +237,25 @@ func (a *Acquire) result(s *Store, lock string, rep reply) AcquireResult {
 	return res
 }
 
+// remember keeps the lock's holder and follow-up for the next call (read:
+// this call had to read the holder's record), unless the hint passed came
+// from the cache and already says so.
+func (s *Store) remember(lock string, r *Ref, h *hint, holder, follow string, read bool) {
+	if h.cached && h.holder == holder && h.follow == follow && h.read == read {
+		return
+	}
+	nh := newHint(r, holder, follow)
+	nh.read = read
+	s.hints.put(lock, nh)
+}
+
 // payloadField encodes a payload as TaskMessage field 2, as the scripts
 // splice it ("" for an empty payload, which proto3 omits).
-func payloadField(p []byte) string {
+func payloadField(p []byte) []byte {
 	if len(p) == 0 {
-		return ""
+		return []byte{}
 	}
-	return string(appendPayloadField(make([]byte, 0, len(p)+6), p))
+	return appendPayloadField(make([]byte, 0, len(p)+6), p)
 }
 
 // Coalesce is one call of the coalesce script (lua/coalesce.lua): write a

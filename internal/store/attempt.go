@@ -34,7 +34,7 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 	lock := s.keys.LockOf(r)
 	holder := ""
 	for n := 0; ; n++ {
-		kl := newKeyList("", 6)
+		kl := newKeyList()
 		kl.add(roleLock, lock)
 		kl.add(roleWait, s.keys.Wait(r.Queue, r.Type))
 		kl.add(roleFollow, s.keys.Follow(r.Queue, r.FP))
@@ -46,7 +46,7 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 			kl.add(roleHolder, TaskKey(r.Queue, id))
 			kl.add(roleHolderIndex, s.keys.Index(r.Queue, id))
 		}
-		v, err := s.run(ctx, s.sc.start, kl.keys, string(kl.roles), r.ID, r.stored(), st.Token,
+		v, err := s.run(ctx, s.sc.start, kl.keys, kl.roleString(), r.ID, r.stored(), st.Token,
 			ms(st.Lease), s.graceSeconds(), string(st.Running), r.FP, holder)
 		if err != nil {
 			return StartResult{}, err
@@ -169,7 +169,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (owned bool, follow strin
 	}
 	hintF := f.Follow
 	for n := 0; ; n++ {
-		kl := newKeyList("", 6)
+		kl := newKeyList()
 		kl.add(roleLock, s.keys.LockOf(r))
 		kl.add(roleScheduled, ScheduledKey(r.Queue))
 		kl.add(rolePending, PendingKey(r.Queue))
@@ -182,7 +182,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (owned bool, follow strin
 			kl.add(roleFollowTask, TaskKey(r.Queue, hintF))
 			stored = PackOwner(hintF, r.FP)
 		}
-		v, err := s.run(ctx, s.sc.finish, kl.keys, string(kl.roles), r.stored(), f.Token, mode,
+		v, err := s.run(ctx, s.sc.finish, kl.keys, kl.roleString(), r.stored(), f.Token, mode,
 			ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID)
 		if err != nil {
 			return false, "", err

@@ -8,10 +8,12 @@ import (
 // hintCache remembers, per lock, the holder and follow-up the last script
 // reply named, so that the next call on the key can pass the keys of their
 // asynq records (roles H, J, G) at once instead of learning them from a
-// statusNeed reply, one round trip later. A wrong or missing hint costs
-// that round trip, nothing else: the scripts check every hint against the
-// lock. Memory is bounded: each shard keeps at most hintsPerShard locks
-// and forgets an arbitrary one to make room.
+// statusNeed reply, one round trip later, and can leave out the task it
+// would store with a free key: a key last seen held is likely held still.
+// A wrong or missing hint costs a round trip, nothing else: the scripts
+// check every hint against the lock, and a key taken without its task is
+// enqueued through asynq's client. Memory is bounded: each shard keeps at most
+// hintsPerShard locks and forgets an arbitrary one to make room.
 type hintCache struct {
 	seed   maphash.Seed
 	once   sync.Once
@@ -19,21 +21,54 @@ type hintCache struct {
 }
 
 const (
-	hintShards    = 16
-	hintsPerShard = 1024
+	hintShards    = 64
+	hintsPerShard = 256
 )
 
+// hintShard is one part of the cache. Most puts repeat what it holds (the
+// same holder, replaced into again and again), so they only read-lock it.
 type hintShard struct {
-	mu sync.Mutex
+	mu sync.RWMutex
 	m  map[string]hint
 }
 
-// hint is what a lock held at the last reply: its owner as stored, its
-// follow-up ("" for none), and when the owner took it (unix seconds, 0 if
-// unknown).
+// hint is what a lock held at the last reply: its owner as stored, and its
+// follow-up ("" for none), with what the scripts' arguments need of them,
+// worked out once.
 type hint struct {
 	holder, follow string
-	since          int64
+
+	holderID, holderTask     string // the holder's task ID and asynq record
+	followStored, followTask string // the follow-up as stored, and its asynq record
+	read                     bool   // the last call on the key had to read the holder's record
+	cached                   bool   // read from the cache (not from a reply of this call)
+}
+
+func newHint(r *Ref, holder, follow string) hint {
+	h := hint{holder: holder, follow: follow}
+	if holder != "" {
+		h.holderID = UnpackOwner(holder, r.FP)
+		h.holderTask = TaskKey(r.Queue, h.holderID)
+	}
+	if follow != "" {
+		h.followStored = PackOwner(follow, r.FP)
+		h.followTask = TaskKey(r.Queue, follow)
+	}
+	return h
+}
+
+// id returns the task ID a reply names as s (as stored, or whole for a
+// follow-up), without unpacking the hint's own.
+func (h *hint) id(r *Ref, s string) string {
+	switch {
+	case s == "":
+		return ""
+	case s == h.holder:
+		return h.holderID
+	case s == h.follow:
+		return s
+	}
+	return UnpackOwner(s, r.FP)
 }
 
 func (c *hintCache) shard(lockKey string) *hintShard {
@@ -43,14 +78,21 @@ func (c *hintCache) shard(lockKey string) *hintShard {
 
 func (c *hintCache) get(lockKey string) (hint, bool) {
 	sh := c.shard(lockKey)
-	sh.mu.Lock()
+	sh.mu.RLock()
 	h, ok := sh.m[lockKey]
-	sh.mu.Unlock()
+	sh.mu.RUnlock()
+	h.cached = ok
 	return h, ok
 }
 
 func (c *hintCache) put(lockKey string, h hint) {
 	sh := c.shard(lockKey)
+	sh.mu.RLock()
+	old, ok := sh.m[lockKey]
+	sh.mu.RUnlock()
+	if ok && old.holder == h.holder && old.follow == h.follow && old.read == h.read {
+		return
+	}
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if sh.m == nil {

@@ -24,19 +24,19 @@ func NewKeys(prefix string) Keys { return Keys{prefix: prefix} }
 // Prefix is the key prefix.
 func (k Keys) Prefix() string { return k.prefix }
 
-func (k Keys) queue(queue, kind string) string { return k.prefix + ":{" + queue + "}:" + kind + ":" }
+// (Each key is one concatenation: one allocation.)
 
 // Lock is the lock of fingerprint fp in queue.
-func (k Keys) Lock(queue, fp string) string { return k.queue(queue, "l") + fp }
+func (k Keys) Lock(queue, fp string) string { return k.prefix + ":{" + queue + "}:l:" + fp }
 
 // Index is the index key of a caller-chosen task ID.
-func (k Keys) Index(queue, id string) string { return k.queue(queue, "i") + id }
+func (k Keys) Index(queue, id string) string { return k.prefix + ":{" + queue + "}:i:" + id }
 
 // Wait is the set of a type's keys waiting in queue (MaxPending).
-func (k Keys) Wait(queue, typ string) string { return k.queue(queue, "w") + typ }
+func (k Keys) Wait(queue, typ string) string { return k.prefix + ":{" + queue + "}:w:" + typ }
 
 // Follow is the pointer to the follow-up task owed to a key (RunningDefer).
-func (k Keys) Follow(queue, fp string) string { return k.queue(queue, "f") + fp }
+func (k Keys) Follow(queue, fp string) string { return k.prefix + ":{" + queue + "}:f:" + fp }
 
 // StatsTypes is the set of the task types that have flushed counters.
 func (k Keys) StatsTypes() string { return k.prefix + ":stats:types" }
@@ -108,19 +108,17 @@ func globEscape(s string) string {
 
 // TaskKey is asynq's hash of one task: fields "msg" (the TaskMessage
 // protobuf, see asynq.go), "state", "pending_since", ...
-func TaskKey(queue, id string) string { return asynqQueue(queue) + "t:" + id }
+func TaskKey(queue, id string) string { return "asynq:{" + queue + "}:t:" + id }
 
 // PendingKey is asynq's list of a queue's pending task IDs.
-func PendingKey(queue string) string { return asynqQueue(queue) + "pending" }
+func PendingKey(queue string) string { return "asynq:{" + queue + "}:pending" }
 
 // ScheduledKey is asynq's sorted set of a queue's scheduled task IDs, by
 // due time in unix seconds.
-func ScheduledKey(queue string) string { return asynqQueue(queue) + "scheduled" }
+func ScheduledKey(queue string) string { return "asynq:{" + queue + "}:scheduled" }
 
 // QueuesKey is asynq's set of queue names.
 const QueuesKey = "asynq:queues"
-
-func asynqQueue(queue string) string { return "asynq:{" + queue + "}:" }
 
 // Ref names one lock and the task that owns or wants it.
 type Ref struct {

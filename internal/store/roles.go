@@ -1,9 +1,11 @@
 package store
 
+import "sync/atomic"
+
 // Scripts whose keys depend on the call (acquire, start, finish) name each
 // key they are given by a role letter, in ARGV[1]: "LTP" means KEYS[1] is
 // the lock, KEYS[2] the new task's asynq record, KEYS[3] asynq's pending
-// list. Some keys cannot be known before the script runs: the asynq record
+// list. The lock always comes first. Some keys cannot be known before the script runs: the asynq record
 // of the task that holds a lock, or of the follow-up it owes. The caller
 // passes them for the holder it expects (a hint, see hints.go); a script
 // that finds another holder, or needs a key it was not given, changes
@@ -27,25 +29,61 @@ const (
 )
 
 // keyList is a script's KEYS with the role letter of each, after a head
-// the script reads first (acquire's policies).
+// the script reads first (acquire's policies). One allocation holds it
+// all.
 type keyList struct {
 	roles []byte // head, then one letter per key
 	head  int
 	keys  []string
+
+	roleBuf [16]byte
+	keyBuf  [12]string
 }
 
-func newKeyList(head string, n int) *keyList {
-	k := &keyList{roles: make([]byte, 0, len(head)+n), head: len(head), keys: make([]string, 0, n)}
-	k.roles = append(k.roles, head...)
+func newKeyList(head ...byte) *keyList {
+	k := &keyList{head: len(head)}
+	k.roles = append(k.roleBuf[:0], head...)
+	k.keys = k.keyBuf[:0]
 	return k
+}
+
+// roleString is ARGV[1]: the head and the role letters. The few distinct
+// ones are kept, so that a call allocates none.
+func (k *keyList) roleString() string {
+	m := *roleStrings.Load()
+	if s, ok := m[string(k.roles)]; ok {
+		return s
+	}
+	s := string(k.roles)
+	next := make(map[string]string, len(m)+1)
+	for key, v := range m {
+		next[key] = v
+	}
+	next[s] = s
+	roleStrings.Store(&next) // a lost race only drops one entry
+	return s
+}
+
+var roleStrings = func() *atomic.Pointer[map[string]string] {
+	var p atomic.Pointer[map[string]string]
+	p.Store(&map[string]string{})
+	return &p
+}()
+
+// has reports whether a key of role r was added.
+func (k *keyList) has(r byte) bool {
+	for _, have := range k.roles[k.head:] {
+		if have == r {
+			return true
+		}
+	}
+	return false
 }
 
 // add appends key under role r, once.
 func (k *keyList) add(r byte, key string) {
-	for _, have := range k.roles[k.head:] {
-		if have == r {
-			return
-		}
+	if k.has(r) {
+		return
 	}
 	k.roles = append(k.roles, r)
 	k.keys = append(k.keys, key)

@@ -34,6 +34,8 @@ var (
 	unlockSrc string
 	//go:embed lua/coalesce.lua
 	coalesceSrc string
+	//go:embed lua/replace.lua
+	replaceSrc string
 	//go:embed lua/release.lua
 	releaseSrc string
 )
@@ -46,11 +48,11 @@ const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
 
 // scriptSet holds the scripts, in one of two builds.
 type scriptSet struct {
-	acquire, start, extend, finish, unlock, coalesce, release *redis.Script
+	acquire, replace, start, extend, finish, unlock, coalesce, release *redis.Script
 }
 
 func (s *scriptSet) all() []*redis.Script {
-	return []*redis.Script{s.acquire, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release}
+	return []*redis.Script{s.acquire, s.replace, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release}
 }
 
 var (
@@ -69,7 +71,7 @@ func scripts() *scriptSet {
 func buildScripts(checked bool) *scriptSet {
 	b := func(src string) *redis.Script { return redis.NewScript(source(src, checked)) }
 	return &scriptSet{
-		acquire: b(acquireSrc), start: b(startSrc), extend: b(extendSrc), finish: b(finishSrc),
+		acquire: b(acquireSrc), replace: b(replaceSrc), start: b(startSrc), extend: b(extendSrc), finish: b(finishSrc),
 		unlock: b(unlockSrc), coalesce: b(coalesceSrc), release: b(releaseSrc),
 	}
 }
@@ -107,12 +109,12 @@ func source(body string, checked bool) string {
 func LibScript(body string) *redis.Script { return redis.NewScript(source(libMarker+"\n"+body, true)) }
 
 // ScriptHash is the SHA1 by which Redis knows the script of an operation
-// ("acquire", "start", "extend", "finish", "unlock", "coalesce",
+// ("acquire", "replace", "start", "extend", "finish", "unlock", "coalesce",
 // "release"), in the build a Store created now uses; for tests that count
 // commands.
 func ScriptHash(op string) string {
 	sc := scripts()
-	m := map[string]*redis.Script{"acquire": sc.acquire, "start": sc.start, "extend": sc.extend, "finish": sc.finish,
+	m := map[string]*redis.Script{"acquire": sc.acquire, "replace": sc.replace, "start": sc.start, "extend": sc.extend, "finish": sc.finish,
 		"unlock": sc.unlock, "coalesce": sc.coalesce, "release": sc.release}
 	if s, ok := m[op]; ok {
 		return s.Hash()

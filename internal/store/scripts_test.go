@@ -134,7 +134,7 @@ func TestNeedChangesNothing(t *testing.T) {
 	id := NewLockedID(fp)
 	a := &Acquire{Ref: Ref{Queue: q, FP: fp, ID: id, Type: "t"}, OnWaiting: FoldReplace, OnRunning: RunReject,
 		TTL: time.Hour, Now: time.Now(), Payload: []byte("x")}
-	keys, args := a.build(s, lock, hint{}, false)
+	keys, args := a.build(s, lock, &hint{}, false)
 	v, err := s.sc.acquire.Run(ctx, rdb, keys, args...).Result()
 	if err != nil {
 		t.Fatal(err)

@@ -4,12 +4,12 @@
 -- KEYS, by the role letters of ARGV[1] from its third character on:
 --   L  the lock                                         always
 --   I  index key of the new task's caller-chosen ID     with a caller-chosen ID
---   T  asynq record of the new task                     with ARGV[8]
---   P  asynq pending list, S asynq scheduled set        with ARGV[8]; to release a follow-up
+--   T  asynq record of the new task                     with ARGV[7]
+--   P  asynq pending list, S asynq scheduled set        with ARGV[7]; to release a follow-up
 --   W  the type's waiting set                           with ARGV[14]; to heal a counted lock
 --   F  the key's follow-up pointer                      with ARGV[15]; to release a follow-up
 --   N  asynq record of the new follow-up ARGV[15]       with ARGV[15]
---   H  asynq record of the holder ARGV[10], J its index key      when the holder must be read
+--   H  asynq record of the holder ARGV[9], J its index key       when the holder must be read
 --   G  asynq record of the follow-up ARGV[11]                    when the follow-up must be read
 -- A call that needs a key it was not given changes nothing and replies
 -- {11, ...} naming what it lacks: the caller calls again with those keys.
@@ -19,18 +19,19 @@
 --          then the roles of KEYS, one letter each
 -- ARGV[2]  ID of the new task, if one is created
 -- ARGV[3]  ARGV[2] as lock records store it
--- ARGV[4]  fingerprint (member of W, value of I)
--- ARGV[5]  the producer's clock, unix integer milliseconds
--- ARGV[6]  heal grace, integer seconds
--- ARGV[7]  lock lifetime while waiting, integer milliseconds
--- ARGV[8]  asynq task message to store with a taken lock ('' for none: the caller enqueues)
+-- ARGV[4]  the producer's clock, unix integer milliseconds
+-- ARGV[5]  heal grace, integer seconds
+-- ARGV[6]  lock lifetime while waiting, integer milliseconds
+-- ARGV[7]  asynq task message to store with a taken lock ('' for none: the
+--          caller enqueues; a caller that expects the key held sends none)
 -- The rest may be left out (most calls do: every argument costs); the
 -- default is in brackets:
--- ARGV[9]  the new payload as an encoded TaskMessage field 2 ('' when empty) ['']
--- ARGV[10] the holder H and J belong to, as lock records store it ['']
+-- ARGV[8]  the new payload as an encoded TaskMessage field 2 ('' when empty) ['']
+-- ARGV[9]  the holder H and J belong to, as lock records store it ['']
+-- ARGV[10] fingerprint (member of W, value of I), given with W or I ['']
 -- ARGV[11] the follow-up G belongs to ['']
 -- ARGV[12] ARGV[11] as lock records store it ['']
--- ARGV[13] for ARGV[8]: unix seconds it is due, '0' for pending now ['0']
+-- ARGV[13] for ARGV[7]: unix seconds it is due, '0' for pending now ['0']
 -- ARGV[14] most keys of the type waiting in the queue, '0' for no bound ['0']
 -- ARGV[15] ID for a new follow-up (defer) ['']
 -- ARGV[16] how long a new follow-up stays parked, integer seconds ['0']
@@ -40,12 +41,12 @@
 --   {1}                                taken for ARGV[2]
 --   {2}                                already held by ARGV[2]; untouched
 --   {0, who, holder, f}                held by who (as stored, or a follow-up); rejected
---   {10, holder, created}              the same, from the lock alone: it is younger than the grace
+--   {10, holder}                       the same, from the lock alone: it is younger than the grace
 --   {3, target, state, holder, f}      payload of waiting task target replaced
 --   {4, target, payload, ver, holder, f}  merge: the caller merges and calls coalesce
 --   {5, followup, holder, f}           follow-up task created for the running holder
 --   {6, holder}                        held by a task not stored in asynq yet: try again shortly
---   {7}                                ARGV[8] given, but task ARGV[2] already exists in asynq
+--   {7}                                ARGV[7] given, but task ARGV[2] already exists in asynq
 --   {8, waiting}                       refused: ARGV[14] keys already waiting
 --   {11, lacking, holder, f}           nothing done: call again with the keys of these roles
 --   {-1, reason}                       asynq's task record is not what this expects
@@ -62,25 +63,27 @@
 -- few. A lock younger than the heal grace is held whatever its owner's
 -- state, so a plain rejection reads the lock alone; an accepted direct
 -- enqueue makes five calls, as many as asynq's own enqueue plus the lock's.
--- The clock is the producer's (ARGV[5]): asynq stamps pending_since with
+-- The clock is the producer's (ARGV[4]): asynq stamps pending_since with
 -- it too, and the heal grace is far wider than any sane clock skew.
 local A = ARGV
 local policy, running = string.sub(A[1], 1, 1), string.sub(A[1], 2, 2)
-roles(2)
-local id, stored, fp, ttl, msg = A[2], A[3], A[4], A[7], A[8]
-local now_ms = tonumber(A[5])
+K.L = KEYS[1] -- the lock comes first; the other roles are read after the fast rejection
+local id, stored, ttl, msg = A[2], A[3], A[6], A[7]
+local now_ms = tonumber(A[4])
 local now = (now_ms - now_ms % 1000) / 1000
-local grace = tonumber(A[6])
+local grace = tonumber(A[5])
 local follow = A[15] or ''
--- A folding policy needs the whole record anyway: read it at once.
-local rec = policy == 'x' and call('HMGET', K.L, 'id', 'c', 'f')
-  or call('HMGET', K.L, 'id', 'c', 'f', 'tok', 'rp', 'n', 'b')
+local rec = call('HMGET', K.L, 'id', 'c', 'f', 'tok')
 local holder = rec[1]
 if holder and holder ~= stored and holder ~= id and policy == 'x' and follow == '' and not rec[3]
     and now - (tonumber(rec[2]) or 0) < grace then
-  return {10, holder, rec[2]} -- young, and no answer but "held" is possible
+  return {10, holder} -- young, and no answer but "held" is possible
 end
-
+roles(2)
+if holder == stored or holder == id then -- (a lock of the earlier layout holds the whole ID)
+  return {2}
+end
+local fp = A[10] or ''
 -- take takes the free key for the new task (and stores the task, given msg).
 local function take()
   if K.I and msg ~= '' and call('EXISTS', K.T) == 1 then
@@ -109,7 +112,7 @@ local function take()
       call('HSET', K.T, 'msg', msg, 'state', 'scheduled')
       call('ZADD', K.S, due, id)
     else
-      call('HSET', K.T, 'msg', msg, 'state', 'pending', 'pending_since', A[5] .. '000000')
+      call('HSET', K.T, 'msg', msg, 'state', 'pending', 'pending_since', A[4] .. '000000')
       call('LPUSH', K.P, id)
     end
   end
@@ -123,33 +126,15 @@ end
 if not holder and follow == '' then
   return take() -- free, and no follow-up can be owed
 end
-if holder == stored or holder == id then -- (a lock of the earlier layout holds the whole ID)
-  return {2}
-end
--- @pb: pb.lua is spliced in here, for the last fast path.
--- Replace into a waiting holder whose record the caller gave, with no
--- follow-up and no attempt running: the common fold.
-if holder and policy == 'r' and not rec[3] and not rec[4] and K.H and holder == A[10] then
-  local t = call('HMGET', K.H, 'state', 'msg')
-  local state = t[1]
-  local new = (state == 'pending' or state == 'scheduled' or state == 'retry') and t[2] and pb_splice(t[2], A[9] or '')
-  if new then
-    if new ~= t[2] then -- the same payload again (common): nothing to write
-      call('HSET', K.H, 'msg', new)
-    end
-    call('HINCRBY', K.L, 'n', 1)
-    return {3, holder, state, holder, ''}
-  end
-end
 -- @lib: lib.lua is spliced in here, after the fast paths.
-local field, fhint_s = A[9] or '', A[12] or ''
-if holder and policy == 'x' then
-  local more = call('HMGET', K.L, 'tok', 'rp', 'n', 'b')
-  rec = {rec[1], rec[2], rec[3], more[1], more[2], more[3], more[4]}
+local field, fhint_s = A[8] or '', A[12] or ''
+if holder then
+  local more = call('HMGET', K.L, 'rp', 'n', 'b')
+  rec = {rec[1], rec[2], rec[3], rec[4], more[1], more[2], more[3]}
 end
 -- rec: id, c, f, tok, rp, n, b
 local f = rec[3]
-if not holder or holder ~= A[10] then
+if not holder or holder ~= A[9] then
   K.H, K.J = nil, nil -- given for another holder: not ours to touch
 end
 local lacking = ''
@@ -229,7 +214,7 @@ local function adopt()
   if fstate == 'scheduled' then
     call('ZREM', K.S, fu)
     call('LPUSH', K.P, fu)
-    call('HSET', K.G, 'state', 'pending', 'pending_since', A[5] .. '000000')
+    call('HSET', K.G, 'state', 'pending', 'pending_since', A[4] .. '000000')
     fstate = 'pending'
   end
   call('DEL', K.F)
