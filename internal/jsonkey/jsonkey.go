@@ -152,7 +152,10 @@ func skipWS(b []byte, i int) int {
 // value and continue below it. Only objects on a selected path need the
 // member-matching walk; everything else is skipped, scalars directly.
 func (s *scanner) value(i, depth int, active uint64) (int, error) {
-	if depth <= MaxDepth && i < len(s.b) {
+	if depth > MaxDepth {
+		return i, fail(i, "nesting too deep")
+	}
+	if i < len(s.b) {
 		switch c := s.b[i]; {
 		case c == '"':
 			i, _, err := scanString(s.b, i)
@@ -271,35 +274,21 @@ func (s *scanner) match(depth int, active uint64, key []byte, plain bool) (ends,
 
 // skip validates the value at b[i] (white space skipped) at depth and returns
 // the offset just past it, with the same errors as a recursive scanner. This
-// is where most of a payload is read, so it is one loop with no calls on the
-// common paths (Go keeps no registers across a call: each would cost a round
-// of spills and reloads):
+// is where most of a payload is read, so it is one loop over the tokens:
 //   - no recursion: the kinds of the open containers are bits in kinds;
-//   - strings are passed 8 bytes at a time (stringStops), escapes inline;
-//   - member names go through the same string code (name is set);
+//   - strings are passed 8 bytes at a time, inline: they are most of what
+//     is read;
 //   - compact JSON, with no white space between tokens, takes short cuts.
 //
 // c is always b[i], or 0 at the end of b.
-func skip(b []byte, i, depth int) (int, error) {
-	var c byte
-	if i < len(b) {
-		c = b[i]
-	}
-	if depth > MaxDepth {
-		return i, fail(i, "nesting too deep")
-	}
-	base := depth
+func skip(b []byte, i, depth int) (_ int, err error) {
+	c, base := at(b, i), depth
 	var kinds kindStack
-	obj := false  // the innermost open container is an object
-	name := false // c starts a member name, not a value
-	var err error
+	obj, name := false, false // the innermost open container is an object; c starts a member name
 	for {
 		switch {
 		case c == '"':
-			i++
-			for {
-				// Pass plain bytes 8 at a time, then one at a time near the
-				// end of b.
+			for i++; ; {
 				if i+8 <= len(b) {
 					m := stringStops(binary.LittleEndian.Uint64(b[i : i+8]))
 					if m == 0 {
@@ -307,67 +296,28 @@ func skip(b []byte, i, depth int) (int, error) {
 						continue
 					}
 					i += bits.TrailingZeros64(m) >> 3
-				} else {
-					for i < len(b) && plainStr[b[i]] {
-						i++
-					}
-					if i == len(b) {
-						return i, fail(i, "unterminated string")
-					}
+				} else if i, err = plainTail(b, i); err != nil {
+					return i, err
 				}
 				if b[i] == '"' {
 					break
 				}
-				if n := escapeLen(b, i); n != 0 {
-					i += n
-					continue
+				if i, err = passEscape(b, i); err != nil {
+					return i, err
 				}
-				return scanEscape(b, i) // the error
 			}
-			i++
-			if name {
-				if i+1 < len(b) && b[i] == ':' && b[i+1] > ' ' { // compact JSON
-					i++
-					c = b[i]
-				} else {
-					if i, c = nonWS(b, i); c != ':' {
-						return i, fail(i, "expected ':'")
-					}
-					i, c = nonWS(b, i+1)
+			if i++; name {
+				if i, c, err = memberValue(b, i); err != nil {
+					return i, err
 				}
 				name = false
-				continue // to the member's value
+				continue
 			}
 		case name:
 			return i, fail(i, "expected member name")
 		case c == '-' || c-'0' <= 9:
-			// As scanNumber, but only an exponent costs a call.
-			if c == '-' {
-				i++
-			}
-			switch {
-			case i < len(b) && b[i] == '0':
-				i++
-			case i < len(b) && b[i]-'1' < 9:
-				for i++; i < len(b) && b[i]-'0' <= 9; i++ {
-				}
-			default:
-				return i, fail(i, "invalid number")
-			}
-			if i < len(b) && b[i] == '.' {
-				j := i + 1
-				for j < len(b) && b[j]-'0' <= 9 {
-					j++
-				}
-				if j == i+1 {
-					return j, fail(j, "invalid number fraction")
-				}
-				i = j
-			}
-			if i < len(b) && b[i]|0x20 == 'e' {
-				if i, err = numberTail(b, i); err != nil {
-					return i, err
-				}
+			if i, err = skipNumber(b, i, c); err != nil {
+				return i, err
 			}
 		case c == '{' || c == '[':
 			open := c
@@ -375,16 +325,10 @@ func skip(b []byte, i, depth int) (int, error) {
 				i++
 				break // empty
 			}
-			obj = open == '{'
-			if depth == MaxDepth { // the first element is too deep
-				if obj {
-					return deepMember(b, i, c)
-				}
-				return i, fail(i, "nesting too deep")
+			if obj = open == '{'; depth == MaxDepth { // the first element is too deep
+				return tooDeep(b, i, c, obj)
 			}
-			kinds.set(depth, obj)
-			depth++
-			name = obj
+			depth, name = kinds.push(depth, obj), obj
 			continue
 		case c == 't' || c == 'f' || c == 'n':
 			n := literalLen(b, i)
@@ -392,47 +336,135 @@ func skip(b []byte, i, depth int) (int, error) {
 				return i, fail(i, "invalid literal")
 			}
 			i += n
-		case i >= len(b):
-			return i, fail(i, "unexpected end of input")
 		default:
-			return i, fail(i, "unexpected character") // never quote payload bytes
+			return i, badValue(b, i)
 		}
-		// After a value: close the containers it completes, then move on to
-		// the next element or member.
-		for {
+		for { // after a value: close the containers it completes, then go on to the next element or member
 			if depth == base {
 				return i, nil
 			}
 			if i+1 < len(b) && b[i] == ',' && b[i+1] > ' ' { // compact JSON
-				i++
-				c = b[i]
-				name = obj
+				i, c, name = i+1, b[i+1], obj
 				break
 			}
-			i, c = nonWS(b, i)
-			if c == ',' {
+			if i, c = nonWS(b, i); c == ',' {
 				i, c = nonWS(b, i+1)
 				name = obj
 				break
 			}
-			if c == '}' && obj || c == ']' && !obj {
-				i++
-				if depth--; depth > base {
-					obj = kinds.isObject(depth - 1)
-				}
-				continue
+			if c != '}' && c != ']' || (c == '}') != obj {
+				return i, afterValueError(b, i, obj)
 			}
-			switch {
-			case i >= len(b) && obj:
-				return i, fail(i, "unterminated object")
-			case i >= len(b):
-				return i, fail(i, "unterminated array")
-			case obj:
-				return i, fail(i, "expected ',' or '}'")
+			if i, depth = i+1, depth-1; depth > base {
+				obj = kinds.isObject(depth - 1)
 			}
-			return i, fail(i, "expected ',' or ']'")
 		}
 	}
+}
+
+// passEscape passes the escape sequence at b[i], or fails on a bad one or
+// an unescaped control character.
+func passEscape(b []byte, i int) (int, error) {
+	if n := escapeLen(b, i); n != 0 {
+		return i + n, nil
+	}
+	return scanEscape(b, i)
+}
+
+// at returns b[i], or 0 at the end of b.
+func at(b []byte, i int) byte {
+	if i < len(b) {
+		return b[i]
+	}
+	return 0
+}
+
+// badValue is the error for b[i], which starts no value.
+func badValue(b []byte, i int) error {
+	if i >= len(b) {
+		return fail(i, "unexpected end of input")
+	}
+	return fail(i, "unexpected character") // never quote payload bytes
+}
+
+// plainTail passes the plain string bytes from b[i] on, near the end of b,
+// and fails if the string does not end.
+func plainTail(b []byte, i int) (int, error) {
+	for i < len(b) && plainStr[b[i]] {
+		i++
+	}
+	if i == len(b) {
+		return i, fail(i, "unterminated string")
+	}
+	return i, nil
+}
+
+// memberValue passes the colon after a member name that ends just before
+// b[i], and returns the offset and first byte of the member's value.
+func memberValue(b []byte, i int) (int, byte, error) {
+	if i+1 < len(b) && b[i] == ':' && b[i+1] > ' ' { // compact JSON
+		return i + 1, b[i+1], nil
+	}
+	i, c := nonWS(b, i)
+	if c != ':' {
+		return i, c, fail(i, "expected ':'")
+	}
+	i, c = nonWS(b, i+1)
+	return i, c, nil
+}
+
+// skipNumber passes a number starting with c == b[i]. As scanNumber, but
+// only an exponent costs a call.
+func skipNumber(b []byte, i int, c byte) (int, error) {
+	if c == '-' {
+		i++
+	}
+	switch {
+	case i < len(b) && b[i] == '0':
+		i++
+	case i < len(b) && b[i]-'1' < 9:
+		for i++; i < len(b) && b[i]-'0' <= 9; i++ {
+		}
+	default:
+		return i, fail(i, "invalid number")
+	}
+	if i < len(b) && b[i] == '.' {
+		j := i + 1
+		for j < len(b) && b[j]-'0' <= 9 {
+			j++
+		}
+		if j == i+1 {
+			return j, fail(j, "invalid number fraction")
+		}
+		i = j
+	}
+	if i < len(b) && b[i]|0x20 == 'e' {
+		return numberTail(b, i)
+	}
+	return i, nil
+}
+
+// tooDeep is the error for a container opened at MaxDepth whose first
+// element c (at b[i]) would be nested deeper.
+func tooDeep(b []byte, i int, c byte, obj bool) (int, error) {
+	if obj {
+		return deepMember(b, i, c)
+	}
+	return i, fail(i, "nesting too deep")
+}
+
+// afterValueError is the error for b[i], which neither continues nor closes
+// the container the last value is in.
+func afterValueError(b []byte, i int, obj bool) error {
+	switch {
+	case i >= len(b) && obj:
+		return fail(i, "unterminated object")
+	case i >= len(b):
+		return fail(i, "unterminated array")
+	case obj:
+		return fail(i, "expected ',' or '}'")
+	}
+	return fail(i, "expected ',' or ']'")
 }
 
 // deepMember returns the error for an object opened at MaxDepth: that of its
@@ -476,6 +508,13 @@ func nonWSLoop(b []byte, i int) (int, byte) {
 // kindStack has bit d set when the container open at depth d is an object,
 // clear when it is an array: skip keeps one instead of recursing.
 type kindStack [MaxDepth/64 + 1]uint64
+
+// push records the container opened at depth and returns the depth inside
+// it.
+func (k *kindStack) push(depth int, obj bool) int {
+	k.set(depth, obj)
+	return depth + 1
+}
 
 func (k *kindStack) set(depth int, obj bool) {
 	d := uint(depth)
