@@ -304,7 +304,7 @@ func describe(ctx context.Context, c *conn, prefix string, l *lockInfo, t *targe
 	out.PayloadVersion = l.Fields[store.FieldFolds] // the fold count doubles as the merge version
 	keys := store.NewKeys(prefix)
 	if l.lock.Bounded() {
-		out.WaitingSet = keys.Wait(l.Queue, l.Type)
+		out.WaitingSet = keys.Wait(l.Queue, l.lock.WaitType())
 	}
 	if err := describeSideKeys(ctx, c, keys, l, out); err != nil {
 		return nil, err

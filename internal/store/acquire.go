@@ -162,7 +162,9 @@ func (a *Acquire) folds() bool { return a.OnWaiting != FoldReject || a.FollowID 
 // lock: not when a hint says the key is held, since it would go unused
 // (if the key turns out free, the lock is taken without it and the task is
 // enqueued through asynq's client: AcquireResult.Stored is false).
-func (a *Acquire) sendsMessage(h *hint) bool { return a.Message != nil && h.holder == "" }
+func (a *Acquire) sendsMessage(h *hint) bool {
+	return a.Message != nil && (h.holder == "" || a.Ref.Indexed) // a caller-chosen ID is checked against asynq's tasks
+}
 
 // args lays out ARGV; the optional arguments go only as far as the last
 // one that differs from its default (a plain call sends 8).
@@ -177,10 +179,10 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint) []any {
 	args[4], args[5], args[6] = s.graceSeconds(), ms(a.TTL), msg
 	n := 0
 	switch {
+	case a.MaxPending > 0:
+		n = 10
 	case a.FollowID != "":
 		n = 9
-	case a.MaxPending > 0:
-		n = 7
 	case a.DueAt != 0 && msg != nil:
 		n = 6
 	case h.follow != "":
@@ -195,7 +197,7 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint) []any {
 	if n == 0 {
 		return args
 	}
-	opt := [...]any{payloadField(a.Payload), h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds()}
+	opt := [...]any{payloadField(a.Payload), h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), r.Type}
 	return append(args, opt[:n]...)
 }
 

@@ -152,9 +152,23 @@ var timers = sync.Pool{New: func() any {
 }}
 
 // stop ends the senders after they have answered every request handed over.
+//
+// It waits at most the call timeout: a sender stuck in a read of a hung
+// Redis (a client without ContextTimeoutEnabled ignores deadlines there)
+// ends when go-redis's own ReadTimeout fires, after stop has returned.
 func (b *batcher) stop() {
 	b.once.Do(func() { close(b.stopped) })
-	b.wg.Wait()
+	done := make(chan struct{})
+	go func() {
+		b.wg.Wait()
+		close(done)
+	}()
+	t := time.NewTimer(b.timeout)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+	}
 }
 
 // send is a sender goroutine: it takes one request, then every request
@@ -208,7 +222,7 @@ func (b *batcher) exec(batch []*batchReq) {
 	}
 	if len(live) == 1 {
 		r := live[0]
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(r.ctx), b.timeout)
+		ctx, cancel := context.WithTimeout(r.ctx, b.timeout) // its caller's alone: its cancellation counts
 		v, err := r.s.Run(ctx, b.rdb, r.keys, r.args...).Result()
 		cancel()
 		r.done <- batchRes{v, err}

@@ -18,7 +18,7 @@ const (
 	FieldCreated = "c"   // when the owner took the lock, unix seconds (heal grace)
 	FieldToken   = "tok" // the running attempt's token; present while an attempt runs
 	FieldRunning = "rp"  // running policy: "a" allow, "d" defer; absent: reject
-	FieldBounded = "b"   // "1": counted in the type's waiting set (Keys.Wait)
+	FieldBounded = "b"   // counted in the waiting set (Keys.Wait) of this type ("1" in locks of the earlier layout)
 	FieldFolds   = "n"   // enqueues folded into the key; Merge's version
 	FieldFollow  = "f"   // the follow-up task owed to the key (RunningDefer), whole ID
 	fieldOldType = "ty"  // the owner's type, in locks written before it moved to the task
@@ -78,6 +78,14 @@ func (l *Lock) RunningPolicy() string { return l.Fields[FieldRunning] }
 // Bounded reports whether the lock is counted in its type's waiting set.
 func (l *Lock) Bounded() bool { return l.Fields[FieldBounded] != "" }
 
+// WaitType is the type whose waiting set counts the lock (Keys.Wait).
+func (l *Lock) WaitType() string {
+	if t := l.Fields[FieldBounded]; t != "" && t != "1" {
+		return t
+	}
+	return l.Type
+}
+
 // OwnerStored is the owner as the record stores it, for owner-checked
 // release.
 func (l *Lock) OwnerStored() string { return l.Fields[FieldOwner] }
@@ -108,6 +116,9 @@ func ReadLocks(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*
 		}
 		if msg, _ := v[1].(string); l.Type == "" {
 			l.Type = MessageType(msg)
+		}
+		if l.Type == "" && l.Bounded() {
+			l.Type = l.WaitType() // the owner is gone; a counted lock still names its type
 		}
 		l.TaskState = s
 	}

@@ -21,7 +21,7 @@ type ReleaseResult struct {
 // lock's entry in its type's waiting set.
 func ReleaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock) (ReleaseResult, error) {
 	idx := k.Index(l.Queue, l.Owner)
-	keys := []string{l.Key, idx, k.Wait(l.Queue, l.Type)}
+	keys := []string{l.Key, idx, k.Wait(l.Queue, l.WaitType())}
 	v, err := scripts().release.Run(ctx, c, keys, l.OwnerStored(), l.FP).Result()
 	if err != nil {
 		return ReleaseResult{}, err

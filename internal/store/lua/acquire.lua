@@ -35,6 +35,7 @@
 -- ARGV[14] most keys of the type waiting in the queue, '0' for no bound ['0']
 -- ARGV[15] ID for a new follow-up (defer) ['']
 -- ARGV[16] how long a new follow-up stays parked, integer seconds ['0']
+-- ARGV[17] the task type, given with ARGV[14] ['']
 --
 -- Reply (holder and f: the lock's owner as stored and its follow-up after
 -- the call, for the caller's hints):
@@ -46,7 +47,8 @@
 --   {4, target, payload, ver, holder, f}  merge: the caller merges and calls coalesce
 --   {5, followup, holder, f}           follow-up task created for the running holder
 --   {6, holder}                        held by a task not stored in asynq yet: try again shortly
---   {7}                                ARGV[7] given, but task ARGV[2] already exists in asynq
+--   {7}                                the caller-chosen ID ARGV[2] is another task's (its
+--                                      index names another key, or ARGV[7] given and the task exists)
 --   {8, waiting}                       refused: ARGV[14] keys already waiting
 --   {11, lacking, holder, f}           nothing done: call again with the keys of these roles
 --   {-1, reason}                       asynq's task record is not what this expects
@@ -86,8 +88,11 @@ end
 local fp = A[10] or ''
 -- take takes the free key for the new task (and stores the task, given msg).
 local function take()
-  if K.I and msg ~= '' and call('EXISTS', K.T) == 1 then
-    return {7}
+  if K.I then -- a caller-chosen ID: it may be another task's
+    local cur = call('GET', K.I)
+    if (cur and cur ~= fp) or (msg ~= '' and call('EXISTS', K.T) == 1) then
+      return {7}
+    end
   end
   local max = tonumber(A[14] or '0')
   local fields = {'id', stored, 'c', now}
@@ -99,7 +104,7 @@ local function take()
     end
     call('ZADD', K.W, now_ms + tonumber(ttl), fp)
     fields[#fields + 1] = 'b'
-    fields[#fields + 1] = '1'
+    fields[#fields + 1] = A[17] -- the type: where the lock is counted
   end
   if running ~= 'x' then
     fields[#fields + 1] = 'rp'

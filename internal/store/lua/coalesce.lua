@@ -19,9 +19,11 @@ if (rec[4] or '0') ~= ARGV[4] then
 end
 if ARGV[3] == '1' then
   if rec[3] ~= ARGV[1] then return {0} end
-elseif rec[3] or (rec[1] ~= ARGV[2] and rec[1] ~= ARGV[1]) or rec[2] then
+elseif (rec[1] ~= ARGV[2] and rec[1] ~= ARGV[1]) or rec[2] then
   return {0}
 end
+-- (A follow-up pointer of a holder that waits is stale: the follow-up is
+-- gone, and acquire named the holder. Any change bumps n or the owner.)
 local t = call('HMGET', KEYS[2], 'state', 'msg')
 local state = t[1]
 if not waiting(state) then

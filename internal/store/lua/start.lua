@@ -41,6 +41,9 @@ if holder and holder ~= stored and holder ~= id then
     return {0, holder} -- an orphan owed a follow-up: acquire or the follow-up settles it
   end
   call('DEL', K.L, K.J)
+  if rec[4] then
+    call('ZREM', K.W, fp) -- (counted under this type: the lock is this key's)
+  end
   holder = false
   rec = {}
 end

@@ -13,7 +13,7 @@ if (rec[1] ~= ARGV[1] and rec[1] ~= ARGV[3]) or rec[2] then
   return 0
 end
 call('DEL', KEYS[1])
-if KEYS[3] then
+if KEYS[3] and call('GET', KEYS[3]) == ARGV[2] then -- the ID's index, if it leads here
   call('DEL', KEYS[3])
 end
 if rec[3] then

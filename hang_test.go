@@ -1,0 +1,250 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+)
+
+// hungDedup is a Dedup whose Redis calls go through a stall proxy, with
+// go-redis's default options (ReadTimeout 3 s, MaxRetries 3) unless tweak
+// changes them.
+func hungDedup(t *testing.T, cfg Config, tweak func(*redis.Options)) (*stallProxy, *Dedup, *harness) {
+	t.Helper()
+	needRealRedis(t)
+	proxy := newStallProxy(t, redistest.Addr())
+	o := &redis.Options{Addr: proxy.addr(), PoolSize: 8}
+	if tweak != nil {
+		tweak(o)
+	}
+	lrdb := redis.NewClient(o)
+	t.Cleanup(func() { _ = lrdb.Close() })
+	if cfg.LockTimeout == 0 {
+		cfg.LockTimeout = 100 * time.Millisecond
+	}
+	cfg.Logger = quietLogger()
+	h := newHarness(t, Config{})
+	cfg.Prefix = h.prefix
+	d, err := New(context.Background(), lrdb, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return proxy, d, h
+}
+
+// Close after a hung Redis: lock calls each gave up at LockTimeout, but
+// Close must not wait for go-redis's own timeouts (the batcher's senders
+// are stuck in a read that ignores the context without
+// ContextTimeoutEnabled).
+func TestCloseReturnsWhileRedisHangs(t *testing.T) {
+	proxy, d, h := hungDedup(t, Config{BreakerThreshold: -1}, nil)
+	c := d.WrapClient(h.asynq)
+	if _, err := c.Enqueue(userTask(0, ""), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	proxy.stall()
+	var wg sync.WaitGroup
+	for i := 1; i <= 8; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			start := time.Now()
+			_, err := c.Enqueue(userTask(i, ""), asynq.Queue(h.queue))
+			if !errors.Is(err, ErrUnavailable) {
+				t.Errorf("call %d while hung: %v, want ErrUnavailable", i, err)
+			}
+			if el := time.Since(start); el > time.Second {
+				t.Errorf("call %d took %v with LockTimeout 100ms", i, el)
+			}
+		}()
+	}
+	wg.Wait()
+	start := time.Now()
+	_ = d.Close()
+	if el := time.Since(start); el > time.Second {
+		t.Errorf("Close took %v while Redis hung (LockTimeout 100ms): it waits for the batcher's senders stuck in go-redis reads", el)
+	}
+	proxy.resume()
+}
+
+// Heartbeat and settle through a hung Redis: no race, no leak; after the
+// hang the running lock is renewed again and released at the end.
+func TestHeartbeatRecoversAfterHang(t *testing.T) {
+	ignore := goleak.IgnoreCurrent()
+	t.Cleanup(func() { // after every other cleanup (the harness's Dedup, the proxy)
+		time.Sleep(200 * time.Millisecond)
+		goleak.VerifyNone(t, ignore, goleak.IgnoreTopFunction("internal/poll.runtime_pollWait"))
+	})
+	proxy, d, h := hungDedup(t, Config{Lease: 600 * time.Millisecond, BreakerThreshold: 2,
+		BreakerBackoff: Backoff{Min: 50 * time.Millisecond, Max: 100 * time.Millisecond}}, func(o *redis.Options) { o.MaxRetries = -1 })
+	release := make(chan struct{})
+	running := make(chan string, 1)
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 2, Queues: map[string]int{h.queue: 1},
+		LogLevel: asynq.FatalLevel, TaskCheckInterval: 20 * time.Millisecond, IsFailure: IsFailure})
+	if err := srv.Start(d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		running <- id
+		<-release
+		return nil
+	}))); err != nil {
+		t.Fatal(err)
+	}
+	c := d.WrapClient(h.asynq)
+	task := userTask(1, "")
+	info, err := c.Enqueue(task, asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, running, "handler")
+	key := h.keyOf(task, h.queue)
+	proxy.stall()
+	time.Sleep(400 * time.Millisecond) // beats fail; lease (600ms) not yet lapsed in Redis
+	proxy.resume()
+	time.Sleep(500 * time.Millisecond) // beats succeed again
+	if owner := h.lockOwner(key); owner != info.ID {
+		t.Errorf("after the hang the running lock is owned by %q, want %s (heartbeat did not resume)", owner, info.ID)
+	}
+	close(release)
+	eventually(t, "released", func() bool { return h.lockOwner(key) == "" })
+	srv.Shutdown()
+	_ = d.Close()
+	if s := d.Stats(); s.Released != 1 || s.LockLost != 0 {
+		t.Errorf("stats %+v", s)
+	}
+}
+
+// Everything at once through a Redis that keeps hanging and answering:
+// enqueues (batched), WaitHolder (Foreign), FlushStats (Pipelined), the
+// heartbeat. Under -race: no data race; every error matches ErrUnavailable
+// (or is a duplicate / the caller's deadline); no goroutine survives Close
+// once Redis answers again.
+func TestFlappingRedisNoRaceNoLeak(t *testing.T) {
+	ignore := goleak.IgnoreCurrent()
+	t.Cleanup(func() {
+		time.Sleep(300 * time.Millisecond)
+		goleak.VerifyNone(t, ignore, goleak.IgnoreTopFunction("internal/poll.runtime_pollWait"))
+	})
+	for _, ctxTimeouts := range []bool{false, true} {
+		proxy, d, h := hungDedup(t, Config{LockTimeout: 80 * time.Millisecond, Lease: 300 * time.Millisecond, BreakerThreshold: 3,
+			BreakerBackoff: Backoff{Min: 20 * time.Millisecond, Max: 80 * time.Millisecond}}, func(o *redis.Options) {
+			o.ContextTimeoutEnabled = ctxTimeouts
+			o.MaxRetries = -1
+			o.ReadTimeout = 300 * time.Millisecond
+		})
+		c := d.WrapClient(h.asynq)
+		dc := d.NewClient()
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		var bad []error
+		report := func(err error) {
+			if err == nil || errors.Is(err, ErrUnavailable) || errors.Is(err, ErrDuplicateTask) || errors.Is(err, ErrResultUnavailable) ||
+				errors.Is(err, context.DeadlineExceeded) || errors.Is(err, asynq.ErrTaskIDConflict) {
+				return
+			}
+			mu.Lock()
+			bad = append(bad, err)
+			mu.Unlock()
+		}
+		for g := range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; ; i++ {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					cl := c
+					if g%2 == 0 {
+						cl = dc
+					}
+					_, err := cl.Submit(context.Background(), userTask(i%20, ""), asynq.Queue(h.queue), OnConflict(Replace))
+					report(err)
+					var dup *DuplicateTaskError
+					if errors.As(err, &dup) && i%5 == 0 {
+						ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+						_, werr := d.WaitHolder(ctx, dup)
+						cancel()
+						report(werr)
+					}
+					if i%10 == 0 {
+						report(d.FlushStats(context.Background()))
+					}
+				}
+			}()
+		}
+		for range 10 {
+			proxy.stall()
+			time.Sleep(60 * time.Millisecond)
+			proxy.resume()
+			time.Sleep(60 * time.Millisecond)
+		}
+		close(stop)
+		wg.Wait()
+		_ = d.Close()
+		for _, err := range bad {
+			t.Errorf("ctxTimeouts=%v: unexpected error %v", ctxTimeouts, err)
+		}
+	}
+}
+
+// replyDelayProxy forwards requests at once and holds replies back for
+// delay: Redis runs every command, the client sees the answer late.
+type replyDelayProxy struct {
+	l      net.Listener
+	target string
+	delay  atomic.Int64
+}
+
+func newReplyDelayProxy(t *testing.T, target string) *replyDelayProxy {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &replyDelayProxy{l: l, target: target}
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			go func() { _, _ = io.Copy(up, c); up.Close() }()
+			go func() {
+				buf := make([]byte, 32<<10)
+				for {
+					n, err := up.Read(buf)
+					if n > 0 {
+						time.Sleep(time.Duration(p.delay.Load()))
+						if _, werr := c.Write(buf[:n]); werr != nil {
+							return
+						}
+					}
+					if err != nil {
+						c.Close()
+						return
+					}
+				}
+			}()
+		}
+	}()
+	t.Cleanup(func() { l.Close() })
+	return p
+}
