@@ -69,7 +69,7 @@
 -- it too, and the heal grace is far wider than any sane clock skew.
 local A = ARGV
 local policy, running = string.sub(A[1], 1, 1), string.sub(A[1], 2, 2)
-K.L = KEYS[1] -- the lock comes first; the other roles are read after the fast rejection
+-- (K.L is the lock; the other roles are read after the fast rejection.)
 local id, stored, ttl, msg = A[2], A[3], A[6], A[7]
 local now_ms = tonumber(A[4])
 local now = (now_ms - now_ms % 1000) / 1000
@@ -95,7 +95,7 @@ local function take()
     end
   end
   local max = tonumber(A[14] or '0')
-  local fields = {'id', stored, 'c', now}
+  local fields = (max > 0 or running ~= 'x') and {'id', stored, 'c', now} -- else the plain record below
   if max > 0 then
     call('ZREMRANGEBYSCORE', K.W, '-inf', now_ms)
     local n = call('ZCARD', K.W)
@@ -121,7 +121,11 @@ local function take()
       call('LPUSH', K.P, id)
     end
   end
-  call('HSET', K.L, unpack(fields))
+  if fields then
+    call('HSET', K.L, unpack(fields))
+  else
+    call('HSET', K.L, 'id', stored, 'c', now)
+  end
   call('PEXPIRE', K.L, ttl)
   if K.I then
     call('SET', K.I, fp, 'PX', ttl)
