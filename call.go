@@ -192,7 +192,7 @@ func (c *Client) prepareDirect(ctx context.Context, k *call) {
 	if c.d.store.PublishQueue(ctx, k.queue) != nil {
 		return // asynq's client registers it
 	}
-	k.acquire.Message = m
+	k.acquire.Direct, k.acquire.Message = true, *m // a copy: a pointer into k would move k to the heap
 	if k.scheduled() {
 		k.acquire.DueAt = k.processAt.Unix()
 	}

@@ -29,11 +29,15 @@ type Acquire struct {
 	TTL       time.Duration // the lock's lifetime while its task waits
 	Now       time.Time     // the producer's clock
 
-	Message    *Message // the new task, stored with a taken lock (the direct path); nil: the caller enqueues
-	DueAt      int64    // for Message: unix seconds it is due; 0: pending now
-	MaxPending int      // most keys of the type waiting in the queue; 0: no bound
-	Payload    []byte   // the new payload, for FoldReplace and a follow-up
-	FollowID   string   // ID of a follow-up created for a running holder (RunDefer)
+	// Direct: store Message, the new task, with a taken lock (the direct
+	// path); false: the caller enqueues. A value rather than a pointer, so
+	// that a caller's Acquire holding it stays on the caller's stack.
+	Direct     bool
+	Message    Message
+	DueAt      int64  // for Message: unix seconds it is due; 0: pending now
+	MaxPending int    // most keys of the type waiting in the queue; 0: no bound
+	Payload    []byte // the new payload, for FoldReplace and a follow-up
+	FollowID   string // ID of a follow-up created for a running holder (RunDefer)
 }
 
 // AcquireResult is what acquire did.
@@ -163,7 +167,7 @@ func (a *Acquire) folds() bool { return a.OnWaiting != FoldReject || a.FollowID 
 // (if the key turns out free, the lock is taken without it and the task is
 // enqueued through asynq's client: AcquireResult.Stored is false).
 func (a *Acquire) sendsMessage(h *hint) bool {
-	return a.Message != nil && (h.holder == "" || a.Ref.Indexed) // a caller-chosen ID is checked against asynq's tasks
+	return a.Direct && (h.holder == "" || a.Ref.Indexed) // a caller-chosen ID is checked against asynq's tasks
 }
 
 // args lays out ARGV; the optional arguments go only as far as the last

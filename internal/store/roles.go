@@ -37,7 +37,7 @@ type keyList struct {
 	keys  []string
 
 	roleBuf [16]byte
-	keyBuf  [12]string
+	keyBuf  [8]string // the slow paths that pass more grow keys
 }
 
 func newKeyList(head ...byte) *keyList {
