@@ -6,6 +6,7 @@ import (
 	"reflect"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
@@ -37,9 +38,11 @@ type call struct {
 // compose reads the call's options into k: this package's apply to the
 // type's rule, asynq's are kept for asynq and read for what the lock needs.
 func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
-	if task == nil {
-		return fmt.Errorf("%w: nil task", ErrInvalidOption)
+	conflicting, err := checkTask(task)
+	if err != nil {
+		return err
 	}
+	k.conflicting = conflicting
 	k.task, k.typ, k.rule = task, task.Type(), c.d.ruleFor(task.Type())
 	k.pass = make([]asynq.Option, 0, len(opts)+1)
 	k.msg.Retry = store.DefaultMaxRetry
@@ -180,13 +183,14 @@ func (c *Client) prepareDirect(ctx context.Context, k *call) {
 	if !k.explicitQueue && k.queue != "default" {
 		return // the remembered queue came from NewTask options: asynq's path
 	}
-	if n, ok := taskOptsLen(k.task); !ok || n > 0 {
+	if opts, ok := taskOpts(k.task); !ok || len(opts) > 0 {
 		return
 	}
 	m := &k.msg
 	m.Type, m.Payload, m.Headers, m.ID, m.Queue = k.typ, k.task.Payload(), k.task.Headers(), k.ref.ID, k.queue
-	m.Retry = max(m.Retry, 0)
-	if m.Deadline.IsZero() && m.Timeout == 0 {
+	// As asynq's client: neither a timeout nor a deadline (zero, or the
+	// Unix epoch exactly) means the default timeout.
+	if (m.Deadline.IsZero() || m.Deadline.Equal(time.Unix(0, 0))) && m.Timeout == 0 {
 		m.Timeout = store.DefaultTimeout
 	}
 	if c.d.store.PublishQueue(ctx, k.queue) != nil {
@@ -207,11 +211,12 @@ func (k *call) storedInfo() *asynq.TaskInfo {
 	m := &k.msg
 	ti := &asynq.TaskInfo{
 		ID: m.ID, Queue: m.Queue, Type: m.Type, Payload: m.Payload, Headers: m.Headers,
-		MaxRetry: m.Retry, Timeout: m.Timeout, Retention: m.Retention,
+		// asynq stores whole seconds, and returns what it stored.
+		MaxRetry: m.Retry, Timeout: m.Timeout / time.Second * time.Second, Retention: m.Retention / time.Second * time.Second,
 		State: asynq.TaskStatePending, NextProcessAt: time.Now(),
 	}
-	if !m.Deadline.IsZero() {
-		ti.Deadline = time.Unix(m.Deadline.Unix(), 0)
+	if sec := m.Deadline.Unix(); !m.Deadline.IsZero() && sec != 0 {
+		ti.Deadline = time.Unix(sec, 0)
 	}
 	if k.scheduled() {
 		ti.State, ti.NextProcessAt = asynq.TaskStateScheduled, k.processAt
@@ -219,13 +224,41 @@ func (k *call) storedInfo() *asynq.TaskInfo {
 	return ti
 }
 
-// taskOptsLen reads the length of asynq.Task's unexported opts (options
-// given to NewTask). ok is false if the field is not there (a changed
-// asynq): then the direct path is never taken.
-func taskOptsLen(t *asynq.Task) (n int, ok bool) {
-	f := reflect.ValueOf(t).Elem().FieldByName("opts")
-	if !f.IsValid() || f.Kind() != reflect.Slice {
-		return 0, false
+// checkTask refuses, before any lock is taken, a task asynq's client would
+// refuse. It returns the asynq option among those given to NewTask that
+// deduplication cannot honour (Unique, Group), if any.
+func checkTask(t *asynq.Task) (conflicting string, err error) {
+	if t == nil {
+		return "", fmt.Errorf("%w: nil task", ErrInvalidOption)
 	}
-	return f.Len(), true
+	if strings.TrimSpace(t.Type()) == "" {
+		return "", fmt.Errorf("%w: blank task type", ErrInvalidOption)
+	}
+	opts, _ := taskOpts(t)
+	for _, o := range opts {
+		switch v, _ := o.Value().(string); o.Type() {
+		case asynq.QueueOpt:
+			if strings.TrimSpace(v) == "" {
+				return "", fmt.Errorf("%w: blank queue name in NewTask", ErrInvalidOption)
+			}
+		case asynq.TaskIDOpt:
+			if strings.TrimSpace(v) == "" {
+				return "", fmt.Errorf("%w: blank task ID in NewTask", ErrInvalidOption)
+			}
+		case asynq.UniqueOpt, asynq.GroupOpt:
+			conflicting = o.String() + " in NewTask"
+		}
+	}
+	return conflicting, nil
+}
+
+// taskOpts reads asynq.Task's unexported opts (options given to NewTask),
+// which asynq offers no way to see. ok is false if the field is not there
+// (a changed asynq): then the direct path is never taken.
+func taskOpts(t *asynq.Task) (opts []asynq.Option, ok bool) {
+	f := reflect.ValueOf(t).Elem().FieldByName("opts")
+	if !f.IsValid() || f.Type() != reflect.TypeFor[[]asynq.Option]() {
+		return nil, false
+	}
+	return *(*[]asynq.Option)(unsafe.Pointer(f.UnsafeAddr())), true
 }

@@ -130,7 +130,12 @@ func (c *Client) enqueueLocked(ctx context.Context, k *call) (Result, error) {
 	info, err := c.next.EnqueueContext(ctx, k.task, k.pass...)
 	if err != nil {
 		err = enqueueError(k.typ, err)
-		if !k.locked || k.self {
+		switch {
+		case !k.locked && k.acquire.Direct && errors.Is(err, asynq.ErrTaskIDConflict):
+			// Fail-open after an acquire that timed out but ran late and
+			// stored this very task.
+			return created(c.landedOr(ctx, k, err))
+		case !k.locked || k.self:
 			return Result{}, err
 		}
 		return created(c.rollback(ctx, k, err))
@@ -178,23 +183,9 @@ func created(info *asynq.TaskInfo, err error) (Result, error) {
 func (c *Client) rollback(ctx context.Context, k *call, enqErr error) (*asynq.TaskInfo, error) {
 	d := c.d
 	ctx = context.WithoutCancel(ctx)
-	queue, id := k.queue, k.ref.ID
-	v, err := d.store.Foreign(ctx, func() (any, error) { return d.insp.GetTaskInfo(queue, id) })
-	ti, _ := v.(*asynq.TaskInfo)
-	switch {
-	case err == nil:
-		if ti != nil && ti.Type == k.typ && bytes.Equal(ti.Payload, k.task.Payload()) {
-			d.count(k.typ, evLocked)
-			return ti, nil
-		}
-		// A different task has this (caller-chosen) ID: ours never landed.
-	case errors.Is(err, asynq.ErrTaskNotFound), errors.Is(err, asynq.ErrQueueNotFound):
-	default:
-		d.count(k.typ, evRedisError)
-		if errors.Is(enqErr, ErrUnavailable) {
-			return nil, enqErr
-		}
-		return nil, fmt.Errorf("%w: %w; whether it landed cannot be told: %w", ErrUnavailable, enqErr, err)
+	ti, err := c.landed(ctx, k, enqErr)
+	if ti != nil || err != nil {
+		return ti, err
 	}
 	if _, err := d.store.Unlock(ctx, &k.ref); err != nil {
 		d.count(k.typ, evRedisError)
@@ -203,6 +194,43 @@ func (c *Client) rollback(ctx context.Context, k *call, enqErr error) (*asynq.Ta
 		d.count(k.typ, evRollback)
 	}
 	return nil, enqErr
+}
+
+// landed tells whether the call's task is stored after a call that failed
+// with callErr may or may not have stored it: the task (nil if it is not
+// stored), or an error matching ErrUnavailable if that cannot be told.
+func (c *Client) landed(ctx context.Context, k *call, callErr error) (*asynq.TaskInfo, error) {
+	d := c.d
+	queue, id := k.queue, k.ref.ID
+	v, err := d.store.Foreign(context.WithoutCancel(ctx), func() (any, error) { return d.insp.GetTaskInfo(queue, id) })
+	ti, _ := v.(*asynq.TaskInfo)
+	switch {
+	case err == nil:
+		if ti != nil && ti.Type == k.typ && bytes.Equal(ti.Payload, k.task.Payload()) {
+			d.count(k.typ, evLocked)
+			return ti, nil
+		}
+		return nil, nil // a different task has this (caller-chosen) ID: ours never landed
+	case errors.Is(err, asynq.ErrTaskNotFound), errors.Is(err, asynq.ErrQueueNotFound):
+		return nil, nil
+	}
+	d.count(k.typ, evRedisError)
+	if errors.Is(callErr, ErrUnavailable) {
+		return nil, fmt.Errorf("%w (task %s): %w; asking whether it ran: %w", ErrOutcomeUnknown, id, callErr, err)
+	}
+	return nil, fmt.Errorf("%w: %w (task %s): %w; asking whether it ran: %w", ErrUnavailable, ErrOutcomeUnknown, id, callErr, err)
+}
+
+// landedOr returns the call's task if it is stored, else err.
+func (c *Client) landedOr(ctx context.Context, k *call, err error) (*asynq.TaskInfo, error) {
+	ti, lerr := c.landed(ctx, k, err)
+	switch {
+	case lerr != nil:
+		return nil, lerr
+	case ti == nil:
+		return nil, err
+	}
+	return ti, nil
 }
 
 // enqueueError wraps an error from asynq's enqueue. asynq flattens Redis

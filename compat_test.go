@@ -38,7 +38,8 @@ func (d *Dedup) extend(ctx context.Context, ref *store.Ref, token string, ttl ti
 }
 
 func (d *Dedup) finish(ctx context.Context, ref *store.Ref, token string, release bool, hold, followTTL time.Duration) (bool, string, error) {
-	return d.store.Finish(ctx, &store.Finish{Ref: *ref, Token: token, Release: release, Hold: hold, FollowTTL: followTTL})
+	res, err := d.store.Finish(ctx, &store.Finish{Ref: *ref, Token: token, Release: release, Hold: hold, FollowTTL: followTTL})
+	return res.Owned, res.Follow, err
 }
 
 func statsTypesKey(prefix string) string { return store.NewKeys(prefix).StatsTypes() }

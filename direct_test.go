@@ -58,6 +58,13 @@ func TestDirectEnqueueMatchesAsynq(t *testing.T) {
 		{asynq.Deadline(deadline), asynq.Timeout(time.Minute), asynq.MaxRetry(0)},
 		{asynq.ProcessIn(time.Hour)},
 		{asynq.ProcessAt(time.Now().Add(3 * time.Hour))},
+		// Zero values and sub-second durations, stored as asynq's client stores them.
+		{asynq.Deadline(time.Unix(0, 0))},
+		{asynq.Deadline(time.Unix(0, 5e8))},
+		{asynq.Deadline(time.Time{}), asynq.Timeout(0)},
+		{asynq.Timeout(1500 * time.Millisecond), asynq.Retention(2500 * time.Millisecond)},
+		{asynq.Timeout(500 * time.Millisecond), asynq.Retention(time.Millisecond)},
+		{asynq.Deadline(deadline.Add(700 * time.Millisecond)), asynq.MaxRetry(-1)},
 	}
 	for i, opts := range combos {
 		t.Run(fmt.Sprint(i), func(t *testing.T) {
@@ -99,7 +106,10 @@ func TestDirectEnqueueMatchesAsynq(t *testing.T) {
 			if !reflect.DeepEqual(ti, want) {
 				t.Fatalf("Inspector sees\nasynq %+v\nours  %+v", want, ti)
 			}
-			if ours.State != theirs.State || ours.MaxRetry != theirs.MaxRetry || ours.Timeout != theirs.Timeout || !ours.Deadline.Equal(theirs.Deadline) || ours.Retention != theirs.Retention {
+			o, th2 := *ours, *theirs
+			o.ID, th2.ID = "", ""
+			o.NextProcessAt, th2.NextProcessAt = time.Time{}, time.Time{}
+			if !reflect.DeepEqual(o, th2) {
 				t.Fatalf("returned TaskInfo\nasynq %+v\nours  %+v", theirs, ours)
 			}
 		})

@@ -34,6 +34,14 @@ var (
 	// operation (fail-closed) or at start-up. It wraps the Redis error.
 	ErrUnavailable = errors.New("dedup: redis unavailable")
 
+	// ErrOutcomeUnknown reports an enqueue that may or may not have stored
+	// its task: a lock call that carried the task (Dedup.NewClient's direct
+	// path) failed after it was sent, and Redis could not be asked whether
+	// it ran. The error also matches ErrUnavailable; the call's task ID is
+	// in its text, and asynq's Inspector tells once Redis answers. FailOpen
+	// does not enqueue such a call again, which could store it twice.
+	ErrOutcomeUnknown = errors.New("dedup: outcome unknown: the task may have been stored")
+
 	// ErrCircuitOpen is the cause of a lock call refused without asking
 	// Redis, because Redis kept failing (see Config.BreakerThreshold). It is
 	// handled like any Redis error: wrapped in ErrUnavailable (fail-closed)

@@ -41,7 +41,7 @@ func (c *Client) lock(ctx context.Context, k *call) (Result, next, error) {
 	for {
 		res, err := c.d.store.Acquire(ctx, &k.acquire)
 		if err != nil {
-			return c.acquireFailed(ctx, k, err)
+			return c.acquireFailed(ctx, k, res.Sent, err)
 		}
 		out, n, err := c.outcome(ctx, k, res, &w)
 		if n != again {
@@ -52,9 +52,20 @@ func (c *Client) lock(ctx context.Context, k *call) (Result, next, error) {
 
 // acquireFailed decides what a failed acquire means: fail-closed, or
 // fail-open (the execution-time guard still locks the task).
-func (c *Client) acquireFailed(ctx context.Context, k *call, err error) (Result, next, error) {
+func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err error) (Result, next, error) {
 	if errors.Is(err, store.ErrMoving) {
 		return Result{}, done, fmt.Errorf("%w: %q: %w", ErrContention, k.typ, err)
+	}
+	if sent {
+		// The script may have run, and stored the task, after the call gave
+		// up on it: the answer must say what is stored.
+		ti, lerr := c.landed(ctx, k, unavailable("acquire", err))
+		if ti != nil {
+			return Result{Outcome: Created, TaskID: ti.ID, Info: ti}, done, nil
+		}
+		if lerr != nil { // even fail-open: enqueueing it again could store it twice
+			return Result{}, done, lerr
+		}
 	}
 	if !c.d.onRedisError(ctx, "acquire", k.typ, err) {
 		return Result{}, done, unavailable("acquire", err)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
@@ -25,10 +26,19 @@ var errPanicked = errors.New("dedup: handler panicked")
 //	asynq.SkipRetry, retries exhausted release (the task is archived)
 //	any other error, a panic           hold for RetryDelayFunc(n) + TTL
 //
+// Once the attempt's context has ended (Timeout or Deadline, CancelProcessing,
+// a lost lease, shutdown), asynq ignores what the handler returns and moves
+// the task on by itself; the lock then follows the task's record: held
+// while asynq will run it again (retry, requeued), released when it is
+// archived, and, while asynq has not written its decision yet, settled by
+// asynq's rule for that error.
+//
 // A task that arrives without a lock (asynq.Scheduler, another service, the
 // CLI) takes one when it starts, keyed by its type's rule; if another live
 // task holds that key it does not run now: it returns a *BusyError (retried
-// later; see IsFailure) or, with Config.SkipBusy, nil.
+// later; see IsFailure) or, with Config.SkipBusy, nil. On its last attempt,
+// where asynq would archive it, a copy of it (same message, new ID) is
+// scheduled one Lease later instead and the attempt returns nil.
 //
 // Release happens just before asynq marks the task done: if that last step
 // fails, asynq runs the task again while a duplicate may have been accepted.
@@ -63,7 +73,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	case st.Status == store.StatusAllowed:
 		return next.ProcessTask(ctx, t) // RunningAllow: the key was freed as the task started
 	case st.Status != store.StatusTaken:
-		return d.busy(t, l, st.Holder)
+		return d.busy(ctx, t, l, st.Holder)
 	}
 	d.count(t.Type(), evStarted)
 	l.follow = st.Follow
@@ -79,14 +89,30 @@ func (d *Dedup) unlocked(ctx context.Context, op string, t *asynq.Task, next asy
 	return unavailable(op, err)
 }
 
-// busy answers a task whose key another live task holds.
-func (d *Dedup) busy(t *asynq.Task, l *lease, holder string) error {
+// busy answers a task whose key another live task holds: retried later
+// (a BusyError, which IsFailure does not count), or dropped with SkipBusy.
+// On its last attempt asynq would archive it whatever the error, so a copy
+// of it is scheduled instead, due in one Lease, and this attempt succeeds.
+func (d *Dedup) busy(ctx context.Context, t *asynq.Task, l *lease, holder string) error {
 	d.count(t.Type(), evBusy)
 	if d.cfg.SkipBusy {
 		d.log.Info("dedup: skipped task, key held by another task", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
 		return nil
 	}
-	return &BusyError{TaskID: l.ref.ID, Holder: holder, Key: d.lockKey(&l.ref)}
+	berr := &BusyError{TaskID: l.ref.ID, Holder: holder, Key: d.lockKey(&l.ref)}
+	n, _ := asynq.GetRetryCount(ctx)
+	max, _ := asynq.GetMaxRetry(ctx)
+	if n < max {
+		return berr
+	}
+	id := store.NewAgainID()
+	ok, err := d.store.Again(ctx, l.ref.Queue, l.ref.ID, id, time.Now().Add(d.cfg.Lease))
+	if err != nil || !ok {
+		d.log.Warn("dedup: busy task on its last attempt could not be scheduled again; asynq archives it", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", err))
+		return berr
+	}
+	d.log.Info("dedup: busy task on its last attempt scheduled again as a copy", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("copy", id), slog.String("holder", holder))
+	return nil
 }
 
 // run runs the handler under the heartbeat and settles the lock after it,
@@ -110,40 +136,52 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 	return err
 }
 
-// settle releases the lock or holds it for the retry, by asynq's rules for
-// what follows the attempt. Its errors never fail the task.
+// settle releases the lock or holds it for the task's next run, by asynq's
+// rules for what follows the attempt. Its errors never fail the task.
 func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error, live bool) {
-	f := &store.Finish{Ref: l.ref, Token: l.token, Release: true, FollowTTL: d.ttlOf(r), Follow: l.follow}
-	if err != nil && !errors.Is(err, asynq.RevokeTask) && !errors.Is(err, asynq.SkipRetry) {
-		n, _ := asynq.GetRetryCount(ctx)
-		max, _ := asynq.GetMaxRetry(ctx)
-		// A context cancelled before its deadline means asynq gave the task up
-		// (shutdown puts it back in the queue, retries unchanged) or expired its
-		// lease: it may run again even if this was the last retry, so hold.
-		if n < max || errors.Is(ctx.Err(), context.Canceled) {
-			f.Release = false
-			f.Hold = d.cfg.RetryDelayFunc(n, err, t) + d.ttlOf(r)
-		}
-	}
 	d.count(t.Type(), evProcessed)
-	ok, follow, ferr := d.store.Finish(context.WithoutCancel(ctx), f)
+	res, ferr := d.store.Finish(context.WithoutCancel(ctx), d.finishOf(ctx, t, r, l, err))
 	switch {
 	case ferr != nil:
 		d.count(t.Type(), evRedisError)
 		d.log.Warn("dedup: could not settle lock; it expires within one lease", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", ferr))
-	case !ok:
+	case !res.Owned:
 		if live { // else the heartbeat already reported it
 			d.count(t.Type(), evLockLost)
 		}
 		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID))
-	case f.Release:
-		d.count(t.Type(), evReleased)
-		if follow != "" {
-			d.log.Debug("dedup: follow-up released", slog.String("type", t.Type()), slog.String("task_id", follow))
-		}
-	default:
+	case res.Held:
 		d.count(t.Type(), evHeld)
+	default:
+		d.count(t.Type(), evReleased)
+		if res.Follow != "" {
+			d.log.Debug("dedup: follow-up released", slog.String("type", t.Type()), slog.String("task_id", res.Follow))
+		}
 	}
+}
+
+// finishOf describes the end of an attempt as asynq sees it (processor.go):
+// a revoked task is done; a SkipRetry or an error on the last retry
+// archives it; any other error means a retry. Once the attempt's context
+// has ended, asynq has given the attempt up (deadline, CancelProcessing, a
+// lost lease, shutdown) and ignores what the handler returns: it retries,
+// archives or requeues the task by itself, and its record decides.
+func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error) *store.Finish {
+	f := &store.Finish{Ref: l.ref, Token: l.token, Release: true, FollowTTL: d.ttlOf(r), Follow: l.follow}
+	if cerr := ctx.Err(); cerr != nil {
+		f.GivenUp = true
+		err = cerr
+	}
+	if err == nil || errors.Is(err, asynq.RevokeTask) || errors.Is(err, asynq.SkipRetry) {
+		return f
+	}
+	n, _ := asynq.GetRetryCount(ctx)
+	max, _ := asynq.GetMaxRetry(ctx)
+	// The hold is needed for a retry, and for a task shutdown put back
+	// (finish learns that from the record, whatever the count).
+	f.Hold = d.cfg.RetryDelayFunc(n, err, t) + d.ttlOf(r)
+	f.Release = n >= max
+	return f
 }
 
 // resolve finds the lock of the task being run, or nil for none.

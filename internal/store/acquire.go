@@ -56,6 +56,9 @@ type AcquireResult struct {
 	Reason   string // StatusBroken
 	Lock     string // the lock's key
 	Stored   bool   // StatusTaken: the task (Acquire.Message) was stored with the lock
+	// Sent: with an error, the failed call carried the task to store with
+	// the lock (Acquire.Direct), so it may be stored.
+	Sent bool
 }
 
 // ErrMoving reports a lock whose holder changed every time a script asked
@@ -80,7 +83,7 @@ func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) 
 		keys, args := a.build(s, lock, &h, n > 0)
 		v, err := s.run(ctx, s.sc.acquire, keys, args...)
 		if err != nil {
-			return AcquireResult{}, err
+			return AcquireResult{Sent: a.sendsMessage(&h) && !errors.Is(err, s.cfg.ErrCircuitOpen)}, err
 		}
 		rep, err := parseReply(v)
 		if err != nil {
@@ -106,7 +109,7 @@ func (a *Acquire) replacesKnownHolder(h *hint) bool {
 // replace runs the replace script (lua/replace.lua); done is false when it
 // did not apply and acquire must run.
 func (s *Store) replace(ctx context.Context, a *Acquire, lock string, h *hint) (AcquireResult, bool, error) {
-	v, err := s.run(ctx, s.sc.replace, []string{lock, h.holderTask}, h.holder, payloadField(a.Payload))
+	v, err := s.run(ctx, s.sc.replace, []string{lock, h.holderTask}, h.holder, payloadField(a.Payload), typeField(a.Ref.Type))
 	if err != nil {
 		return AcquireResult{}, false, err
 	}
@@ -183,7 +186,7 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint) []any {
 	args[4], args[5], args[6] = s.graceSeconds(), ms(a.TTL), msg
 	n := 0
 	switch {
-	case a.MaxPending > 0:
+	case a.MaxPending > 0 || a.folds(): // a fold checks the type
 		n = 10
 	case a.FollowID != "":
 		n = 9
@@ -195,8 +198,6 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint) []any {
 		n = 3
 	case h.holder != "":
 		n = 2
-	case len(a.Payload) > 0 && a.OnWaiting == FoldReplace:
-		n = 1
 	}
 	if n == 0 {
 		return args

@@ -109,6 +109,14 @@ func appendPayloadField(b, p []byte) []byte {
 	return protowire.AppendBytes(b, p)
 }
 
+// typeField is a TaskMessage's encoded type field, which asynq's messages
+// begin with: a script compares a stored message's first bytes with it to
+// fold only into a task of the same type.
+func typeField(typ string) []byte {
+	b := protowire.AppendTag(make([]byte, 0, len(typ)+3), fieldType, protowire.BytesType)
+	return protowire.AppendString(b, typ)
+}
+
 // MessageType returns the task type of a stored TaskMessage, or "" if msg
 // is not one.
 func MessageType(msg string) string {

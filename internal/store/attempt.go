@@ -157,11 +157,23 @@ type Finish struct {
 	Hold      time.Duration // for a hold: the lock's lifetime
 	FollowTTL time.Duration // a released follow-up's lock lifetime
 	Follow    string        // the follow-up the lock owes, if known (StartResult.Follow)
+	// GivenUp: asynq gave the attempt up (its context ended), so the
+	// handler's result does not count. The task's own record decides once
+	// asynq has moved it on (waiting: hold; archived, completed or gone:
+	// release); Release is the guess for while it still reads active.
+	GivenUp bool
 }
 
-// Finish runs the finish script. It reports whether the attempt still owned
-// the lock, and the follow-up that now holds it, if one was released.
-func (s *Store) Finish(ctx context.Context, f *Finish) (owned bool, follow string, err error) {
+// FinishResult is what finish did.
+type FinishResult struct {
+	Owned  bool   // the attempt still owned the lock; false: nothing done
+	Held   bool   // held for the task's next run; else released
+	Follow string // the follow-up the lock was released to, "" for none
+}
+
+// Finish runs the finish script, calling it again with the follow-up's
+// record if the lock owes one it was not told of.
+func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 	r := &f.Ref
 	mode := "hold"
 	if f.Release {
@@ -182,21 +194,43 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (owned bool, follow strin
 			kl.add(roleFollowTask, TaskKey(r.Queue, hintF))
 			stored = PackOwner(hintF, r.FP)
 		}
+		if f.GivenUp {
+			kl.add(roleOwner, TaskKey(r.Queue, r.ID))
+		}
 		v, err := s.run(ctx, s.sc.finish, kl.keys, kl.roleString(), r.stored(), f.Token, mode,
 			ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID)
 		if err != nil {
-			return false, "", err
+			return FinishResult{}, err
 		}
 		rep, err := parseReply(v)
 		if err != nil {
-			return false, "", err
+			return FinishResult{}, err
 		}
 		switch {
 		case rep.status != statusNeed:
-			return rep.status == StatusTaken, rep.str(0), nil
+			return FinishResult{Owned: rep.status == StatusTaken, Follow: rep.str(0), Held: rep.str(1) == "held"}, nil
 		case n == maxNeeds:
-			return false, "", fmt.Errorf("%w: %s", ErrMoving, kl.keys[0])
+			return FinishResult{}, fmt.Errorf("%w: %s", ErrMoving, kl.keys[0])
 		}
 		hintF = rep.str(1)
 	}
+}
+
+// Again stores a copy of a running task under a new ID, due at a later
+// time (lua/again.lua): for a task asynq would archive on its last attempt
+// for a reason that is no failure of its own. It reports false if the
+// task's record is gone.
+func (s *Store) Again(ctx context.Context, queue, id, newID string, due time.Time) (bool, error) {
+	v, err := s.run(ctx, s.sc.again, []string{TaskKey(queue, id), TaskKey(queue, newID), ScheduledKey(queue)}, newID, due.Unix())
+	if err != nil {
+		return false, err
+	}
+	rep, err := parseReply(v)
+	if err != nil {
+		return false, err
+	}
+	if rep.status == StatusBroken {
+		return false, fmt.Errorf("dedup: task %s: %s", id, rep.str(0))
+	}
+	return rep.status == StatusTaken, nil
 }

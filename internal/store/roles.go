@@ -26,6 +26,7 @@ const (
 	roleHolder      = 'H' // asynq record of the lock's holder
 	roleHolderIndex = 'J' // index key of the lock's holder
 	roleFollowTask  = 'G' // asynq record of the lock's follow-up
+	roleOwner       = 'O' // asynq record of the attempt's own task
 )
 
 // keyList is a script's KEYS with the role letter of each, after a head

@@ -38,6 +38,8 @@ var (
 	replaceSrc string
 	//go:embed lua/release.lua
 	releaseSrc string
+	//go:embed lua/again.lua
+	againSrc string
 )
 
 // CheckKeysEnv, when set in the environment of a process that creates a
@@ -48,11 +50,11 @@ const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
 
 // scriptSet holds the scripts, in one of two builds.
 type scriptSet struct {
-	acquire, replace, start, extend, finish, unlock, coalesce, release *redis.Script
+	acquire, replace, start, extend, finish, unlock, coalesce, release, again *redis.Script
 }
 
 func (s *scriptSet) all() []*redis.Script {
-	return []*redis.Script{s.acquire, s.replace, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release}
+	return []*redis.Script{s.acquire, s.replace, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release, s.again}
 }
 
 var (
@@ -72,7 +74,7 @@ func buildScripts(checked bool) *scriptSet {
 	b := func(src string) *redis.Script { return redis.NewScript(source(src, checked)) }
 	return &scriptSet{
 		acquire: b(acquireSrc), replace: b(replaceSrc), start: b(startSrc), extend: b(extendSrc), finish: b(finishSrc),
-		unlock: b(unlockSrc), coalesce: b(coalesceSrc), release: b(releaseSrc),
+		unlock: b(unlockSrc), coalesce: b(coalesceSrc), release: b(releaseSrc), again: b(againSrc),
 	}
 }
 
@@ -110,12 +112,12 @@ func LibScript(body string) *redis.Script { return redis.NewScript(source(libMar
 
 // ScriptHash is the SHA1 by which Redis knows the script of an operation
 // ("acquire", "replace", "start", "extend", "finish", "unlock", "coalesce",
-// "release"), in the build a Store created now uses; for tests that count
+// "release", "again"), in the build a Store created now uses; for tests that count
 // commands.
 func ScriptHash(op string) string {
 	sc := scripts()
 	m := map[string]*redis.Script{"acquire": sc.acquire, "replace": sc.replace, "start": sc.start, "extend": sc.extend, "finish": sc.finish,
-		"unlock": sc.unlock, "coalesce": sc.coalesce, "release": sc.release}
+		"unlock": sc.unlock, "coalesce": sc.coalesce, "release": sc.release, "again": sc.again}
 	if s, ok := m[op]; ok {
 		return s.Hash()
 	}

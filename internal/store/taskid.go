@@ -12,12 +12,14 @@ import (
 //
 //	dd-<16 or 32 hex fingerprint>-<20 hex random>   locked at enqueue
 //	dx-<20 hex random>                              opted out at enqueue
+//	da-<20 hex random>                              a busy arrival's copy (Again)
 //
 // A task enqueued under a caller-chosen ID has an index key (Keys.Index)
 // holding its lock's fingerprint, or OptOutMark.
 const (
 	lockedIDPrefix  = "dd-"
 	optOutIDPrefix  = "dx-"
+	againIDPrefix   = "da-"
 	randomHexDigits = 20
 )
 
@@ -42,6 +44,16 @@ func NewOptOutID() string {
 	var b [len(optOutIDPrefix) + randomHexDigits]byte
 	copy(b[:], optOutIDPrefix)
 	randomHex(b[len(optOutIDPrefix):])
+	return string(b[:])
+}
+
+// NewAgainID returns a fresh task ID for the copy Again stores: like an ID
+// that came from outside, it carries no lock, so the copy is guarded when
+// it starts.
+func NewAgainID() string {
+	var b [len(againIDPrefix) + randomHexDigits]byte
+	copy(b[:], againIDPrefix)
+	randomHex(b[len(againIDPrefix):])
 	return string(b[:])
 }
 

@@ -35,7 +35,8 @@
 -- ARGV[14] most keys of the type waiting in the queue, '0' for no bound ['0']
 -- ARGV[15] ID for a new follow-up (defer) ['']
 -- ARGV[16] how long a new follow-up stays parked, integer seconds ['0']
--- ARGV[17] the task type, given with ARGV[14] ['']
+-- ARGV[17] the task type, given with ARGV[14] and whenever the call may fold: a
+--          payload only lands in a task of its own type ['']
 --
 -- Reply (holder and f: the lock's owner as stored and its follow-up after
 -- the call, for the caller's hints):
@@ -54,7 +55,8 @@
 --   {-1, reason}                       asynq's task record is not what this expects
 --
 -- A follow-up of a running task is a copy of its asynq record with the new
--- payload and a fresh ID (no retries used, no absolute deadline), parked in
+-- payload and a fresh ID (no retries used, no error; its options, the
+-- deadline included, as asynq's client stored them), parked in
 -- asynq's scheduled set; the heartbeat keeps it parked and the end of the
 -- run releases it (finish). The pointer F outlives the running lease by the
 -- parking time, so if the worker dies the key's next deferring enqueue
@@ -197,11 +199,18 @@ if fu then
   fstate, fmsg = read_task(K.G)
 end
 
+-- same_type reports whether a stored message is of the new task's type
+-- (asynq's messages begin with the type field).
+local function same_type(tmsg)
+  local tf = pb_str(1, A[17] or '')
+  return string.sub(tmsg, 1, #tf) == tf
+end
+
 -- coalesce folds the new payload into the waiting task t (record key tkey,
 -- state, message); ch and cf are the lock's holder and follow-up after it.
 local function coalesce(t, tkey, tstate, tmsg, ch, cf)
-  if policy == 'x' or not tmsg then
-    return {0, t, ch, cf}
+  if policy == 'x' or not tmsg or not same_type(tmsg) then
+    return {0, t, ch, cf} -- another type's task (a shared key): a duplicate
   end
   if policy == 'm' then
     local p = pb_bytes(tmsg, 2)
@@ -247,8 +256,11 @@ if live then
     end
     if lacks('NSF') then return need() end
     hmsg = hmsg or call('HGET', K.H, 'msg')
+    if hmsg and not same_type(hmsg) then
+      return {0, holder, holder, f or ''} -- another type's task: no follow-up of it
+    end
     local copy = hmsg and pb_rewrite(hmsg, {[2] = field, [3] = pb_str(3, follow),
-      [6] = '', [7] = '', [9] = '', [11] = '', [13] = ''})
+      [6] = '', [7] = '', [11] = '', [13] = ''})
     if not copy then return {-1, 'malformed task message'} end
     local park = tonumber(A[16] or '0')
     call('HSET', K.N, 'msg', copy, 'state', 'scheduled')

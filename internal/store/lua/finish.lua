@@ -4,10 +4,12 @@
 --   L  the lock; S, P  asynq scheduled set and pending list; F  the key's follow-up pointer   always
 --   I  index key of the task's caller-chosen ID                                               with a caller-chosen ID
 --   G  asynq record of the follow-up ARGV[8]                                                  when the lock owes one
+--   O  asynq record of the task ARGV[10]                                                      when asynq gave the attempt up
 -- ARGV[1]  the roles of KEYS, one letter each
 -- ARGV[2]  task ID, as lock records store it
 -- ARGV[3]  attempt token
--- ARGV[4]  'release' (success, revoked, final failure) or 'hold' (a retry follows)
+-- ARGV[4]  'release' (success, revoked, final failure) or 'hold' (a retry follows); with O,
+--          what follows if asynq has not moved the task on yet
 -- ARGV[5]  for 'hold': lifetime, integer milliseconds
 -- ARGV[6]  lock lifetime for a released follow-up, integer milliseconds
 -- ARGV[7]  how long a follow-up stays parked without a heartbeat, integer seconds
@@ -15,7 +17,8 @@
 -- ARGV[9]  ARGV[8] as lock records store it ['']
 -- ARGV[10] task ID (a lock of the earlier layout holds it whole)
 --
--- Reply: {1, ''}             released (or held)
+-- Reply: {1, ''}             released
+--        {1, '', 'held'}     held for the retry
 --        {1, followup}       released to the owed follow-up task, now pending and the lock's owner
 --        {0}                 not ours any more (another task or a newer attempt): untouched
 --        {11, 'G', followup} nothing done: call again with the follow-up's record
@@ -26,7 +29,19 @@ if (rec[1] ~= ARGV[2] and rec[1] ~= ARGV[10]) or rec[2] ~= ARGV[3] then
   return {0}
 end
 local f = rec[3]
-if ARGV[4] == 'release' then
+local mode = ARGV[4]
+if K.O then
+  -- asynq gave the attempt up (its context ended) and decides what follows
+  -- from its own signal, whatever the handler returned: once it has moved
+  -- the task on, its record is the truth.
+  local state = call('HGET', K.O, 'state')
+  if waiting(state) then
+    mode = 'hold'
+  elseif gone(state) then
+    mode = 'release'
+  end
+end
+if mode == 'release' then
   if f and (f ~= ARGV[8] or not K.G) then
     return {11, 'G', f}
   end
@@ -64,4 +79,4 @@ if f then
   call('ZADD', K.S, 'XX', now + hold_s + tonumber(ARGV[7]), f)
   call('PEXPIRE', K.F, (hold_s + tonumber(ARGV[7])) * 1000)
 end
-return {1, ''}
+return {1, '', 'held'}

@@ -8,6 +8,8 @@
 -- KEYS[2]  asynq record of the holder ARGV[1]
 -- ARGV[1]  the holder, as lock records store it
 -- ARGV[2]  the new payload as an encoded TaskMessage field 2 ('' when empty)
+-- ARGV[3]  the new task's type as an encoded TaskMessage field 1: a payload
+--          only lands in a task of its own type
 --
 -- Reply: {3, state}  replaced; state is the holder's asynq state
 --        {0}         not done: run acquire
@@ -21,7 +23,10 @@ local state = t[1]
 if state ~= 'pending' and state ~= 'scheduled' and state ~= 'retry' then
   return {0}
 end
-local new = t[2] and pb_splice(t[2], ARGV[2])
+if not t[2] or string.sub(t[2], 1, #ARGV[3]) ~= ARGV[3] then
+  return {0} -- (acquire answers a holder of another type: a duplicate)
+end
+local new = pb_splice(t[2], ARGV[2])
 if not new then
   return {0}
 end

@@ -1,0 +1,298 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// Promises that hold under what asynq really does to an attempt, rather
+// than what its handler returns (issue 11). Each runs on both enqueue
+// paths: WrapClient and NewClient's direct path.
+
+// bothPaths runs test once per enqueue path, on its own harness.
+func bothPaths(t *testing.T, cfg Config, test func(t *testing.T, h *harness)) {
+	t.Run("wrap", func(t *testing.T) { test(t, newHarness(t, cfg)) })
+	t.Run("direct", func(t *testing.T) {
+		h := newHarness(t, cfg)
+		h.client = h.d.NewClient()
+		test(t, h)
+	})
+}
+
+func counterRules(r Rule) Config {
+	r.Fields = []string{"key"}
+	return Config{Rules: map[string]Rule{"counter": r}}
+}
+
+// retryInAnHour keeps asynq's retry out of the test's way.
+func retryInAnHour(c *asynq.Config) {
+	c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return time.Hour }
+}
+
+// settled waits until the middleware has settled n attempts (held or released).
+func (h *harness) settled(n uint64) {
+	h.t.Helper()
+	eventually(h.t, "attempt settled", func() bool { s := h.d.Stats(); return s.Held+s.Released >= n })
+}
+
+// heldAfterGiveUp runs a task whose handler ignores its context and
+// returns nil once released; giveUp makes asynq give the attempt up and
+// waits until asynq has moved the task on. Then the key must still be held
+// by the task, which asynq will run again.
+func heldAfterGiveUp(t *testing.T, tweak func(*asynq.Config), opt asynq.Option, giveUp func(t *testing.T, h *harness, srv *asynq.Server, id string)) {
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		release := make(chan struct{})
+		rc := newRecorder(func(r run) error { <-release; return nil })
+		srv := h.serve(rc.handler(), tweak)
+		first := h.enqueue(counterTask("k", 1, 0), opt)
+		waitFor(t, rc.runs, "run")
+		giveUp(t, h, srv, first.ID)
+		close(release) // the handler reports success after asynq gave up on it
+		h.settled(1)
+		if dup := h.duplicateOf(counterTask("k", 1, 1)); dup.TaskID != first.ID {
+			t.Fatalf("duplicate of %s, want %s, which asynq runs again", dup.TaskID, first.ID)
+		}
+	})
+}
+
+func TestPromiseKeyHeldWhenHandlerSucceedsAfterTimeout(t *testing.T) {
+	heldAfterGiveUp(t, retryInAnHour, asynq.Timeout(time.Second), func(t *testing.T, h *harness, _ *asynq.Server, id string) {
+		eventually(t, "asynq retries the timed-out task", func() bool { return h.taskState(id) == asynq.TaskStateRetry })
+	})
+}
+
+func TestPromiseKeyHeldWhenHandlerSucceedsAfterCancelProcessing(t *testing.T) {
+	heldAfterGiveUp(t, retryInAnHour, asynq.MaxRetry(3), func(t *testing.T, h *harness, _ *asynq.Server, id string) {
+		if err := h.insp.CancelProcessing(id); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "asynq retries the cancelled task", func() bool { return h.taskState(id) == asynq.TaskStateRetry })
+	})
+}
+
+// On the task's last attempt: shutdown puts it back in the queue anyway.
+func TestPromiseKeyHeldWhenHandlerOutlivesShutdown(t *testing.T) {
+	short := func(c *asynq.Config) { c.ShutdownTimeout = 200 * time.Millisecond }
+	heldAfterGiveUp(t, short, asynq.MaxRetry(0), func(t *testing.T, h *harness, srv *asynq.Server, id string) {
+		srv.Shutdown()
+		if st := h.taskState(id); st != asynq.TaskStatePending {
+			t.Fatalf("task state %v after shutdown, want pending (requeued)", st)
+		}
+	})
+}
+
+// A holder cancelled on its last attempt is archived by asynq; the
+// follow-up it owed is queued at once, not parked for the holder's retry.
+func TestPromiseFollowUpQueuedWhenHolderEndsForGood(t *testing.T) {
+	bothPaths(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
+		rc := newRecorder(func(r run) error {
+			if decodeCounter(r.task).Seq == 0 {
+				<-r.ctx.Done()
+				return r.ctx.Err()
+			}
+			return nil
+		})
+		h.serve(rc.handler(), retryInAnHour)
+		holder := h.enqueue(counterTask("k", 1, 0), asynq.MaxRetry(0))
+		waitFor(t, rc.runs, "holder runs")
+		res, err := h.client.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue))
+		if err != nil || res.Outcome != Deferred {
+			t.Fatalf("%+v, %v, want a follow-up", res, err)
+		}
+		if err := h.insp.CancelProcessing(holder.ID); err != nil {
+			t.Fatal(err)
+		}
+		r := waitFor(t, rc.runs, "the follow-up, at once")
+		if r.id != res.TaskID || decodeCounter(r.task).Seq != 2 {
+			t.Fatalf("ran %s seq %d, want the follow-up %s with seq 2", r.id, decodeCounter(r.task).Seq, res.TaskID)
+		}
+		if st := h.taskState(holder.ID); st != asynq.TaskStateArchived {
+			t.Fatalf("holder state %v, want archived", st)
+		}
+	})
+}
+
+// Input asynq's client would refuse, or asynq options deduplication cannot
+// honour, given to the call or to NewTask, get ErrInvalidOption before any
+// lock is taken or task stored.
+func TestPromiseBadInputRefusedBeforeAnyLock(t *testing.T) {
+	bothPaths(t, Config{}, func(t *testing.T, h *harness) {
+		p := []byte(`{"user_id":1}`)
+		cases := []struct {
+			name string
+			task *asynq.Task
+			opts []asynq.Option
+		}{
+			{"empty type", asynq.NewTask("", p), nil},
+			{"blank type", asynq.NewTask("  ", p), nil},
+			{"blank queue", asynq.NewTask("user:reindex", p), []asynq.Option{asynq.Queue("")}},
+			{"blank task ID", asynq.NewTask("user:reindex", p), []asynq.Option{asynq.TaskID(" ")}},
+			{"blank queue in NewTask", asynq.NewTask("user:reindex", p, asynq.Queue(" ")), nil},
+			{"blank task ID in NewTask", asynq.NewTask("user:reindex", p, asynq.TaskID(" ")), []asynq.Option{asynq.TaskID("ok")}},
+			{"Unique in NewTask", asynq.NewTask("user:reindex", p, asynq.Unique(time.Minute)), nil},
+			{"Group in NewTask", asynq.NewTask("user:reindex", p, asynq.Group("g")), nil},
+			{"Unique", asynq.NewTask("user:reindex", p), []asynq.Option{asynq.Unique(time.Minute)}},
+		}
+		for _, c := range cases {
+			_, err := h.client.Enqueue(c.task, append([]asynq.Option{asynq.Queue(h.queue)}, c.opts...)...)
+			if !errors.Is(err, ErrInvalidOption) || errors.Is(err, ErrUnavailable) {
+				t.Errorf("%s: err = %v, want ErrInvalidOption", c.name, err)
+			}
+		}
+		if l := h.locks(); len(l) != 0 {
+			t.Fatalf("locks left behind: %v", l)
+		}
+		if n := h.queueSize(h.queue); n != 0 {
+			t.Fatalf("%d tasks stored", n)
+		}
+	})
+}
+
+// A follow-up carries its holder's options as asynq's client stored them,
+// an absolute deadline without a timeout included.
+func TestPromiseFollowUpKeepsHolderDeadline(t *testing.T) {
+	bothPaths(t, counterRules(Rule{OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
+		release := make(chan struct{})
+		defer close(release)
+		rc := newRecorder(func(r run) error { <-release; return nil })
+		h.serve(rc.handler(), nil)
+		deadline := time.Now().Add(time.Hour).Truncate(time.Second)
+		holder := h.enqueue(counterTask("k", 1, 0), asynq.Deadline(deadline), asynq.MaxRetry(4))
+		waitFor(t, rc.runs, "holder runs")
+		res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
+		if err != nil || res.Outcome != Deferred {
+			t.Fatalf("%+v, %v, want a follow-up", res, err)
+		}
+		hi, err := h.insp.GetTaskInfo(h.queue, holder.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fi, err := h.insp.GetTaskInfo(h.queue, res.TaskID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !fi.Deadline.Equal(deadline) || fi.Timeout != hi.Timeout || fi.MaxRetry != 4 || fi.Retried != 0 {
+			t.Fatalf("follow-up deadline %v timeout %v max retry %d retried %d; holder %v %v %d",
+				fi.Deadline, fi.Timeout, fi.MaxRetry, fi.Retried, hi.Deadline, hi.Timeout, hi.MaxRetry)
+		}
+	})
+}
+
+// Two types sharing a key never fold one's payload into the other's task:
+// across types a fold is a duplicate naming the holder, waiting (Replace,
+// Merge) or running (Defer).
+func TestPromisePayloadOnlyLandsInItsOwnType(t *testing.T) {
+	shared := Rule{Key: "tenant-7", Shared: true, OnConflict: Replace, OnRunning: RunningDefer}
+	merged := shared
+	merged.OnConflict, merged.MergeFunc = Merge, addMerge
+	for name, r := range map[string]Rule{"replace": shared, "merge": merged} {
+		t.Run(name, func(t *testing.T) {
+			cfg := Config{Rules: map[string]Rule{"email:send": r, "invoice:build": r}}
+			bothPaths(t, cfg, func(t *testing.T, h *harness) {
+				email := h.enqueue(asynq.NewTask("email:send", []byte(`{"email":1}`)))
+				for i := range 3 { // the second and third go through this process's hint
+					_, err := h.client.Enqueue(asynq.NewTask("invoice:build", []byte(`{"invoice":42}`)), asynq.Queue(h.queue))
+					var dup *DuplicateTaskError
+					if !errors.As(err, &dup) || dup.TaskID != email.ID {
+						t.Fatalf("enqueue %d of another type: %v, want a duplicate of %s", i, err, email.ID)
+					}
+				}
+				if p := h.payloadOf(email.ID); p != `{"email":1}` {
+					t.Fatalf("email task carries %s", p)
+				}
+				// Running: no follow-up of the other type either.
+				release := make(chan struct{})
+				defer close(release)
+				rc := newRecorder(func(r run) error { <-release; return nil })
+				h.serve(rc.handler(), nil)
+				waitFor(t, rc.runs, "email runs")
+				_, err := h.client.Enqueue(asynq.NewTask("invoice:build", []byte(`{"invoice":43}`)), asynq.Queue(h.queue))
+				var dup *DuplicateTaskError
+				if !errors.As(err, &dup) || dup.TaskID != email.ID {
+					t.Fatalf("enqueue behind the running email: %v, want a duplicate of %s", err, email.ID)
+				}
+				if n := h.queueSize(h.queue); n != 1 {
+					t.Fatalf("%d tasks stored, want the email alone", n)
+				}
+			})
+		})
+	}
+}
+
+// A task that arrives without a lock (another service, the Scheduler) and
+// meets a busy key on its last attempt is not archived for it: a copy runs
+// once the key is free.
+func TestPromiseBusyArrivalOnLastAttemptNotArchived(t *testing.T) {
+	h := newHarness(t, Config{Lease: 2 * time.Second, Rules: counterRules(Rule{}).Rules})
+	release := make(chan struct{})
+	rc := newRecorder(func(r run) error {
+		if decodeCounter(r.task).Seq == 0 {
+			<-release
+		}
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	holder := h.enqueue(counterTask("k", 1, 0))
+	waitFor(t, rc.runs, "holder runs")
+	// Enqueued around the wrapper, with no retries to spare.
+	arrival, err := h.asynq.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.MaxRetry(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the arrival met the busy key", func() bool { return h.d.Stats().Busy >= 1 })
+	close(release)
+	r := waitFor(t, rc.runs, "the arrival's work")
+	if decodeCounter(r.task).Seq != 1 || r.id == holder.ID {
+		t.Fatalf("ran %s seq %d, want the arrival's copy with seq 1", r.id, decodeCounter(r.task).Seq)
+	}
+	archived, err := h.insp.ListArchivedTasks(h.queue)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(archived) != 0 {
+		t.Fatalf("archived: %s (%s)", archived[0].ID, archived[0].LastErr)
+	}
+	if st := h.taskState(arrival.ID); st != 0 && st != asynq.TaskStateCompleted {
+		t.Fatalf("the arrival itself is %v, want done", st)
+	}
+}
+
+// An enqueue on the direct path whose lock call (carrying the task) timed
+// out in a stalled Redis never answers "failed" for a task the late script
+// stored: it says the outcome is unknown, fail-open included (enqueueing it
+// again could store it twice).
+func TestPromiseAnswerTellsWhatIsStoredWhenRedisStalls(t *testing.T) {
+	for _, failOpen := range []bool{false, true} {
+		t.Run(fmt.Sprintf("failOpen=%v", failOpen), func(t *testing.T) {
+			proxy, d, h := hungDedup(t, Config{FailOpen: failOpen, BreakerThreshold: -1}, func(o *redis.Options) { o.MaxRetries = -1 })
+			t.Cleanup(func() { _ = d.Close() })
+			c := d.NewClient()
+			if _, err := c.Enqueue(userTask(0, ""), asynq.Queue(h.queue)); err != nil {
+				t.Fatal(err) // warm: the queue is registered, scripts loaded
+			}
+			proxy.stall()
+			res, err := c.Submit(context.Background(), userTask(1, ""), asynq.Queue(h.queue))
+			proxy.resume() // the stalled script now runs
+			if err == nil {
+				t.Fatalf("stalled enqueue succeeded: %+v", res)
+			}
+			if !errors.Is(err, ErrOutcomeUnknown) || !errors.Is(err, ErrUnavailable) {
+				t.Fatalf("err = %v, want ErrOutcomeUnknown (and ErrUnavailable)", err)
+			}
+			eventually(t, "the late script stored the task", func() bool { return h.queueSize(h.queue) == 2 })
+			// The key is held by that one task: nothing else was stored.
+			if _, err := c.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); !errors.Is(err, ErrDuplicateTask) {
+				t.Fatalf("enqueue after the stall: %v, want a duplicate of the stored task", err)
+			}
+			if n := h.queueSize(h.queue); n != 2 {
+				t.Fatalf("%d tasks, want 2", n)
+			}
+		})
+	}
+}
