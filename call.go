@@ -23,6 +23,7 @@ type call struct {
 	queue         string
 	explicitQueue bool // the call named the queue (asynq.Queue)
 	callerID      string
+	blankID       bool      // an asynq.TaskID option was blank
 	processAt     time.Time // zero: due now
 	conflicting   string    // asynq.Unique or asynq.Group, which deduplication refuses
 	msg           store.Message
@@ -80,6 +81,7 @@ func (k *call) asynqOption(o asynq.Option) {
 	case asynq.TaskIDOpt:
 		if s, ok := v.(string); ok {
 			k.callerID = s
+			k.blankID = k.blankID || strings.TrimSpace(s) == "" // asynq refuses any, even if a later one is not
 		}
 	case asynq.ProcessAtOpt:
 		if t, ok := v.(time.Time); ok {
@@ -127,7 +129,7 @@ func (k *call) chooseQueue(d *Dedup) error {
 			k.queue = q.(string)
 		}
 	}
-	if k.callerID != "" && strings.TrimSpace(k.callerID) == "" {
+	if k.blankID {
 		return fmt.Errorf("%w: blank task ID", ErrInvalidOption)
 	}
 	return nil
@@ -218,7 +220,7 @@ func (k *call) storedInfo() *asynq.TaskInfo {
 	if sec := m.Deadline.Unix(); !m.Deadline.IsZero() && sec != 0 {
 		ti.Deadline = time.Unix(sec, 0)
 	}
-	if k.scheduled() {
+	if k.acquire.DueAt != 0 { // as stored: decided once, before the call
 		ti.State, ti.NextProcessAt = asynq.TaskStateScheduled, k.processAt
 	}
 	return ti
@@ -236,6 +238,9 @@ func checkTask(t *asynq.Task) (conflicting string, err error) {
 	}
 	opts, _ := taskOpts(t)
 	for _, o := range opts {
+		if o == nil {
+			continue // asynq ignores it too
+		}
 		switch v, _ := o.Value().(string); o.Type() {
 		case asynq.QueueOpt:
 			if strings.TrimSpace(v) == "" {

@@ -36,10 +36,12 @@ var (
 
 	// ErrOutcomeUnknown reports an enqueue that may or may not have stored
 	// its task: a lock call that carried the task (Dedup.NewClient's direct
-	// path) failed after it was sent, and Redis could not be asked whether
-	// it ran. The error also matches ErrUnavailable; the call's task ID is
-	// in its text, and asynq's Inspector tells once Redis answers. FailOpen
-	// does not enqueue such a call again, which could store it twice.
+	// path) failed after it was sent, and the task was not found stored
+	// (the call may still run late) or Redis could not be asked. The error
+	// also matches ErrUnavailable; the call's task ID is in its text, and
+	// asynq's Inspector tells once Redis answers. FailOpen does not enqueue
+	// such a call again, which could store it twice; the call, if it runs
+	// late, never stores a task that exists.
 	ErrOutcomeUnknown = errors.New("dedup: outcome unknown: the task may have been stored")
 
 	// ErrCircuitOpen is the cause of a lock call refused without asking

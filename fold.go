@@ -57,15 +57,19 @@ func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err erro
 		return Result{}, done, fmt.Errorf("%w: %q: %w", ErrContention, k.typ, err)
 	}
 	if sent {
-		// The script may have run, and stored the task, after the call gave
-		// up on it: the answer must say what is stored.
-		ti, lerr := c.landed(ctx, k, unavailable("acquire", err))
-		if ti != nil {
+		// The script carried the task and may run, and store it, after the
+		// call gave up on it, even after a look finds nothing: the answer is
+		// "created" or "unknown", never "failed"; and not fail-open, which
+		// would enqueue it a second time.
+		uerr := unavailable("acquire", err)
+		ti, lerr := c.landed(ctx, k, uerr)
+		switch {
+		case ti != nil:
 			return Result{Outcome: Created, TaskID: ti.ID, Info: ti}, done, nil
-		}
-		if lerr != nil { // even fail-open: enqueueing it again could store it twice
+		case lerr != nil:
 			return Result{}, done, lerr
 		}
+		return Result{}, done, fmt.Errorf("%w: %w (task %s; not stored yet, but the call may still run)", uerr, ErrOutcomeUnknown, k.ref.ID)
 	}
 	if !c.d.onRedisError(ctx, "acquire", k.typ, err) {
 		return Result{}, done, unavailable("acquire", err)

@@ -20,11 +20,12 @@ type heartbeater struct {
 	d        *Dedup
 	interval time.Duration
 
-	mu      sync.Mutex
-	entries map[*lease]struct{}
-	started bool
-	quit    chan struct{}
-	done    chan struct{}
+	mu       sync.Mutex
+	entries  map[*lease]struct{}
+	rechecks []recheck
+	started  bool
+	quit     chan struct{}
+	done     chan struct{}
 }
 
 func newHeartbeater(d *Dedup, interval time.Duration) *heartbeater {
@@ -63,6 +64,26 @@ func (h *heartbeater) stop() {
 	}
 }
 
+// recheck is a lock held on a guess of what asynq would do with an attempt
+// it gave up (see Dedup.finishOf), to settle again by the task's record
+// once asynq has written it.
+type recheck struct {
+	f    store.Finish
+	left int // beats to try before leaving it to heal
+}
+
+// maxRechecks bounds the beats a recheck is tried.
+const maxRechecks = 3
+
+// recheck settles f again, without its attempt's token, at the next beats.
+func (h *heartbeater) recheck(f *store.Finish) {
+	rc := recheck{f: *f, left: maxRechecks}
+	rc.f.Token = ""
+	h.mu.Lock()
+	h.rechecks = append(h.rechecks, rc)
+	h.mu.Unlock()
+}
+
 func (h *heartbeater) add(l *lease) {
 	h.mu.Lock()
 	h.entries[l] = struct{}{}
@@ -89,6 +110,7 @@ func (h *heartbeater) loop() {
 			return
 		case <-t.C:
 			h.beat()
+			h.settleGuesses()
 		}
 	}
 }
@@ -118,6 +140,33 @@ func (h *heartbeater) beat() {
 		case !r.Renewed:
 			h.lost(ls[i])
 		}
+	}
+}
+
+// settleGuesses settles again the locks held on a guess: the task's record
+// now says whether asynq retried (hold) or finished it (release).
+func (h *heartbeater) settleGuesses() {
+	h.mu.Lock()
+	rs := h.rechecks
+	h.rechecks = nil
+	h.mu.Unlock()
+	d := h.d
+	var again []recheck
+	for _, rc := range rs {
+		res, err := d.store.Finish(context.Background(), &rc.f)
+		switch {
+		case err != nil || (res.Held && res.Guessed):
+			if rc.left--; rc.left > 0 {
+				again = append(again, rc)
+			}
+		case res.Owned && !res.Held:
+			d.count(rc.f.Ref.Type, evReleased)
+		}
+	}
+	if len(again) > 0 {
+		h.mu.Lock()
+		h.rechecks = append(h.rechecks, again...)
+		h.mu.Unlock()
 	}
 }
 

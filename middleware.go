@@ -72,6 +72,10 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return d.unlocked(ctx, "start", t, next, err)
 	case st.Status == store.StatusAllowed:
 		return next.ProcessTask(ctx, t) // RunningAllow: the key was freed as the task started
+	case st.Status == store.StatusSuperseded:
+		d.count(t.Type(), evSuperseded)
+		d.log.Info("dedup: not run: the task lost its lock and its follow-up carries a newer payload", slog.String("type", t.Type()), slog.String("task_id", id), slog.String("follow_up", st.Holder))
+		return nil
 	case st.Status != store.StatusTaken:
 		return d.busy(ctx, t, l, st.Holder)
 	}
@@ -140,7 +144,8 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 // rules for what follows the attempt. Its errors never fail the task.
 func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error, live bool) {
 	d.count(t.Type(), evProcessed)
-	res, ferr := d.store.Finish(context.WithoutCancel(ctx), d.finishOf(ctx, t, r, l, err))
+	f := d.finishOf(ctx, t, r, l, err)
+	res, ferr := d.store.Finish(context.WithoutCancel(ctx), f)
 	switch {
 	case ferr != nil:
 		d.count(t.Type(), evRedisError)
@@ -152,6 +157,9 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID))
 	case res.Held:
 		d.count(t.Type(), evHeld)
+		if res.Guessed {
+			d.hb.recheck(f) // asynq had not decided yet: read its record again shortly
+		}
 	default:
 		d.count(t.Type(), evReleased)
 		if res.Follow != "" {
@@ -166,11 +174,20 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 // has ended, asynq has given the attempt up (deadline, CancelProcessing, a
 // lost lease, shutdown) and ignores what the handler returns: it retries,
 // archives or requeues the task by itself, and its record decides.
+//
+// A deadline closer than LockTimeout may pass while the settle call is on
+// its way, before asynq hears the handler's result; asynq then takes the
+// deadline instead. Such an attempt is settled as given up too: at worst a
+// task that did complete keeps its key until the next enqueue finds it
+// completed, never a retried task without its lock.
 func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error) *store.Finish {
 	f := &store.Finish{Ref: l.ref, Token: l.token, Release: true, FollowTTL: d.ttlOf(r), Follow: l.follow}
 	if cerr := ctx.Err(); cerr != nil {
 		f.GivenUp = true
 		err = cerr
+	} else if dl, ok := ctx.Deadline(); ok && time.Until(dl) < d.cfg.LockTimeout {
+		f.GivenUp = true
+		err = context.DeadlineExceeded
 	}
 	if err == nil || errors.Is(err, asynq.RevokeTask) || errors.Is(err, asynq.SkipRetry) {
 		return f

@@ -34,6 +34,7 @@ type Stats struct {
 	OverBound   uint64 `event:"over_bound"`   // new keys refused because MaxPending keys were waiting
 	Processed   uint64 `event:"processed"`    // attempts that finished holding their lock
 	BreakerOpen uint64 `event:"breaker_open"` // times the circuit breaker opened
+	Superseded  uint64 `event:"superseded"`   // attempts not run: the task lost its lock and its follow-up carries a newer payload (Replace, Defer)
 }
 
 // event is one countable thing: the index of its Stats field.
@@ -58,6 +59,7 @@ const (
 	evOverBound   = event(unsafe.Offsetof(Stats{}.OverBound) / counterSize)
 	evProcessed   = event(unsafe.Offsetof(Stats{}.Processed) / counterSize)
 	evBreakerOpen = event(unsafe.Offsetof(Stats{}.BreakerOpen) / counterSize)
+	evSuperseded  = event(unsafe.Offsetof(Stats{}.Superseded) / counterSize)
 
 	counterSize = unsafe.Sizeof(uint64(0))
 	numEvents   = event(unsafe.Sizeof(Stats{}) / counterSize)

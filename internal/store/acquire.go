@@ -155,6 +155,9 @@ func (a *Acquire) build(s *Store, lock string, h *hint, all bool) ([]string, []a
 			kl.add(roleHolderIndex, s.keys.Index(r.Queue, h.holderID))
 		}
 	}
+	if h.holder != "" && a.FollowID != "" && a.OnWaiting == FoldReplace {
+		kl.add(roleSuperseded, s.keys.Superseded(r.Queue, h.holderID))
+	}
 	if h.follow != "" {
 		kl.add(roleFollowTask, h.followTask)
 	}

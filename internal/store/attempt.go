@@ -23,8 +23,8 @@ type Start struct {
 
 // StartResult is what start did.
 type StartResult struct {
-	Status Status // StatusTaken, StatusHeld or StatusAllowed
-	Holder string // StatusHeld: the task holding the key
+	Status Status // StatusTaken, StatusHeld, StatusAllowed or StatusSuperseded
+	Holder string // StatusHeld: the task holding the key; StatusSuperseded: the follow-up that replaces it
 	Follow string // StatusTaken: the follow-up the lock owes, "" for none
 }
 
@@ -38,6 +38,7 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		kl.add(roleLock, lock)
 		kl.add(roleWait, s.keys.Wait(r.Queue, r.Type))
 		kl.add(roleFollow, s.keys.Follow(r.Queue, r.FP))
+		kl.add(roleSuperseded, s.keys.Superseded(r.Queue, r.ID))
 		if r.Indexed {
 			kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
 		}
@@ -58,6 +59,8 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		switch {
 		case rep.status == StatusHeld:
 			return StartResult{Status: StatusHeld, Holder: UnpackOwner(rep.str(0), r.FP)}, nil
+		case rep.status == StatusSuperseded:
+			return StartResult{Status: rep.status, Holder: rep.str(0)}, nil
 		case rep.status != statusNeed:
 			return StartResult{Status: rep.status, Follow: rep.str(0)}, nil
 		case n == maxNeeds:
@@ -152,7 +155,7 @@ func (s *Store) extendPipeline(ctx context.Context, es []*Extend, sha bool) ([]r
 // for the retry.
 type Finish struct {
 	Ref       Ref
-	Token     string
+	Token     string        // the attempt's; "" for a lock no attempt runs under (a check after a guess)
 	Release   bool          // release; false: hold for a retry
 	Hold      time.Duration // for a hold: the lock's lifetime
 	FollowTTL time.Duration // a released follow-up's lock lifetime
@@ -166,9 +169,12 @@ type Finish struct {
 
 // FinishResult is what finish did.
 type FinishResult struct {
-	Owned  bool   // the attempt still owned the lock; false: nothing done
-	Held   bool   // held for the task's next run; else released
-	Follow string // the follow-up the lock was released to, "" for none
+	Owned bool // the attempt still owned the lock; false: nothing done
+	Held  bool // held for the task's next run; else released
+	// Guessed: held on Finish.Release's guess, as asynq had not moved the
+	// task on yet (GivenUp); Finish again later with no Token to check.
+	Guessed bool
+	Follow  string // the follow-up the lock was released to, "" for none
 }
 
 // Finish runs the finish script, calling it again with the follow-up's
@@ -192,6 +198,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		stored := ""
 		if hintF != "" {
 			kl.add(roleFollowTask, TaskKey(r.Queue, hintF))
+			kl.add(roleSuperseded, s.keys.Superseded(r.Queue, r.ID))
 			stored = PackOwner(hintF, r.FP)
 		}
 		if f.GivenUp {
@@ -208,7 +215,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		}
 		switch {
 		case rep.status != statusNeed:
-			return FinishResult{Owned: rep.status == StatusTaken, Follow: rep.str(0), Held: rep.str(1) == "held"}, nil
+			return FinishResult{Owned: rep.status == StatusTaken, Follow: rep.str(0), Held: rep.str(1) == "held", Guessed: rep.str(2) == "guess"}, nil
 		case n == maxNeeds:
 			return FinishResult{}, fmt.Errorf("%w: %s", ErrMoving, kl.keys[0])
 		}

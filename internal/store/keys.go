@@ -11,6 +11,7 @@ import "strings"
 //	<prefix>:{<queue>}:i:<task ID>      index: fingerprint of a caller-chosen task ID's lock, or OptOutMark
 //	<prefix>:{<queue>}:w:<task type>    waiting keys of a type (MaxPending), a sorted set of fingerprints
 //	<prefix>:{<queue>}:f:<fingerprint>  follow-up task owed to the key (RunningDefer)
+//	<prefix>:{<queue>}:s:<task ID>      superseded: the follow-up carrying a newer payload than this task (Replace with RunningDefer)
 //	<prefix>:stats:types                set of the task types with flushed counters (no hash tag)
 //	<prefix>:stats:type:<task type>     one type's flushed counters, a hash of event name → total
 //
@@ -37,6 +38,11 @@ func (k Keys) Wait(queue, typ string) string { return k.prefix + ":{" + queue + 
 
 // Follow is the pointer to the follow-up task owed to a key (RunningDefer).
 func (k Keys) Follow(queue, fp string) string { return k.prefix + ":{" + queue + "}:f:" + fp }
+
+// Superseded marks a task whose follow-up carries a newer payload (Replace
+// with RunningDefer): if the task starts again after losing its lock (its
+// worker died), the follow-up has run or will, and it must not.
+func (k Keys) Superseded(queue, id string) string { return k.prefix + ":{" + queue + "}:s:" + id }
 
 // StatsTypes is the set of the task types that have flushed counters.
 func (k Keys) StatsTypes() string { return k.prefix + ":stats:types" }

@@ -23,6 +23,9 @@ const (
 	StatusAllowed   Status = 9  // running policy "allow": run without the lock (start)
 	statusHeldYoung Status = 10 // StatusHeld, from the lock alone (acquire)
 	statusNeed      Status = 11 // the script lacks keys: call again with them
+	// StatusSuperseded: the task's follow-up carries a newer payload and the
+	// task lost its lock meanwhile: it must not run (start).
+	StatusSuperseded Status = 12
 )
 
 // reply is a checked {status, string...} script reply.

@@ -27,6 +27,7 @@ const (
 	roleHolderIndex = 'J' // index key of the lock's holder
 	roleFollowTask  = 'G' // asynq record of the lock's follow-up
 	roleOwner       = 'O' // asynq record of the attempt's own task
+	roleSuperseded  = 'X' // superseded marker (Keys.Superseded) of the holder (acquire) or of the task itself (start, finish)
 )
 
 // keyList is a script's KEYS with the role letter of each, after a head

@@ -10,6 +10,7 @@
 --   F  the key's follow-up pointer                      with ARGV[15]; to release a follow-up
 --   N  asynq record of the new follow-up ARGV[15]       with ARGV[15]
 --   H  asynq record of the holder ARGV[9], J its index key       when the holder must be read
+--   X  the holder's superseded marker                           when a Replace may defer
 --   G  asynq record of the follow-up ARGV[11]                    when the follow-up must be read
 -- A call that needs a key it was not given changes nothing and replies
 -- {11, ...} naming what it lacks: the caller calls again with those keys.
@@ -48,8 +49,8 @@
 --   {4, target, payload, ver, holder, f}  merge: the caller merges and calls coalesce
 --   {5, followup, holder, f}           follow-up task created for the running holder
 --   {6, holder}                        held by a task not stored in asynq yet: try again shortly
---   {7}                                the caller-chosen ID ARGV[2] is another task's (its
---                                      index names another key, or ARGV[7] given and the task exists)
+--   {7}                                the ID ARGV[2] is taken: a caller-chosen ID whose index
+--                                      names another key, or ARGV[7] given and the task exists
 --   {8, waiting}                       refused: ARGV[14] keys already waiting
 --   {11, lacking, holder, f}           nothing done: call again with the keys of these roles
 --   {-1, reason}                       asynq's task record is not what this expects
@@ -90,11 +91,16 @@ end
 local fp = A[10] or ''
 -- take takes the free key for the new task (and stores the task, given msg).
 local function take()
-  if K.I then -- a caller-chosen ID: it may be another task's
+  if K.I then -- a caller-chosen ID: its index may name another key
     local cur = call('GET', K.I)
-    if (cur and cur ~= fp) or (msg ~= '' and call('EXISTS', K.T) == 1) then
+    if cur and cur ~= fp then
       return {7}
     end
+  end
+  -- The ID may be another task's (a caller's), or this very task's, stored
+  -- by an earlier try of this call that ran late: never store it twice.
+  if msg ~= '' and call('EXISTS', K.T) == 1 then
+    return {7}
   end
   local max = tonumber(A[14] or '0')
   local fields = (max > 0 or running ~= 'x') and {'id', stored, 'c', now} -- else the plain record below
@@ -146,7 +152,7 @@ end
 -- rec: id, c, f, tok, rp, n, b
 local f = rec[3]
 if not holder or holder ~= A[9] then
-  K.H, K.J = nil, nil -- given for another holder: not ours to touch
+  K.H, K.J, K.X = nil, nil, nil -- given for another holder: not ours to touch
 end
 local lacking = ''
 local fu = f -- the follow-up whose record is read
@@ -254,7 +260,7 @@ if live then
     if rec[5] ~= 'd' or f or follow == '' then
       return {0, holder, holder, f or ''}
     end
-    if lacks('NSF') then return need() end
+    if lacks(policy == 'r' and 'NSFX' or 'NSF') then return need() end
     hmsg = hmsg or call('HGET', K.H, 'msg')
     if hmsg and not same_type(hmsg) then
       return {0, holder, holder, f or ''} -- another type's task: no follow-up of it
@@ -268,6 +274,11 @@ if live then
     call('SET', K.F, follow, 'PX', park * 1000)
     call('HSET', K.L, 'f', follow)
     call('HINCRBY', K.L, 'n', 1)
+    if policy == 'r' then
+      -- Latest wins: should the holder lose its lock (its worker died) and
+      -- start again after the follow-up, it must not run (start).
+      call('SET', K.X, follow, 'PX', tonumber(ttl) + park * 1000)
+    end
     return {5, follow, holder, follow}
   end
   return coalesce(holder, K.H, state, hmsg, holder, '')

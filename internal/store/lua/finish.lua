@@ -3,11 +3,11 @@
 -- KEYS, by the role letters of ARGV[1]:
 --   L  the lock; S, P  asynq scheduled set and pending list; F  the key's follow-up pointer   always
 --   I  index key of the task's caller-chosen ID                                               with a caller-chosen ID
---   G  asynq record of the follow-up ARGV[8]                                                  when the lock owes one
+--   G  asynq record of the follow-up ARGV[8], X the task's superseded marker                  when the lock owes one
 --   O  asynq record of the task ARGV[10]                                                      when asynq gave the attempt up
 -- ARGV[1]  the roles of KEYS, one letter each
 -- ARGV[2]  task ID, as lock records store it
--- ARGV[3]  attempt token
+-- ARGV[3]  attempt token ('' for a lock no attempt runs under: a check after a guess)
 -- ARGV[4]  'release' (success, revoked, final failure) or 'hold' (a retry follows); with O,
 --          what follows if asynq has not moved the task on yet
 -- ARGV[5]  for 'hold': lifetime, integer milliseconds
@@ -18,18 +18,22 @@
 -- ARGV[10] task ID (a lock of the earlier layout holds it whole)
 --
 -- Reply: {1, ''}             released
---        {1, '', 'held'}     held for the retry
+--        {1, '', 'held', g}  held for the retry; g 'guess' if asynq had not moved the task on yet
+--                            (O given, the task still active): the hold is a guess, to check later
 --        {1, followup}       released to the owed follow-up task, now pending and the lock's owner
 --        {0}                 not ours any more (another task or a newer attempt): untouched
 --        {11, 'G', followup} nothing done: call again with the follow-up's record
 -- @lib: lib.lua is spliced in here.
 roles(0)
 local rec = call('HMGET', K.L, 'id', 'tok', 'f')
-if (rec[1] ~= ARGV[2] and rec[1] ~= ARGV[10]) or rec[2] ~= ARGV[3] then
+if (rec[1] ~= ARGV[2] and rec[1] ~= ARGV[10]) or (rec[2] or '') ~= ARGV[3] then
   return {0}
 end
 local f = rec[3]
-local mode = ARGV[4]
+if f and (f ~= ARGV[8] or not K.G or not K.X) then
+  return {11, 'G', f}
+end
+local mode, guess = ARGV[4], ''
 if K.O then
   -- asynq gave the attempt up (its context ended) and decides what follows
   -- from its own signal, whatever the handler returned: once it has moved
@@ -39,11 +43,13 @@ if K.O then
     mode = 'hold'
   elseif gone(state) then
     mode = 'release'
+  else
+    guess = 'guess'
   end
 end
 if mode == 'release' then
-  if f and (f ~= ARGV[8] or not K.G) then
-    return {11, 'G', f}
+  if K.X then
+    call('DEL', K.X) -- done: the follow-up runs after it
   end
   if K.I then
     call('DEL', K.I)
@@ -78,5 +84,6 @@ if f then
   local hold_s = (ARGV[5] - ARGV[5] % 1000) / 1000
   call('ZADD', K.S, 'XX', now + hold_s + tonumber(ARGV[7]), f)
   call('PEXPIRE', K.F, (hold_s + tonumber(ARGV[7])) * 1000)
+  call('PEXPIRE', K.X, (hold_s + tonumber(ARGV[7])) * 1000) -- (if there is one)
 end
-return {1, '', 'held'}
+return {1, '', 'held', guess}

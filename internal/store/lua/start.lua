@@ -1,7 +1,8 @@
 -- start: an attempt of a task begins; make it the lock's running owner.
 --
 -- KEYS, by the role letters of ARGV[1]:
---   L  the lock; W  the task type's waiting set; F  the key's follow-up pointer    always
+--   L  the lock; W  the task type's waiting set; F  the key's follow-up pointer;
+--   X  the task's superseded marker                                               always
 --   I  index key of the task's caller-chosen ID                                  with a caller-chosen ID
 --   H  asynq record of the holder ARGV[9], J its index key                       when the holder must be read
 -- ARGV[1]  the roles of KEYS, one letter each
@@ -17,6 +18,8 @@
 -- Reply: {1, f}                     this attempt holds the lock; f: the follow-up it owes, or ''
 --        {0, holder}                held by another live task (as stored): the attempt must not run
 --        {9}                        the key's running policy is "allow": lock dropped, run unlocked
+--        {12, followup}             superseded: the task lost its lock (its worker died) after a
+--                                   follow-up with a newer payload was made for it; it must not run
 --        {11, lacking, holder}      nothing done: call again with the keys of these roles
 --
 -- A new attempt replaces an older attempt's token, so a leftover handler of
@@ -27,6 +30,16 @@ local id, stored, fp = ARGV[2], ARGV[3], ARGV[8]
 local now = now_parts()
 local rec = call('HMGET', K.L, 'id', 'c', 'rp', 'b', 'f')
 local holder = rec[1]
+if holder ~= stored and holder ~= id then
+  local by = call('GET', K.X)
+  if by then
+    call('DEL', K.X)
+    if K.I then
+      call('DEL', K.I)
+    end
+    return {12, by}
+  end
+end
 if holder and holder ~= stored and holder ~= id then
   if now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
     return {0, holder} -- too young to be an orphan
