@@ -220,55 +220,28 @@ type oneDelayProxy struct {
 }
 
 func newOneDelayProxy(t *testing.T, target string) *oneDelayProxy {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &oneDelayProxy{l: l, target: target}
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
+	p := &oneDelayProxy{target: target}
+	p.l = serveProxy(t, target, func(c, up net.Conn) {
+		go func() { _, _ = io.Copy(c, up); c.Close() }()
+		var hit chan struct{}
+		copyChunks(up, c, func(b []byte) {
+			p.mu.Lock()
+			hold := p.marker != nil && bytes.Contains(b, p.marker)
+			d := p.delay
+			if hold {
+				p.marker, hit = nil, p.hit
 			}
-			up, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
+			p.mu.Unlock()
+			if hold {
+				time.Sleep(d) // the delay under test: this call's bytes arrive late
 			}
-			go func() { _, _ = io.Copy(c, up); c.Close() }()
-			go func() {
-				buf := make([]byte, 64<<10)
-				for {
-					n, err := c.Read(buf)
-					if n > 0 {
-						p.mu.Lock()
-						hold := p.marker != nil && bytes.Contains(buf[:n], p.marker)
-						var hit chan struct{}
-						d := p.delay
-						if hold {
-							p.marker, hit = nil, p.hit
-						}
-						p.mu.Unlock()
-						if hold {
-							time.Sleep(d)
-						}
-						if _, werr := up.Write(buf[:n]); werr != nil {
-							return
-						}
-						if hit != nil {
-							close(hit)
-						}
-					}
-					if err != nil {
-						up.Close()
-						return
-					}
-				}
-			}()
-		}
-	}()
-	t.Cleanup(func() { l.Close() })
+		}, func() {
+			if hit != nil {
+				close(hit)
+				hit = nil
+			}
+		})
+	})
 	return p
 }
 

@@ -130,12 +130,7 @@ func (c *Client) enqueueLocked(ctx context.Context, k *call) (Result, error) {
 	info, err := c.next.EnqueueContext(ctx, k.task, k.pass...)
 	if err != nil {
 		err = enqueueError(k.typ, err)
-		switch {
-		case !k.locked && k.acquire.Direct && errors.Is(err, asynq.ErrTaskIDConflict):
-			// Fail-open after an acquire that timed out but ran late and
-			// stored this very task.
-			return created(c.landedOr(ctx, k, err))
-		case !k.locked || k.self:
+		if !k.locked || k.self {
 			return Result{}, err
 		}
 		return created(c.rollback(ctx, k, err))
@@ -219,18 +214,6 @@ func (c *Client) landed(ctx context.Context, k *call, callErr error) (*asynq.Tas
 		return nil, fmt.Errorf("%w (task %s): %w; asking whether it ran: %w", ErrOutcomeUnknown, id, callErr, err)
 	}
 	return nil, fmt.Errorf("%w: %w (task %s): %w; asking whether it ran: %w", ErrUnavailable, ErrOutcomeUnknown, id, callErr, err)
-}
-
-// landedOr returns the call's task if it is stored, else err.
-func (c *Client) landedOr(ctx context.Context, k *call, err error) (*asynq.TaskInfo, error) {
-	ti, lerr := c.landed(ctx, k, err)
-	switch {
-	case lerr != nil:
-		return nil, lerr
-	case ti == nil:
-		return nil, err
-	}
-	return ti, nil
 }
 
 // enqueueError wraps an error from asynq's enqueue. asynq flattens Redis

@@ -210,11 +210,23 @@ type replyDelayProxy struct {
 
 func newReplyDelayProxy(t *testing.T, target string) *replyDelayProxy {
 	t.Helper()
+	p := &replyDelayProxy{target: target}
+	p.l = serveProxy(t, target, func(c, up net.Conn) {
+		go func() { _, _ = io.Copy(up, c); up.Close() }()
+		copyChunks(c, up, func([]byte) { time.Sleep(time.Duration(p.delay.Load())) }, nil)
+	})
+	return p
+}
+
+// serveProxy listens on a free loopback port and, for each connection,
+// dials target and hands both ends to pipe (on its own goroutine), until the
+// test ends.
+func serveProxy(t *testing.T, target string, pipe func(client, upstream net.Conn)) net.Listener {
+	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &replyDelayProxy{l: l, target: target}
 	go func() {
 		for {
 			c, err := l.Accept()
@@ -226,25 +238,31 @@ func newReplyDelayProxy(t *testing.T, target string) *replyDelayProxy {
 				c.Close()
 				continue
 			}
-			go func() { _, _ = io.Copy(up, c); up.Close() }()
-			go func() {
-				buf := make([]byte, 32<<10)
-				for {
-					n, err := up.Read(buf)
-					if n > 0 {
-						time.Sleep(time.Duration(p.delay.Load()))
-						if _, werr := c.Write(buf[:n]); werr != nil {
-							return
-						}
-					}
-					if err != nil {
-						c.Close()
-						return
-					}
-				}
-			}()
+			go pipe(c, up)
 		}
 	}()
 	t.Cleanup(func() { l.Close() })
-	return p
+	return l
+}
+
+// copyChunks copies src to dst chunk by chunk, calling before ahead of each
+// write and after (if set) once it is written, and closes dst when src ends.
+func copyChunks(dst, src net.Conn, before func([]byte), after func()) {
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			before(buf[:n])
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+			if after != nil {
+				after()
+			}
+		}
+		if err != nil {
+			dst.Close()
+			return
+		}
+	}
 }
