@@ -31,6 +31,7 @@ type Client struct {
 	next Enqueuer
 
 	direct bool // next is an asynq client on the Dedup's Redis: accepted enqueues can take one round trip
+	place  placement
 }
 
 // WrapClient returns a Client that deduplicates before enqueueing through
@@ -38,6 +39,12 @@ type Client struct {
 //
 // Every accepted enqueue then costs two round trips: the lock script, and
 // next's enqueue. NewClient saves one.
+//
+// next must store its tasks in the Dedup's Redis (or Cluster): locks are
+// checked against asynq's record of their owner there. The first accepted
+// enqueue checks that the task is there; if it is in another Redis, that
+// call's task stays enqueued and locked, and every later deduplicated call
+// fails with ErrTasksElsewhere.
 func (d *Dedup) WrapClient(next Enqueuer) *Client {
 	return &Client{d: d, next: next}
 }
@@ -50,7 +57,9 @@ func (d *Dedup) WrapClient(next Enqueuer) *Client {
 // lock exists without its task. Other tasks go through the asynq client.
 // Config.NoDirectEnqueue turns this off.
 func (d *Dedup) NewClient() *Client {
-	return &Client{d: d, next: asynq.NewClientFromRedisClient(d.rdb), direct: !d.cfg.NoDirectEnqueue}
+	c := &Client{d: d, next: asynq.NewClientFromRedisClient(d.rdb), direct: !d.cfg.NoDirectEnqueue}
+	c.place.state.Store(placeHere)
+	return c
 }
 
 // Enqueue is EnqueueContext with context.Background().
@@ -101,6 +110,9 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 	if !c.d.active(&k.rule) {
 		return c.enqueueUnlocked(ctx, &k)
 	}
+	if err := c.place.refused("the enqueuer given to WrapClient"); err != nil {
+		return Result{}, err
+	}
 	if err := c.prepare(ctx, &k); err != nil {
 		return Result{}, err
 	}
@@ -148,6 +160,7 @@ func (c *Client) enqueueLocked(ctx context.Context, k *call) (Result, error) {
 	if k.processAt.IsZero() && info.State == asynq.TaskStateScheduled {
 		c.coverDelay(ctx, k, info)
 	}
+	c.place.check(context.WithoutCancel(ctx), d, info.Queue, info.ID, false)
 	return created(info, nil)
 }
 

@@ -470,13 +470,13 @@ func TestRedisDownFailClosedAndOpen(t *testing.T) {
 	needRealRedis(t)
 	for _, open := range []bool{false, true} {
 		t.Run(fmt.Sprintf("FailOpen=%v", open), func(t *testing.T) {
-			lockRedis, d := separateLockStore(t, Config{FailOpen: open})
 			h := newHarness(t, Config{})
-			c := d.WrapClient(h.asynq) // locks on lockRedis, tasks on the shared one
+			lockRedis, d := proxiedLockStore(t, h, Config{FailOpen: open})
+			c := d.WrapClient(h.asynq) // locks through the proxy, tasks direct
 			if _, err := c.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); err != nil {
 				t.Fatal(err)
 			}
-			lockRedis.Kill()
+			lockRedis.close()
 			_, err := c.Enqueue(userTask(2, ""), asynq.Queue(h.queue))
 			if open {
 				if err != nil {

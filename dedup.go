@@ -24,6 +24,7 @@ type Dedup struct {
 	insp  *asynq.Inspector // called through store.Foreign
 	hb    *heartbeater
 	stats metrics
+	place placement // where the tasks the middleware runs are stored
 
 	// queues remembers, per task type, the queue its tasks landed in when the
 	// call named none (a queue set in asynq.NewTask is invisible before the

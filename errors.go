@@ -70,6 +70,16 @@ var (
 	// The call changed nothing.
 	ErrContention = errors.New("dedup: merge contention")
 
+	// ErrTasksElsewhere reports a Client made by WrapClient whose enqueuer
+	// stores tasks in another Redis than the Dedup's, or a server whose
+	// tasks are not in the Dedup's Redis. Locks are checked against asynq's
+	// record of their owner task in the lock's Redis; with the tasks
+	// elsewhere every owner would look gone and duplicates would be
+	// admitted, so deduplicated calls are refused instead (nothing locked
+	// or enqueued; a server does not run the task). Found by the first
+	// accepted enqueue (or the first task a server runs), and logged.
+	ErrTasksElsewhere = errors.New("dedup: tasks live in another redis")
+
 	// ErrLockLost is the cause of a handler context cancelled because its
 	// lock was taken over or expired (Config.CancelOnLockLoss).
 	ErrLockLost = errors.New("dedup: lock lost")

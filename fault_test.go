@@ -658,11 +658,12 @@ func TestFaultRedisRestartUnderLoad(t *testing.T) {
 	shutdown()
 }
 
-// TestFaultLockRedisDownFailOpen keeps the locks on their own redis-server,
-// apart from asynq's, with FailOpen: the lock server is SIGKILLed under load
-// and restarted. While it is down every enqueue still succeeds (counted in
-// Stats().FailOpen), tasks keep running, and duplicates get through (that is
-// what fail-open means); once it is back, locks are taken and duplicates
+// TestFaultLockRedisDownFailOpen cuts the Dedup off Redis, with FailOpen,
+// under load: its lock calls go through a proxy process, which is SIGKILLed
+// and started again, while asynq's client and server talk to the same Redis
+// directly. While the proxy is dead every enqueue still succeeds (counted in
+// Stats().FailOpen), tasks keep running, and duplicates get through (that
+// is what fail-open means); once it is back, locks are taken and duplicates
 // refused again, with the same Client and Dedup.
 func TestFaultLockRedisDownFailOpen(t *testing.T) {
 	needRealRedis(t)
@@ -670,12 +671,8 @@ func TestFaultLockRedisDownFailOpen(t *testing.T) {
 	t.Cleanup(func() { goleak.VerifyNone(t, ignore) })
 	ctx := context.Background()
 
-	lp, err := spawnRedis("")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { lp.Kill() }) // the current one (killing twice is harmless)
-	addr := lp.Addr
+	lp, addr := startFaultProxy(t, "", redistest.Addr())
+	t.Cleanup(func() { lp.kill() }) // the current one (killing twice is harmless)
 	lrdb := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: 300 * time.Millisecond, ReadTimeout: time.Second, WriteTimeout: time.Second})
 	ardb := redis.NewClient(&redis.Options{Addr: redistest.Addr(), PoolSize: 32})
 	name := uniq(t)
@@ -711,11 +708,11 @@ func TestFaultLockRedisDownFailOpen(t *testing.T) {
 		t.Fatalf("before the kill: stats %+v", s)
 	}
 
-	lp.Kill()
+	lp.kill()
 	load.phase.Store(phaseDown)
 	down := func(a faultAttempt) bool { return a.phase0 == phaseDown }
 	faultPoll(t, 30*time.Second, "enqueues during the outage", func() bool { return load.count(down) >= 50 })
-	// While the lock server is surely down, from here: every enqueue goes
+	// While the proxy is surely down, from here: every enqueue goes
 	// through, and is counted as fail-open. The same key twice included:
 	// both get through, that is what fail-open means.
 	before := d.Stats().FailOpen
@@ -727,19 +724,15 @@ func TestFaultLockRedisDownFailOpen(t *testing.T) {
 		}
 		info, err := client.EnqueueContext(ctx, task, asynq.Queue(queue))
 		if err != nil {
-			t.Fatalf("fail-open enqueue %d while the lock server is down: %v", i, err)
+			t.Fatalf("fail-open enqueue %d while the proxy is down: %v", i, err)
 		}
 		mine = append(mine, info.ID)
 	}
 	if n := d.Stats().FailOpen - before; n < uint64(len(mine)) {
-		t.Errorf("FailOpen grew by %d over %d enqueues made while the lock server was down", n, len(mine))
+		t.Errorf("FailOpen grew by %d over %d enqueues made while the proxy was down", n, len(mine))
 	}
 
-	np, err := spawnRedis(addr)
-	if err != nil {
-		t.Fatalf("restart redis-server on %s: %v", addr, err)
-	}
-	lp = np
+	lp, _ = startFaultProxy(t, addr, redistest.Addr())
 	load.phase.Store(phaseRestart)
 	restartedAt := time.Now()
 	// Locks work again, on the same Dedup: a scheduled task keeps its lock,

@@ -25,6 +25,10 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if spec := os.Getenv(faultProxyEnv); spec != "" { // a proxy process of a fault test
+		fmt.Fprintln(os.Stderr, "fault proxy:", runFaultProxy(spec))
+		os.Exit(1)
+	}
 	os.Setenv(store.CheckKeysEnv, "1") // every script refuses a key it was not given
 	os.Exit(redistest.Main(m, "dedup"))
 }
@@ -43,14 +47,20 @@ func ownRedis(t *testing.T, tweak func(*redis.Options)) (*redisProc, *redis.Clie
 	return redistest.Own(t, tweak)
 }
 
-// separateLockStore starts a redis-server of the test's own for a Dedup's
-// locks (tasks stay on the shared server), so the test can kill it.
-func separateLockStore(t *testing.T, cfg Config) (*redisProc, *Dedup) {
+// proxiedLockStore gives h a Dedup whose lock calls reach the shared Redis
+// through a proxy the test can close (a dead lock store), while h's asynq
+// client and server talk to Redis directly: locks and tasks stay in one
+// Redis, as the library requires.
+func proxiedLockStore(t *testing.T, h *harness, cfg Config) (*stallProxy, *Dedup) {
 	t.Helper()
-	p, rdb := ownRedis(t, func(o *redis.Options) { o.MaxRetries = -1 })
+	needRealRedis(t)
+	proxy := newStallProxy(t, redistest.Addr())
+	rdb := redis.NewClient(&redis.Options{Addr: proxy.addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = rdb.Close() })
 	if cfg.LockTimeout == 0 {
 		cfg.LockTimeout = 200 * time.Millisecond
 	}
+	cfg.Prefix = h.prefix
 	if cfg.Logger == nil {
 		cfg.Logger = quietLogger()
 	}
@@ -59,5 +69,5 @@ func separateLockStore(t *testing.T, cfg Config) (*redisProc, *Dedup) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = d.Close() })
-	return p, d
+	return proxy, d
 }

@@ -57,6 +57,10 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	if !ok1 || !ok2 {
 		return next.ProcessTask(ctx, t) // not run by an asynq server
 	}
+	d.place.check(ctx, d, queue, id, true)
+	if err := d.place.refused("the asynq server running this middleware"); err != nil {
+		return err
+	}
 	ref, err := d.resolve(ctx, queue, id, t)
 	if err != nil {
 		return d.unlocked(ctx, "resolve", t, next, err)

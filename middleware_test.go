@@ -423,13 +423,13 @@ func TestMiddlewareRedisDown(t *testing.T) {
 	needRealRedis(t)
 	for _, open := range []bool{false, true} {
 		t.Run(fmt.Sprintf("FailOpen=%v", open), func(t *testing.T) {
-			// Locks on lockRedis, tasks on the shared server.
-			lockRedis, d := separateLockStore(t, Config{FailOpen: open})
+			// Locks through the proxy, tasks direct.
 			h := newHarness(t, Config{})
+			lockRedis, d := proxiedLockStore(t, h, Config{FailOpen: open})
 			h.d = d
 			rc := newRecorder(nil)
 			errs := make(chan error, 10)
-			lockRedis.Kill()
+			lockRedis.close()
 			h.serve(rc.handler(), func(c *asynq.Config) {
 				c.ErrorHandler = asynq.ErrorHandlerFunc(func(_ context.Context, _ *asynq.Task, err error) { errs <- err })
 				c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return time.Hour }

@@ -338,3 +338,63 @@ func TestPromiseNewestPayloadRunsLastAfterWorkerDeath(t *testing.T) {
 		t.Fatalf("Superseded = %d, want 1", s.Superseded)
 	}
 }
+
+// WrapClient over an asynq client on another Redis: the lock's owner checks
+// would find no task there and heal live locks after HealGrace. The first
+// accepted enqueue finds out and every later deduplicated call is refused,
+// so no duplicate is ever admitted; a server whose tasks are elsewhere
+// refuses to run them under the middleware.
+func TestPromiseTasksInAnotherRedisNeverAdmitDuplicates(t *testing.T) {
+	needRealRedis(t)
+	h := newHarness(t, Config{HealGrace: time.Millisecond})
+	_, other := ownRedis(t, nil)
+	elsewhere := asynq.NewClientFromRedisClient(other)
+	c := h.d.WrapClient(elsewhere)
+	first, err := c.Enqueue(userTask(1, ""), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatalf("first enqueue (stored elsewhere, still locked): %v", err)
+	}
+	time.Sleep(5 * time.Millisecond) // past HealGrace: an owner check would now heal the lock
+	for _, task := range []*asynq.Task{userTask(1, ""), userTask(2, "")} {
+		if _, err := c.Enqueue(task, asynq.Queue(h.queue)); !errors.Is(err, ErrTasksElsewhere) {
+			t.Fatalf("err = %v, want ErrTasksElsewhere", err)
+		}
+	}
+	if _, err := c.Enqueue(userTask(3, ""), asynq.Queue(h.queue), Skip()); err != nil {
+		t.Fatalf("a call without deduplication still passes: %v", err)
+	}
+	if n, _ := other.LLen(context.Background(), "asynq:{"+h.queue+"}:pending").Result(); n != 2 {
+		t.Fatalf("%d tasks stored elsewhere, want 2 (the first and the opted-out one)", n)
+	}
+	if l := h.locks(); len(l) != 1 {
+		t.Fatalf("locks %v, want the first task's only", l)
+	}
+	if owner := h.lockOwner(h.keyOf(userTask(1, ""), h.queue)); owner != first.ID {
+		t.Fatalf("lock owned by %q, want %s", owner, first.ID)
+	}
+	// The same Dedup's own clients, on its Redis, are not affected.
+	if _, err := h.client.Enqueue(userTask(4, ""), asynq.Queue(h.queue)); err != nil {
+		t.Fatalf("a client on the Dedup's Redis: %v", err)
+	}
+
+	// A server on the other Redis under this Dedup's middleware.
+	errs := make(chan error, 10)
+	ran := make(chan struct{}, 10)
+	srv := asynq.NewServerFromRedisClient(other, asynq.Config{
+		Queues: map[string]int{h.queue: 1}, TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel,
+		RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return time.Hour },
+		ErrorHandler:   asynq.ErrorHandlerFunc(func(_ context.Context, _ *asynq.Task, err error) { errs <- err }),
+	})
+	if err := srv.Start(h.d.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { ran <- struct{}{}; return nil }))); err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	if err := waitFor(t, errs, "task refused"); !errors.Is(err, ErrTasksElsewhere) {
+		t.Fatalf("server's task: err = %v, want ErrTasksElsewhere", err)
+	}
+	select {
+	case <-ran:
+		t.Fatal("a handler ran under a middleware whose Redis does not hold its task")
+	default:
+	}
+}

@@ -63,3 +63,26 @@ func (s *Store) PublishQueue(ctx context.Context, queue string) error {
 	}
 	return err
 }
+
+// TaskSeen tells whether asynq's record of task id exists in this Redis
+// (exists), and whether queue is registered in asynq's set of queues here
+// (queueKnown): the two facts that say where a client's tasks live. Two
+// commands, since asynq's set of queues has no hash tag.
+func (s *Store) TaskSeen(ctx context.Context, queue, id string) (exists, queueKnown bool, err error) {
+	v, err := s.Do(ctx, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		n, err := rdb.Exists(c, TaskKey(queue, id)).Result()
+		if err != nil || n == 1 {
+			return [2]bool{n == 1, true}, err
+		}
+		known, err := rdb.SIsMember(c, QueuesKey, queue).Result()
+		return [2]bool{false, known}, err
+	})
+	if err != nil {
+		return false, false, err
+	}
+	r, ok := v.([2]bool)
+	if !ok {
+		return false, false, errors.New("store: unexpected reply to TaskSeen")
+	}
+	return r[0], r[1], nil
+}
