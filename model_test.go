@@ -165,7 +165,15 @@ type mLock struct {
 	holder *mTask
 	tok    string // "" while no attempt runs
 	old    bool   // older than the heal grace
+	stored bool   // written with its task's record (an attempt started): v
 	phase  phase
+}
+
+// orphan reports whether the lock may be taken over: its holder is gone,
+// and the lock is older than the heal grace or was written with its
+// holder's record and no attempt runs.
+func (l *mLock) orphan() bool {
+	return !liveState(l.holder.state) && (l.old || (l.stored && l.tok == ""))
 }
 
 // mAttempt is a handler run: it keeps the lock reference the middleware
@@ -366,7 +374,7 @@ func (m *modelRun) predictEnqueue(k int, policy Conflict, x *mTask) (enqKind, *m
 	switch {
 	case l == nil:
 		kind = enqCreated
-	case !liveState(l.holder.state) && l.old:
+	case l.orphan():
 		kind, h = enqCreated, l.holder // healed
 	case !liveState(l.holder.state) && l.holder.state == "" && policy == Replace:
 		kind, h = enqReserved, l.holder
@@ -536,7 +544,7 @@ func (m *modelRun) predictStart(tk *mTask) (taken bool, holder *mTask) {
 	switch {
 	case l == nil, l.holder == tk:
 		return true, nil
-	case l.old && !liveState(l.holder.state):
+	case l.orphan():
 		return true, l.holder // orphan taken over
 	}
 	return false, l.holder
@@ -589,7 +597,7 @@ func (m *modelRun) startTask(t *rapid.T, tk *mTask) {
 		l = &mLock{holder: tk} // fresh, or an orphan's taken over: young again
 		m.locks[tk.key] = l
 	}
-	l.tok, l.phase = tok, runningPhase
+	l.tok, l.phase, l.stored = tok, runningPhase, true
 	tk.tries++
 	tk.latest = tok
 	a := &mAttempt{label: fmt.Sprintf("%s#%d", tk.label, tk.tries), task: tk, tok: tok, ref: ref}
@@ -789,7 +797,7 @@ func (m *modelRun) startFailing(t *rapid.T, mode faultMode) {
 			l = &mLock{holder: tk}
 			m.locks[tk.key] = l
 		}
-		l.tok, l.phase = tok, runningPhase
+		l.tok, l.phase, l.stored = tok, runningPhase, true
 		what += "; the lock is its, under a token no handler has"
 	}
 	m.setState(t, tk, "retry")
@@ -926,7 +934,7 @@ func (m *modelRun) lostAcquire(t *rapid.T, what string, k int, kind enqKind, hol
 
 // Invariants.
 
-var lockFields = map[string]bool{"id": true, "c": true, "tok": true, "n": true}
+var lockFields = map[string]bool{"id": true, "c": true, "tok": true, "n": true, "v": true}
 
 // band is the lifetime a lock (and its holder's index) has in a phase.
 func band(p phase) (lo, hi time.Duration) {
@@ -978,6 +986,9 @@ func (m *modelRun) check(t *rapid.T) {
 			if !lockFields[f] {
 				m.diverge(t, "lock has an unexpected field", "lock %s: unexpected field %q in %v", name, f, got)
 			}
+		}
+		if (got["v"] == "1") != want.stored {
+			m.diverge(t, "lock's stored mark differs from the model", "lock %s: v=%q; model: written with its task %v", name, got["v"], want.stored)
 		}
 		if c, err := strconv.ParseInt(got["c"], 10, 64); err != nil || (c == 0) != want.old {
 			m.diverge(t, "lock age differs from the model", "lock %s: created %q; model: older than the heal grace %v", name, got["c"], want.old)

@@ -35,6 +35,19 @@ func retryInAnHour(c *asynq.Config) {
 	c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return time.Hour }
 }
 
+// cancelUntil sends Inspector.CancelProcessing for task id until asynq has
+// moved it to state: the server hears cancellations over Pub/Sub, and a
+// message published before its subscription is set up is lost.
+func (h *harness) cancelUntil(id, what string, state asynq.TaskState) {
+	h.t.Helper()
+	eventually(h.t, what, func() bool {
+		if err := h.insp.CancelProcessing(id); err != nil {
+			h.t.Fatal(err)
+		}
+		return h.taskState(id) == state
+	})
+}
+
 // settled waits until the middleware has settled n attempts (held or released).
 func (h *harness) settled(n uint64) {
 	h.t.Helper()
@@ -69,10 +82,7 @@ func TestPromiseKeyHeldWhenHandlerSucceedsAfterTimeout(t *testing.T) {
 
 func TestPromiseKeyHeldWhenHandlerSucceedsAfterCancelProcessing(t *testing.T) {
 	heldAfterGiveUp(t, retryInAnHour, asynq.MaxRetry(3), func(t *testing.T, h *harness, _ *asynq.Server, id string) {
-		if err := h.insp.CancelProcessing(id); err != nil {
-			t.Fatal(err)
-		}
-		eventually(t, "asynq retries the cancelled task", func() bool { return h.taskState(id) == asynq.TaskStateRetry })
+		h.cancelUntil(id, "asynq retries the cancelled task", asynq.TaskStateRetry)
 	})
 }
 
@@ -105,9 +115,7 @@ func TestPromiseFollowUpQueuedWhenHolderEndsForGood(t *testing.T) {
 		if err != nil || res.Outcome != Deferred {
 			t.Fatalf("%+v, %v, want a follow-up", res, err)
 		}
-		if err := h.insp.CancelProcessing(holder.ID); err != nil {
-			t.Fatal(err)
-		}
+		h.cancelUntil(holder.ID, "asynq archives the cancelled holder", asynq.TaskStateArchived)
 		r := waitFor(t, rc.runs, "the follow-up, at once")
 		if r.id != res.TaskID || decodeCounter(r.task).Seq != 2 {
 			t.Fatalf("ran %s seq %d, want the follow-up %s with seq 2", r.id, decodeCounter(r.task).Seq, res.TaskID)
@@ -397,4 +405,75 @@ func TestPromiseTasksInAnotherRedisNeverAdmitDuplicates(t *testing.T) {
 		t.Fatal("a handler ran under a middleware whose Redis does not hold its task")
 	default:
 	}
+}
+
+// A lock written in the same script as its task (NewClient's direct path)
+// has no gap between lock and task to wait out: once asynq's record says
+// the owner is gone, completed or archived, the next enqueue of the key is
+// accepted at once, HealGrace (a minute) notwithstanding. A lock taken
+// before its task was enqueued (WrapClient) still waits out the grace.
+func TestPromiseDirectLockFreeOnceItsTaskIsGone(t *testing.T) {
+	ends := []struct {
+		name string
+		end  func(t *testing.T, h *harness, id string)
+	}{
+		{"deleted", func(t *testing.T, h *harness, id string) {
+			if err := h.insp.DeleteTask(h.queue, id); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"archived", func(t *testing.T, h *harness, id string) {
+			if err := h.insp.ArchiveTask(h.queue, id); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"completed by a server without the middleware", func(t *testing.T, h *harness, id string) {
+			srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Queues: map[string]int{h.queue: 1},
+				TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel})
+			if err := srv.Start(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil })); err != nil {
+				t.Fatal(err)
+			}
+			defer srv.Shutdown()
+			eventually(t, "task completed", func() bool { return h.taskState(id) == asynq.TaskStateCompleted })
+		}},
+	}
+	for _, e := range ends {
+		t.Run(e.name, func(t *testing.T) {
+			h := newHarness(t, Config{})
+			h.client = h.d.NewClient()
+			first := h.enqueue(userTask(1, ""), asynq.Retention(time.Hour))
+			e.end(t, h, first.ID)
+			second, err := h.client.Enqueue(userTask(1, ""), asynq.Queue(h.queue))
+			if err != nil {
+				t.Fatalf("next enqueue after the owner %s: %v, want a new task at once", e.name, err)
+			}
+			if owner := h.lockOwner(h.keyOf(userTask(1, ""), h.queue)); owner != second.ID {
+				t.Fatalf("lock owned by %q, want the new task %s", owner, second.ID)
+			}
+		})
+	}
+	t.Run("WrapClient waits out the grace", func(t *testing.T) {
+		h := newHarness(t, Config{})
+		first := h.enqueue(userTask(1, ""))
+		if err := h.insp.DeleteTask(h.queue, first.ID); err != nil {
+			t.Fatal(err)
+		}
+		if dup := h.duplicateOf(userTask(1, "")); dup.TaskID != first.ID {
+			t.Fatalf("duplicate of %s, want %s (a lock younger than HealGrace)", dup.TaskID, first.ID)
+		}
+	})
+	t.Run("a task arriving without a lock takes it at once", func(t *testing.T) {
+		h := newHarness(t, Config{})
+		h.client = h.d.NewClient()
+		first := h.enqueue(userTask(1, ""))
+		if err := h.insp.DeleteTask(h.queue, first.ID); err != nil {
+			t.Fatal(err)
+		}
+		rc := newRecorder(nil)
+		h.serve(rc.handler(), nil)
+		if _, err := h.asynq.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, rc.runs, "the unlocked arrival runs, its holder gone")
+	})
 }

@@ -216,8 +216,11 @@ func (a *Acquire) result(s *Store, lock string, h *hint, rep reply) AcquireResul
 	switch rep.status {
 	case StatusTaken:
 		res.Stored = a.sendsMessage(h)
-		if a.folds() { // other calls learn the holder when they meet it: most keys are taken once
-			s.remember(lock, &a.Ref, h, a.Ref.stored(), "", false)
+		// Other calls learn the holder when they meet it: most keys are taken
+		// once. But a lock stored with its task is judged by the task's record
+		// at once (no heal grace), so a call on it must pass that record.
+		if a.folds() || res.Stored {
+			s.remember(lock, &a.Ref, h, a.Ref.stored(), "", res.Stored)
 		}
 	case statusHeldYoung:
 		res.Status, res.Task = StatusHeld, h.id(&a.Ref, rep.str(0))

@@ -21,6 +21,7 @@ const (
 	FieldBounded = "b"   // counted in the waiting set (Keys.Wait) of this type ("1" in locks of the earlier layout)
 	FieldFolds   = "n"   // enqueues folded into the key; Merge's version
 	FieldFollow  = "f"   // the follow-up task owed to the key (RunningDefer), whole ID
+	FieldStored  = "v"   // written with its owner's asynq record (no enqueue gap): heals without the grace
 	fieldOldType = "ty"  // the owner's type, in locks written before it moved to the task
 )
 

@@ -64,9 +64,14 @@
 -- still folds into the follow-up (and releases it); otherwise the follow-up
 -- comes due by itself: the owed work is never lost.
 --
+-- A lock written in the same script as its owner's record (field v: the
+-- direct path, an adopted follow-up, an attempt that started) has no gap
+-- between lock and task, so an owner found gone, completed or archived
+-- frees the key at once; only other locks wait out the heal grace.
+--
 -- Cost: every call is most of a script's time, so the common paths make
--- few. A lock younger than the heal grace is held whatever its owner's
--- state, so a plain rejection reads the lock alone; an accepted direct
+-- few. An unverified lock younger than the heal grace is held whatever its
+-- owner's state, so a plain rejection of it reads the lock alone; an accepted direct
 -- enqueue makes five calls, as many as asynq's own enqueue plus the lock's.
 -- The clock is the producer's (ARGV[4]): asynq stamps pending_since with
 -- it too, and the heal grace is far wider than any sane clock skew.
@@ -78,10 +83,13 @@ local now_ms = tonumber(A[4])
 local now = (now_ms - now_ms % 1000) / 1000
 local grace = tonumber(A[5])
 local follow = A[15] or ''
-local rec = call('HMGET', K.L, 'id', 'c', 'f', 'tok')
+local rec = call('HMGET', K.L, 'id', 'c', 'f', 'tok', 'v')
 local holder = rec[1]
+-- A lock written with its owner's record (v), and not running, can be
+-- judged by that record at once: there is no gap to wait out.
+local verified = rec[5] and not rec[4]
 if holder and holder ~= stored and holder ~= id and policy == 'x' and follow == '' and not rec[3]
-    and now - (tonumber(rec[2]) or 0) < grace then
+    and not verified and now - (tonumber(rec[2]) or 0) < grace then
   return {10, holder} -- young, and no answer but "held" is possible
 end
 roles(2)
@@ -103,7 +111,7 @@ local function take()
     return {7}
   end
   local max = tonumber(A[14] or '0')
-  local fields = (max > 0 or running ~= 'x') and {'id', stored, 'c', now} -- else the plain record below
+  local fields = (max > 0 or running ~= 'x' or msg ~= '') and {'id', stored, 'c', now} -- else the plain record below
   if max > 0 then
     call('ZREMRANGEBYSCORE', K.W, '-inf', now_ms)
     local n = call('ZCARD', K.W)
@@ -119,6 +127,8 @@ local function take()
     fields[#fields + 1] = running
   end
   if msg ~= '' then
+    fields[#fields + 1] = 'v' -- stored with its task: verified
+    fields[#fields + 1] = '1'
     -- Store the task as asynq's enqueue (or schedule) script would.
     local due = A[13] or '0'
     if due ~= '0' then
@@ -183,7 +193,7 @@ local state, hmsg
 if holder then
   if lacks('H') then return need() end
   state, hmsg = read_task(K.H)
-  if gone(state) and now - (tonumber(rec[2]) or 0) < grace then
+  if gone(state) and not verified and now - (tonumber(rec[2]) or 0) < grace then
     -- Too young to tell: its producer may not have stored it in asynq yet.
     if not state and (policy ~= 'x' or running == 'd') then
       return {6, holder}
@@ -244,9 +254,9 @@ local function adopt()
   call('DEL', K.F)
   call('HDEL', K.L, 'tok', 'f')
   if running ~= 'x' then
-    call('HSET', K.L, 'id', fhint_s, 'c', now, 'rp', running)
+    call('HSET', K.L, 'id', fhint_s, 'c', now, 'rp', running, 'v', '1')
   else
-    call('HSET', K.L, 'id', fhint_s, 'c', now)
+    call('HSET', K.L, 'id', fhint_s, 'c', now, 'v', '1')
   end
   call('PEXPIRE', K.L, ttl)
   return fstate

@@ -28,7 +28,7 @@
 roles(0)
 local id, stored, fp = ARGV[2], ARGV[3], ARGV[8]
 local now = now_parts()
-local rec = call('HMGET', K.L, 'id', 'c', 'rp', 'b', 'f')
+local rec = call('HMGET', K.L, 'id', 'c', 'rp', 'b', 'f', 'tok', 'v')
 local holder = rec[1]
 if holder ~= stored and holder ~= id then
   local by = call('GET', K.X)
@@ -41,8 +41,8 @@ if holder ~= stored and holder ~= id then
   end
 end
 if holder and holder ~= stored and holder ~= id then
-  if now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
-    return {0, holder} -- too young to be an orphan
+  if not (rec[7] and not rec[6]) and now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
+    return {0, holder} -- too young to be an orphan (unless written with its task: v)
   end
   if holder ~= ARGV[9] or not K.H or not K.J then
     return {11, 'HJ', holder}
@@ -81,7 +81,7 @@ if not holder then
     call('HSET', K.L, 'id', stored, 'c', now)
   end
 end
-call('HSET', K.L, 'tok', ARGV[4])
+call('HSET', K.L, 'tok', ARGV[4], 'v', '1') -- the task runs: it is stored
 call('PEXPIRE', K.L, ARGV[5])
 if K.I then
   call('SET', K.I, fp, 'PX', ARGV[5])
