@@ -42,9 +42,9 @@ type Client struct {
 //
 // next must store its tasks in the Dedup's Redis (or Cluster): locks are
 // checked against asynq's record of their owner there. The first accepted
-// enqueue checks that the task is there; if it is in another Redis, that
-// call's task stays enqueued and locked, and every later deduplicated call
-// fails with ErrTasksElsewhere.
+// enqueues check that their task is there (see placement.go); once one is
+// found in another Redis, its task stays enqueued and locked, and every
+// later deduplicated call fails with ErrTasksElsewhere.
 func (d *Dedup) WrapClient(next Enqueuer) *Client {
 	return &Client{d: d, next: next}
 }
@@ -110,7 +110,7 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 	if !c.d.active(&k.rule) {
 		return c.enqueueUnlocked(ctx, &k)
 	}
-	if err := c.place.refused("the enqueuer given to WrapClient"); err != nil {
+	if err := c.place.refused(); err != nil {
 		return Result{}, err
 	}
 	if err := c.prepare(ctx, &k); err != nil {
@@ -139,6 +139,10 @@ func (c *Client) enqueueUnlocked(ctx context.Context, k *call) (Result, error) {
 // fail-open), and settles the lock by what asynq did with the task.
 func (c *Client) enqueueLocked(ctx context.Context, k *call) (Result, error) {
 	d := c.d
+	var probe placeProbe
+	if k.locked {
+		probe = c.place.before(ctx, d, k.queue)
+	}
 	info, err := c.next.EnqueueContext(ctx, k.task, k.pass...)
 	if err != nil {
 		err = enqueueError(k.typ, err)
@@ -160,7 +164,7 @@ func (c *Client) enqueueLocked(ctx context.Context, k *call) (Result, error) {
 	if k.processAt.IsZero() && info.State == asynq.TaskStateScheduled {
 		c.coverDelay(ctx, k, info)
 	}
-	c.place.check(context.WithoutCancel(ctx), d, info.Queue, info.ID, false)
+	c.place.after(context.WithoutCancel(ctx), d, probe, info.Queue, info.ID)
 	return created(info, nil)
 }
 

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"
@@ -16,15 +17,15 @@ import (
 // wrapper (WrapClient) and the server middleware (Middleware). It is safe for
 // concurrent use. Create one per process with New and Close it on shutdown.
 type Dedup struct {
-	rdb   redis.UniversalClient
-	cfg   Config
-	rules map[string]*resolved
-	log   *slog.Logger
-	store *store.Store     // the Redis layout, and every call to Redis
-	insp  *asynq.Inspector // called through store.Foreign
-	hb    *heartbeater
-	stats metrics
-	place placement // where the tasks the middleware runs are stored
+	rdb             redis.UniversalClient
+	cfg             Config
+	rules           map[string]*resolved
+	log             *slog.Logger
+	store           *store.Store     // the Redis layout, and every call to Redis
+	insp            *asynq.Inspector // called through store.Foreign
+	hb              *heartbeater
+	stats           metrics
+	warnedElsewhere atomic.Bool // the middleware met a task stored in another Redis (logged once)
 
 	// queues remembers, per task type, the queue its tasks landed in when the
 	// call named none (a queue set in asynq.NewTask is invisible before the

@@ -76,8 +76,9 @@ var (
 	// record of their owner task in the lock's Redis; with the tasks
 	// elsewhere every owner would look gone and duplicates would be
 	// admitted, so deduplicated calls are refused instead (nothing locked
-	// or enqueued; a server does not run the task). Found by the first
-	// accepted enqueue (or the first task a server runs), and logged.
+	// or enqueued; a server does not run the task). A WrapClient finds out
+	// from its first accepted enqueues, the middleware from each task's
+	// record as it starts; logged once.
 	ErrTasksElsewhere = errors.New("dedup: tasks live in another redis")
 
 	// ErrLockLost is the cause of a handler context cancelled because its

@@ -57,10 +57,6 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	if !ok1 || !ok2 {
 		return next.ProcessTask(ctx, t) // not run by an asynq server
 	}
-	d.place.check(ctx, d, queue, id, true)
-	if err := d.place.refused("the asynq server running this middleware"); err != nil {
-		return err
-	}
 	ref, err := d.resolve(ctx, queue, id, t)
 	if err != nil {
 		return d.unlocked(ctx, "resolve", t, next, err)
@@ -74,6 +70,8 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	switch {
 	case err != nil:
 		return d.unlocked(ctx, "start", t, next, err)
+	case st.Status == store.StatusElsewhere:
+		return d.elsewhere(t, id)
 	case st.Status == store.StatusAllowed:
 		return next.ProcessTask(ctx, t) // RunningAllow: the key was freed as the task started
 	case st.Status == store.StatusSuperseded:
@@ -86,6 +84,15 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	d.count(t.Type(), evStarted)
 	l.follow = st.Follow
 	return d.run(ctx, t, next, &rule, l)
+}
+
+// elsewhere refuses a task whose asynq record is not in the Dedup's Redis:
+// the server runs on another Redis, where no lock could follow its tasks.
+func (d *Dedup) elsewhere(t *asynq.Task, id string) error {
+	if d.warnedElsewhere.CompareAndSwap(false, true) {
+		d.log.Error("dedup: the asynq server running the middleware stores its tasks in another Redis than the Dedup's; its tasks are refused (ErrTasksElsewhere)", slog.String("type", t.Type()), slog.String("task_id", id))
+	}
+	return fmt.Errorf("%w: task %s is not stored in the Dedup's Redis; run the server and the Dedup on one Redis (or one Cluster)", ErrTasksElsewhere, id)
 }
 
 // unlocked runs the handler without a lock after a Redis error, if

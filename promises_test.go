@@ -351,7 +351,7 @@ func TestPromiseNewestPayloadRunsLastAfterWorkerDeath(t *testing.T) {
 // would find no task there and heal live locks after HealGrace. The first
 // accepted enqueue finds out and every later deduplicated call is refused,
 // so no duplicate is ever admitted; a server whose tasks are elsewhere
-// refuses to run them under the middleware.
+// refuses to run its deduplicated tasks under the middleware.
 func TestPromiseTasksInAnotherRedisNeverAdmitDuplicates(t *testing.T) {
 	needRealRedis(t)
 	h := newHarness(t, Config{HealGrace: time.Millisecond})
@@ -387,22 +387,31 @@ func TestPromiseTasksInAnotherRedisNeverAdmitDuplicates(t *testing.T) {
 
 	// A server on the other Redis under this Dedup's middleware.
 	errs := make(chan error, 10)
-	ran := make(chan struct{}, 10)
+	ran := make(chan string, 10)
 	srv := asynq.NewServerFromRedisClient(other, asynq.Config{
 		Queues: map[string]int{h.queue: 1}, TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel,
 		RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return time.Hour },
 		ErrorHandler:   asynq.ErrorHandlerFunc(func(_ context.Context, _ *asynq.Task, err error) { errs <- err }),
 	})
-	if err := srv.Start(h.d.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { ran <- struct{}{}; return nil }))); err != nil {
+	if err := srv.Start(h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		ran <- id
+		return nil
+	}))); err != nil {
 		t.Fatal(err)
 	}
 	defer srv.Shutdown()
 	if err := waitFor(t, errs, "task refused"); !errors.Is(err, ErrTasksElsewhere) {
 		t.Fatalf("server's task: err = %v, want ErrTasksElsewhere", err)
 	}
+	// The opted-out task runs, as it would without deduplication; the
+	// deduplicated one never does.
+	if id := waitFor(t, ran, "the opted-out task runs"); id == first.ID {
+		t.Fatal("a deduplicated task ran under a middleware whose Redis does not hold its task")
+	}
 	select {
-	case <-ran:
-		t.Fatal("a handler ran under a middleware whose Redis does not hold its task")
+	case id := <-ran:
+		t.Fatalf("%s ran too; only the opted-out task may", id)
 	default:
 	}
 }

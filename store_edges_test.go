@@ -47,7 +47,11 @@ func TestStartHealFreesWaitingSlot(t *testing.T) {
 	h.ageLock(key)
 	// The same work arrives without a lock (asynq.Scheduler) and starts:
 	// the execution-time guard heals the orphan and runs.
-	ref := h.d.newRef(h.queue, fpOfKey(key), "sched-"+uniq(t), "bounded", false)
+	sched := "sched-" + uniq(t)
+	if _, err := h.asynq.Enqueue(t1, asynq.Queue(h.queue), asynq.TaskID(sched)); err != nil {
+		t.Fatal(err)
+	}
+	ref := h.d.newRef(h.queue, fpOfKey(key), sched, "bounded", false)
 	st, _, err := h.d.start(ctx, ref, newToken(), RunningReject)
 	if err != nil || st != store.StatusTaken {
 		t.Fatalf("start: %v %v", st, err)

@@ -39,6 +39,7 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		kl.add(roleWait, s.keys.Wait(r.Queue, r.Type))
 		kl.add(roleFollow, s.keys.Follow(r.Queue, r.FP))
 		kl.add(roleSuperseded, s.keys.Superseded(r.Queue, r.ID))
+		kl.add(roleTask, TaskKey(r.Queue, r.ID))
 		if r.Indexed {
 			kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
 		}

@@ -123,6 +123,10 @@ func PendingKey(queue string) string { return "asynq:{" + queue + "}:pending" }
 // due time in unix seconds.
 func ScheduledKey(queue string) string { return "asynq:{" + queue + "}:scheduled" }
 
+// ProcessedKey is asynq's count of the queue's tasks it completed
+// (processed_total, incremented whether the task is kept or deleted).
+func ProcessedKey(queue string) string { return "asynq:{" + queue + "}:processed" }
+
 // QueuesKey is asynq's set of queue names.
 const QueuesKey = "asynq:queues"
 

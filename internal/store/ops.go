@@ -64,25 +64,48 @@ func (s *Store) PublishQueue(ctx context.Context, queue string) error {
 	return err
 }
 
-// TaskSeen tells whether asynq's record of task id exists in this Redis
-// (exists), and whether queue is registered in asynq's set of queues here
-// (queueKnown): the two facts that say where a client's tasks live. Two
-// commands, since asynq's set of queues has no hash tag.
-func (s *Store) TaskSeen(ctx context.Context, queue, id string) (exists, queueKnown bool, err error) {
+// Processed reads asynq's count of tasks of queue it completed (kept or
+// deleted), 0 if none.
+func (s *Store) Processed(ctx context.Context, queue string) (int64, error) {
 	v, err := s.Do(ctx, func(c context.Context, rdb redis.Cmdable) (any, error) {
-		n, err := rdb.Exists(c, TaskKey(queue, id)).Result()
-		if err != nil || n == 1 {
-			return [2]bool{n == 1, true}, err
+		return rdb.Get(c, ProcessedKey(queue)).Int64()
+	})
+	if errors.Is(err, redis.Nil) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	n, ok := v.(int64)
+	if !ok {
+		return 0, errors.New("store: unexpected reply to Processed")
+	}
+	return n, nil
+}
+
+// TaskTrace tells whether asynq's record of task id exists, and reads
+// asynq's count of tasks of queue it completed: one pipelined round trip
+// (both keys are in the queue's slot).
+func (s *Store) TaskTrace(ctx context.Context, queue, id string) (exists bool, processed int64, err error) {
+	v, err := s.Do(ctx, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		pipe := rdb.Pipeline()
+		ex := pipe.Exists(c, TaskKey(queue, id))
+		pr := pipe.Get(c, ProcessedKey(queue))
+		if _, err := pipe.Exec(c); err != nil && !errors.Is(err, redis.Nil) {
+			return nil, err
 		}
-		known, err := rdb.SIsMember(c, QueuesKey, queue).Result()
-		return [2]bool{false, known}, err
+		n, err := pr.Int64()
+		if errors.Is(err, redis.Nil) {
+			n, err = 0, nil
+		}
+		return [2]int64{ex.Val(), n}, err
 	})
 	if err != nil {
-		return false, false, err
+		return false, 0, err
 	}
-	r, ok := v.([2]bool)
+	r, ok := v.([2]int64)
 	if !ok {
-		return false, false, errors.New("store: unexpected reply to TaskSeen")
+		return false, 0, errors.New("store: unexpected reply to TaskTrace")
 	}
-	return r[0], r[1], nil
+	return r[0] == 1, r[1], nil
 }

@@ -26,6 +26,9 @@ const (
 	// StatusSuperseded: the task's follow-up carries a newer payload and the
 	// task lost its lock meanwhile: it must not run (start).
 	StatusSuperseded Status = 12
+	// StatusElsewhere: the starting task has no asynq record in this Redis:
+	// its server stores tasks elsewhere (start).
+	StatusElsewhere Status = 13
 )
 
 // reply is a checked {status, string...} script reply.

@@ -42,7 +42,8 @@
 -- Reply (holder and f: the lock's owner as stored and its follow-up after
 -- the call, for the caller's hints):
 --   {1}                                taken for ARGV[2]
---   {2}                                already held by ARGV[2]; untouched
+--   {2}                                already held by ARGV[2] (the caller enqueues it): untouched,
+--                                      but for a lock written with its task, which loses v and is young again
 --   {0, who, holder, f}                held by who (as stored, or a follow-up); rejected
 --   {10, holder}                       the same, from the lock alone: it is younger than the grace
 --   {3, target, state, holder, f}      payload of waiting task target replaced
@@ -94,6 +95,12 @@ if holder and holder ~= stored and holder ~= id and policy == 'x' and follow == 
 end
 roles(2)
 if holder == stored or holder == id then -- (a lock of the earlier layout holds the whole ID)
+  if rec[5] and not rec[4] then
+    -- The caller enqueues this task now, through asynq's client: until it
+    -- is stored the lock has a gap again, which the grace must cover.
+    call('HDEL', K.L, 'v')
+    call('HSET', K.L, 'c', now)
+  end
   return {2}
 end
 local fp = A[10] or ''

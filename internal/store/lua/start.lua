@@ -2,7 +2,7 @@
 --
 -- KEYS, by the role letters of ARGV[1]:
 --   L  the lock; W  the task type's waiting set; F  the key's follow-up pointer;
---   X  the task's superseded marker                                               always
+--   X  the task's superseded marker; T the task's asynq record                    always
 --   I  index key of the task's caller-chosen ID                                  with a caller-chosen ID
 --   H  asynq record of the holder ARGV[9], J its index key                       when the holder must be read
 -- ARGV[1]  the roles of KEYS, one letter each
@@ -21,11 +21,16 @@
 --        {12, followup}             superseded: the task lost its lock (its worker died) after a
 --                                   follow-up with a newer payload was made for it; it must not run
 --        {11, lacking, holder}      nothing done: call again with the keys of these roles
+--        {13}                       the task has no asynq record here: its server stores tasks in
+--                                   another Redis; nothing done
 --
 -- A new attempt replaces an older attempt's token, so a leftover handler of
 -- that attempt can neither renew nor release the lock any more.
 -- @lib: lib.lua is spliced in here.
 roles(0)
+if call('EXISTS', K.T) == 0 then
+  return {13} -- (a running task's record always exists where asynq runs it)
+end
 local id, stored, fp = ARGV[2], ARGV[3], ARGV[8]
 local now = now_parts()
 local rec = call('HMGET', K.L, 'id', 'c', 'rp', 'b', 'f', 'tok', 'v')
