@@ -40,6 +40,12 @@ func (c *Client) lock(ctx context.Context, k *call) (Result, next, error) {
 	var w waits
 	for {
 		res, err := c.d.store.Acquire(ctx, &k.acquire)
+		if err != nil && w.room > 0 && !res.Sent && ctx.Err() != nil {
+			// The caller's context ended while it waited for room: the answer
+			// is still "no room", whichever call the end interrupted.
+			c.d.count(k.typ, evOverBound)
+			return Result{}, done, fmt.Errorf("%w: waited for room: %w", ErrTooManyPending, ctx.Err())
+		}
 		if err != nil {
 			return c.acquireFailed(ctx, k, res.Sent, err)
 		}

@@ -128,8 +128,20 @@ func newModelWorld(t *testing.T) *modelWorld {
 	// the first steps and shift the injected faults: settle it now.
 	for _, w := range []*harness{h, open} {
 		w.client.place.state.Store(placeHere)
+		recheckAlways(w.d) // the model reads every owner's record on every call
 	}
 	return &modelWorld{h: h, open: open, raw: raw, faults: f}
+}
+
+// recheckAlways gives d a store that reads the owner's record on every
+// rejection of a lock marked v (store.Config.Recheck < 0), as the model
+// does; the default trusts such a lock for store.DefaultRecheck after a read.
+func recheckAlways(d *Dedup) {
+	cfg := d.storeConfig()
+	cfg.Recheck = -1
+	old := d.store
+	d.store = store.New(d.rdb, cfg)
+	old.Close()
 }
 
 // The model.

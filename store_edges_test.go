@@ -355,6 +355,9 @@ func TestStaleHintsDirectPathAgrees(t *testing.T) {
 					}
 					rules := map[string]Rule{"st": rule}
 					h := newHarness(t, Config{Rules: rules})
+					// Every call here reads the owner's record: the test is about
+					// stale hints, not the brief trust after a read (TestRecheck…).
+					recheckAlways(h.d)
 					ctx := context.Background()
 					c := h.d.NewClient()
 					task := func(v int) *asynq.Task {

@@ -80,6 +80,9 @@ func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) 
 		}
 	}
 	for n := 0; ; n++ {
+		if n > 0 {
+			h.checked = 0 // a call asked for more keys verifies what it finds
+		}
 		keys, args := a.build(s, lock, &h, n > 0)
 		v, err := s.run(ctx, s.sc.acquire, keys, args...)
 		if err != nil {
@@ -126,11 +129,16 @@ func (s *Store) replace(ctx context.Context, a *Acquire, lock string, h *hint) (
 func (a *Acquire) build(s *Store, lock string, h *hint, all bool) ([]string, []any) {
 	r := &a.Ref
 	kl := newKeyList(byte(a.OnWaiting), byte(a.OnRunning))
+	sends := a.sendsMessage(h)
+	if a.trusts(s, h) {
+		kl.roles[0] = foldRejectTrusting
+		h = &hint{} // the lock alone answers: no holder keys or arguments
+	}
 	kl.add(roleLock, lock)
 	if r.Indexed {
 		kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
 	}
-	if a.sendsMessage(h) {
+	if sends {
 		kl.add(roleTask, TaskKey(r.Queue, r.ID))
 		if a.DueAt != 0 {
 			kl.add(roleScheduled, ScheduledKey(r.Queue))
@@ -161,7 +169,24 @@ func (a *Acquire) build(s *Store, lock string, h *hint, all bool) ([]string, []a
 	if h.follow != "" {
 		kl.add(roleFollowTask, h.followTask)
 	}
-	return kl.keys, a.args(s, kl, h)
+	return kl.keys, a.args(s, kl, h, sends)
+}
+
+// DefaultRecheck bounds how long a process answers a plain rejection of a
+// lock written with its task (field v) from the lock alone after it last
+// read the owner's record (Config.Recheck): a hot key's rejections do not
+// each pay for that read, and an owner that has gone frees the key within
+// this time.
+const DefaultRecheck = time.Second
+
+// foldRejectTrusting is FoldReject for a call whose process read the
+// holder's record less than recheckEvery ago: the script may answer from
+// the lock alone even when the lock is marked v.
+const foldRejectTrusting = 'X'
+
+// trusts reports whether the call may be answered from the lock alone.
+func (a *Acquire) trusts(s *Store, h *hint) bool {
+	return a.OnWaiting == FoldReject && a.FollowID == "" && h.checked != 0 && a.Now.UnixNano()-h.checked < int64(s.cfg.Recheck)
 }
 
 // folds reports whether the call may fold into the task holding the key,
@@ -178,10 +203,10 @@ func (a *Acquire) sendsMessage(h *hint) bool {
 
 // args lays out ARGV; the optional arguments go only as far as the last
 // one that differs from its default (a plain call sends 8).
-func (a *Acquire) args(s *Store, kl *keyList, h *hint) []any {
+func (a *Acquire) args(s *Store, kl *keyList, h *hint, sends bool) []any {
 	r := &a.Ref
 	var msg []byte
-	if a.sendsMessage(h) {
+	if sends {
 		msg = a.Message.Encode() // only now: a call expecting the key held never encodes it
 	}
 	args := make([]any, 7, 16)
@@ -205,7 +230,11 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint) []any {
 	if n == 0 {
 		return args
 	}
-	opt := [...]any{payloadField(a.Payload), h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), r.Type}
+	var field []byte // the payload, which only a call that may fold uses
+	if a.folds() {
+		field = payloadField(a.Payload)
+	}
+	opt := [...]any{field, h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), r.Type}
 	return append(args, opt[:n]...)
 }
 
@@ -217,17 +246,24 @@ func (a *Acquire) result(s *Store, lock string, h *hint, rep reply) AcquireResul
 	case StatusTaken:
 		res.Stored = a.sendsMessage(h)
 		// Other calls learn the holder when they meet it: most keys are taken
-		// once. But a lock stored with its task is judged by the task's record
-		// at once (no heal grace), so a call on it must pass that record.
-		if a.folds() || res.Stored {
-			s.remember(lock, &a.Ref, h, a.Ref.stored(), "", res.Stored)
+		// once. (A rejection of a lock stored with its task reads the task's
+		// record, so a process's first one costs a round trip more, to learn
+		// the holder's ID: cheaper than remembering every accepted key.)
+		if a.folds() {
+			s.remember(lock, &a.Ref, h, a.Ref.stored(), "", false)
 		}
 	case statusHeldYoung:
 		res.Status, res.Task = StatusHeld, h.id(&a.Ref, rep.str(0))
-		s.remember(lock, &a.Ref, h, rep.str(0), "", false)
+		if !a.trusts(s, h) { // a trusting call keeps the hint it had, and its check time
+			s.remember(lock, &a.Ref, h, rep.str(0), "", false)
+		}
 	case StatusHeld:
 		res.Task = h.id(&a.Ref, rep.str(0))
-		s.remember(lock, &a.Ref, h, rep.str(1), rep.str(2), true)
+		if rep.str(3) == "v" { // the owner's record was read: later rejections may trust the lock a while
+			s.rememberChecked(lock, &a.Ref, h, rep.str(1), rep.str(2), a.Now.UnixNano())
+		} else {
+			s.remember(lock, &a.Ref, h, rep.str(1), rep.str(2), true)
+		}
 	case StatusReplaced, StatusMerge:
 		res.Task, res.State = h.id(&a.Ref, rep.str(0)), rep.str(1)
 		last := len(rep.strs) - 2
@@ -248,6 +284,17 @@ func (a *Acquire) result(s *Store, lock string, h *hint, rep reply) AcquireResul
 		res.Reason = rep.str(0)
 	}
 	return res
+}
+
+// rememberChecked is remember after a reply that read the holder's record
+// (checked: when, unix nanoseconds).
+func (s *Store) rememberChecked(lock string, r *Ref, h *hint, holder, follow string, checked int64) {
+	if h.cached && h.holder == holder && h.follow == follow && h.read && h.checked == checked {
+		return
+	}
+	nh := newHint(r, holder, follow)
+	nh.read, nh.checked = true, checked
+	s.hints.put(lock, nh)
 }
 
 // remember keeps the lock's holder and follow-up for the next call (read:

@@ -12,12 +12,16 @@ import (
 // Config configures a Store. Every field is required (the root package's
 // Config supplies the defaults).
 type Config struct {
-	Prefix           string
-	LockTimeout      time.Duration // bound of every call
-	HealGrace        time.Duration // a younger lock is never treated as orphaned
-	Lease            time.Duration // a running lock's lifetime; follow-ups stay parked two leases
-	MaxBatch         int           // most script calls per pipeline; < 0: no batching
-	BreakerThreshold int           // consecutive failures that open the breaker; < 0: no breaker
+	Prefix      string
+	LockTimeout time.Duration // bound of every call
+	HealGrace   time.Duration // a younger lock is never treated as orphaned
+	Lease       time.Duration // a running lock's lifetime; follow-ups stay parked two leases
+	MaxBatch    int           // most script calls per pipeline; < 0: no batching
+	// Recheck bounds how long plain rejections of a lock marked v are
+	// answered from the lock alone after its owner's record was last read
+	// (0: DefaultRecheck; < 0: read it on every rejection).
+	Recheck          time.Duration
+	BreakerThreshold int // consecutive failures that open the breaker; < 0: no breaker
 	// BreakerWait is how long the breaker stays open after opens earlier
 	// consecutive openings.
 	BreakerWait    func(opens int) time.Duration
@@ -49,6 +53,9 @@ type Store struct {
 
 // New returns a Store over rdb. It does not take ownership of rdb.
 func New(rdb redis.UniversalClient, cfg Config) *Store {
+	if cfg.Recheck == 0 {
+		cfg.Recheck = DefaultRecheck
+	}
 	s := &Store{rdb: rdb, keys: NewKeys(cfg.Prefix), cfg: cfg, sc: scripts(), socketBound: contextTimeouts(rdb)}
 	s.br = &breaker{threshold: cfg.BreakerThreshold, wait: cfg.BreakerWait, log: cfg.Logger, onOpen: cfg.OnBreakerOpen}
 	if cfg.MaxBatch > 0 {

@@ -41,6 +41,7 @@ type hint struct {
 	holderID, holderTask     string // the holder's task ID and asynq record
 	followStored, followTask string // the follow-up as stored, and its asynq record
 	read                     bool   // the last call on the key had to read the holder's record
+	checked                  int64  // when a reply last read the holder's record (unix ns; 0: never)
 	cached                   bool   // read from the cache (not from a reply of this call)
 }
 
@@ -90,7 +91,7 @@ func (c *hintCache) put(lockKey string, h hint) {
 	sh.mu.RLock()
 	old, ok := sh.m[lockKey]
 	sh.mu.RUnlock()
-	if ok && old.holder == h.holder && old.follow == h.follow && old.read == h.read {
+	if ok && old.holder == h.holder && old.follow == h.follow && old.read == h.read && old.checked == h.checked {
 		return
 	}
 	sh.mu.Lock()

@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -168,5 +169,91 @@ func TestHintCacheBounded(t *testing.T) {
 	c.forget("k")
 	if _, ok := c.get("k"); ok {
 		t.Fatal("forgotten hint still there")
+	}
+}
+
+// A lock written with its task (v) is judged by the task's record, but a
+// process that read that record less than Config.Recheck ago answers a
+// plain rejection from the lock alone; after that it reads the record
+// again, and a task gone meanwhile frees the key.
+func TestRecheckTrustsAVerifiedLockBriefly(t *testing.T) {
+	rdb := redistest.Client(t)
+	hook := &lastRoles{}
+	rdb.AddHook(hook)
+	ctx := context.Background()
+	s := newTestStore(t, rdb)
+	q := redistest.Uniq(t)
+	fp := "00112233445566bb"
+	now := time.Now()
+	acquire := func(id string, at time.Time, direct bool) AcquireResult {
+		t.Helper()
+		a := &Acquire{Ref: Ref{Queue: q, FP: fp, ID: id, Type: "t"}, OnWaiting: FoldReject, OnRunning: RunReject,
+			TTL: time.Hour, Now: at, Direct: direct, Message: Message{Type: "t", ID: id, Queue: q, Retry: 25, Timeout: time.Minute}}
+		res, err := s.Acquire(ctx, a)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	// reads reports whether the call sent the owner's record (role H) rather
+	// than trusting the lock (the 'X' head).
+	reads := func(f func()) bool { f(); r := hook.get(); return r[0] != 'X' && strings.Contains(r[2:], "H") }
+	first := NewLockedID(fp)
+	if res := acquire(first, now, true); res.Status != StatusTaken || !res.Stored {
+		t.Fatalf("first: %+v", res)
+	}
+	if v := rdb.HGet(ctx, s.keys.Lock(q, fp), FieldStored).Val(); v != "1" {
+		t.Fatalf("lock stored with its task has v=%q", v)
+	}
+	var res AcquireResult
+	if read := reads(func() { res = acquire(NewLockedID(fp), now.Add(time.Millisecond), true) }); res.Status != StatusHeld || res.Task != first || !read {
+		t.Fatalf("rejection: %+v, owner's record read %v; want held by %s, read", res, read, first)
+	}
+	if read := reads(func() { res = acquire(NewLockedID(fp), now.Add(50*time.Millisecond), true) }); res.Status != StatusHeld || read {
+		t.Fatalf("rejection within Recheck: %+v, owner's record read %v; want held, answered from the lock alone", res, read)
+	}
+	rdb.Del(ctx, TaskKey(q, first)) // deleted by hand
+	if res := acquire(NewLockedID(fp), now.Add(60*time.Millisecond), true); res.Status != StatusHeld {
+		t.Fatalf("within Recheck of the last read: %+v; want held (trusted)", res)
+	}
+	second := NewLockedID(fp)
+	if res := acquire(second, now.Add(DefaultRecheck+10*time.Millisecond), true); res.Status != StatusTaken {
+		t.Fatalf("after Recheck, the owner gone: %+v; want taken at once (HealGrace notwithstanding)", res)
+	}
+}
+
+// lastRoles remembers ARGV[1] (the policy head and role letters) of the
+// last script call.
+type lastRoles struct {
+	mu    sync.Mutex
+	roles string
+}
+
+func (h *lastRoles) get() string { h.mu.Lock(); defer h.mu.Unlock(); return h.roles }
+func (h *lastRoles) note(cmd redis.Cmder) {
+	args := cmd.Args()
+	if n := cmd.Name(); (n != "evalsha" && n != "eval") || len(args) < 4 {
+		return
+	}
+	nk, _ := args[2].(int)
+	if 3+nk >= len(args) {
+		return
+	}
+	if r, ok := args[3+nk].(string); ok {
+		h.mu.Lock()
+		h.roles = r
+		h.mu.Unlock()
+	}
+}
+func (h *lastRoles) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *lastRoles) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { h.note(cmd); return next(ctx, cmd) }
+}
+func (h *lastRoles) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			h.note(c)
+		}
+		return next(ctx, cmds)
 	}
 }

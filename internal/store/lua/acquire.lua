@@ -16,8 +16,10 @@
 -- {11, ...} naming what it lacks: the caller calls again with those keys.
 --
 -- ARGV[1]  policy for a waiting holder ('x' reject, 'r' replace, 'm'
---          merge), for a running one ('x' reject, 'a' allow, 'd' defer),
---          then the roles of KEYS, one letter each
+--          merge; 'X' reject, and a lock marked v may be answered from the
+--          lock alone: the caller read its owner's record moments ago), for
+--          a running one ('x' reject, 'a' allow, 'd' defer), then the roles
+--          of KEYS, one letter each
 -- ARGV[2]  ID of the new task, if one is created
 -- ARGV[3]  ARGV[2] as lock records store it
 -- ARGV[4]  the producer's clock, unix integer milliseconds
@@ -44,7 +46,8 @@
 --   {1}                                taken for ARGV[2]
 --   {2}                                already held by ARGV[2] (the caller enqueues it): untouched,
 --                                      but for a lock written with its task, which loses v and is young again
---   {0, who, holder, f}                held by who (as stored, or a follow-up); rejected
+--   {0, who, holder, f[, 'v']}         held by who (as stored, or a follow-up); rejected ('v': a lock
+--                                      marked v whose owner's record was read and is live)
 --   {10, holder}                       the same, from the lock alone: it is younger than the grace
 --   {3, target, state, holder, f}      payload of waiting task target replaced
 --   {4, target, payload, ver, holder, f}  merge: the caller merges and calls coalesce
@@ -89,10 +92,11 @@ local holder = rec[1]
 -- A lock written with its owner's record (v), and not running, can be
 -- judged by that record at once: there is no gap to wait out.
 local verified = rec[5] and not rec[4]
-if holder and holder ~= stored and holder ~= id and policy == 'x' and follow == '' and not rec[3]
-    and not verified and now - (tonumber(rec[2]) or 0) < grace then
-  return {10, holder} -- young, and no answer but "held" is possible
+if holder and holder ~= stored and holder ~= id and (policy == 'x' or policy == 'X') and follow == ''
+    and not rec[3] and ((verified and policy == 'X') or (not verified and now - (tonumber(rec[2]) or 0) < grace)) then
+  return {10, holder} -- young (or the caller checked the owner just now): only "held" is possible
 end
+if policy == 'X' then policy = 'x' end
 roles(2)
 if holder == stored or holder == id then -- (a lock of the earlier layout holds the whole ID)
   if rec[5] and not rec[4] then
@@ -104,6 +108,14 @@ if holder == stored or holder == id then -- (a lock of the earlier layout holds 
   return {2}
 end
 local fp = A[10] or ''
+-- A plain rejection of a lock written with its task reads the holder's
+-- state alone (before the library below is defined: most of a call's cost).
+if verified and policy == 'x' and follow == '' and not rec[3] and K.H and holder == A[9] then
+  local st = call('HGET', K.H, 'state')
+  if st and st ~= 'completed' and st ~= 'archived' then
+    return {0, holder, holder, '', 'v'}
+  end
+end
 -- take takes the free key for the new task (and stores the task, given msg).
 local function take()
   if K.I then -- a caller-chosen ID: its index may name another key
@@ -118,7 +130,7 @@ local function take()
     return {7}
   end
   local max = tonumber(A[14] or '0')
-  local fields = (max > 0 or running ~= 'x' or msg ~= '') and {'id', stored, 'c', now} -- else the plain record below
+  local fields = (max > 0 or running ~= 'x') and {'id', stored, 'c', now} -- else the plain record below
   if max > 0 then
     call('ZREMRANGEBYSCORE', K.W, '-inf', now_ms)
     local n = call('ZCARD', K.W)
@@ -133,9 +145,11 @@ local function take()
     fields[#fields + 1] = 'rp'
     fields[#fields + 1] = running
   end
-  if msg ~= '' then
+  if msg ~= '' and fields then
     fields[#fields + 1] = 'v' -- stored with its task: verified
     fields[#fields + 1] = '1'
+  end
+  if msg ~= '' then
     -- Store the task as asynq's enqueue (or schedule) script would.
     local due = A[13] or '0'
     if due ~= '0' then
@@ -148,6 +162,8 @@ local function take()
   end
   if fields then
     call('HSET', K.L, unpack(fields))
+  elseif msg ~= '' then
+    call('HSET', K.L, 'id', stored, 'c', now, 'v', '1')
   else
     call('HSET', K.L, 'id', stored, 'c', now)
   end
