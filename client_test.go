@@ -500,3 +500,30 @@ func TestRedisDownFailClosedAndOpen(t *testing.T) {
 		})
 	}
 }
+
+// Per-call key options follow a Rule's precedence whatever their order: an
+// explicit key beats fields; Key and SharedKey together are refused.
+func TestCallKeyBeatsCallFieldsWhateverTheOrder(t *testing.T) {
+	h := newHarness(t, Config{})
+	byKey := h.keyOf(userTask(1, ""), h.queue, Key("tenant-7"))
+	for name, opts := range map[string][]asynq.Option{
+		"Key, Fields": {Key("tenant-7"), Fields("user_id")},
+		"Fields, Key": {Fields("user_id"), Key("tenant-7")},
+	} {
+		if got := h.keyOf(userTask(1, ""), h.queue, opts...); got != byKey {
+			t.Errorf("%s: lock key %s, want the explicit key's %s", name, got, byKey)
+		}
+	}
+	first := h.enqueue(userTask(1, ""), Fields("user_id"), Key("tenant-7"))
+	if dup := h.duplicateOf(userTask(2, ""), Key("tenant-7"), Fields("user_id")); dup.TaskID != first.ID {
+		t.Fatalf("another user under the same explicit key: duplicate of %s, want %s", dup.TaskID, first.ID)
+	}
+	for _, opts := range [][]asynq.Option{{Key("a"), SharedKey("a")}, {SharedKey("a"), Key("a")}, {Key("a"), Key("b")}} {
+		if _, err := h.client.Enqueue(userTask(3, ""), append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...); !errors.Is(err, ErrInvalidOption) {
+			t.Errorf("%v: err = %v, want ErrInvalidOption", opts, err)
+		}
+	}
+	if l := h.locks(); len(l) != 1 {
+		t.Fatalf("locks %v, want the first task's only", l)
+	}
+}

@@ -248,6 +248,7 @@ type resolved struct {
 	running       Running
 	maxPending    int
 	waitForRoom   bool
+	callKey       string // the per-call key option applied ("dedup.Key", "dedup.SharedKey"), if any
 }
 
 // compileFields compiles a field selection (nil for none), with errors

@@ -29,7 +29,9 @@ func (o option) Value() any                { return o.desc }
 func (o option) applyTo(r *resolved) error { return o.apply(r) }
 
 // Fields deduplicates this call on the given JSON payload paths (dotted for
-// nested members: "report.kind"), overriding the type's rule.
+// nested members: "report.kind"), overriding the type's rule. As in a Rule,
+// an explicit key beats fields: with Key or SharedKey in the same call,
+// whatever the order, Fields has no effect.
 func Fields(paths ...string) asynq.Option {
 	fs, err := compileFields(paths)
 	if err == nil && fs == nil {
@@ -39,7 +41,11 @@ func Fields(paths ...string) asynq.Option {
 		if err != nil {
 			return err
 		}
-		r.fields, r.key, r.hasKey, r.keyFunc, r.optedIn = fs, "", false, nil, true
+		r.optedIn = true
+		if r.callKey != "" {
+			return nil // the call's explicit key beats its fields
+		}
+		r.fields, r.key, r.hasKey, r.keyFunc = fs, "", false, nil
 		return nil
 	}}
 }
@@ -51,7 +57,9 @@ func Key(key string) asynq.Option {
 }
 
 // SharedKey is Key without the type namespace: tasks of different types with
-// the same shared key exclude each other (within one queue).
+// the same shared key exclude each other (within one queue). A call may not
+// carry both Key and SharedKey (ErrInvalidOption), nor either twice with
+// different keys.
 func SharedKey(key string) asynq.Option {
 	return keyOption("dedup.SharedKey", key, true)
 }
@@ -61,7 +69,11 @@ func keyOption(name, key string, shared bool) asynq.Option {
 		if key == "" {
 			return fmt.Errorf("%w: %s: empty key", ErrInvalidOption, name)
 		}
+		if r.callKey != "" && (r.callKey != name || r.key != key) {
+			return fmt.Errorf("%w: %s and %s in one call: give one key", ErrInvalidOption, r.callKey, name)
+		}
 		r.key, r.hasKey, r.keyFunc, r.fields, r.shared, r.optedIn = key, true, nil, nil, shared, true
+		r.callKey = name
 		return nil
 	}}
 }
