@@ -32,6 +32,8 @@ type Client struct {
 
 	direct bool // next is an asynq client on the Dedup's Redis: accepted enqueues can take one round trip
 	place  placement
+
+	ownNext bool // next was made by NewClient, over the Dedup's Redis client
 }
 
 // WrapClient returns a Client that deduplicates before enqueueing through
@@ -57,9 +59,40 @@ func (d *Dedup) WrapClient(next Enqueuer) *Client {
 // lock exists without its task. Other tasks go through the asynq client.
 // Config.NoDirectEnqueue turns this off.
 func (d *Dedup) NewClient() *Client {
-	c := &Client{d: d, next: asynq.NewClientFromRedisClient(d.rdb), direct: !d.cfg.NoDirectEnqueue}
+	c := &Client{d: d, next: asynq.NewClientFromRedisClient(d.rdb), direct: !d.cfg.NoDirectEnqueue, ownNext: true}
 	c.place.state.Store(placeHere)
 	return c
+}
+
+// Close releases what the Client holds, as asynq.Client's Close does, so
+// code written for *asynq.Client keeps compiling: it closes the Enqueuer
+// given to WrapClient if that has a Close() error method (an
+// *asynq.Client, say); a Client from NewClient holds nothing of its own
+// (its asynq client shares the Dedup's Redis client, which stays open). It
+// does not close the Dedup.
+func (c *Client) Close() error {
+	if c.ownNext {
+		return nil
+	}
+	if cl, ok := c.next.(interface{ Close() error }); ok {
+		return cl.Close()
+	}
+	return nil
+}
+
+// Ping checks that the Dedup's Redis answers (bounded by
+// Config.LockTimeout) and, if the wrapped Enqueuer has a Ping() error
+// method (an *asynq.Client, say), that it does too.
+func (c *Client) Ping() error {
+	ctx, cancel := context.WithTimeout(context.Background(), c.d.cfg.LockTimeout)
+	defer cancel()
+	if err := c.d.rdb.Ping(ctx).Err(); err != nil {
+		return unavailable("ping", err)
+	}
+	if p, ok := c.next.(interface{ Ping() error }); ok {
+		return p.Ping()
+	}
+	return nil
 }
 
 // Enqueue is EnqueueContext with context.Background().

@@ -527,3 +527,100 @@ func TestCallKeyBeatsCallFieldsWhateverTheOrder(t *testing.T) {
 		t.Fatalf("locks %v, want the first task's only", l)
 	}
 }
+
+// Rules match task types as asynq's ServeMux matches patterns: exactly,
+// else by the longest name the type begins with.
+func TestRulesMatchTypePrefixesLikeServeMux(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{
+		"email:":         {Fields: []string{"to"}},
+		"email:welcome":  {Skip: true},
+		"email:digest:w": {Key: "weekly"},
+	}})
+	mail := func(typ, to, trace string) *asynq.Task {
+		return asynq.NewTask(typ, []byte(`{"to":"`+to+`","trace":"`+trace+`"}`))
+	}
+	first := h.enqueue(mail("email:reset", "a@x", "1"))
+	if dup := h.duplicateOf(mail("email:reset", "a@x", "2")); dup.TaskID != first.ID {
+		t.Fatalf("email:reset keyed by the \"email:\" rule's field: duplicate of %s, want %s", dup.TaskID, first.ID)
+	}
+	h.enqueue(mail("email:welcome", "a@x", "1"))
+	h.enqueue(mail("email:welcome", "a@x", "1")) // the exact rule wins: Skip
+	weekly := h.enqueue(mail("email:digest:weekly", "a@x", "1"))
+	if dup := h.duplicateOf(mail("email:digest:weekly", "b@x", "2")); dup.TaskID != weekly.ID {
+		t.Fatalf("the longest prefix wins (Key): duplicate of %s, want %s", dup.TaskID, weekly.ID)
+	}
+	h.enqueue(mail("emailer", "a@x", "1"))
+	h.enqueue(mail("emailer", "a@x", "2")) // no rule: the whole payload, which differs
+}
+
+// A Client stands where an *asynq.Client stood: Close and Ping included.
+func TestClientIsDropInForAsynqClient(t *testing.T) {
+	var _ interface {
+		Enqueuer
+		Close() error
+		Ping() error
+	} = (*Client)(nil)
+	needRealRedis(t)
+	h := newHarness(t, Config{})
+	ac := asynq.NewClient(asynq.RedisClientOpt{Addr: redistest.Addr()})
+	c := h.d.WrapClient(ac)
+	if err := c.Ping(); err != nil {
+		t.Fatalf("Ping: %v", err)
+	}
+	if err := c.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if err := ac.Ping(); err == nil {
+		t.Fatal("the wrapped asynq client still answers after Close")
+	}
+	if err := h.d.NewClient().Close(); err != nil {
+		t.Fatalf("Close of NewClient's client: %v", err)
+	}
+	// The Dedup's Redis client stays open: NewClient's asynq client shares it.
+	if _, err := h.d.NewClient().Enqueue(userTask(1, ""), asynq.Queue(h.queue)); err != nil {
+		t.Fatalf("enqueue after closing another Client: %v", err)
+	}
+}
+
+// NewFromRedisConnOpt builds the Dedup from asynq's own connection option,
+// owns that client and closes it; bad options are refused.
+func TestNewFromRedisConnOpt(t *testing.T) {
+	needRealRedis(t)
+	ctx := context.Background()
+	if _, err := NewFromRedisConnOpt(ctx, nil, Config{}); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("nil option: %v", err)
+	}
+	name := uniq(t)
+	opt := asynq.RedisClientOpt{Addr: redistest.Addr()}
+	d, err := NewFromRedisConnOpt(ctx, opt, Config{Prefix: "dd-" + name, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := asynq.NewClient(opt)
+	defer ac.Close()
+	c := d.WrapClient(ac)
+	first, err := c.Enqueue(userTask(1, ""), asynq.Queue("q-"+name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dup *DuplicateTaskError
+	if _, err := c.Enqueue(userTask(1, ""), asynq.Queue("q-"+name)); !errors.As(err, &dup) || dup.TaskID != first.ID {
+		t.Fatalf("duplicate: %v", err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if err := d.rdb.Ping(ctx).Err(); !errors.Is(err, redis.ErrClosed) {
+		t.Fatalf("the Dedup's own client after Close: %v, want closed", err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	addr, err := freeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := NewFromRedisConnOpt(ctx, asynq.RedisClientOpt{Addr: addr}, Config{ConnectAttempts: 1, Logger: quietLogger()}); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("unreachable: %v", err)
+	}
+}

@@ -55,7 +55,10 @@ type Config struct {
 	HealGrace time.Duration
 
 	// Rules sets per-task-type fields, TTL, key and opt-out. Per-call options
-	// override them.
+	// override them. A name matches as asynq's ServeMux patterns do: the
+	// type itself, else the longest name the type begins with ("email:"
+	// covers "email:welcome" unless "email:welcome" has a rule of its own).
+	// Default: none.
 	Rules map[string]Rule
 
 	// OptIn makes deduplication apply only to types that have a rule (that is

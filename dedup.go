@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,6 +22,9 @@ type Dedup struct {
 	rdb             redis.UniversalClient
 	cfg             Config
 	rules           map[string]*resolved
+	prefixes        []string // the rule names, longest first, for ruleFor's prefix match
+	ownsRDB         bool     // made by NewFromRedisConnOpt: Close closes rdb
+	closed          atomic.Bool
 	log             *slog.Logger
 	store           *store.Store     // the Redis layout, and every call to Redis
 	insp            *asynq.Inspector // called through store.Foreign
@@ -55,7 +60,7 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 	if err := connect(ctx, rdb, c.ConnectAttempts, c.ConnectBackoff, c.LockTimeout); err != nil {
 		return nil, err
 	}
-	d := &Dedup{rdb: rdb, cfg: c, rules: rules, log: c.Logger, insp: asynq.NewInspectorFromRedisClient(rdb)}
+	d := &Dedup{rdb: rdb, cfg: c, rules: rules, prefixes: longestFirst(rules), log: c.Logger, insp: asynq.NewInspectorFromRedisClient(rdb)}
 	d.store = store.New(rdb, d.storeConfig())
 	d.hb = newHeartbeater(d, c.Lease/3)
 	if err := d.store.LoadScripts(ctx); err != nil {
@@ -100,22 +105,72 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 // Close stops the heartbeat. Call it after asynq.Server.Shutdown: handlers
 // still running afterwards keep their locks only until their lease runs out.
 // It also stops the hot-key reporter (logging its last window) and the stats
-// flusher (flushing one last time). It does not close the Redis client.
+// flusher (flushing one last time). It does not close the Redis client,
+// unless NewFromRedisConnOpt made it.
 // Close is idempotent; Middleware after Close logs an error and renews
 // nothing.
 func (d *Dedup) Close() error {
 	d.hb.stop()
 	d.stopDiagnostics()
 	d.store.Close()
+	if d.ownsRDB && d.closed.CompareAndSwap(false, true) {
+		return d.rdb.Close()
+	}
 	return nil
 }
 
-// ruleFor returns a copy of the effective rule for a task type.
+// NewFromRedisConnOpt is New over a Redis client made from an asynq
+// connection option (asynq.RedisClientOpt, RedisFailoverClientOpt,
+// RedisClusterClientOpt), for code that configures asynq that way. The
+// Dedup owns that client: Close closes it. Give asynq's client and server
+// the same option (or, to share one connection pool, build a go-redis
+// client yourself and use New with asynq.NewClientFromRedisClient).
+func NewFromRedisConnOpt(ctx context.Context, opt asynq.RedisConnOpt, cfg Config) (*Dedup, error) {
+	if opt == nil {
+		return nil, fmt.Errorf("%w: nil asynq.RedisConnOpt", ErrInvalidOption)
+	}
+	rdb, ok := opt.MakeRedisClient().(redis.UniversalClient)
+	if !ok || rdb == nil {
+		return nil, fmt.Errorf("%w: %T does not make a go-redis v9 client", ErrInvalidOption, opt)
+	}
+	d, err := New(ctx, rdb, cfg)
+	if err != nil {
+		_ = rdb.Close()
+		return nil, err
+	}
+	d.ownsRDB = true
+	return d, nil
+}
+
+// ruleFor returns the rule of a task type, matched as asynq's ServeMux
+// matches handlers: the rule named exactly the type, else the one with the
+// longest name the type begins with ("email:" covers "email:welcome").
 func (d *Dedup) ruleFor(typ string) resolved {
 	if r, ok := d.rules[typ]; ok {
 		return *r
 	}
+	for _, p := range d.prefixes {
+		if strings.HasPrefix(typ, p) {
+			return *d.rules[p]
+		}
+	}
 	return resolved{}
+}
+
+// longestFirst lists the rules' names, longest first (ties by name, so the
+// match does not depend on map order).
+func longestFirst(rules map[string]*resolved) []string {
+	names := make([]string, 0, len(rules))
+	for n := range rules {
+		names = append(names, n)
+	}
+	sort.Slice(names, func(i, j int) bool {
+		if len(names[i]) != len(names[j]) {
+			return len(names[i]) > len(names[j])
+		}
+		return names[i] < names[j]
+	})
+	return names
 }
 
 // active reports whether a resolved rule deduplicates.
