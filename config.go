@@ -131,6 +131,13 @@ type Config struct {
 	// every process; changing it changes every key. Default: none (xxhash).
 	HashKey []byte
 
+	// OnDecision, if set, is called for every duplicate, fold (Replace,
+	// Merge, Defer) and busy arrival, with its type, queue, lock key and
+	// the task involved, never the payload: BullMQ's "deduplicated" event.
+	// It runs synchronously on the enqueuing (or handling) goroutine, so
+	// keep it fast; a panic in it is logged and ignored. Default: none.
+	OnDecision func(Decision)
+
 	// Logger receives warnings (fail-open, lost locks, Redis errors). Never
 	// given payload contents. Default slog.Default().
 	Logger *slog.Logger

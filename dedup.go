@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"sort"
 	"strings"
 	"sync"
@@ -45,6 +46,16 @@ type Dedup struct {
 //
 // rdb may be the same client asynq uses: a single node, Sentinel failover
 // or Cluster client. New does not take ownership of it.
+//
+// With the zero Config every task type that passes through a Client is
+// deduplicated on its whole payload: identical enqueues of any type are
+// refused while the first waits or runs. Set Config.OptIn to limit it to
+// types with a Rule (or calls with a key option).
+//
+// NewClient's direct path writes asynq v0.26.0's task layout; if the
+// binary's build information names another asynq version, New logs a
+// warning and turns the direct path off (Config.NoDirectEnqueue): enqueues
+// then go through asynq's own client.
 func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, error) {
 	if rdb == nil {
 		return nil, fmt.Errorf("%w: nil redis client", ErrInvalidOption)
@@ -60,6 +71,11 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 	if err := connect(ctx, rdb, c.ConnectAttempts, c.ConnectBackoff, c.LockTimeout); err != nil {
 		return nil, err
 	}
+	if v, ok := linkedAsynq(); ok && !knownLayout(v) && !c.NoDirectEnqueue {
+		c.Logger.Warn("dedup: linked asynq is not the version whose task layout this package writes; enqueues go through asynq's client",
+			slog.String("asynq", v), slog.String("known", store.AsynqVersion))
+		c.NoDirectEnqueue = true
+	}
 	d := &Dedup{rdb: rdb, cfg: c, rules: rules, prefixes: longestFirst(rules), log: c.Logger, insp: asynq.NewInspectorFromRedisClient(rdb)}
 	d.store = store.New(rdb, d.storeConfig())
 	d.hb = newHeartbeater(d, c.Lease/3)
@@ -69,6 +85,29 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 	}
 	d.warnEviction(ctx)
 	return d, nil
+}
+
+// knownLayout reports whether asynq version v stores tasks as the direct
+// path writes them.
+func knownLayout(v string) bool { return strings.TrimPrefix(v, "v") == store.AsynqVersion }
+
+// linkedAsynq returns the version of asynq in the binary's build
+// information (a replacement's, if replaced); ok is false when the binary
+// carries none.
+func linkedAsynq() (v string, ok bool) {
+	info, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "", false
+	}
+	for _, m := range info.Deps {
+		if m.Path == "github.com/hibiken/asynq" {
+			if m.Replace != nil {
+				m = m.Replace
+			}
+			return m.Version, m.Version != ""
+		}
+	}
+	return "", false
 }
 
 // storeConfig is the part of the Config the Redis layer needs.

@@ -134,3 +134,92 @@ func ExampleTTL() {
 	fmt.Println(info.Queue, info.State, info.MaxRetry)
 	// Output: low scheduled 3
 }
+
+// OnDecision hears each duplicate and fold (and busy arrival at the
+// server), without the payload: for logs, metrics or an audit trail.
+func ExampleConfig_onDecision() {
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+
+	d, err := dedup.New(ctx, rdb, dedup.Config{
+		Rules:      map[string]dedup.Rule{"profile:sync": {Fields: []string{"user_id"}, OnConflict: dedup.Replace}},
+		OnDecision: func(dec dedup.Decision) { fmt.Println("decision:", dec.Event, dec.Type) },
+	})
+	if err != nil {
+		panic(err)
+	}
+	defer d.Close()
+	client := d.NewClient()
+	for _, v := range []string{"1", "2"} {
+		task := asynq.NewTask("profile:sync", []byte(`{"user_id":42,"v":`+v+`}`))
+		res, _ := client.Submit(ctx, task)
+		fmt.Println("outcome:", res.Outcome)
+	}
+	// Output:
+	// outcome: created
+	// decision: coalesced profile:sync
+	// outcome: replaced
+}
+
+// Rule names match task types as asynq's ServeMux patterns do, and an
+// explicit per-call key beats per-call fields whatever their order.
+func ExampleRule_prefix() {
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+
+	d, err := dedup.New(ctx, rdb, dedup.Config{Rules: map[string]dedup.Rule{
+		"email:": {Fields: []string{"to"}}, // every email:… type without a rule of its own
+	}})
+	if err != nil {
+		panic(err)
+	}
+	defer d.Close()
+	client := d.NewClient()
+	_, err = client.EnqueueContext(ctx, asynq.NewTask("email:reset", []byte(`{"to":"a@x","n":1}`)))
+	fmt.Println("first reset mail:", err == nil)
+	_, err = client.EnqueueContext(ctx, asynq.NewTask("email:reset", []byte(`{"to":"a@x","n":2}`)))
+	fmt.Println("second, same address:", errors.Is(err, dedup.ErrDuplicateTask))
+
+	_, err = client.EnqueueContext(ctx, asynq.NewTask("report", []byte(`{"a":1}`)), dedup.Key("tenant-7"), dedup.Fields("a"))
+	fmt.Println("tenant 7's report:", err == nil)
+	_, err = client.EnqueueContext(ctx, asynq.NewTask("report", []byte(`{"a":2}`)), dedup.Fields("a"), dedup.Key("tenant-7"))
+	fmt.Println("another, same tenant:", errors.Is(err, dedup.ErrDuplicateTask))
+	// Output:
+	// first reset mail: true
+	// second, same address: true
+	// tenant 7's report: true
+	// another, same tenant: true
+}
+
+// Code that configures asynq with a RedisConnOpt builds the Dedup from the
+// same option; a Client stands where the *asynq.Client stood.
+func ExampleNewFromRedisConnOpt() {
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	ctx := context.Background()
+	opt := asynq.RedisClientOpt{Addr: mr.Addr()}
+
+	d, err := dedup.NewFromRedisConnOpt(ctx, opt, dedup.Config{})
+	if err != nil {
+		panic(err)
+	}
+	defer d.Close() // closes the client it made from opt
+	var client interface {
+		dedup.Enqueuer
+		Close() error
+		Ping() error
+	} = d.WrapClient(asynq.NewClient(opt))
+	defer client.Close()
+	fmt.Println("ping:", client.Ping())
+	_, err = client.Enqueue(asynq.NewTask("user:reindex", []byte(`{"user_id":1}`)))
+	fmt.Println("enqueued:", err == nil)
+	// Output:
+	// ping: <nil>
+	// enqueued: true
+}

@@ -251,13 +251,14 @@ func TestFingerprintFieldsOption(t *testing.T) {
 	if mustFP(t, "t", payload, ab) != mustFP(t, "t", payload, ba) {
 		t.Error(`Fields("a", "b.c") and Fields("b.c", "a") give different fingerprints`)
 	}
-	// Fields after SharedKey: the fields are namespaced by type again.
+	// Fields after SharedKey: the explicit key beats the fields (a Rule's
+	// precedence, whatever the order), so the key stays shared across types.
 	sf, err := apply(t, SharedKey("k"), Fields("a"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if mustFP(t, "x", payload, sf) == mustFP(t, "y", payload, sf) {
-		t.Error("Fields after SharedKey shares field keys across types")
+	if mustFP(t, "x", payload, sf) != mustFP(t, "y", payload, sf) {
+		t.Error("Fields after SharedKey took over: the shared key is no longer shared across types")
 	}
 	k1, _ := apply(t, Key("k"))
 	sk, _ := apply(t, SharedKey("k"))

@@ -102,9 +102,9 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	case store.StatusHeld:
 		return Result{}, done, c.duplicate(k, res.Task, res.Lock)
 	case store.StatusReplaced:
-		return c.folded(k, Replaced, evCoalesced, res.Task, k.task.Payload(), res.State), done, nil
+		return c.folded(k, Replaced, evCoalesced, res.Task, k.task.Payload(), res.State, res.FollowUp), done, nil
 	case store.StatusDeferred:
-		return c.folded(k, Deferred, evDeferred, res.Task, k.task.Payload(), "scheduled"), done, nil
+		return c.folded(k, Deferred, evDeferred, res.Task, k.task.Payload(), "scheduled", true), done, nil
 	case store.StatusMerge:
 		return c.merge(ctx, k, res, w)
 	case store.StatusReserved:
@@ -120,15 +120,19 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 // duplicate is the error of a call whose key holder is named.
 func (c *Client) duplicate(k *call, holder, lock string) error {
 	c.d.count(k.typ, evDuplicate)
+	c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: lock, TaskID: holder})
 	return &DuplicateTaskError{TaskID: holder, Queue: k.queue, Type: k.typ, Key: lock}
 }
 
 // folded describes the task a call was folded into, from what the lock
 // script saw.
-func (c *Client) folded(k *call, o Outcome, ev event, id string, payload []byte, state string) Result {
+func (c *Client) folded(k *call, o Outcome, ev event, id string, payload []byte, state string, followUp bool) Result {
 	c.d.count(k.typ, ev)
 	c.d.noteCoalesced(k.typ, k.ref.FP, k.rule.key)
-	return Result{Outcome: o, TaskID: id, Info: &asynq.TaskInfo{
+	if c.d.cfg.OnDecision != nil {
+		c.d.decide(Decision{Event: eventNames[ev], Type: k.typ, Queue: k.queue, Key: c.d.lockKey(&k.ref), TaskID: id, FollowUp: followUp})
+	}
+	return Result{Outcome: o, TaskID: id, FollowUp: followUp, Info: &asynq.TaskInfo{
 		ID: id, Queue: k.queue, Type: k.typ, Payload: payload, State: parseState(state),
 	}}
 }
@@ -166,7 +170,7 @@ func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w 
 	case cr.Broken != "":
 		return Result{}, done, fmt.Errorf("%w: %s", ErrIncompatible, cr.Broken)
 	case cr.Written:
-		return c.folded(k, Merged, evMerged, res.Task, merged, cr.State), done, nil
+		return c.folded(k, Merged, evMerged, res.Task, merged, cr.State, res.FollowUp), done, nil
 	}
 	if w.merges++; w.merges >= maxMergeAttempts {
 		return Result{}, done, fmt.Errorf("%w: %q into task %s after %d attempts", ErrContention, k.typ, res.Task, w.merges)

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -88,5 +89,24 @@ func TestOrphanedLockHeals(t *testing.T) {
 	h.ageLock(key)
 	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != third.ID {
 		t.Fatalf("live owner: err = %v, want duplicate of %s", err, third.ID)
+	}
+}
+
+// New keeps NewClient's direct path only for the asynq version whose layout
+// it writes: the linked one is it (go.mod pins it), others are not.
+func TestKnownAsynqLayout(t *testing.T) {
+	// A test binary may carry no module list; a built program does (go
+	// version -m shows it), and there it must name the known version.
+	if v, ok := linkedAsynq(); ok && !knownLayout(v) {
+		t.Fatalf("linked asynq %q is not the known layout %s", v, store.AsynqVersion)
+	}
+	for _, v := range []string{"v0.26.1", "v0.25.0", "v1.0.0", ""} {
+		if knownLayout(v) {
+			t.Errorf("%q taken for the known layout", v)
+		}
+	}
+	h := newHarness(t, Config{})
+	if c := h.d.NewClient(); !c.direct {
+		t.Fatal("the direct path is off with the known asynq")
 	}
 }

@@ -110,6 +110,7 @@ func (d *Dedup) unlocked(ctx context.Context, op string, t *asynq.Task, next asy
 // of it is scheduled instead, due in one Lease, and this attempt succeeds.
 func (d *Dedup) busy(ctx context.Context, t *asynq.Task, l *lease, holder string) error {
 	d.count(t.Type(), evBusy)
+	d.decide(Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.ref.Queue, Key: d.lockKey(&l.ref), TaskID: holder, Dropped: d.cfg.SkipBusy})
 	if d.cfg.SkipBusy {
 		d.log.Info("dedup: skipped task, key held by another task", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
 		return nil

@@ -108,7 +108,8 @@ const (
 	// Merged: the new payload was merged into a waiting task's (Result.TaskID).
 	Merged
 	// Deferred: the key's task is running; a follow-up task (Result.TaskID)
-	// was created to run after it.
+	// was created to run after it. Later calls folded into that follow-up
+	// report Replaced or Merged, with Result.FollowUp set.
 	Deferred
 )
 
@@ -137,6 +138,10 @@ type Result struct {
 	// the others it is filled from what the lock script saw: ID, Queue, Type,
 	// Payload (the stored one after the call) and State; other fields are zero.
 	Info *asynq.TaskInfo
+	// FollowUp is true when TaskID is the follow-up of a running task
+	// (RunningDefer): always for Deferred, which created it, and for a
+	// Replaced or Merged call folded into a follow-up made earlier.
+	FollowUp bool
 }
 
 // OnConflict sets this call's policy for a key held by a waiting task,

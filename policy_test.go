@@ -501,3 +501,69 @@ func deferBehindStuckRun(t *testing.T, h *harness) (*recorder, Result) {
 	}
 	return rc, res
 }
+
+// OnDecision hears every duplicate, fold and busy arrival, with the task
+// involved and the lock key, never the payload; Result.FollowUp tells a
+// fold into a follow-up from one into the waiting task.
+func TestOnDecisionHearsDuplicatesFoldsAndBusy(t *testing.T) {
+	var mu sync.Mutex
+	var heard []Decision
+	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	cfg.OnDecision = func(dec Decision) { mu.Lock(); heard = append(heard, dec); mu.Unlock() }
+	h := newHarness(t, cfg)
+	ctx := context.Background()
+	first := h.enqueue(counterTask("k", 1, 0))
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Replaced || res.FollowUp {
+		t.Fatalf("replace into the waiting task: %+v %v", res, err)
+	}
+	if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), OnConflict(Reject)); !errors.Is(err, ErrDuplicateTask) {
+		t.Fatalf("reject: %v", err)
+	}
+	release := make(chan struct{})
+	rc := newRecorder(func(run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	waitFor(t, rc.runs, "first run")
+	d1, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+	if err != nil || d1.Outcome != Deferred || !d1.FollowUp {
+		t.Fatalf("defer: %+v %v", d1, err)
+	}
+	d2, err := h.client.Submit(ctx, counterTask("k", 1, 4), asynq.Queue(h.queue))
+	if err != nil || d2.Outcome != Replaced || !d2.FollowUp || d2.TaskID != d1.TaskID {
+		t.Fatalf("a later fold into the follow-up: %+v %v; want Replaced with FollowUp into %s", d2, err, d1.TaskID)
+	}
+	// A task that arrives without a lock and meets the busy key.
+	if _, err := h.asynq.Enqueue(counterTask("k", 9, 9), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "busy heard", func() bool { mu.Lock(); defer mu.Unlock(); return heard[len(heard)-1].Event == "busy" })
+	close(release)
+	mu.Lock()
+	defer mu.Unlock()
+	key := h.keyOf(counterTask("k", 0, 0), h.queue)
+	want := []Decision{
+		{Event: "coalesced", TaskID: first.ID},
+		{Event: "duplicate", TaskID: first.ID},
+		{Event: "deferred", TaskID: d1.TaskID, FollowUp: true},
+		{Event: "coalesced", TaskID: d1.TaskID, FollowUp: true},
+		{Event: "busy", TaskID: first.ID},
+	}
+	if len(heard) != len(want) {
+		t.Fatalf("heard %+v, want %d decisions", heard, len(want))
+	}
+	for i, w := range want {
+		w.Type, w.Queue, w.Key = "counter", h.queue, key
+		if heard[i] != w {
+			t.Errorf("decision %d: %+v, want %+v", i, heard[i], w)
+		}
+	}
+}
+
+// A panicking OnDecision is logged; the call's answer stands.
+func TestOnDecisionPanicDoesNotFailTheCall(t *testing.T) {
+	h := newHarness(t, Config{OnDecision: func(Decision) { panic("hook") }})
+	first := h.enqueue(userTask(1, ""))
+	if dup := h.duplicateOf(userTask(1, "")); dup.TaskID != first.ID {
+		t.Fatalf("duplicate of %s, want %s", dup.TaskID, first.ID)
+	}
+}

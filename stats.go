@@ -30,7 +30,7 @@ type Stats struct {
 	Unguarded   uint64 `event:"unguarded"`    // attempts run unlocked: key could not be computed at execution
 	Coalesced   uint64 `event:"coalesced"`    // enqueues whose payload replaced a waiting task's, Replace
 	Merged      uint64 `event:"merged"`       // enqueues merged into a waiting task's payload, Merge
-	Deferred    uint64 `event:"deferred"`     // enqueues folded into the follow-up of a running key, Defer
+	Deferred    uint64 `event:"deferred"`     // enqueues that created the follow-up of a running key (Defer); later folds into it count as coalesced or merged
 	OverBound   uint64 `event:"over_bound"`   // new keys refused because MaxPending keys were waiting
 	Processed   uint64 `event:"processed"`    // attempts that finished holding their lock
 	BreakerOpen uint64 `event:"breaker_open"` // times the circuit breaker opened

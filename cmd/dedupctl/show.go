@@ -217,8 +217,12 @@ func inspectTask(insp *asynq.Inspector, queue, id string, now time.Time) (*taskI
 		}
 	case asynq.TaskStateScheduled, asynq.TaskStateRetry:
 		ti.Note = ti.State + " (" + retries
-		if !info.NextProcessAt.IsZero() {
-			ti.Note += ", runs in " + fmtDuration(info.NextProcessAt.Sub(now))
+		switch left := info.NextProcessAt.Sub(now); {
+		case info.NextProcessAt.IsZero():
+		case left < 0:
+			ti.Note += ", due " + fmtDuration(-left) + " ago: runs when a server picks it up"
+		default:
+			ti.Note += ", runs in " + fmtDuration(left)
 		}
 		ti.Note += ")"
 	default:

@@ -15,6 +15,10 @@ import (
 // pending, "pending_since" (unix nanoseconds). Its ID is also in the list or
 // sorted set its state names (PendingKey, ScheduledKey, ...).
 
+// AsynqVersion is the asynq release whose layout this package reads and
+// writes (asynq.Version, without the "v").
+const AsynqVersion = "0.26.0"
+
 // asynq's defaults for a task enqueued without options (client.go).
 const (
 	DefaultMaxRetry = 25
