@@ -84,9 +84,11 @@ type Config struct {
 	CancelOnLockLoss bool
 
 	// SkipBusy makes the execution-time guard drop a task whose key another
-	// live task holds (the middleware returns nil, so asynq marks it done).
-	// Default false: the task is retried later (ErrKeyBusy), because dropping
-	// it loses work when its payload differs from the holder's.
+	// live task holds (the middleware returns nil, so asynq marks it done),
+	// for every type whose Rule leaves OnBusy at its default. Default false:
+	// the task is retried later (ErrKeyBusy), because dropping it loses work
+	// when its payload differs from the holder's. Rule.OnBusy chooses per
+	// type.
 	SkipBusy bool
 
 	// NoExecutionGuard turns off locking at execution for tasks that reach
@@ -182,6 +184,12 @@ type Rule struct {
 	// matching configuration.
 	OnRunning Running
 
+	// OnBusy: what the server's middleware does with a task of this type
+	// that arrives without a lock (Scheduler, other services) and finds
+	// its key held: retry it later, drop it, or fold it into the holder.
+	// Default BusyRetry (BusyDrop with Config.SkipBusy).
+	OnBusy Busy
+
 	// MaxPending bounds how many keys of this type may wait in one queue at
 	// once; an enqueue of a new key beyond it fails with ErrTooManyPending
 	// (or waits, with WaitForRoom). Enqueues folded into waiting keys always
@@ -257,6 +265,7 @@ type resolved struct {
 	merge         MergeFunc
 	running       Running
 	maxPending    int
+	busy          Busy
 	waitForRoom   bool
 	callKey       string // the per-call key option applied ("dedup.Key", "dedup.SharedKey"), if any
 }
@@ -287,13 +296,16 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 		if r.OnConflict < Reject || r.OnConflict > Merge || r.OnRunning < RunningReject || r.OnRunning > RunningDefer {
 			return nil, fmt.Errorf("%w: rule for %q: unknown policy", ErrInvalidOption, typ)
 		}
+		if r.OnBusy < BusyRetry || r.OnBusy > BusyFold {
+			return nil, fmt.Errorf("%w: rule for %q: unknown OnBusy", ErrInvalidOption, typ)
+		}
 		if (r.OnConflict == Merge) != (r.MergeFunc != nil) {
 			return nil, fmt.Errorf("%w: rule for %q: OnConflict Merge and MergeFunc go together", ErrInvalidOption, typ)
 		}
 		out[typ] = &resolved{
 			skip: r.Skip, fields: fs, missingAsNull: r.MissingAsNull,
 			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: r.TTL, optedIn: true,
-			conflict: r.OnConflict, merge: r.MergeFunc, running: r.OnRunning, maxPending: r.MaxPending,
+			conflict: r.OnConflict, merge: r.MergeFunc, running: r.OnRunning, maxPending: r.MaxPending, busy: r.OnBusy,
 		}
 	}
 	return out, nil

@@ -26,6 +26,8 @@ type Dedup struct {
 	prefixes        []string // the rule names, longest first, for ruleFor's prefix match
 	ownsRDB         bool     // made by NewFromRedisConnOpt: Close closes rdb
 	closed          atomic.Bool
+	foldOnce        sync.Once
+	folder          *Client // enqueues busy arrivals of BusyFold types
 	log             *slog.Logger
 	store           *store.Store     // the Redis layout, and every call to Redis
 	insp            *asynq.Inspector // called through store.Foreign

@@ -79,7 +79,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		d.log.Info("dedup: not run: the task lost its lock and its follow-up carries a newer payload", slog.String("type", t.Type()), slog.String("task_id", id), slog.String("follow_up", st.Holder))
 		return nil
 	case st.Status != store.StatusTaken:
-		return d.busy(ctx, t, l, st.Holder)
+		return d.busy(ctx, t, &rule, l, st.Holder)
 	}
 	d.count(t.Type(), evStarted)
 	l.follow = st.Follow
@@ -102,33 +102,6 @@ func (d *Dedup) unlocked(ctx context.Context, op string, t *asynq.Task, next asy
 		return next.ProcessTask(ctx, t)
 	}
 	return unavailable(op, err)
-}
-
-// busy answers a task whose key another live task holds: retried later
-// (a BusyError, which IsFailure does not count), or dropped with SkipBusy.
-// On its last attempt asynq would archive it whatever the error, so a copy
-// of it is scheduled instead, due in one Lease, and this attempt succeeds.
-func (d *Dedup) busy(ctx context.Context, t *asynq.Task, l *lease, holder string) error {
-	d.count(t.Type(), evBusy)
-	d.decide(Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.ref.Queue, Key: d.lockKey(&l.ref), TaskID: holder, Dropped: d.cfg.SkipBusy})
-	if d.cfg.SkipBusy {
-		d.log.Info("dedup: skipped task, key held by another task", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
-		return nil
-	}
-	berr := &BusyError{TaskID: l.ref.ID, Holder: holder, Key: d.lockKey(&l.ref)}
-	n, _ := asynq.GetRetryCount(ctx)
-	max, _ := asynq.GetMaxRetry(ctx)
-	if n < max {
-		return berr
-	}
-	id := store.NewAgainID()
-	ok, err := d.store.Again(ctx, l.ref.Queue, l.ref.ID, id, time.Now().Add(d.cfg.Lease))
-	if err != nil || !ok {
-		d.log.Warn("dedup: busy task on its last attempt could not be scheduled again; asynq archives it", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", err))
-		return berr
-	}
-	d.log.Info("dedup: busy task on its last attempt scheduled again as a copy", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("copy", id), slog.String("holder", holder))
-	return nil
 }
 
 // run runs the handler under the heartbeat and settles the lock after it,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -451,5 +452,56 @@ func TestMiddlewareRedisDown(t *testing.T) {
 			default:
 			}
 		})
+	}
+}
+
+// Rule.OnBusy chooses per type what happens to a task that arrives without
+// a lock and meets its key held: retried (ErrKeyBusy reaches ErrorHandler),
+// dropped (counted, never reaching ErrorHandler) or folded into the holder.
+func TestBusyPolicyPerType(t *testing.T) {
+	rule := func(b Busy) Rule { return Rule{Fields: []string{"key"}, OnBusy: b} }
+	h := newHarness(t, Config{Rules: map[string]Rule{"b:retry": rule(BusyRetry), "b:drop": rule(BusyDrop), "b:fold": rule(BusyFold)}})
+	task := func(typ string, seq int) *asynq.Task {
+		return asynq.NewTask(typ, []byte(fmt.Sprintf(`{"key":"k","seq":%d}`, seq)))
+	}
+	holders := map[string]*asynq.TaskInfo{}
+	for _, typ := range []string{"b:retry", "b:drop", "b:fold"} {
+		holders[typ] = h.enqueue(task(typ, 1), asynq.ProcessIn(time.Hour)) // waiting, holds the key
+	}
+	errs := make(chan error, 100)
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), func(c *asynq.Config) {
+		c.ErrorHandler = asynq.ErrorHandlerFunc(func(_ context.Context, tk *asynq.Task, err error) { errs <- fmt.Errorf("%s: %w", tk.Type(), err) })
+		c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return time.Hour }
+	})
+	arrivals := map[string]string{}
+	for _, typ := range []string{"b:retry", "b:drop", "b:fold"} {
+		info, err := h.asynq.Enqueue(task(typ, 2), asynq.Queue(h.queue), asynq.Retention(time.Hour))
+		if err != nil {
+			t.Fatal(err)
+		}
+		arrivals[typ] = info.ID
+	}
+	if err := waitFor(t, errs, "the retried arrival's error"); !errors.Is(err, ErrKeyBusy) || !strings.HasPrefix(err.Error(), "b:retry") {
+		t.Fatalf("ErrorHandler got %v, want b:retry's ErrKeyBusy", err)
+	}
+	eventually(t, "drop and fold arrivals done", func() bool {
+		return h.taskState(arrivals["b:drop"]) == asynq.TaskStateCompleted && h.taskState(arrivals["b:fold"]) == asynq.TaskStateCompleted
+	})
+	if got := h.payloadOf(holders["b:fold"].ID); got != `{"key":"k","seq":2}` {
+		t.Fatalf("the folded arrival's payload is not in the holder: %s", got)
+	}
+	if got := h.payloadOf(holders["b:drop"].ID); got != `{"key":"k","seq":1}` {
+		t.Fatalf("the dropped arrival changed the holder: %s", got)
+	}
+	select {
+	case err := <-errs:
+		t.Fatalf("another error reached ErrorHandler: %v", err)
+	case r := <-rc.runs:
+		t.Fatalf("a busy arrival ran: %s", r.id)
+	default:
+	}
+	if s := h.d.StatsByType(); s["b:drop"].Busy != 1 || s["b:fold"].Busy != 1 || s["b:retry"].Busy < 1 {
+		t.Fatalf("busy counts: drop %d, fold %d, retry %d", s["b:drop"].Busy, s["b:fold"].Busy, s["b:retry"].Busy)
 	}
 }

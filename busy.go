@@ -1,0 +1,124 @@
+package dedup
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/hibiken/asynq"
+)
+
+// Busy says what the middleware does with a task that arrives without a
+// lock (asynq.Scheduler, another service, the CLI) and finds its key held
+// by another live task.
+type Busy int
+
+const (
+	// BusyRetry returns a *BusyError, so asynq runs the task again later;
+	// with IsFailure in asynq.Config that uses up no retry. On its last
+	// attempt, where asynq would archive it whatever the error, a copy is
+	// scheduled one Lease later instead. Default (unless Config.SkipBusy).
+	BusyRetry Busy = iota
+	// BusyDrop drops the task: the middleware returns nil (asynq marks it
+	// done), counts it (busy) and tells Config.OnDecision (Dropped). It
+	// never reaches asynq's ErrorHandler.
+	BusyDrop
+	// BusyFold folds the task's payload into the holder, as an enqueue with
+	// Replace and RunningDefer would: into the waiting holder, or into the
+	// running holder's follow-up when the holder's lock defers. The arrival
+	// then returns nil; its own asynq options are not carried over (the
+	// holder's are). Where it cannot fold (another type holds a shared key,
+	// or the running holder's lock does not defer) it is retried as with
+	// BusyRetry.
+	BusyFold
+)
+
+func (b Busy) String() string {
+	switch b {
+	case BusyRetry:
+		return "retry"
+	case BusyDrop:
+		return "drop"
+	case BusyFold:
+		return "fold"
+	}
+	return fmt.Sprintf("Busy(%d)", int(b))
+}
+
+// busyPolicy is the rule's Busy, with Config.SkipBusy turning the default
+// into BusyDrop.
+func (d *Dedup) busyPolicy(r *resolved) Busy {
+	if r.busy == BusyRetry && d.cfg.SkipBusy {
+		return BusyDrop
+	}
+	return r.busy
+}
+
+// busy answers a task whose key another live task holds, by its type's
+// Busy policy.
+func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, holder string) error {
+	d.count(t.Type(), evBusy)
+	policy := d.busyPolicy(r)
+	dec := Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.ref.Queue, Key: d.lockKey(&l.ref), TaskID: holder}
+	switch policy {
+	case BusyDrop:
+		dec.Dropped = true
+		d.decide(dec)
+		d.log.Info("dedup: dropped task, key held by another task", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
+		return nil
+	case BusyFold:
+		if res, ok := d.foldBusy(ctx, t, l.ref.Queue); ok {
+			dec.TaskID, dec.FollowUp = res.TaskID, res.FollowUp
+			d.decide(dec)
+			d.log.Info("dedup: busy task folded into the key's task", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("into", res.TaskID), slog.String("outcome", res.Outcome.String()))
+			return nil
+		}
+	}
+	d.decide(dec)
+	return d.retryBusy(ctx, t, l, holder)
+}
+
+// foldBusy enqueues the busy task's payload through the Dedup's own client
+// with Replace and RunningDefer; ok reports that it now lives in a task
+// (folded, or created because the key came free meanwhile).
+func (d *Dedup) foldBusy(ctx context.Context, t *asynq.Task, queue string) (Result, bool) {
+	d.foldOnce.Do(func() { d.folder = d.NewClient() })
+	res, err := d.folder.Submit(ctx, asynq.NewTask(t.Type(), t.Payload()), asynq.Queue(queue), foldBusyOption)
+	if err != nil {
+		d.log.Info("dedup: busy task could not be folded; retried later", slog.String("type", t.Type()), slog.Any("error", err))
+		return Result{}, false
+	}
+	return res, true
+}
+
+// foldBusyOption makes a call Replace into a waiting holder and defer
+// behind a running one.
+var foldBusyOption = option{desc: "fold busy", apply: func(r *resolved) error {
+	if r.conflict != Merge {
+		r.conflict = Replace
+	}
+	r.running = RunningDefer
+	return nil
+}}
+
+// retryBusy returns the BusyError that has asynq retry the task later. On
+// its last attempt asynq would archive it whatever the error, so a copy of
+// it is scheduled instead, due in one Lease, and this attempt succeeds.
+func (d *Dedup) retryBusy(ctx context.Context, t *asynq.Task, l *lease, holder string) error {
+	berr := &BusyError{TaskID: l.ref.ID, Holder: holder, Key: d.lockKey(&l.ref)}
+	n, _ := asynq.GetRetryCount(ctx)
+	max, _ := asynq.GetMaxRetry(ctx)
+	if n < max {
+		return berr
+	}
+	id := store.NewAgainID()
+	ok, err := d.store.Again(ctx, l.ref.Queue, l.ref.ID, id, time.Now().Add(d.cfg.Lease))
+	if err != nil || !ok {
+		d.log.Warn("dedup: busy task on its last attempt could not be scheduled again; asynq archives it", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", err))
+		return berr
+	}
+	d.log.Info("dedup: busy task on its last attempt scheduled again as a copy", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("copy", id), slog.String("holder", holder))
+	return nil
+}
