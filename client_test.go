@@ -624,3 +624,46 @@ func TestNewFromRedisConnOpt(t *testing.T) {
 		t.Fatalf("unreachable: %v", err)
 	}
 }
+
+// The Go lock API: Lookup names the key's holder as an enqueue would find
+// it; Release frees the key, owner-checked or forced, and never a task.
+func TestLookupAndReleaseAKey(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"user:reindex": {Fields: []string{"user_id"}}}})
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	task := userTask(42, "a")
+	if _, found, err := h.d.Lookup(ctx, task, asynq.Queue(h.queue)); err != nil || found {
+		t.Fatalf("free key: found %v, %v", found, err)
+	}
+	first := h.enqueue(task)
+	l, found, err := h.d.Lookup(ctx, userTask(42, "other trace"), asynq.Queue(h.queue))
+	if err != nil || !found || l.Holder != first.ID || l.State != "waiting" || l.Queue != h.queue || l.Key != h.keyOf(task, h.queue) || l.TTL <= 0 {
+		t.Fatalf("Lookup: %+v %v %v; want held by %s, waiting", l, found, err, first.ID)
+	}
+	if _, err := h.d.Release(ctx, task, "someone-else", asynq.Queue(h.queue)); !errors.Is(err, ErrNotHolder) {
+		t.Fatalf("release for another holder: %v, want ErrNotHolder", err)
+	}
+	if ok, err := h.d.Release(ctx, task, first.ID, asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("owner-checked release: %v %v", ok, err)
+	}
+	if h.taskState(first.ID) != asynq.TaskStatePending {
+		t.Fatal("Release deleted the task")
+	}
+	second := h.enqueue(userTask(42, "b")) // the key is free again
+	if ok, err := h.d.Release(ctx, task, "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("forced release: %v %v", ok, err)
+	}
+	if ok, err := h.d.Release(ctx, task, "", asynq.Queue(h.queue)); err != nil || ok {
+		t.Fatalf("release of a free key: %v %v, want false", ok, err)
+	}
+	third := h.enqueue(userTask(42, "c"))
+	if second.ID == third.ID {
+		t.Fatal("no new task after the forced release")
+	}
+	if _, _, err := h.d.Lookup(ctx, asynq.NewTask("user:reindex", []byte(`{}`)), asynq.Queue(h.queue)); !errors.Is(err, ErrInvalidPayload) {
+		t.Fatalf("payload without the key's field: %v", err)
+	}
+	if _, _, err := h.d.Lookup(ctx, task, Skip()); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("a task without deduplication: %v", err)
+	}
+}

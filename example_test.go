@@ -223,3 +223,30 @@ func ExampleNewFromRedisConnOpt() {
 	// ping: <nil>
 	// enqueued: true
 }
+
+// Look up who holds a key, and free it (owner-checked, or forced with "").
+func ExampleDedup_Lookup() {
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+	d, err := dedup.New(ctx, rdb, dedup.Config{Rules: map[string]dedup.Rule{"user:reindex": {Fields: []string{"user_id"}}}})
+	if err != nil {
+		panic(err)
+	}
+	defer d.Close()
+	task := asynq.NewTask("user:reindex", []byte(`{"user_id":42}`))
+	info, _ := d.NewClient().Enqueue(task)
+
+	lock, found, _ := d.Lookup(ctx, task)
+	fmt.Println("held:", found, "by the task:", lock.Holder == info.ID, "state:", lock.State)
+	released, _ := d.Release(ctx, task, info.ID)
+	fmt.Println("released:", released)
+	_, found, _ = d.Lookup(ctx, task)
+	fmt.Println("held now:", found)
+	// Output:
+	// held: true by the task: true state: waiting
+	// released: true
+	// held now: false
+}

@@ -114,3 +114,7 @@ func (c *hintCache) forget(lockKey string) {
 	delete(sh.m, lockKey)
 	sh.mu.Unlock()
 }
+
+// Forget drops what the process remembers of the lock at lockKey (after an
+// operator released it), so the next call on the key learns afresh.
+func (s *Store) Forget(lockKey string) { s.hints.forget(lockKey) }

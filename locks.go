@@ -1,0 +1,105 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/hibiken/asynq"
+)
+
+// KeyLock is the lock of one key, as Dedup.Lookup reads it: BullMQ's
+// getDeduplicationJobId, with the holder's state.
+type KeyLock struct {
+	Key      string        // the lock key (prefix, queue, fingerprint)
+	Queue    string        // the queue it lives in
+	Holder   string        // the task holding the key
+	FollowUp string        // the follow-up task owed to the key (RunningDefer), "" for none
+	State    string        // "waiting", "running", "retry-wait" or "orphaned" (its task is gone; it heals)
+	TTL      time.Duration // left before the lock expires
+	Folds    int64         // enqueues folded into the key
+}
+
+// ErrNotHolder reports a Release whose expected holder no longer holds
+// the key; nothing was released.
+var ErrNotHolder = errors.New("dedup: the key is held by another task")
+
+// lockKeyOf computes the lock key a task would take when enqueued with
+// opts (its type's rule, the options' key choice and asynq.Queue), as
+// Client.Submit does.
+func (d *Dedup) lockKeyOf(task *asynq.Task, opts []asynq.Option) (store.Ref, error) {
+	var k call
+	if err := (&Client{d: d}).compose(&k, task, opts); err != nil {
+		return store.Ref{}, err
+	}
+	if !d.active(&k.rule) {
+		return store.Ref{}, fmt.Errorf("%w: deduplication is off for this task (Skip, or OptIn without a rule)", ErrInvalidOption)
+	}
+	fp, err := d.fingerprintHex(k.typ, task.Payload(), &k.rule)
+	if err != nil {
+		return store.Ref{}, err
+	}
+	return store.Ref{Queue: k.queue, FP: fp, Type: k.typ}, nil
+}
+
+// Lookup reads the lock the task would take if enqueued with opts (the
+// same key choice and queue as an enqueue: its type's rule, per-call key
+// options, asynq.Queue): found is false when the key is free. It reads
+// Redis only (two round trips), bounded by Config.LockTimeout.
+func (d *Dedup) Lookup(ctx context.Context, task *asynq.Task, opts ...asynq.Option) (lock KeyLock, found bool, err error) {
+	l, err := d.readKeyLock(ctx, task, opts)
+	if err != nil || l == nil {
+		return KeyLock{}, false, err
+	}
+	return KeyLock{Key: l.Key, Queue: l.Queue, Holder: l.Owner, FollowUp: l.Follow, State: l.State(), TTL: l.TTL, Folds: l.Folds}, true, nil
+}
+
+// Release frees the key the task would take if enqueued with opts:
+// BullMQ's removeDeduplicationKey. With holder set, only if that task
+// still holds it (else ErrNotHolder); with holder "", whoever holds it
+// (forced). It deletes the lock with its index key and MaxPending entry,
+// never a task: the holder, if alive, still runs, and takes the key again
+// when it starts if the key is free. It reports whether a lock was
+// released (false: the key was free).
+func (d *Dedup) Release(ctx context.Context, task *asynq.Task, holder string, opts ...asynq.Option) (bool, error) {
+	l, err := d.readKeyLock(ctx, task, opts)
+	if err != nil || l == nil {
+		return false, err
+	}
+	if holder != "" && l.Owner != holder {
+		return false, fmt.Errorf("%w: %s holds %s, not %s", ErrNotHolder, l.Owner, l.Key, holder)
+	}
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.LockTimeout)
+	defer cancel()
+	res, err := store.ReleaseLock(ctx, d.rdb, d.store.Keys(), l)
+	switch {
+	case err != nil:
+		return false, unavailable("release", err)
+	case res.Owner != "": // changed hands since it was read
+		return false, fmt.Errorf("%w: %s now holds %s", ErrNotHolder, res.Owner, l.Key)
+	}
+	if res.Released {
+		d.store.Forget(l.Key)
+	}
+	return res.Released, nil
+}
+
+// readKeyLock reads the lock of task's key, nil when there is none.
+func (d *Dedup) readKeyLock(ctx context.Context, task *asynq.Task, opts []asynq.Option) (*store.Lock, error) {
+	ref, err := d.lockKeyOf(task, opts)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.LockTimeout)
+	defer cancel()
+	ls, err := store.ReadLocks(ctx, d.rdb, d.store.Keys(), []string{d.store.Keys().LockOf(&ref)})
+	if err != nil {
+		return nil, unavailable("lookup", err)
+	}
+	if len(ls) == 0 || ls[0] == nil {
+		return nil, nil
+	}
+	return ls[0], nil
+}
