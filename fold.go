@@ -132,9 +132,29 @@ func (c *Client) folded(k *call, o Outcome, ev event, id string, payload []byte,
 	if c.d.cfg.OnDecision != nil {
 		c.d.decide(Decision{Event: eventNames[ev], Type: k.typ, Queue: k.queue, Key: c.d.lockKey(&k.ref), TaskID: id, FollowUp: followUp})
 	}
-	return Result{Outcome: o, TaskID: id, FollowUp: followUp, Info: &asynq.TaskInfo{
+	return Result{Outcome: o, TaskID: id, FollowUp: followUp, NotApplied: k.notApplied(), Info: &asynq.TaskInfo{
 		ID: id, Queue: k.queue, Type: k.typ, Payload: payload, State: parseState(state),
 	}}
+}
+
+// notApplied names the call's asynq options that a fold leaves unused: the
+// payload goes into a task that keeps its own options. The queue is where
+// the key lives, and applies; a task ID the wrapper chose is not the
+// caller's.
+func (k *call) notApplied() []string {
+	var out []string
+	for _, o := range k.pass {
+		switch o.Type() {
+		case asynq.QueueOpt:
+			continue
+		case asynq.TaskIDOpt:
+			if k.callerID == "" {
+				continue
+			}
+		}
+		out = append(out, o.String())
+	}
+	return out
 }
 
 func parseState(s string) asynq.TaskState {

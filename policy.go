@@ -142,6 +142,11 @@ type Result struct {
 	// (RunningDefer): always for Deferred, which created it, and for a
 	// Replaced or Merged call folded into a follow-up made earlier.
 	FollowUp bool
+	// NotApplied names, for a call folded into another task (Replaced,
+	// Merged, Deferred), the call's asynq options that task did not take
+	// (ProcessIn, MaxRetry, Timeout, a TaskID, ...): it keeps its own. Nil
+	// when there were none, and for Created.
+	NotApplied []string
 }
 
 // OnConflict sets this call's policy for a key held by a waiting task,

@@ -567,3 +567,21 @@ func TestOnDecisionPanicDoesNotFailTheCall(t *testing.T) {
 		t.Fatalf("duplicate of %s, want %s", dup.TaskID, first.ID)
 	}
 }
+
+// A fold keeps the target task's options: Result.NotApplied names the
+// call's asynq options that were not applied.
+func TestFoldReportsOptionsNotApplied(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace}))
+	h.enqueue(counterTask("k", 1, 0))
+	res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.MaxRetry(3), asynq.ProcessIn(time.Minute))
+	if err != nil || res.Outcome != Replaced {
+		t.Fatalf("%+v %v", res, err)
+	}
+	if got := fmt.Sprint(res.NotApplied); got != "[MaxRetry(3) ProcessIn(1m0s)]" {
+		t.Fatalf("NotApplied = %s", got)
+	}
+	res, err = h.client.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || res.NotApplied != nil {
+		t.Fatalf("a fold without asynq options: %+v %v", res, err)
+	}
+}

@@ -104,9 +104,16 @@ func TestSmokeJSON(t *testing.T) {
 	}
 	// Round trips per call: the lock script alone, which also stores a new
 	// task (Dedup.NewClient), plus one SADD per new queue, hence the slack.
+	// A rejection of a lock stored with its task reads the owner's record: a
+	// process's first one per key takes one round trip more, to learn the
+	// owner's ID (20 keys, a fresh Dedup each of the 2 rounds).
 	want := map[string]float64{"plain": 1, "accepted": 1, "rejected": 1, "coalesced": 1}
 	for _, s := range rep.Throughput {
-		if s.Ops == 0 || s.CmdsPerOp < want[s.Case] || s.CmdsPerOp > want[s.Case]+0.05 || s.Ratio == nil {
+		slack := 0.05
+		if s.Case == "rejected" && s.Ops > 0 {
+			slack += 20 * 2 / float64(s.Ops)
+		}
+		if s.Ops == 0 || s.CmdsPerOp < want[s.Case] || s.CmdsPerOp > want[s.Case]+slack || s.Ratio == nil {
 			t.Errorf("%s: %d ops, %.3f cmds/op (want %v), ratio %v", s.Case, s.Ops, s.CmdsPerOp, want[s.Case], s.Ratio)
 		}
 		// Every round has a CPU reading here; plain over itself is 1.
