@@ -446,6 +446,14 @@ func TestNewErrors(t *testing.T) {
 	if _, err := New(context.Background(), rdb, Config{Rules: map[string]Rule{"t": {Fields: []string{"a..b"}}}}); !errors.Is(err, ErrInvalidOption) {
 		t.Fatalf("bad field path: %v", err)
 	}
+	for _, name := range []string{"", " "} {
+		if _, err := New(context.Background(), rdb, Config{Rules: map[string]Rule{name: {}}}); !errors.Is(err, ErrInvalidOption) {
+			t.Fatalf("rule named %q (a prefix of every type): %v", name, err)
+		}
+	}
+	if _, err := New(context.Background(), rdb, Config{Rules: map[string]Rule{"t": {OnBusy: Busy(9)}}}); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("unknown OnBusy: %v", err)
+	}
 	addr, err := freeAddr() // nothing listens there
 	if err != nil {
 		t.Fatal(err)

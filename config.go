@@ -283,6 +283,9 @@ func compileFields(paths []string) (*jsonkey.Fields, error) {
 func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 	out := make(map[string]*resolved, len(rules))
 	for typ, r := range rules {
+		if strings.TrimSpace(typ) == "" {
+			return nil, fmt.Errorf("%w: a rule with a blank name would match every type (asynq's ServeMux refuses such patterns too)", ErrInvalidOption)
+		}
 		fs, err := compileFields(r.Fields)
 		if err != nil {
 			return nil, fmt.Errorf("rule for %q: %w", typ, err)
