@@ -69,7 +69,7 @@ func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, 
 		d.log.Info("dedup: dropped task, key held by another task", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
 		return nil
 	case BusyFold:
-		if res, ok := d.foldBusy(ctx, t, l.ref.Queue); ok {
+		if res, ok := d.foldBusy(ctx, t, &l.ref); ok {
 			dec.TaskID, dec.FollowUp = res.TaskID, res.FollowUp
 			d.decide(dec)
 			d.log.Info("dedup: busy task folded into the key's task", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("into", res.TaskID), slog.String("outcome", res.Outcome.String()))
@@ -83,9 +83,9 @@ func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, 
 // foldBusy enqueues the busy task's payload through the Dedup's own client
 // with Replace and RunningDefer; ok reports that it now lives in a task
 // (folded, or created because the key came free meanwhile).
-func (d *Dedup) foldBusy(ctx context.Context, t *asynq.Task, queue string) (Result, bool) {
+func (d *Dedup) foldBusy(ctx context.Context, t *asynq.Task, key *store.Ref) (Result, bool) {
 	d.foldOnce.Do(func() { d.folder = d.NewClient() })
-	res, err := d.folder.Submit(ctx, asynq.NewTask(t.Type(), t.Payload()), asynq.Queue(queue), foldBusyOption)
+	res, err := d.folder.Submit(ctx, asynq.NewTask(t.Type(), t.Payload()), asynq.Queue(key.Queue), foldBusyOption(key.FP))
 	if err != nil {
 		d.log.Info("dedup: busy task could not be folded; retried later", slog.String("type", t.Type()), slog.Any("error", err))
 		return Result{}, false
@@ -93,15 +93,19 @@ func (d *Dedup) foldBusy(ctx context.Context, t *asynq.Task, queue string) (Resu
 	return res, true
 }
 
-// foldBusyOption makes a call Replace into a waiting holder and defer
-// behind a running one.
-var foldBusyOption = option{desc: "fold busy", apply: func(r *resolved) error {
-	if r.conflict != Merge {
-		r.conflict = Replace
-	}
-	r.running = RunningDefer
-	return nil
-}}
+// foldBusyOption makes a call on the key fp (the one the arrival met,
+// whatever its own rule or options would give) Replace into a waiting
+// holder and defer behind a running one, quietly: the busy decision
+// speaks for it.
+func foldBusyOption(fp string) option {
+	return option{desc: "fold busy", apply: func(r *resolved) error {
+		if r.conflict != Merge {
+			r.conflict = Replace
+		}
+		r.running, r.fixedFP, r.quiet, r.skip = RunningDefer, fp, true, false
+		return nil
+	}}
+}
 
 // retryBusy returns the BusyError that has asynq retry the task later. On
 // its last attempt asynq would archive it whatever the error, so a copy of

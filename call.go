@@ -26,6 +26,7 @@ type call struct {
 	blankID       bool      // an asynq.TaskID option was blank
 	processAt     time.Time // zero: due now
 	conflicting   string    // asynq.Unique or asynq.Group, which deduplication refuses
+	taskQueue     string    // the queue given to asynq.NewTask, if any
 	msg           store.Message
 	msgUnknown    bool // an asynq option the direct path cannot store
 
@@ -39,11 +40,11 @@ type call struct {
 // compose reads the call's options into k: this package's apply to the
 // type's rule, asynq's are kept for asynq and read for what the lock needs.
 func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
-	conflicting, err := checkTask(task)
+	conflicting, taskQueue, err := checkTask(task)
 	if err != nil {
 		return err
 	}
-	k.conflicting = conflicting
+	k.conflicting, k.taskQueue = conflicting, taskQueue
 	k.task, k.typ, k.rule = task, task.Type(), c.d.ruleFor(task.Type())
 	k.pass = make([]asynq.Option, 0, len(opts)+1)
 	k.msg.Retry = store.DefaultMaxRetry
@@ -123,6 +124,8 @@ func (k *call) chooseQueue(d *Dedup) error {
 	case k.explicitQueue && strings.TrimSpace(k.queue) == "":
 		return fmt.Errorf("%w: blank queue name", ErrInvalidOption)
 	case k.explicitQueue:
+	case k.taskQueue != "": // asynq.NewTask's queue, which the call does not override
+		k.queue = k.taskQueue
 	default:
 		k.queue = "default"
 		if q, ok := d.queues.Load(k.typ); ok {
@@ -143,7 +146,10 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	if k.conflicting != "" {
 		return fmt.Errorf("%w: %s cannot be combined with deduplication (use dedup.Skip() to enqueue this call without it)", ErrInvalidOption, k.conflicting)
 	}
-	fp, err := d.fingerprintHex(k.typ, k.task.Payload(), &k.rule)
+	fp, err := k.rule.fixedFP, error(nil)
+	if fp == "" {
+		fp, err = d.fingerprintHex(k.typ, k.task.Payload(), &k.rule)
+	}
 	if err != nil {
 		return err
 	}
@@ -229,12 +235,12 @@ func (k *call) storedInfo() *asynq.TaskInfo {
 // checkTask refuses, before any lock is taken, a task asynq's client would
 // refuse. It returns the asynq option among those given to NewTask that
 // deduplication cannot honour (Unique, Group), if any.
-func checkTask(t *asynq.Task) (conflicting string, err error) {
+func checkTask(t *asynq.Task) (conflicting, queue string, err error) {
 	if t == nil {
-		return "", fmt.Errorf("%w: nil task", ErrInvalidOption)
+		return "", "", fmt.Errorf("%w: nil task", ErrInvalidOption)
 	}
 	if strings.TrimSpace(t.Type()) == "" {
-		return "", fmt.Errorf("%w: blank task type", ErrInvalidOption)
+		return "", "", fmt.Errorf("%w: blank task type", ErrInvalidOption)
 	}
 	opts, _ := taskOpts(t)
 	for _, o := range opts {
@@ -244,17 +250,18 @@ func checkTask(t *asynq.Task) (conflicting string, err error) {
 		switch v, _ := o.Value().(string); o.Type() {
 		case asynq.QueueOpt:
 			if strings.TrimSpace(v) == "" {
-				return "", fmt.Errorf("%w: blank queue name in NewTask", ErrInvalidOption)
+				return "", "", fmt.Errorf("%w: blank queue name in NewTask", ErrInvalidOption)
 			}
+			queue = v
 		case asynq.TaskIDOpt:
 			if strings.TrimSpace(v) == "" {
-				return "", fmt.Errorf("%w: blank task ID in NewTask", ErrInvalidOption)
+				return "", "", fmt.Errorf("%w: blank task ID in NewTask", ErrInvalidOption)
 			}
 		case asynq.UniqueOpt, asynq.GroupOpt:
 			conflicting = o.String() + " in NewTask"
 		}
 	}
-	return conflicting, nil
+	return conflicting, queue, nil
 }
 
 // taskOpts reads asynq.Task's unexported opts (options given to NewTask),

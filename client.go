@@ -115,9 +115,10 @@ func (c *Client) Enqueue(task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInf
 // (owner-checked) — unless the task turns out to be stored after all, as when
 // go-redis retried an enqueue that had landed: then its TaskInfo is returned.
 //
-// The lock lives in the queue the call names (asynq.Queue), else in the
-// queue tasks of this type last landed in, else "default". A task that lands
-// elsewhere (its queue came from asynq.NewTask) has its lock moved there.
+// The lock lives in the queue the call names (asynq.Queue), else in the one
+// given to asynq.NewTask, else in the queue tasks of this type last landed
+// in, else "default". A task that lands elsewhere (an enqueuer that changes
+// the queue) has its lock moved there.
 //
 // asynq.Unique and asynq.Group are refused while deduplication is on for the
 // call (they would lock twice, or lose the owning task when grouped). An
@@ -313,6 +314,7 @@ func (c *Client) dropDuplicate(ctx context.Context, k *call, info *asynq.TaskInf
 		return info, nil
 	}
 	d.count(k.typ, evDuplicate)
+	d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: info.Queue, Key: d.lockKey(moved), TaskID: holder})
 	return nil, &DuplicateTaskError{TaskID: holder, Queue: info.Queue, Type: k.typ, Key: d.lockKey(moved)}
 }
 

@@ -268,6 +268,8 @@ type resolved struct {
 	busy          Busy
 	waitForRoom   bool
 	callKey       string // the per-call key option applied ("dedup.Key", "dedup.SharedKey"), if any
+	fixedFP       string // the key's fingerprint, given (a busy arrival folded into the key it met)
+	quiet         bool   // an enqueue on the middleware's behalf: its busy decision speaks for it
 }
 
 // compileFields compiles a field selection (nil for none), with errors

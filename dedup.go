@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"reflect"
 	"runtime/debug"
 	"sort"
 	"strings"
@@ -59,7 +60,7 @@ type Dedup struct {
 // warning and turns the direct path off (Config.NoDirectEnqueue): enqueues
 // then go through asynq's own client.
 func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, error) {
-	if rdb == nil {
+	if isNil(rdb) {
 		return nil, fmt.Errorf("%w: nil redis client", ErrInvalidOption)
 	}
 	c, err := cfg.withDefaults()
@@ -87,6 +88,16 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 	}
 	d.warnEviction(ctx)
 	return d, nil
+}
+
+// isNil reports whether a client is nil, or an interface holding a nil
+// pointer.
+func isNil(rdb redis.UniversalClient) bool {
+	if rdb == nil {
+		return true
+	}
+	v := reflect.ValueOf(rdb)
+	return v.Kind() == reflect.Pointer && v.IsNil()
 }
 
 // knownLayout reports whether asynq version v stores tasks as the direct
@@ -171,7 +182,7 @@ func NewFromRedisConnOpt(ctx context.Context, opt asynq.RedisConnOpt, cfg Config
 		return nil, fmt.Errorf("%w: nil asynq.RedisConnOpt", ErrInvalidOption)
 	}
 	rdb, ok := opt.MakeRedisClient().(redis.UniversalClient)
-	if !ok || rdb == nil {
+	if !ok || isNil(rdb) {
 		return nil, fmt.Errorf("%w: %T does not make a go-redis v9 client", ErrInvalidOption, opt)
 	}
 	d, err := New(ctx, rdb, cfg)

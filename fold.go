@@ -100,7 +100,7 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	case store.StatusConflict:
 		return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)
 	case store.StatusHeld:
-		return Result{}, done, c.duplicate(k, res.Task, res.Lock)
+		return Result{}, done, c.duplicate(k, res.Task, res.Lock, res.FollowUp)
 	case store.StatusReplaced:
 		return c.folded(k, Replaced, evCoalesced, res.Task, k.task.Payload(), res.State, res.FollowUp), done, nil
 	case store.StatusDeferred:
@@ -118,18 +118,22 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 }
 
 // duplicate is the error of a call whose key holder is named.
-func (c *Client) duplicate(k *call, holder, lock string) error {
-	c.d.count(k.typ, evDuplicate)
-	c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: lock, TaskID: holder})
+func (c *Client) duplicate(k *call, holder, lock string, followUp bool) error {
+	if !k.rule.quiet {
+		c.d.count(k.typ, evDuplicate)
+		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: lock, TaskID: holder, FollowUp: followUp})
+	}
 	return &DuplicateTaskError{TaskID: holder, Queue: k.queue, Type: k.typ, Key: lock}
 }
 
 // folded describes the task a call was folded into, from what the lock
 // script saw.
 func (c *Client) folded(k *call, o Outcome, ev event, id string, payload []byte, state string, followUp bool) Result {
-	c.d.count(k.typ, ev)
-	c.d.noteCoalesced(k.typ, k.ref.FP, k.rule.key)
-	if c.d.cfg.OnDecision != nil {
+	if !k.rule.quiet { // (a busy arrival folded by the middleware is counted as busy)
+		c.d.count(k.typ, ev)
+		c.d.noteCoalesced(k.typ, k.ref.FP, k.rule.key)
+	}
+	if c.d.cfg.OnDecision != nil && !k.rule.quiet {
 		c.d.decide(Decision{Event: eventNames[ev], Type: k.typ, Queue: k.queue, Key: c.d.lockKey(&k.ref), TaskID: id, FollowUp: followUp})
 	}
 	return Result{Outcome: o, TaskID: id, FollowUp: followUp, NotApplied: k.notApplied(), Info: &asynq.TaskInfo{
@@ -143,7 +147,11 @@ func (c *Client) folded(k *call, o Outcome, ev event, id string, payload []byte,
 // caller's.
 func (k *call) notApplied() []string {
 	var out []string
-	for _, o := range k.pass {
+	own, _ := taskOpts(k.task) // asynq.NewTask's, which the call's follow
+	for _, o := range append(own[:len(own):len(own)], k.pass...) {
+		if o == nil {
+			continue
+		}
 		switch o.Type() {
 		case asynq.QueueOpt:
 			continue
@@ -202,7 +210,7 @@ func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w 
 // stored the task yet (one round trip away), to fold into it once it has.
 func (c *Client) waitReserved(ctx context.Context, k *call, res store.AcquireResult, w *waits) (Result, next, error) {
 	if w.reserved++; w.reserved > maxReservedWaits {
-		return Result{}, done, c.duplicate(k, res.Task, res.Lock)
+		return Result{}, done, c.duplicate(k, res.Task, res.Lock, res.FollowUp)
 	}
 	if err := sleep(ctx, reservedBackoff.Delay(w.reserved)); err != nil {
 		return Result{}, done, fmt.Errorf("dedup: waiting for task %s to be stored: %w", res.Task, err)

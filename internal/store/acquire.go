@@ -259,6 +259,7 @@ func (a *Acquire) result(s *Store, lock string, h *hint, rep reply) AcquireResul
 		}
 	case StatusHeld:
 		res.Task = h.id(&a.Ref, rep.str(0))
+		res.FollowUp = rep.str(2) != "" && rep.str(0) == rep.str(2)
 		if rep.str(3) == "v" { // the owner's record was read: later rejections may trust the lock a while
 			s.rememberChecked(lock, &a.Ref, h, rep.str(1), rep.str(2), a.Now.UnixNano())
 		} else {
