@@ -250,35 +250,35 @@ func (a *Acquire) result(s *Store, lock string, h *hint, rep reply) AcquireResul
 		// record, so a process's first one costs a round trip more, to learn
 		// the holder's ID: cheaper than remembering every accepted key.)
 		if a.folds() {
-			s.remember(lock, &a.Ref, h, a.Ref.stored(), "", false)
+			s.remember(lock, &a.Ref, h, a.Ref.stored(), "", false, 0)
 		}
 	case statusHeldYoung:
 		res.Status, res.Task = StatusHeld, h.id(&a.Ref, rep.str(0))
 		if !a.trusts(s, h) { // a trusting call keeps the hint it had, and its check time
-			s.remember(lock, &a.Ref, h, rep.str(0), "", false)
+			s.remember(lock, &a.Ref, h, rep.str(0), "", false, 0)
 		}
 	case StatusHeld:
 		res.Task = h.id(&a.Ref, rep.str(0))
 		res.FollowUp = rep.str(2) != "" && rep.str(0) == rep.str(2)
+		var checked int64
 		if rep.str(3) == "v" { // the owner's record was read: later rejections may trust the lock a while
-			s.rememberChecked(lock, &a.Ref, h, rep.str(1), rep.str(2), a.Now.UnixNano())
-		} else {
-			s.remember(lock, &a.Ref, h, rep.str(1), rep.str(2), true)
+			checked = a.Now.UnixNano()
 		}
+		s.remember(lock, &a.Ref, h, rep.str(1), rep.str(2), true, checked)
 	case StatusReplaced, StatusMerge:
 		res.Task, res.State = h.id(&a.Ref, rep.str(0)), rep.str(1)
 		last := len(rep.strs) - 2
 		if rep.status == StatusMerge {
 			res.Payload, res.Version, res.State = []byte(rep.str(1)), rep.str(2), ""
 		}
-		s.remember(lock, &a.Ref, h, rep.str(last), rep.str(last+1), true)
+		s.remember(lock, &a.Ref, h, rep.str(last), rep.str(last+1), true, 0)
 		res.FollowUp = rep.str(last+1) != "" && rep.str(0) == rep.str(last+1)
 	case StatusDeferred:
 		res.Task, res.FollowUp = rep.str(0), true
-		s.remember(lock, &a.Ref, h, rep.str(1), rep.str(2), true)
+		s.remember(lock, &a.Ref, h, rep.str(1), rep.str(2), true, 0)
 	case StatusReserved:
 		res.Task = h.id(&a.Ref, rep.str(0))
-		s.remember(lock, &a.Ref, h, rep.str(0), "", true)
+		s.remember(lock, &a.Ref, h, rep.str(0), "", true, 0)
 	case StatusOver:
 		res.Waiting, _ = strconv.ParseInt(rep.str(0), 10, 64)
 	case StatusBroken:
@@ -287,26 +287,16 @@ func (a *Acquire) result(s *Store, lock string, h *hint, rep reply) AcquireResul
 	return res
 }
 
-// rememberChecked is remember after a reply that read the holder's record
-// (checked: when, unix nanoseconds).
-func (s *Store) rememberChecked(lock string, r *Ref, h *hint, holder, follow string, checked int64) {
-	if h.cached && h.holder == holder && h.follow == follow && h.read && h.checked == checked {
-		return
-	}
-	nh := newHint(r, holder, follow)
-	nh.read, nh.checked = true, checked
-	s.hints.put(lock, nh)
-}
-
 // remember keeps the lock's holder and follow-up for the next call (read:
-// this call had to read the holder's record), unless the hint passed came
-// from the cache and already says so.
-func (s *Store) remember(lock string, r *Ref, h *hint, holder, follow string, read bool) {
-	if h.cached && h.holder == holder && h.follow == follow && h.read == read {
+// this call had to read the holder's record; checked: when a reply read it
+// and found it live, unix nanoseconds, 0 if this one did not), unless the
+// hint passed came from the cache and already says so.
+func (s *Store) remember(lock string, r *Ref, h *hint, holder, follow string, read bool, checked int64) {
+	if h.cached && h.holder == holder && h.follow == follow && h.read == read && (checked == 0 || h.checked == checked) {
 		return
 	}
 	nh := newHint(r, holder, follow)
-	nh.read = read
+	nh.read, nh.checked = read, checked
 	s.hints.put(lock, nh)
 }
 
