@@ -146,6 +146,11 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	if k.conflicting != "" {
 		return fmt.Errorf("%w: %s cannot be combined with deduplication (use dedup.Skip() to enqueue this call without it)", ErrInvalidOption, k.conflicting)
 	}
+	if err := k.rule.checkModes(); err != nil {
+		return err
+	}
+	now := time.Now()
+	k.debounce(now)
 	fp, err := k.rule.fixedFP, error(nil)
 	if fp == "" {
 		fp, err = d.fingerprintHex(k.typ, k.task.Payload(), &k.rule)
@@ -161,7 +166,10 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Indexed: k.callerID != ""}
 	r := &k.rule
 	k.acquire = store.Acquire{Ref: k.ref, OnWaiting: r.conflict.fold(), OnRunning: r.running.code(),
-		TTL: waitTTL(d.ttlOf(r), k.processAt), Now: time.Now(), MaxPending: r.maxPending}
+		TTL: waitTTL(d.ttlOf(r), k.processAt), Now: now, MaxPending: r.maxPending, Cooldown: r.cooldown}
+	if r.debounce > 0 {
+		k.acquire.DebounceDue = k.processAt.Unix()
+	}
 	if r.conflict == Replace || r.running == RunningDefer {
 		k.acquire.Payload = k.task.Payload()
 	}

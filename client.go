@@ -296,7 +296,7 @@ func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (*
 		d.log.Warn("dedup: could not move a lock to the task's queue; the execution-time guard will lock it", slog.String("type", k.typ), slog.Any("error", err))
 	case res.Status == store.StatusTaken || res.Status == store.StatusSelf:
 		d.count(k.typ, evLocked)
-	case res.Status == store.StatusHeld || res.Status == store.StatusReserved:
+	case res.Status == store.StatusHeld || res.Status == store.StatusReserved || res.Status == store.StatusCooling:
 		return c.dropDuplicate(ctx, k, info, res.Task, &moved)
 	default:
 		d.log.Warn("dedup: unexpected reply moving a lock; the execution-time guard will lock the task", slog.String("type", k.typ), slog.Int64("status", int64(res.Status)))

@@ -190,6 +190,21 @@ type Rule struct {
 	// Default BusyRetry (BusyDrop with Config.SkipBusy).
 	OnBusy Busy
 
+	// Cooldown keeps the key held after its task succeeds, until Cooldown
+	// has passed since the key was taken (throttle: at most one successful
+	// run per window); enqueues meanwhile fail with a *DuplicateTaskError
+	// whose CoolingDown is set. See Cooldown for the details. Needs
+	// OnRunning RunningReject. Default 0: the key frees when its task
+	// succeeds.
+	Cooldown time.Duration
+
+	// Debounce, with OnConflict Replace or Merge, makes a new task due
+	// Debounce after its enqueue, and moves it to Debounce after each later
+	// enqueue folded into it while it is still scheduled: a burst runs once,
+	// with its last payload, about Debounce after the burst ends. See
+	// Debounce for the details. Not with RunningDefer. Default 0: off.
+	Debounce time.Duration
+
 	// MaxPending bounds how many keys of this type may wait in one queue at
 	// once; an enqueue of a new key beyond it fails with ErrTooManyPending
 	// (or waits, with WaitForRoom). Enqueues folded into waiting keys always
@@ -266,6 +281,8 @@ type resolved struct {
 	running       Running
 	maxPending    int
 	busy          Busy
+	cooldown      time.Duration
+	debounce      time.Duration
 	waitForRoom   bool
 	callKey       string // the per-call key option applied ("dedup.Key", "dedup.SharedKey"), if any
 	fixedFP       string // the key's fingerprint, given (a busy arrival folded into the key it met)
@@ -307,11 +324,16 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 		if (r.OnConflict == Merge) != (r.MergeFunc != nil) {
 			return nil, fmt.Errorf("%w: rule for %q: OnConflict Merge and MergeFunc go together", ErrInvalidOption, typ)
 		}
-		out[typ] = &resolved{
+		res := &resolved{
 			skip: r.Skip, fields: fs, missingAsNull: r.MissingAsNull,
 			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: r.TTL, optedIn: true,
 			conflict: r.OnConflict, merge: r.MergeFunc, running: r.OnRunning, maxPending: r.MaxPending, busy: r.OnBusy,
+			cooldown: r.Cooldown, debounce: r.Debounce,
 		}
+		if err := res.checkModes(); err != nil {
+			return nil, fmt.Errorf("rule for %q: %w", typ, err)
+		}
+		out[typ] = res
 	}
 	return out, nil
 }

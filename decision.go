@@ -24,8 +24,12 @@ type Decision struct {
 	// FollowUp is true when TaskID is the follow-up of a running task
 	// (RunningDefer), not the key's waiting task.
 	FollowUp bool
-	// Dropped is true for a busy task dropped by Config.SkipBusy.
+	// Dropped is true for a busy task dropped (BusyDrop, Config.SkipBusy,
+	// or a key cooling down).
 	Dropped bool
+	// CoolingDown is true when the key is held after its task succeeded
+	// (Cooldown): TaskID is that task.
+	CoolingDown bool
 }
 
 // decide tells Config.OnDecision, if set. The hook runs on the caller's

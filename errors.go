@@ -3,6 +3,7 @@ package dedup
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/hibiken/asynq"
 )
@@ -94,9 +95,16 @@ type DuplicateTaskError struct {
 	Queue  string // the queue the lock belongs to
 	Type   string // the rejected task's type
 	Key    string // the Redis key of the lock
+	// CoolingDown: TaskID succeeded, and the key stays held for its
+	// Cooldown; FreeIn is how long it has left, as Redis counted at the call.
+	CoolingDown bool
+	FreeIn      time.Duration
 }
 
 func (e *DuplicateTaskError) Error() string {
+	if e.CoolingDown {
+		return fmt.Sprintf("dedup: duplicate task: type %q in queue %q cools down after task %s for %v more", e.Type, e.Queue, e.TaskID, e.FreeIn)
+	}
 	return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held by task %s", e.Type, e.Queue, e.TaskID)
 }
 

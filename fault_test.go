@@ -127,6 +127,7 @@ func (w *faultWorker) stop(t *testing.T) {
 // margin are hard-coded.
 func TestFaultWorkerKilled(t *testing.T) {
 	needRealRedis(t)
+	t.Parallel() // a minute of waiting for asynq's recoverer, beside TestCooldownSurvivesAWorkerCrash's
 	const lease = 1200 * time.Millisecond
 	h := newHarness(t, Config{Lease: lease, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
 	ctx := context.Background()
@@ -812,4 +813,65 @@ func startFaultServer(t *testing.T, rdb redis.UniversalClient, d *Dedup, queue s
 		t.Fatal(err)
 	}
 	return srv
+}
+
+// TestCooldownSurvivesAWorkerCrash SIGKILLs a worker in the middle of a
+// task enqueued with a per-call Cooldown (which only the lock records): the
+// key stays held past the lease (no new task may run within the cooldown),
+// asynq's recoverer retries the task on a second worker, which finds the
+// lock its own, and the retry's success starts the cooldown.
+func TestCooldownSurvivesAWorkerCrash(t *testing.T) {
+	needRealRedis(t)
+	t.Parallel()
+	const lease = 1200 * time.Millisecond
+	h := newHarness(t, Config{Lease: lease, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
+	ctx := context.Background()
+	evKey := faultEventsKey(h.prefix)
+	t.Cleanup(func() { h.rdb.Del(context.Background(), evKey) })
+	events := func() []faultEvent {
+		t.Helper()
+		evs, err := parseFaultEvents(h.rdb.LRange(ctx, evKey, 0, -1).Val())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return evs
+	}
+	seen := func(kind, worker, id string) bool {
+		for _, e := range events() {
+			if e.kind == kind && e.worker == worker && e.id == id {
+				return true
+			}
+		}
+		return false
+	}
+	job := func(mode string) *asynq.Task {
+		b, _ := json.Marshal(faultJob{UserID: 8, Mode: mode})
+		return asynq.NewTask(faultTaskType, b)
+	}
+	keyOpt := Fields("user_id")
+
+	a := startFaultWorker(t, redistest.Addr(), h.prefix, h.queue, lease, "A")
+	first := h.enqueue(job("block"), keyOpt, Cooldown(10*time.Minute), asynq.Retention(time.Hour))
+	faultPoll(t, 30*time.Second, "worker A runs the task", func() bool { return seen("start", "A", first.ID) })
+	a.kill()
+	killed := time.Now()
+	if err := faultRecord(ctx, h.rdb, h.prefix, "killed", "A", first.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	faultPoll(t, 10*time.Second, "three leases pass after the kill", func() bool { return time.Since(killed) > 3*lease })
+	if dup := h.duplicateOf(job("dup"), keyOpt); dup.TaskID != first.ID || dup.CoolingDown {
+		t.Fatalf("after the kill: %+v, want a plain duplicate of the crashed task %s", dup, first.ID)
+	}
+
+	startFaultWorker(t, redistest.Addr(), h.prefix, h.queue, lease, "B")
+	faultPoll(t, 100*time.Second, "the recovered task runs on B", func() bool { return seen("end", "B", first.ID) })
+	faultPoll(t, 10*time.Second, "the key cools down", func() bool {
+		kl, found, err := h.d.Lookup(ctx, job("x"), keyOpt, asynq.Queue(h.queue))
+		return err == nil && found && kl.State == "cooling"
+	})
+	coolingDup(t, h.client, job("again"), h.queue, first.ID, keyOpt)
+	checkFaultIntervals(t, events())
+	if ti, err := h.insp.GetTaskInfo(h.queue, first.ID); err != nil || ti.Retried != 1 {
+		t.Fatalf("recovered task: %+v, %v; want it retried once", ti, err)
+	}
 }

@@ -101,6 +101,8 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 		return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)
 	case store.StatusHeld:
 		return Result{}, done, c.duplicate(k, res.Task, res.Lock, res.FollowUp)
+	case store.StatusCooling:
+		return Result{}, done, c.coolingDuplicate(k, res)
 	case store.StatusReplaced:
 		return c.folded(k, Replaced, evCoalesced, res.Task, k.task.Payload(), res.State, res.FollowUp), done, nil
 	case store.StatusDeferred:
@@ -124,6 +126,16 @@ func (c *Client) duplicate(k *call, holder, lock string, followUp bool) error {
 		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: lock, TaskID: holder, FollowUp: followUp})
 	}
 	return &DuplicateTaskError{TaskID: holder, Queue: k.queue, Type: k.typ, Key: lock}
+}
+
+// coolingDuplicate is the error of a call whose key cools down after its
+// last task succeeded.
+func (c *Client) coolingDuplicate(k *call, res store.AcquireResult) error {
+	if !k.rule.quiet {
+		c.d.count(k.typ, evDuplicate)
+		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: res.Lock, TaskID: res.Task, CoolingDown: true})
+	}
+	return &DuplicateTaskError{TaskID: res.Task, Queue: k.queue, Type: k.typ, Key: res.Lock, CoolingDown: true, FreeIn: res.Cooling}
 }
 
 // folded describes the task a call was folded into, from what the lock
@@ -155,6 +167,10 @@ func (k *call) notApplied() []string {
 		switch o.Type() {
 		case asynq.QueueOpt:
 			continue
+		case asynq.ProcessInOpt, asynq.ProcessAtOpt:
+			if k.rule.debounce > 0 {
+				continue // the fold moved the task's due time (Debounce)
+			}
 		case asynq.TaskIDOpt:
 			if k.callerID == "" {
 				continue
@@ -190,7 +206,8 @@ func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w 
 	if mfp, err := d.fingerprintHex(k.typ, merged, &k.rule); err != nil || mfp != k.ref.FP {
 		return Result{}, done, fmt.Errorf("%w: merge function changed the key of %q (or broke its payload)", ErrInvalidPayload, k.typ)
 	}
-	cr, err := d.store.Coalesce(ctx, &store.Coalesce{Ref: k.ref, Target: res.Task, Follow: res.FollowUp, Version: res.Version, Payload: merged})
+	cr, err := d.store.Coalesce(ctx, &store.Coalesce{Ref: k.ref, Target: res.Task, Follow: res.FollowUp, Version: res.Version, Payload: merged,
+		DebounceDue: k.acquire.DebounceDue, TTL: k.acquire.TTL})
 	switch {
 	case err != nil:
 		d.count(k.typ, evRedisError)

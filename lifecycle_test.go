@@ -34,6 +34,8 @@ var lcPolicies = []lcPolicy{
 	{"RunningAllow", Rule{OnRunning: RunningAllow}},
 	{"RunningDefer", Rule{OnConflict: Replace, OnRunning: RunningDefer}},
 	{"MaxPending", Rule{MaxPending: 1}},
+	{"Cooldown", Rule{Cooldown: time.Hour}},
+	{"Debounce", Rule{OnConflict: Replace, Debounce: 2 * time.Second}}, // overrides the rows' ProcessIn: due in 2 s
 }
 
 // lcClass is where an ending leaves the first task.
@@ -54,6 +56,7 @@ type lcEnding struct {
 	tweak   func(*asynq.Config)
 	drive   func(t *testing.T, w *lcWorld) // after the first enqueues: make asynq end them
 	class   lcClass
+	success bool // the handler's success ends the task (Cooldown keeps the key)
 }
 
 var errLifecycle = errors.New("lifecycle: handler failed")
@@ -70,7 +73,7 @@ func lcLate(err error) func(context.Context, <-chan struct{}) error {
 }
 
 var lcEndings = []lcEnding{
-	{name: "success", handler: lcReturn(nil), drive: lcSettle, class: lcOver},
+	{name: "success", handler: lcReturn(nil), drive: lcSettle, class: lcOver, success: true},
 	{name: "error with retries left", handler: lcReturn(errLifecycle), drive: lcSettle, class: lcAgain},
 	{name: "error on the last retry", opts: lcOpts(asynq.MaxRetry(0)), handler: lcReturn(errLifecycle), drive: lcSettle, class: lcOver},
 	{name: "SkipRetry", handler: lcReturn(fmt.Errorf("give up: %w", asynq.SkipRetry)), drive: lcSettle, class: lcOver},
@@ -88,7 +91,7 @@ var lcEndings = []lcEnding{
 		drive: lcInspect(func(w *lcWorld, id string) error { return w.h.insp.ArchiveTask(w.h.queue, id) })},
 	{name: "Inspector deletes the waiting task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcRemoved,
 		drive: lcInspect(func(w *lcWorld, id string) error { return w.h.insp.DeleteTask(w.h.queue, id) })},
-	{name: "Inspector runs the scheduled task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcOver,
+	{name: "Inspector runs the scheduled task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcOver, success: true,
 		drive: func(t *testing.T, w *lcWorld) {
 			lcInspect(func(w *lcWorld, id string) error { return w.h.insp.RunTask(w.h.queue, id) })(t, w)
 			lcSettle(t, w)
@@ -304,15 +307,18 @@ func lcInspect(op func(w *lcWorld, id string) error) func(*testing.T, *lcWorld) 
 // expect is the matrix's cell: what a second enqueue of the key gets after
 // the ending (0 for a duplicate), and whether the first task still holds the
 // key.
-func (c *lcCell) expect(class lcClass) (Outcome, bool) {
+func (c *lcCell) expect(e *lcEnding) (Outcome, bool) {
+	class := e.class
 	switch {
+	case e.success && c.pol.rule.Cooldown > 0:
+		return 0, true // the key cools down, held by the task that succeeded
 	case class == lcOver, class == lcRemoved && c.direct:
 		return Created, false // the key is free (a direct lock has no enqueue gap to wait out)
 	case class == lcRemoved:
 		return 0, true // a lock taken before its task was stored waits out HealGrace
 	case class == lcAgain && c.pol.rule.OnRunning == RunningAllow:
 		return Created, false // the key was freed when the task started
-	case c.pol.rule.OnConflict == Replace:
+	case c.pol.rule.OnConflict == Replace: // (Debounce too)
 		return Replaced, true
 	case c.pol.rule.OnConflict == Merge:
 		return Merged, true
@@ -322,12 +328,14 @@ func (c *lcCell) expect(class lcClass) (Outcome, bool) {
 
 func (w *lcWorld) checkSecond(t *testing.T, e *lcEnding, c *lcCell) {
 	t.Helper()
-	want, firstHolds := c.expect(e.class)
+	want, firstHolds := c.expect(e)
 	res, err := c.client.Submit(context.Background(), c.task(2), asynq.Queue(w.h.queue))
 	var dup *DuplicateTaskError
 	switch {
 	case want == 0 && (!errors.As(err, &dup) || dup.TaskID != c.first.ID):
 		t.Errorf("%s: second enqueue: %+v, %v; want a duplicate of %s", c.typ, res, err, c.first.ID)
+	case want == 0 && dup.CoolingDown != (e.success && c.pol.rule.Cooldown > 0):
+		t.Errorf("%s: duplicate's CoolingDown is %v", c.typ, dup.CoolingDown)
 	case want != 0 && (err != nil || res.Outcome != want):
 		t.Errorf("%s: second enqueue: %+v, %v; want outcome %v", c.typ, res, err, want)
 	case want != 0 && firstHolds && res.TaskID != c.first.ID:

@@ -17,7 +17,7 @@ type KeyLock struct {
 	Queue    string        // the queue it lives in
 	Holder   string        // the task holding the key
 	FollowUp string        // the follow-up task owed to the key (RunningDefer), "" for none
-	State    string        // "waiting", "running", "retry-wait" or "orphaned" (its task is gone; it heals)
+	State    string        // "waiting", "running", "retry-wait", "cooling" (its task succeeded; Cooldown) or "orphaned" (its task is gone; it heals)
 	TTL      time.Duration // left before the lock expires
 	Folds    int64         // enqueues folded into the key
 }

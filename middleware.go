@@ -66,7 +66,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	}
 	rule := d.ruleFor(t.Type())
 	l := &lease{ref: *ref, token: store.NewToken()}
-	st, err := d.store.Start(ctx, &store.Start{Ref: l.ref, Token: l.token, Lease: d.cfg.Lease, Running: rule.running.code()})
+	st, err := d.store.Start(ctx, &store.Start{Ref: l.ref, Token: l.token, Lease: d.cfg.Lease, Running: rule.running.code(), Cooldown: rule.cooldown})
 	switch {
 	case err != nil:
 		return d.unlocked(ctx, "start", t, next, err)
@@ -74,6 +74,8 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return d.elsewhere(t, id)
 	case st.Status == store.StatusAllowed:
 		return next.ProcessTask(ctx, t) // RunningAllow: the key was freed as the task started
+	case st.Status == store.StatusCooling:
+		return d.cooling(t, &l.ref, st.Holder, st.Cooling)
 	case st.Status == store.StatusSuperseded:
 		d.count(t.Type(), evSuperseded)
 		d.log.Info("dedup: not run: the task lost its lock and its follow-up carries a newer payload", slog.String("type", t.Type()), slog.String("task_id", id), slog.String("follow_up", st.Holder))
@@ -140,6 +142,8 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 			d.count(t.Type(), evLockLost)
 		}
 		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID))
+	case res.Cooling:
+		d.count(t.Type(), evCooling)
 	case res.Held:
 		d.count(t.Type(), evHeld)
 		if res.Guessed {
@@ -175,6 +179,7 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 		err = context.DeadlineExceeded
 	}
 	if err == nil || errors.Is(err, asynq.RevokeTask) || errors.Is(err, asynq.SkipRetry) {
+		f.Succeeded = err == nil
 		return f
 	}
 	n, _ := asynq.GetRetryCount(ctx)

@@ -35,6 +35,7 @@ type Stats struct {
 	Processed   uint64 `event:"processed"`    // attempts that finished holding their lock
 	BreakerOpen uint64 `event:"breaker_open"` // times the circuit breaker opened
 	Superseded  uint64 `event:"superseded"`   // attempts not run: the task lost its lock and its follow-up carries a newer payload (Replace, Defer)
+	Cooling     uint64 `event:"cooling"`      // locks kept after their task succeeded, until its Cooldown ends
 }
 
 // event is one countable thing: the index of its Stats field.
@@ -60,6 +61,7 @@ const (
 	evProcessed   = event(unsafe.Offsetof(Stats{}.Processed) / counterSize)
 	evBreakerOpen = event(unsafe.Offsetof(Stats{}.BreakerOpen) / counterSize)
 	evSuperseded  = event(unsafe.Offsetof(Stats{}.Superseded) / counterSize)
+	evCooling     = event(unsafe.Offsetof(Stats{}.Cooling) / counterSize)
 
 	counterSize = unsafe.Sizeof(uint64(0))
 	numEvents   = event(unsafe.Sizeof(Stats{}) / counterSize)

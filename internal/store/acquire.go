@@ -38,6 +38,12 @@ type Acquire struct {
 	MaxPending int    // most keys of the type waiting in the queue; 0: no bound
 	Payload    []byte // the new payload, for FoldReplace and a follow-up
 	FollowID   string // ID of a follow-up created for a running holder (RunDefer)
+	// Cooldown: once the task of a lock this call takes succeeds, the key
+	// stays held until Cooldown after the take; 0: released at once.
+	Cooldown time.Duration
+	// DebounceDue: a fold into a scheduled holder moves its due time here
+	// (unix seconds) and its lock's lifetime to TTL from now; 0: no move.
+	DebounceDue int64
 }
 
 // AcquireResult is what acquire did.
@@ -49,13 +55,14 @@ type AcquireResult struct {
 	Task string
 	// FollowUp reports that Task is the follow-up of a running holder.
 	FollowUp bool
-	State    string // StatusReplaced, StatusMerge: Task's asynq state
-	Payload  []byte // StatusMerge: Task's payload
-	Version  string // StatusMerge: the version Coalesce compares
-	Waiting  int64  // StatusOver: keys waiting
-	Reason   string // StatusBroken
-	Lock     string // the lock's key
-	Stored   bool   // StatusTaken: the task (Acquire.Message) was stored with the lock
+	State    string        // StatusReplaced, StatusMerge: Task's asynq state
+	Payload  []byte        // StatusMerge: Task's payload
+	Version  string        // StatusMerge: the version Coalesce compares
+	Waiting  int64         // StatusOver: keys waiting
+	Cooling  time.Duration // StatusCooling: how long the key stays held
+	Reason   string        // StatusBroken
+	Lock     string        // the lock's key
+	Stored   bool          // StatusTaken: the task (Acquire.Message) was stored with the lock
 	// Sent: with an error, the failed call carried the task to store with
 	// the lock (Acquire.Direct), so it may be stored.
 	Sent bool
@@ -106,7 +113,7 @@ func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) 
 // replacesKnownHolder reports whether the call is a Replace into the
 // holder a hint names, which the replace script does alone.
 func (a *Acquire) replacesKnownHolder(h *hint) bool {
-	return a.OnWaiting == FoldReplace && h.holder != "" && h.follow == "" && h.holderID != a.Ref.ID
+	return a.OnWaiting == FoldReplace && h.holder != "" && h.follow == "" && h.holderID != a.Ref.ID && a.DebounceDue == 0
 }
 
 // replace runs the replace script (lua/replace.lua); done is false when it
@@ -137,6 +144,9 @@ func (a *Acquire) build(s *Store, lock string, h *hint, all bool) ([]string, []a
 	kl.add(roleLock, lock)
 	if r.Indexed {
 		kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
+	}
+	if a.DebounceDue != 0 {
+		kl.add(roleScheduled, ScheduledKey(r.Queue))
 	}
 	if sends {
 		kl.add(roleTask, TaskKey(r.Queue, r.ID))
@@ -214,6 +224,10 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint, sends bool) []any {
 	args[4], args[5], args[6] = s.graceSeconds(), ms(a.TTL), msg
 	n := 0
 	switch {
+	case a.DebounceDue != 0:
+		n = 13
+	case a.Cooldown > 0:
+		n = 11
 	case a.MaxPending > 0 || a.folds(): // a fold checks the type
 		n = 10
 	case a.FollowID != "":
@@ -234,7 +248,11 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint, sends bool) []any {
 	if a.folds() {
 		field = payloadField(a.Payload)
 	}
-	opt := [...]any{field, h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), r.Type}
+	var cool int64
+	if a.Cooldown > 0 {
+		cool = ms(a.Cooldown)
+	}
+	opt := [...]any{field, h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), r.Type, cool, a.DebounceDue, h.holderID}
 	return append(args, opt[:n]...)
 }
 
@@ -281,6 +299,9 @@ func (a *Acquire) result(s *Store, lock string, h *hint, rep reply) AcquireResul
 		s.remember(lock, &a.Ref, h, rep.str(0), "", true, 0)
 	case StatusOver:
 		res.Waiting, _ = strconv.ParseInt(rep.str(0), 10, 64)
+	case StatusCooling:
+		res.Task = h.id(&a.Ref, rep.str(0))
+		res.Cooling = parseMillis(rep.str(1))
 	case StatusBroken:
 		res.Reason = rep.str(0)
 	}
@@ -318,6 +339,10 @@ type Coalesce struct {
 	Follow  bool   // AcquireResult.FollowUp
 	Version string // AcquireResult.Version
 	Payload []byte // the merged payload
+	// DebounceDue and TTL, as in Acquire: a scheduled holder merged into
+	// becomes due then, and its lock lasts TTL from now.
+	DebounceDue int64
+	TTL         time.Duration
 }
 
 // CoalesceResult is what coalesce did.
@@ -334,7 +359,12 @@ func (s *Store) Coalesce(ctx context.Context, c *Coalesce) (CoalesceResult, erro
 		follow = "1"
 	}
 	keys := []string{s.keys.LockOf(&c.Ref), TaskKey(c.Ref.Queue, c.Target)}
-	v, err := s.run(ctx, s.sc.coalesce, keys, c.Target, PackOwner(c.Target, c.Ref.FP), follow, c.Version, payloadField(c.Payload))
+	args := []any{c.Target, PackOwner(c.Target, c.Ref.FP), follow, c.Version, payloadField(c.Payload)}
+	if c.DebounceDue != 0 {
+		keys = append(keys, ScheduledKey(c.Ref.Queue))
+		args = append(args, c.DebounceDue, ms(c.TTL))
+	}
+	v, err := s.run(ctx, s.sc.coalesce, keys, args...)
 	if err != nil {
 		return CoalesceResult{}, err
 	}

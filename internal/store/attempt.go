@@ -19,13 +19,17 @@ type Start struct {
 	Token   string        // the attempt's random token
 	Lease   time.Duration // the running lock's lifetime
 	Running Running       // running policy, recorded if Start creates the lock
+	// Cooldown, recorded if Start creates the lock (as Acquire.Cooldown,
+	// from now).
+	Cooldown time.Duration
 }
 
 // StartResult is what start did.
 type StartResult struct {
-	Status Status // StatusTaken, StatusHeld, StatusAllowed or StatusSuperseded
-	Holder string // StatusHeld: the task holding the key; StatusSuperseded: the follow-up that replaces it
-	Follow string // StatusTaken: the follow-up the lock owes, "" for none
+	Status  Status        // StatusTaken, StatusHeld, StatusCooling, StatusAllowed or StatusSuperseded
+	Holder  string        // StatusHeld, StatusCooling: the task holding the key; StatusSuperseded: the follow-up that replaces it
+	Follow  string        // StatusTaken: the follow-up the lock owes, "" for none
+	Cooling time.Duration // StatusCooling: how long the key stays held
 }
 
 // Start runs the start script, calling it again with the keys it asks for.
@@ -48,8 +52,12 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 			kl.add(roleHolder, TaskKey(r.Queue, id))
 			kl.add(roleHolderIndex, s.keys.Index(r.Queue, id))
 		}
+		var cool int64
+		if st.Cooldown > 0 {
+			cool = ms(st.Cooldown)
+		}
 		v, err := s.run(ctx, s.sc.start, kl.keys, kl.roleString(), r.ID, r.stored(), st.Token,
-			ms(st.Lease), s.graceSeconds(), string(st.Running), r.FP, holder)
+			ms(st.Lease), s.graceSeconds(), string(st.Running), r.FP, holder, cool)
 		if err != nil {
 			return StartResult{}, err
 		}
@@ -60,6 +68,8 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		switch {
 		case rep.status == StatusHeld:
 			return StartResult{Status: StatusHeld, Holder: UnpackOwner(rep.str(0), r.FP)}, nil
+		case rep.status == StatusCooling:
+			return StartResult{Status: StatusCooling, Holder: UnpackOwner(rep.str(0), r.FP), Cooling: parseMillis(rep.str(1))}, nil
 		case rep.status == StatusSuperseded:
 			return StartResult{Status: rep.status, Holder: rep.str(0)}, nil
 		case rep.status != statusNeed:
@@ -166,6 +176,9 @@ type Finish struct {
 	// asynq has moved it on (waiting: hold; archived, completed or gone:
 	// release); Release is the guess for while it still reads active.
 	GivenUp bool
+	// Succeeded: the handler succeeded (in time); a lock with a cooldown
+	// then stays until the cooldown's end.
+	Succeeded bool
 }
 
 // FinishResult is what finish did.
@@ -176,6 +189,7 @@ type FinishResult struct {
 	// task on yet (GivenUp); Finish again later with no Token to check.
 	Guessed bool
 	Follow  string // the follow-up the lock was released to, "" for none
+	Cooling bool   // kept, the task done, until the end of its cooldown
 }
 
 // Finish runs the finish script, calling it again with the follow-up's
@@ -205,8 +219,12 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		if f.GivenUp {
 			kl.add(roleOwner, TaskKey(r.Queue, r.ID))
 		}
+		ok := ""
+		if f.Succeeded && f.Release {
+			ok = "1"
+		}
 		v, err := s.run(ctx, s.sc.finish, kl.keys, kl.roleString(), r.stored(), f.Token, mode,
-			ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID)
+			ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID, ok)
 		if err != nil {
 			return FinishResult{}, err
 		}
@@ -216,7 +234,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		}
 		switch {
 		case rep.status != statusNeed:
-			return FinishResult{Owned: rep.status == StatusTaken, Follow: rep.str(0), Held: rep.str(1) == "held", Guessed: rep.str(2) == "guess"}, nil
+			return FinishResult{Owned: rep.status == StatusTaken, Follow: rep.str(0), Held: rep.str(1) == "held", Guessed: rep.str(2) == "guess", Cooling: rep.str(1) == "cooling"}, nil
 		case n == maxNeeds:
 			return FinishResult{}, fmt.Errorf("%w: %s", ErrMoving, kl.keys[0])
 		}

@@ -22,6 +22,8 @@ const (
 	FieldFolds   = "n"   // enqueues folded into the key; Merge's version
 	FieldFollow  = "f"   // the follow-up task owed to the key (RunningDefer), whole ID
 	FieldStored  = "v"   // written with its owner's asynq record (no enqueue gap): heals without the grace
+	FieldCoolEnd = "cd"  // the end of the key's cooldown, unix milliseconds: kept till then if the task succeeds
+	FieldCooling = "k"   // the owner succeeded and the key cools down until the lock expires
 	fieldOldType = "ty"  // the owner's type, in locks written before it moved to the task
 )
 
@@ -53,6 +55,7 @@ type Lock struct {
 
 // Lock states as operators see them.
 const (
+	LockCooling   = "cooling"    // the owner succeeded; the key stays held until the lock expires (Cooldown)
 	LockRunning   = "running"    // an attempt holds the lock
 	LockRetryWait = "retry-wait" // asynq waits to retry the owner
 	LockOrphaned  = "orphaned"   // the owner is gone, completed or archived: the lock heals at the key's next enqueue
@@ -63,6 +66,8 @@ const (
 // asynq state.
 func (l *Lock) State() string {
 	switch {
+	case l.Fields[FieldCooling] != "":
+		return LockCooling
 	case l.Fields[FieldToken] != "":
 		return LockRunning
 	case l.TaskState == StateRetry:

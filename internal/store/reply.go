@@ -3,6 +3,7 @@ package store
 import (
 	"fmt"
 	"strconv"
+	"time"
 )
 
 // Status is the first element of a script's reply (see each script's header).
@@ -29,6 +30,9 @@ const (
 	// StatusElsewhere: the starting task has no asynq record in this Redis:
 	// its server stores tasks elsewhere (start).
 	StatusElsewhere Status = 13
+	// StatusCooling: the key's last task succeeded and the key cools down
+	// (a cooldown): held by that task, whatever the policy (acquire, start).
+	StatusCooling Status = 14
 )
 
 // reply is a checked {status, string...} script reply.
@@ -67,6 +71,16 @@ func parseReply(v any) (reply, error) {
 		}
 	}
 	return r, nil
+}
+
+// parseMillis reads a PTTL from a reply as a duration (0 for a key with no
+// expiry, or none).
+func parseMillis(s string) time.Duration {
+	n, _ := strconv.ParseInt(s, 10, 64)
+	if n < 0 {
+		return 0
+	}
+	return time.Duration(n) * time.Millisecond
 }
 
 // parseFlag checks a 0/1 script reply.

@@ -40,12 +40,19 @@
 -- ARGV[16] how long a new follow-up stays parked, integer seconds ['0']
 -- ARGV[17] the task type, given with ARGV[14] and whenever the call may fold: a
 --          payload only lands in a task of its own type ['']
+-- ARGV[18] cooldown of a taken lock, integer milliseconds: after its task
+--          succeeds the key stays held until this long after the take ['0']
+-- ARGV[19] debounce: unix seconds a scheduled holder folded into becomes due
+--          ('0' for none), with ARGV[6] its lock's lifetime from now ['0']
+-- ARGV[20] with ARGV[19]: ARGV[9] whole, as asynq's scheduled set holds it ['']
 --
 -- Reply (holder and f: the lock's owner as stored and its follow-up after
 -- the call, for the caller's hints):
 --   {1}                                taken for ARGV[2]
 --   {2}                                already held by ARGV[2] (the caller enqueues it): untouched,
 --                                      but for a lock written with its task, which loses v and is young again
+--   {14, holder, ms}                   held by its last task, which succeeded: the key cools
+--                                      down for ms more (any policy; rejected)
 --   {0, who, holder, f[, 'v']}         held by who (as stored, or a follow-up); rejected ('v': a lock
 --                                      marked v whose owner's record was read and is live)
 --   {10, holder}                       the same, from the lock alone: it is younger than the grace
@@ -87,8 +94,11 @@ local now_ms = tonumber(A[4])
 local now = (now_ms - now_ms % 1000) / 1000
 local grace = tonumber(A[5])
 local follow = A[15] or ''
-local rec = call('HMGET', K.L, 'id', 'c', 'f', 'tok', 'v')
+local rec = call('HMGET', K.L, 'id', 'c', 'f', 'tok', 'v', 'k')
 local holder = rec[1]
+if rec[6] then
+  return {14, holder, call('PTTL', K.L)} -- cooling down: nothing folds into a task that is done
+end
 -- A lock written with its owner's record (v), and not running, can be
 -- judged by that record at once: there is no gap to wait out.
 local verified = rec[5] and not rec[4]
@@ -129,8 +139,8 @@ local function take()
   if msg ~= '' and call('EXISTS', K.T) == 1 then
     return {7}
   end
-  local max = tonumber(A[14] or '0')
-  local fields = (max > 0 or running ~= 'x') and {'id', stored, 'c', now} -- else the plain record below
+  local max, cool = tonumber(A[14] or '0'), tonumber(A[18] or '0')
+  local fields = (max > 0 or running ~= 'x' or cool > 0) and {'id', stored, 'c', now} -- else the plain record below
   if max > 0 then
     call('ZREMRANGEBYSCORE', K.W, '-inf', now_ms)
     local n = call('ZCARD', K.W)
@@ -144,6 +154,11 @@ local function take()
   if running ~= 'x' then
     fields[#fields + 1] = 'rp'
     fields[#fields + 1] = running
+  end
+  if cool > 0 then
+    fields[#fields + 1] = 'cd' -- the end of the cooldown, should the task succeed before it
+    fields[#fields + 1] = now_ms + cool
+    if cool > tonumber(ttl) then ttl = cool end
   end
   if msg ~= '' and fields then
     fields[#fields + 1] = 'v' -- stored with its task: verified
@@ -256,12 +271,15 @@ local function coalesce(t, tkey, tstate, tmsg, ch, cf)
     if not p then return {-1, 'malformed task message'} end
     return {4, t, p, rec[6] or '0', ch, cf}
   end
+  local due = t == A[9] and cf == '' and A[19] or '0' -- (a follow-up's due time is the heartbeat's)
+  if due ~= '0' and tstate == 'scheduled' and lacks('S') then return need() end
   local new = pb_setpayload(tmsg, field)
   if not new then return {-1, 'malformed task message'} end
   if new ~= tmsg then -- the same payload again (common): nothing to write
     call('HSET', tkey, 'msg', new)
   end
   call('HINCRBY', K.L, 'n', 1)
+  debounce(K.L, K.S, A[20], tstate, due, ttl)
   return {3, t, tstate, ch, cf}
 end
 

@@ -3,11 +3,14 @@
 --
 -- KEYS[1]  the lock
 -- KEYS[2]  asynq record of the target task
+-- KEYS[3]  asynq scheduled set, given with ARGV[6]
 -- ARGV[1]  target task ID: the waiting holder, or the lock's follow-up
 -- ARGV[2]  ARGV[1] as lock records store it
 -- ARGV[3]  '1' if the target is the lock's follow-up, '' if its holder
 -- ARGV[4]  version acquire returned (the lock's fold count n)
 -- ARGV[5]  the merged payload as an encoded TaskMessage field 2 ('' when empty)
+-- ARGV[6]  debounce: unix seconds a scheduled holder becomes due ['0' none]
+-- ARGV[7]  with ARGV[6]: the lock's lifetime from now, integer milliseconds
 --
 -- Reply: {1, state}    written; state is the target's asynq state
 --        {0}           something changed (another merge, the task started): call acquire again
@@ -35,4 +38,7 @@ if new ~= t[2] then
   call('HSET', KEYS[2], 'msg', new)
 end
 call('HINCRBY', KEYS[1], 'n', 1)
+if ARGV[3] ~= '1' and KEYS[3] then
+  debounce(KEYS[1], KEYS[3], ARGV[1], state, ARGV[6], ARGV[7])
+end
 return {1, state}

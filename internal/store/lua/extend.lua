@@ -14,13 +14,19 @@
 --
 -- Reply: 1 renewed; 0 the lock is gone or belongs to another task or attempt
 --
--- A parked follow-up (Defer) is kept parked for another ARGV[4] seconds.
+-- A parked follow-up (Defer) is kept parked for another ARGV[4] seconds. A
+-- lock with a cooldown (field cd) lives until the cooldown's end at least.
 -- @lib: lib.lua is spliced in here.
-local rec = call('HMGET', KEYS[1], 'id', 'tok', 'f')
+local rec = call('HMGET', KEYS[1], 'id', 'tok', 'f', 'cd')
 if (rec[1] ~= ARGV[1] and rec[1] ~= ARGV[5]) or (rec[2] or '') ~= ARGV[2] then
   return 0
 end
-call('PEXPIRE', KEYS[1], ARGV[3])
+local life = tonumber(ARGV[3])
+if rec[4] then -- a cooldown: the lock lasts until its end at least
+  local _, now_ms = now_parts()
+  life = math.max(life, tonumber(rec[4]) - now_ms)
+end
+call('PEXPIRE', KEYS[1], life)
 if KEYS[4] then
   call('PEXPIRE', KEYS[4], ARGV[3])
 end

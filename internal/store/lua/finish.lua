@@ -16,8 +16,11 @@
 -- ARGV[8]  the follow-up G belongs to ['']
 -- ARGV[9]  ARGV[8] as lock records store it ['']
 -- ARGV[10] task ID (a lock of the earlier layout holds it whole)
+-- ARGV[11] '1' if the attempt succeeded: a lock with a cooldown (field cd) then
+--          stays, marked k, until the cooldown's end ['']
 --
 -- Reply: {1, ''}             released
+--        {1, '', 'cooling'}  kept until the end of its cooldown (marked k), the task done
 --        {1, '', 'held', g}  held for the retry; g 'guess' if asynq had not moved the task on yet
 --                            (O given, the task still active): the hold is a guess, to check later
 --        {1, followup}       released to the owed follow-up task, now pending and the lock's owner
@@ -25,7 +28,7 @@
 --        {11, 'G', followup} nothing done: call again with the follow-up's record
 -- @lib: lib.lua is spliced in here.
 roles(0)
-local rec = call('HMGET', K.L, 'id', 'tok', 'f')
+local rec = call('HMGET', K.L, 'id', 'tok', 'f', 'cd')
 if (rec[1] ~= ARGV[2] and rec[1] ~= ARGV[10]) or (rec[2] or '') ~= ARGV[3] then
   return {0}
 end
@@ -54,6 +57,15 @@ if mode == 'release' then
   if K.I then
     call('DEL', K.I)
   end
+  local _, now_ms = now_parts()
+  local left = tonumber(rec[4] or '0') - now_ms
+  if ARGV[11] == '1' and left > 0 and not f then
+    -- Cooldown: the key stays held by the task that just succeeded.
+    call('HDEL', K.L, 'tok')
+    call('HSET', K.L, 'k', '1')
+    call('PEXPIRE', K.L, left)
+    return {1, '', 'cooling'}
+  end
   if f then
     call('DEL', K.F)
     local state = call('HGET', K.G, 'state')
@@ -74,7 +86,8 @@ if mode == 'release' then
   return {1, ''}
 end
 call('HDEL', K.L, 'tok')
-call('PEXPIRE', K.L, ARGV[5])
+local _, now_ms = now_parts()
+call('PEXPIRE', K.L, math.max(tonumber(ARGV[5]), tonumber(rec[4] or '0') - now_ms))
 if K.I then
   call('PEXPIRE', K.I, ARGV[5])
 end

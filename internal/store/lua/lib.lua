@@ -128,6 +128,18 @@ local function gone(state)
   return (not state) or state == 'completed' or state == 'archived'
 end
 
+-- debounce moves the due time of a scheduled task t to due (unix seconds,
+-- '0' for no debounce), and makes its lock last at least ttl_ms from now,
+-- when a payload was folded into it: a burst of folds runs once, after the
+-- last. A task already due keeps its place.
+local function debounce(lock, sched, t, tstate, due, ttl_ms)
+  if due == '0' or tstate ~= 'scheduled' then return end
+  call('ZADD', sched, 'XX', due, t)
+  if call('PTTL', lock) < tonumber(ttl_ms) then
+    call('PEXPIRE', lock, ttl_ms)
+  end
+end
+
 -- now_parts reads the server clock: unix seconds, milliseconds, and
 -- nanoseconds as a string (asynq's pending_since).
 local function now_parts()

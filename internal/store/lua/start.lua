@@ -14,9 +14,12 @@
 -- ARGV[7]  running policy ('x' reject, 'a' allow, 'd' defer) recorded if this creates the lock
 -- ARGV[8]  fingerprint (member of W, value of I)
 -- ARGV[9]  the holder H and J belong to, as lock records store it ['']
+-- ARGV[10] cooldown recorded if this creates the lock, integer milliseconds ['0']
 --
 -- Reply: {1, f}                     this attempt holds the lock; f: the follow-up it owes, or ''
 --        {0, holder}                held by another live task (as stored): the attempt must not run
+--        {14, holder, ms}           the key cools down for ms more after its last task succeeded:
+--                                   the attempt must not run
 --        {9}                        the key's running policy is "allow": lock dropped, run unlocked
 --        {12, followup}             superseded: the task lost its lock (its worker died) after a
 --                                   follow-up with a newer payload was made for it; it must not run
@@ -32,9 +35,13 @@ if call('EXISTS', K.T) == 0 then
   return {13} -- (a running task's record always exists where asynq runs it)
 end
 local id, stored, fp = ARGV[2], ARGV[3], ARGV[8]
-local now = now_parts()
-local rec = call('HMGET', K.L, 'id', 'c', 'rp', 'b', 'f', 'tok', 'v')
+local now, now_ms = now_parts()
+local rec = call('HMGET', K.L, 'id', 'c', 'rp', 'b', 'f', 'tok', 'v', 'k', 'cd')
 local holder = rec[1]
+if rec[8] then
+  return {14, holder, call('PTTL', K.L)}
+end
+local cool_end = tonumber(rec[9] or '0')
 if holder ~= stored and holder ~= id then
   local by = call('GET', K.X)
   if by then
@@ -63,7 +70,7 @@ if holder and holder ~= stored and holder ~= id then
     call('ZREM', K.W, fp) -- (counted under this type: the lock is this key's)
   end
   holder = false
-  rec = {}
+  rec, cool_end = {}, 0
 end
 if rec[4] then
   call('ZREM', K.W, fp)
@@ -85,9 +92,16 @@ if not holder then
   else
     call('HSET', K.L, 'id', stored, 'c', now)
   end
+  local cool = tonumber(ARGV[10] or '0')
+  if cool > 0 then
+    cool_end = now_ms + cool
+    call('HSET', K.L, 'cd', cool_end)
+  end
 end
 call('HSET', K.L, 'tok', ARGV[4], 'v', '1') -- the task runs: it is stored
-call('PEXPIRE', K.L, ARGV[5])
+-- A lock with a cooldown outlives a dead worker until the cooldown ends:
+-- asynq runs the task again, and no other task may run before then.
+call('PEXPIRE', K.L, math.max(tonumber(ARGV[5]), cool_end - now_ms))
 if K.I then
   call('SET', K.I, fp, 'PX', ARGV[5])
 end

@@ -1,0 +1,66 @@
+package dedup
+
+import (
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/hibiken/asynq"
+)
+
+// Cooldown (throttle): "at most one digest per user per week". After the
+// key's task succeeds, its lock stays until the cooldown has passed since
+// the key was taken, and every enqueue of the key meanwhile fails with a
+// *DuplicateTaskError naming that task, with CoolingDown set, whatever the
+// Conflict policy (there is no waiting task left to fold into). A task that
+// fails for good, is revoked, archived or deleted releases the key as
+// usual: only success cools down. The lock lives at least until the
+// cooldown ends, so a worker that dies mid-run leaves the key held, and
+// asynq's recovered retry finds it its own. A task arriving without a lock
+// at a cooling key (Scheduler, another service) is dropped, counted as
+// busy, and OnDecision is told with CoolingDown and Dropped set.
+//
+// This is sidekiq-unique-jobs' until_expired and BullMQ's throttle mode.
+// Dedup.Release ends a cooldown early.
+
+// Cooldown sets this call's cooldown (see Rule.Cooldown), overriding the
+// type's rule: once the task succeeds, the key stays held until d after
+// this enqueue.
+func Cooldown(d time.Duration) asynq.Option {
+	return option{desc: fmt.Sprintf("dedup.Cooldown(%v)", d), apply: func(r *resolved) error {
+		if d <= 0 {
+			return fmt.Errorf("%w: Cooldown %v is not positive", ErrInvalidOption, d)
+		}
+		r.cooldown = d
+		return nil
+	}}
+}
+
+// checkModes refuses cooldown and debounce where they would break their
+// promise: a cooldown with a running policy that starts a second run in
+// the window, a debounce without a fold to debounce or with a follow-up
+// whose due time the heartbeat owns.
+func (r *resolved) checkModes() error {
+	switch {
+	case r.cooldown < 0 || r.debounce < 0:
+		return fmt.Errorf("%w: negative Cooldown or Debounce", ErrInvalidOption)
+	case r.cooldown > 0 && r.running != RunningReject:
+		return fmt.Errorf("%w: Cooldown needs OnRunning RunningReject (%v would run the key again within the cooldown)", ErrInvalidOption, r.running)
+	case r.debounce > 0 && r.conflict == Reject:
+		return fmt.Errorf("%w: Debounce needs OnConflict Replace or Merge (a rejected enqueue has nothing to debounce)", ErrInvalidOption)
+	case r.debounce > 0 && r.running == RunningDefer:
+		return fmt.Errorf("%w: Debounce cannot be combined with RunningDefer", ErrInvalidOption)
+	}
+	return nil
+}
+
+// cooling answers a task that arrived without a lock at a key that cools
+// down after its last task succeeded: dropped, as the enqueue would have
+// been rejected.
+func (d *Dedup) cooling(t *asynq.Task, l *store.Ref, holder string, left time.Duration) error {
+	d.count(t.Type(), evBusy)
+	d.decide(Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.Queue, Key: d.lockKey(l), TaskID: holder, Dropped: true, CoolingDown: true})
+	d.log.Info("dedup: dropped task, its key cools down after its last task succeeded", slog.String("type", t.Type()), slog.String("task_id", l.ID), slog.String("holder", holder), slog.Duration("left", left))
+	return nil
+}
