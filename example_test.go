@@ -250,3 +250,91 @@ func ExampleDedup_Lookup() {
 	// released: true
 	// held now: false
 }
+
+// At most one weekly digest per user per week: after the digest succeeds,
+// the key cools down, and the duplicate says so.
+func ExampleRule_cooldown() {
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+	d, err := dedup.New(ctx, rdb, dedup.Config{
+		Rules:  map[string]dedup.Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: 7 * 24 * time.Hour}},
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		panic(err)
+	}
+	client := d.NewClient()
+	sent := make(chan struct{}, 1)
+	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{Concurrency: 1, IsFailure: dedup.IsFailure,
+		TaskCheckInterval: 10 * time.Millisecond, LogLevel: asynq.FatalLevel})
+	mux := asynq.NewServeMux()
+	mux.Use(d.Middleware())
+	mux.HandleFunc("digest:weekly", func(context.Context, *asynq.Task) error { sent <- struct{}{}; return nil })
+	if err := srv.Start(mux); err != nil {
+		panic(err)
+	}
+
+	task := asynq.NewTask("digest:weekly", []byte(`{"user_id": 42}`))
+	first, err := client.EnqueueContext(ctx, task)
+	if err != nil {
+		panic(err)
+	}
+	<-sent
+	var dup *dedup.DuplicateTaskError
+	for !errors.As(err, &dup) || !dup.CoolingDown { // the lock turns cooling as the handler returns
+		_, err = client.EnqueueContext(ctx, task)
+		time.Sleep(time.Millisecond)
+	}
+	fmt.Println("held by the digest that was sent:", dup.TaskID == first.ID)
+	fmt.Println("frees within the week:", dup.FreeIn > 6*24*time.Hour && dup.FreeIn <= 7*24*time.Hour)
+	srv.Shutdown()
+	d.Close()
+	// Output:
+	// held by the digest that was sent: true
+	// frees within the week: true
+}
+
+// A burst of profile edits runs one sync, with the last edit, ten seconds
+// after the burst ends.
+func ExampleRule_debounce() {
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+	d, err := dedup.New(ctx, rdb, dedup.Config{
+		Rules: map[string]dedup.Rule{"profile:sync": {Fields: []string{"user_id"}, OnConflict: dedup.Replace, Debounce: 10 * time.Second}},
+	})
+	if err != nil {
+		panic(err)
+	}
+	defer d.Close()
+	client := d.NewClient()
+	var last time.Time
+	var res dedup.Result
+	for _, name := range []string{"Ada", "Ada L.", "Ada Lovelace"} {
+		payload := fmt.Sprintf(`{"user_id": 42, "name": %q}`, name)
+		res, err = client.Submit(ctx, asynq.NewTask("profile:sync", []byte(payload)))
+		if err != nil {
+			panic(err)
+		}
+		last = time.Now()
+		fmt.Println(res.Outcome)
+	}
+	info, err := asynq.NewInspectorFromRedisClient(rdb).GetTaskInfo("default", res.TaskID)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("payload:", string(info.Payload))
+	wait := info.NextProcessAt.Sub(last)
+	fmt.Println("due about 10s after the last edit:", wait > 8*time.Second && wait <= 10*time.Second)
+	// Output:
+	// created
+	// replaced
+	// replaced
+	// payload: {"user_id": 42, "name": "Ada Lovelace"}
+	// due about 10s after the last edit: true
+}

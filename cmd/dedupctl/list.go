@@ -25,8 +25,10 @@ func listCommand() *command {
 		help: `Lists the held locks: key, task type, owner task ID, queue, state, TTL left
 and coalesced count (enqueues folded into the waiting task; follow-up task
 when one is owed). State is running (an attempt holds the lock), waiting,
-retry-wait (asynq waits to retry the owner) or orphaned (the owner is gone,
-completed or archived; the lock heals at the key's next enqueue).
+retry-wait (asynq waits to retry the owner), cooling (the owner succeeded and
+the key stays held until the lock expires: Rule.Cooldown) or orphaned (the
+owner is gone, completed or archived; the lock heals at the key's next
+enqueue).
 
 Reads with SCAN, page by page (never KEYS), on every master with --cluster,
 two pipelined round trips per page. At most --limit locks are printed, in

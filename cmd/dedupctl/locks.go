@@ -35,7 +35,7 @@ type lockInfo struct {
 	Fingerprint string            `json:"fingerprint"`
 	Type        string            `json:"type"`
 	Owner       string            `json:"owner"`
-	State       string            `json:"state"`      // running, waiting, retry-wait or orphaned
+	State       string            `json:"state"`      // running, waiting, retry-wait, cooling or orphaned
 	TaskState   string            `json:"task_state"` // the owner's state in asynq; "missing" when it is gone
 	TTLms       int64             `json:"ttl_ms"`     // -1: no expiry
 	TTL         string            `json:"ttl"`

@@ -970,3 +970,30 @@ func TestRetryWait(t *testing.T) {
 		t.Errorf("show of a lock waiting for a retry:\n%s", r.stdout)
 	}
 }
+
+// A lock kept after its task succeeded (Rule.Cooldown): list and show say
+// cooling, not orphaned, though the owner is gone from asynq.
+func TestCoolingLock(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour}}})
+	info := f.enqueue(f.qa, "digest:weekly", 1)
+	started, finish := f.startServer(f.qa)
+	<-started
+	finish()
+	key := f.lockOf(info)
+	var l *lockInfo
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		out := decode[listOutput](t, f.ok("--json", "list", "--queue", f.qa))
+		if len(out.Locks) == 1 && out.Locks[0].State == "cooling" {
+			l = out.Locks[0]
+			break
+		}
+	}
+	if l == nil || l.Owner != info.ID || l.TTLms <= 0 {
+		t.Fatalf("list: cooling lock of %s not found: %+v", info.ID, l)
+	}
+	r := f.ok("show", key)
+	if !strings.Contains(r.stdout, "state            cooling") || !strings.Contains(r.stdout, "it succeeded; the key cools down") {
+		t.Errorf("show cooling lock:\n%s", r.stdout)
+	}
+}

@@ -291,6 +291,9 @@ func describe(ctx context.Context, c *conn, prefix string, l *lockInfo, t *targe
 	if out.OwnerTask, err = inspectTask(insp, l.Queue, l.Owner, time.Now()); err != nil {
 		return nil, err
 	}
+	if l.State == store.LockCooling {
+		out.OwnerTask.Note = out.OwnerTask.State + " (it succeeded; the key cools down until the lock expires, Cooldown)"
+	}
 	if l.FollowUp != "" {
 		if out.FollowUpTask, err = inspectTask(insp, l.Queue, l.FollowUp, time.Now()); err != nil {
 			return nil, err

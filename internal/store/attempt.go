@@ -219,12 +219,11 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		if f.GivenUp {
 			kl.add(roleOwner, TaskKey(r.Queue, r.ID))
 		}
-		ok := ""
+		args := []any{kl.roleString(), r.stored(), f.Token, mode, ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID}
 		if f.Succeeded && f.Release {
-			ok = "1"
+			args = append(args, "1", r.Type)
 		}
-		v, err := s.run(ctx, s.sc.finish, kl.keys, kl.roleString(), r.stored(), f.Token, mode,
-			ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID, ok)
+		v, err := s.run(ctx, s.sc.finish, kl.keys, args...)
 		if err != nil {
 			return FinishResult{}, err
 		}

@@ -24,7 +24,7 @@ const (
 	FieldStored  = "v"   // written with its owner's asynq record (no enqueue gap): heals without the grace
 	FieldCoolEnd = "cd"  // the end of the key's cooldown, unix milliseconds: kept till then if the task succeeds
 	FieldCooling = "k"   // the owner succeeded and the key cools down until the lock expires
-	fieldOldType = "ty"  // the owner's type, in locks written before it moved to the task
+	FieldType    = "ty"  // the owner's type: in cooling locks (their owner's record is gone), and in locks of the earlier layout
 )
 
 // Running is what acquire does when the key is held by a running task; a
@@ -178,7 +178,7 @@ func readRecords(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([
 func fillLock(l *Lock, h map[string]string, ttl time.Duration) *Lock {
 	l.Fields = h
 	l.Owner = UnpackOwner(h[FieldOwner], l.FP)
-	l.Type = h[fieldOldType]
+	l.Type = h[FieldType]
 	l.Follow = h[FieldFollow]
 	l.Folds, _ = strconv.ParseInt(h[FieldFolds], 10, 64)
 	l.Created, _ = strconv.ParseInt(h[FieldCreated], 10, 64)

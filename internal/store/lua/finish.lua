@@ -18,6 +18,8 @@
 -- ARGV[10] task ID (a lock of the earlier layout holds it whole)
 -- ARGV[11] '1' if the attempt succeeded: a lock with a cooldown (field cd) then
 --          stays, marked k, until the cooldown's end ['']
+-- ARGV[12] with ARGV[11]: the task's type, kept in a cooling lock (its task's
+--          record goes) ['']
 --
 -- Reply: {1, ''}             released
 --        {1, '', 'cooling'}  kept until the end of its cooldown (marked k), the task done
@@ -62,7 +64,7 @@ if mode == 'release' then
   if ARGV[11] == '1' and left > 0 and not f then
     -- Cooldown: the key stays held by the task that just succeeded.
     call('HDEL', K.L, 'tok')
-    call('HSET', K.L, 'k', '1')
+    call('HSET', K.L, 'k', '1', 'ty', ARGV[12])
     call('PEXPIRE', K.L, left)
     return {1, '', 'cooling'}
   end
