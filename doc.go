@@ -12,6 +12,9 @@
 // asynq.Unique keeps working. By policy (Conflict, Running) the new payload
 // can instead replace or be merged into the waiting task's, in place, or be
 // folded into one follow-up of a running task; Client.Submit says which.
+// A Cooldown keeps the key held for a while after its task succeeds
+// (throttle); a Debounce delays a task and pushes its due time back with
+// every payload folded into it, so a burst runs once, after it ends.
 //
 // The server middleware (Dedup.Middleware) renews the lock on a short lease
 // while the handler runs, holds it across retries, and releases it when the

@@ -125,17 +125,14 @@ func (w *faultWorker) stop(t *testing.T) {
 //
 // It takes a little over a minute: asynq's 30 s lease plus its 30 s recovery
 // margin are hard-coded.
-func TestFaultWorkerKilled(t *testing.T) {
-	needRealRedis(t)
-	t.Parallel() // a minute of waiting for asynq's recoverer, beside TestCooldownSurvivesAWorkerCrash's
-	const lease = 1200 * time.Millisecond
-	h := newHarness(t, Config{Lease: lease, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
-	ctx := context.Background()
+// faultRecords reads what the worker processes of h's fault test recorded:
+// all records, and whether one of a kind, worker and task exists.
+func faultRecords(t *testing.T, h *harness) (events func() []faultEvent, seen func(kind, worker, id string) bool) {
 	evKey := faultEventsKey(h.prefix)
 	t.Cleanup(func() { h.rdb.Del(context.Background(), evKey) })
-	events := func() []faultEvent {
+	events = func() []faultEvent {
 		t.Helper()
-		lines, err := h.rdb.LRange(ctx, evKey, 0, -1).Result()
+		lines, err := h.rdb.LRange(context.Background(), evKey, 0, -1).Result()
 		if err != nil {
 			t.Fatalf("LRANGE: %v", err)
 		}
@@ -145,7 +142,7 @@ func TestFaultWorkerKilled(t *testing.T) {
 		}
 		return evs
 	}
-	seen := func(kind, worker, id string) bool {
+	seen = func(kind, worker, id string) bool {
 		for _, e := range events() {
 			if e.kind == kind && e.worker == worker && e.id == id {
 				return true
@@ -153,6 +150,16 @@ func TestFaultWorkerKilled(t *testing.T) {
 		}
 		return false
 	}
+	return events, seen
+}
+
+func TestFaultWorkerKilled(t *testing.T) {
+	needRealRedis(t)
+	t.Parallel() // a minute of waiting for asynq's recoverer, beside TestCooldownSurvivesAWorkerCrash's
+	const lease = 1200 * time.Millisecond
+	h := newHarness(t, Config{Lease: lease, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
+	ctx := context.Background()
+	events, seen := faultRecords(t, h)
 	job := func(mode string) *asynq.Task {
 		b, _ := json.Marshal(faultJob{UserID: 7, Mode: mode})
 		return asynq.NewTask(faultTaskType, b)
@@ -826,24 +833,7 @@ func TestCooldownSurvivesAWorkerCrash(t *testing.T) {
 	const lease = 1200 * time.Millisecond
 	h := newHarness(t, Config{Lease: lease, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
 	ctx := context.Background()
-	evKey := faultEventsKey(h.prefix)
-	t.Cleanup(func() { h.rdb.Del(context.Background(), evKey) })
-	events := func() []faultEvent {
-		t.Helper()
-		evs, err := parseFaultEvents(h.rdb.LRange(ctx, evKey, 0, -1).Val())
-		if err != nil {
-			t.Fatal(err)
-		}
-		return evs
-	}
-	seen := func(kind, worker, id string) bool {
-		for _, e := range events() {
-			if e.kind == kind && e.worker == worker && e.id == id {
-				return true
-			}
-		}
-		return false
-	}
+	events, seen := faultRecords(t, h)
 	job := func(mode string) *asynq.Task {
 		b, _ := json.Marshal(faultJob{UserID: 8, Mode: mode})
 		return asynq.NewTask(faultTaskType, b)
