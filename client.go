@@ -286,7 +286,7 @@ func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (*
 	moved := k.ref
 	moved.Queue = info.Queue
 	res, err := d.store.Acquire(ctx, &store.Acquire{Ref: moved, OnWaiting: store.FoldReject, OnRunning: k.rule.running.code(),
-		TTL: waitTTL(d.ttlOf(&k.rule), info.NextProcessAt), Now: time.Now()})
+		TTL: waitTTL(d.ttlOf(&k.rule), info.NextProcessAt), Now: time.Now(), Cooldown: k.rule.cooldown})
 	if _, uerr := d.store.Unlock(ctx, &k.ref); uerr != nil {
 		d.count(k.typ, evRedisError)
 	}
@@ -297,7 +297,7 @@ func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (*
 	case res.Status == store.StatusTaken || res.Status == store.StatusSelf:
 		d.count(k.typ, evLocked)
 	case res.Status == store.StatusHeld || res.Status == store.StatusReserved || res.Status == store.StatusCooling:
-		return c.dropDuplicate(ctx, k, info, res.Task, &moved)
+		return c.dropDuplicate(ctx, k, info, &res, &moved)
 	default:
 		d.log.Warn("dedup: unexpected reply moving a lock; the execution-time guard will lock the task", slog.String("type", k.typ), slog.Int64("status", int64(res.Status)))
 	}
@@ -306,7 +306,7 @@ func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (*
 
 // dropDuplicate takes back out a task that landed in a queue where the key
 // is already held.
-func (c *Client) dropDuplicate(ctx context.Context, k *call, info *asynq.TaskInfo, holder string, moved *store.Ref) (*asynq.TaskInfo, error) {
+func (c *Client) dropDuplicate(ctx context.Context, k *call, info *asynq.TaskInfo, res *store.AcquireResult, moved *store.Ref) (*asynq.TaskInfo, error) {
 	d := c.d
 	_, err := d.store.Foreign(ctx, func() (any, error) { return nil, d.insp.DeleteTask(info.Queue, info.ID) })
 	if err != nil {
@@ -314,8 +314,9 @@ func (c *Client) dropDuplicate(ctx context.Context, k *call, info *asynq.TaskInf
 		return info, nil
 	}
 	d.count(k.typ, evDuplicate)
-	d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: info.Queue, Key: d.lockKey(moved), TaskID: holder})
-	return nil, &DuplicateTaskError{TaskID: holder, Queue: info.Queue, Type: k.typ, Key: d.lockKey(moved)}
+	cooling := res.Status == store.StatusCooling
+	d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: info.Queue, Key: d.lockKey(moved), TaskID: res.Task, CoolingDown: cooling})
+	return nil, &DuplicateTaskError{TaskID: res.Task, Queue: info.Queue, Type: k.typ, Key: d.lockKey(moved), CoolingDown: cooling, FreeIn: res.Cooling}
 }
 
 // optOutMarkTTL is how long the opt-out mark of a caller-chosen task ID

@@ -282,6 +282,7 @@ type resolved struct {
 	maxPending    int
 	busy          Busy
 	cooldown      time.Duration
+	callCooldown  string // the per-call Cooldown option applied, if any (a fold does not apply it)
 	debounce      time.Duration
 	waitForRoom   bool
 	callKey       string // the per-call key option applied ("dedup.Key", "dedup.SharedKey"), if any

@@ -25,14 +25,16 @@ import (
 // Dedup.Release ends a cooldown early.
 
 // Cooldown sets this call's cooldown (see Rule.Cooldown), overriding the
-// type's rule: once the task succeeds, the key stays held until d after
-// this enqueue.
+// type's rule: if this call takes the key, once its task succeeds the key
+// stays held until d after this enqueue. A call folded into a waiting task
+// leaves that key's cooldown as it was (Result.NotApplied names it).
 func Cooldown(d time.Duration) asynq.Option {
-	return option{desc: fmt.Sprintf("dedup.Cooldown(%v)", d), apply: func(r *resolved) error {
+	desc := fmt.Sprintf("dedup.Cooldown(%v)", d)
+	return option{desc: desc, apply: func(r *resolved) error {
 		if d <= 0 {
 			return fmt.Errorf("%w: Cooldown %v is not positive", ErrInvalidOption, d)
 		}
-		r.cooldown = d
+		r.cooldown, r.callCooldown = d, desc
 		return nil
 	}}
 }

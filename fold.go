@@ -178,6 +178,9 @@ func (k *call) notApplied() []string {
 		}
 		out = append(out, o.String())
 	}
+	if k.rule.callCooldown != "" {
+		out = append(out, k.rule.callCooldown) // the key keeps the cooldown it was taken with
+	}
 	return out
 }
 
@@ -207,7 +210,7 @@ func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w 
 		return Result{}, done, fmt.Errorf("%w: merge function changed the key of %q (or broke its payload)", ErrInvalidPayload, k.typ)
 	}
 	cr, err := d.store.Coalesce(ctx, &store.Coalesce{Ref: k.ref, Target: res.Task, Follow: res.FollowUp, Version: res.Version, Payload: merged,
-		DebounceDue: k.acquire.DebounceDue, TTL: k.acquire.TTL})
+		DebounceDue: k.acquire.DebounceDue, TTL: k.acquire.TTL, Bounded: k.acquire.MaxPending > 0, Now: time.Now()})
 	switch {
 	case err != nil:
 		d.count(k.typ, evRedisError)

@@ -159,6 +159,8 @@ func (h *heartbeater) settleGuesses() {
 			if rc.left--; rc.left > 0 {
 				again = append(again, rc)
 			}
+		case res.Cooling:
+			d.count(rc.f.Ref.Type, evCooling)
 		case res.Owned && !res.Held:
 			d.count(rc.f.Ref.Type, evReleased)
 		}

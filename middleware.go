@@ -167,10 +167,11 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 // A deadline closer than LockTimeout may pass while the settle call is on
 // its way, before asynq hears the handler's result; asynq then takes the
 // deadline instead. Such an attempt is settled as given up too: at worst a
-// task that did complete keeps its key until the next enqueue finds it
-// completed, never a retried task without its lock.
+// task that did complete keeps its key until the next heartbeat finds it
+// completed (and then cools down if it has a Cooldown: Succeeded says the
+// handler returned nil), never a retried task without its lock.
 func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error) *store.Finish {
-	f := &store.Finish{Ref: l.ref, Token: l.token, Release: true, FollowTTL: d.ttlOf(r), Follow: l.follow}
+	f := &store.Finish{Ref: l.ref, Token: l.token, Release: true, FollowTTL: d.ttlOf(r), Follow: l.follow, Succeeded: err == nil}
 	if cerr := ctx.Err(); cerr != nil {
 		f.GivenUp = true
 		err = cerr
@@ -179,7 +180,6 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 		err = context.DeadlineExceeded
 	}
 	if err == nil || errors.Is(err, asynq.RevokeTask) || errors.Is(err, asynq.SkipRetry) {
-		f.Succeeded = err == nil
 		return f
 	}
 	n, _ := asynq.GetRetryCount(ctx)

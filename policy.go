@@ -143,9 +143,10 @@ type Result struct {
 	// Replaced or Merged call folded into a follow-up made earlier.
 	FollowUp bool
 	// NotApplied names, for a call folded into another task (Replaced,
-	// Merged, Deferred), the call's asynq options that task did not take
-	// (ProcessIn, MaxRetry, Timeout, a TaskID, ...): it keeps its own. Nil
-	// when there were none, and for Created.
+	// Merged, Deferred), the call's options that task did not take
+	// (asynq's ProcessIn, MaxRetry, Timeout, a TaskID, ...; a
+	// dedup.Cooldown): it keeps its own. Nil when there were none, and for
+	// Created.
 	NotApplied []string
 }
 

@@ -343,6 +343,8 @@ type Coalesce struct {
 	// becomes due then, and its lock lasts TTL from now.
 	DebounceDue int64
 	TTL         time.Duration
+	Bounded     bool      // with DebounceDue: the type counts its waiting keys (MaxPending)
+	Now         time.Time // with Bounded: the producer's clock
 }
 
 // CoalesceResult is what coalesce did.
@@ -363,6 +365,10 @@ func (s *Store) Coalesce(ctx context.Context, c *Coalesce) (CoalesceResult, erro
 	if c.DebounceDue != 0 {
 		keys = append(keys, ScheduledKey(c.Ref.Queue))
 		args = append(args, c.DebounceDue, ms(c.TTL))
+		if c.Bounded {
+			keys = append(keys, s.keys.Wait(c.Ref.Queue, c.Ref.Type))
+			args = append(args, c.Ref.FP, c.Now.UnixMilli())
+		}
 	}
 	v, err := s.run(ctx, s.sc.coalesce, keys, args...)
 	if err != nil {

@@ -176,8 +176,10 @@ type Finish struct {
 	// asynq has moved it on (waiting: hold; archived, completed or gone:
 	// release); Release is the guess for while it still reads active.
 	GivenUp bool
-	// Succeeded: the handler succeeded (in time); a lock with a cooldown
-	// then stays until the cooldown's end.
+	// Succeeded: the handler returned nil. Once the attempt is released as
+	// a success (not given up, or given up and asynq's record says
+	// completed or deleted, not archived), a lock with a cooldown stays
+	// until the cooldown's end.
 	Succeeded bool
 }
 
@@ -220,7 +222,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 			kl.add(roleOwner, TaskKey(r.Queue, r.ID))
 		}
 		args := []any{kl.roleString(), r.stored(), f.Token, mode, ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID}
-		if f.Succeeded && f.Release {
+		if f.Succeeded {
 			args = append(args, "1", r.Type)
 		}
 		v, err := s.run(ctx, s.sc.finish, kl.keys, args...)

@@ -279,7 +279,7 @@ local function coalesce(t, tkey, tstate, tmsg, ch, cf)
     call('HSET', tkey, 'msg', new)
   end
   call('HINCRBY', K.L, 'n', 1)
-  debounce(K.L, K.S, A[20], tstate, due, ttl)
+  debounce(K.L, K.S, A[20], tstate, due, ttl, K.W, fp, now_ms)
   return {3, t, tstate, ch, cf}
 end
 

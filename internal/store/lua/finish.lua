@@ -16,8 +16,9 @@
 -- ARGV[8]  the follow-up G belongs to ['']
 -- ARGV[9]  ARGV[8] as lock records store it ['']
 -- ARGV[10] task ID (a lock of the earlier layout holds it whole)
--- ARGV[11] '1' if the attempt succeeded: a lock with a cooldown (field cd) then
---          stays, marked k, until the cooldown's end ['']
+-- ARGV[11] '1' if the handler returned nil: a released lock with a cooldown
+--          (field cd) then stays, marked k, until the cooldown's end, unless
+--          asynq gave the attempt up and archived the task ['']
 -- ARGV[12] with ARGV[11]: the task's type, kept in a cooling lock (its task's
 --          record goes) ['']
 --
@@ -38,7 +39,7 @@ local f = rec[3]
 if f and (f ~= ARGV[8] or not K.G or not K.X) then
   return {11, 'G', f}
 end
-local mode, guess = ARGV[4], ''
+local mode, guess, ok = ARGV[4], '', ARGV[11] == '1'
 if K.O then
   -- asynq gave the attempt up (its context ended) and decides what follows
   -- from its own signal, whatever the handler returned: once it has moved
@@ -48,6 +49,7 @@ if K.O then
     mode = 'hold'
   elseif gone(state) then
     mode = 'release'
+    ok = ok and state ~= 'archived' -- completed or deleted: asynq counted it a success
   else
     guess = 'guess'
   end
@@ -61,7 +63,7 @@ if mode == 'release' then
   end
   local _, now_ms = now_parts()
   local left = tonumber(rec[4] or '0') - now_ms
-  if ARGV[11] == '1' and left > 0 and not f then
+  if ok and left > 0 and not f then
     -- Cooldown: the key stays held by the task that just succeeded.
     call('HDEL', K.L, 'tok')
     call('HSET', K.L, 'k', '1', 'ty', ARGV[12])

@@ -14,8 +14,8 @@
 -- Reply: {3, state}  replaced; state is the holder's asynq state
 --        {0}         not done: run acquire
 -- @pb: pb.lua is spliced in here.
-local rec = call('HMGET', KEYS[1], 'id', 'f', 'tok')
-if rec[1] ~= ARGV[1] or rec[2] or rec[3] then
+local rec = call('HMGET', KEYS[1], 'id', 'f', 'tok', 'k')
+if rec[1] ~= ARGV[1] or rec[2] or rec[3] or rec[4] then -- (k: cooling, acquire answers)
   return {0}
 end
 local t = call('HMGET', KEYS[2], 'state', 'msg')
