@@ -173,3 +173,43 @@ func TestDebounceMovesTheDueTimeOfAScheduledTask(t *testing.T) {
 		}
 	}
 }
+
+// A debounced task under a caller-chosen ID keeps the index to its lock as
+// long as the lock, however long the folds keep it waiting: when it runs,
+// the middleware finds its lock (here keyed by a per-call Key, which the
+// task's type rule could not recompute) and releases it after success.
+func TestDebounceKeepsACallerChosenIDsIndex(t *testing.T) {
+	const typ = "deb:index"
+	h := newHarness(t, Config{Rules: map[string]Rule{typ: {OnConflict: Replace, Debounce: time.Second}}})
+	ctx := context.Background()
+	id := "deb-" + uniq(t)
+	opts := []asynq.Option{asynq.Queue(h.queue), Key("acct-7"), TTL(100 * time.Millisecond)}
+	for seq := 1; seq <= 8; seq++ {
+		callOpts := opts
+		if seq == 1 {
+			callOpts = append(opts[:len(opts):len(opts)], asynq.TaskID(id))
+		} else {
+			time.Sleep(250 * time.Millisecond) // the time under test: longer than TTL + Debounce in all
+		}
+		res, err := h.client.Submit(ctx, profileSync(typ, 1, seq), callOpts...)
+		if err != nil || res.TaskID != id {
+			t.Fatalf("enqueue %d: %+v %v", seq, res, err)
+		}
+	}
+	index := h.d.store.Keys().Index(h.queue, id)
+	if ttl := h.rdb.PTTL(ctx, index).Val(); ttl < 500*time.Millisecond {
+		t.Fatalf("index key PTTL %v after the folds, want the lock's (TTL + Debounce from the last fold)", ttl)
+	}
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	if r := waitFor(t, rc.runs, "the debounced task runs"); r.id != id {
+		t.Fatalf("ran %s", r.id)
+	}
+	h.settled(1)
+	if ls := h.locks(); len(ls) != 0 {
+		t.Fatalf("locks left after the success: %v", ls)
+	}
+	if s := h.d.Stats(); s.Released != 1 || s.Started != 1 {
+		t.Fatalf("stats %+v: want the task run under its own lock and released", s)
+	}
+}

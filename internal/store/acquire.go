@@ -169,7 +169,7 @@ func (a *Acquire) build(s *Store, lock string, h *hint, all bool) ([]string, []a
 	}
 	if h.holder != "" && (all || a.folds() || h.read) {
 		kl.add(roleHolder, h.holderTask)
-		if all {
+		if all || a.DebounceDue != 0 {
 			kl.add(roleHolderIndex, s.keys.Index(r.Queue, h.holderID))
 		}
 	}
@@ -363,11 +363,10 @@ func (s *Store) Coalesce(ctx context.Context, c *Coalesce) (CoalesceResult, erro
 	keys := []string{s.keys.LockOf(&c.Ref), TaskKey(c.Ref.Queue, c.Target)}
 	args := []any{c.Target, PackOwner(c.Target, c.Ref.FP), follow, c.Version, payloadField(c.Payload)}
 	if c.DebounceDue != 0 {
-		keys = append(keys, ScheduledKey(c.Ref.Queue))
-		args = append(args, c.DebounceDue, ms(c.TTL))
+		keys = append(keys, ScheduledKey(c.Ref.Queue), s.keys.Index(c.Ref.Queue, c.Target))
+		args = append(args, c.DebounceDue, ms(c.TTL), c.Ref.FP, c.Now.UnixMilli())
 		if c.Bounded {
 			keys = append(keys, s.keys.Wait(c.Ref.Queue, c.Ref.Type))
-			args = append(args, c.Ref.FP, c.Now.UnixMilli())
 		}
 	}
 	v, err := s.run(ctx, s.sc.coalesce, keys, args...)

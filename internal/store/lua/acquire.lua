@@ -9,7 +9,8 @@
 --   W  the type's waiting set                           with ARGV[14]; to heal a counted lock
 --   F  the key's follow-up pointer                      with ARGV[15]; to release a follow-up
 --   N  asynq record of the new follow-up ARGV[15]       with ARGV[15]
---   H  asynq record of the holder ARGV[9], J its index key       when the holder must be read
+--   H  asynq record of the holder ARGV[9], J its index key       when the holder must be read (J
+--                                                                also with ARGV[19], to lengthen it)
 --   X  the holder's superseded marker                           when a Replace may defer
 --   G  asynq record of the follow-up ARGV[11]                    when the follow-up must be read
 -- A call that needs a key it was not given changes nothing and replies
@@ -279,7 +280,7 @@ local function coalesce(t, tkey, tstate, tmsg, ch, cf)
     call('HSET', tkey, 'msg', new)
   end
   call('HINCRBY', K.L, 'n', 1)
-  debounce(K.L, K.S, A[20], tstate, due, ttl, K.W, fp, now_ms)
+  debounce(K.L, K.S, A[20], tstate, due, ttl, K.J, K.W, fp, now_ms)
   return {3, t, tstate, ch, cf}
 end
 

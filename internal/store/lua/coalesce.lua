@@ -3,8 +3,9 @@
 --
 -- KEYS[1]  the lock
 -- KEYS[2]  asynq record of the target task
--- KEYS[3]  asynq scheduled set, given with ARGV[6]
--- KEYS[4]  the type's waiting set, given with ARGV[6] when the type is bounded
+-- KEYS[3]  asynq scheduled set, KEYS[4] index key of the target's ID (if it is
+--          caller-chosen), given with ARGV[6]
+-- KEYS[5]  the type's waiting set, given with ARGV[6] when the type is bounded
 -- ARGV[1]  target task ID: the waiting holder, or the lock's follow-up
 -- ARGV[2]  ARGV[1] as lock records store it
 -- ARGV[3]  '1' if the target is the lock's follow-up, '' if its holder
@@ -12,8 +13,8 @@
 -- ARGV[5]  the merged payload as an encoded TaskMessage field 2 ('' when empty)
 -- ARGV[6]  debounce: unix seconds a scheduled holder becomes due ['0' none]
 -- ARGV[7]  with ARGV[6]: the lock's lifetime from now, integer milliseconds
--- ARGV[8]  with KEYS[4]: the fingerprint (its member), ARGV[9] the producer's
---          clock, unix integer milliseconds
+-- ARGV[8]  with ARGV[6]: the fingerprint (KEYS[5]'s member), ARGV[9] the
+--          producer's clock, unix integer milliseconds
 --
 -- Reply: {1, state}    written; state is the target's asynq state
 --        {0}           something changed (another merge, the task started): call acquire again
@@ -42,6 +43,6 @@ if new ~= t[2] then
 end
 call('HINCRBY', KEYS[1], 'n', 1)
 if ARGV[3] ~= '1' and KEYS[3] then
-  debounce(KEYS[1], KEYS[3], ARGV[1], state, ARGV[6], ARGV[7], KEYS[4], ARGV[8], tonumber(ARGV[9]))
+  debounce(KEYS[1], KEYS[3], ARGV[1], state, ARGV[6], ARGV[7], KEYS[4], KEYS[5], ARGV[8], tonumber(ARGV[9]))
 end
 return {1, state}

@@ -129,15 +129,19 @@ local function gone(state)
 end
 
 -- debounce moves the due time of a scheduled task t to due (unix seconds,
--- '0' for no debounce), and makes its lock last at least ttl_ms from now_ms
--- (and its entry fp in the waiting set wait, if given and counted there),
--- when a payload was folded into it: a burst of folds runs once, after the
--- last. A task already due keeps its place.
-local function debounce(lock, sched, t, tstate, due, ttl_ms, wait, fp, now_ms)
+-- '0' for no debounce), and makes its lock last at least ttl_ms from now_ms,
+-- with the task's index key (index, if given: a caller-chosen ID) and its
+-- entry fp in the waiting set (wait, if given and counted there), when a
+-- payload was folded into it: a burst of folds runs once, after the last. A
+-- task already due keeps its place.
+local function debounce(lock, sched, t, tstate, due, ttl_ms, index, wait, fp, now_ms)
   if due == '0' or tstate ~= 'scheduled' then return end
   call('ZADD', sched, 'XX', due, t)
   if call('PTTL', lock) < tonumber(ttl_ms) then
     call('PEXPIRE', lock, ttl_ms)
+    if index then
+      call('PEXPIRE', index, ttl_ms) -- (none for an ID the wrapper chose)
+    end
     if wait then
       call('ZADD', wait, 'XX', now_ms + tonumber(ttl_ms), fp)
     end
