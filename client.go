@@ -248,7 +248,7 @@ func (c *Client) rollback(ctx context.Context, k *call, enqErr error) (*asynq.Ta
 func (c *Client) landed(ctx context.Context, k *call, callErr error) (*asynq.TaskInfo, error) {
 	d := c.d
 	queue, id := k.queue, k.ref.ID
-	v, err := d.store.Foreign(context.WithoutCancel(ctx), func() (any, error) { return d.insp.GetTaskInfo(queue, id) })
+	v, err := d.store.Foreign(context.WithoutCancel(ctx), store.TaskKey(queue, id), func() (any, error) { return d.insp.GetTaskInfo(queue, id) })
 	ti, _ := v.(*asynq.TaskInfo)
 	switch {
 	case err == nil:
@@ -308,7 +308,7 @@ func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (*
 // is already held.
 func (c *Client) dropDuplicate(ctx context.Context, k *call, info *asynq.TaskInfo, res *store.AcquireResult, moved *store.Ref) (*asynq.TaskInfo, error) {
 	d := c.d
-	_, err := d.store.Foreign(ctx, func() (any, error) { return nil, d.insp.DeleteTask(info.Queue, info.ID) })
+	_, err := d.store.Foreign(ctx, store.TaskKey(info.Queue, info.ID), func() (any, error) { return nil, d.insp.DeleteTask(info.Queue, info.ID) })
 	if err != nil {
 		d.log.Warn("dedup: duplicate landed in another queue and could not be removed; the execution-time guard will hold it back", slog.String("type", k.typ), slog.String("task_id", info.ID), slog.Any("error", err))
 		return info, nil

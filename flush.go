@@ -98,7 +98,7 @@ func (d *Dedup) flush(ctx context.Context) error {
 	keys := d.store.Keys()
 	types := make([]any, len(ps))
 	var sadd *redis.IntCmd
-	cmds, err := d.store.Pipelined(ctx, func(p redis.Pipeliner) {
+	cmds, err := d.store.Pipelined(ctx, "", func(p redis.Pipeliner) { // (the stats keys span nodes)
 		for i, pt := range ps {
 			types[i] = pt.typ
 			for e := range numEvents {

@@ -100,7 +100,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID string, onPoll fun
 		if err := ctx.Err(); err != nil {
 			return nil, waitCtxErr(taskID, err, lastErr)
 		}
-		v, err := d.store.Foreign(ctx, func() (any, error) { return d.insp.GetTaskInfo(queue, taskID) })
+		v, err := d.store.Foreign(ctx, store.TaskKey(queue, taskID), func() (any, error) { return d.insp.GetTaskInfo(queue, taskID) })
 		info, _ := v.(*asynq.TaskInfo)
 		switch {
 		case err == nil && info != nil:

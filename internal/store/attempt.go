@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -115,27 +116,53 @@ type ExtendResult struct {
 	Err     error
 }
 
-// ExtendAll renews many locks in one pipeline (one per node on Redis
-// Cluster), through the breaker and bounded by LockTimeout: the heartbeat
-// of every running attempt of a process. Scripts missing from the server's
-// cache are sent again whole.
+// ExtendAll renews many locks: the heartbeat of every running attempt of a
+// process. It sends one pipeline per node (on Redis Cluster, one per
+// master, concurrently, each through that master's breaker, so a failing
+// master delays only its own renewals), bounded by LockTimeout. Scripts
+// missing from the server's cache are sent again whole.
 func (s *Store) ExtendAll(ctx context.Context, es []*Extend) []ExtendResult {
 	out := make([]ExtendResult, len(es))
-	cmds, err := s.extendPipeline(ctx, es, true)
+	groups := map[*shard][]int{}
+	for i, e := range es {
+		sh := s.sh.forKey(ctx, s.keys.LockOf(&e.Ref))
+		groups[sh] = append(groups[sh], i)
+	}
+	var wg sync.WaitGroup
+	for _, idx := range groups {
+		if len(groups) == 1 {
+			s.extendGroup(ctx, es, idx, out)
+			break
+		}
+		wg.Go(func() { s.extendGroup(ctx, es, idx, out) })
+	}
+	wg.Wait()
+	return out
+}
+
+// extendGroup renews the locks es[idx] of one node in one pipeline and
+// writes their results to out[idx].
+func (s *Store) extendGroup(ctx context.Context, all []*Extend, idx []int, out []ExtendResult) {
+	es := make([]*Extend, len(idx))
+	for j, i := range idx {
+		es[j] = all[i]
+	}
+	route := s.keys.LockOf(&es[0].Ref)
+	cmds, err := s.extendPipeline(ctx, route, es, true)
 	for _, c := range cmds {
 		if c.Err() != nil && redis.HasErrorPrefix(c.Err(), "NOSCRIPT") {
-			cmds, err = s.extendPipeline(ctx, es, false) // scripts flushed (restart, failover)
+			cmds, err = s.extendPipeline(ctx, route, es, false) // scripts flushed (restart, failover)
 			break
 		}
 	}
-	for i := range out {
+	for j, i := range idx {
 		if cmds == nil {
 			out[i].Err = err // the pipeline did not complete
 			continue
 		}
-		c, ok := cmds[i].(*redis.Cmd)
+		c, ok := cmds[j].(*redis.Cmd)
 		if !ok {
-			out[i].Err = fmt.Errorf("dedup: unexpected pipeline reply %T", cmds[i])
+			out[i].Err = fmt.Errorf("dedup: unexpected pipeline reply %T", cmds[j])
 			continue
 		}
 		v, err := c.Result()
@@ -145,11 +172,10 @@ func (s *Store) ExtendAll(ctx context.Context, es []*Extend) []ExtendResult {
 		}
 		out[i].Renewed, out[i].Err = parseFlag(v)
 	}
-	return out
 }
 
-func (s *Store) extendPipeline(ctx context.Context, es []*Extend, sha bool) ([]redis.Cmder, error) {
-	return s.Pipelined(ctx, func(p redis.Pipeliner) {
+func (s *Store) extendPipeline(ctx context.Context, route string, es []*Extend, sha bool) ([]redis.Cmder, error) {
+	return s.Pipelined(ctx, route, func(p redis.Pipeliner) {
 		for _, e := range es {
 			keys, args := e.keysArgs(s)
 			if sha {

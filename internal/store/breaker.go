@@ -66,17 +66,18 @@ func (b *breaker) allow() bool {
 	return true
 }
 
-// record notes a call's outcome. Only failures of Redis itself count: a
-// reply (even an error reply) proves Redis is up, and a caller's own
-// cancelled context says nothing about Redis.
-func (b *breaker) record(parent context.Context, err error) {
+// record notes a call's outcome, and reports whether it was a failure of
+// Redis itself: only those count, as a reply (even an error reply) proves
+// Redis is up, and a caller's own cancelled context says nothing about
+// Redis.
+func (b *breaker) record(parent context.Context, err error) (fault bool) {
+	if err == nil && (b.threshold < 0 || b.healthy.Load()) {
+		return false
+	}
+	fault = err != nil && !errors.Is(err, redis.Nil) && !isReply(err) && parent.Err() == nil
 	if b.threshold < 0 {
-		return
+		return fault
 	}
-	if err == nil && b.healthy.Load() {
-		return
-	}
-	fault := err != nil && !errors.Is(err, redis.Nil) && !isReply(err) && parent.Err() == nil
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	defer func() { b.healthy.Store(b.state == BreakerClosed && b.failures == 0) }()
@@ -89,7 +90,7 @@ func (b *breaker) record(parent context.Context, err error) {
 		} else if b.state == BreakerProbing {
 			b.state = BreakerOpen // the probe was cancelled by its caller: probe again soon
 		}
-		return
+		return false
 	}
 	b.failures++
 	// Calls let through before the breaker opened fail after it did: they
@@ -103,6 +104,7 @@ func (b *breaker) record(parent context.Context, err error) {
 			b.onOpen()
 		}
 	}
+	return true
 }
 
 func (b *breaker) clock() time.Time {

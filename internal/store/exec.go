@@ -31,15 +31,15 @@ type Config struct {
 }
 
 // Store is the library's one path to Redis: every call goes through the
-// circuit breaker and is bounded by Config.LockTimeout; concurrent script
-// calls share pipelines (batch.go). It is safe for concurrent use.
+// circuit breaker of its node and is bounded by Config.LockTimeout;
+// concurrent script calls for one node share pipelines (batch.go,
+// shard.go). It is safe for concurrent use.
 type Store struct {
 	rdb       redis.UniversalClient
 	keys      Keys
 	cfg       Config
 	sc        *scriptSet
-	br        *breaker
-	batch     *batcher // nil without batching
+	sh        *shards
 	hints     hintCache
 	published sync.Map // queues registered by PublishQueue
 
@@ -57,26 +57,47 @@ func New(rdb redis.UniversalClient, cfg Config) *Store {
 		cfg.Recheck = DefaultRecheck
 	}
 	s := &Store{rdb: rdb, keys: NewKeys(cfg.Prefix), cfg: cfg, sc: scripts(), socketBound: contextTimeouts(rdb)}
-	s.br = &breaker{threshold: cfg.BreakerThreshold, wait: cfg.BreakerWait, log: cfg.Logger, onOpen: cfg.OnBreakerOpen}
-	if cfg.MaxBatch > 0 {
-		s.batch = newBatcher(s.rdb, cfg.MaxBatch, cfg.LockTimeout, s.socketBound)
-	}
+	s.sh = newShards(rdb, s.newShard)
 	return s
 }
 
-// Close stops the batcher's goroutines; later calls go straight to Redis.
+// newShard makes one node's breaker and batcher.
+func (s *Store) newShard() *shard {
+	cfg := &s.cfg
+	sh := &shard{br: &breaker{threshold: cfg.BreakerThreshold, wait: cfg.BreakerWait, log: cfg.Logger, onOpen: cfg.OnBreakerOpen}}
+	if cfg.MaxBatch > 0 {
+		sh.batch = newBatcher(s.rdb, cfg.MaxBatch, cfg.LockTimeout, s.socketBound)
+	}
+	return sh
+}
+
+// Close stops the batchers' goroutines; later calls go straight to Redis.
 // It does not close the Redis client.
 func (s *Store) Close() {
-	if s.batch != nil {
-		s.batch.stop()
+	for _, sh := range s.sh.all() {
+		if sh.batch != nil {
+			sh.batch.stop()
+		}
 	}
 }
 
 // Keys returns the key names of this Store's prefix.
 func (s *Store) Keys() Keys { return s.keys }
 
-// BreakerState reports the circuit breaker's state.
-func (s *Store) BreakerState() BreakerState { return s.br.current() }
+// BreakerState reports the circuit breakers' state: the worst of the
+// nodes' (open, else probing, else closed).
+func (s *Store) BreakerState() BreakerState {
+	worst := BreakerClosed
+	for _, sh := range s.sh.all() {
+		switch st := sh.br.current(); {
+		case st == BreakerOpen:
+			return BreakerOpen
+		case st == BreakerProbing:
+			worst = BreakerProbing
+		}
+	}
+	return worst
+}
 
 // LoadScripts loads the scripts into Redis's cache, best effort: a call
 // whose script is missing sends it whole (EVALSHA falls back to EVAL).
@@ -91,12 +112,15 @@ func (s *Store) LoadScripts(ctx context.Context) error {
 	return nil
 }
 
-// run executes a script through the breaker, batched with concurrent calls
-// when batching is on (and straight to Redis once the batcher is stopped).
+// run executes a script through its node's breaker, batched with
+// concurrent calls for that node when batching is on (and straight to
+// Redis once the batcher is stopped). Every key of a call is in one slot,
+// so its first key names the node.
 func (s *Store) run(ctx context.Context, sc *redis.Script, keys []string, args ...any) (any, error) {
-	return s.guard(ctx, func() (any, error) {
-		if s.batch != nil {
-			if v, err, ok := s.batch.do(ctx, sc, keys, args); ok {
+	sh := s.sh.forKey(ctx, keys[0])
+	return s.guard(ctx, sh, func() (any, error) {
+		if sh.batch != nil {
+			if v, err, ok := sh.batch.do(ctx, sc, keys, args); ok {
 				return v, err
 			}
 		}
@@ -106,35 +130,38 @@ func (s *Store) run(ctx context.Context, sc *redis.Script, keys []string, args .
 	})
 }
 
-// Do makes a Redis call outside the scripts through the breaker, bounded by
-// LockTimeout. fn returns its result rather than writing it to a variable
-// of the caller: a call the caller leaves at the deadline goes on in its
-// own goroutine.
-func (s *Store) Do(ctx context.Context, fn func(ctx context.Context, c redis.Cmdable) (any, error)) (any, error) {
-	return s.guard(ctx, func() (any, error) {
+// Do makes a Redis call outside the scripts through the breaker of the node
+// serving route (a key of the call; "" for calls on no one node), bounded
+// by LockTimeout. fn returns its result rather than writing it to a
+// variable of the caller: a call the caller leaves at the deadline goes on
+// in its own goroutine.
+func (s *Store) Do(ctx context.Context, route string, fn func(ctx context.Context, c redis.Cmdable) (any, error)) (any, error) {
+	return s.guard(ctx, s.sh.forKey(ctx, route), func() (any, error) {
 		return s.direct(ctx, func(c context.Context) (any, error) { return fn(c, s.rdb) })
 	})
 }
 
 // Foreign runs fn, a call through a client this package does not drive
-// (asynq's Inspector takes no context), through the breaker, and leaves it
-// running when ctx or LockTimeout ends first. Like Do's, fn returns its
-// result.
-func (s *Store) Foreign(ctx context.Context, fn func() (any, error)) (any, error) {
-	return s.guard(ctx, func() (any, error) {
+// (asynq's Inspector takes no context), through the breaker of route's node
+// (as Do), and leaves it running when ctx or LockTimeout ends first. Like
+// Do's, fn returns its result.
+func (s *Store) Foreign(ctx context.Context, route string, fn func() (any, error)) (any, error) {
+	return s.guard(ctx, s.sh.forKey(ctx, route), func() (any, error) {
 		lctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
 		defer cancel()
 		return abandonable(lctx, func(context.Context) (any, error) { return fn() })
 	})
 }
 
-// guard runs send through the circuit breaker and records its outcome.
-func (s *Store) guard(ctx context.Context, send func() (any, error)) (any, error) {
-	if !s.br.allow() {
+// guard runs send through sh's circuit breaker and records its outcome.
+func (s *Store) guard(ctx context.Context, sh *shard, send func() (any, error)) (any, error) {
+	if !sh.br.allow() {
 		return nil, s.cfg.ErrCircuitOpen
 	}
 	v, err := send()
-	s.br.record(ctx, err)
+	if sh.br.record(ctx, err) {
+		s.sh.faulted()
+	}
 	return v, err
 }
 
@@ -170,14 +197,15 @@ func abandonable(ctx context.Context, call func(context.Context) (any, error)) (
 }
 
 // Pipelined sends the commands fn queues as one pipeline (one per node on
-// Redis Cluster) through the breaker, bounded by LockTimeout, and returns
-// them, each with its own result. It returns nil commands, and the error,
-// when the pipeline did not complete: refused by the breaker, or left at the
-// deadline (its commands may still be filled in, so they must not be read).
-func (s *Store) Pipelined(ctx context.Context, fn func(p redis.Pipeliner)) ([]redis.Cmder, error) {
+// Redis Cluster) through the breaker of route's node (as Do), bounded by
+// LockTimeout, and returns them, each with its own result. It returns nil
+// commands, and the error, when the pipeline did not complete: refused by
+// the breaker, or left at the deadline (its commands may still be filled
+// in, so they must not be read).
+func (s *Store) Pipelined(ctx context.Context, route string, fn func(p redis.Pipeliner)) ([]redis.Cmder, error) {
 	p := s.rdb.Pipeline()
 	fn(p)
-	v, err := s.Do(ctx, func(c context.Context, _ redis.Cmdable) (any, error) { return p.Exec(c) })
+	v, err := s.Do(ctx, route, func(c context.Context, _ redis.Cmdable) (any, error) { return p.Exec(c) })
 	cmds, _ := v.([]redis.Cmder)
 	return cmds, err
 }
@@ -201,7 +229,7 @@ func (s *Store) parkSeconds() int64 {
 }
 
 // Batching reports whether concurrent script calls share pipelines.
-func (s *Store) Batching() bool { return s.batch != nil }
+func (s *Store) Batching() bool { return s.sh.one.batch != nil }
 
 // contextTimeouts reports whether the client honours context deadlines on
 // its socket reads (go-redis's Options.ContextTimeoutEnabled).

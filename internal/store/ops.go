@@ -14,8 +14,9 @@ import (
 // IndexOf reads the index key of a caller-chosen task ID: the fingerprint
 // of its lock, or OptOutMark. found is false when there is none.
 func (s *Store) IndexOf(ctx context.Context, queue, id string) (fp string, found bool, err error) {
-	v, err := s.Do(ctx, func(c context.Context, rdb redis.Cmdable) (any, error) {
-		return rdb.Get(c, s.keys.Index(queue, id)).Result()
+	key := s.keys.Index(queue, id)
+	v, err := s.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return rdb.Get(c, key).Result()
 	})
 	if errors.Is(err, redis.Nil) {
 		return "", false, nil
@@ -27,8 +28,9 @@ func (s *Store) IndexOf(ctx context.Context, queue, id string) (fp string, found
 // OwnerOf reads the owner of the lock of fp in queue; found is false when
 // there is no lock.
 func (s *Store) OwnerOf(ctx context.Context, queue, fp string) (id string, found bool, err error) {
-	v, err := s.Do(ctx, func(c context.Context, rdb redis.Cmdable) (any, error) {
-		return rdb.HGet(c, s.keys.Lock(queue, fp), FieldOwner).Result()
+	key := s.keys.Lock(queue, fp)
+	v, err := s.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return rdb.HGet(c, key, FieldOwner).Result()
 	})
 	if errors.Is(err, redis.Nil) {
 		return "", false, nil
@@ -43,8 +45,9 @@ func (s *Store) OwnerOf(ctx context.Context, queue, fp string) (id string, found
 // MarkOptOut records that the caller-chosen task ID id was enqueued without
 // deduplication, for ttl, so the middleware does not lock it when it runs.
 func (s *Store) MarkOptOut(ctx context.Context, queue, id string, ttl time.Duration) error {
-	_, err := s.Do(ctx, func(c context.Context, rdb redis.Cmdable) (any, error) {
-		return nil, rdb.Set(c, s.keys.Index(queue, id), OptOutMark, ttl).Err()
+	key := s.keys.Index(queue, id)
+	_, err := s.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return nil, rdb.Set(c, key, OptOutMark, ttl).Err()
 	})
 	return err
 }
@@ -55,7 +58,7 @@ func (s *Store) PublishQueue(ctx context.Context, queue string) error {
 	if _, ok := s.published.Load(queue); ok {
 		return nil
 	}
-	_, err := s.Do(ctx, func(c context.Context, rdb redis.Cmdable) (any, error) {
+	_, err := s.Do(ctx, QueuesKey, func(c context.Context, rdb redis.Cmdable) (any, error) {
 		return nil, rdb.SAdd(c, QueuesKey, queue).Err()
 	})
 	if err == nil {
@@ -67,7 +70,7 @@ func (s *Store) PublishQueue(ctx context.Context, queue string) error {
 // Processed reads asynq's count of tasks of queue it completed (kept or
 // deleted), 0 if none.
 func (s *Store) Processed(ctx context.Context, queue string) (int64, error) {
-	v, err := s.Do(ctx, func(c context.Context, rdb redis.Cmdable) (any, error) {
+	v, err := s.Do(ctx, ProcessedKey(queue), func(c context.Context, rdb redis.Cmdable) (any, error) {
 		return rdb.Get(c, ProcessedKey(queue)).Int64()
 	})
 	if errors.Is(err, redis.Nil) {
@@ -87,7 +90,7 @@ func (s *Store) Processed(ctx context.Context, queue string) (int64, error) {
 // asynq's count of tasks of queue it completed: one pipelined round trip
 // (both keys are in the queue's slot).
 func (s *Store) TaskTrace(ctx context.Context, queue, id string) (exists bool, processed int64, err error) {
-	v, err := s.Do(ctx, func(c context.Context, rdb redis.Cmdable) (any, error) {
+	v, err := s.Do(ctx, ProcessedKey(queue), func(c context.Context, rdb redis.Cmdable) (any, error) {
 		pipe := rdb.Pipeline()
 		ex := pipe.Exists(c, TaskKey(queue, id))
 		pr := pipe.Get(c, ProcessedKey(queue))
