@@ -12,31 +12,79 @@ import (
 
 // OwnCluster starts a Redis Cluster of the test's own: masters
 // redis-servers on free loopback ports, the 16384 slots split evenly in
-// port order, no replicas, node timeout 2 s. It is for what must not touch
-// a shared cluster (killing a master). It skips without a real
-// redis-server, and returns the processes in slot order with a client.
-func OwnCluster(t *testing.T, masters int) ([]*Proc, *redis.ClusterClient) {
+// order, node timeout 2 s, cluster-require-full-coverage off (a dead master
+// leaves the others serving, as production clusters should be set up), and
+// with replicas one replica per master. It is
+// for what must not touch a shared cluster (killing a master). It skips
+// without a real redis-server, and returns the masters in slot order, then
+// their replicas in the same order, with a client of the masters.
+func OwnCluster(t *testing.T, masters int, replicas bool) ([]*Proc, *redis.ClusterClient) {
 	t.Helper()
 	NeedReal(t)
-	procs := make([]*Proc, masters)
+	n := masters
+	if replicas {
+		n *= 2
+	}
+	procs := make([]*Proc, n)
 	for i := range procs {
-		p, err := Spawn("", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
+		p, err := Spawn("", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+			"--repl-diskless-sync-delay", "0", "--cluster-require-full-coverage", "no")
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(p.Kill)
 		procs[i] = p
 	}
-	if err := formCluster(procs); err != nil {
+	if err := formCluster(procs[:masters]); err != nil {
 		t.Fatal(err)
 	}
+	for i, r := range procs[masters:] {
+		if err := addReplica(procs[0], procs[i], r); err != nil {
+			t.Fatal(err)
+		}
+	}
 	addrs := make([]string, masters)
-	for i, p := range procs {
+	for i, p := range procs[:masters] {
 		addrs[i] = p.Addr
 	}
 	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: addrs, MaxRetries: -1})
 	t.Cleanup(func() { _ = c.Close() })
 	return procs, c
+}
+
+// addReplica makes r a replica of master, introduced through seed, and
+// waits until it has synchronised with its master.
+func addReplica(seed, master, r *Proc) error {
+	ctx := context.Background()
+	mc := redis.NewClient(&redis.Options{Addr: master.Addr})
+	defer mc.Close()
+	id, err := mc.Do(ctx, "CLUSTER", "MYID").Text()
+	if err != nil {
+		return err
+	}
+	rc := redis.NewClient(&redis.Options{Addr: r.Addr})
+	defer rc.Close()
+	host, port, _ := strings.Cut(seed.Addr, ":")
+	if err := rc.Do(ctx, "CLUSTER", "MEET", host, port).Err(); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	replicating := false
+	for { // gossip and replication have no signal to wait on
+		var err error
+		if !replicating { // until the replica has learnt the master's ID by gossip
+			err = rc.Do(ctx, "CLUSTER", "REPLICATE", id).Err()
+			replicating = err == nil
+		}
+		info, _ := rc.Info(ctx, "replication").Result()
+		if replicating && strings.Contains(info, "master_link_status:up") {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("replica %s of %s: %v %q", r.Addr, master.Addr, err, info)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // formCluster gives each node its share of the slots, introduces them to
