@@ -186,3 +186,117 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 		t.Fatalf("duplicate of the task written before the kill: %v, want a DuplicateTaskError naming %s", err, first.ID)
 	}
 }
+
+// A manual failover (CLUSTER FAILOVER on a replica) while producers enqueue
+// and handlers run: no producer error, every accepted task runs exactly
+// once, and no key ever runs twice at once.
+func TestClusterManualFailoverWithHandlersRunning(t *testing.T) {
+	procs, c := redistest.OwnCluster(t, 3, true)
+	queue := queuesOnEveryMaster(t, c, "fo")[0]
+	ctx := context.Background()
+	d, err := New(ctx, c, Config{Prefix: "dd-" + uniq(t), Logger: quietLogger(), Lease: 3 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	var (
+		mu      sync.Mutex
+		running = map[string]bool{}
+		runs    = map[string]int{}
+		overlap []string
+	)
+	handler := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		key := string(task.Payload()[:10]) // {"user":NN
+		mu.Lock()
+		if running[key] {
+			overlap = append(overlap, key)
+		}
+		running[key] = true
+		runs[id]++
+		mu.Unlock()
+		time.Sleep(50 * time.Millisecond) // simulated work
+		mu.Lock()
+		running[key] = false
+		mu.Unlock()
+		return nil
+	})
+	srv := asynq.NewServerFromRedisClient(c, asynq.Config{Concurrency: 8, Queues: map[string]int{queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure,
+		RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return 100 * time.Millisecond }})
+	if err := srv.Start(d.Middleware()(handler)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+
+	client := d.NewClient()
+	var (
+		accepted []string
+		perrs    []error
+		stop     = make(chan struct{})
+		wg       sync.WaitGroup
+	)
+	for p := range 4 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				payload := fmt.Appendf(nil, `{"user":%d,"seq":%d}`, 10+(p*7+i)%20, i)
+				info, err := client.EnqueueContext(ctx, asynq.NewTask("fo:job", payload), asynq.Queue(queue), Fields("user"))
+				var dup *DuplicateTaskError
+				mu.Lock()
+				switch {
+				case err == nil:
+					accepted = append(accepted, info.ID)
+				case !errors.As(err, &dup):
+					perrs = append(perrs, err)
+				}
+				mu.Unlock()
+				time.Sleep(5 * time.Millisecond) // a steady trickle
+			}
+		})
+	}
+	var replica *redistest.Proc
+	for i, p := range procs[:3] {
+		if p.Addr == masterOf(t, c, queue) {
+			replica = procs[3+i]
+		}
+	}
+	time.Sleep(time.Second) // the time under test: load before the failover
+	rc := redis.NewClient(&redis.Options{Addr: replica.Addr})
+	t.Cleanup(func() { _ = rc.Close() })
+	if err := rc.Do(ctx, "CLUSTER", "FAILOVER").Err(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the replica is promoted", func() bool { return strings.Contains(rc.Info(ctx, "replication").Val(), "role:master") })
+	time.Sleep(time.Second) // and load after it
+	close(stop)
+	wg.Wait()
+	eventually(t, "every accepted task ran", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, id := range accepted {
+			if runs[id] == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if len(perrs) > 0 {
+		t.Errorf("%d producer errors across the failover, first: %v", len(perrs), perrs[0])
+	}
+	for _, id := range accepted {
+		if runs[id] != 1 {
+			t.Errorf("task %s ran %d times", id, runs[id])
+		}
+	}
+	if len(overlap) > 0 {
+		t.Errorf("keys run twice at once: %v", overlap)
+	}
+	t.Logf("%d tasks accepted and run once each across the failover", len(accepted))
+}

@@ -30,7 +30,25 @@ func clusterClient(t *testing.T) *redis.ClusterClient {
 	if err := c.Ping(context.Background()).Err(); err != nil {
 		t.Fatalf("cluster: %v", err)
 	}
+	if os.Getenv("DEDUP_REQUIRE_CLUSTER") != "" {
+		requireReplicas(t, c)
+	}
 	return c
+}
+
+// requireReplicas fails the test unless every master of c has a replica
+// (CI's cluster has one each: .ci/cluster.sh).
+func requireReplicas(t *testing.T, c *redis.ClusterClient) {
+	t.Helper()
+	shards, err := c.ClusterShards(context.Background()).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range shards {
+		if len(s.Slots) > 0 && len(s.Nodes) < 2 {
+			t.Fatalf("DEDUP_REQUIRE_CLUSTER: a master serving slots %v has no replica; start the cluster with .ci/cluster.sh", s.Slots)
+		}
+	}
 }
 
 // queuesOnEveryMaster returns one queue name per master: their hash tags

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# A throwaway 3-master Redis Cluster on 127.0.0.1 for the cluster tests.
+# A throwaway Redis Cluster on 127.0.0.1 for the cluster tests: 3 masters and
+# 3 replicas (one per master), cluster-require-full-coverage off, as a
+# production cluster that must keep serving the healthy masters' slots.
 #
 #   eval "$(.ci/cluster.sh start)"   # starts it; prints: export DEDUP_TEST_CLUSTER=...
 #   .ci/cluster.sh stop               # stops it and removes its files
 #   .ci/cluster.sh env                # prints the export line again
 #
-# Ports: DEDUP_CLUSTER_PORTS (default "7100 7101 7102"). Files (nodes-P.conf,
+# Ports: DEDUP_CLUSTER_PORTS (default "7100 7101 7102 7103 7104 7105": the first
+# half masters, the second their replicas). Files (nodes-P.conf,
 # logs, pid files) live in DEDUP_CLUSTER_DIR (default ${TMPDIR:-/tmp}/dedup-cluster).
 # Persistence is off. Only the export line goes to stdout; progress goes to stderr.
 set -euo pipefail
 
-ports=(${DEDUP_CLUSTER_PORTS:-7100 7101 7102})
+ports=(${DEDUP_CLUSTER_PORTS:-7100 7101 7102 7103 7104 7105})
 dir=${DEDUP_CLUSTER_DIR:-${TMPDIR:-/tmp}/dedup-cluster}
 host=127.0.0.1
 
@@ -29,6 +32,11 @@ cluster_ok() {
 	for p in "${ports[@]}"; do
 		cli "$p" cluster info 2>/dev/null | tr -d '\r' | grep -qx 'cluster_state:ok' || return 1
 		[ "$(cli "$p" cluster info 2>/dev/null | tr -d '\r' | sed -n 's/^cluster_known_nodes://p')" = "${#ports[@]}" ] || return 1
+		# every node sees half the nodes as replicas
+		[ "$(cli "$p" cluster nodes 2>/dev/null | grep -c ' slave ')" = "$((${#ports[@]} / 2))" ] || return 1
+		if cli "$p" info replication 2>/dev/null | tr -d '\r' | grep -qx 'role:slave'; then
+			cli "$p" info replication | tr -d '\r' | grep -qx 'master_link_status:up' || return 1
+		fi
 	done
 }
 
@@ -50,6 +58,7 @@ start() {
 		rm -f "$dir/nodes-$p.conf"
 		redis-server --port "$p" --bind "$host" --cluster-enabled yes \
 			--cluster-config-file "nodes-$p.conf" --cluster-node-timeout 5000 \
+			--cluster-require-full-coverage no --repl-diskless-sync-delay 0 \
 			--dir "$dir" --save "" --appendonly no --daemonize yes \
 			--pidfile "$dir/redis-$p.pid" --logfile "$dir/redis-$p.log" --loglevel warning
 	done
@@ -63,7 +72,7 @@ start() {
 	local nodes=()
 	for p in "${ports[@]}"; do nodes+=("$host:$p"); done
 	say "creating the cluster on ${nodes[*]}"
-	redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >"$dir/create.log" 2>&1 ||
+	redis-cli --cluster create "${nodes[@]}" --cluster-replicas 1 --cluster-yes >"$dir/create.log" 2>&1 ||
 		{ cat "$dir/create.log" >&2; exit 1; }
 	for _ in $(seq 300); do
 		if cluster_ok; then
