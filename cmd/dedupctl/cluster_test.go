@@ -182,4 +182,24 @@ func TestCluster(t *testing.T) {
 	if out := decode[listOutput](t, f.ok("--json", "list", "--limit", "0", "--type", "sync:user")); out.Count != len(want)-len(keys) {
 		t.Errorf("after releasing %d: %d locks, want %d", len(keys), out.Count, len(want)-len(keys))
 	}
+
+	// doctor, on every master: one lost task per queue (its pending list
+	// dropped it), and the orphan; --fix releases exactly those.
+	lostKeys := map[string]bool{f.lockOf(orphan): true}
+	for _, q := range queueOn {
+		info := f.enqueue(q, "sync:user", 1000)
+		if err := rdb.LRem(ctx, "asynq:{"+q+"}:pending", 0, info.ID).Err(); err != nil {
+			t.Fatal(err)
+		}
+		lostKeys[f.lockOf(info)] = true
+	}
+	fixed := decode[doctorOutput](t, f.ok("--json", "doctor", "--grace", "0", "--fix"))
+	if fixed.Released != len(lostKeys) || len(fixed.Findings) != len(lostKeys) || fixed.Checked != len(want)-len(keys)+len(lostKeys) {
+		t.Errorf("doctor --fix on the cluster: checked %d, released %d: %+v", fixed.Checked, fixed.Released, fixed.Findings)
+	}
+	for k := range lostKeys {
+		if f.exists(k) {
+			t.Errorf("%s still there after doctor --fix", k)
+		}
+	}
 }

@@ -123,6 +123,12 @@ func PendingKey(queue string) string { return "asynq:{" + queue + "}:pending" }
 // due time in unix seconds.
 func ScheduledKey(queue string) string { return "asynq:{" + queue + "}:scheduled" }
 
+// RetryKey is asynq's sorted set of the tasks of queue waiting for a retry.
+func RetryKey(queue string) string { return "asynq:{" + queue + "}:retry" }
+
+// ActiveKey is asynq's list of the tasks of queue being processed.
+func ActiveKey(queue string) string { return "asynq:{" + queue + "}:active" }
+
 // ProcessedKey is asynq's count of the queue's tasks it completed
 // (processed_total, incremented whether the task is kept or deleted).
 func ProcessedKey(queue string) string { return "asynq:{" + queue + "}:processed" }

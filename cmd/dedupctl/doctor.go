@@ -1,0 +1,143 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"text/tabwriter"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+)
+
+func doctorCommand() *command {
+	return &command{
+		name:     "doctor",
+		synopsis: "[--fix] [--grace D] [--type T] [--queue Q]",
+		summary:  "find locks whose owner cannot run (gone, or in no list); release them with --fix",
+		help: `Checks every lock (on every master with --cluster) against its owner task's
+record in asynq and reports the locks whose owner cannot run:
+
+  gone  the owner's record is missing, completed or archived, and the lock is
+        not cooling down (Rule.Cooldown): an orphan. The key's next enqueue
+        heals it anyway; doctor finds the ones nobody enqueues.
+  lost  the owner's record says pending, scheduled, retry or active, but the
+        list or set of that state does not hold it, so asynq never runs it:
+        what a forced slot migration (redis-cli --cluster fix with REPLACE) or
+        a lossy failover leaves behind. The lock would refuse its key until
+        it expires; healing does not apply, as the record looks alive.
+
+A lock younger than --grace whose owner is gone is left alone unless it was
+written with its task (its task may not be stored yet). With --fix each lock
+found is released owner-checked, as "release --yes" does; the tasks are left
+as they are (a lost task's record stays for you to inspect or re-enqueue).
+Exit status 0 whether or not locks were found.`,
+		bind: func(fs *flag.FlagSet) func(*app, []string) error {
+			o := &doctorFlags{}
+			fs.BoolVar(&o.fix, "fix", false, "release the locks found")
+			fs.DurationVar(&o.grace, "grace", time.Minute, "leave orphans younger than this alone (Config.HealGrace)")
+			fs.StringVar(&o.typ, "type", "", "only locks of this task `type`")
+			fs.StringVar(&o.queue, "queue", "", "only locks of this `queue`")
+			return func(a *app, _ []string) error { return runDoctor(a, o) }
+		},
+	}
+}
+
+type doctorFlags struct {
+	fix        bool
+	grace      time.Duration
+	typ, queue string
+}
+
+type doctorFinding struct {
+	Key       string `json:"key"`
+	Queue     string `json:"queue"`
+	Type      string `json:"type"`
+	Owner     string `json:"owner"`
+	TaskState string `json:"task_state"`
+	Problem   string `json:"problem"` // gone or lost
+	Detail    string `json:"detail"`
+	Released  bool   `json:"released,omitempty"`
+	Error     string `json:"error,omitempty"` // why --fix did not release it
+}
+
+type doctorOutput struct {
+	Prefix   string          `json:"prefix"`
+	Checked  int             `json:"checked"`
+	Findings []doctorFinding `json:"findings"`
+	Released int             `json:"released"`
+}
+
+func runDoctor(a *app, o *doctorFlags) error {
+	ctx, cancel := a.ctx()
+	defer cancel()
+	c, err := a.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.close()
+	s, err := newScanner(ctx, c, a.g.prefix, scanFilter{typ: o.typ, queue: o.queue}, 500)
+	if err != nil {
+		return err
+	}
+	var ls []*store.Lock
+	if err := s.each(ctx, func(l *lockInfo) { ls = append(ls, l.lock) }); err != nil {
+		return err
+	}
+	ds, err := store.Diagnose(ctx, c.rdb, ls, o.grace, time.Now())
+	if err != nil {
+		return err
+	}
+	out := doctorOutput{Prefix: a.g.prefix, Checked: len(ls), Findings: []doctorFinding{}}
+	for _, d := range ds {
+		l := d.Lock
+		f := doctorFinding{Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, TaskState: l.TaskState, Problem: d.Problem, Detail: d.Detail}
+		if o.fix {
+			res, err := store.ReleaseLock(ctx, c.rdb, store.NewKeys(a.g.prefix), l)
+			switch {
+			case err != nil:
+				f.Error = err.Error()
+			case res.Released:
+				f.Released = true
+				out.Released++
+			case res.Gone:
+				f.Error = "gone meanwhile"
+			default:
+				f.Error = "changed owner meanwhile, to " + res.Owner
+			}
+		}
+		out.Findings = append(out.Findings, f)
+	}
+	if a.g.json {
+		return writeJSON(a.stdout, out)
+	}
+	printDoctor(a.stdout, out, o.fix)
+	return nil
+}
+
+func printDoctor(w io.Writer, out doctorOutput, fix bool) {
+	if len(out.Findings) > 0 {
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "KEY\tTYPE\tOWNER\tPROBLEM\tDETAIL")
+		for _, f := range out.Findings {
+			detail := f.Detail
+			switch {
+			case f.Released:
+				detail += "; released"
+			case f.Error != "":
+				detail += "; not released: " + f.Error
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", f.Key, orDash(f.Type), f.Owner, f.Problem, detail)
+		}
+		_ = tw.Flush()
+	}
+	fmt.Fprintf(w, "%d %s checked, %d %s owner cannot run", out.Checked, plural(out.Checked, "lock", "locks"), len(out.Findings), plural(len(out.Findings), "lock whose", "locks whose"))
+	switch {
+	case fix:
+		fmt.Fprintf(w, ", %d released\n", out.Released)
+	case len(out.Findings) > 0:
+		fmt.Fprintln(w, "; run with --fix to release them")
+	default:
+		fmt.Fprintln(w)
+	}
+}
