@@ -229,11 +229,13 @@ func created(info *asynq.TaskInfo, err error) (Result, error) {
 func (c *Client) rollback(ctx context.Context, k *call, enqErr error) (*asynq.TaskInfo, error) {
 	d := c.d
 	ctx = context.WithoutCancel(ctx)
-	ti, err := c.landed(ctx, k, enqErr)
-	if ti != nil || err != nil {
-		return ti, err
+	if !store.NotRun(enqErr) { // (a refused enqueue, such as TRYAGAIN in a slot migration, stored nothing)
+		ti, err := c.landed(ctx, k, enqErr)
+		if ti != nil || err != nil {
+			return ti, err
+		}
 	}
-	if _, err := d.store.Unlock(ctx, &k.ref); err != nil {
+	if _, err := d.store.Unlock(ctx, &k.ref, k.acquire.MaxPending > 0); err != nil {
 		d.count(k.typ, evRedisError)
 		d.log.Warn("dedup: could not give back the lock of a refused enqueue; it heals itself", slog.String("type", k.typ), slog.Any("error", err))
 	} else {
@@ -287,7 +289,7 @@ func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (*
 	moved.Queue = info.Queue
 	res, err := d.store.Acquire(ctx, &store.Acquire{Ref: moved, OnWaiting: store.FoldReject, OnRunning: k.rule.running.code(),
 		TTL: waitTTL(d.ttlOf(&k.rule), info.NextProcessAt), Now: time.Now(), Cooldown: k.rule.cooldown})
-	if _, uerr := d.store.Unlock(ctx, &k.ref); uerr != nil {
+	if _, uerr := d.store.Unlock(ctx, &k.ref, k.acquire.MaxPending > 0); uerr != nil {
 		d.count(k.typ, evRedisError)
 	}
 	switch {

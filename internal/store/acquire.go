@@ -64,7 +64,8 @@ type AcquireResult struct {
 	Lock     string        // the lock's key
 	Stored   bool          // StatusTaken: the task (Acquire.Message) was stored with the lock
 	// Sent: with an error, the failed call carried the task to store with
-	// the lock (Acquire.Direct), so it may be stored.
+	// the lock (Acquire.Direct) and Redis may have run it, so the task may
+	// be stored (not when Redis refused the call: NotRun).
 	Sent bool
 }
 
@@ -93,7 +94,7 @@ func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) 
 		keys, args := a.build(s, lock, &h, n > 0)
 		v, err := s.run(ctx, s.sc.acquire, keys, args...)
 		if err != nil {
-			return AcquireResult{Sent: a.sendsMessage(&h) && !errors.Is(err, s.cfg.ErrCircuitOpen)}, err
+			return AcquireResult{Sent: a.sendsMessage(&h) && !errors.Is(err, s.cfg.ErrCircuitOpen) && !NotRun(err)}, err
 		}
 		rep, err := parseReply(v)
 		if err != nil {
@@ -384,14 +385,20 @@ func (s *Store) Coalesce(ctx context.Context, c *Coalesce) (CoalesceResult, erro
 }
 
 // Unlock runs the unlock script (lua/unlock.lua): give back the lock r's
-// task took if asynq refused to enqueue it. It reports whether it did.
-func (s *Store) Unlock(ctx context.Context, r *Ref) (bool, error) {
+// task took if asynq refused to enqueue it; bounded says the lock may be
+// counted in its type's waiting set (MaxPending). It reports whether it
+// did.
+func (s *Store) Unlock(ctx context.Context, r *Ref, bounded bool) (bool, error) {
 	lock := s.keys.LockOf(r)
-	keys := []string{lock, s.keys.Wait(r.Queue, r.Type)}
-	if r.Indexed {
-		keys = append(keys, s.keys.Index(r.Queue, r.ID))
+	kl := newKeyList()
+	kl.add(roleLock, lock)
+	if bounded {
+		kl.add(roleWait, s.keys.Wait(r.Queue, r.Type))
 	}
-	v, err := s.run(ctx, s.sc.unlock, keys, r.stored(), r.FP, r.ID)
+	if r.Indexed {
+		kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
+	}
+	v, err := s.run(ctx, s.sc.unlock, kl.keys, kl.roleString(), r.stored(), r.FP, r.ID)
 	if err != nil {
 		return false, err
 	}
