@@ -112,9 +112,10 @@ func TestClusterDeadMasterStaysItsOwnProblem(t *testing.T) {
 // A master killed with SIGKILL is replaced by its replica (node timeout
 // 2 s): enqueues to its queue fail with ErrUnavailable until the promotion
 // and succeed again soon after it (each failure asks go-redis to reload
-// the slot map; the breaker probes every BreakerBackoff); the other
-// queues never fail; a task and its lock written (and replicated) before
-// the kill survive it: its duplicate is still refused.
+// the slot map; the breaker probes every BreakerBackoff); no task reported
+// failed was stored; the other queues never fail; a task and its lock
+// written (and replicated) before the kill survive it: its duplicate is
+// still refused.
 func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	procs, c := redistest.OwnCluster(t, 3, true)
 	queues := queuesOnEveryMaster(t, c, "promo")
@@ -127,6 +128,14 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	t.Cleanup(func() { _ = d.Close() })
 	client := d.NewClient()
 	dead := queues[0]
+	for _, q := range queues[1:] {
+		// A queue's first enqueue registers it in asynq's set of queues, a
+		// key of one master's (asynq's own client does the same): warm
+		// the queues up, as producers running before the kill would have.
+		if _, err := client.EnqueueContext(ctx, asynq.NewTask("promo:job", []byte(`{"k":"warm"}`)), asynq.Queue(q)); err != nil {
+			t.Fatal(err)
+		}
+	}
 	before := asynq.NewTask("promo:job", []byte(`{"k":"before"}`))
 	first, err := client.EnqueueContext(ctx, before, asynq.Queue(dead))
 	if err != nil {
@@ -150,6 +159,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	killed := time.Now()
 	var promoted, recovered time.Time
 	failures := 0
+	var failed []string
 	for i := 0; recovered.IsZero(); i++ {
 		if time.Since(killed) > 60*time.Second {
 			t.Fatalf("no recovery 60 s after the kill (promoted: %v, %d failures)", !promoted.IsZero(), failures)
@@ -162,7 +172,8 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 				t.Fatalf("queue %s on a live master, %v after the kill: %v", q, time.Since(killed), err)
 			}
 		}
-		_, err := client.EnqueueContext(ctx, asynq.NewTask("promo:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
+		id := fmt.Sprintf("promo-%d", i) // a caller-chosen ID, to look for it afterwards
+		_, err := client.EnqueueContext(ctx, asynq.NewTask("promo:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead), asynq.TaskID(id))
 		switch {
 		case err == nil:
 			recovered = time.Now()
@@ -170,7 +181,17 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 			t.Fatalf("queue %s on the killed master: %v, want ErrUnavailable", dead, err)
 		default:
 			failures++
+			if !errors.Is(err, ErrOutcomeUnknown) {
+				failed = append(failed, id)
+			}
 			time.Sleep(50 * time.Millisecond) // the time under test: polling the recovery
+		}
+	}
+	// No task reported failed (as opposed to "outcome unknown") was stored.
+	insp := asynq.NewInspectorFromRedisClient(c)
+	for _, id := range failed {
+		if ti, err := insp.GetTaskInfo(dead, id); err == nil {
+			t.Errorf("task %s was reported failed but is stored (%v)", id, ti.State)
 		}
 	}
 	if promoted.IsZero() {
