@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -205,6 +206,23 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	var dup *DuplicateTaskError
 	if _, err := client.EnqueueContext(ctx, before, asynq.Queue(dead)); !errors.As(err, &dup) || dup.TaskID != first.ID {
 		t.Fatalf("duplicate of the task written before the kill: %v, want a DuplicateTaskError naming %s", err, first.ID)
+	}
+	// No lock is left whose owner cannot run (what dedupctl doctor looks for).
+	var keys []string
+	var mu sync.Mutex
+	_ = c.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
+		ks, _ := m.Keys(ctx, d.cfg.Prefix+":*:l:*").Result()
+		mu.Lock()
+		keys = append(keys, ks...)
+		mu.Unlock()
+		return nil
+	})
+	ls, err := store.ReadLocks(ctx, c, d.store.Keys(), keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ds, err := store.Diagnose(ctx, c, ls, 0, time.Now()); err != nil || len(ds) > 0 {
+		t.Fatalf("after the recovery, locks whose owner cannot run: %+v %v", ds, err)
 	}
 }
 

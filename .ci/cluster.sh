@@ -33,7 +33,7 @@ cluster_ok() {
 		cli "$p" cluster info 2>/dev/null | tr -d '\r' | grep -qx 'cluster_state:ok' || return 1
 		[ "$(cli "$p" cluster info 2>/dev/null | tr -d '\r' | sed -n 's/^cluster_known_nodes://p')" = "${#ports[@]}" ] || return 1
 		# every node sees half the nodes as replicas
-		[ "$(cli "$p" cluster nodes 2>/dev/null | grep -c ' slave ')" = "$((${#ports[@]} / 2))" ] || return 1
+		[ "$(cli "$p" cluster nodes 2>/dev/null | awk '$3 ~ /slave/' | wc -l)" = "$((${#ports[@]} / 2))" ] || return 1
 		if cli "$p" info replication 2>/dev/null | tr -d '\r' | grep -qx 'role:slave'; then
 			cli "$p" info replication | tr -d '\r' | grep -qx 'master_link_status:up' || return 1
 		fi
