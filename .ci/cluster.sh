@@ -11,6 +11,7 @@
 # half masters, the second their replicas). Files (nodes-P.conf,
 # logs, pid files) live in DEDUP_CLUSTER_DIR (default ${TMPDIR:-/tmp}/dedup-cluster).
 # Persistence is off. Only the export line goes to stdout; progress goes to stderr.
+# (No grep -q in pipelines: with pipefail its early exit would fail the check.)
 set -euo pipefail
 
 ports=(${DEDUP_CLUSTER_PORTS:-7100 7101 7102 7103 7104 7105})
@@ -30,12 +31,12 @@ cli() { redis-cli -h "$host" -p "$1" "${@:2}"; }
 cluster_ok() {
 	local p
 	for p in "${ports[@]}"; do
-		cli "$p" cluster info 2>/dev/null | tr -d '\r' | grep -qx 'cluster_state:ok' || return 1
+		cli "$p" cluster info 2>/dev/null | tr -d '\r' | grep -x 'cluster_state:ok' >/dev/null || return 1
 		[ "$(cli "$p" cluster info 2>/dev/null | tr -d '\r' | sed -n 's/^cluster_known_nodes://p')" = "${#ports[@]}" ] || return 1
 		# every node sees half the nodes as replicas
 		[ "$(cli "$p" cluster nodes 2>/dev/null | awk '$3 ~ /slave/' | wc -l)" = "$((${#ports[@]} / 2))" ] || return 1
-		if cli "$p" info replication 2>/dev/null | tr -d '\r' | grep -qx 'role:slave'; then
-			cli "$p" info replication | tr -d '\r' | grep -qx 'master_link_status:up' || return 1
+		if cli "$p" info replication 2>/dev/null | tr -d '\r' | grep -x 'role:slave' >/dev/null; then
+			cli "$p" info replication | tr -d '\r' | grep -x 'master_link_status:up' >/dev/null || return 1
 		fi
 	done
 }

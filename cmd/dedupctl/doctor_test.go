@@ -50,7 +50,7 @@ func TestDoctorFindsAndFixesLocksWhoseOwnerCannotRun(t *testing.T) {
 			got, out.Checked, orphan.ID, lost.ID, healthy.ID, cooling.ID, running.ID)
 	}
 	r := f.ok("doctor", "--grace", "0")
-	if !strings.Contains(r.stdout, "but not in asynq:{"+f.qa+"}:pending") || !strings.Contains(r.stdout, "5 locks checked, 2 locks whose owner cannot run; run with --fix") {
+	if !strings.Contains(r.stdout, "but not in asynq's pending list or set") || !strings.Contains(r.stdout, "5 locks checked, 2 locks whose owner cannot run; run with --fix") {
 		t.Errorf("doctor text:\n%s", r.stdout)
 	}
 	// An orphan younger than --grace is left alone (a WrapClient lock).

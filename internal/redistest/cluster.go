@@ -28,7 +28,7 @@ func OwnCluster(t *testing.T, masters int, replicas bool) ([]*Proc, *redis.Clust
 	procs := make([]*Proc, n)
 	for i := range procs {
 		p, err := Spawn("", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-			"--repl-diskless-sync-delay", "0", "--cluster-require-full-coverage", "no")
+			"--repl-diskless-sync-delay", "0", "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0")
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -26,47 +26,60 @@ type Diagnosis struct {
 // run: its asynq record is gone (missing, completed, archived; a cooling
 // lock is held on purpose), or its state names a list or set (pending,
 // scheduled, retry, active) that does not hold it, as after a slot
-// migration that dropped a list. A lock younger than grace whose owner is
-// gone is left out unless it was written with its task: the task may not
-// be stored yet. One pipelined round trip (per node on a cluster).
+// migration that dropped a list. Each owner's state and place are read
+// together, atomically (lua/diagnose.lua), so a task asynq moves meanwhile
+// is never taken for lost. A lock younger than grace whose owner is gone
+// is left out unless it was written with its task: the task may not be
+// stored yet. One pipelined round trip (per node on a cluster).
 func Diagnose(ctx context.Context, c redis.Cmdable, ls []*Lock, grace time.Duration, now time.Time) ([]Diagnosis, error) {
-	type check struct {
-		l   *Lock
-		cmd redis.Cmder
-	}
-	var out []Diagnosis
-	var checks []check
+	sc := scripts().diagnose
+	cmds := make([]*redis.Cmd, len(ls))
 	_, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for _, l := range ls {
-			switch {
-			case l.State() == LockCooling:
-			case l.TaskState == "missing" || Gone(l.TaskState):
-				if l.Fields[FieldStored] != "" || now.Sub(time.Unix(l.Created, 0)) >= grace {
-					out = append(out, Diagnosis{Lock: l, Problem: ProblemGone, Detail: "owner " + l.TaskState})
-				}
-			case l.TaskState == StatePending:
-				checks = append(checks, check{l, p.LPos(ctx, PendingKey(l.Queue), l.Owner, redis.LPosArgs{})})
-			case l.TaskState == StateActive:
-				checks = append(checks, check{l, p.LPos(ctx, ActiveKey(l.Queue), l.Owner, redis.LPosArgs{})})
-			case l.TaskState == StateScheduled:
-				checks = append(checks, check{l, p.ZScore(ctx, ScheduledKey(l.Queue), l.Owner)})
-			case l.TaskState == StateRetry:
-				checks = append(checks, check{l, p.ZScore(ctx, RetryKey(l.Queue), l.Owner)})
+		for i, l := range ls {
+			if l.State() == LockCooling {
+				continue
 			}
+			q := l.Queue
+			keys := []string{TaskKey(q, l.Owner), PendingKey(q), ActiveKey(q), ScheduledKey(q), RetryKey(q)}
+			cmds[i] = sc.Eval(ctx, p, keys, l.Owner)
 		}
 		return nil
 	})
 	if err != nil && !errors.Is(err, redis.Nil) {
-		return nil, fmt.Errorf("check the owners' lists: %w", err)
+		return nil, fmt.Errorf("check the owners: %w", err)
 	}
-	for _, ch := range checks {
-		switch err := ch.cmd.Err(); {
-		case errors.Is(err, redis.Nil):
-			out = append(out, Diagnosis{Lock: ch.l, Problem: ProblemNotThere,
-				Detail: fmt.Sprintf("owner %s but not in %s", ch.l.TaskState, ch.cmd.Args()[1])})
-		case err != nil:
-			return nil, fmt.Errorf("check %s: %w", ch.l.Key, err)
+	var out []Diagnosis
+	for i, cmd := range cmds {
+		if cmd == nil {
+			continue
+		}
+		v, err := cmd.Result()
+		if err != nil {
+			return nil, fmt.Errorf("check %s: %w", ls[i].Key, err)
+		}
+		rep, err := parseReply(v)
+		if err != nil {
+			return nil, fmt.Errorf("check %s: %w", ls[i].Key, err)
+		}
+		if d, bad := diagnosis(ls[i], rep.str(0), rep.str(1) == "1", grace, now); bad {
+			out = append(out, d)
 		}
 	}
 	return out, nil
+}
+
+// diagnosis judges one lock from its owner's state and whether that
+// state's list or set holds it.
+func diagnosis(l *Lock, state string, there bool, grace time.Duration, now time.Time) (Diagnosis, bool) {
+	switch {
+	case state == "" || Gone(state):
+		if state == "" {
+			state = "missing"
+		}
+		young := l.Fields[FieldStored] == "" && now.Sub(time.Unix(l.Created, 0)) < grace
+		return Diagnosis{Lock: l, Problem: ProblemGone, Detail: "owner " + state}, !young
+	case !there:
+		return Diagnosis{Lock: l, Problem: ProblemNotThere, Detail: fmt.Sprintf("owner %s but not in asynq's %s list or set", state, state)}, true
+	}
+	return Diagnosis{}, false
 }

@@ -40,6 +40,8 @@ var (
 	releaseSrc string
 	//go:embed lua/again.lua
 	againSrc string
+	//go:embed lua/diagnose.lua
+	diagnoseSrc string
 )
 
 // CheckKeysEnv, when set in the environment of a process that creates a
@@ -50,11 +52,11 @@ const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
 
 // scriptSet holds the scripts, in one of two builds.
 type scriptSet struct {
-	acquire, replace, start, extend, finish, unlock, coalesce, release, again *redis.Script
+	acquire, replace, start, extend, finish, unlock, coalesce, release, again, diagnose *redis.Script
 }
 
 func (s *scriptSet) all() []*redis.Script {
-	return []*redis.Script{s.acquire, s.replace, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release, s.again}
+	return []*redis.Script{s.acquire, s.replace, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release, s.again, s.diagnose}
 }
 
 var (
@@ -74,7 +76,7 @@ func buildScripts(checked bool) *scriptSet {
 	b := func(src string) *redis.Script { return redis.NewScript(source(src, checked)) }
 	return &scriptSet{
 		acquire: b(acquireSrc), replace: b(replaceSrc), start: b(startSrc), extend: b(extendSrc), finish: b(finishSrc),
-		unlock: b(unlockSrc), coalesce: b(coalesceSrc), release: b(releaseSrc), again: b(againSrc),
+		unlock: b(unlockSrc), coalesce: b(coalesceSrc), release: b(releaseSrc), again: b(againSrc), diagnose: b(diagnoseSrc),
 	}
 }
 
