@@ -454,16 +454,13 @@ func TestNewErrors(t *testing.T) {
 	if _, err := New(context.Background(), rdb, Config{Rules: map[string]Rule{"t": {OnBusy: Busy(9)}}}); !errors.Is(err, ErrInvalidOption) {
 		t.Fatalf("unknown OnBusy: %v", err)
 	}
-	addr, err := freeAddr() // nothing listens there
-	if err != nil {
-		t.Fatal(err)
-	}
+	addr := "127.0.0.1:1"       // nothing listens on port 1 (a free port could be taken meanwhile by another package's redis-server)
 	if redistest.Addr() != "" { // miniredis serves its connections with goroutines of its own
 		defer goleak.VerifyNone(t, goleak.IgnoreCurrent()) // failed attempts leave nothing running
 	}
 	dead := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
 	defer dead.Close()
-	_, err = New(context.Background(), dead, Config{ConnectAttempts: 3, ConnectBackoff: Backoff{Min: time.Millisecond, Max: 4 * time.Millisecond}, Logger: quietLogger()})
+	_, err := New(context.Background(), dead, Config{ConnectAttempts: 3, ConnectBackoff: Backoff{Min: time.Millisecond, Max: 4 * time.Millisecond}, Logger: quietLogger()})
 	if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "3 attempts") {
 		t.Fatalf("unreachable: %v", err)
 	}
@@ -624,11 +621,9 @@ func TestNewFromRedisConnOpt(t *testing.T) {
 	if err := d.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
 	}
-	addr, err := freeAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := NewFromRedisConnOpt(ctx, asynq.RedisClientOpt{Addr: addr}, Config{ConnectAttempts: 1, Logger: quietLogger()}); !errors.Is(err, ErrUnavailable) {
+	// Port 1: nothing listens there (a port from freeAddr could be taken
+	// meanwhile by a redis-server another test package starts).
+	if _, err := NewFromRedisConnOpt(ctx, asynq.RedisClientOpt{Addr: "127.0.0.1:1"}, Config{ConnectAttempts: 1, Logger: quietLogger()}); !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("unreachable: %v", err)
 	}
 }
