@@ -24,5 +24,8 @@ func (s BreakerState) String() string {
 	return "unknown"
 }
 
-// BreakerState reports the circuit breaker's state.
+// BreakerState reports the circuit breaker's state. On Redis Cluster each
+// master has a breaker of its own (a master that fails stops only the
+// calls for its slots); this reports the worst: open if any is open, else
+// probing if any probes, else closed.
 func (d *Dedup) BreakerState() BreakerState { return BreakerState(d.store.BreakerState()) }

@@ -105,7 +105,8 @@ type Config struct {
 
 	// BreakerThreshold is how many consecutive Redis failures open the
 	// circuit breaker, after which lock calls fail at once (ErrCircuitOpen)
-	// until a probe succeeds. Default 5; negative disables the breaker.
+	// until a probe succeeds. On Redis Cluster each master has its own
+	// breaker. Default 5; negative disables the breaker.
 	BreakerThreshold int
 
 	// BreakerBackoff spaces the probes while the breaker is open. Default:
