@@ -229,11 +229,9 @@ func created(info *asynq.TaskInfo, err error) (Result, error) {
 func (c *Client) rollback(ctx context.Context, k *call, enqErr error) (*asynq.TaskInfo, error) {
 	d := c.d
 	ctx = context.WithoutCancel(ctx)
-	if !store.NotRun(enqErr) { // (a refused enqueue, such as TRYAGAIN in a slot migration, stored nothing)
-		ti, err := c.landed(ctx, k, enqErr)
-		if ti != nil || err != nil {
-			return ti, err
-		}
+	ti, err := c.landed(ctx, k, enqErr)
+	if ti != nil || err != nil {
+		return ti, err
 	}
 	if _, err := d.store.Unlock(ctx, &k.ref, k.acquire.MaxPending > 0); err != nil {
 		d.count(k.typ, evRedisError)
@@ -246,27 +244,32 @@ func (c *Client) rollback(ctx context.Context, k *call, enqErr error) (*asynq.Ta
 
 // landed tells whether the call's task is stored after a call that failed
 // with callErr may or may not have stored it: the task (nil if it is not
-// stored), or an error matching ErrUnavailable if that cannot be told.
+// stored), or an error matching ErrUnavailable if that cannot be told. It
+// reads asynq's record with one single-key command, which Redis answers
+// during a slot migration too; a refusal of the call itself (TRYAGAIN, ...)
+// proves nothing, as go-redis may have retried a call that had run.
 func (c *Client) landed(ctx context.Context, k *call, callErr error) (*asynq.TaskInfo, error) {
 	d := c.d
 	queue, id := k.queue, k.ref.ID
-	v, err := d.store.Foreign(context.WithoutCancel(ctx), store.TaskKey(queue, id), func() (any, error) { return d.insp.GetTaskInfo(queue, id) })
-	ti, _ := v.(*asynq.TaskInfo)
+	typ, payload, state, found, err := d.store.StoredTask(context.WithoutCancel(ctx), queue, id)
 	switch {
-	case err == nil:
-		if ti != nil && ti.Type == k.typ && bytes.Equal(ti.Payload, k.task.Payload()) {
-			d.count(k.typ, evLocked)
-			return ti, nil
+	case err != nil:
+		d.count(k.typ, evRedisError)
+		if callErr == nil {
+			return nil, fmt.Errorf("%w: %w (task %s): asking whether it was stored: %w", ErrUnavailable, ErrOutcomeUnknown, id, err)
 		}
-		return nil, nil // a different task has this (caller-chosen) ID: ours never landed
-	case errors.Is(err, asynq.ErrTaskNotFound), errors.Is(err, asynq.ErrQueueNotFound):
-		return nil, nil
+		if errors.Is(callErr, ErrUnavailable) {
+			return nil, fmt.Errorf("%w (task %s): %w; asking whether it ran: %w", ErrOutcomeUnknown, id, callErr, err)
+		}
+		return nil, fmt.Errorf("%w: %w (task %s): %w; asking whether it ran: %w", ErrUnavailable, ErrOutcomeUnknown, id, callErr, err)
+	case !found || typ != k.typ || !bytes.Equal(payload, k.task.Payload()):
+		return nil, nil // not stored, or a different task has this (caller-chosen) ID: ours never landed
 	}
-	d.count(k.typ, evRedisError)
-	if errors.Is(callErr, ErrUnavailable) {
-		return nil, fmt.Errorf("%w (task %s): %w; asking whether it ran: %w", ErrOutcomeUnknown, id, callErr, err)
+	d.count(k.typ, evLocked)
+	if ti, err := d.insp.GetTaskInfo(queue, id); err == nil {
+		return ti, nil
 	}
-	return nil, fmt.Errorf("%w: %w (task %s): %w; asking whether it ran: %w", ErrUnavailable, ErrOutcomeUnknown, id, callErr, err)
+	return &asynq.TaskInfo{ID: id, Queue: queue, Type: typ, Payload: payload, State: parseState(state)}, nil
 }
 
 // enqueueError wraps an error from asynq's enqueue. asynq flattens Redis

@@ -222,7 +222,9 @@ func TestClusterSlotMigrationLosesNothing(t *testing.T) {
 		})
 		return out
 	}
-	deadline := time.Now().Add(10 * time.Second)
+	// A settle refused during the migration is tried again at the next
+	// heartbeats (every Lease/3), and the lock expires within one Lease.
+	deadline := time.Now().Add(DefaultLease + 5*time.Second)
 	for len(leftLocks()) > 0 && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond) // locks are released as the tasks finish
 	}

@@ -94,11 +94,8 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 		}
 		d.count(k.typ, evLocked) // the script stored the task too: one round trip
 		return Result{Outcome: Created, TaskID: k.ref.ID, Info: k.storedInfo()}, done, nil
-	case store.StatusSelf:
-		k.self = true
-		return Result{}, enqueue, nil
-	case store.StatusConflict:
-		return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)
+	case store.StatusSelf, store.StatusConflict:
+		return c.idTaken(ctx, k, res.Status)
 	case store.StatusHeld:
 		return Result{}, done, c.duplicate(k, res.Task, res.Lock, res.FollowUp)
 	case store.StatusCooling:
@@ -117,6 +114,28 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 		return Result{}, done, fmt.Errorf("%w: %s", ErrIncompatible, res.Reason)
 	}
 	return Result{}, done, fmt.Errorf("dedup: unexpected acquire status %d", res.Status)
+}
+
+// idTaken answers a call whose task ID already holds the key (StatusSelf:
+// the caller enqueues it again, through asynq) or is taken
+// (StatusConflict). A direct call carried its task: an earlier run of this
+// very call may have stored it (go-redis retries a call whose reply was
+// lost), and then the answer is that task, created.
+func (c *Client) idTaken(ctx context.Context, k *call, st store.Status) (Result, next, error) {
+	if k.acquire.Direct {
+		ti, err := c.landed(ctx, k, nil)
+		switch {
+		case ti != nil:
+			return Result{Outcome: Created, TaskID: ti.ID, Info: ti}, done, nil
+		case err != nil:
+			return Result{}, done, err
+		}
+	}
+	if st == store.StatusSelf {
+		k.self = true
+		return Result{}, enqueue, nil
+	}
+	return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)
 }
 
 // duplicate is the error of a call whose key holder is named.

@@ -64,9 +64,11 @@ func (h *heartbeater) stop() {
 	}
 }
 
-// recheck is a lock held on a guess of what asynq would do with an attempt
-// it gave up (see Dedup.finishOf), to settle again by the task's record
-// once asynq has written it.
+// recheck is a lock to settle again at the next beats: held on a guess of
+// what asynq would do with an attempt it gave up (see Dedup.finishOf), to
+// settle by the task's record once asynq has written it; or one whose
+// settle call failed (Redis refused it during a slot migration, or was
+// unreachable a moment).
 type recheck struct {
 	f    store.Finish
 	left int // beats to try before leaving it to heal
@@ -79,6 +81,16 @@ const maxRechecks = 3
 func (h *heartbeater) recheck(f *store.Finish) {
 	rc := recheck{f: *f, left: maxRechecks}
 	rc.f.Token = ""
+	h.queue(rc)
+}
+
+// retry settles f again, as it was (with its attempt's token), at the next
+// beats: its settle call failed.
+func (h *heartbeater) retry(f *store.Finish) {
+	h.queue(recheck{f: *f, left: maxRechecks})
+}
+
+func (h *heartbeater) queue(rc recheck) {
 	h.mu.Lock()
 	h.rechecks = append(h.rechecks, rc)
 	h.mu.Unlock()

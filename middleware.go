@@ -136,7 +136,8 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	switch {
 	case ferr != nil:
 		d.count(t.Type(), evRedisError)
-		d.log.Warn("dedup: could not settle lock; it expires within one lease", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", ferr))
+		d.hb.retry(f)
+		d.log.Warn("dedup: could not settle lock; tried again at the next heartbeats, else it expires within one lease", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", ferr))
 	case !res.Owned:
 		if live { // else the heartbeat already reported it
 			d.count(t.Type(), evLockLost)

@@ -93,7 +93,7 @@ func runDoctor(a *app, o *doctorFlags) error {
 		l := d.Lock
 		f := doctorFinding{Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, TaskState: l.TaskState, Problem: d.Problem, Detail: d.Detail}
 		if o.fix {
-			res, err := store.ReleaseLock(ctx, c.rdb, store.NewKeys(a.g.prefix), l)
+			res, err := store.ReleaseStuck(ctx, c.rdb, store.NewKeys(a.g.prefix), l)
 			switch {
 			case err != nil:
 				f.Error = err.Error()
@@ -102,6 +102,8 @@ func runDoctor(a *app, o *doctorFlags) error {
 				out.Released++
 			case res.Gone:
 				f.Error = "gone meanwhile"
+			case res.Runnable != "":
+				f.Error = "its owner can run now (" + res.Runnable + ")"
 			default:
 				f.Error = "changed owner meanwhile, to " + res.Owner
 			}

@@ -81,6 +81,8 @@ func release(a *app, ctx context.Context, c *conn, t *target, l *lockInfo, yes b
 		return fmt.Errorf("release %s: %w", l.Key, err)
 	case res.Gone:
 		return fmt.Errorf("no such lock: %s (released or expired meanwhile)", l.Key)
+	case !res.Released && res.Owner == l.Owner:
+		return fmt.Errorf("not released: %s was taken again by %s since it was read; run again to release it", l.Key, l.Owner)
 	case !res.Released:
 		return fmt.Errorf("not released: %s changed owner from %s to %s since it was read; run again to release the new owner's lock", l.Key, l.Owner, res.Owner)
 	}

@@ -64,8 +64,8 @@ type AcquireResult struct {
 	Lock     string        // the lock's key
 	Stored   bool          // StatusTaken: the task (Acquire.Message) was stored with the lock
 	// Sent: with an error, the failed call carried the task to store with
-	// the lock (Acquire.Direct) and Redis may have run it, so the task may
-	// be stored (not when Redis refused the call: NotRun).
+	// the lock (Acquire.Direct), so it may be stored (even if the last
+	// answer was a refusal: go-redis retries calls that may have run).
 	Sent bool
 }
 
@@ -94,7 +94,7 @@ func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) 
 		keys, args := a.build(s, lock, &h, n > 0)
 		v, err := s.run(ctx, s.sc.acquire, keys, args...)
 		if err != nil {
-			return AcquireResult{Sent: a.sendsMessage(&h) && !errors.Is(err, s.cfg.ErrCircuitOpen) && !NotRun(err)}, err
+			return AcquireResult{Sent: a.sendsMessage(&h) && !errors.Is(err, s.cfg.ErrCircuitOpen)}, err
 		}
 		rep, err := parseReply(v)
 		if err != nil {

@@ -85,10 +85,12 @@ func (s *Store) Close() {
 func (s *Store) Keys() Keys { return s.keys }
 
 // BreakerState reports the circuit breakers' state: the worst of the
-// nodes' (open, else probing, else closed).
+// nodes' that serve slots now (open, else probing, else closed).
 func (s *Store) BreakerState() BreakerState {
+	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.LockTimeout)
+	defer cancel()
 	worst := BreakerClosed
-	for _, sh := range s.sh.all() {
+	for _, sh := range s.sh.live(ctx) {
 		switch st := sh.br.current(); {
 		case st == BreakerOpen:
 			return BreakerOpen

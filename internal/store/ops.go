@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -111,4 +112,32 @@ func (s *Store) TaskTrace(ctx context.Context, queue, id string) (exists bool, p
 		return false, 0, errors.New("store: unexpected reply to TaskTrace")
 	}
 	return r[0] == 1, r[1], nil
+}
+
+// StoredTask reads asynq's record of task id: its type, payload and state;
+// found is false when there is none. One single-key command, so it is
+// answered during a slot migration too (a script of several keys may be
+// refused there).
+func (s *Store) StoredTask(ctx context.Context, queue, id string) (typ string, payload []byte, state string, found bool, err error) {
+	key := TaskKey(queue, id)
+	v, err := s.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return rdb.HMGet(c, key, "msg", "state").Result()
+	})
+	if err != nil {
+		return "", nil, "", false, err
+	}
+	vals, _ := v.([]any)
+	if len(vals) != 2 {
+		return "", nil, "", false, errors.New("store: unexpected reply to StoredTask")
+	}
+	msg, _ := vals[0].(string)
+	state, _ = vals[1].(string)
+	if msg == "" {
+		return "", nil, "", false, nil
+	}
+	typ, payload, ok := decodeTypePayload([]byte(msg))
+	if !ok {
+		return "", nil, state, true, fmt.Errorf("store: task %s: message not understood", id)
+	}
+	return typ, payload, state, true, nil
 }

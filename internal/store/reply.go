@@ -1,13 +1,9 @@
 package store
 
 import (
-	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
-
-	"github.com/redis/go-redis/v9"
 )
 
 // Status is the first element of a script's reply (see each script's header).
@@ -94,35 +90,4 @@ func parseFlag(v any) (bool, error) {
 		return false, fmt.Errorf("dedup: unexpected script reply %T", v)
 	}
 	return n == 1, nil
-}
-
-// refusals are the error replies Redis gives before it runs a command: a
-// cluster redirection, or a node not ready to serve. A call refused with
-// one changed nothing.
-var refusals = []string{"TRYAGAIN", "MOVED", "ASK", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY"}
-
-// asynqEvalError is how asynq v0.26.0 flattens a failed script call into
-// text (internal/rdb: "redis eval error: %v").
-const asynqEvalError = "redis eval error: "
-
-// NotRun reports whether err is Redis refusing a command before running it
-// (see refusals), from go-redis or as asynq's client words it: the call
-// stored nothing, so a caller need not ask whether it did.
-func NotRun(err error) bool {
-	if err == nil {
-		return false
-	}
-	msg := ""
-	var re redis.Error
-	if errors.As(err, &re) {
-		msg = re.Error()
-	} else if _, after, ok := strings.Cut(err.Error(), asynqEvalError); ok {
-		msg = after
-	}
-	for _, r := range refusals {
-		if strings.HasPrefix(msg, r+" ") || msg == r {
-			return true
-		}
-	}
-	return false
 }

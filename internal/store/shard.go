@@ -71,6 +71,35 @@ func (sh *shards) forKey(ctx context.Context, key string) *shard {
 	return s
 }
 
+// live returns the shards of the nodes that serve slots now (by the client's
+// current view of the cluster), and the shared one: a master that died and
+// was replaced keeps its shard, whose breaker no call will probe again.
+func (sh *shards) live(ctx context.Context) []*shard {
+	if sh.cluster == nil {
+		return []*shard{sh.one}
+	}
+	var (
+		mu    sync.Mutex
+		addrs = map[string]bool{}
+	)
+	err := sh.cluster.ForEachMaster(ctx, func(_ context.Context, c *redis.Client) error {
+		mu.Lock()
+		addrs[c.Options().Addr] = true
+		mu.Unlock()
+		return nil
+	})
+	if err != nil {
+		return sh.all()
+	}
+	out := []*shard{sh.one}
+	for a, s := range *sh.byAddr.Load() {
+		if addrs[a] {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
 // all returns every shard made so far.
 func (sh *shards) all() []*shard {
 	out := []*shard{sh.one}

@@ -10,20 +10,8 @@
 --                           when the state's list or set holds the ID (or the
 --                           state names none: completed, archived,
 --                           aggregating), else 0
-local state = call('HGET', KEYS[1], 'state')
-if not state then
-  return {1, '', 0}
-end
-local id, there = ARGV[1], true
-if state == 'pending' then
-  there = call('LPOS', KEYS[2], id)
-elseif state == 'active' then
-  there = call('LPOS', KEYS[3], id)
-elseif state == 'scheduled' then
-  there = call('ZSCORE', KEYS[4], id)
-elseif state == 'retry' then
-  there = call('ZSCORE', KEYS[5], id)
-end
+-- @lib: lib.lua is spliced in here.
+local state, there = placed(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1])
 if there then
   return {1, state, 1}
 end

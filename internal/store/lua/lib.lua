@@ -148,6 +148,27 @@ local function debounce(lock, sched, t, tstate, due, ttl_ms, index, wait, fp, no
   end
 end
 
+-- placed reads where asynq keeps task id: its record's state ('' when the
+-- record is missing) and whether the list or set that state names holds it
+-- (true too for a state that names none: completed, archived, aggregating).
+local function placed(rec, pending, active, scheduled, retry, id)
+  local state = call('HGET', rec, 'state')
+  if not state then
+    return '', false
+  end
+  local there = true
+  if state == 'pending' then
+    there = call('LPOS', pending, id)
+  elseif state == 'active' then
+    there = call('LPOS', active, id)
+  elseif state == 'scheduled' then
+    there = call('ZSCORE', scheduled, id)
+  elseif state == 'retry' then
+    there = call('ZSCORE', retry, id)
+  end
+  return state, there and true or false
+end
+
 -- now_parts reads the server clock: unix seconds, milliseconds, and
 -- nanoseconds as a string (asynq's pending_since).
 local function now_parts()
