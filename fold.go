@@ -118,11 +118,13 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 
 // idTaken answers a call whose task ID already holds the key (StatusSelf:
 // the caller enqueues it again, through asynq) or is taken
-// (StatusConflict). A direct call carried its task: an earlier run of this
-// very call may have stored it (go-redis retries a call whose reply was
-// lost), and then the answer is that task, created.
+// (StatusConflict). A direct call carried its task: when its own ID holds
+// the key, an earlier run of this very call may have stored the task and
+// taken the lock (go-redis retries a call whose reply was lost), and then
+// the answer is that task, created. (A task ID that is taken while the key
+// is free is never this call's: its run would have taken the lock.)
 func (c *Client) idTaken(ctx context.Context, k *call, st store.Status) (Result, next, error) {
-	if k.acquire.Direct {
+	if k.acquire.Direct && st == store.StatusSelf {
 		ti, err := c.landed(ctx, k, nil)
 		switch {
 		case ti != nil:
