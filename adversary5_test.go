@@ -18,8 +18,6 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-var a5Debug = false
-
 // ---- a proxy that lets one script run and then loses its reply ----
 
 // lossProxy forwards a connection's commands to Redis. Armed, the first
@@ -99,10 +97,17 @@ func (p *lossProxy) serve(c net.Conn) {
 	}
 	defer s.Close()
 	var drop atomic.Bool
+	answered := make(chan struct{}, 1) // Redis answered the call whose reply is dropped
 	go func() {
 		buf := make([]byte, 64<<10)
 		for {
 			n, err := s.Read(buf)
+			if n > 0 && drop.Load() {
+				select {
+				case answered <- struct{}{}:
+				default:
+				}
+			}
 			if n > 0 && !drop.Load() {
 				if _, werr := c.Write(buf[:n]); werr != nil {
 					return
@@ -121,9 +126,6 @@ func (p *lossProxy) serve(c net.Conn) {
 			return
 		}
 		chunk := buf[:n]
-		if a5Debug && p.armed.Load() {
-			fmt.Printf("CHUNK %q\n", chunk[:min(len(chunk), 300)])
-		}
 		if left := p.loading.Load(); left > 0 && p.match(chunk) { // retries of the lost call only
 			k := int64(a5CountCommands(chunk))
 			p.loading.Add(-k)
@@ -138,8 +140,10 @@ func (p *lossProxy) serve(c net.Conn) {
 			drop.Store(true)
 			_, _ = s.Write(chunk)
 			// Let Redis run it and answer (the answer is dropped).
-			_ = s.SetReadDeadline(time.Now().Add(2 * time.Second))
-			time.Sleep(200 * time.Millisecond)
+			select {
+			case <-answered:
+			case <-time.After(2 * time.Second):
+			}
 			p.loading.Store(p.refuse) // go-redis's retries meet LOADING
 			p.once.Do(func() { close(p.fired) })
 			return // closes the client's connection: EOF, retried by go-redis

@@ -97,9 +97,9 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	case store.StatusSelf, store.StatusConflict:
 		return c.idTaken(ctx, k, res.Status)
 	case store.StatusHeld:
-		return Result{}, done, c.duplicate(k, res.Task, res.Lock, res.FollowUp)
+		return Result{}, done, c.duplicate(k, res)
 	case store.StatusCooling:
-		return Result{}, done, c.coolingDuplicate(k, res)
+		return Result{}, done, c.duplicate(k, res)
 	case store.StatusReplaced:
 		return c.folded(k, Replaced, evCoalesced, res.Task, k.task.Payload(), res.State, res.FollowUp), done, nil
 	case store.StatusDeferred:
@@ -140,23 +140,15 @@ func (c *Client) idTaken(ctx context.Context, k *call, st store.Status) (Result,
 	return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)
 }
 
-// duplicate is the error of a call whose key holder is named.
-func (c *Client) duplicate(k *call, holder, lock string, followUp bool) error {
+// duplicate is the error of a call whose key holder the script named
+// (held, still unstored, or cooling down after its success).
+func (c *Client) duplicate(k *call, res store.AcquireResult) error {
+	cooling := res.Status == store.StatusCooling
 	if !k.rule.quiet {
 		c.d.count(k.typ, evDuplicate)
-		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: lock, TaskID: holder, FollowUp: followUp})
+		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: res.Lock, TaskID: res.Task, FollowUp: res.FollowUp, CoolingDown: cooling})
 	}
-	return &DuplicateTaskError{TaskID: holder, Queue: k.queue, Type: k.typ, Key: lock}
-}
-
-// coolingDuplicate is the error of a call whose key cools down after its
-// last task succeeded.
-func (c *Client) coolingDuplicate(k *call, res store.AcquireResult) error {
-	if !k.rule.quiet {
-		c.d.count(k.typ, evDuplicate)
-		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: res.Lock, TaskID: res.Task, CoolingDown: true})
-	}
-	return &DuplicateTaskError{TaskID: res.Task, Queue: k.queue, Type: k.typ, Key: res.Lock, CoolingDown: true, FreeIn: res.Cooling}
+	return &DuplicateTaskError{TaskID: res.Task, Queue: k.queue, Type: k.typ, Key: res.Lock, CoolingDown: cooling, FreeIn: res.Cooling}
 }
 
 // folded describes the task a call was folded into, from what the lock
@@ -251,7 +243,7 @@ func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w 
 // stored the task yet (one round trip away), to fold into it once it has.
 func (c *Client) waitReserved(ctx context.Context, k *call, res store.AcquireResult, w *waits) (Result, next, error) {
 	if w.reserved++; w.reserved > maxReservedWaits {
-		return Result{}, done, c.duplicate(k, res.Task, res.Lock, res.FollowUp)
+		return Result{}, done, c.duplicate(k, res)
 	}
 	if err := sleep(ctx, reservedBackoff.Delay(w.reserved)); err != nil {
 		return Result{}, done, fmt.Errorf("dedup: waiting for task %s to be stored: %w", res.Task, err)
