@@ -29,9 +29,11 @@ const (
 	// Replace and RunningDefer would: into the waiting holder, or into the
 	// running holder's follow-up when the holder's lock defers. The arrival
 	// then returns nil; its own asynq options are not carried over (the
-	// holder's are). Where it cannot fold (another type holds a shared key,
-	// or the running holder's lock does not defer) it is retried as with
-	// BusyRetry.
+	// holder's are). A type with a Cooldown or Debounce folds into a waiting
+	// holder only (a Debounce moves its due time, as an enqueue would).
+	// Where it cannot fold (another type holds a shared key, the running
+	// holder's lock does not defer, the key cools down) it is retried as
+	// with BusyRetry (or dropped at a cooling key).
 	BusyFold
 )
 
@@ -95,14 +97,20 @@ func (d *Dedup) foldBusy(ctx context.Context, t *asynq.Task, key *store.Ref) (Re
 
 // foldBusyOption makes a call on the key fp (the one the arrival met,
 // whatever its own rule or options would give) Replace into a waiting
-// holder and defer behind a running one, quietly: the busy decision
-// speaks for it.
+// holder (Merge with a Merge rule) and defer behind a running one,
+// quietly: the busy decision speaks for it. A type with a Cooldown or a
+// Debounce keeps its running policy (neither allows RunningDefer), so its
+// arrival folds into a waiting holder only, and is retried behind a
+// running one.
 func foldBusyOption(fp string) option {
 	return option{desc: "fold busy", apply: func(r *resolved) error {
 		if r.conflict != Merge {
 			r.conflict = Replace
 		}
-		r.running, r.fixedFP, r.quiet, r.skip = RunningDefer, fp, true, false
+		if r.cooldown == 0 && r.debounce == 0 {
+			r.running = RunningDefer
+		}
+		r.fixedFP, r.quiet, r.skip = fp, true, false
 		return nil
 	}}
 }

@@ -67,6 +67,9 @@ func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
 		k.pass = append(k.pass, o)
 	}
 	if rule != nil {
+		if err := rule.settleConflict(); err != nil {
+			return err
+		}
 		k.rule = *rule
 	}
 	return k.chooseQueue(c.d)

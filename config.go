@@ -62,8 +62,12 @@ type Config struct {
 	Rules map[string]Rule
 
 	// OptIn makes deduplication apply only to types that have a rule (that is
-	// not Skip) or to calls that pass a Fields/Key/SharedKey option.
-	// Default false: every type is deduplicated on its whole payload.
+	// not Skip) or to calls that pass one of this package's options other
+	// than Skip (Fields, Key, SharedKey, TTL, OnConflict, MergeWith,
+	// WaitForRoom, Cooldown, Debounce: each asks for deduplication, so none
+	// is ignored). A call opted in without a rule or key option is keyed on
+	// its whole payload. Default false: every type is deduplicated on its
+	// whole payload.
 	OptIn bool
 
 	// RetryDelayFunc must return (an upper bound of) the delay your
@@ -225,6 +229,7 @@ func (c *Config) withDefaults() (Config, error) {
 		if *d < 0 {
 			return cfg, fmt.Errorf("%w: %s is negative", ErrInvalidOption, name)
 		}
+		*d = lifetime(*d)
 	}
 	if cfg.TTL == 0 {
 		cfg.TTL = DefaultTTL
@@ -268,27 +273,30 @@ func (c *Config) withDefaults() (Config, error) {
 // resolved is the effective setting for one task: its type's rule with the
 // call's options applied.
 type resolved struct {
-	skip          bool
-	fields        *jsonkey.Fields
-	missingAsNull bool
-	key           string
-	hasKey        bool
-	keyFunc       func(string, []byte) (string, error)
-	shared        bool
-	ttl           time.Duration
-	optedIn       bool // a rule or a call option asked for dedup (Config.OptIn)
-	conflict      Conflict
-	merge         MergeFunc
-	running       Running
-	maxPending    int
-	busy          Busy
-	cooldown      time.Duration
-	callCooldown  string // the per-call Cooldown option applied, if any (a fold does not apply it)
-	debounce      time.Duration
-	waitForRoom   bool
-	callKey       string // the per-call key option applied ("dedup.Key", "dedup.SharedKey"), if any
-	fixedFP       string // the key's fingerprint, given (a busy arrival folded into the key it met)
-	quiet         bool   // an enqueue on the middleware's behalf: its busy decision speaks for it
+	skip            bool
+	fields          *jsonkey.Fields
+	missingAsNull   bool
+	key             string
+	hasKey          bool
+	keyFunc         func(string, []byte) (string, error)
+	shared          bool
+	ttl             time.Duration
+	optedIn         bool // a rule or a call option asked for dedup (Config.OptIn)
+	conflict        Conflict
+	merge           MergeFunc
+	running         Running
+	maxPending      int
+	busy            Busy
+	cooldown        time.Duration
+	callCooldown    string // the per-call Cooldown option applied, if any (a fold does not apply it)
+	debounce        time.Duration
+	waitForRoom     bool
+	callConflict    Conflict // the per-call OnConflict, if callConflictSet
+	callConflictSet bool
+	callMerge       MergeFunc // the per-call MergeWith function, if any
+	callKey         string    // the per-call key option applied ("dedup.Key", "dedup.SharedKey"), if any
+	fixedFP         string    // the key's fingerprint, given (a busy arrival folded into the key it met)
+	quiet           bool      // an enqueue on the middleware's behalf: its busy decision speaks for it
 }
 
 // compileFields compiles a field selection (nil for none), with errors
@@ -328,9 +336,9 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 		}
 		res := &resolved{
 			skip: r.Skip, fields: fs, missingAsNull: r.MissingAsNull,
-			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: r.TTL, optedIn: true,
+			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: lifetime(r.TTL), optedIn: true,
 			conflict: r.OnConflict, merge: r.MergeFunc, running: r.OnRunning, maxPending: r.MaxPending, busy: r.OnBusy,
-			cooldown: r.Cooldown, debounce: r.Debounce,
+			cooldown: min(r.Cooldown, MaxLifetime), debounce: min(r.Debounce, MaxLifetime),
 		}
 		if err := res.checkModes(); err != nil {
 			return nil, fmt.Errorf("rule for %q: %w", typ, err)

@@ -27,14 +27,15 @@ import (
 // Cooldown sets this call's cooldown (see Rule.Cooldown), overriding the
 // type's rule: if this call takes the key, once its task succeeds the key
 // stays held until d after this enqueue. A call folded into a waiting task
-// leaves that key's cooldown as it was (Result.NotApplied names it).
+// leaves that key's cooldown as it was (Result.NotApplied names it). Above
+// MaxLifetime it is MaxLifetime. With Config.OptIn it opts the call in.
 func Cooldown(d time.Duration) asynq.Option {
 	desc := fmt.Sprintf("dedup.Cooldown(%v)", d)
 	return option{desc: desc, apply: func(r *resolved) error {
 		if d <= 0 {
 			return fmt.Errorf("%w: Cooldown %v is not positive", ErrInvalidOption, d)
 		}
-		r.cooldown, r.callCooldown = d, desc
+		r.cooldown, r.callCooldown, r.optedIn = lifetime(d), desc, true
 		return nil
 	}}
 }

@@ -22,24 +22,31 @@ import (
 // refused, its follow-up's due time belongs to the running task).
 
 // Debounce sets this call's debounce delay (see Rule.Debounce), overriding
-// the type's rule. The call's policy must fold (Replace or Merge).
+// the type's rule. The call's policy must fold (Replace or Merge). Above
+// MaxLifetime it is MaxLifetime. With Config.OptIn it opts the call in.
 func Debounce(d time.Duration) asynq.Option {
 	return option{desc: fmt.Sprintf("dedup.Debounce(%v)", d), apply: func(r *resolved) error {
 		if d <= 0 {
 			return fmt.Errorf("%w: Debounce %v is not positive", ErrInvalidOption, d)
 		}
-		r.debounce = d
+		r.debounce, r.optedIn = lifetime(d), true
 		return nil
 	}}
 }
 
 // debounce makes a debounced call due d from now: the task it may create
-// (through asynq's options, last wins) and the one it may fold into.
+// (through asynq's options, last wins) and the one it may fold into. asynq
+// keeps due times in whole seconds and runs a task once its second has
+// begun, so the due time is rounded up: never before d has passed.
 func (k *call) debounce(now time.Time) {
 	d := k.rule.debounce
 	if d <= 0 {
 		return
 	}
-	k.processAt = now.Add(d)
+	due := now.Add(d)
+	if s := due.Truncate(time.Second); !s.Equal(due) {
+		due = s.Add(time.Second)
+	}
+	k.processAt = due
 	k.pass = append(k.pass, asynq.ProcessAt(k.processAt))
 }

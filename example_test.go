@@ -330,7 +330,7 @@ func ExampleRule_debounce() {
 	}
 	fmt.Println("payload:", string(info.Payload))
 	wait := info.NextProcessAt.Sub(last)
-	fmt.Println("due about 10s after the last edit:", wait > 8*time.Second && wait <= 10*time.Second)
+	fmt.Println("due about 10s after the last edit:", wait > 9*time.Second && wait <= 11*time.Second)
 	// Output:
 	// created
 	// replaced

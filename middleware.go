@@ -187,7 +187,7 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	max, _ := asynq.GetMaxRetry(ctx)
 	// The hold is needed for a retry, and for a task shutdown put back
 	// (finish learns that from the record, whatever the count).
-	f.Hold = d.cfg.RetryDelayFunc(n, err, t) + d.ttlOf(r)
+	f.Hold = addLifetimes(d.cfg.RetryDelayFunc(n, err, t), d.ttlOf(r))
 	f.Release = n >= max
 	return f
 }

@@ -80,12 +80,13 @@ func keyOption(name, key string, shared bool) asynq.Option {
 
 // TTL sets how long this call's lock lasts while the task waits, overriding
 // the type's rule and Config.TTL. With ProcessIn/ProcessAt the delay is added.
+// Above MaxLifetime it is MaxLifetime. With Config.OptIn it opts the call in.
 func TTL(d time.Duration) asynq.Option {
 	return option{desc: fmt.Sprintf("dedup.TTL(%v)", d), apply: func(r *resolved) error {
 		if d <= 0 {
 			return fmt.Errorf("%w: TTL %v is not positive", ErrInvalidOption, d)
 		}
-		r.ttl = d
+		r.ttl, r.optedIn = lifetime(d), true
 		return nil
 	}}
 }

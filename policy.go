@@ -151,41 +151,56 @@ type Result struct {
 }
 
 // OnConflict sets this call's policy for a key held by a waiting task,
-// overriding the type's rule. For Merge use MergeWith, which also gives the
-// function.
+// overriding the type's rule. Merge needs a merge function: the call's
+// MergeWith, or the type's Rule.MergeFunc. With Config.OptIn it opts the
+// call in.
 func OnConflict(c Conflict) asynq.Option {
 	return option{desc: "dedup.OnConflict(" + c.String() + ")", apply: func(r *resolved) error {
-		switch c {
-		case Reject, Replace:
-		case Merge:
-			if r.merge == nil {
-				return fmt.Errorf("%w: OnConflict(Merge) without a merge function (use MergeWith)", ErrInvalidOption)
-			}
-		default:
+		if c < Reject || c > Merge {
 			return fmt.Errorf("%w: unknown Conflict %d", ErrInvalidOption, int(c))
 		}
-		r.conflict = c
+		r.callConflict, r.callConflictSet, r.optedIn = c, true, true
 		return nil
 	}}
 }
 
-// MergeWith makes this call merge into a waiting task's payload with fn.
+// MergeWith makes this call merge into a waiting task's payload with fn
+// (OnConflict Merge with this function). With Config.OptIn it opts the
+// call in.
 func MergeWith(fn MergeFunc) asynq.Option {
 	return option{desc: "dedup.MergeWith(…)", apply: func(r *resolved) error {
 		if fn == nil {
 			return fmt.Errorf("%w: MergeWith(nil)", ErrInvalidOption)
 		}
-		r.conflict, r.merge = Merge, fn
+		r.callMerge, r.optedIn = fn, true
 		return nil
 	}}
 }
 
+// settleConflict applies the call's OnConflict and MergeWith once every
+// option has been read, so their order does not matter: MergeWith means
+// Merge, and contradicts an OnConflict of another policy.
+func (r *resolved) settleConflict() error {
+	switch {
+	case r.callMerge != nil && r.callConflictSet && r.callConflict != Merge:
+		return fmt.Errorf("%w: MergeWith and OnConflict(%v) in one call", ErrInvalidOption, r.callConflict)
+	case r.callMerge != nil:
+		r.conflict, r.merge = Merge, r.callMerge
+	case r.callConflictSet:
+		r.conflict = r.callConflict
+	}
+	if r.conflict == Merge && r.merge == nil {
+		return fmt.Errorf("%w: OnConflict(Merge) without a merge function (use MergeWith, or Rule.MergeFunc)", ErrInvalidOption)
+	}
+	return nil
+}
+
 // WaitForRoom makes a call whose new key is over the type's MaxPending wait
 // (polling with backoff, bounded by its context) instead of failing with
-// ErrTooManyPending.
+// ErrTooManyPending. With Config.OptIn it opts the call in.
 func WaitForRoom() asynq.Option {
 	return option{desc: "dedup.WaitForRoom()", apply: func(r *resolved) error {
-		r.waitForRoom = true
+		r.waitForRoom, r.optedIn = true, true
 		return nil
 	}}
 }

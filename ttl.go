@@ -11,35 +11,46 @@ import (
 //	waiting  TTL (+ the delay of a ProcessIn/ProcessAt task)
 //	running  Lease, renewed every Lease/3 by the heartbeat
 //	retrying RetryDelayFunc(n) + TTL after a failed, non-final attempt
+//
+// Every duration this package is given (Config, Rule, per-call options,
+// RetryDelayFunc's result) is clamped to MaxLifetime, and lifetimes are
+// added with saturation, so "forever" (math.MaxInt64) means MaxLifetime and
+// no sum wraps around to a short or negative lifetime.
+
+// MaxLifetime is the longest duration this package uses: longer TTLs,
+// cooldowns, debounces, leases and grace periods are taken as MaxLifetime.
+// 100 years: "forever" for a lock, and small enough that Redis's
+// millisecond expiries and the scripts' arithmetic (exact integers below
+// 2⁵³ ms) never overflow.
+const MaxLifetime = 100 * 365 * 24 * time.Hour
 
 // MaxDefaultRetryDelay is the upper bound of asynq.DefaultRetryDelayFunc,
 // n⁴ + 15 + 29·(n+1) seconds for the n-th retry. It is Config.RetryDelayFunc's
 // default: the middleware cannot see the delay asynq picks, so it holds the
 // lock for the longest one asynq's default can pick.
 func MaxDefaultRetryDelay(n int, _ error, _ *asynq.Task) time.Duration {
-	if n < 0 {
-		n = 0
-	}
+	n = min(max(n, 0), 10000) // (10,000⁴ s is far beyond MaxLifetime; no int64 overflow)
 	s := int64(n)*int64(n)*int64(n)*int64(n) + 15 + 29*int64(n+1)
-	return time.Duration(s) * time.Second
+	return lifetime(time.Duration(min(s, int64(MaxLifetime/time.Second))) * time.Second)
+}
+
+// lifetime clamps d to [0, MaxLifetime].
+func lifetime(d time.Duration) time.Duration { return min(max(d, 0), MaxLifetime) }
+
+// addLifetimes adds lifetimes, saturating at MaxLifetime.
+func addLifetimes(ds ...time.Duration) time.Duration {
+	var sum time.Duration
+	for _, d := range ds {
+		sum = min(sum+lifetime(d), MaxLifetime) // both ≤ MaxLifetime: the sum cannot overflow
+	}
+	return sum
 }
 
 // waitTTL is the lock lifetime for a task that is due at processAt (zero:
 // now) and may then wait ttl in its queue.
 func waitTTL(ttl time.Duration, processAt time.Time) time.Duration {
 	if !processAt.IsZero() {
-		if d := time.Until(processAt); d > 0 {
-			ttl += d
-		}
+		return addLifetimes(ttl, time.Until(processAt))
 	}
-	return ttl
-}
-
-// ms converts to whole milliseconds, at least 1 (PX 0 is an error in Redis).
-func ms(d time.Duration) int64 {
-	m := d.Milliseconds()
-	if m < 1 {
-		m = 1
-	}
-	return m
+	return lifetime(ttl)
 }
