@@ -185,8 +185,8 @@ func (c *Client) enqueueLocked(ctx context.Context, k *call) (Result, error) {
 		}
 		return created(c.rollback(ctx, k, err))
 	}
-	if !k.explicitQueue {
-		d.queues.Store(k.typ, info.Queue)
+	if !k.explicitQueue && k.taskQueue == "" {
+		d.queues.Store(k.typ, info.Queue) // the enqueuer's choice, as no queue was named
 	}
 	if !k.locked {
 		return created(info, nil)
@@ -291,7 +291,7 @@ func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (*
 	moved := k.ref
 	moved.Queue = info.Queue
 	res, err := d.store.Acquire(ctx, &store.Acquire{Ref: moved, OnWaiting: store.FoldReject, OnRunning: k.rule.running.code(),
-		TTL: waitTTL(d.ttlOf(&k.rule), info.NextProcessAt), Now: time.Now(), Cooldown: k.rule.cooldown})
+		TTL: waitTTL(d.ttlOf(&k.rule), info.NextProcessAt), Now: time.Now(), Cooldown: k.rule.cooldown, MaxPending: k.rule.maxPending})
 	if _, uerr := d.store.Unlock(ctx, &k.ref, k.acquire.MaxPending > 0); uerr != nil {
 		d.count(k.typ, evRedisError)
 	}
@@ -303,6 +303,8 @@ func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (*
 		d.count(k.typ, evLocked)
 	case res.Status == store.StatusHeld || res.Status == store.StatusReserved || res.Status == store.StatusCooling:
 		return c.dropDuplicate(ctx, k, info, &res, &moved)
+	case res.Status == store.StatusOver: // the queue it landed in has its type's MaxPending keys waiting
+		return c.dropOverBound(ctx, k, info, res.Waiting)
 	default:
 		d.log.Warn("dedup: unexpected reply moving a lock; the execution-time guard will lock the task", slog.String("type", k.typ), slog.Int64("status", int64(res.Status)))
 	}
@@ -310,18 +312,38 @@ func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (*
 }
 
 // dropDuplicate takes back out a task that landed in a queue where the key
-// is already held.
+// is already held. If a worker took it first, the execution-time guard
+// meets it: at a cooling key it is dropped there, so the answer is the same
+// duplicate; behind a live holder it runs later, so it was created.
 func (c *Client) dropDuplicate(ctx context.Context, k *call, info *asynq.TaskInfo, res *store.AcquireResult, moved *store.Ref) (*asynq.TaskInfo, error) {
 	d := c.d
-	_, err := d.store.Foreign(ctx, store.TaskKey(info.Queue, info.ID), func() (any, error) { return nil, d.insp.DeleteTask(info.Queue, info.ID) })
-	if err != nil {
+	cooling := res.Status == store.StatusCooling
+	if err := c.takeBack(ctx, info); err != nil && !cooling {
 		d.log.Warn("dedup: duplicate landed in another queue and could not be removed; the execution-time guard will hold it back", slog.String("type", k.typ), slog.String("task_id", info.ID), slog.Any("error", err))
 		return info, nil
 	}
 	d.count(k.typ, evDuplicate)
-	cooling := res.Status == store.StatusCooling
 	d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: info.Queue, Key: d.lockKey(moved), TaskID: res.Task, CoolingDown: cooling})
 	return nil, &DuplicateTaskError{TaskID: res.Task, Queue: info.Queue, Type: k.typ, Key: d.lockKey(moved), CoolingDown: cooling, FreeIn: res.Cooling}
+}
+
+// dropOverBound takes back out a task that landed in a queue where its
+// type's MaxPending keys already wait.
+func (c *Client) dropOverBound(ctx context.Context, k *call, info *asynq.TaskInfo, waiting int64) (*asynq.TaskInfo, error) {
+	d := c.d
+	if err := c.takeBack(ctx, info); err != nil {
+		d.log.Warn("dedup: task landed in a full queue (MaxPending) and could not be removed; it takes its lock when it starts", slog.String("type", k.typ), slog.String("task_id", info.ID), slog.Any("error", err))
+		return info, nil
+	}
+	d.count(k.typ, evOverBound)
+	return nil, fmt.Errorf("%w: %d keys of %q already waiting in queue %q, where the enqueuer put the task", ErrTooManyPending, waiting, k.typ, info.Queue)
+}
+
+// takeBack deletes a task the enqueuer stored where it must not wait.
+func (c *Client) takeBack(ctx context.Context, info *asynq.TaskInfo) error {
+	d := c.d
+	_, err := d.store.Foreign(ctx, store.TaskKey(info.Queue, info.ID), func() (any, error) { return nil, d.insp.DeleteTask(info.Queue, info.ID) })
+	return err
 }
 
 // optOutMarkTTL is how long the opt-out mark of a caller-chosen task ID

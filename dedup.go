@@ -34,7 +34,8 @@ type Dedup struct {
 	insp            *asynq.Inspector // called through store.Foreign
 	hb              *heartbeater
 	stats           metrics
-	warnedElsewhere atomic.Bool // the middleware met a task stored in another Redis (logged once)
+	warnedElsewhere atomic.Bool     // the middleware met a task stored in another Redis (logged once)
+	foreign         foreignPrefixes // the other prefixes on this Redis, for the middleware (prefix.go)
 
 	// queues remembers, per task type, the queue its tasks landed in when the
 	// call named none (a queue set in asynq.NewTask is invisible before the
@@ -165,6 +166,7 @@ func (d *Dedup) Close() error {
 	d.hb.stop()
 	d.stopDiagnostics()
 	d.store.Close()
+	d.closeForeign()
 	if d.ownsRDB && d.closed.CompareAndSwap(false, true) {
 		return d.rdb.Close()
 	}

@@ -99,6 +99,8 @@ type DuplicateTaskError struct {
 	// Cooldown; FreeIn is how long it has left, as Redis counted at the call.
 	CoolingDown bool
 	FreeIn      time.Duration
+
+	ownID bool // TaskID is the call's own caller-chosen ID
 }
 
 func (e *DuplicateTaskError) Error() string {
@@ -108,9 +110,12 @@ func (e *DuplicateTaskError) Error() string {
 	return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held by task %s", e.Type, e.Queue, e.TaskID)
 }
 
-// Is reports whether target is ErrDuplicateTask or asynq.ErrDuplicateTask.
+// Is reports whether target is ErrDuplicateTask or asynq.ErrDuplicateTask;
+// or asynq.ErrTaskIDConflict when the task holding the key has the call's
+// own caller-chosen ID (enqueued again with another payload), as asynq's
+// client answers a taken ID.
 func (e *DuplicateTaskError) Is(target error) bool {
-	return target == ErrDuplicateTask || target == asynq.ErrDuplicateTask
+	return target == ErrDuplicateTask || target == asynq.ErrDuplicateTask || (e.ownID && target == asynq.ErrTaskIDConflict)
 }
 
 // PayloadError reports a payload that cannot be fingerprinted. It names the

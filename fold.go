@@ -1,9 +1,11 @@
 package dedup
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"
@@ -66,7 +68,9 @@ func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err erro
 		// The script carried the task and may run, and store it, after the
 		// call gave up on it, even after a look finds nothing: the answer is
 		// "created" or "unknown", never "failed"; and not fail-open, which
-		// would enqueue it a second time.
+		// would enqueue it a second time. Unless Redis refused it before
+		// running it, for a reason that refuses any late copy too (ACL, out
+		// of memory): then nothing was stored, and nothing will be.
 		uerr := unavailable("acquire", err)
 		ti, lerr := c.landed(ctx, k, uerr)
 		switch {
@@ -74,8 +78,9 @@ func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err erro
 			return Result{Outcome: Created, TaskID: ti.ID, Info: ti}, done, nil
 		case lerr != nil:
 			return Result{}, done, lerr
+		case !store.Refused(err):
+			return Result{}, done, fmt.Errorf("%w: %w (task %s; not stored yet, but the call may still run)", uerr, ErrOutcomeUnknown, k.ref.ID)
 		}
-		return Result{}, done, fmt.Errorf("%w: %w (task %s; not stored yet, but the call may still run)", uerr, ErrOutcomeUnknown, k.ref.ID)
 	}
 	if !c.d.onRedisError(ctx, "acquire", k.typ, err) {
 		return Result{}, done, unavailable("acquire", err)
@@ -97,6 +102,9 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	case store.StatusSelf, store.StatusConflict:
 		return c.idTaken(ctx, k, res.Status)
 	case store.StatusHeld:
+		if res.Task == k.ref.ID {
+			return c.ownHolder(ctx, k, res)
+		}
 		return Result{}, done, c.duplicate(k, res)
 	case store.StatusCooling:
 		return Result{}, done, c.duplicate(k, res)
@@ -105,11 +113,14 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	case store.StatusDeferred:
 		return c.folded(k, Deferred, evDeferred, res.Task, k.task.Payload(), "scheduled", true), done, nil
 	case store.StatusMerge:
+		if res.Task == k.ref.ID && (k.callerID == "" || bytes.Equal(res.Payload, k.task.Payload())) {
+			return c.repeated(ctx, k) // merging the payload into itself would count it twice
+		}
 		return c.merge(ctx, k, res, w)
 	case store.StatusReserved:
 		return c.waitReserved(ctx, k, res, w)
 	case store.StatusOver:
-		return c.waitRoom(ctx, k, res.Waiting, w)
+		return c.waitRoom(ctx, k, res, w)
 	case store.StatusBroken:
 		return Result{}, done, fmt.Errorf("%w: %s", ErrIncompatible, res.Reason)
 	}
@@ -138,6 +149,44 @@ func (c *Client) idTaken(ctx context.Context, k *call, st store.Status) (Result,
 		return Result{}, enqueue, nil
 	}
 	return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)
+}
+
+// ownHolder answers a call that met its own task holding the key: a
+// repeat of a call that created it (go-redis retried a call whose reply was
+// lost, or the caller enqueues again under its caller-chosen ID with the
+// same payload) gets that task, created; another payload under the same
+// caller-chosen ID is a duplicate of it (that also matches
+// asynq.ErrTaskIDConflict, asynq's answer to a taken ID).
+func (c *Client) ownHolder(ctx context.Context, k *call, res store.AcquireResult) (Result, next, error) {
+	if k.callerID == "" { // an ID the wrapper chose for this call alone
+		return c.repeated(ctx, k)
+	}
+	ti, err := c.landed(ctx, k, nil)
+	switch {
+	case err != nil:
+		return Result{}, done, err
+	case ti != nil:
+		return Result{Outcome: Created, TaskID: ti.ID, Info: ti}, done, nil
+	}
+	err = c.duplicate(k, res)
+	var dup *DuplicateTaskError
+	if errors.As(err, &dup) {
+		dup.ownID = true
+	}
+	return Result{}, done, err
+}
+
+// repeated answers a call whose task is stored already (an earlier run of
+// the same call, or the same payload under its caller-chosen ID): created.
+func (c *Client) repeated(ctx context.Context, k *call) (Result, next, error) {
+	ti, err := c.landed(ctx, k, nil)
+	switch {
+	case err != nil:
+		return Result{}, done, err
+	case ti == nil:
+		ti = &asynq.TaskInfo{ID: k.ref.ID, Queue: k.queue, Type: k.typ, Payload: k.task.Payload()}
+	}
+	return Result{Outcome: Created, TaskID: ti.ID, Info: ti}, done, nil
 }
 
 // duplicate is the error of a call whose key holder the script named
@@ -252,7 +301,16 @@ func (c *Client) waitReserved(ctx context.Context, k *call, res store.AcquireRes
 }
 
 // waitRoom waits, with WaitForRoom, while the type's MaxPending keys wait.
-func (c *Client) waitRoom(ctx context.Context, k *call, waiting int64, w *waits) (Result, next, error) {
+// First it drops the entries of keys whose task cannot run any more (an
+// operator deleted or archived it): they hold no slot.
+func (c *Client) waitRoom(ctx context.Context, k *call, res store.AcquireResult, w *waits) (Result, next, error) {
+	waiting := res.Waiting
+	if n, err := c.d.store.PruneWaiting(ctx, k.queue, k.typ, res.Waiting, res.Queued, time.Now()); err != nil {
+		c.d.count(k.typ, evRedisError)
+		c.d.log.Warn("dedup: could not check the waiting keys of a full MaxPending type", slog.String("type", k.typ), slog.Any("error", err))
+	} else if n > 0 {
+		return Result{}, again, nil
+	}
 	if !k.rule.waitForRoom {
 		c.d.count(k.typ, evOverBound)
 		return Result{}, done, fmt.Errorf("%w: %d keys of %q already waiting in queue %q", ErrTooManyPending, waiting, k.typ, k.queue)

@@ -57,7 +57,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	if !ok1 || !ok2 {
 		return next.ProcessTask(ctx, t) // not run by an asynq server
 	}
-	ref, err := d.resolve(ctx, queue, id, t)
+	ref, rst, err := d.resolve(ctx, queue, id, t)
 	if err != nil {
 		return d.unlocked(ctx, "resolve", t, next, err)
 	}
@@ -65,8 +65,8 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return next.ProcessTask(ctx, t)
 	}
 	rule := d.ruleFor(t.Type())
-	l := &lease{ref: *ref, token: store.NewToken()}
-	st, err := d.store.Start(ctx, &store.Start{Ref: l.ref, Token: l.token, Lease: d.cfg.Lease, Running: rule.running.code(), Cooldown: rule.cooldown})
+	l := &lease{ref: *ref, st: rst, token: store.NewToken()}
+	st, err := d.startAttempt(ctx, l, &rule)
 	switch {
 	case err != nil:
 		return d.unlocked(ctx, "start", t, next, err)
@@ -86,6 +86,30 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	d.count(t.Type(), evStarted)
 	l.follow = st.Follow
 	return d.run(ctx, t, next, &rule, l)
+}
+
+// startAttempt makes the attempt its lock's running owner. A task the wrapper
+// locked at enqueue whose lock is not there under the Dedup's prefix may
+// have been locked under another (prefix.go): the lock the attempt just
+// made is given back, and the attempt takes the producer's.
+func (d *Dedup) startAttempt(ctx context.Context, l *lease, rule *resolved) (store.StartResult, error) {
+	s := &store.Start{Ref: l.ref, Token: l.token, Lease: d.cfg.Lease, Running: rule.running.code(), Cooldown: rule.cooldown}
+	res, err := l.st.Start(ctx, s)
+	if err != nil || res.Status != store.StatusTaken || !res.New || l.st != d.store {
+		return res, err
+	}
+	if _, locked := store.ParseLockedID(l.ref.ID); !locked {
+		return res, nil
+	}
+	other := d.foreignStore(ctx, &l.ref)
+	if other == nil {
+		return res, nil
+	}
+	if _, err := l.st.Finish(ctx, &store.Finish{Ref: l.ref, Token: l.token, Release: true}); err != nil {
+		d.log.Warn("dedup: could not give back a lock made under the server's own prefix; it expires within one lease", slog.String("task_id", l.ref.ID), slog.Any("error", err))
+	}
+	l.st = other
+	return other.Start(ctx, s)
 }
 
 // elsewhere refuses a task whose asynq record is not in the Dedup's Redis:
@@ -132,11 +156,11 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error, live bool) {
 	d.count(t.Type(), evProcessed)
 	f := d.finishOf(ctx, t, r, l, err)
-	res, ferr := d.store.Finish(context.WithoutCancel(ctx), f)
+	res, ferr := l.st.Finish(context.WithoutCancel(ctx), f)
 	switch {
 	case ferr != nil:
 		d.count(t.Type(), evRedisError)
-		d.hb.retry(f)
+		d.hb.retry(l.st, f)
 		d.log.Warn("dedup: could not settle lock; tried again at the next heartbeats, else it expires within one lease", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", ferr))
 	case !res.Owned:
 		if live { // else the heartbeat already reported it
@@ -147,8 +171,11 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 		d.count(t.Type(), evCooling)
 	case res.Held:
 		d.count(t.Type(), evHeld)
-		if res.Guessed {
-			d.hb.recheck(f) // asynq had not decided yet: read its record again shortly
+		switch {
+		case res.Guessed:
+			d.hb.recheck(l.st, f) // asynq had not decided yet: read its record again shortly
+		case res.Owes != "":
+			d.hb.watch(l.st, f, res.Owes) // queue the follow-up at once should the task never run again
 		}
 	default:
 		d.count(t.Type(), evReleased)
@@ -192,26 +219,31 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	return f
 }
 
-// resolve finds the lock of the task being run, or nil for none.
-func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (*store.Ref, error) {
+// resolve finds the lock of the task being run, and the Store of the
+// prefix it is under; nil for none.
+func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (*store.Ref, *store.Store, error) {
 	typ := t.Type()
 	if fp, ok := store.ParseLockedID(id); ok {
-		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, nil
+		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, nil
 	}
 	if store.IsOptOutID(id) {
-		return nil, nil
+		return nil, nil, nil
 	}
 	// A caller-chosen ID: the wrapper left an index to its lock.
 	fp, found, err := d.store.IndexOf(ctx, queue, id)
 	switch {
 	case err != nil:
-		return nil, err
+		return nil, nil, err
 	case found && fp == store.OptOutMark:
-		return nil, nil // enqueued with Skip under a caller-chosen ID
+		return nil, nil, nil // enqueued with Skip under a caller-chosen ID
 	case found:
-		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ, Indexed: true}, nil
+		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ, Indexed: true}, d.store, nil
 	}
-	return d.guardRef(queue, id, t), nil
+	ref := &store.Ref{Queue: queue, ID: id, Type: typ, Indexed: true}
+	if other := d.foreignStore(ctx, ref); other != nil { // indexed under a producer's other prefix
+		return ref, other, nil
+	}
+	return d.guardRef(queue, id, t), d.store, nil
 }
 
 // guardRef is the lock the execution-time guard takes for a task that
@@ -234,6 +266,7 @@ func (d *Dedup) guardRef(queue, id string, t *asynq.Task) *store.Ref {
 // lease is one running attempt registered with the heartbeat.
 type lease struct {
 	ref    store.Ref
+	st     *store.Store // of the prefix its lock is under: the Dedup's, unless prefix.go found another
 	token  string
 	follow string // the follow-up its lock owed when it started
 	cancel context.CancelCauseFunc

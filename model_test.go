@@ -223,7 +223,7 @@ func (w *modelWorld) newRun(rt *rapid.T, n int) *modelRun {
 // cleanup deletes what the run wrote: the shared Redis is never flushed.
 func (m *modelRun) cleanup() {
 	ctx := context.Background()
-	keys := []string{m.keys[0], m.keys[1], asynqPrefix(m.queue) + "pending"}
+	keys := []string{m.keys[0], m.keys[1], asynqPrefix(m.queue) + "pending", store.PrefixesKey(m.queue)}
 	for _, tk := range m.tasks {
 		keys = append(keys, asynqTaskKeyPrefix(m.queue)+tk.id, indexKey(m.h.prefix, m.queue, tk.id))
 	}
@@ -361,7 +361,7 @@ const (
 	enqReserved                   // holder not stored (yet?): the client waits for it, then gives up
 	enqRefused                    // caller's ID taken by a stored task: asynq refuses, the lock is given back
 	enqSelf                       // the caller's ID holds the key and has no record: created, lock untouched
-	enqSelfRefused                // the caller's ID holds the key and is stored: asynq refuses, lock untouched
+	enqSelfRefused                // the caller's ID holds the key and its record is completed or archived: refused, lock untouched
 )
 
 func (k enqKind) String() string {
@@ -375,10 +375,15 @@ func (k enqKind) String() string {
 func (m *modelRun) predictEnqueue(k int, policy Conflict, x *mTask) (enqKind, *mTask) {
 	l := m.locks[k]
 	if l != nil && x != nil && l.holder == x {
-		if x.state == "" {
+		switch {
+		case x.state == "":
 			return enqSelf, x
+		case !liveState(x.state):
+			return enqSelfRefused, x
+		case l.tok != "" || !waitingState(x.state) || policy == Reject:
+			return enqDup, x // its own live task holds the key: met like any holder
 		}
-		return enqSelfRefused, x
+		return enqReplaced, x
 	}
 	var kind enqKind
 	var h *mTask
@@ -488,7 +493,6 @@ func (m *modelRun) expectEnqueue(t *rapid.T, what string, k int, callerID string
 			m.release(k) // the lock taken (or healed) for it is given back
 			t.Logf("%s → refused: %s is stored (%s); lock given back", what, callerID, m.byID[callerID].state)
 		} else {
-			m.selfCall(k)
 			t.Logf("%s → refused: %s is stored (%s); its lock untouched", what, callerID, m.byID[callerID].state)
 		}
 	}
@@ -537,7 +541,7 @@ func (m *modelRun) created(t *rapid.T, what string, k int, callerID, marker stri
 // rule applied to the payload.
 func (m *modelRun) ref(t *rapid.T, tk *mTask) *store.Ref {
 	t.Helper()
-	ref, err := m.h.d.resolve(context.Background(), m.queue, tk.id, asynq.NewTask(modelType, modelPayload(tk.key, tk.payload)))
+	ref, _, err := m.h.d.resolve(context.Background(), m.queue, tk.id, asynq.NewTask(modelType, modelPayload(tk.key, tk.payload)))
 	if err != nil || ref == nil || m.h.d.lockKey(ref) != m.keys[tk.key] || ref.ID != tk.id || ref.Indexed != tk.index {
 		m.diverge(t, "resolve: task does not lead to its lock", "resolve %s: %+v, %v; want lock %s, index %v", tk.label, ref, err, m.keys[tk.key], tk.index)
 	}

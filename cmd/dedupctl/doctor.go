@@ -30,7 +30,9 @@ record in asynq and reports the locks whose owner cannot run:
 A lock younger than --grace whose owner is gone is left alone unless it was
 written with its task (its task may not be stored yet). With --fix each lock
 found is released owner-checked, as "release --yes" does; the tasks are left
-as they are (a lost task's record stays for you to inspect or re-enqueue).
+as they are (a lost task's record stays for you to inspect or re-enqueue),
+but for a follow-up the lock owes (RunningDefer) that still waits: it takes
+the key and is queued now, as the end of its owner's run would have done.
 Exit status 0 whether or not locks were found.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
 			o := &doctorFlags{}
@@ -58,7 +60,8 @@ type doctorFinding struct {
 	Problem   string `json:"problem"` // gone or lost
 	Detail    string `json:"detail"`
 	Released  bool   `json:"released,omitempty"`
-	Error     string `json:"error,omitempty"` // why --fix did not release it
+	FollowUp  string `json:"follow_up_queued,omitempty"` // the owed follow-up that took the key, queued now
+	Error     string `json:"error,omitempty"`            // why --fix did not release it
 }
 
 type doctorOutput struct {
@@ -98,7 +101,7 @@ func runDoctor(a *app, o *doctorFlags) error {
 			case err != nil:
 				f.Error = err.Error()
 			case res.Released:
-				f.Released = true
+				f.Released, f.FollowUp = true, res.FollowUp
 				out.Released++
 			case res.Gone:
 				f.Error = "gone meanwhile"
@@ -124,6 +127,8 @@ func printDoctor(w io.Writer, out doctorOutput, fix bool) {
 		for _, f := range out.Findings {
 			detail := f.Detail
 			switch {
+			case f.Released && f.FollowUp != "":
+				detail += "; released to its follow-up " + f.FollowUp + ", queued now"
 			case f.Released:
 				detail += "; released"
 			case f.Error != "":

@@ -44,6 +44,8 @@ type Acquire struct {
 	// DebounceDue: a fold into a scheduled holder moves its due time here
 	// (unix seconds) and its lock's lifetime to TTL from now; 0: no move.
 	DebounceDue int64
+
+	staleFP string // the key a stale index of the caller-chosen ID names (learnt from a reply)
 }
 
 // AcquireResult is what acquire did.
@@ -59,6 +61,7 @@ type AcquireResult struct {
 	Payload  []byte        // StatusMerge: Task's payload
 	Version  string        // StatusMerge: the version Coalesce compares
 	Waiting  int64         // StatusOver: keys waiting
+	Queued   int64         // StatusOver: tasks in the queue's pending list and scheduled set
 	Cooling  time.Duration // StatusCooling: how long the key stays held
 	Reason   string        // StatusBroken
 	Lock     string        // the lock's key
@@ -100,6 +103,7 @@ func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) 
 		if err != nil {
 			return AcquireResult{}, err
 		}
+		s.registered.Store(a.Ref.Queue, true) // (the script ran: it registered the prefix, if asked)
 		if rep.status != statusNeed {
 			return a.result(s, lock, &h, rep), nil
 		}
@@ -108,6 +112,9 @@ func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) 
 		}
 		h = newHint(&a.Ref, rep.str(1), rep.str(2))
 		h.read = true
+		if fp := rep.str(3); IsFingerprint(fp) {
+			a.staleFP = fp
+		}
 	}
 }
 
@@ -143,8 +150,17 @@ func (a *Acquire) build(s *Store, lock string, h *hint, all bool) ([]string, []a
 		h = &hint{} // the lock alone answers: no holder keys or arguments
 	}
 	kl.add(roleLock, lock)
+	if _, done := s.registered.Load(r.Queue); !done {
+		kl.add(rolePrefixes, PrefixesKey(r.Queue)) // (once per queue: the script adds the prefix)
+	}
 	if r.Indexed {
 		kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
+		// The ID's own record: whether the ID's task lives (an index may be
+		// stale), and the task met when the ID holds the key itself.
+		kl.add(roleTask, TaskKey(r.Queue, r.ID))
+		if a.staleFP != "" {
+			kl.add(roleStaleLock, s.keys.Lock(r.Queue, a.staleFP))
+		}
 	}
 	if a.DebounceDue != 0 {
 		kl.add(roleScheduled, ScheduledKey(r.Queue))
@@ -159,6 +175,8 @@ func (a *Acquire) build(s *Store, lock string, h *hint, all bool) ([]string, []a
 	}
 	if a.MaxPending > 0 || all {
 		kl.add(roleWait, s.keys.Wait(r.Queue, r.Type))
+		kl.add(rolePending, PendingKey(r.Queue))
+		kl.add(roleScheduled, ScheduledKey(r.Queue))
 	}
 	if a.FollowID != "" || all {
 		kl.add(roleFollow, s.keys.Follow(r.Queue, r.FP))
@@ -300,6 +318,7 @@ func (a *Acquire) result(s *Store, lock string, h *hint, rep reply) AcquireResul
 		s.remember(lock, &a.Ref, h, rep.str(0), "", true, 0)
 	case StatusOver:
 		res.Waiting, _ = strconv.ParseInt(rep.str(0), 10, 64)
+		res.Queued, _ = strconv.ParseInt(rep.str(1), 10, 64)
 	case StatusCooling:
 		res.Task = h.id(&a.Ref, rep.str(0))
 		res.Cooling = parseMillis(rep.str(1))

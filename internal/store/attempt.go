@@ -31,6 +31,7 @@ type StartResult struct {
 	Holder  string        // StatusHeld, StatusCooling: the task holding the key; StatusSuperseded: the follow-up that replaces it
 	Follow  string        // StatusTaken: the follow-up the lock owes, "" for none
 	Cooling time.Duration // StatusCooling: how long the key stays held
+	New     bool          // StatusTaken: there was no lock; the attempt made it
 }
 
 // Start runs the start script, calling it again with the keys it asks for.
@@ -74,7 +75,7 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		case rep.status == StatusSuperseded:
 			return StartResult{Status: rep.status, Holder: rep.str(0)}, nil
 		case rep.status != statusNeed:
-			return StartResult{Status: rep.status, Follow: rep.str(0)}, nil
+			return StartResult{Status: rep.status, Follow: rep.str(0), New: rep.str(1) == "1"}, nil
 		case n == maxNeeds:
 			return StartResult{}, fmt.Errorf("%w: %s", ErrMoving, lock)
 		}
@@ -207,6 +208,11 @@ type Finish struct {
 	// completed or deleted, not archived), a lock with a cooldown stays
 	// until the cooldown's end.
 	Succeeded bool
+	// Watch: check a lock held for the task's retry (no Token) that owes a
+	// follow-up: released to the follow-up once the task's record says it
+	// will not run again (an operator deleted or archived it); else
+	// untouched (FinishResult.Held).
+	Watch bool
 }
 
 // FinishResult is what finish did.
@@ -218,6 +224,7 @@ type FinishResult struct {
 	Guessed bool
 	Follow  string // the follow-up the lock was released to, "" for none
 	Cooling bool   // kept, the task done, until the end of its cooldown
+	Owes    string // Held: the follow-up the lock owes, "" for none (to Watch)
 }
 
 // Finish runs the finish script, calling it again with the follow-up's
@@ -225,7 +232,10 @@ type FinishResult struct {
 func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 	r := &f.Ref
 	mode := "hold"
-	if f.Release {
+	switch {
+	case f.Watch:
+		mode = "watch"
+	case f.Release:
 		mode = "release"
 	}
 	hintF := f.Follow
@@ -244,7 +254,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 			kl.add(roleSuperseded, s.keys.Superseded(r.Queue, r.ID))
 			stored = PackOwner(hintF, r.FP)
 		}
-		if f.GivenUp {
+		if f.GivenUp || f.Watch {
 			kl.add(roleOwner, TaskKey(r.Queue, r.ID))
 		}
 		args := []any{kl.roleString(), r.stored(), f.Token, mode, ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID}
@@ -261,7 +271,12 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		}
 		switch {
 		case rep.status != statusNeed:
-			return FinishResult{Owned: rep.status == StatusTaken, Follow: rep.str(0), Held: rep.str(1) == "held", Guessed: rep.str(2) == "guess", Cooling: rep.str(1) == "cooling"}, nil
+			held := rep.str(1) == "held"
+			res := FinishResult{Owned: rep.status == StatusTaken, Follow: rep.str(0), Held: held, Guessed: held && rep.str(2) == "guess", Cooling: rep.str(1) == "cooling"}
+			if held {
+				res.Owes = rep.str(3)
+			}
+			return res, nil
 		case n == maxNeeds:
 			return FinishResult{}, fmt.Errorf("%w: %s", ErrMoving, kl.keys[0])
 		}

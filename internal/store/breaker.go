@@ -128,3 +128,27 @@ func isReply(err error) bool {
 	var re redis.Error
 	return errors.As(err, &re) && !errors.Is(err, context.DeadlineExceeded)
 }
+
+// refusals are the error replies Redis gives a call before running any of
+// it, for a reason that holds for a late copy of the call as much (go-redis
+// may have sent the call twice, after a reply was lost): a missing
+// permission (ACL), a missing or wrong login, no memory left for writes
+// (maxmemory with noeviction), writes refused after a failed save. A
+// refusal of a migrating slot or a loading or read-only node (TRYAGAIN,
+// MOVED, LOADING, READONLY, ...) is no such proof: an earlier copy may
+// have run on the node the call was meant for.
+var refusals = []string{"NOPERM", "NOAUTH", "WRONGPASS", "OOM", "MISCONF"}
+
+// Refused reports whether err is an error reply with which Redis refused a
+// call before running it, and would refuse any copy of it.
+func Refused(err error) bool {
+	if !isReply(err) {
+		return false
+	}
+	for _, p := range refusals {
+		if redis.HasErrorPrefix(err, p) {
+			return true
+		}
+	}
+	return false
+}

@@ -35,13 +35,15 @@ type Config struct {
 // concurrent script calls for one node share pipelines (batch.go,
 // shard.go). It is safe for concurrent use.
 type Store struct {
-	rdb       redis.UniversalClient
-	keys      Keys
-	cfg       Config
-	sc        *scriptSet
-	sh        *shards
-	hints     hintCache
-	published sync.Map // queues registered by PublishQueue
+	rdb        redis.UniversalClient
+	keys       Keys
+	cfg        Config
+	sc         *scriptSet
+	sh         *shards
+	hints      hintCache
+	published  sync.Map // queues registered by PublishQueue
+	registered sync.Map // queues whose PrefixesKey holds this Store's prefix (acquire adds it)
+	pruned     sync.Map // waiting set → when and on what counts PruneWaiting last checked it (pruneCheck)
 
 	// socketBound: the client cuts a call off at its context's deadline on
 	// the socket (go-redis ContextTimeoutEnabled), so a call can run on the

@@ -14,6 +14,7 @@ import "strings"
 //	<prefix>:{<queue>}:s:<task ID>      superseded: the follow-up carrying a newer payload than this task (Replace with RunningDefer)
 //	<prefix>:stats:types                set of the task types with flushed counters (no hash tag)
 //	<prefix>:stats:type:<task type>     one type's flushed counters, a hash of event name → total
+//	dedup:{<queue>}:prefixes            set of the prefixes whose locks are in the queue (PrefixesKey)
 //
 // The prefix may not contain braces (Config validates it), so the hash tag
 // is always the queue's.
@@ -43,6 +44,11 @@ func (k Keys) Follow(queue, fp string) string { return k.prefix + ":{" + queue +
 // with RunningDefer): if the task starts again after losing its lock (its
 // worker died), the follow-up has run or will, and it must not.
 func (k Keys) Superseded(queue, id string) string { return k.prefix + ":{" + queue + "}:s:" + id }
+
+// PrefixesKey is the set of the key prefixes of the Stores that lock
+// tasks of queue (whatever their own prefix, it starts with "dedup"): a
+// server whose prefix is not its producers' finds their locks through it.
+func PrefixesKey(queue string) string { return "dedup:{" + queue + "}:prefixes" }
 
 // StatsTypes is the set of the task types that have flushed counters.
 func (k Keys) StatsTypes() string { return k.prefix + ":stats:types" }

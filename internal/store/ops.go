@@ -141,3 +141,65 @@ func (s *Store) StoredTask(ctx context.Context, queue, id string) (typ string, p
 	}
 	return typ, payload, state, true, nil
 }
+
+// OtherPrefixes reads the prefixes registered for queue but this Store's.
+func (s *Store) OtherPrefixes(ctx context.Context, queue string) ([]string, error) {
+	key := PrefixesKey(queue)
+	v, err := s.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return rdb.SMembers(c, key).Result()
+	})
+	if err != nil {
+		return nil, err
+	}
+	all, _ := v.([]string)
+	out := all[:0]
+	for _, p := range all {
+		if p != s.keys.prefix {
+			out = append(out, p)
+		}
+	}
+	return out, nil
+}
+
+// ForeignLock finds, among prefixes, the one under which the task r.ID
+// holds r's lock (a wrapper-chosen ID, whose fingerprint r.FP is), or
+// under which its caller-chosen ID has an index to a lock (r.Indexed: r.FP
+// is then read from that index). It returns "" when none has.
+func (s *Store) ForeignLock(ctx context.Context, r *Ref, prefixes []string) (prefix, fp string, err error) {
+	route := TaskKey(r.Queue, r.ID) // (every key is in the queue's slot)
+	v, err := s.Do(ctx, route, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		cmds := make([]redis.Cmder, len(prefixes))
+		_, err := rdb.Pipelined(c, func(p redis.Pipeliner) error {
+			for i, pre := range prefixes {
+				k := NewKeys(pre)
+				if r.Indexed {
+					cmds[i] = p.Get(c, k.Index(r.Queue, r.ID))
+				} else {
+					cmds[i] = p.HGet(c, k.Lock(r.Queue, r.FP), FieldOwner)
+				}
+			}
+			return nil
+		})
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return nil, err
+		}
+		return cmds, nil
+	})
+	if err != nil {
+		return "", "", err
+	}
+	cmds, _ := v.([]redis.Cmder)
+	for i, c := range cmds {
+		sc, ok := c.(*redis.StringCmd)
+		if !ok || sc.Err() != nil {
+			continue
+		}
+		switch got := sc.Val(); {
+		case r.Indexed && IsFingerprint(got):
+			return prefixes[i], got, nil
+		case !r.Indexed && got == r.stored():
+			return prefixes[i], r.FP, nil
+		}
+	}
+	return "", "", nil
+}

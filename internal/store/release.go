@@ -14,6 +14,7 @@ type ReleaseResult struct {
 	Owner    string // not released: the task that owns the lock now
 	Runnable string // not released (ReleaseStuck): the owner can run now, in this asynq state
 	Index    string // released: the owner's index key, if it was deleted with the lock
+	FollowUp string // released (ReleaseStuck): the follow-up the key was handed to, now pending
 }
 
 // ReleaseLock runs the release script (lua/release.lua) for an operator
@@ -28,7 +29,9 @@ func ReleaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock) (Releas
 // ReleaseStuck is ReleaseLock for dedupctl doctor --fix: it also keeps the
 // lock if its owner can run after all (its record exists, is not
 // completed or archived, and is where its state says), read in the same
-// script, so a task stored again since the diagnosis keeps its lock.
+// script, so a task stored again since the diagnosis keeps its lock. A
+// follow-up the lock owes that still waits takes the lock and is queued
+// at once (as the end of its owner's run would have done).
 func ReleaseStuck(ctx context.Context, c redis.Scripter, k Keys, l *Lock) (ReleaseResult, error) {
 	return releaseLock(ctx, c, k, l, true)
 }
@@ -40,7 +43,10 @@ func releaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock, stuck b
 	if stuck {
 		q := l.Queue
 		keys = append(keys, TaskKey(q, l.Owner), PendingKey(q), ActiveKey(q), ScheduledKey(q), RetryKey(q))
-		args = append(args, l.Owner)
+		args = append(args, l.Owner, l.Follow, PackOwner(l.Follow, l.FP))
+		if l.Follow != "" {
+			keys = append(keys, k.Follow(q, l.FP), TaskKey(q, l.Follow))
+		}
 	}
 	v, err := scripts().release.Run(ctx, c, keys, args...).Result()
 	if err != nil {
@@ -58,7 +64,7 @@ func releaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock, stuck b
 	case 3:
 		return ReleaseResult{Runnable: rep.str(0)}, nil
 	case 1:
-		res := ReleaseResult{Released: true}
+		res := ReleaseResult{Released: true, FollowUp: rep.str(1)}
 		if rep.str(0) == "1" {
 			res.Index = idx
 		}

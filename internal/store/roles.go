@@ -28,6 +28,8 @@ const (
 	roleFollowTask  = 'G' // asynq record of the lock's follow-up
 	roleOwner       = 'O' // asynq record of the attempt's own task
 	roleSuperseded  = 'X' // superseded marker (Keys.Superseded) of the holder (acquire) or of the task itself (start, finish)
+	roleStaleLock   = 'Y' // the lock a stale index of the caller-chosen ID names (acquire)
+	rolePrefixes    = 'R' // the queue's registry of prefixes (PrefixesKey), until this Store registered in it (acquire)
 )
 
 // keyList is a script's KEYS with the role letter of each, after a head

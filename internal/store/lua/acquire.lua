@@ -13,6 +13,8 @@
 --                                                                also with ARGV[19], to lengthen it)
 --   X  the holder's superseded marker                           when a Replace may defer
 --   G  asynq record of the follow-up ARGV[11]                    when the follow-up must be read
+--   Y  the lock a stale index of the new task's caller-chosen ID names, when that ID's task is gone
+--   R  the queue's registry of prefixes                          at a caller's first call on the queue
 -- A call that needs a key it was not given changes nothing and replies
 -- {11, ...} naming what it lacks: the caller calls again with those keys.
 --
@@ -88,6 +90,13 @@
 -- The clock is the producer's (ARGV[4]): asynq stamps pending_since with
 -- it too, and the heal grace is far wider than any sane clock skew.
 local A = ARGV
+if string.find(A[1], 'R', 3, true) then
+  -- The caller's first call on the queue: register its prefix (the lock
+  -- key's head, before its first ':{'), so that a server of another
+  -- prefix finds this lock.
+  roles(2)
+  call('SADD', K.R, string.sub(K.L, 1, string.find(K.L, ':{', 1, true) - 1))
+end
 local policy, running = string.sub(A[1], 1, 1), string.sub(A[1], 2, 2)
 -- (K.L is the lock; the other roles are read after the fast rejection.)
 local id, stored, ttl, msg = A[2], A[3], A[6], A[7]
@@ -109,14 +118,31 @@ if holder and holder ~= stored and holder ~= id and (policy == 'x' or policy == 
 end
 if policy == 'X' then policy = 'x' end
 roles(2)
-if holder == stored or holder == id then -- (a lock of the earlier layout holds the whole ID)
-  if rec[5] and not rec[4] then
-    -- The caller enqueues this task now, through asynq's client: until it
-    -- is stored the lock has a gap again, which the grace must cover.
-    call('HDEL', K.L, 'v')
-    call('HSET', K.L, 'c', now)
+-- The call's own task ID holds the key (a lock of the earlier layout holds
+-- the whole ID): an enqueue again under a caller-chosen ID, or a retried
+-- call whose first run took the key. A stored, live task is met as any
+-- call of the key meets its holder (below); one not stored is the
+-- caller's to enqueue.
+local own = holder and (holder == stored or holder == id)
+if own then
+  local okey = K.T or (holder == A[9] and K.H)
+  if not okey then
+    return {11, 'H', holder, rec[3] or ''}
   end
-  return {2}
+  local st = call('HGET', okey, 'state')
+  if not st then
+    if rec[5] and not rec[4] then
+      -- The caller enqueues this task now, through asynq's client: until it
+      -- is stored the lock has a gap again, which the grace must cover.
+      call('HDEL', K.L, 'v')
+      call('HSET', K.L, 'c', now)
+    end
+    return {2}
+  end
+  if st == 'completed' or st == 'archived' then
+    return {7} -- asynq keeps the ID taken while its record lasts
+  end
+  K.H = okey
 end
 local fp = A[10] or ''
 -- A plain rejection of a lock written with its task reads the holder's
@@ -127,12 +153,31 @@ if verified and policy == 'x' and follow == '' and not rec[3] and K.H and holder
     return {0, holder, holder, '', 'v'}
   end
 end
+-- queued counts the tasks waiting in the queue (asynq's pending list and
+-- scheduled set, given with W): a waiting set that counts more keys than
+-- that holds entries whose task is gone.
+local function queued()
+  return call('LLEN', K.P) + call('ZCARD', K.S)
+end
+
 -- take takes the free key for the new task (and stores the task, given msg).
 local function take()
   if K.I then -- a caller-chosen ID: its index may name another key
     local cur = call('GET', K.I)
     if cur and cur ~= fp then
-      return {7}
+      if call('EXISTS', K.T) == 1 then
+        return {7} -- the ID's task lives (asynq refuses the ID too)
+      end
+      -- The ID's task is gone: its index is stale, and so is a lock it
+      -- still holds under the key the index names.
+      if cur ~= '-' then
+        if not K.Y then
+          return {11, 'Y', '', '', cur}
+        end
+        if call('HGET', K.Y, 'id') == stored then
+          call('DEL', K.Y)
+        end
+      end
     end
   end
   -- The ID may be another task's (a caller's), or this very task's, stored
@@ -146,7 +191,7 @@ local function take()
     call('ZREMRANGEBYSCORE', K.W, '-inf', now_ms)
     local n = call('ZCARD', K.W)
     if n >= max then
-      return {8, n}
+      return {8, n, queued()}
     end
     call('ZADD', K.W, now_ms + tonumber(ttl), fp)
     fields[#fields + 1] = 'b'
@@ -200,8 +245,16 @@ if holder then
 end
 -- rec: id, c, f, tok, rp, n, b
 local f = rec[3]
-if not holder or holder ~= A[9] then
-  K.H, K.J, K.X = nil, nil, nil -- given for another holder: not ours to touch
+-- The holder H, J and X were given for (A[9], or the call's own ID), and
+-- its whole ID.
+local hinted = holder and (own or holder == A[9])
+local hwhole = own and id or A[20]
+if not hinted or holder ~= A[9] then
+  K.J, K.X = nil, nil -- given for another holder: not ours to touch
+  if not own then K.H = nil end
+end
+if own then
+  K.J = K.I -- the holder's index is the call's own
 end
 local lacking = ''
 local fu = f -- the follow-up whose record is read
@@ -272,7 +325,7 @@ local function coalesce(t, tkey, tstate, tmsg, ch, cf)
     if not p then return {-1, 'malformed task message'} end
     return {4, t, p, rec[6] or '0', ch, cf}
   end
-  local due = t == A[9] and cf == '' and A[19] or '0' -- (a follow-up's due time is the heartbeat's)
+  local due = hinted and t == holder and cf == '' and A[19] or '0' -- (a follow-up's due time is the heartbeat's)
   if due ~= '0' and tstate == 'scheduled' and lacks('S') then return need() end
   local new = pb_setpayload(tmsg, field)
   if not new then return {-1, 'malformed task message'} end
@@ -280,7 +333,7 @@ local function coalesce(t, tkey, tstate, tmsg, ch, cf)
     call('HSET', tkey, 'msg', new)
   end
   call('HINCRBY', K.L, 'n', 1)
-  debounce(K.L, K.S, A[20], tstate, due, ttl, K.J, K.W, fp, now_ms)
+  debounce(K.L, K.S, hwhole, tstate, due, ttl, K.J, K.W, fp, now_ms)
   return {3, t, tstate, ch, cf}
 end
 
@@ -309,7 +362,8 @@ if live then
     return coalesce(f, K.G, fstate, fmsg, holder, f)
   end
   if rec[4] or not waiting(state) then -- running
-    if rec[5] ~= 'd' or f or follow == '' then
+    -- (a follow-up an operator deleted or archived is owed no more: a new one replaces it)
+    if rec[5] ~= 'd' or (f and not gone(fstate)) or follow == '' then
       return {0, holder, holder, f or ''}
     end
     if lacks(policy == 'r' and 'NSFX' or 'NSF') then return need() end
@@ -320,6 +374,21 @@ if live then
     local copy = hmsg and pb_rewrite(hmsg, {[2] = field, [3] = pb_str(3, follow),
       [6] = '', [7] = '', [11] = '', [13] = ''})
     if not copy then return {-1, 'malformed task message'} end
+    local max = tonumber(A[14] or '0')
+    if max > 0 then
+      -- The follow-up is a key waiting: counted under MaxPending from now
+      -- until it starts (start), or a check finds it cannot run (prune): no
+      -- expiry of its own, as it waits as long as the run lasts.
+      call('ZREMRANGEBYSCORE', K.W, '-inf', now_ms)
+      if not call('ZSCORE', K.W, fp) then
+        local n = call('ZCARD', K.W)
+        if n >= max then
+          return {8, n, queued()}
+        end
+      end
+      call('ZADD', K.W, '+inf', fp)
+      call('HSET', K.L, 'b', A[17])
+    end
     local park = tonumber(A[16] or '0')
     call('HSET', K.N, 'msg', copy, 'state', 'scheduled')
     call('ZADD', K.S, now + park, follow)

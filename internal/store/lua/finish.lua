@@ -4,12 +4,14 @@
 --   L  the lock; S, P  asynq scheduled set and pending list; F  the key's follow-up pointer   always
 --   I  index key of the task's caller-chosen ID                                               with a caller-chosen ID
 --   G  asynq record of the follow-up ARGV[8], X the task's superseded marker                  when the lock owes one
---   O  asynq record of the task ARGV[10]                                                      when asynq gave the attempt up
+--   O  asynq record of the task ARGV[10]                                                      when asynq gave the attempt up; with 'watch'
 -- ARGV[1]  the roles of KEYS, one letter each
 -- ARGV[2]  task ID, as lock records store it
--- ARGV[3]  attempt token ('' for a lock no attempt runs under: a check after a guess)
+-- ARGV[3]  attempt token ('' for a lock no attempt runs under: a check after a guess, a watch)
 -- ARGV[4]  'release' (success, revoked, final failure) or 'hold' (a retry follows); with O,
---          what follows if asynq has not moved the task on yet
+--          what follows if asynq has not moved the task on yet; or 'watch': a lock held for
+--          the task's retry, which owes a follow-up, is released (to it) once O says the task
+--          will not run again (an operator deleted or archived it), else left as it is
 -- ARGV[5]  for 'hold': lifetime, integer milliseconds
 -- ARGV[6]  lock lifetime for a released follow-up, integer milliseconds
 -- ARGV[7]  how long a follow-up stays parked without a heartbeat, integer seconds
@@ -24,8 +26,9 @@
 --
 -- Reply: {1, ''}             released
 --        {1, '', 'cooling'}  kept until the end of its cooldown (marked k), the task done
---        {1, '', 'held', g}  held for the retry; g 'guess' if asynq had not moved the task on yet
---                            (O given, the task still active): the hold is a guess, to check later
+--        {1, '', 'held', g, f}  held for the retry; g 'guess' if asynq had not moved the task on yet
+--                            (O given, the task still active): the hold is a guess, to check later;
+--                            f the follow-up the lock owes ('' none): to watch for (see 'watch')
 --        {1, followup}       released to the owed follow-up task, now pending and the lock's owner
 --        {0}                 not ours any more (another task or a newer attempt): untouched
 --        {11, 'G', followup} nothing done: call again with the follow-up's record
@@ -40,7 +43,15 @@ if f and (f ~= ARGV[8] or not K.G or not K.X) then
   return {11, 'G', f}
 end
 local mode, guess, ok = ARGV[4], '', ARGV[11] == '1'
-if K.O then
+if mode == 'watch' then
+  -- The task waits for its retry while its follow-up stays parked: nothing
+  -- changes until its record says it will not run again.
+  local state = call('HGET', K.O, 'state')
+  if not gone(state) then
+    return {1, '', 'held', waiting(state) and '' or 'guess', f or ''}
+  end
+  mode, ok = 'release', false
+elseif K.O then
   -- asynq gave the attempt up (its context ended) and decides what follows
   -- from its own signal, whatever the handler returned: once it has moved
   -- the task on, its record is the truth.
@@ -103,4 +114,4 @@ if f then
   call('PEXPIRE', K.F, (hold_s + tonumber(ARGV[7])) * 1000)
   call('PEXPIRE', K.X, (hold_s + tonumber(ARGV[7])) * 1000) -- (if there is one)
 end
-return {1, '', 'held', guess}
+return {1, '', 'held', guess, f or ''}

@@ -15,17 +15,22 @@
 --          ARGV[4] the owner's whole ID: release only if the owner still
 --          cannot run (no record, completed, archived, or not where its state
 --          says)
+-- KEYS[9]  (with KEYS[4], when the lock owed a follow-up) the key's follow-up
+--          pointer, KEYS[10] the follow-up's asynq record; ARGV[5] the
+--          follow-up read before ('' for none), ARGV[6] it as locks store it:
+--          a follow-up that still waits takes the lock and is queued now, so
+--          the newest payload runs now and not when its parked time comes
 --
--- Reply: {1, 1 if the index key was deleted else 0}  released
+-- Reply: {1, 1 if the index key was deleted else 0[, follow-up]}  released (to the follow-up)
 --        {0}                                         no lock
 --        {2, owner}                                  another owner (as stored), or taken again since
 --        {3, state}                                  (with KEYS[4]) the owner can run now: kept
 -- @lib: lib.lua is spliced in here.
-local rec = call('HMGET', KEYS[1], 'id', 'b', 'c')
+local rec = call('HMGET', KEYS[1], 'id', 'b', 'c', 'f')
 if not rec[1] then
   return {0}
 end
-if rec[1] ~= ARGV[1] or (rec[3] or '') ~= ARGV[3] then
+if rec[1] ~= ARGV[1] or (rec[3] or '') ~= ARGV[3] or (KEYS[4] and (rec[4] or '') ~= (ARGV[5] or '')) then
   return {2, rec[1]}
 end
 if KEYS[4] then
@@ -34,12 +39,28 @@ if KEYS[4] then
     return {3, state}
   end
 end
-call('DEL', KEYS[1])
 local idx = 0
 if call('GET', KEYS[2]) == ARGV[2] then
   call('DEL', KEYS[2])
   idx = 1
 end
+if KEYS[9] and rec[4] then
+  local f = rec[4]
+  local fstate = call('HGET', KEYS[10], 'state')
+  if waiting(fstate) then
+    if fstate == 'scheduled' then
+      local _, _, ns = now_parts()
+      call('ZREM', KEYS[7], f)
+      call('LPUSH', KEYS[5], f)
+      call('HSET', KEYS[10], 'state', 'pending', 'pending_since', ns)
+    end
+    call('DEL', KEYS[9])
+    call('HDEL', KEYS[1], 'tok', 'f')
+    call('HSET', KEYS[1], 'id', ARGV[6], 'c', (now_parts()), 'v', '1') -- (its lifetime stays)
+    return {1, idx, f}
+  end
+end
+call('DEL', KEYS[1])
 if rec[2] then
   call('ZREM', KEYS[3], ARGV[2])
 end

@@ -16,7 +16,8 @@
 -- ARGV[9]  the holder H and J belong to, as lock records store it ['']
 -- ARGV[10] cooldown recorded if this creates the lock, integer milliseconds ['0']
 --
--- Reply: {1, f}                     this attempt holds the lock; f: the follow-up it owes, or ''
+-- Reply: {1, f, new}               this attempt holds the lock; f: the follow-up it owes, or '';
+--                                   new '1' when there was no lock (the attempt made it), else ''
 --        {0, holder}                held by another live task (as stored): the attempt must not run
 --        {14, holder, ms}           the key cools down for ms more after its last task succeeded:
 --                                   the attempt must not run
@@ -86,6 +87,7 @@ if rec[3] == 'a' or (not holder and ARGV[7] == 'a') then
   end
   return {9}
 end
+local new = not holder
 if not holder then
   if ARGV[7] ~= 'x' then
     call('HSET', K.L, 'id', stored, 'c', now, 'rp', ARGV[7])
@@ -105,4 +107,4 @@ call('PEXPIRE', K.L, math.max(tonumber(ARGV[5]), cool_end - now_ms))
 if K.I then
   call('SET', K.I, fp, 'PX', ARGV[5])
 end
-return {1, rec[5] or ''}
+return {1, rec[5] or '', new and '1' or ''}

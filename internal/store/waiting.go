@@ -1,0 +1,188 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// The waiting set of a type in a queue (Keys.Wait, MaxPending) counts the
+// keys whose task waits to run: a lock taken at enqueue enters it (field b,
+// until its lifetime), a Defer follow-up enters it when it is made (until
+// it starts). Its entries leave when their task starts, or expire with
+// their lock. Tasks can also stop waiting behind the lock's back (an
+// operator deletes or archives them, purges or deletes the queue): such an
+// entry would hold a slot for its lock's lifetime. So when the set is full,
+// PruneWaiting checks each entry against asynq's record, as healing checks
+// an owner, and drops those whose task cannot run.
+
+// pruneEvery bounds how often one Store checks one waiting set that looks
+// the same: a full set of live keys costs its refused calls one check a
+// second, not one each.
+const pruneEvery = time.Second
+
+// pruneCheck is when, and on what counts, a Store last checked a waiting
+// set.
+type pruneCheck struct {
+	at              time.Time
+	waiting, queued int64
+}
+
+// pruneChunk bounds the candidates of one prune script call.
+const pruneChunk = 64
+
+// PruneWaiting drops from the waiting set of typ in queue the entries of
+// keys that wait no more, and reports how many. waiting and queued are the
+// counts the refused call saw: the set's keys, and the tasks in the queue's
+// pending list and scheduled set. More keys than tasks means some entries
+// are certainly stale (a purged queue): the set is checked at once, unless
+// this Store checked it on those same counts less than a second ago. A set
+// that is not (a full set of live keys, most likely) is checked at most
+// once a second.
+func (s *Store) PruneWaiting(ctx context.Context, queue, typ string, waiting, queued int64, now time.Time) (int, error) {
+	wait := s.keys.Wait(queue, typ)
+	this := pruneCheck{at: now, waiting: waiting, queued: queued}
+	if v, ok := s.pruned.Load(wait); ok {
+		last := v.(pruneCheck)
+		same := last.waiting == waiting && last.queued == queued
+		if now.Sub(last.at) < pruneEvery && (waiting <= queued || same) {
+			return 0, nil
+		}
+	}
+	s.pruned.Store(wait, this)
+	fps, err := s.waitingKeys(ctx, wait, now)
+	if err != nil || len(fps) == 0 {
+		return 0, err
+	}
+	entries, err := s.readEntries(ctx, queue, wait, fps)
+	if err != nil {
+		return 0, err
+	}
+	var dead []waitEntry
+	for _, e := range entries {
+		if !e.waits(typ, s.cfg.HealGrace, now) {
+			dead = append(dead, e)
+		}
+	}
+	removed := 0
+	for len(dead) > 0 {
+		n := min(len(dead), pruneChunk)
+		k, err := s.prune(ctx, queue, wait, dead[:n])
+		if err != nil {
+			return removed, err
+		}
+		removed += k
+		dead = dead[n:]
+	}
+	return removed, nil
+}
+
+// waitingKeys reads the fingerprints whose entries have not expired.
+func (s *Store) waitingKeys(ctx context.Context, wait string, now time.Time) ([]string, error) {
+	v, err := s.Do(ctx, wait, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return rdb.ZRangeByScore(c, wait, &redis.ZRangeBy{Min: "(" + strconv.FormatInt(now.UnixMilli(), 10), Max: "+inf"}).Result()
+	})
+	if err != nil {
+		return nil, err
+	}
+	fps, ok := v.([]string)
+	if !ok {
+		return nil, errors.New("store: unexpected reply to the waiting set's read")
+	}
+	return fps, nil
+}
+
+// waitEntry is one key of a waiting set, as read for PruneWaiting.
+type waitEntry struct {
+	fp                    string
+	lock                  []any // id, f, c, v, b (nil values for missing fields)
+	ownerState, follState string
+}
+
+func (e *waitEntry) field(i int) string { s, _ := e.lock[i].(string); return s }
+
+// waits reports whether the entry's key still waits, as healing would
+// judge its lock: counted under typ, and its owner or follow-up waiting or
+// about to (an owner gone from a lock not written with its task and
+// younger than grace may not be stored yet).
+func (e *waitEntry) waits(typ string, grace time.Duration, now time.Time) bool {
+	owner, counted := e.field(0), e.field(4)
+	switch {
+	case owner == "" || (counted != typ && counted != "1"):
+		return false // no lock, or not counted here
+	case Waiting(e.ownerState) || Waiting(e.follState):
+		return true
+	case Gone(e.ownerState) && e.field(3) == "":
+		c, _ := strconv.ParseInt(e.field(2), 10, 64)
+		return now.Sub(time.Unix(c, 0)) < grace
+	}
+	return false // running (its entry left as it started), or gone
+}
+
+// readEntries reads the locks of fps, then their owners' and follow-ups'
+// asynq states: two pipelined round trips.
+func (s *Store) readEntries(ctx context.Context, queue, route string, fps []string) ([]waitEntry, error) {
+	out := make([]waitEntry, len(fps))
+	locks := make([]*redis.SliceCmd, len(fps))
+	_, err := s.Pipelined(ctx, route, func(p redis.Pipeliner) {
+		for i, fp := range fps {
+			locks[i] = p.HMGet(ctx, s.keys.Lock(queue, fp), FieldOwner, FieldFollow, FieldCreated, FieldStored, FieldBounded)
+		}
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read waiting locks: %w", err)
+	}
+	states := make([][2]*redis.StringCmd, len(fps))
+	_, err = s.Pipelined(ctx, route, func(p redis.Pipeliner) {
+		for i, fp := range fps {
+			out[i] = waitEntry{fp: fp, lock: locks[i].Val()}
+			if len(out[i].lock) != 5 {
+				out[i].lock = make([]any, 5)
+			}
+			if id := out[i].field(0); id != "" {
+				states[i][0] = p.HGet(ctx, TaskKey(queue, UnpackOwner(id, fp)), "state")
+			}
+			if f := out[i].field(1); f != "" {
+				states[i][1] = p.HGet(ctx, TaskKey(queue, f), "state")
+			}
+		}
+	})
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return nil, fmt.Errorf("read waiting owners: %w", err)
+	}
+	for i := range out {
+		if c := states[i][0]; c != nil {
+			out[i].ownerState = c.Val()
+		}
+		if c := states[i][1]; c != nil {
+			out[i].follState = c.Val()
+		}
+	}
+	return out, nil
+}
+
+// prune runs the prune script (lua/prune.lua) for entries of one waiting
+// set.
+func (s *Store) prune(ctx context.Context, queue, wait string, es []waitEntry) (int, error) {
+	keys := make([]string, 0, len(es)+1)
+	args := make([]any, 0, 4*len(es))
+	keys = append(keys, wait)
+	for i := range es {
+		e := &es[i]
+		keys = append(keys, s.keys.Lock(queue, e.fp))
+		args = append(args, e.fp, e.field(0), e.field(1), e.field(2))
+	}
+	v, err := s.run(ctx, s.sc.prune, keys, args...)
+	if err != nil {
+		return 0, err
+	}
+	n, ok := v.(int64)
+	if !ok {
+		return 0, fmt.Errorf("dedup: unexpected prune reply %T", v)
+	}
+	return int(n), nil
+}

@@ -1,0 +1,752 @@
+package dedup
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"math"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// Where two modes, or a mode and an operator, meet. Each test drives a real
+// asynq server (or asynq's Inspector) into the seam and checks the promise
+// it names against asynq's record.
+
+// seqOf reads the "seq" field of a profileSync or digest payload.
+func seqOf(t *testing.T, task *asynq.Task) int {
+	t.Helper()
+	var p struct{ Seq int }
+	if err := json.Unmarshal(task.Payload(), &p); err != nil {
+		t.Fatalf("payload: %v", err)
+	}
+	return p.Seq
+}
+
+// drained waits until the harness queue holds no task (pending, active,
+// scheduled, retry or archived), then reports whether the recorder saw
+// another run.
+func (h *harness) drained(rc *recorder) (extra *run) {
+	h.t.Helper()
+	eventually(h.t, "the queue drains", func() bool { return h.queueSize(h.queue) == 0 })
+	select {
+	case r := <-rc.runs:
+		return &r
+	default:
+		return nil
+	}
+}
+
+// A task that arrives without a lock (here asynq's own client) at a key
+// whose debounced task waits is folded into it (BusyFold): the key runs
+// once, with the newest payload.
+func TestBusyFoldFoldsIntoADebouncedHolder(t *testing.T) {
+	rule := Rule{Fields: []string{"user_id"}, OnConflict: Replace, Debounce: 2 * time.Second, OnBusy: BusyFold}
+	bothPaths(t, Config{Rules: map[string]Rule{"sync:profile": rule}}, func(t *testing.T, h *harness) {
+		rc := newRecorder(nil)
+		h.serve(rc.handler(), nil)
+		holder := h.enqueue(profileSync("sync:profile", 1, 1))
+		if _, err := h.asynq.Enqueue(profileSync("sync:profile", 1, 2), asynq.Queue(h.queue)); err != nil {
+			t.Fatal(err)
+		}
+		r := waitFor(t, rc.runs, "the key runs")
+		if r.id != holder.ID || seqOf(t, r.task) != 2 {
+			t.Fatalf("ran %s with seq %d, want the debounced holder %s with the arrival's seq 2", r.id, seqOf(t, r.task), holder.ID)
+		}
+		if extra := h.drained(rc); extra != nil {
+			t.Fatalf("the key ran again: %s with seq %d", extra.id, seqOf(t, extra.task))
+		}
+	})
+}
+
+// The same with a Cooldown type: the arrival's payload is folded into the
+// waiting holder, so the window's one run carries it.
+func TestBusyFoldFoldsIntoAWaitingCooldownHolder(t *testing.T) {
+	rule := Rule{Fields: []string{"user_id"}, OnConflict: Replace, Cooldown: time.Minute, OnBusy: BusyFold}
+	bothPaths(t, Config{Rules: map[string]Rule{"digest:weekly": rule}}, func(t *testing.T, h *harness) {
+		rc := newRecorder(nil)
+		h.serve(rc.handler(), nil)
+		holder := h.enqueue(digest(1, 1), asynq.ProcessIn(2*time.Second))
+		if _, err := h.asynq.Enqueue(digest(1, 2), asynq.Queue(h.queue)); err != nil {
+			t.Fatal(err)
+		}
+		r := waitFor(t, rc.runs, "the key runs")
+		if r.id != holder.ID || seqOf(t, r.task) != 2 {
+			t.Fatalf("ran %s with seq %d, want the holder %s with the arrival's seq 2", r.id, seqOf(t, r.task), holder.ID)
+		}
+		if extra := h.drained(rc); extra != nil {
+			t.Fatalf("the key ran again: %s with seq %d", extra.id, seqOf(t, extra.task))
+		}
+		coolingDup(t, h.client, digest(1, 3), h.queue, holder.ID)
+	})
+}
+
+// An operator deletes or archives the follow-up parked behind a running
+// task: the next update during the run makes a new follow-up instead of
+// being refused, and the newest payload runs after the run.
+func TestDeletedFollowUpIsReplacedByANewOne(t *testing.T) {
+	for _, op := range []string{"delete", "archive"} {
+		t.Run(op, func(t *testing.T) {
+			bothPaths(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
+				release := make(chan struct{})
+				rc := newRecorder(func(r run) error {
+					if decodeCounter(r.task).Seq == 0 {
+						<-release
+					}
+					return nil
+				})
+				h.serve(rc.handler(), nil)
+				first := h.enqueue(counterTask("k", 1, 0))
+				waitFor(t, rc.runs, "the first run")
+				ctx := context.Background()
+				res, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+				if err != nil || res.Outcome != Deferred {
+					t.Fatalf("update while running: %+v %v, want Deferred", res, err)
+				}
+				if op == "delete" {
+					err = h.insp.DeleteTask(h.queue, res.TaskID)
+				} else {
+					err = h.insp.ArchiveTask(h.queue, res.TaskID)
+					defer func() { _ = h.insp.DeleteTask(h.queue, res.TaskID) }()
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				again, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+				if err != nil || again.Outcome != Deferred || again.TaskID == res.TaskID {
+					t.Fatalf("update after the follow-up was %sd: %+v %v, want a new follow-up (Deferred)", op, again, err)
+				}
+				close(release)
+				r := waitFor(t, rc.runs, "the follow-up runs")
+				if r.id != again.TaskID || decodeCounter(r.task).Seq != 2 {
+					t.Fatalf("ran %s seq %d, want the new follow-up %s with seq 2", r.id, decodeCounter(r.task).Seq, again.TaskID)
+				}
+				_ = first
+			})
+		})
+	}
+}
+
+// A call with the caller-chosen TaskID of the task holding its key folds
+// into it like any other call of the key (Replace, Merge), and defers
+// behind it while it runs (RunningDefer).
+func TestSameCallerIDFoldsLikeAnyCall(t *testing.T) {
+	union := func(old, new []byte) ([]byte, error) {
+		var a, b counterPayload
+		_ = json.Unmarshal(old, &a)
+		_ = json.Unmarshal(new, &b)
+		a.N += b.N
+		a.Seq = max(a.Seq, b.Seq)
+		return json.Marshal(a)
+	}
+	for _, tc := range []struct {
+		name string
+		rule Rule
+		want Outcome
+		n    int
+	}{
+		{"replace", Rule{OnConflict: Replace}, Replaced, 2},
+		{"merge", Rule{OnConflict: Merge, MergeFunc: union}, Merged, 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			bothPaths(t, counterRules(tc.rule), func(t *testing.T, h *harness) {
+				id := "counter-" + uniq(t)
+				first := h.enqueue(counterTask("k", 1, 1), asynq.TaskID(id))
+				res, err := h.client.Submit(context.Background(), counterTask("k", 2, 2), asynq.Queue(h.queue), asynq.TaskID(id))
+				if err != nil || res.Outcome != tc.want || res.TaskID != first.ID {
+					t.Fatalf("second call with the holder's ID: %+v %v, want %v into %s", res, err, tc.want, first.ID)
+				}
+				var p counterPayload
+				_ = json.Unmarshal([]byte(h.payloadOf(id)), &p)
+				if p.N != tc.n || p.Seq != 2 {
+					t.Fatalf("stored payload %+v, want n %d seq 2", p, tc.n)
+				}
+			})
+		})
+	}
+	t.Run("defer", func(t *testing.T) {
+		bothPaths(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
+			release := make(chan struct{})
+			rc := newRecorder(func(r run) error {
+				if decodeCounter(r.task).Seq == 1 {
+					<-release
+				}
+				return nil
+			})
+			h.serve(rc.handler(), nil)
+			id := "counter-" + uniq(t)
+			h.enqueue(counterTask("k", 1, 1), asynq.TaskID(id))
+			waitFor(t, rc.runs, "the holder runs")
+			res, err := h.client.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID(id))
+			if err != nil || res.Outcome != Deferred {
+				t.Fatalf("call with the running holder's ID: %+v %v, want Deferred", res, err)
+			}
+			close(release)
+			if r := waitFor(t, rc.runs, "the follow-up runs"); r.id != res.TaskID || decodeCounter(r.task).Seq != 2 {
+				t.Fatalf("ran %s seq %d, want the follow-up %s seq 2", r.id, decodeCounter(r.task).Seq, res.TaskID)
+			}
+		})
+	})
+	t.Run("reject", func(t *testing.T) {
+		bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+			id := "counter-" + uniq(t)
+			h.enqueue(counterTask("k", 1, 1), asynq.TaskID(id))
+			_, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID(id))
+			var dup *DuplicateTaskError
+			if !errors.As(err, &dup) || dup.TaskID != id || !errors.Is(err, asynq.ErrTaskIDConflict) {
+				t.Fatalf("second call with the holder's ID: %v, want a DuplicateTaskError naming %s that also matches asynq.ErrTaskIDConflict", err, id)
+			}
+		})
+	})
+}
+
+// Enqueuing a task again under its caller-chosen ID (an idempotent retry)
+// leaves its lock as it was: once the operator archives or deletes the
+// task, the key is free at once, as without the retry.
+func TestIdempotentReEnqueueKeepsTheLockHealable(t *testing.T) {
+	for _, op := range []string{"archive", "delete"} {
+		t.Run(op, func(t *testing.T) {
+			bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+				h.client = h.d.NewClient() // the key heals at once only for a lock written with its task
+				id := "mail-" + uniq(t)
+				first := h.enqueue(counterTask("k", 1, 1), asynq.TaskID(id))
+				again, err := h.client.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID(id))
+				if err != nil || again.ID != first.ID {
+					t.Fatalf("idempotent re-enqueue: %v %v, want the task %s", again, err, first.ID)
+				}
+				if op == "archive" {
+					err = h.insp.ArchiveTask(h.queue, id)
+				} else {
+					err = h.insp.DeleteTask(h.queue, id)
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				next, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue))
+				if err != nil || next.ID == id {
+					t.Fatalf("new task of the key after the holder was %sd: %v %v, want it created", op, next, err)
+				}
+			})
+		})
+	}
+}
+
+// A caller-chosen task ID can be used again once no task with that ID
+// exists, as asynq's own client allows; an ID whose task still lives stays
+// refused.
+func TestCallerIDUsableOnceItsTaskIsGone(t *testing.T) {
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		// Opted out, then its task gone.
+		id := "x-" + uniq(t)
+		if _, err := h.client.Enqueue(counterTask("a", 1, 1), asynq.Queue(h.queue), asynq.TaskID(id), Skip()); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.insp.DeleteTask(h.queue, id); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := h.client.Enqueue(counterTask("a", 1, 2), asynq.Queue(h.queue), asynq.TaskID(id)); err != nil {
+			t.Fatalf("ID of a deleted opted-out task, deduplicated now: %v", err)
+		}
+		// A scheduled task deleted, its ID reused for another key.
+		id2 := "y-" + uniq(t)
+		if _, err := h.client.Enqueue(counterTask("b", 1, 1), asynq.Queue(h.queue), asynq.TaskID(id2), asynq.ProcessIn(time.Hour)); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.insp.DeleteTask(h.queue, id2); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := h.client.Enqueue(counterTask("c", 1, 1), asynq.Queue(h.queue), asynq.TaskID(id2)); err != nil {
+			t.Fatalf("ID of a deleted scheduled task, for another key: %v", err)
+		}
+		// The old key's lock named the ID, which another key's task has now:
+		// it went with the stale index, so the old key is free.
+		if _, err := h.client.Enqueue(counterTask("b", 1, 2), asynq.Queue(h.queue)); err != nil {
+			t.Fatalf("the old key of a reused ID: %v, want it free", err)
+		}
+		// Still live under another key: refused.
+		if _, err := h.client.Submit(ctx, counterTask("d", 1, 1), asynq.Queue(h.queue), asynq.TaskID(id2)); !errors.Is(err, asynq.ErrTaskIDConflict) {
+			t.Fatalf("ID of a live task, for another key: %v, want asynq.ErrTaskIDConflict", err)
+		}
+	})
+}
+
+// "Forever" durations never wrap: the lock lasts at least as long as asked.
+func TestForeverDurationsNeverWrap(t *testing.T) {
+	t.Run("per-call TTL with ProcessIn", func(t *testing.T) {
+		h := newHarness(t, counterRules(Rule{}))
+		info := h.enqueue(counterTask("k", 1, 1), TTL(math.MaxInt64), asynq.ProcessIn(time.Hour))
+		if ttl := pttl(t, h.rdb, h.keyOf(counterTask("k", 1, 1), h.queue)); ttl < time.Hour {
+			t.Fatalf("lock TTL %v, want at least an hour", ttl)
+		}
+		if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.TaskID != info.ID {
+			t.Fatalf("duplicate of %s, want %s", dup.TaskID, info.ID)
+		}
+	})
+	t.Run("Config.TTL across a retry", func(t *testing.T) {
+		h := newHarness(t, Config{TTL: math.MaxInt64 - 1, Rules: counterRules(Rule{}).Rules})
+		rc := newRecorder(func(run) error { return errors.New("try again") })
+		h.serve(rc.handler(), retryInAnHour)
+		first := h.enqueue(counterTask("k", 1, 1))
+		waitFor(t, rc.runs, "the first attempt")
+		h.settled(1)
+		if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.TaskID != first.ID {
+			t.Fatalf("duplicate of %s, want %s, which waits for its retry", dup.TaskID, first.ID)
+		}
+	})
+	t.Run("options and config", func(t *testing.T) {
+		h := newHarness(t, counterRules(Rule{OnConflict: Replace}))
+		for _, o := range []asynq.Option{Cooldown(math.MaxInt64), Debounce(math.MaxInt64)} {
+			info, err := h.client.Enqueue(counterTask(o.String(), 1, 1), asynq.Queue(h.queue), o)
+			if err != nil && !errors.Is(err, ErrInvalidOption) {
+				t.Fatalf("%v: %v, want it taken or refused with ErrInvalidOption", o, err)
+			}
+			if err == nil {
+				if ttl := pttl(t, h.rdb, h.keyOf(counterTask(o.String(), 1, 1), h.queue)); ttl < time.Hour {
+					t.Fatalf("%v: lock TTL %v", o, ttl)
+				}
+				_ = info
+			}
+		}
+		for _, cfg := range []Config{{Lease: math.MaxInt64}, {HealGrace: math.MaxInt64}, {LockTimeout: math.MaxInt64}, {Rules: map[string]Rule{"x": {Cooldown: math.MaxInt64}}}, {Rules: map[string]Rule{"x": {TTL: math.MaxInt64}}}} {
+			cfg.Logger = quietLogger()
+			d, err := New(context.Background(), h.rdb, cfg)
+			if err != nil && !errors.Is(err, ErrInvalidOption) {
+				t.Fatalf("New(%+v): %v", cfg, err)
+			}
+			if d != nil {
+				_ = d.Close()
+			}
+		}
+	})
+}
+
+// Under OptIn, a call that passes this package's options (other than Skip)
+// asks for deduplication: it is never silently enqueued without it.
+func TestOptInPerCallOptionsAreNeverSilentlyIgnored(t *testing.T) {
+	for _, o := range []asynq.Option{Cooldown(time.Hour), Debounce(time.Second), OnConflict(Replace), TTL(time.Hour), WaitForRoom()} {
+		t.Run(o.String(), func(t *testing.T) {
+			h := newHarness(t, Config{OptIn: true})
+			task := asynq.NewTask("plain", []byte(`{"a":1}`))
+			first, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue), o)
+			if err != nil && !errors.Is(err, ErrInvalidOption) {
+				t.Fatalf("first: %v", err)
+			}
+			if err != nil {
+				return // refused with a clear error: not silent
+			}
+			second, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue), o)
+			if err == nil && second.Outcome == Created {
+				t.Fatalf("two identical calls with %v both created tasks (%s, %s): the option was ignored", o, first.TaskID, second.TaskID)
+			}
+		})
+	}
+}
+
+// Per-call options follow their precedence whatever their order.
+func TestMergeOptionsInAnyOrder(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{}))
+	fn := func(old, new []byte) ([]byte, error) { return new, nil }
+	h.enqueue(counterTask("k", 1, 1))
+	for _, opts := range [][]asynq.Option{{MergeWith(fn), OnConflict(Merge)}, {OnConflict(Merge), MergeWith(fn)}} {
+		res, err := h.client.Submit(context.Background(), counterTask("k", 1, 2), append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...)
+		if err != nil || res.Outcome != Merged {
+			t.Fatalf("%v: %+v %v, want Merged", opts, res, err)
+		}
+	}
+	if _, err := h.client.Submit(context.Background(), counterTask("k", 1, 3), asynq.Queue(h.queue), OnConflict(Merge)); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("OnConflict(Merge) without a function: %v, want ErrInvalidOption", err)
+	}
+}
+
+// A debounced task never comes due before the debounce has passed since
+// the last enqueue folded into it: asynq keeps due times in whole seconds,
+// so they are rounded up.
+func TestDebounceNeverComesDueEarly(t *testing.T) {
+	bothPaths(t, Config{Rules: map[string]Rule{"sync:profile": {Fields: []string{"user_id"}, OnConflict: Replace, Debounce: 1500 * time.Millisecond}}}, func(t *testing.T, h *harness) {
+		for seq := 1; seq <= 5; seq++ {
+			before := time.Now()
+			info := h.enqueue(profileSync("sync:profile", 1, seq))
+			score, err := h.rdb.ZScore(context.Background(), "asynq:{"+h.queue+"}:scheduled", info.ID).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if due := time.Unix(int64(score), 0); due.Before(before.Add(1500 * time.Millisecond)) {
+				t.Fatalf("enqueue %d at %v: due at %v, earlier than 1.5 s later", seq, before.Format(time.StampMilli), due.Format(time.StampMilli))
+			}
+			time.Sleep(150 * time.Millisecond) // the burst's pace: time under test
+		}
+	})
+}
+
+// A Defer follow-up that waits is a key waiting: MaxPending counts it from
+// when it is made until it starts, so no more keys wait than the bound.
+func TestMaxPendingCountsAFollowUpThatWaits(t *testing.T) {
+	bothPaths(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 1}), func(t *testing.T, h *harness) {
+		release := make(chan struct{})
+		rc := newRecorder(func(r run) error {
+			if p := decodeCounter(r.task); p.Key == "a" && p.Seq == 0 {
+				<-release
+			}
+			return nil
+		})
+		h.serve(rc.handler(), func(c *asynq.Config) { c.Concurrency = 1 })
+		ctx := context.Background()
+		h.enqueue(counterTask("a", 1, 0))
+		waitFor(t, rc.runs, "a runs")
+		if err := h.insp.PauseQueue(h.queue); err != nil { // nothing starts until the test says so
+			t.Fatal(err)
+		}
+		res, err := h.client.Submit(ctx, counterTask("a", 1, 1), asynq.Queue(h.queue))
+		if err != nil || res.Outcome != Deferred {
+			t.Fatalf("update of the running key: %+v %v, want Deferred", res, err)
+		}
+		overBound := func(when string) {
+			t.Helper()
+			if _, err := h.client.Submit(ctx, counterTask("b", 1, 0), asynq.Queue(h.queue)); !errors.Is(err, ErrTooManyPending) {
+				t.Fatalf("%s: a new key: %v, want ErrTooManyPending (the follow-up waits)", when, err)
+			}
+		}
+		overBound("follow-up parked behind the run")
+		close(release)
+		h.settled(1)
+		overBound("follow-up queued after the run")
+		if err := h.insp.UnpauseQueue(h.queue); err != nil {
+			t.Fatal(err)
+		}
+		if r := waitFor(t, rc.runs, "the follow-up runs"); r.id != res.TaskID {
+			t.Fatalf("ran %s, want the follow-up %s", r.id, res.TaskID)
+		}
+		if _, err := h.client.Submit(ctx, counterTask("b", 1, 0), asynq.Queue(h.queue)); err != nil {
+			t.Fatalf("a new key once the follow-up started: %v", err)
+		}
+	})
+}
+
+// An operator who purges the waiting tasks (or the queue) frees their
+// MaxPending slots: a slot whose task cannot run is not counted once the
+// bound is hit (as healing judges an owner: a WrapClient lock not yet
+// HealGrace old might still be waiting for its task to be stored).
+func TestMaxPendingFreesTheSlotsOfPurgedTasks(t *testing.T) {
+	purges := map[string]func(h *harness) error{
+		"DeleteAllPendingTasks":  func(h *harness) error { _, err := h.insp.DeleteAllPendingTasks(h.queue); return err },
+		"ArchiveAllPendingTasks": func(h *harness) error { _, err := h.insp.ArchiveAllPendingTasks(h.queue); return err },
+		"DeleteQueue":            func(h *harness) error { return h.insp.DeleteQueue(h.queue, true) },
+	}
+	for name, purge := range purges {
+		t.Run(name, func(t *testing.T) {
+			bothPaths(t, counterRules(Rule{MaxPending: 2}), func(t *testing.T, h *harness) {
+				a, b := h.enqueue(counterTask("a", 1, 0)), h.enqueue(counterTask("b", 1, 0))
+				if _, err := h.client.Enqueue(counterTask("c", 1, 0), asynq.Queue(h.queue)); !errors.Is(err, ErrTooManyPending) {
+					t.Fatalf("third key: %v, want ErrTooManyPending", err)
+				}
+				if err := purge(h); err != nil {
+					t.Fatal(err)
+				}
+				for _, k := range []string{h.keyOf(counterTask("a", 1, 0), h.queue), h.keyOf(counterTask("b", 1, 0), h.queue)} {
+					if !h.lockVerified(k) { // a WrapClient lock not written with its task: aged past HealGrace
+						h.ageLock(k)
+					}
+				}
+				_, _ = a, b
+				if _, err := h.client.Enqueue(counterTask("c", 1, 0), asynq.Queue(h.queue)); err != nil {
+					t.Fatalf("third key after %s: %v, want room", name, err)
+				}
+			})
+		})
+	}
+}
+
+// lockVerified reports whether the lock at key was written with its task
+// (field v): it heals without waiting out HealGrace.
+func (h *harness) lockVerified(key string) bool {
+	h.t.Helper()
+	return h.rdb.HExists(context.Background(), key, "v").Val()
+}
+
+// MaxPending counts a key in the queue its task waits in: a queue given to
+// asynq.NewTask is not remembered for calls that name none, and a task an
+// enqueuer moves to another queue is counted there.
+func TestMaxPendingCountsInTheQueueTheTaskWaitsIn(t *testing.T) {
+	t.Run("NewTask queue", func(t *testing.T) {
+		bothPaths(t, counterRules(Rule{MaxPending: 1}), func(t *testing.T, h *harness) {
+			low := h.queue + "-low"
+			if _, err := h.client.Enqueue(asynq.NewTask("counter", []byte(`{"key":"a"}`), asynq.Queue(low))); err != nil {
+				t.Fatal(err)
+			}
+			info, err := h.client.Enqueue(counterTask("b", 1, 0)) // no queue anywhere: asynq's "default"
+			if err != nil || info.Queue != "default" {
+				t.Fatalf("a key with no queue named: %v %v, want it in default", info, err)
+			}
+			t.Cleanup(func() { _ = h.insp.DeleteTask("default", info.ID) })
+			if _, err := h.client.Enqueue(counterTask("c", 1, 0)); !errors.Is(err, ErrTooManyPending) {
+				t.Fatalf("a second key in default: %v, want ErrTooManyPending", err)
+			}
+			t.Cleanup(func() { _ = h.insp.DeleteQueue(low, true) })
+		})
+	})
+	t.Run("moved by the enqueuer", func(t *testing.T) {
+		h := newHarness(t, counterRules(Rule{MaxPending: 1}))
+		c := h.d.WrapClient(queueMover{c: h.asynq, q: h.queue})
+		other := h.queue + "-asked"
+		if _, err := c.Enqueue(counterTask("a", 1, 0), asynq.Queue(other)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Enqueue(counterTask("b", 1, 0), asynq.Queue(other)); !errors.Is(err, ErrTooManyPending) {
+			t.Fatalf("a second key moved into the full queue: %v, want ErrTooManyPending", err)
+		}
+		if n := h.queueSize(h.queue); n != 1 {
+			t.Fatalf("%d tasks in the queue, want 1 (the refused one taken back out)", n)
+		}
+	})
+}
+
+// A follow-up owed by a task that failed with retries left waits for the
+// retry; when an operator deletes or archives that task, the follow-up is
+// queued at once (within a heartbeat), not when its parked time comes
+// (the retry delay plus TTL later).
+func TestFollowUpQueuedWhenItsRetryingHolderIsRemoved(t *testing.T) {
+	for _, op := range []string{"archive", "delete"} {
+		t.Run(op, func(t *testing.T) {
+			cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+			cfg.Lease = 1500 * time.Millisecond // a heartbeat every 500 ms
+			bothPaths(t, cfg, func(t *testing.T, h *harness) {
+				release := make(chan struct{})
+				rc := newRecorder(func(r run) error {
+					if decodeCounter(r.task).Seq == 0 {
+						<-release
+						return errors.New("try again later")
+					}
+					return nil
+				})
+				h.serve(rc.handler(), retryInAnHour)
+				first := h.enqueue(counterTask("k", 1, 0))
+				waitFor(t, rc.runs, "the first attempt")
+				res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
+				if err != nil || res.Outcome != Deferred {
+					t.Fatalf("update while running: %+v %v, want Deferred", res, err)
+				}
+				close(release)
+				h.settled(1)
+				eventually(t, "asynq schedules the retry", func() bool { return h.taskState(first.ID) == asynq.TaskStateRetry })
+				if op == "archive" {
+					err = h.insp.ArchiveTask(h.queue, first.ID)
+					defer func() { _ = h.insp.DeleteTask(h.queue, first.ID) }()
+				} else {
+					err = h.insp.DeleteTask(h.queue, first.ID)
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				if r := waitFor(t, rc.runs, "the follow-up runs"); r.id != res.TaskID || decodeCounter(r.task).Seq != 1 {
+					t.Fatalf("ran %s seq %d, want the follow-up %s seq 1", r.id, decodeCounter(r.task).Seq, res.TaskID)
+				}
+			})
+		})
+	}
+}
+
+// dedupctl doctor --fix, releasing a lock whose owner cannot run, queues
+// the follow-up the lock owes, which takes the key (here no server watches
+// the lock: the one that held it has stopped).
+func TestDoctorFixQueuesTheFollowUpOfALockItReleases(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	release := make(chan struct{})
+	rc := newRecorder(func(r run) error {
+		if decodeCounter(r.task).Seq == 0 {
+			<-release
+			return errors.New("try again later")
+		}
+		return nil
+	})
+	srv := h.serve(rc.handler(), retryInAnHour)
+	first := h.enqueue(counterTask("k", 1, 0))
+	waitFor(t, rc.runs, "the first attempt")
+	ctx := context.Background()
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("update while running: %+v %v, want Deferred", res, err)
+	}
+	close(release)
+	h.settled(1)
+	srv.Shutdown()
+	if err := h.insp.ArchiveTask(h.queue, first.ID); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = h.insp.DeleteTask(h.queue, first.ID) }()
+	keys := store.NewKeys(h.prefix)
+	ls, err := store.ReadLocks(ctx, h.rdb, keys, h.locks())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ds, err := store.Diagnose(ctx, h.rdb, ls, time.Minute, time.Now())
+	if err != nil || len(ds) != 1 {
+		t.Fatalf("doctor: %v %v, want the one lock whose owner was archived", ds, err)
+	}
+	rel, err := store.ReleaseStuck(ctx, h.rdb, keys, ds[0].Lock)
+	if err != nil || !rel.Released || rel.FollowUp != res.TaskID {
+		t.Fatalf("doctor --fix: %+v %v, want released to the follow-up %s", rel, err, res.TaskID)
+	}
+	if st := h.taskState(res.TaskID); st != asynq.TaskStatePending {
+		t.Fatalf("follow-up %s is %v, want pending (queued now)", res.TaskID, st)
+	}
+	if dup := h.duplicateOf(counterTask("k", 1, 2), OnConflict(Reject)); dup.TaskID != res.TaskID {
+		t.Fatalf("the key is held by %s, want the follow-up %s", dup.TaskID, res.TaskID)
+	}
+}
+
+// A forced Release (holder "") releases whoever holds the key, also while
+// the key changes hands under it (other releases free it, producers take it
+// again): never ErrNotHolder.
+func TestForcedReleaseReleasesWhoeverHoldsTheKey(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{}))
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	stop := make(chan struct{})
+	var producers, releasers sync.WaitGroup
+	for range 4 { // producers take the key again as soon as it is free
+		producers.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				_, _ = h.client.Submit(ctx, counterTask("k", 1, 0), asynq.Queue(h.queue))
+			}
+		})
+	}
+	var (
+		mu       sync.Mutex
+		released int
+		failed   []error
+	)
+	for range 4 {
+		releasers.Go(func() {
+			for range 150 {
+				ok, err := h.d.Release(ctx, counterTask("k", 1, 0), "", asynq.Queue(h.queue))
+				mu.Lock()
+				if err != nil {
+					failed = append(failed, err)
+				} else if ok {
+					released++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	releasers.Wait()
+	close(stop)
+	producers.Wait()
+	t.Logf("%d of 600 forced releases released a lock", released)
+	if len(failed) > 0 {
+		t.Fatalf("%d of 600 forced releases failed, the first: %v", len(failed), failed[0])
+	}
+	if released == 0 {
+		t.Fatal("no forced release found the key held: the producers did not contend")
+	}
+}
+
+// Redis refusing a call before running it, for a reason that refuses any
+// copy of it too (an ACL without the scripting commands, no memory left
+// for writes), is not "outcome unknown": nothing was stored, and the error
+// matches ErrUnavailable with Redis's refusal kept as its cause.
+func TestDefinitiveRefusalsAreUnavailableNotUnknown(t *testing.T) {
+	check := func(t *testing.T, err error, code string) {
+		t.Helper()
+		var re redis.Error
+		switch {
+		case !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrOutcomeUnknown):
+			t.Fatalf("enqueue refused with %s: %v, want ErrUnavailable and not ErrOutcomeUnknown", code, err)
+		case !errors.As(err, &re) || !strings.HasPrefix(re.Error(), code):
+			t.Fatalf("enqueue refused with %s: %v, want Redis's %s reply kept as the cause", code, err, code)
+		}
+	}
+	t.Run("NOPERM", func(t *testing.T) {
+		needRealRedis(t)
+		admin := newRDB(t)
+		ctx := context.Background()
+		user := "noscript-" + uniq(t)
+		if err := admin.Do(ctx, "ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-evalsha", "-eval", "-script").Err(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { admin.Do(context.Background(), "ACL", "DELUSER", user) })
+		rdb := redis.NewClient(&redis.Options{Addr: redistest.Addr(), Username: user, Password: "pw"})
+		t.Cleanup(func() { _ = rdb.Close() })
+		h := newHarnessOn(t, rdb, counterRules(Rule{}))
+		_, err := h.d.NewClient().Enqueue(counterTask("k", 1, 0), asynq.Queue(h.queue))
+		check(t, err, "NOPERM")
+		if n := admin.LLen(ctx, store.PendingKey(h.queue)).Val(); n != 0 {
+			t.Fatalf("%d tasks stored", n)
+		}
+	})
+	t.Run("OOM", func(t *testing.T) {
+		_, rdb := ownRedis(t, nil)
+		h := newHarnessOn(t, rdb, counterRules(Rule{}))
+		c := h.d.NewClient()
+		if _, err := c.Enqueue(counterTask("a", 1, 0), asynq.Queue(h.queue)); err != nil { // registers the queue
+			t.Fatal(err)
+		}
+		if err := rdb.ConfigSet(context.Background(), "maxmemory", "1").Err(); err != nil {
+			t.Fatal(err)
+		}
+		_, err := c.Enqueue(counterTask("b", 1, 0), asynq.Queue(h.queue))
+		check(t, err, "OOM")
+	})
+}
+
+// A server whose Dedup has another Prefix than the producer's follows the
+// producer's locks (found through the prefixes registered for the queue):
+// Lookup sees the task running, a Defer follow-up is queued when the run
+// ends, and the server leaves no lock of its own prefix behind.
+func TestServerWithAnotherPrefixFollowsTheProducersLock(t *testing.T) {
+	rules := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}).Rules
+	bothPaths(t, Config{Rules: rules}, func(t *testing.T, h *harness) {
+		server, err := New(context.Background(), h.rdb, Config{Prefix: h.prefix + "-srv", Rules: rules, Logger: quietLogger()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = server.Close() })
+		release := make(chan struct{})
+		rc := newRecorder(func(r run) error {
+			if decodeCounter(r.task).Seq == 0 {
+				<-release
+			}
+			return nil
+		})
+		serving := &harness{t: t, rdb: h.rdb, d: server, queue: h.queue, prefix: server.cfg.Prefix, insp: h.insp}
+		serving.serve(rc.handler(), nil)
+		ctx := context.Background()
+		for _, opts := range [][]asynq.Option{nil, {asynq.TaskID("caller-" + uniq(t))}} {
+			first := h.enqueue(counterTask("k", 1, 0), opts...)
+			if r := waitFor(t, rc.runs, "the first run"); r.id != first.ID {
+				t.Fatalf("ran %s, want %s", r.id, first.ID)
+			}
+			if kl, found, err := h.d.Lookup(ctx, counterTask("k", 1, 0), asynq.Queue(h.queue)); err != nil || !found || kl.State != "running" || kl.Holder != first.ID {
+				t.Fatalf("producer's Lookup while the server runs the task: %+v %v %v, want running, held by %s", kl, found, err, first.ID)
+			}
+			res, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+			if err != nil || res.Outcome != Deferred {
+				t.Fatalf("update while running: %+v %v, want Deferred", res, err)
+			}
+			release <- struct{}{}
+			if r := waitFor(t, rc.runs, "the follow-up runs"); r.id != res.TaskID {
+				t.Fatalf("ran %s, want the follow-up %s", r.id, res.TaskID)
+			}
+			eventually(t, "the key is free", func() bool {
+				_, found, err := h.d.Lookup(ctx, counterTask("k", 1, 0), asynq.Queue(h.queue))
+				return err == nil && !found
+			})
+		}
+		if left := serving.locks(); len(left) != 0 {
+			t.Fatalf("locks left under the server's own prefix: %v", left)
+		}
+	})
+}
