@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"strings"
 	"sync"
@@ -42,6 +43,20 @@ func (h *harness) drained(rc *recorder) (extra *run) {
 	default:
 		return nil
 	}
+}
+
+// holdRun returns a recorder whose handler, for a counter task of sequence
+// seq, waits until release is closed (or sent to) and then returns then;
+// other tasks succeed at once.
+func holdRun(seq int, then error) (*recorder, chan struct{}) {
+	release := make(chan struct{})
+	return newRecorder(func(r run) error {
+		if decodeCounter(r.task).Seq == seq {
+			<-release
+			return then
+		}
+		return nil
+	}), release
 }
 
 // A task that arrives without a lock (here asynq's own client) at a key
@@ -95,13 +110,7 @@ func TestDeletedFollowUpIsReplacedByANewOne(t *testing.T) {
 	for _, op := range []string{"delete", "archive"} {
 		t.Run(op, func(t *testing.T) {
 			bothPaths(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
-				release := make(chan struct{})
-				rc := newRecorder(func(r run) error {
-					if decodeCounter(r.task).Seq == 0 {
-						<-release
-					}
-					return nil
-				})
+				rc, release := holdRun(0, nil)
 				h.serve(rc.handler(), nil)
 				first := h.enqueue(counterTask("k", 1, 0))
 				waitFor(t, rc.runs, "the first run")
@@ -173,13 +182,7 @@ func TestSameCallerIDFoldsLikeAnyCall(t *testing.T) {
 	}
 	t.Run("defer", func(t *testing.T) {
 		bothPaths(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
-			release := make(chan struct{})
-			rc := newRecorder(func(r run) error {
-				if decodeCounter(r.task).Seq == 1 {
-					<-release
-				}
-				return nil
-			})
+			rc, release := holdRun(1, nil)
 			h.serve(rc.handler(), nil)
 			id := "counter-" + uniq(t)
 			h.enqueue(counterTask("k", 1, 1), asynq.TaskID(id))
@@ -390,13 +393,7 @@ func TestDebounceNeverComesDueEarly(t *testing.T) {
 // when it is made until it starts, so no more keys wait than the bound.
 func TestMaxPendingCountsAFollowUpThatWaits(t *testing.T) {
 	bothPaths(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 1}), func(t *testing.T, h *harness) {
-		release := make(chan struct{})
-		rc := newRecorder(func(r run) error {
-			if p := decodeCounter(r.task); p.Key == "a" && p.Seq == 0 {
-				<-release
-			}
-			return nil
-		})
+		rc, release := holdRun(0, nil) // (only a has seq 0 here)
 		h.serve(rc.handler(), func(c *asynq.Config) { c.Concurrency = 1 })
 		ctx := context.Background()
 		h.enqueue(counterTask("a", 1, 0))
@@ -410,7 +407,7 @@ func TestMaxPendingCountsAFollowUpThatWaits(t *testing.T) {
 		}
 		overBound := func(when string) {
 			t.Helper()
-			if _, err := h.client.Submit(ctx, counterTask("b", 1, 0), asynq.Queue(h.queue)); !errors.Is(err, ErrTooManyPending) {
+			if _, err := h.client.Submit(ctx, counterTask("b", 1, 2), asynq.Queue(h.queue)); !errors.Is(err, ErrTooManyPending) {
 				t.Fatalf("%s: a new key: %v, want ErrTooManyPending (the follow-up waits)", when, err)
 			}
 		}
@@ -424,7 +421,7 @@ func TestMaxPendingCountsAFollowUpThatWaits(t *testing.T) {
 		if r := waitFor(t, rc.runs, "the follow-up runs"); r.id != res.TaskID {
 			t.Fatalf("ran %s, want the follow-up %s", r.id, res.TaskID)
 		}
-		if _, err := h.client.Submit(ctx, counterTask("b", 1, 0), asynq.Queue(h.queue)); err != nil {
+		if _, err := h.client.Submit(ctx, counterTask("b", 1, 2), asynq.Queue(h.queue)); err != nil {
 			t.Fatalf("a new key once the follow-up started: %v", err)
 		}
 	})
@@ -518,14 +515,7 @@ func TestFollowUpQueuedWhenItsRetryingHolderIsRemoved(t *testing.T) {
 			cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
 			cfg.Lease = 1500 * time.Millisecond // a heartbeat every 500 ms
 			bothPaths(t, cfg, func(t *testing.T, h *harness) {
-				release := make(chan struct{})
-				rc := newRecorder(func(r run) error {
-					if decodeCounter(r.task).Seq == 0 {
-						<-release
-						return errors.New("try again later")
-					}
-					return nil
-				})
+				rc, release := holdRun(0, errors.New("try again later"))
 				h.serve(rc.handler(), retryInAnHour)
 				first := h.enqueue(counterTask("k", 1, 0))
 				waitFor(t, rc.runs, "the first attempt")
@@ -558,14 +548,7 @@ func TestFollowUpQueuedWhenItsRetryingHolderIsRemoved(t *testing.T) {
 // the lock: the one that held it has stopped).
 func TestDoctorFixQueuesTheFollowUpOfALockItReleases(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
-	release := make(chan struct{})
-	rc := newRecorder(func(r run) error {
-		if decodeCounter(r.task).Seq == 0 {
-			<-release
-			return errors.New("try again later")
-		}
-		return nil
-	})
+	rc, release := holdRun(0, errors.New("try again later"))
 	srv := h.serve(rc.handler(), retryInAnHour)
 	first := h.enqueue(counterTask("k", 1, 0))
 	waitFor(t, rc.runs, "the first attempt")
@@ -714,13 +697,7 @@ func TestServerWithAnotherPrefixFollowsTheProducersLock(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = server.Close() })
-		release := make(chan struct{})
-		rc := newRecorder(func(r run) error {
-			if decodeCounter(r.task).Seq == 0 {
-				<-release
-			}
-			return nil
-		})
+		rc, release := holdRun(0, nil)
 		serving := &harness{t: t, rdb: h.rdb, d: server, queue: h.queue, prefix: server.cfg.Prefix, insp: h.insp}
 		serving.serve(rc.handler(), nil)
 		ctx := context.Background()
@@ -749,4 +726,30 @@ func TestServerWithAnotherPrefixFollowsTheProducersLock(t *testing.T) {
 			t.Fatalf("locks left under the server's own prefix: %v", left)
 		}
 	})
+}
+
+// The prefix registry has a fixed name (dedup:{<queue>}:prefixes), outside
+// a custom prefix: an ACL that grants only the prefix and asynq's keys
+// refuses it, and that must not fail the enqueue.
+func TestPrefixRegistryRefusedByACLDoesNotFailEnqueue(t *testing.T) {
+	needRealRedis(t)
+	admin := newRDB(t)
+	ctx := context.Background()
+	name := uniq(t)
+	prefix := "acl-" + name
+	if err := admin.Do(ctx, "ACL", "SETUSER", name, "on", ">pw", "~asynq:*", "~"+prefix+":*", "&*", "+@all").Err(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { admin.Do(context.Background(), "ACL", "DELUSER", name) })
+	rdb := redis.NewClient(&redis.Options{Addr: redistest.Addr(), Username: name, Password: "pw"})
+	t.Cleanup(func() { _ = rdb.Close() })
+	h := newHarnessOn(t, rdb, Config{Prefix: prefix, Rules: counterRules(Rule{}).Rules})
+	for _, c := range []*Client{h.client, h.d.NewClient()} {
+		for i := range 2 {
+			if _, err := c.Enqueue(counterTask(fmt.Sprint("k", i), 1, 0), asynq.Queue(h.queue)); err != nil {
+				t.Fatalf("enqueue under an ACL that refuses the prefix registry: %v", err)
+			}
+		}
+		h.queue += "-2"
+	}
 }

@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // Fold is what acquire does when the key is held by a task still waiting to
@@ -96,6 +99,10 @@ func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) 
 		}
 		keys, args := a.build(s, lock, &h, n > 0)
 		v, err := s.run(ctx, s.sc.acquire, keys, args...)
+		if err != nil && s.registryRefused(err, a.Ref.Queue) {
+			n-- // (not a statusNeed)
+			continue
+		}
 		if err != nil {
 			return AcquireResult{Sent: a.sendsMessage(&h) && !errors.Is(err, s.cfg.ErrCircuitOpen)}, err
 		}
@@ -116,6 +123,19 @@ func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) 
 			a.staleFP = fp
 		}
 	}
+}
+
+// registryRefused reports whether err is an ACL's refusal of a call that
+// declared queue's registry of prefixes (PrefixesKey, a fixed name outside
+// a custom prefix): the registration, best effort, is then given up for
+// the queue, and the call is to be made again without it.
+func (s *Store) registryRefused(err error, queue string) bool {
+	if _, done := s.registered.Load(queue); done || !redis.HasErrorPrefix(err, "NOPERM") {
+		return false
+	}
+	s.registered.Store(queue, true)
+	s.cfg.Logger.Debug("dedup: the ACL refuses the queue's registry of prefixes; a server with another prefix will not find these locks", slog.String("queue", queue))
+	return true
 }
 
 // replacesKnownHolder reports whether the call is a Replace into the

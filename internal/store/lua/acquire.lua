@@ -4,7 +4,7 @@
 -- KEYS, by the role letters of ARGV[1] from its third character on:
 --   L  the lock                                         always
 --   I  index key of the new task's caller-chosen ID     with a caller-chosen ID
---   T  asynq record of the new task                     with ARGV[7]
+--   T  asynq record of the new task                     with ARGV[7]; with a caller-chosen ID
 --   P  asynq pending list, S asynq scheduled set        with ARGV[7]; to release a follow-up
 --   W  the type's waiting set                           with ARGV[14]; to heal a counted lock
 --   F  the key's follow-up pointer                      with ARGV[15]; to release a follow-up
@@ -52,7 +52,8 @@
 -- Reply (holder and f: the lock's owner as stored and its follow-up after
 -- the call, for the caller's hints):
 --   {1}                                taken for ARGV[2]
---   {2}                                already held by ARGV[2] (the caller enqueues it): untouched,
+--   {2}                                already held by ARGV[2], whose task is not stored (the caller
+--                                      enqueues it): untouched,
 --                                      but for a lock written with its task, which loses v and is young again
 --   {14, holder, ms}                   held by its last task, which succeeded: the key cools
 --                                      down for ms more (any policy; rejected)
@@ -64,9 +65,19 @@
 --   {5, followup, holder, f}           follow-up task created for the running holder
 --   {6, holder}                        held by a task not stored in asynq yet: try again shortly
 --   {7}                                the ID ARGV[2] is taken: a caller-chosen ID whose index
---                                      names another key, or ARGV[7] given and the task exists
---   {8, waiting}                       refused: ARGV[14] keys already waiting
---   {11, lacking, holder, f}           nothing done: call again with the keys of these roles
+--                                      names another key and whose task exists, or ARGV[7] given
+--                                      and the task exists, or the ID holds the key and its task
+--                                      is completed or archived (asynq refuses the ID while the
+--                                      record lasts)
+--   {8, waiting, queued}               refused: ARGV[14] keys already waiting; queued: tasks in the
+--                                      queue's pending list and scheduled set (fewer than waiting:
+--                                      some entries are stale)
+--   {11, lacking, holder, f[, stale]}  nothing done: call again with the keys of these roles (stale:
+--                                      the key Y belongs to)
+--
+-- The call's own ID holding the key (ARGV[2] or ARGV[3] is the owner) with
+-- its task stored and live is met as any other holder: folded into
+-- (Replace, Merge), deferred behind (RunningDefer), or named (Reject).
 --   {-1, reason}                       asynq's task record is not what this expects
 --
 -- A follow-up of a running task is a copy of its asynq record with the new
@@ -93,7 +104,9 @@ local A = ARGV
 if string.find(A[1], 'R', 3, true) then
   -- The caller's first call on the queue: register its prefix (the lock
   -- key's head, before its first ':{'), so that a server of another
-  -- prefix finds this lock.
+  -- prefix finds this lock. (An ACL that refuses the key, a fixed name
+  -- outside a custom prefix, refuses the call: the caller calls again
+  -- without it.)
   roles(2)
   call('SADD', K.R, string.sub(K.L, 1, string.find(K.L, ':{', 1, true) - 1))
 end
