@@ -59,10 +59,28 @@ func (d *Dedup) busyPolicy(r *resolved) Busy {
 }
 
 // busy answers a task whose key another live task holds, by its type's
-// Busy policy.
-func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, holder string) error {
-	d.count(t.Type(), evBusy)
+// Busy policy; but for a task that did not arrive without a lock — one
+// locked at enqueue whose lock an operator released or that expired, or a
+// busy task's copy — whose payload may be older than the holder's or carry
+// work of its own: of a Replace type it is superseded (not run: the key's
+// task took the key after this one lost it, so it carries the newer
+// payload); of a Merge type it is never dropped (folding merges its units
+// in); the key's own follow-up, run early by an operator, is retried, so
+// it runs after the holder.
+func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, st *store.StartResult) error {
+	holder := st.Holder
 	policy := d.busyPolicy(r)
+	if !l.arrived {
+		switch {
+		case st.Follow == l.ref.ID:
+			policy = BusyRetry
+		case r.conflict == Replace:
+			return d.superseded(t, l, holder)
+		case r.conflict == Merge && policy == BusyDrop:
+			policy = BusyRetry
+		}
+	}
+	d.count(t.Type(), evBusy)
 	dec := Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.ref.Queue, Key: d.lockKey(&l.ref), TaskID: holder}
 	switch policy {
 	case BusyDrop:
@@ -80,6 +98,14 @@ func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, 
 	}
 	d.decide(dec)
 	return d.retryBusy(ctx, t, l, holder)
+}
+
+// superseded answers a task that lost its lock to a task with a newer
+// payload (Replace): it does not run.
+func (d *Dedup) superseded(t *asynq.Task, l *lease, holder string) error {
+	d.count(t.Type(), evSuperseded)
+	d.log.Info("dedup: not run: the task lost its lock, and the key's task holding it now carries a newer payload", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
+	return nil
 }
 
 // foldBusy enqueues the busy task's payload through the Dedup's own client
@@ -125,7 +151,7 @@ func (d *Dedup) retryBusy(ctx context.Context, t *asynq.Task, l *lease, holder s
 	if n < max {
 		return berr
 	}
-	id := store.NewAgainID()
+	id := store.NewAgainID(l.ref.FP)
 	ok, err := d.store.Again(ctx, l.ref.Queue, l.ref.ID, id, time.Now().Add(d.cfg.Lease))
 	if err != nil || !ok {
 		d.log.Warn("dedup: busy task on its last attempt could not be scheduled again; asynq archives it", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", err))

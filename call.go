@@ -40,11 +40,12 @@ type call struct {
 // compose reads the call's options into k: this package's apply to the
 // type's rule, asynq's are kept for asynq and read for what the lock needs.
 func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
-	conflicting, taskQueue, err := checkTask(task)
+	conflicting, taskQueue, taskID, err := checkTask(task)
 	if err != nil {
 		return err
 	}
 	k.conflicting, k.taskQueue = conflicting, taskQueue
+	k.callerID = taskID // NewTask's, which asynq applies (a call's own asynq.TaskID overrides it, as in asynq)
 	k.task, k.typ, k.rule = task, task.Type(), c.d.ruleFor(task.Type())
 	k.pass = make([]asynq.Option, 0, len(opts)+1)
 	k.msg.Retry = store.DefaultMaxRetry
@@ -162,9 +163,12 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 		return err
 	}
 	id := k.callerID
-	if id == "" {
+	switch {
+	case id == "":
 		id = store.NewLockedID(fp)
 		k.pass = append(k.pass, asynq.TaskID(id))
+	case store.Reserved(id, fp):
+		return fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, da-, dx-), for another key", ErrInvalidOption, id)
 	}
 	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Indexed: k.callerID != ""}
 	r := &k.rule
@@ -245,13 +249,14 @@ func (k *call) storedInfo() *asynq.TaskInfo {
 
 // checkTask refuses, before any lock is taken, a task asynq's client would
 // refuse. It returns the asynq option among those given to NewTask that
-// deduplication cannot honour (Unique, Group), if any.
-func checkTask(t *asynq.Task) (conflicting, queue string, err error) {
+// deduplication cannot honour (Unique, Group), if any, and the queue and
+// task ID given to NewTask, if any.
+func checkTask(t *asynq.Task) (conflicting, queue, id string, err error) {
 	if t == nil {
-		return "", "", fmt.Errorf("%w: nil task", ErrInvalidOption)
+		return "", "", "", fmt.Errorf("%w: nil task", ErrInvalidOption)
 	}
 	if strings.TrimSpace(t.Type()) == "" {
-		return "", "", fmt.Errorf("%w: blank task type", ErrInvalidOption)
+		return "", "", "", fmt.Errorf("%w: blank task type", ErrInvalidOption)
 	}
 	opts, _ := taskOpts(t)
 	for _, o := range opts {
@@ -261,18 +266,19 @@ func checkTask(t *asynq.Task) (conflicting, queue string, err error) {
 		switch v, _ := o.Value().(string); o.Type() {
 		case asynq.QueueOpt:
 			if strings.TrimSpace(v) == "" {
-				return "", "", fmt.Errorf("%w: blank queue name in NewTask", ErrInvalidOption)
+				return "", "", "", fmt.Errorf("%w: blank queue name in NewTask", ErrInvalidOption)
 			}
 			queue = v
 		case asynq.TaskIDOpt:
 			if strings.TrimSpace(v) == "" {
-				return "", "", fmt.Errorf("%w: blank task ID in NewTask", ErrInvalidOption)
+				return "", "", "", fmt.Errorf("%w: blank task ID in NewTask", ErrInvalidOption)
 			}
+			id = v
 		case asynq.UniqueOpt, asynq.GroupOpt:
 			conflicting = o.String() + " in NewTask"
 		}
 	}
-	return conflicting, queue, nil
+	return conflicting, queue, id, nil
 }
 
 // taskOpts reads asynq.Task's unexported opts (options given to NewTask),

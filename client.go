@@ -141,6 +141,9 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 	if err := c.compose(&k, task, opts); err != nil {
 		return Result{}, err
 	}
+	if err := ctx.Err(); err != nil { // the caller gave up before the call began: not an outage
+		return Result{}, fmt.Errorf("dedup: enqueue %q: %w", k.typ, err)
+	}
 	if !c.d.active(&k.rule) {
 		return c.enqueueUnlocked(ctx, &k)
 	}
@@ -161,10 +164,15 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 // execution-time guard leaves it alone: in its ID, or for a caller-chosen
 // ID with an opt-out mark where the middleware looks for its lock.
 func (c *Client) enqueueUnlocked(ctx context.Context, k *call) (Result, error) {
-	if k.callerID == "" {
+	switch {
+	case k.callerID == "":
 		k.pass = append(k.pass, asynq.TaskID(store.NewOptOutID()))
-	} else if err := c.markOptOut(ctx, k); err != nil {
-		return Result{}, err
+	case store.Reserved(k.callerID, ""):
+		return Result{}, fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, da-)", ErrInvalidOption, k.callerID)
+	default:
+		if err := c.markOptOut(ctx, k); err != nil {
+			return Result{}, err
+		}
 	}
 	return created(c.next.EnqueueContext(ctx, k.task, k.pass...))
 }
@@ -192,7 +200,7 @@ func (c *Client) enqueueLocked(ctx context.Context, k *call) (Result, error) {
 		return created(info, nil)
 	}
 	if info.Queue != k.queue {
-		return created(c.relocate(ctx, k, info))
+		return c.relocate(ctx, k, info)
 	}
 	d.count(k.typ, evLocked)
 	if k.processAt.IsZero() && info.State == asynq.TaskStateScheduled {
@@ -280,70 +288,6 @@ func enqueueError(typ string, err error) error {
 		return fmt.Errorf("dedup: enqueue %q: %w", typ, err)
 	}
 	return fmt.Errorf("%w: enqueue %q: %w", ErrUnavailable, typ, err)
-}
-
-// relocate moves the lock to the queue the task actually landed in (its
-// queue came from asynq.NewTask). Only this task's lock moves: no policy
-// folds into others there.
-func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (*asynq.TaskInfo, error) {
-	d := c.d
-	ctx = context.WithoutCancel(ctx)
-	moved := k.ref
-	moved.Queue = info.Queue
-	res, err := d.store.Acquire(ctx, &store.Acquire{Ref: moved, OnWaiting: store.FoldReject, OnRunning: k.rule.running.code(),
-		TTL: waitTTL(d.ttlOf(&k.rule), info.NextProcessAt), Now: time.Now(), Cooldown: k.rule.cooldown, MaxPending: k.rule.maxPending})
-	if _, uerr := d.store.Unlock(ctx, &k.ref, k.acquire.MaxPending > 0); uerr != nil {
-		d.count(k.typ, evRedisError)
-	}
-	switch {
-	case err != nil:
-		d.count(k.typ, evRedisError)
-		d.log.Warn("dedup: could not move a lock to the task's queue; the execution-time guard will lock it", slog.String("type", k.typ), slog.Any("error", err))
-	case res.Status == store.StatusTaken || res.Status == store.StatusSelf:
-		d.count(k.typ, evLocked)
-	case res.Status == store.StatusHeld || res.Status == store.StatusReserved || res.Status == store.StatusCooling:
-		return c.dropDuplicate(ctx, k, info, &res, &moved)
-	case res.Status == store.StatusOver: // the queue it landed in has its type's MaxPending keys waiting
-		return c.dropOverBound(ctx, k, info, res.Waiting)
-	default:
-		d.log.Warn("dedup: unexpected reply moving a lock; the execution-time guard will lock the task", slog.String("type", k.typ), slog.Int64("status", int64(res.Status)))
-	}
-	return info, nil
-}
-
-// dropDuplicate takes back out a task that landed in a queue where the key
-// is already held. If a worker took it first, the execution-time guard
-// meets it: at a cooling key it is dropped there, so the answer is the same
-// duplicate; behind a live holder it runs later, so it was created.
-func (c *Client) dropDuplicate(ctx context.Context, k *call, info *asynq.TaskInfo, res *store.AcquireResult, moved *store.Ref) (*asynq.TaskInfo, error) {
-	d := c.d
-	cooling := res.Status == store.StatusCooling
-	if err := c.takeBack(ctx, info); err != nil && !cooling {
-		d.log.Warn("dedup: duplicate landed in another queue and could not be removed; the execution-time guard will hold it back", slog.String("type", k.typ), slog.String("task_id", info.ID), slog.Any("error", err))
-		return info, nil
-	}
-	d.count(k.typ, evDuplicate)
-	d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: info.Queue, Key: d.lockKey(moved), TaskID: res.Task, CoolingDown: cooling})
-	return nil, &DuplicateTaskError{TaskID: res.Task, Queue: info.Queue, Type: k.typ, Key: d.lockKey(moved), CoolingDown: cooling, FreeIn: res.Cooling}
-}
-
-// dropOverBound takes back out a task that landed in a queue where its
-// type's MaxPending keys already wait.
-func (c *Client) dropOverBound(ctx context.Context, k *call, info *asynq.TaskInfo, waiting int64) (*asynq.TaskInfo, error) {
-	d := c.d
-	if err := c.takeBack(ctx, info); err != nil {
-		d.log.Warn("dedup: task landed in a full queue (MaxPending) and could not be removed; it takes its lock when it starts", slog.String("type", k.typ), slog.String("task_id", info.ID), slog.Any("error", err))
-		return info, nil
-	}
-	d.count(k.typ, evOverBound)
-	return nil, fmt.Errorf("%w: %d keys of %q already waiting in queue %q, where the enqueuer put the task", ErrTooManyPending, waiting, k.typ, info.Queue)
-}
-
-// takeBack deletes a task the enqueuer stored where it must not wait.
-func (c *Client) takeBack(ctx context.Context, info *asynq.TaskInfo) error {
-	d := c.d
-	_, err := d.store.Foreign(ctx, store.TaskKey(info.Queue, info.ID), func() (any, error) { return nil, d.insp.DeleteTask(info.Queue, info.ID) })
-	return err
 }
 
 // optOutMarkTTL is how long the opt-out mark of a caller-chosen task ID

@@ -67,8 +67,8 @@ var (
 
 	// ErrContention reports a Merge that kept losing its compare-and-set to
 	// other producers (the stored payload has every other merge, not this
-	// one), or a lock that changed hands every time the enqueue (or a
-	// forced Release) read it. The call changed nothing.
+	// one), or a lock that changed hands every time the enqueue read it.
+	// The call changed nothing.
 	ErrContention = errors.New("dedup: merge contention")
 
 	// ErrTasksElsewhere reports a Client made by WrapClient whose enqueuer

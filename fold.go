@@ -27,7 +27,12 @@ type waits struct{ merges, reserved, room int }
 // maxMergeAttempts bounds the compare-and-set retries of one Merge.
 const maxMergeAttempts = 32
 
-// A holder whose producer has not stored it yet is waited for, briefly.
+// A holder whose producer took the lock but has not stored its task yet
+// (a WrapClient's Enqueuer, one round trip away) is waited for, briefly
+// (about 0.8 s in all); then the call is answered as a duplicate of it, its
+// payload not folded in: a task that never comes (its producer died, an
+// operator deleted it) leaves the lock to heal after HealGrace, which no
+// caller should wait out.
 const maxReservedWaits = 20
 
 var reservedBackoff = Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
@@ -81,6 +86,9 @@ func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err erro
 		case !store.Refused(err):
 			return Result{}, done, fmt.Errorf("%w: %w (task %s; not stored yet, but the call may still run)", uerr, ErrOutcomeUnknown, k.ref.ID)
 		}
+	}
+	if cerr := ctx.Err(); cerr != nil && errors.Is(err, cerr) {
+		return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, err) // the caller's own end, not an outage
 	}
 	if !c.d.onRedisError(ctx, "acquire", k.typ, err) {
 		return Result{}, done, unavailable("acquire", err)

@@ -59,46 +59,55 @@ func (d *Dedup) Lookup(ctx context.Context, task *asynq.Task, opts ...asynq.Opti
 // Release frees the key the task would take if enqueued with opts:
 // BullMQ's removeDeduplicationKey. With holder set, only if that task
 // still holds it (else ErrNotHolder); with holder "", whoever holds it
-// (forced: a key that changes hands during the call is read again, and
-// what holds it then is released). It deletes the lock with its index key
-// and MaxPending entry, never a task: the holder, if alive, still runs,
-// and takes the key again when it starts if the key is free. It reports
-// whether a lock was released (false: the key was free).
+// (forced: in one step, so a key that changes hands meanwhile is released
+// all the same). It deletes the lock with its MaxPending entry, never a
+// task: the holder, if alive, still runs (a caller-chosen ID keeps its
+// index key, by which it finds its key), and takes the key again when it
+// starts if the key is free. A follow-up the lock owes that waits is
+// queued now (unless the holder runs: the run's end queues it). It
+// reports whether a lock was released (false: the key was free).
 func (d *Dedup) Release(ctx context.Context, task *asynq.Task, holder string, opts ...asynq.Option) (bool, error) {
-	for range maxReleaseReads {
-		l, err := d.readKeyLock(ctx, task, opts)
-		if err != nil || l == nil {
-			return false, err
-		}
-		if holder != "" && l.Owner != holder {
-			return false, fmt.Errorf("%w: %s holds %s, not %s", ErrNotHolder, l.Owner, l.Key, holder)
-		}
-		res, err := d.releaseLock(ctx, l)
-		switch {
-		case err != nil:
-			return false, unavailable("release", err)
-		case res.Owner == "": // released, or gone meanwhile
-			return res.Released, nil
-		case holder != "": // changed hands since it was read
-			return false, fmt.Errorf("%w: %s now holds %s", ErrNotHolder, res.Owner, l.Key)
-		}
+	if holder == "" {
+		return d.forceRelease(ctx, task, opts)
 	}
-	return false, fmt.Errorf("%w: release of a key that kept changing hands (%d reads)", ErrContention, maxReleaseReads)
-}
-
-// maxReleaseReads bounds the reads of a forced Release whose key changes
-// hands between its read and its owner-checked release.
-const maxReleaseReads = 16
-
-// releaseLock releases l if it is still as read (owner-checked).
-func (d *Dedup) releaseLock(ctx context.Context, l *store.Lock) (store.ReleaseResult, error) {
+	l, err := d.readKeyLock(ctx, task, opts)
+	if err != nil || l == nil {
+		return false, err
+	}
+	if l.Owner != holder {
+		return false, fmt.Errorf("%w: %s holds %s, not %s", ErrNotHolder, l.Owner, l.Key, holder)
+	}
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.LockTimeout)
 	defer cancel()
 	res, err := store.ReleaseLock(ctx, d.rdb, d.store.Keys(), l)
-	if err == nil && res.Released {
+	switch {
+	case err != nil:
+		return false, unavailable("release", err)
+	case res.Owner != "": // changed hands since it was read
+		return false, fmt.Errorf("%w: %s now holds %s", ErrNotHolder, res.Owner, l.Key)
+	}
+	if res.Released {
 		d.store.Forget(l.Key)
 	}
-	return res, err
+	return res.Released, nil
+}
+
+// forceRelease releases the key of task whoever holds it.
+func (d *Dedup) forceRelease(ctx context.Context, task *asynq.Task, opts []asynq.Option) (bool, error) {
+	ref, err := d.lockKeyOf(task, opts)
+	if err != nil {
+		return false, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.LockTimeout)
+	defer cancel()
+	res, err := store.ForceRelease(ctx, d.rdb, d.store.Keys(), &ref)
+	if err != nil {
+		return false, unavailable("release", err)
+	}
+	if res.Released {
+		d.store.Forget(d.store.Keys().LockOf(&ref))
+	}
+	return res.Released, nil
 }
 
 // readKeyLock reads the lock of task's key, nil when there is none.

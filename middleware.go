@@ -57,7 +57,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	if !ok1 || !ok2 {
 		return next.ProcessTask(ctx, t) // not run by an asynq server
 	}
-	ref, rst, err := d.resolve(ctx, queue, id, t)
+	ref, rst, guarded, err := d.resolve(ctx, queue, id, t)
 	if err != nil {
 		return d.unlocked(ctx, "resolve", t, next, err)
 	}
@@ -65,7 +65,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return next.ProcessTask(ctx, t)
 	}
 	rule := d.ruleFor(t.Type())
-	l := &lease{ref: *ref, st: rst, token: store.NewToken()}
+	l := &lease{ref: *ref, st: rst, token: store.NewToken(), arrived: guarded}
 	st, err := d.startAttempt(ctx, l, &rule)
 	switch {
 	case err != nil:
@@ -81,7 +81,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		d.log.Info("dedup: not run: the task lost its lock and its follow-up carries a newer payload", slog.String("type", t.Type()), slog.String("task_id", id), slog.String("follow_up", st.Holder))
 		return nil
 	case st.Status != store.StatusTaken:
-		return d.busy(ctx, t, &rule, l, st.Holder)
+		return d.busy(ctx, t, &rule, l, &st)
 	}
 	d.count(t.Type(), evStarted)
 	l.follow = st.Follow
@@ -220,30 +220,34 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 }
 
 // resolve finds the lock of the task being run, and the Store of the
-// prefix it is under; nil for none.
-func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (*store.Ref, *store.Store, error) {
+// prefix it is under; nil for none. guarded reports a task that arrived
+// without a lock, which the execution-time guard keys by its type's rule.
+func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (ref *store.Ref, st *store.Store, guarded bool, err error) {
 	typ := t.Type()
 	if fp, ok := store.ParseLockedID(id); ok {
-		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, nil
+		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, false, nil
+	}
+	if fp, ok := store.ParseAgainID(id); ok { // a busy task's copy: the key its original met
+		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, false, nil
 	}
 	if store.IsOptOutID(id) {
-		return nil, nil, nil
+		return nil, nil, false, nil
 	}
 	// A caller-chosen ID: the wrapper left an index to its lock.
 	fp, found, err := d.store.IndexOf(ctx, queue, id)
 	switch {
 	case err != nil:
-		return nil, nil, err
+		return nil, nil, false, err
 	case found && fp == store.OptOutMark:
-		return nil, nil, nil // enqueued with Skip under a caller-chosen ID
+		return nil, nil, false, nil // enqueued with Skip under a caller-chosen ID
 	case found:
-		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ, Indexed: true}, d.store, nil
+		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ, Indexed: true}, d.store, false, nil
 	}
-	ref := &store.Ref{Queue: queue, ID: id, Type: typ, Indexed: true}
+	ref = &store.Ref{Queue: queue, ID: id, Type: typ, Indexed: true}
 	if other := d.foreignStore(ctx, ref); other != nil { // indexed under a producer's other prefix
-		return ref, other, nil
+		return ref, other, false, nil
 	}
-	return d.guardRef(queue, id, t), d.store, nil
+	return d.guardRef(queue, id, t), d.store, true, nil
 }
 
 // guardRef is the lock the execution-time guard takes for a task that
@@ -265,11 +269,12 @@ func (d *Dedup) guardRef(queue, id string, t *asynq.Task) *store.Ref {
 
 // lease is one running attempt registered with the heartbeat.
 type lease struct {
-	ref    store.Ref
-	st     *store.Store // of the prefix its lock is under: the Dedup's, unless prefix.go found another
-	token  string
-	follow string // the follow-up its lock owed when it started
-	cancel context.CancelCauseFunc
+	ref     store.Ref
+	st      *store.Store // of the prefix its lock is under: the Dedup's, unless prefix.go found another
+	arrived bool         // the task arrived without a lock (the execution-time guard keyed it)
+	token   string
+	follow  string // the follow-up its lock owed when it started
+	cancel  context.CancelCauseFunc
 }
 
 func (l *lease) String() string { return fmt.Sprintf("%s@%s:%s", l.ref.ID, l.ref.Queue, l.ref.FP) }

@@ -541,7 +541,7 @@ func (m *modelRun) created(t *rapid.T, what string, k int, callerID, marker stri
 // rule applied to the payload.
 func (m *modelRun) ref(t *rapid.T, tk *mTask) *store.Ref {
 	t.Helper()
-	ref, _, err := m.h.d.resolve(context.Background(), m.queue, tk.id, asynq.NewTask(modelType, modelPayload(tk.key, tk.payload)))
+	ref, _, _, err := m.h.d.resolve(context.Background(), m.queue, tk.id, asynq.NewTask(modelType, modelPayload(tk.key, tk.payload)))
 	if err != nil || ref == nil || m.h.d.lockKey(ref) != m.keys[tk.key] || ref.ID != tk.id || ref.Indexed != tk.index {
 		m.diverge(t, "resolve: task does not lead to its lock", "resolve %s: %+v, %v; want lock %s, index %v", tk.label, ref, err, m.keys[tk.key], tk.index)
 	}

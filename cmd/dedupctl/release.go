@@ -32,16 +32,17 @@ func releaseCommand() *command {
 		name:     "release",
 		synopsis: "[--yes] KEY | --task ID [--queue Q]",
 		summary:  "force-release a lock (asks for confirmation unless --yes)",
-		help: `Force-releases a lock: deletes it (and its owner's index key, and its entry in
-the type's waiting set) so the key can be enqueued again. It asks on the
-terminal first; with --yes it does not ask, and without a terminal it refuses
-unless --yes is given.
+		help: `Force-releases a lock: deletes it (and its entry in the type's waiting set)
+so the key can be enqueued again. It asks on the terminal first; with --yes
+it does not ask, and without a terminal it refuses unless --yes is given.
 
 The delete is owner-safe: it happens only if the lock still has the owner
 that was shown, so a lock that changed hands meanwhile is left alone.
 Releasing deletes no task: a queued owner still runs (and takes the lock
-again when it starts if the key is free); a running owner goes on without
-the lock; an owed follow-up task stays owed.`,
+again when it starts if the key is free: a caller-chosen ID keeps its index
+key, by which it finds its key); a running owner goes on without the lock.
+An owed follow-up task that waits is queued now (it carries the newest
+payload), unless the owner is running: the run's end queues it.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
 			s := &selector{}
 			s.register(fs, "to release")
@@ -89,7 +90,7 @@ func release(a *app, ctx context.Context, c *conn, t *target, l *lockInfo, yes b
 	out := releaseOutput{Released: true, Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, State: l.State,
 		TaskState: l.TaskState, TTLms: l.TTLms, FollowUp: l.FollowUp}
 	out.IndexKeyRemove = res.Index
-	out.Notes = releaseNotes(l)
+	out.Notes = releaseNotes(l, res.FollowUp != "")
 	if a.g.json {
 		return writeJSON(a.stdout, out)
 	}
@@ -103,8 +104,9 @@ func release(a *app, ctx context.Context, c *conn, t *target, l *lockInfo, yes b
 	return nil
 }
 
-// releaseNotes says what releasing leaves behind.
-func releaseNotes(l *lockInfo) []string {
+// releaseNotes says what releasing leaves behind; queued: the follow-up
+// the lock owed was queued.
+func releaseNotes(l *lockInfo, queued bool) []string {
 	var notes []string
 	switch {
 	case l.State == "running" && l.FollowUp != "":
@@ -114,8 +116,11 @@ func releaseNotes(l *lockInfo) []string {
 	case l.TaskState == "pending" || l.TaskState == "scheduled" || l.TaskState == "retry" || l.TaskState == "active" || l.TaskState == "aggregating":
 		notes = append(notes, fmt.Sprintf("owner %s is still %s in asynq: releasing deletes no task; it still runs, and takes the lock again when it starts if the key is free", l.Owner, l.TaskState))
 	}
-	if l.FollowUp != "" {
-		notes = append(notes, fmt.Sprintf("follow-up task %s stays owed: the key's next enqueue folds into it and queues it at once, or it runs by itself when its parking time ends", l.FollowUp))
+	switch {
+	case queued:
+		notes = append(notes, fmt.Sprintf("follow-up task %s, which carries the newest payload, is queued now; it takes the key when it starts", l.FollowUp))
+	case l.FollowUp != "":
+		notes = append(notes, fmt.Sprintf("follow-up task %s stays owed: the end of the owner's run queues it, or it runs by itself when its parking time ends", l.FollowUp))
 	}
 	return notes
 }

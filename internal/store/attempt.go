@@ -29,7 +29,7 @@ type Start struct {
 type StartResult struct {
 	Status  Status        // StatusTaken, StatusHeld, StatusCooling, StatusAllowed or StatusSuperseded
 	Holder  string        // StatusHeld, StatusCooling: the task holding the key; StatusSuperseded: the follow-up that replaces it
-	Follow  string        // StatusTaken: the follow-up the lock owes, "" for none
+	Follow  string        // StatusTaken, StatusHeld: the follow-up the lock owes, "" for none
 	Cooling time.Duration // StatusCooling: how long the key stays held
 	New     bool          // StatusTaken: there was no lock; the attempt made it
 }
@@ -69,7 +69,7 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		}
 		switch {
 		case rep.status == StatusHeld:
-			return StartResult{Status: StatusHeld, Holder: UnpackOwner(rep.str(0), r.FP)}, nil
+			return StartResult{Status: StatusHeld, Holder: UnpackOwner(rep.str(0), r.FP), Follow: rep.str(1)}, nil
 		case rep.status == StatusCooling:
 			return StartResult{Status: StatusCooling, Holder: UnpackOwner(rep.str(0), r.FP), Cooling: parseMillis(rep.str(1))}, nil
 		case rep.status == StatusSuperseded:

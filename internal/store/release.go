@@ -13,15 +13,22 @@ type ReleaseResult struct {
 	Gone     bool   // there was no lock any more
 	Owner    string // not released: the task that owns the lock now
 	Runnable string // not released (ReleaseStuck): the owner can run now, in this asynq state
-	Index    string // released: the owner's index key, if it was deleted with the lock
-	FollowUp string // released (ReleaseStuck): the follow-up the key was handed to, now pending
+	Index    string // released: the owner's index key, if it was deleted with the lock (ReleaseStuck)
+	// FollowUp: released, and the follow-up the lock owed, which waited, is
+	// queued now (its payload is the newest): the key's owner (ReleaseStuck)
+	// or, the key free, to take it when it starts (FollowUpOwns false).
+	FollowUp     string
+	FollowUpOwns bool
 }
 
 // ReleaseLock runs the release script (lua/release.lua) for an operator
-// (dedupctl): it deletes the lock l, read before, only if its owner is
-// still l's and has not taken it again since (its take time is l's), with
-// the owner's index key when it points to this lock and the lock's entry
-// in its type's waiting set.
+// (Dedup.Release, dedupctl release): it deletes the lock l, read before,
+// only if its owner is still l's and has not taken it again since (its
+// take time is l's), with the lock's entry in its type's waiting set. The
+// owner's index key (a caller-chosen ID) stays, so the owner, if it still
+// runs, finds its key. A follow-up the lock owes that waits is queued now
+// (unless an attempt of the owner runs: its end queues it), and takes the
+// key when it starts.
 func ReleaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock) (ReleaseResult, error) {
 	return releaseLock(ctx, c, k, l, false)
 }
@@ -29,24 +36,27 @@ func ReleaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock) (Releas
 // ReleaseStuck is ReleaseLock for dedupctl doctor --fix: it also keeps the
 // lock if its owner can run after all (its record exists, is not
 // completed or archived, and is where its state says), read in the same
-// script, so a task stored again since the diagnosis keeps its lock. A
-// follow-up the lock owes that still waits takes the lock and is queued
-// at once (as the end of its owner's run would have done).
+// script, so a task stored again since the diagnosis keeps its lock. It
+// deletes the owner's index key, and a follow-up the lock owes that still
+// waits takes the lock and is queued at once (as the end of its owner's
+// run would have done).
 func ReleaseStuck(ctx context.Context, c redis.Scripter, k Keys, l *Lock) (ReleaseResult, error) {
 	return releaseLock(ctx, c, k, l, true)
 }
 
 func releaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock, stuck bool) (ReleaseResult, error) {
-	idx := k.Index(l.Queue, l.Owner)
-	keys := []string{l.Key, idx, k.Wait(l.Queue, l.WaitType())}
-	args := []any{l.OwnerStored(), l.FP, l.Fields[FieldCreated]}
+	q, idx := l.Queue, k.Index(l.Queue, l.Owner)
+	keys := []string{l.Key, idx, k.Wait(q, l.WaitType())}
+	mode := ""
 	if stuck {
-		q := l.Queue
+		mode = "stuck"
+	}
+	args := []any{l.OwnerStored(), l.FP, l.Fields[FieldCreated], l.Owner, l.Follow, PackOwner(l.Follow, l.FP), mode}
+	if stuck || l.Follow != "" {
 		keys = append(keys, TaskKey(q, l.Owner), PendingKey(q), ActiveKey(q), ScheduledKey(q), RetryKey(q))
-		args = append(args, l.Owner, l.Follow, PackOwner(l.Follow, l.FP))
-		if l.Follow != "" {
-			keys = append(keys, k.Follow(q, l.FP), TaskKey(q, l.Follow))
-		}
+	}
+	if l.Follow != "" {
+		keys = append(keys, k.Follow(q, l.FP), TaskKey(q, l.Follow))
 	}
 	v, err := scripts().release.Run(ctx, c, keys, args...).Result()
 	if err != nil {
@@ -64,11 +74,43 @@ func releaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock, stuck b
 	case 3:
 		return ReleaseResult{Runnable: rep.str(0)}, nil
 	case 1:
-		res := ReleaseResult{Released: true, FollowUp: rep.str(1)}
+		res := ReleaseResult{Released: true, FollowUp: rep.str(1), FollowUpOwns: rep.str(2) == "owner"}
 		if rep.str(0) == "1" {
 			res.Index = idx
 		}
 		return res, nil
 	}
 	return ReleaseResult{}, fmt.Errorf("dedup: release %s: unexpected reply %v", l.Key, v)
+}
+
+// ForceRelease runs the force script (lua/force.lua): it releases the lock
+// of r (its queue, fingerprint and type) whoever holds it, in one step
+// (again only for a lock that owes a follow-up it did not expect), and
+// reports the owner it released (ReleaseResult.Owner, with Released) or
+// that there was no lock (Gone).
+func ForceRelease(ctx context.Context, c redis.Scripter, k Keys, r *Ref) (ReleaseResult, error) {
+	follow := ""
+	for n := 0; ; n++ {
+		keys := []string{k.LockOf(r), k.Wait(r.Queue, r.Type), PendingKey(r.Queue), ScheduledKey(r.Queue), k.Follow(r.Queue, r.FP)}
+		if follow != "" {
+			keys = append(keys, TaskKey(r.Queue, follow))
+		}
+		v, err := scripts().force.Run(ctx, c, keys, r.FP, follow).Result()
+		if err != nil {
+			return ReleaseResult{}, err
+		}
+		rep, err := parseReply(v)
+		if err != nil {
+			return ReleaseResult{}, err
+		}
+		switch {
+		case rep.status == 0:
+			return ReleaseResult{Gone: true}, nil
+		case rep.status == 1:
+			return ReleaseResult{Released: true, Owner: UnpackOwner(rep.str(0), r.FP), FollowUp: rep.str(1)}, nil
+		case rep.status != 4 || n == maxNeeds:
+			return ReleaseResult{}, fmt.Errorf("dedup: force-release %s: unexpected reply %v", k.LockOf(r), v)
+		}
+		follow = rep.str(0)
+	}
 }

@@ -44,6 +44,8 @@ var (
 	diagnoseSrc string
 	//go:embed lua/prune.lua
 	pruneSrc string
+	//go:embed lua/force.lua
+	forceSrc string
 )
 
 // CheckKeysEnv, when set in the environment of a process that creates a
@@ -54,11 +56,11 @@ const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
 
 // scriptSet holds the scripts, in one of two builds.
 type scriptSet struct {
-	acquire, replace, start, extend, finish, unlock, coalesce, release, again, diagnose, prune *redis.Script
+	acquire, replace, start, extend, finish, unlock, coalesce, release, again, diagnose, prune, force *redis.Script
 }
 
 func (s *scriptSet) all() []*redis.Script {
-	return []*redis.Script{s.acquire, s.replace, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release, s.again, s.diagnose, s.prune}
+	return []*redis.Script{s.acquire, s.replace, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release, s.again, s.diagnose, s.prune, s.force}
 }
 
 var (
@@ -79,7 +81,7 @@ func buildScripts(checked bool) *scriptSet {
 	return &scriptSet{
 		acquire: b(acquireSrc), replace: b(replaceSrc), start: b(startSrc), extend: b(extendSrc), finish: b(finishSrc),
 		unlock: b(unlockSrc), coalesce: b(coalesceSrc), release: b(releaseSrc), again: b(againSrc), diagnose: b(diagnoseSrc),
-		prune: b(pruneSrc),
+		prune: b(pruneSrc), force: b(forceSrc),
 	}
 }
 

@@ -12,10 +12,11 @@ import (
 //
 //	dd-<16 or 32 hex fingerprint>-<20 hex random>   locked at enqueue
 //	dx-<20 hex random>                              opted out at enqueue
-//	da-<20 hex random>                              a busy arrival's copy (Again)
+//	da-<16 or 32 hex fingerprint>-<20 hex random>   a busy task's copy (Again), for the key it met
 //
 // A task enqueued under a caller-chosen ID has an index key (Keys.Index)
-// holding its lock's fingerprint, or OptOutMark.
+// holding its lock's fingerprint, or OptOutMark. A caller-chosen ID of one
+// of these forms would mislead the middleware (Reserved).
 const (
 	lockedIDPrefix  = "dd-"
 	optOutIDPrefix  = "dx-"
@@ -29,9 +30,12 @@ const (
 const OptOutMark = "-"
 
 // NewLockedID returns a fresh task ID for a task locked under fp.
-func NewLockedID(fp string) string {
-	b := make([]byte, 0, len(lockedIDPrefix)+len(fp)+1+randomHexDigits)
-	b = append(b, lockedIDPrefix...)
+func NewLockedID(fp string) string { return newKeyedID(lockedIDPrefix, fp) }
+
+// newKeyedID is prefix, fp, '-' and random hex digits.
+func newKeyedID(prefix, fp string) string {
+	b := make([]byte, 0, len(prefix)+len(fp)+1+randomHexDigits)
+	b = append(b, prefix...)
 	b = append(b, fp...)
 	b = append(b, '-')
 	var r [randomHexDigits]byte
@@ -47,18 +51,16 @@ func NewOptOutID() string {
 	return string(b[:])
 }
 
-// NewAgainID returns a fresh task ID for the copy Again stores: like an ID
-// that came from outside, it carries no lock, so the copy is guarded when
-// it starts.
-func NewAgainID() string {
-	var b [len(againIDPrefix) + randomHexDigits]byte
-	copy(b[:], againIDPrefix)
-	randomHex(b[len(againIDPrefix):])
-	return string(b[:])
-}
+// NewAgainID returns a fresh task ID for the copy Again stores of a task
+// that met the key fp busy: the copy takes no lock, but carries the key, so
+// when it starts it meets that key again, whatever the server's rules.
+func NewAgainID(fp string) string { return newKeyedID(againIDPrefix, fp) }
 
 // IsOptOutID reports whether id was made by NewOptOutID.
-func IsOptOutID(id string) bool { return strings.HasPrefix(id, optOutIDPrefix) }
+func IsOptOutID(id string) bool {
+	rest, ok := strings.CutPrefix(id, optOutIDPrefix)
+	return ok && len(rest) == randomHexDigits && isLowerHex(rest)
+}
 
 // NewToken returns a fresh random token for one attempt of a task.
 func NewToken() string {
@@ -74,16 +76,39 @@ func randomHex(dst []byte) {
 }
 
 // ParseLockedID returns the fingerprint of an ID made by NewLockedID.
-func ParseLockedID(id string) (fp string, ok bool) {
-	n := len(id) - len(lockedIDPrefix) - 1 - randomHexDigits
-	if (n != 16 && n != 32) || !strings.HasPrefix(id, lockedIDPrefix) || id[len(lockedIDPrefix)+n] != '-' {
+func ParseLockedID(id string) (fp string, ok bool) { return parseKeyedID(lockedIDPrefix, id) }
+
+// ParseAgainID returns the fingerprint of an ID made by NewAgainID.
+func ParseAgainID(id string) (fp string, ok bool) { return parseKeyedID(againIDPrefix, id) }
+
+// parseKeyedID returns the fingerprint of an ID made by newKeyedID with
+// prefix.
+func parseKeyedID(prefix, id string) (fp string, ok bool) {
+	n := len(id) - len(prefix) - 1 - randomHexDigits
+	if (n != 16 && n != 32) || !strings.HasPrefix(id, prefix) || id[len(prefix)+n] != '-' {
 		return "", false
 	}
-	fp = id[len(lockedIDPrefix) : len(lockedIDPrefix)+n]
-	if !isLowerHex(fp) || !isLowerHex(id[len(lockedIDPrefix)+n+1:]) {
+	fp = id[len(prefix) : len(prefix)+n]
+	if !isLowerHex(fp) || !isLowerHex(id[len(prefix)+n+1:]) {
 		return "", false
 	}
 	return fp, true
+}
+
+// Reserved reports whether id has the form of an ID this package makes,
+// which the middleware reads as such, so a caller may not choose it: for a
+// call that takes the lock of fingerprint fp, any but NewLockedID's form
+// for fp itself (an ID copied from an earlier task of the key); for a call
+// without a lock (fp ""), NewLockedID's and NewAgainID's (an opted-out
+// form is what it is).
+func Reserved(id, fp string) bool {
+	if own, ok := ParseLockedID(id); ok {
+		return own != fp || fp == ""
+	}
+	if _, again := ParseAgainID(id); again {
+		return true
+	}
+	return fp != "" && IsOptOutID(id)
 }
 
 // IsFingerprint reports whether s has the form of a fingerprint: 16 (xxhash)

@@ -64,11 +64,10 @@
 --   {4, target, payload, ver, holder, f}  merge: the caller merges and calls coalesce
 --   {5, followup, holder, f}           follow-up task created for the running holder
 --   {6, holder}                        held by a task not stored in asynq yet: try again shortly
---   {7}                                the ID ARGV[2] is taken: a caller-chosen ID whose index
---                                      names another key and whose task exists, or ARGV[7] given
---                                      and the task exists, or the ID holds the key and its task
---                                      is completed or archived (asynq refuses the ID while the
---                                      record lasts)
+--   {7}                                the ID ARGV[2] is taken: a task with it exists (a
+--                                      caller-chosen ID, or ARGV[7] given), or the ID holds the
+--                                      key and its task is completed or archived (asynq refuses
+--                                      the ID while the record lasts)
 --   {8, waiting, queued}               refused: ARGV[14] keys already waiting; queued: tasks in the
 --                                      queue's pending list and scheduled set (fewer than waiting:
 --                                      some entries are stale)
@@ -175,27 +174,25 @@ end
 
 -- take takes the free key for the new task (and stores the task, given msg).
 local function take()
-  if K.I then -- a caller-chosen ID: its index may name another key
+  if K.I then
+    -- A caller-chosen ID: taken while a task has it, in any state (asynq
+    -- refuses it then too); else its index, if it names another key, is
+    -- stale, and so is a lock it still holds under that key.
+    if call('EXISTS', K.T) == 1 then
+      return {7}
+    end
     local cur = call('GET', K.I)
-    if cur and cur ~= fp then
-      if call('EXISTS', K.T) == 1 then
-        return {7} -- the ID's task lives (asynq refuses the ID too)
+    if cur and cur ~= fp and cur ~= '-' then
+      if not K.Y then
+        return {11, 'Y', '', '', cur}
       end
-      -- The ID's task is gone: its index is stale, and so is a lock it
-      -- still holds under the key the index names.
-      if cur ~= '-' then
-        if not K.Y then
-          return {11, 'Y', '', '', cur}
-        end
-        if call('HGET', K.Y, 'id') == stored then
-          call('DEL', K.Y)
-        end
+      if call('HGET', K.Y, 'id') == stored then
+        call('DEL', K.Y)
       end
     end
-  end
-  -- The ID may be another task's (a caller's), or this very task's, stored
-  -- by an earlier try of this call that ran late: never store it twice.
-  if msg ~= '' and call('EXISTS', K.T) == 1 then
+  elseif msg ~= '' and call('EXISTS', K.T) == 1 then
+    -- This very task, stored by an earlier try of this call that ran late:
+    -- never store it twice.
     return {7}
   end
   local max, cool = tonumber(A[14] or '0'), tonumber(A[18] or '0')

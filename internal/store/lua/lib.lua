@@ -129,14 +129,16 @@ local function gone(state)
 end
 
 -- debounce moves the due time of a scheduled task t to due (unix seconds,
--- '0' for no debounce), and makes its lock last at least ttl_ms from now_ms,
--- with the task's index key (index, if given: a caller-chosen ID) and its
--- entry fp in the waiting set (wait, if given and counted there), when a
--- payload was folded into it: a burst of folds runs once, after the last. A
--- task already due keeps its place.
+-- '0' for no debounce), never earlier than it was, and makes its lock last
+-- at least ttl_ms from now_ms, with the task's index key (index, if given:
+-- a caller-chosen ID) and its entry fp in the waiting set (wait, if given
+-- and counted there), when a payload was folded into it: a burst of folds
+-- runs once, after the last. A task already due keeps its place.
 local function debounce(lock, sched, t, tstate, due, ttl_ms, index, wait, fp, now_ms)
   if due == '0' or tstate ~= 'scheduled' then return end
-  call('ZADD', sched, 'XX', due, t)
+  if tonumber(call('ZSCORE', sched, t) or '0') < tonumber(due) then
+    call('ZADD', sched, 'XX', due, t)
+  end
   if call('PTTL', lock) < tonumber(ttl_ms) then
     call('PEXPIRE', lock, ttl_ms)
     if index then

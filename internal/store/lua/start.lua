@@ -18,7 +18,8 @@
 --
 -- Reply: {1, f, new}               this attempt holds the lock; f: the follow-up it owes, or '';
 --                                   new '1' when there was no lock (the attempt made it), else ''
---        {0, holder}                held by another live task (as stored): the attempt must not run
+--        {0, holder, f}             held by another live task (as stored): the attempt must not run;
+--                                   f: the follow-up the lock owes, or 
 --        {14, holder, ms}           the key cools down for ms more after its last task succeeded:
 --                                   the attempt must not run
 --        {9}                        the key's running policy is "allow": lock dropped, run unlocked
@@ -55,16 +56,16 @@ if holder ~= stored and holder ~= id then
 end
 if holder and holder ~= stored and holder ~= id then
   if not (rec[7] and not rec[6]) and now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
-    return {0, holder} -- too young to be an orphan (unless written with its task: v)
+    return {0, holder, rec[5] or ''} -- too young to be an orphan (unless written with its task: v)
   end
   if holder ~= ARGV[9] or not K.H or not K.J then
     return {11, 'HJ', holder}
   end
   if not gone(call('HGET', K.H, 'state')) then
-    return {0, holder}
+    return {0, holder, rec[5] or ''}
   end
   if rec[5] and rec[5] ~= id then
-    return {0, holder} -- an orphan owed a follow-up: acquire or the follow-up settles it
+    return {0, holder, rec[5]} -- an orphan owed a follow-up: acquire or the follow-up settles it
   end
   call('DEL', K.L, K.J)
   if rec[4] then
