@@ -24,6 +24,10 @@ const (
 // waits counts the retries of one enqueue's acquire.
 type waits struct{ merges, reserved, room int }
 
+// errMergeChangedKey is the cause of a merge whose result has another key
+// than its inputs (or no key at all).
+var errMergeChangedKey = errors.New("merge function changed the key (or broke the payload)")
+
 // maxMergeAttempts bounds the compare-and-set retries of one Merge.
 const maxMergeAttempts = 32
 
@@ -277,7 +281,7 @@ func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w 
 		return Result{}, done, fmt.Errorf("dedup: merge %q into task %s: %w", k.typ, res.Task, err)
 	}
 	if mfp, err := d.fingerprintHex(k.typ, merged, &k.rule); err != nil || mfp != k.ref.FP {
-		return Result{}, done, fmt.Errorf("%w: merge function changed the key of %q (or broke its payload)", ErrInvalidPayload, k.typ)
+		return Result{}, done, &PayloadError{Type: k.typ, Err: errMergeChangedKey}
 	}
 	cr, err := d.store.Coalesce(ctx, &store.Coalesce{Ref: k.ref, Target: res.Task, Follow: res.FollowUp, Version: res.Version, Payload: merged,
 		DebounceDue: k.acquire.DebounceDue, TTL: k.acquire.TTL, Bounded: k.acquire.MaxPending > 0, Now: time.Now()})
