@@ -350,12 +350,7 @@ end
 -- adopt makes the waiting follow-up fu the lock's owner, released to the
 -- pending list if it is still parked, and returns its state.
 local function adopt()
-  if fstate == 'scheduled' then
-    call('ZREM', K.S, fu)
-    call('LPUSH', K.P, fu)
-    call('HSET', K.G, 'state', 'pending', 'pending_since', A[4] .. '000000')
-    fstate = 'pending'
-  end
+  fstate = queue_now(K.S, K.P, K.G, fu, fstate, A[4] .. '000000')
   call('DEL', K.F)
   call('HDEL', K.L, 'tok', 'f')
   if running ~= 'x' then

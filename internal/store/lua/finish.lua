@@ -86,11 +86,7 @@ if mode == 'release' then
     local state = call('HGET', K.G, 'state')
     if waiting(state) then
       local now, _, ns = now_parts()
-      if state == 'scheduled' then
-        call('ZREM', K.S, f)
-        call('LPUSH', K.P, f)
-        call('HSET', K.G, 'state', 'pending', 'pending_since', ns)
-      end
+      queue_now(K.S, K.P, K.G, f, state, ns)
       call('HDEL', K.L, 'tok', 'f')
       call('HSET', K.L, 'id', ARGV[9], 'c', now)
       call('PEXPIRE', K.L, ARGV[6])

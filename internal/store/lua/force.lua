@@ -30,12 +30,8 @@ if f and not rec[4] then
   end
   local fstate = call('HGET', KEYS[6], 'state')
   if waiting(fstate) then
-    if fstate == 'scheduled' then
-      local _, _, ns = now_parts()
-      call('ZREM', KEYS[4], f)
-      call('LPUSH', KEYS[3], f)
-      call('HSET', KEYS[6], 'state', 'pending', 'pending_since', ns)
-    end
+    local _, _, ns = now_parts()
+    queue_now(KEYS[4], KEYS[3], KEYS[6], f, fstate, ns)
     call('DEL', KEYS[5])
     queued = f
   end

@@ -150,6 +150,18 @@ local function debounce(lock, sched, t, tstate, due, ttl_ms, index, wait, fp, no
   end
 end
 
+-- queue_now moves task id, parked in asynq's scheduled set sched (its
+-- record rec in state), to the pending list now, as asynq's forwarder
+-- would (pending_since: since, in nanoseconds); a task already pending or
+-- waiting for a retry stays. Returns its state after.
+local function queue_now(sched, pending, rec, id, state, since)
+  if state ~= 'scheduled' then return state end
+  call('ZREM', sched, id)
+  call('LPUSH', pending, id)
+  call('HSET', rec, 'state', 'pending', 'pending_since', since)
+  return 'pending'
+end
+
 -- placed reads where asynq keeps task id: its record's state ('' when the
 -- record is missing) and whether the list or set that state names holds it
 -- (true too for a state that names none: completed, archived, aggregating).

@@ -57,12 +57,8 @@ local f = rec[4]
 if f and KEYS[9] and not rec[5] then
   local fstate = call('HGET', KEYS[10], 'state')
   if waiting(fstate) then
-    if fstate == 'scheduled' then
-      local _, _, ns = now_parts()
-      call('ZREM', KEYS[7], f)
-      call('LPUSH', KEYS[5], f)
-      call('HSET', KEYS[10], 'state', 'pending', 'pending_since', ns)
-    end
+    local _, _, ns = now_parts()
+    queue_now(KEYS[7], KEYS[5], KEYS[10], f, fstate, ns)
     call('DEL', KEYS[9])
     if stuck then
       call('HDEL', KEYS[1], 'tok', 'f')
