@@ -31,10 +31,11 @@ type call struct {
 	msgUnknown    bool // an asynq option the direct path cannot store
 
 	// Set by prepare, for a deduplicated call.
-	ref     store.Ref
-	acquire store.Acquire
-	locked  bool // the lock is taken (false: fail-open)
-	self    bool // the caller's own task ID already held the key: not this call's lock
+	ref       store.Ref
+	acquire   store.Acquire
+	locked    bool // the lock is taken (false: fail-open)
+	self      bool // the caller's own task ID already held the key: not this call's lock
+	relocated bool // made again in the queue its task landed in (relocate.go)
 }
 
 // compose reads the call's options into k: this package's apply to the

@@ -284,12 +284,14 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 	}
 }
 
-// Again stores a copy of a running task under a new ID, due at a later
-// time (lua/again.lua): for a task asynq would archive on its last attempt
-// for a reason that is no failure of its own. It reports false if the
-// task's record is gone.
-func (s *Store) Again(ctx context.Context, queue, id, newID string, due time.Time) (bool, error) {
-	v, err := s.run(ctx, s.sc.again, []string{TaskKey(queue, id), TaskKey(queue, newID), ScheduledKey(queue)}, newID, due.Unix())
+// Again stores a copy of the running task of r under a new ID, due at a
+// later time (lua/again.lua): for a task asynq would archive on its last
+// attempt for a reason that is no failure of its own. A task that is the
+// follow-up r's lock owes hands that place to its copy. It reports false if
+// the task's record is gone.
+func (s *Store) Again(ctx context.Context, r *Ref, newID string, due time.Time) (bool, error) {
+	keys := []string{TaskKey(r.Queue, r.ID), TaskKey(r.Queue, newID), ScheduledKey(r.Queue), s.keys.LockOf(r), s.keys.Follow(r.Queue, r.FP)}
+	v, err := s.run(ctx, s.sc.again, keys, newID, due.Unix(), r.ID)
 	if err != nil {
 		return false, err
 	}
@@ -298,7 +300,7 @@ func (s *Store) Again(ctx context.Context, queue, id, newID string, due time.Tim
 		return false, err
 	}
 	if rep.status == StatusBroken {
-		return false, fmt.Errorf("dedup: task %s: %s", id, rep.str(0))
+		return false, fmt.Errorf("dedup: task %s: %s", r.ID, rep.str(0))
 	}
 	return rep.status == StatusTaken, nil
 }

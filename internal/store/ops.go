@@ -44,13 +44,23 @@ func (s *Store) OwnerOf(ctx context.Context, queue, fp string) (id string, found
 }
 
 // MarkOptOut records that the caller-chosen task ID id was enqueued without
-// deduplication, for ttl, so the middleware does not lock it when it runs.
+// deduplication, for ttl, so the middleware does not lock it when it runs
+// (lua/optout.lua); unless a task with that ID exists (asynq refuses the
+// enqueue then), whose index it leaves as it is.
 func (s *Store) MarkOptOut(ctx context.Context, queue, id string, ttl time.Duration) error {
-	key := s.keys.Index(queue, id)
-	_, err := s.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
-		return nil, rdb.Set(c, key, OptOutMark, ttl).Err()
-	})
+	_, err := s.run(ctx, s.sc.optout, []string{s.keys.Index(queue, id), TaskKey(queue, id)}, ms(ttl))
 	return err
+}
+
+// Withdraw deletes task id of queue if it waits (pending or scheduled) and
+// no worker took it (lua/withdraw.lua): a task an enqueuer stored where
+// the call that made it is folded or refused. It reports whether it did.
+func (s *Store) Withdraw(ctx context.Context, queue, id string) (bool, error) {
+	v, err := s.run(ctx, s.sc.withdraw, []string{TaskKey(queue, id), PendingKey(queue), ScheduledKey(queue)}, id)
+	if err != nil {
+		return false, err
+	}
+	return parseFlag(v)
 }
 
 // PublishQueue registers queue in asynq's set of queues, as asynq's client

@@ -46,6 +46,10 @@ var (
 	pruneSrc string
 	//go:embed lua/force.lua
 	forceSrc string
+	//go:embed lua/withdraw.lua
+	withdrawSrc string
+	//go:embed lua/optout.lua
+	optoutSrc string
 )
 
 // CheckKeysEnv, when set in the environment of a process that creates a
@@ -56,11 +60,12 @@ const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
 
 // scriptSet holds the scripts, in one of two builds.
 type scriptSet struct {
-	acquire, replace, start, extend, finish, unlock, coalesce, release, again, diagnose, prune, force *redis.Script
+	acquire, replace, start, extend, finish, unlock, coalesce, release, again, diagnose, prune, force, withdraw, optout *redis.Script
 }
 
 func (s *scriptSet) all() []*redis.Script {
-	return []*redis.Script{s.acquire, s.replace, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release, s.again, s.diagnose, s.prune, s.force}
+	return []*redis.Script{s.acquire, s.replace, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release, s.again, s.diagnose, s.prune, s.force,
+		s.withdraw, s.optout}
 }
 
 var (
@@ -81,7 +86,7 @@ func buildScripts(checked bool) *scriptSet {
 	return &scriptSet{
 		acquire: b(acquireSrc), replace: b(replaceSrc), start: b(startSrc), extend: b(extendSrc), finish: b(finishSrc),
 		unlock: b(unlockSrc), coalesce: b(coalesceSrc), release: b(releaseSrc), again: b(againSrc), diagnose: b(diagnoseSrc),
-		prune: b(pruneSrc), force: b(forceSrc),
+		prune: b(pruneSrc), force: b(forceSrc), withdraw: b(withdrawSrc), optout: b(optoutSrc),
 	}
 }
 

@@ -74,7 +74,9 @@ if holder and holder ~= stored and holder ~= id then
   holder = false
   rec, cool_end = {}, 0
 end
-if rec[4] then
+if rec[4] and (not rec[5] or rec[5] == id) then
+  -- The key waits no more (MaxPending); but for the follow-up it owes,
+  -- which still waits while its holder runs again (a retry).
   call('ZREM', K.W, fp)
   call('HDEL', K.L, 'b')
 end
