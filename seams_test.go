@@ -753,3 +753,57 @@ func TestPrefixRegistryRefusedByACLDoesNotFailEnqueue(t *testing.T) {
 		h.queue += "-2"
 	}
 }
+
+// A call with Skip() under the caller-chosen ID of a live deduplicated
+// task is refused by asynq (the ID is taken) and leaves that task's lock
+// and index as they were: the task still runs locked.
+func TestSkipUnderALiveTasksIDLeavesItLocked(t *testing.T) {
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		id := "cid-" + uniq(t)
+		h.enqueue(counterTask("k", 1, 1), asynq.TaskID(id))
+		if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID(id), Skip()); !errors.Is(err, asynq.ErrTaskIDConflict) {
+			t.Fatalf("Skip under a live task's ID: %v, want asynq.ErrTaskIDConflict", err)
+		}
+		rc, release := holdRun(1, nil)
+		h.serve(rc.handler(), nil)
+		waitFor(t, rc.runs, "the task runs")
+		defer close(release)
+		if kl, found, err := h.d.Lookup(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue)); err != nil || !found || kl.State != "running" || kl.Holder != id {
+			t.Fatalf("the task's lock while it runs: %+v %v %v, want running, held by %s", kl, found, err, id)
+		}
+	})
+}
+
+// A holder that fails and runs again (a retry) while its follow-up waits
+// leaves the follow-up counted under MaxPending.
+func TestMaxPendingKeepsCountingAFollowUpAcrossItsHoldersRetry(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 1}))
+	fail, done := make(chan struct{}), make(chan struct{})
+	rc := newRecorder(func(r run) error {
+		switch {
+		case decodeCounter(r.task).Seq != 0:
+			return nil
+		case r.retry == 0:
+			<-fail
+			return errors.New("try again")
+		}
+		<-done // the retry runs until the test ends
+		return nil
+	})
+	h.serve(rc.handler(), func(c *asynq.Config) { c.Concurrency = 1 })
+	defer close(done)
+	ctx := context.Background()
+	h.enqueue(counterTask("a", 1, 0))
+	waitFor(t, rc.runs, "the first attempt")
+	res, err := h.client.Submit(ctx, counterTask("a", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("update while running: %+v %v, want Deferred", res, err)
+	}
+	close(fail) // the first attempt fails
+	if r := waitFor(t, rc.runs, "the retry"); r.retry != 1 {
+		t.Fatalf("run %+v, want the retry", r)
+	}
+	if _, err := h.client.Submit(ctx, counterTask("b", 1, 2), asynq.Queue(h.queue)); !errors.Is(err, ErrTooManyPending) {
+		t.Fatalf("a new key while the holder's retry runs and its follow-up waits: %v, want ErrTooManyPending", err)
+	}
+}
