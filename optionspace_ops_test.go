@@ -555,7 +555,8 @@ func (w *osWorld) release() {
 	_, fp, _ := store.NewKeys(w.h.prefix).ParseLock(lk)
 	k := osKey{pr.queue, fp}
 	for _, t := range m.tasks {
-		if t.key() == k && t.counts() && !t.done && !t.failed {
+		holder := t.id == kl.Holder && t.queue == pr.queue // (a lockless task the guard locked too)
+		if t.key() == k && (t.counts() || holder) && !t.done && !t.failed {
 			t.released, t.wasRelease = true, true
 			m.log = append(m.log, fmt.Sprintf("  · %s no longer holds a lock", t.label))
 		}
