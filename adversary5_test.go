@@ -328,18 +328,23 @@ func TestAdversary5BreakerClosesAfterFailover(t *testing.T) {
 		}
 	}
 	dead := queues[0]
-	for _, p := range procs[:3] {
+	var replica *redis.Client
+	for i, p := range procs[:3] {
 		if p.Addr == masterOf(t, c, dead) {
+			replica = redis.NewClient(&redis.Options{Addr: procs[3+i].Addr})
+			t.Cleanup(func() { _ = replica.Close() })
 			p.Kill()
 		}
 	}
 	start := time.Now()
+	takeover := forcedTakeover(replica, start)
 	opened := false
 	ok := 0
 	for i := 0; ok < 20; i++ {
 		if time.Since(start) > 25*time.Second {
 			t.Fatalf("the dead master's queue never recovered (breaker %v)", d.BreakerState())
 		}
+		takeover()
 		_, err := client.EnqueueContext(ctx, asynq.NewTask("a5:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
 		if d.BreakerState() == BreakerOpen {
 			opened = true

@@ -10,7 +10,8 @@ import (
 )
 
 // Backoff is an exponential backoff with full jitter: the n-th wait (from 0)
-// is a random duration in [0, min(Max, Min·2ⁿ)].
+// is a random duration in [0, min(Max, Min·2ⁿ)]. Min and Max above
+// MaxLifetime are taken as MaxLifetime, so no doubling wraps.
 type Backoff struct {
 	Min time.Duration // first ceiling; must be positive
 	Max time.Duration // cap; at least Min
@@ -18,13 +19,11 @@ type Backoff struct {
 
 // Delay returns the wait before retry n (n ≥ 0).
 func (b Backoff) Delay(n int) time.Duration {
-	ceil := b.Min
-	for i := 0; i < n && ceil < b.Max; i++ {
-		ceil *= 2
+	ceil, top := lifetime(b.Min), lifetime(b.Max)
+	for i := 0; i < n && ceil < top; i++ {
+		ceil *= 2 // (both ≤ MaxLifetime, far below half of int64's range: no overflow)
 	}
-	if ceil > b.Max {
-		ceil = b.Max
-	}
+	ceil = min(ceil, top)
 	if ceil <= 0 {
 		return 0
 	}

@@ -58,27 +58,30 @@ func (d *Dedup) busyPolicy(r *resolved) Busy {
 	return r.busy
 }
 
-// busy answers a task whose key another live task holds, by its type's
-// Busy policy; but for a task that did not arrive without a lock — one
-// locked at enqueue whose lock an operator released or that expired, or a
-// busy task's copy — whose payload may be older than the holder's or carry
-// work of its own: of a Replace type it is superseded (not run: the key's
-// task took the key after this one lost it, so it carries the newer
-// payload); of a Merge type it is never dropped (folding merges its units
-// in); the key's own follow-up, run early by an operator, is retried, so
-// it runs after the holder.
+// busy answers a task whose key another live task holds. A task that
+// arrived without a lock (or its last-attempt copy) meets its type's Busy
+// policy. A task locked at enqueue is never dropped or folded: its payload
+// may be the newest (a fail-open enqueue, a lock that expired, a relocated
+// task a worker took first) or carry work of its own; it is retried, to
+// run when the key is free — the key's own follow-up run early by an
+// operator too, so it runs after the holder. But one whose lock an
+// operator released (Release, dedupctl release) and that meets a task of
+// its type which took the key since is, as to its payload, older than the
+// holder's: of a Replace type it is superseded (not run: the holder
+// carries the newer payload); of a Merge type its type's policy applies
+// but for dropping (its units are its own); of a Reject type its type's
+// policy applies, as to an arrival.
 func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, st *store.StartResult) error {
 	holder := st.Holder
 	policy := d.busyPolicy(r)
-	if !l.arrived {
-		switch {
-		case st.Follow == l.ref.ID:
-			policy = BusyRetry
-		case r.conflict == Replace:
-			return d.superseded(t, l, holder)
-		case r.conflict == Merge && policy == BusyDrop:
-			policy = BusyRetry
-		}
+	switch released := st.Released && st.Follow != l.ref.ID; {
+	case l.arrived:
+	case released && r.conflict == Replace:
+		return d.superseded(t, l, holder)
+	case released && r.conflict == Merge && policy == BusyDrop:
+		policy = BusyRetry
+	case !released:
+		policy = BusyRetry
 	}
 	d.count(t.Type(), evBusy)
 	dec := Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.ref.Queue, Key: d.lockKey(&l.ref), TaskID: holder}
@@ -100,11 +103,11 @@ func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, 
 	return d.retryBusy(ctx, t, l, holder)
 }
 
-// superseded answers a task that lost its lock to a task with a newer
-// payload (Replace): it does not run.
+// superseded answers a task whose lock an operator released, meeting a
+// task of its type that took the key since: it does not run.
 func (d *Dedup) superseded(t *asynq.Task, l *lease, holder string) error {
 	d.count(t.Type(), evSuperseded)
-	d.log.Info("dedup: not run: the task lost its lock, and the key's task holding it now carries a newer payload", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
+	d.log.Info("dedup: not run: an operator released the task's lock, and a task of its type took the key since", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
 	return nil
 }
 

@@ -82,12 +82,12 @@ func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err erro
 		// of memory): then nothing was stored, and nothing will be.
 		uerr := unavailable("acquire", err)
 		ti, lerr := c.landed(ctx, k, uerr)
-		switch {
+		switch refused := store.Refused(err); {
 		case ti != nil:
 			return Result{Outcome: Created, TaskID: ti.ID, Info: ti}, done, nil
-		case lerr != nil:
+		case lerr != nil && !refused: // (refused: no copy ran, whatever the look says)
 			return Result{}, done, lerr
-		case !store.Refused(err):
+		case !refused:
 			return Result{}, done, fmt.Errorf("%w: %w (task %s; not stored yet, but the call may still run)", uerr, ErrOutcomeUnknown, k.ref.ID)
 		}
 	}

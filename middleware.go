@@ -101,7 +101,7 @@ func (d *Dedup) startAttempt(ctx context.Context, l *lease, rule *resolved) (sto
 	if _, locked := store.ParseLockedID(l.ref.ID); !locked {
 		return res, nil
 	}
-	other := d.foreignStore(ctx, &l.ref)
+	other, _ := d.foreignStore(ctx, &l.ref)
 	if other == nil {
 		return res, nil
 	}
@@ -221,14 +221,15 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 
 // resolve finds the lock of the task being run, and the Store of the
 // prefix it is under; nil for none. guarded reports a task that arrived
-// without a lock, which the execution-time guard keys by its type's rule.
+// without a lock (the execution-time guard keys it by its type's rule), or
+// a copy of one that met a busy key on its last attempt.
 func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (ref *store.Ref, st *store.Store, guarded bool, err error) {
 	typ := t.Type()
 	if fp, ok := store.ParseLockedID(id); ok {
 		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, false, nil
 	}
-	if fp, ok := store.ParseAgainID(id); ok { // a busy task's copy: the key its original met
-		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, false, nil
+	if fp, ok := store.ParseAgainID(id); ok { // a busy arrival's copy: the key its original met
+		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, true, nil
 	}
 	if store.IsOptOutID(id) {
 		return nil, nil, false, nil
@@ -244,7 +245,10 @@ func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (r
 		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ, Indexed: true}, d.store, false, nil
 	}
 	ref = &store.Ref{Queue: queue, ID: id, Type: typ, Indexed: true}
-	if other := d.foreignStore(ctx, ref); other != nil { // indexed under a producer's other prefix
+	switch other, optOut := d.foreignStore(ctx, ref); { // indexed under a producer's other prefix
+	case optOut:
+		return nil, nil, false, nil
+	case other != nil:
 		return ref, other, false, nil
 	}
 	return d.guardRef(queue, id, t), d.store, true, nil

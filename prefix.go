@@ -17,9 +17,9 @@ import (
 // at the Store's first call on the queue, before the lock exists), and the
 // middleware, when it finds no lock under its own prefix for a task the
 // wrapper locked at enqueue (or no index for a caller-chosen ID), looks
-// under the queue's other prefixes: a lock there that this very task
-// holds is the one it follows, through a Store of that prefix, and the
-// mismatch is logged (once per prefix). Where a queue's tasks are locked
+// under the queue's other prefixes: a lock there of the task's key (its
+// own, or one it waits behind) is the one it follows, through a Store of
+// that prefix, and the mismatch is logged (once per prefix). Where a queue's tasks are locked
 // under one prefix this costs nothing past a cached read of its registry.
 
 // otherPrefixesEvery bounds how often a queue's registry is read again.
@@ -59,21 +59,25 @@ func (d *Dedup) otherPrefixes(ctx context.Context, queue string) []string {
 	return list
 }
 
-// foreignStore returns the Store of the prefix under which the task of r
-// holds its lock (or, for a caller-chosen ID, has its index), when that is
-// not the Dedup's own; nil when there is none. For a caller-chosen ID it
-// sets r.FP from that index.
-func (d *Dedup) foreignStore(ctx context.Context, r *store.Ref) *store.Store {
+// foreignStore returns the Store of the prefix under which the key of r
+// has its lock (or, for a caller-chosen ID, its index), when that is not
+// the Dedup's own; nil when there is none. For a caller-chosen ID it sets
+// r.FP from that index; optOut reports an index there that marks the ID
+// enqueued without deduplication (the task runs unlocked).
+func (d *Dedup) foreignStore(ctx context.Context, r *store.Ref) (st *store.Store, optOut bool) {
 	others := d.otherPrefixes(ctx, r.Queue)
 	if len(others) == 0 {
-		return nil
+		return nil, false
 	}
-	prefix, fp, err := d.store.ForeignLock(ctx, r, others)
+	prefix, fp, optOut, err := d.store.ForeignLock(ctx, r, others)
 	if err != nil || prefix == "" {
-		return nil
+		return nil, false
+	}
+	if optOut {
+		return nil, true
 	}
 	r.FP = fp
-	return d.storeFor(prefix, r)
+	return d.storeFor(prefix, r), false
 }
 
 // storeFor returns the Store of another prefix, made once, and warns once

@@ -34,7 +34,7 @@ type Stats struct {
 	OverBound   uint64 `event:"over_bound"`   // new keys refused because MaxPending keys were waiting
 	Processed   uint64 `event:"processed"`    // attempts that finished holding their lock
 	BreakerOpen uint64 `event:"breaker_open"` // times the circuit breaker opened
-	Superseded  uint64 `event:"superseded"`   // attempts not run: the task lost its lock and its follow-up carries a newer payload (Replace, Defer)
+	Superseded  uint64 `event:"superseded"`   // attempts not run: the task lost its lock to a newer payload of its key (its follow-up, Replace + Defer; or, an operator having released it, a Replace task of its type that took the key since)
 	Cooling     uint64 `event:"cooling"`      // locks kept after their task succeeded, until its Cooldown ends
 }
 

@@ -624,7 +624,7 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 	r = f.ok("release", "--yes", runKey)
 	for _, want := range []string{"released " + runKey + " (type report:build, owner " + running.ID + ", running, ",
 		"note: owner " + running.ID + " is running: its handler goes on without the lock",
-		"note: follow-up task " + follow.ID + " stays owed"} {
+		"note: follow-up task " + follow.ID + ", which carries the newest payload, is queued now"} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("release of the running lock lacks %q:\n%s", want, r.stdout)
 		}

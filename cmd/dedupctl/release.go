@@ -40,9 +40,10 @@ The delete is owner-safe: it happens only if the lock still has the owner
 that was shown, so a lock that changed hands meanwhile is left alone.
 Releasing deletes no task: a queued owner still runs (and takes the lock
 again when it starts if the key is free: a caller-chosen ID keeps its index
-key, by which it finds its key); a running owner goes on without the lock.
-An owed follow-up task that waits is queued now (it carries the newest
-payload), unless the owner is running: the run's end queues it.`,
+key, by which it finds its key; if a task of its type has taken the key by
+then, it gives way to it as the README's Lock API says); a running owner goes
+on without the lock. An owed follow-up task that waits is queued now (it
+carries the newest payload).`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
 			s := &selector{}
 			s.register(fs, "to release")
@@ -120,7 +121,7 @@ func releaseNotes(l *lockInfo, queued bool) []string {
 	case queued:
 		notes = append(notes, fmt.Sprintf("follow-up task %s, which carries the newest payload, is queued now; it takes the key when it starts", l.FollowUp))
 	case l.FollowUp != "":
-		notes = append(notes, fmt.Sprintf("follow-up task %s stays owed: the end of the owner's run queues it, or it runs by itself when its parking time ends", l.FollowUp))
+		notes = append(notes, fmt.Sprintf("follow-up task %s stays owed: it runs when its parking time ends, or the key's next deferring enqueue queues it", l.FollowUp))
 	}
 	return notes
 }

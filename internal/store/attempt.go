@@ -32,6 +32,10 @@ type StartResult struct {
 	Follow  string        // StatusTaken, StatusHeld: the follow-up the lock owes, "" for none
 	Cooling time.Duration // StatusCooling: how long the key stays held
 	New     bool          // StatusTaken: there was no lock; the attempt made it
+	// Released: StatusHeld, and an operator released this task's lock
+	// (Release, dedupctl release) before the holder, a task of its type,
+	// took the key: the holder's payload is the newer.
+	Released bool
 }
 
 // Start runs the start script, calling it again with the keys it asks for.
@@ -59,7 +63,7 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 			cool = ms(st.Cooldown)
 		}
 		v, err := s.run(ctx, s.sc.start, kl.keys, kl.roleString(), r.ID, r.stored(), st.Token,
-			ms(st.Lease), s.graceSeconds(), string(st.Running), r.FP, holder, cool)
+			ms(st.Lease), s.graceSeconds(), string(st.Running), r.FP, holder, cool, r.Type)
 		if err != nil {
 			return StartResult{}, err
 		}
@@ -69,7 +73,7 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		}
 		switch {
 		case rep.status == StatusHeld:
-			return StartResult{Status: StatusHeld, Holder: UnpackOwner(rep.str(0), r.FP), Follow: rep.str(1)}, nil
+			return StartResult{Status: StatusHeld, Holder: UnpackOwner(rep.str(0), r.FP), Follow: rep.str(1), Released: rep.str(2) == "r"}, nil
 		case rep.status == StatusCooling:
 			return StartResult{Status: StatusCooling, Holder: UnpackOwner(rep.str(0), r.FP), Cooling: parseMillis(rep.str(1))}, nil
 		case rep.status == StatusSuperseded:

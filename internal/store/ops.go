@@ -171,11 +171,14 @@ func (s *Store) OtherPrefixes(ctx context.Context, queue string) ([]string, erro
 	return out, nil
 }
 
-// ForeignLock finds, among prefixes, the one under which the task r.ID
-// holds r's lock (a wrapper-chosen ID, whose fingerprint r.FP is), or
-// under which its caller-chosen ID has an index to a lock (r.Indexed: r.FP
-// is then read from that index). It returns "" when none has.
-func (s *Store) ForeignLock(ctx context.Context, r *Ref, prefixes []string) (prefix, fp string, err error) {
+// ForeignLock finds, among prefixes, the one whose locks the task of r
+// belongs with: for an ID the wrapper chose (its fingerprint r.FP), the
+// prefix under which the key has a lock, whoever holds it (the task's
+// own, or the one it waits behind: the key lives there); for a
+// caller-chosen ID (r.Indexed), the one under which the ID has an index,
+// whose fingerprint it returns, or optOut when that index is an opt-out
+// mark. It returns "" when none has.
+func (s *Store) ForeignLock(ctx context.Context, r *Ref, prefixes []string) (prefix, fp string, optOut bool, err error) {
 	route := TaskKey(r.Queue, r.ID) // (every key is in the queue's slot)
 	v, err := s.Do(ctx, route, func(c context.Context, rdb redis.Cmdable) (any, error) {
 		cmds := make([]redis.Cmder, len(prefixes))
@@ -185,7 +188,7 @@ func (s *Store) ForeignLock(ctx context.Context, r *Ref, prefixes []string) (pre
 				if r.Indexed {
 					cmds[i] = p.Get(c, k.Index(r.Queue, r.ID))
 				} else {
-					cmds[i] = p.HGet(c, k.Lock(r.Queue, r.FP), FieldOwner)
+					cmds[i] = p.Exists(c, k.Lock(r.Queue, r.FP))
 				}
 			}
 			return nil
@@ -196,20 +199,20 @@ func (s *Store) ForeignLock(ctx context.Context, r *Ref, prefixes []string) (pre
 		return cmds, nil
 	})
 	if err != nil {
-		return "", "", err
+		return "", "", false, err
 	}
 	cmds, _ := v.([]redis.Cmder)
 	for i, c := range cmds {
-		sc, ok := c.(*redis.StringCmd)
-		if !ok || sc.Err() != nil {
-			continue
-		}
-		switch got := sc.Val(); {
-		case r.Indexed && IsFingerprint(got):
-			return prefixes[i], got, nil
-		case !r.Indexed && got == r.stored():
-			return prefixes[i], r.FP, nil
+		switch c := c.(type) {
+		case *redis.StringCmd:
+			if got := c.Val(); c.Err() == nil && (IsFingerprint(got) || got == OptOutMark) {
+				return prefixes[i], got, got == OptOutMark, nil
+			}
+		case *redis.IntCmd:
+			if c.Err() == nil && c.Val() == 1 {
+				return prefixes[i], r.FP, false, nil
+			}
 		}
 	}
-	return "", "", nil
+	return "", "", false, nil
 }

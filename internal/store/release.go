@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/redis/go-redis/v9"
@@ -46,19 +47,28 @@ func ReleaseStuck(ctx context.Context, c redis.Scripter, k Keys, l *Lock) (Relea
 
 func releaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock, stuck bool) (ReleaseResult, error) {
 	q, idx := l.Queue, k.Index(l.Queue, l.Owner)
-	keys := []string{l.Key, idx, k.Wait(q, l.WaitType())}
-	mode := ""
-	if stuck {
-		mode = "stuck"
-	}
-	args := []any{l.OwnerStored(), l.FP, l.Fields[FieldCreated], l.Owner, l.Follow, PackOwner(l.Follow, l.FP), mode}
+	kl := newKeyList()
+	kl.add(roleLock, l.Key)
+	kl.add(roleIndex, idx)
+	kl.add(roleWait, k.Wait(q, l.WaitType()))
 	if stuck || l.Follow != "" {
-		keys = append(keys, TaskKey(q, l.Owner), PendingKey(q), ActiveKey(q), ScheduledKey(q), RetryKey(q))
+		kl.add(roleOwner, TaskKey(q, l.Owner))
+		kl.add(rolePending, PendingKey(q))
+		kl.add(roleActive, ActiveKey(q))
+		kl.add(roleScheduled, ScheduledKey(q))
+		kl.add(roleRetry, RetryKey(q))
 	}
 	if l.Follow != "" {
-		keys = append(keys, k.Follow(q, l.FP), TaskKey(q, l.Follow))
+		kl.add(roleFollow, k.Follow(q, l.FP))
+		kl.add(roleFollowTask, TaskKey(q, l.Follow))
 	}
-	v, err := scripts().release.Run(ctx, c, keys, args...).Result()
+	mode := "stuck"
+	if !stuck {
+		mode = ""
+		kl.add(roleSuperseded, k.Superseded(q, l.Owner))
+	}
+	args := []any{kl.roleString(), l.OwnerStored(), l.FP, l.Fields[FieldCreated], l.Owner, l.Follow, PackOwner(l.Follow, l.FP), mode}
+	v, err := scripts().release.Run(ctx, c, kl.keys, args...).Result()
 	if err != nil {
 		return ReleaseResult{}, err
 	}
@@ -87,15 +97,29 @@ func releaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock, stuck b
 // of r (its queue, fingerprint and type) whoever holds it, in one step
 // (again only for a lock that owes a follow-up it did not expect), and
 // reports the owner it released (ReleaseResult.Owner, with Released) or
-// that there was no lock (Gone).
-func ForceRelease(ctx context.Context, c redis.Scripter, k Keys, r *Ref) (ReleaseResult, error) {
+// that there was no lock (Gone). It reads the owner first, to mark it
+// released (if it still owns the lock when the script runs).
+func ForceRelease(ctx context.Context, c redis.Cmdable, k Keys, r *Ref) (ReleaseResult, error) {
+	lock := k.LockOf(r)
+	owner, err := c.HGet(ctx, lock, FieldOwner).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return ReleaseResult{}, err
+	}
 	follow := ""
 	for n := 0; ; n++ {
-		keys := []string{k.LockOf(r), k.Wait(r.Queue, r.Type), PendingKey(r.Queue), ScheduledKey(r.Queue), k.Follow(r.Queue, r.FP)}
+		kl := newKeyList()
+		kl.add(roleLock, lock)
+		kl.add(roleWait, k.Wait(r.Queue, r.Type))
+		kl.add(rolePending, PendingKey(r.Queue))
+		kl.add(roleScheduled, ScheduledKey(r.Queue))
+		kl.add(roleFollow, k.Follow(r.Queue, r.FP))
 		if follow != "" {
-			keys = append(keys, TaskKey(r.Queue, follow))
+			kl.add(roleFollowTask, TaskKey(r.Queue, follow))
 		}
-		v, err := scripts().force.Run(ctx, c, keys, r.FP, follow).Result()
+		if owner != "" {
+			kl.add(roleSuperseded, k.Superseded(r.Queue, UnpackOwner(owner, r.FP)))
+		}
+		v, err := scripts().force.Run(ctx, c, kl.keys, kl.roleString(), r.FP, follow, owner).Result()
 		if err != nil {
 			return ReleaseResult{}, err
 		}
@@ -109,7 +133,7 @@ func ForceRelease(ctx context.Context, c redis.Scripter, k Keys, r *Ref) (Releas
 		case rep.status == 1:
 			return ReleaseResult{Released: true, Owner: UnpackOwner(rep.str(0), r.FP), FollowUp: rep.str(1)}, nil
 		case rep.status != 4 || n == maxNeeds:
-			return ReleaseResult{}, fmt.Errorf("dedup: force-release %s: unexpected reply %v", k.LockOf(r), v)
+			return ReleaseResult{}, fmt.Errorf("dedup: force-release %s: unexpected reply %v", lock, v)
 		}
 		follow = rep.str(0)
 	}

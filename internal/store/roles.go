@@ -30,6 +30,8 @@ const (
 	roleSuperseded  = 'X' // superseded marker (Keys.Superseded) of the holder (acquire) or of the task itself (start, finish)
 	roleStaleLock   = 'Y' // the lock a stale index of the caller-chosen ID names (acquire)
 	rolePrefixes    = 'R' // the queue's registry of prefixes (PrefixesKey), until this Store registered in it (acquire)
+	roleActive      = 'A' // asynq active list of the queue (release)
+	roleRetry       = 'Q' // asynq retry set of the queue (release)
 )
 
 // keyList is a script's KEYS with the role letter of each, after a head

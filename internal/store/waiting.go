@@ -99,8 +99,9 @@ func (s *Store) waitingKeys(ctx context.Context, wait string, now time.Time) ([]
 // waitEntry is one key of a waiting set, as read for PruneWaiting.
 type waitEntry struct {
 	fp                    string
-	lock                  []any // id, f, c, v, b (nil values for missing fields)
-	ownerState, follState string
+	lock                  []any  // id, f, c, v, b (nil values for missing fields)
+	pointer               string // the key's follow-up pointer (Keys.Follow), "" for none
+	ownerState, follState string // of the lock's owner, and of its follow-up (else the pointer's)
 }
 
 func (e *waitEntry) field(i int) string { s, _ := e.lock[i].(string); return s }
@@ -112,8 +113,10 @@ func (e *waitEntry) field(i int) string { s, _ := e.lock[i].(string); return s }
 func (e *waitEntry) waits(typ string, grace time.Duration, now time.Time) bool {
 	owner, counted := e.field(0), e.field(4)
 	switch {
-	case owner == "" || (counted != typ && counted != "1"):
-		return false // no lock, or not counted here
+	case owner == "":
+		return Waiting(e.follState) // no lock: a follow-up its dead run owed may still wait
+	case counted != typ && counted != "1":
+		return false // not counted here
 	case Waiting(e.ownerState) || Waiting(e.follState):
 		return true
 	case Gone(e.ownerState) && e.field(3) == "":
@@ -128,25 +131,31 @@ func (e *waitEntry) waits(typ string, grace time.Duration, now time.Time) bool {
 func (s *Store) readEntries(ctx context.Context, queue, route string, fps []string) ([]waitEntry, error) {
 	out := make([]waitEntry, len(fps))
 	locks := make([]*redis.SliceCmd, len(fps))
+	pointers := make([]*redis.StringCmd, len(fps))
 	_, err := s.Pipelined(ctx, route, func(p redis.Pipeliner) {
 		for i, fp := range fps {
 			locks[i] = p.HMGet(ctx, s.keys.Lock(queue, fp), FieldOwner, FieldFollow, FieldCreated, FieldStored, FieldBounded)
+			pointers[i] = p.Get(ctx, s.keys.Follow(queue, fp))
 		}
 	})
-	if err != nil {
+	if err != nil && !errors.Is(err, redis.Nil) {
 		return nil, fmt.Errorf("read waiting locks: %w", err)
 	}
 	states := make([][2]*redis.StringCmd, len(fps))
 	_, err = s.Pipelined(ctx, route, func(p redis.Pipeliner) {
 		for i, fp := range fps {
-			out[i] = waitEntry{fp: fp, lock: locks[i].Val()}
+			out[i] = waitEntry{fp: fp, lock: locks[i].Val(), pointer: pointers[i].Val()}
 			if len(out[i].lock) != 5 {
 				out[i].lock = make([]any, 5)
 			}
 			if id := out[i].field(0); id != "" {
 				states[i][0] = p.HGet(ctx, TaskKey(queue, UnpackOwner(id, fp)), "state")
 			}
-			if f := out[i].field(1); f != "" {
+			f := out[i].field(1)
+			if f == "" {
+				f = out[i].pointer
+			}
+			if f != "" {
 				states[i][1] = p.HGet(ctx, TaskKey(queue, f), "state")
 			}
 		}

@@ -15,11 +15,14 @@
 -- ARGV[8]  fingerprint (member of W, value of I)
 -- ARGV[9]  the holder H and J belong to, as lock records store it ['']
 -- ARGV[10] cooldown recorded if this creates the lock, integer milliseconds ['0']
+-- ARGV[11] the task's type ['']
 --
 -- Reply: {1, f, new}               this attempt holds the lock; f: the follow-up it owes, or '';
 --                                   new '1' when there was no lock (the attempt made it), else ''
---        {0, holder, f}             held by another live task (as stored): the attempt must not run;
---                                   f: the follow-up the lock owes, or 
+--        {0, holder, f, r}          held by another live task (as stored): the attempt must not run;
+--                                   f: the follow-up the lock owes, or ''; r 'r' when an operator
+--                                   released this task's lock (its marker X says 'r:') and the
+--                                   holder, which took the key after that, is of its type
 --        {14, holder, ms}           the key cools down for ms more after its last task succeeded:
 --                                   the attempt must not run
 --        {9}                        the key's running policy is "allow": lock dropped, run unlocked
@@ -31,6 +34,10 @@
 --
 -- A new attempt replaces an older attempt's token, so a leftover handler of
 -- that attempt can neither renew nor release the lock any more.
+--
+-- The marker X holds the follow-up of a task whose run was superseded by
+-- it (Replace + Defer), or 'r:' when an operator released the task's lock
+-- (release, force): any task holding the key now took it since.
 -- @lib: lib.lua is spliced in here.
 roles(0)
 if call('EXISTS', K.T) == 0 then
@@ -44,9 +51,12 @@ if rec[8] then
   return {14, holder, call('PTTL', K.L)}
 end
 local cool_end = tonumber(rec[9] or '0')
+local released = false -- an operator released this task's lock
 if holder ~= stored and holder ~= id then
   local by = call('GET', K.X)
-  if by then
+  if by and string.sub(by, 1, 2) == 'r:' then
+    released = true
+  elseif by then
     call('DEL', K.X)
     if K.I then
       call('DEL', K.I)
@@ -54,18 +64,35 @@ if holder ~= stored and holder ~= id then
     return {12, by}
   end
 end
+-- held answers that another task holds the key, saying whether this task,
+-- released by an operator, met a task of its own type there.
+local function held()
+  local r = ''
+  if released then
+    local tf = pb_str(1, ARGV[11] or '')
+    if string.sub(call('HGET', K.H, 'msg') or '', 1, #tf) == tf then
+      r = 'r'
+    end
+  end
+  return {0, holder, rec[5] or '', r}
+end
 if holder and holder ~= stored and holder ~= id then
-  if not (rec[7] and not rec[6]) and now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6]) then
-    return {0, holder, rec[5] or ''} -- too young to be an orphan (unless written with its task: v)
+  -- too young to be an orphan (unless written with its task: v)
+  local young = not (rec[7] and not rec[6]) and now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6])
+  if young and not released then
+    return held()
   end
   if holder ~= ARGV[9] or not K.H or not K.J then
     return {11, 'HJ', holder}
   end
+  if young then
+    return held()
+  end
   if not gone(call('HGET', K.H, 'state')) then
-    return {0, holder, rec[5] or ''}
+    return held()
   end
   if rec[5] and rec[5] ~= id then
-    return {0, holder, rec[5]} -- an orphan owed a follow-up: acquire or the follow-up settles it
+    return held() -- an orphan owed a follow-up: acquire or the follow-up settles it
   end
   call('DEL', K.L, K.J)
   if rec[4] then
@@ -89,6 +116,9 @@ if rec[3] == 'a' or (not holder and ARGV[7] == 'a') then
     call('DEL', K.I)
   end
   return {9}
+end
+if released then
+  call('DEL', K.X) -- (the key was free: it runs, as any task that takes it)
 end
 local new = not holder
 if not holder then
