@@ -127,7 +127,8 @@ type lcWorld struct {
 	settled chan string // task IDs whose middleware returned
 
 	mu       sync.Mutex
-	running  map[string]int // task type → handlers running now
+	running  map[string]int  // task type → handlers running now
+	ended    map[string]bool // task IDs whose handler has returned
 	overlaps []string
 }
 
@@ -148,7 +149,7 @@ func TestLifecycleMatrix(t *testing.T) {
 
 func newLCWorld(t *testing.T, e *lcEnding) *lcWorld {
 	rules := map[string]Rule{}
-	w := &lcWorld{release: make(chan struct{}), started: make(chan string, 64), settled: make(chan string, 64), running: map[string]int{}}
+	w := &lcWorld{release: make(chan struct{}), started: make(chan string, 64), settled: make(chan string, 64), running: map[string]int{}, ended: map[string]bool{}}
 	for _, p := range lcPolicies {
 		for _, direct := range []bool{false, true} {
 			c := &lcCell{pol: p, direct: direct, typ: fmt.Sprintf("lc:%s:%v", p.name, direct)}
@@ -189,8 +190,8 @@ func newLCWorld(t *testing.T, e *lcEnding) *lcWorld {
 func (w *lcWorld) serve(t *testing.T, e *lcEnding) {
 	inner := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
 		w.enter(task.Type())
-		defer w.leave(task.Type())
 		id, _ := asynq.GetTaskID(ctx)
+		defer w.leave(task.Type(), id)
 		w.started <- id
 		return e.handler(ctx, w.release)
 	})
@@ -227,10 +228,11 @@ func (w *lcWorld) enter(typ string) {
 	}
 }
 
-func (w *lcWorld) leave(typ string) {
+func (w *lcWorld) leave(typ, id string) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.running[typ]--
+	w.ended[id] = true
 }
 
 func lcOpen(ch chan struct{}) {
@@ -348,7 +350,7 @@ func (w *lcWorld) checkSecond(t *testing.T, e *lcEnding, c *lcCell) {
 	case firstHolds && owner != c.first.ID:
 		t.Errorf("%s: key held by %q, want the first task %s", c.typ, owner, c.first.ID)
 	case !firstHolds && want == Created && err == nil && owner != res.TaskID &&
-		!(owner == "" && (c.pol.rule.OnRunning == RunningAllow || w.done(res.TaskID))): // the new task may have started (freeing the key under RunningAllow), or even finished
+		!(owner == "" && (c.pol.rule.OnRunning == RunningAllow || w.ranOut(res.TaskID))): // the new task may have started (freeing the key under RunningAllow), or even finished
 		t.Errorf("%s: key held by %q, want the new task %s", c.typ, owner, res.TaskID)
 	}
 }
@@ -358,6 +360,16 @@ func (w *lcWorld) checkSecond(t *testing.T, e *lcEnding, c *lcCell) {
 func (w *lcWorld) done(id string) bool {
 	st := w.h.taskState(id)
 	return st == 0 || st == asynq.TaskStateCompleted
+}
+
+// ranOut reports whether task id is done (completed, or deleted after
+// success) or its handler has returned: the middleware frees the key after
+// the handler and before asynq marks the task done.
+func (w *lcWorld) ranOut(id string) bool {
+	w.mu.Lock()
+	ended := w.ended[id]
+	w.mu.Unlock()
+	return ended || w.done(id)
 }
 
 // checkLive: no handlers of one key ever overlapped, and no key has two

@@ -33,6 +33,12 @@ var errPanicked = errors.New("dedup: handler panicked")
 // archived, and, while asynq has not written its decision yet, settled by
 // asynq's rule for that error.
 //
+// A task of a RunningAllow type holds no lock while it runs: once accepted
+// at enqueue, it runs beside a task that took its key since (a retry,
+// after its first attempt freed the key) while that task waits; behind a
+// running one it is retried. A task locked at enqueue is never dropped for
+// a cooling key: it is retried until the cooldown ends.
+//
 // A task that arrives without a lock (asynq.Scheduler, another service, the
 // CLI) takes one when it starts, keyed by its type's rule; if another live
 // task holds that key it does not run now: it returns a *BusyError (retried
@@ -74,7 +80,13 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return d.elsewhere(t, id)
 	case st.Status == store.StatusAllowed:
 		return next.ProcessTask(ctx, t) // RunningAllow: the key was freed as the task started
-	case st.Status == store.StatusCooling:
+	case rule.running == RunningAllow && !guarded && st.Status == store.StatusHeld && !st.HolderRuns && !st.Released:
+		// A task accepted at enqueue of a type that runs beside a waiting
+		// task of its key: its first attempt freed the key (or its lock
+		// lapsed while it waited), and another task has taken it since and
+		// waits. It runs, as RunningAllow runs, without the lock.
+		return next.ProcessTask(ctx, t)
+	case st.Status == store.StatusCooling && guarded:
 		return d.cooling(t, &l.ref, st.Holder, st.Cooling)
 	case st.Status == store.StatusSuperseded:
 		d.count(t.Type(), evSuperseded)
@@ -84,7 +96,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return d.busy(ctx, t, &rule, l, &st)
 	}
 	d.count(t.Type(), evStarted)
-	l.follow = st.Follow
+	l.follow, l.begun = st.Follow, st.Begun
 	return d.run(ctx, t, next, &rule, l)
 }
 
@@ -199,7 +211,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 // completed (and then cools down if it has a Cooldown: Succeeded says the
 // handler returned nil), never a retried task without its lock.
 func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error) *store.Finish {
-	f := &store.Finish{Ref: l.ref, Token: l.token, Release: true, FollowTTL: d.ttlOf(r), Follow: l.follow, Succeeded: err == nil}
+	f := &store.Finish{Ref: l.ref, Token: l.token, Release: true, FollowTTL: d.ttlOf(r), Follow: l.follow, Succeeded: err == nil, Begun: l.begun}
 	if cerr := ctx.Err(); cerr != nil {
 		f.GivenUp = true
 		err = cerr
@@ -278,6 +290,7 @@ type lease struct {
 	arrived bool         // the task arrived without a lock (the execution-time guard keyed it)
 	token   string
 	follow  string // the follow-up its lock owed when it started
+	begun   bool   // started by the begin script: its lock held nothing else then
 	cancel  context.CancelCauseFunc
 }
 

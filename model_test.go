@@ -814,6 +814,12 @@ func (m *modelRun) startFailing(t *rapid.T, mode faultMode) {
 		m.diverge(t, "start with Redis failing: not the injected error", "start %s, Redis failing: %v (failed: %v); want the injected error", tk.label, err, fired)
 	}
 	what := fmt.Sprintf("start %s: its lock call %s; not run, asynq retries it", tk.label, mode)
+	if l := m.locks[tk.key]; mode == lost && taken && ref.FP != "" && !tk.index && isLockedID(tk.id) && (l == nil || l.holder != tk || !l.stored) {
+		// A task locked at enqueue tries begin first (the common case);
+		// here begin declines, and its lost reply ends the start there.
+		taken = false
+		what += "; its first call (begin) declined, so nothing changed"
+	}
 	if mode == lost && taken {
 		l := m.locks[tk.key]
 		if l == nil || l.holder != tk {
@@ -1272,4 +1278,11 @@ func (f *faults) untrip() {
 	if len(f.fired) > 0 {
 		f.fired = f.fired[:len(f.fired)-1]
 	}
+}
+
+// isLockedID reports whether id is one the wrapper makes for a task it
+// locks at enqueue.
+func isLockedID(id string) bool {
+	_, ok := store.ParseLockedID(id)
+	return ok
 }

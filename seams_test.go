@@ -8,6 +8,7 @@ import (
 	"math"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -805,5 +806,56 @@ func TestMaxPendingKeepsCountingAFollowUpAcrossItsHoldersRetry(t *testing.T) {
 	}
 	if _, err := h.client.Submit(ctx, counterTask("b", 1, 2), asynq.Queue(h.queue)); !errors.Is(err, ErrTooManyPending) {
 		t.Fatalf("a new key while the holder's retry runs and its follow-up waits: %v, want ErrTooManyPending", err)
+	}
+}
+
+// A task of a RunningAllow type frees its key when it starts; when that
+// attempt fails, another task of the key may take it (here: waits, and
+// holds it) before asynq retries the first. The retry was accepted at
+// enqueue: it runs, whatever holds the key, and is neither retried as busy
+// nor dropped as an arrival (OnBusy BusyDrop), also under a caller-chosen
+// ID, whose index must outlive the freed lock.
+func TestAllowedTaskRetriesWhateverHoldsItsKey(t *testing.T) {
+	for _, callerID := range []bool{false, true} {
+		t.Run(fmt.Sprintf("callerID=%v", callerID), func(t *testing.T) {
+			bothPaths(t, counterRules(Rule{OnRunning: RunningAllow, OnBusy: BusyDrop}), func(t *testing.T, h *harness) {
+				var failed atomic.Bool
+				rc := newRecorder(func(r run) error {
+					if decodeCounter(r.task).Seq == 1 && failed.CompareAndSwap(false, true) {
+						return errors.New("first attempt fails")
+					}
+					return nil
+				})
+				gate := make(chan struct{})
+				h.serve(rc.handler(), func(c *asynq.Config) {
+					c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { <-gate; return 300 * time.Millisecond }
+				})
+				var opts []asynq.Option
+				if callerID {
+					opts = append(opts, asynq.TaskID("allow-"+h.queue))
+				}
+				first := h.enqueue(counterTask("k", 1, 1), opts...)
+				if r := waitFor(t, rc.runs, "the first attempt"); r.id != first.ID {
+					t.Fatalf("ran %s, want %s", r.id, first.ID)
+				}
+				// The key is free while the first waits for its retry: a second task takes it, and waits.
+				second, err := h.client.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.ProcessIn(time.Hour))
+				if err != nil || second.Outcome != Created {
+					t.Fatalf("second task: %+v %v, want Created", second, err)
+				}
+				close(gate)
+				r := waitFor(t, rc.runs, "the retry of the first")
+				if r.id != first.ID || r.retry != 1 {
+					t.Fatalf("ran %s (retry %d), want the first task %s's retry", r.id, r.retry, first.ID)
+				}
+				eventually(t, "the first task completes", func() bool {
+					st := h.taskState(first.ID)
+					return st == 0 || st == asynq.TaskStateCompleted
+				})
+				if s := h.d.Stats(); s.Busy != 0 {
+					t.Fatalf("%d busy decisions, want none", s.Busy)
+				}
+			})
+		})
 	}
 }

@@ -203,31 +203,42 @@ var allCases = []*caseDef{
 
 // preEnqueue calls one(k) for every key k, 64 at a time.
 func (e *env) preEnqueue(ctx context.Context, one func(k int64) error) error {
+	return fanOut(ctx, int64(e.cfg.keys), 64, func(k int64) error {
+		if err := one(k); err != nil {
+			return fmt.Errorf("pre-enqueue key %d: %w", k, err)
+		}
+		return nil
+	})
+}
+
+// fanOut calls one(i) for i from 0 to n-1 on the given number of
+// goroutines, and returns the first error (or ctx's), after which no new
+// calls start.
+func fanOut(ctx context.Context, n int64, goroutines int, one func(i int64) error) error {
 	var (
 		wg    sync.WaitGroup
 		next  atomic.Int64
 		mu    sync.Mutex
 		first error
 	)
-	for range 64 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	for range goroutines {
+		wg.Go(func() {
 			for {
-				k := next.Add(1) - 1
-				if k >= int64(e.cfg.keys) || ctx.Err() != nil {
+				i := next.Add(1) - 1
+				if i >= n || ctx.Err() != nil {
 					return
 				}
-				if err := one(k); err != nil {
+				if err := one(i); err != nil {
 					mu.Lock()
 					if first == nil {
-						first = fmt.Errorf("pre-enqueue key %d: %w", k, err)
+						first = err
 					}
 					mu.Unlock()
+					next.Store(n) // stop the others too
 					return
 				}
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	if first == nil {

@@ -48,6 +48,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"os/signal"
 	"runtime"
@@ -87,6 +88,9 @@ type config struct {
 	e2eWork, e2eCheck, e2eTimeout               time.Duration
 	e2eModes                                    []string
 
+	drainTasks, drainWorkers int
+	drainWork                time.Duration
+
 	stdout, stderr io.Writer
 }
 
@@ -97,7 +101,7 @@ func caseNames() []string {
 	for _, cd := range allCases {
 		names = append(names, cd.name)
 	}
-	return append(names, "e2e")
+	return append(names, "e2e", "drain")
 }
 
 // listFlags are the flags that take a comma-separated list, split after
@@ -152,6 +156,9 @@ func (c *config) define(fs *flag.FlagSet) listFlags {
 	fs.IntVar(&c.e2eProducers, "e2e-producers", 64, "end to end: goroutines enqueueing")
 	fs.DurationVar(&c.e2eCheck, "e2e-check", 10*time.Millisecond, "end to end: asynq TaskCheckInterval (its sleep when the queue is empty)")
 	fs.DurationVar(&c.e2eTimeout, "e2e-timeout", 5*time.Minute, "end to end: give up on a queue that does not drain")
+	fs.IntVar(&c.drainTasks, "drain-tasks", 10_000, "worker side: unique tasks the server drains")
+	fs.IntVar(&c.drainWorkers, "drain-workers", 64, "worker side: asynq server Concurrency")
+	fs.DurationVar(&c.drainWork, "drain-work", 0, "worker side: simulated work per task (sleep; 0: a no-op handler)")
 	modes := fs.String("e2e-mode", "before,live", "end to end: modes, before (enqueue all, then start the server) and/or live (server already running)")
 	return listFlags{conc: conc, cases: cases, modes: modes}
 }
@@ -225,6 +232,8 @@ func (c *config) check() error {
 		return errors.New("-pool must not be negative")
 	case c.e2eTasks < 1 || c.e2eKeys < 1 || c.e2eWorkers < 1 || c.e2eProducers < 1 || c.e2eWork < 0 || c.e2eCheck <= 0:
 		return errors.New("-e2e-*: bad value")
+	case c.drainTasks < 1 || c.drainWorkers < 1 || c.drainWork < 0:
+		return errors.New("-drain-*: bad value")
 	}
 	return nil
 }
@@ -285,11 +294,11 @@ func run(ctx context.Context, cfg config) int {
 		}
 		defer stopProfile()
 	}
-	runs, e2eRuns, err := e.rounds(ctx, selected)
+	runs, err := e.rounds(ctx, selected)
 	if err != nil {
 		return fail(err)
 	}
-	rep.summarize(cfg, selected, runs, e2eRuns)
+	rep.summarize(cfg, selected, runs)
 	e.countLeft(ctx, rep)
 	if cfg.jsonOut {
 		if err := rep.writeJSON(cfg.stdout); err != nil {
@@ -349,12 +358,13 @@ func newEnv(ctx context.Context, cfg config, opts *redis.Options) (*env, error) 
 			typeE2EReject:  {Fields: []string{"user_id"}},
 		},
 	}
+	maps.Copy(dcfg.Rules, drainRules)
 	var err error
 	if e.d, err = dedup.New(ctx, e.rdb, dcfg); err != nil {
 		e.close()
 		return nil, err
 	}
-	if cfg.has("e2e") {
+	if cfg.has("e2e") || cfg.has("drain") {
 		// The servers' middleware starts a Dedup's heartbeat: keep it off
 		// the one the throughput cases use.
 		if e.de2e, err = dedup.New(ctx, e.rdb, dcfg); err != nil {
@@ -435,26 +445,38 @@ func startProfile(path string) (stop func(), err error) {
 	}, nil
 }
 
+// allRuns holds every round's results: throughput by concurrency and
+// case, end to end by mode and variant, drains by variant.
+type allRuns struct {
+	throughput map[int]map[string][]*runResult
+	e2e        map[string]map[string][]*e2eResult
+	drain      map[string][]*drainResult
+}
+
 // rounds runs every round: each case at each concurrency, then the end to
-// end variants in each mode, each round starting one later in the order,
-// so that no case always runs right after the same one.
-func (e *env) rounds(ctx context.Context, selected []*caseDef) (map[int]map[string][]*runResult, map[string]map[string][]*e2eResult, error) {
-	runs := map[int]map[string][]*runResult{}
+// end variants in each mode, then the drains, each round starting one later
+// in the order, so that no case always runs right after the same one.
+func (e *env) rounds(ctx context.Context, selected []*caseDef) (*allRuns, error) {
+	runs := &allRuns{throughput: map[int]map[string][]*runResult{}, e2e: map[string]map[string][]*e2eResult{}, drain: map[string][]*drainResult{}}
 	for _, c := range e.cfg.conc {
-		runs[c] = map[string][]*runResult{}
+		runs.throughput[c] = map[string][]*runResult{}
 	}
-	e2eRuns := map[string]map[string][]*e2eResult{}
 	for r := range e.cfg.rounds {
-		if err := e.throughputRound(ctx, r, selected, runs); err != nil {
-			return nil, nil, err
+		if err := e.throughputRound(ctx, r, selected, runs.throughput); err != nil {
+			return nil, err
 		}
 		if e.cfg.has("e2e") {
-			if err := e.e2eRound(ctx, r, e2eRuns); err != nil {
-				return nil, nil, err
+			if err := e.e2eRound(ctx, r, runs.e2e); err != nil {
+				return nil, err
+			}
+		}
+		if e.cfg.has("drain") {
+			if err := e.drainRound(ctx, r, runs.drain); err != nil {
+				return nil, err
 			}
 		}
 	}
-	return runs, e2eRuns, nil
+	return runs, nil
 }
 
 // throughputRound runs round r of the throughput cases into runs.

@@ -65,7 +65,7 @@ func TestSmoke(t *testing.T) {
 	needRedisServer(t)
 	var out, errOut bytes.Buffer
 	cfg, err := parseFlags([]string{"-duration", "100ms", "-rounds", "1", "-warmup", "0", "-c", "1,4", "-keys", "50",
-		"-e2e-tasks", "300", "-e2e-keys", "30", "-e2e-workers", "8", "-e2e-producers", "8", "-q"}, &out, &errOut)
+		"-e2e-tasks", "300", "-e2e-keys", "30", "-e2e-workers", "8", "-e2e-producers", "8", "-drain-tasks", "200", "-drain-workers", "8", "-q"}, &out, &errOut)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +73,8 @@ func TestSmoke(t *testing.T) {
 		t.Fatalf("exit status %d\nstdout:\n%s\nstderr:\n%s", code, out.String(), errOut.String())
 	}
 	for _, want := range []string{"plain Enqueue", "asynq.Unique dup", "dedup accepted", "dedup rejected", "dedup coalesced",
-		"c=4", "enqueued before workers start", "server already running", "dedup Replace", "→"} {
+		"c=4", "enqueued before workers start", "server already running", "dedup Replace", "→",
+		"worker side: 200 unique tasks", "middleware, guard", "middleware, Cooldown"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q:\n%s", want, out.String())
 		}
@@ -126,6 +127,37 @@ func TestSmokeJSON(t *testing.T) {
 	}
 }
 
+// TestSmokeDrain checks the worker side's machine output: every variant
+// drains every task, with a ratio to the plain server's and counts per task.
+func TestSmokeDrain(t *testing.T) {
+	needRedisServer(t)
+	var out, errOut bytes.Buffer
+	cfg, err := parseFlags([]string{"-rounds", "2", "-warmup", "0", "-cases", "drain", "-drain-tasks", "300", "-drain-workers", "16",
+		"-drain-work", "1ms", "-json", "-q"}, &out, &errOut)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code := run(context.Background(), cfg); code != 0 {
+		t.Fatalf("exit status %d\nstderr:\n%s", code, errOut.String())
+	}
+	var rep report
+	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	if len(rep.Drain) != len(drainVariants) || rep.Errors != 0 || rep.Meta.KeysLeft != 0 || rep.DrainConfig == nil || rep.DrainConfig.Tasks != 300 {
+		t.Fatalf("report: %s", out.String())
+	}
+	for _, s := range rep.Drain {
+		// asynq's own scripts: at least a dequeue and a done per task.
+		if s.Ratio == nil || len(s.RatioRounds) != 2 || s.TasksPerSec <= 0 || s.ScriptsPerTask < 2 || s.RttsPerTask <= 0 {
+			t.Errorf("%s: %s", s.Title, out.String())
+		}
+		if s.Variant == "plain" && *s.Ratio != 1 {
+			t.Errorf("plain: ratio %v to itself", *s.Ratio)
+		}
+	}
+}
+
 func deref(p *float64) any {
 	if p == nil {
 		return nil
@@ -165,7 +197,7 @@ func TestRedisCPURatio(t *testing.T) {
 	}}
 	cfg := config{conc: []int{1}, duration: time.Second}
 	rep := &report{Meta: meta{Rounds: 5}}
-	rep.summarize(cfg, []*caseDef{plainCase, accepted}, runs, nil)
+	rep.summarize(cfg, []*caseDef{plainCase, accepted}, &allRuns{throughput: runs})
 	if len(rep.Throughput) != 2 {
 		t.Fatalf("%d summaries", len(rep.Throughput))
 	}

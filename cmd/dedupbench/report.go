@@ -85,11 +85,13 @@ type e2eSummary struct {
 }
 
 type report struct {
-	Meta       meta          `json:"meta"`
-	Throughput []caseSummary `json:"throughput"`
-	E2E        []e2eSummary  `json:"end_to_end,omitempty"`
-	E2EConfig  *e2eConfig    `json:"end_to_end_config,omitempty"`
-	Errors     int64         `json:"unexpected_errors"`
+	Meta        meta           `json:"meta"`
+	Throughput  []caseSummary  `json:"throughput"`
+	E2E         []e2eSummary   `json:"end_to_end,omitempty"`
+	E2EConfig   *e2eConfig     `json:"end_to_end_config,omitempty"`
+	Drain       []drainSummary `json:"drain,omitempty"`
+	DrainConfig *drainConfig   `json:"drain_config,omitempty"`
+	Errors      int64          `json:"unexpected_errors"`
 }
 
 type e2eConfig struct {
@@ -99,6 +101,13 @@ type e2eConfig struct {
 	Workers   int    `json:"workers"`
 	Producers int    `json:"producers"`
 	CheckIvl  string `json:"task_check_interval"`
+}
+
+type drainConfig struct {
+	Tasks    int    `json:"tasks"`
+	Workers  int    `json:"workers"`
+	Work     string `json:"handler_work"`
+	CheckIvl string `json:"task_check_interval"`
 }
 
 func median(xs []float64) float64 {
@@ -116,7 +125,9 @@ func median(xs []float64) float64 {
 
 func ptr(f float64) *float64 { return &f }
 
-func (rep *report) summarize(cfg config, selected []*caseDef, runs map[int]map[string][]*runResult, e2eRuns map[string]map[string][]*e2eResult) {
+func (rep *report) summarize(cfg config, selected []*caseDef, all *allRuns) {
+	rep.summarizeDrains(cfg, all.drain)
+	runs, e2eRuns := all.throughput, all.e2e
 	for _, c := range cfg.conc {
 		plain := runs[c]["plain"]
 		for _, cd := range selected {
@@ -259,6 +270,9 @@ func (rep *report) writeTable(w io.Writer, cfg config) {
 		errs = append(errs, rep.writeE2E(w, cfg)...)
 		fmt.Fprintln(w)
 		rep.writeE2ESpeedups(w, cfg)
+	}
+	if len(rep.Drain) > 0 {
+		errs = append(errs, rep.writeDrain(w, cfg)...)
 	}
 	if len(errs) > 0 {
 		fmt.Fprintf(w, "\nUNEXPECTED OUTCOMES (%d in all; samples):\n", rep.Errors)

@@ -34,12 +34,37 @@ type StartResult struct {
 	New     bool          // StatusTaken: there was no lock; the attempt made it
 	// Released: StatusHeld, and an operator released this task's lock
 	// (Release, dedupctl release) before the holder, a task of its type,
-	// took the key: the holder's payload is the newer.
+	// took the key: the holder's payload is the newer; StatusCooling, and
+	// an operator released this task's lock.
 	Released bool
+	// HolderRuns: StatusHeld, and an attempt of the holder runs now.
+	HolderRuns bool
+	// Begun: StatusTaken by the begin script: the lock held nothing but
+	// its owner (Finish.Begun).
+	Begun bool
 }
 
-// Start runs the start script, calling it again with the keys it asks for.
+// Start makes the attempt its lock's owner: by the begin script where the
+// lock is the one the wrapper wrote with its task and holds nothing else to
+// settle (the common case, one small script), else, or if begin finds
+// otherwise, by the start script, called again with the keys it asks for.
 func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
+	r := &st.Ref
+	lock := s.keys.LockOf(r)
+	if r.direct() && st.Cooldown == 0 && st.Running != RunAllow { // (a lock of such a rule declines)
+		v, err := s.run(ctx, s.sc.begin, []string{lock, s.keys.Follow(r.Queue, r.FP)}, r.stored(), r.ID, st.Token, ms(st.Lease))
+		if err != nil {
+			return StartResult{}, err
+		}
+		if ok, err := parseFlag(v); ok || err != nil {
+			return StartResult{Status: StatusTaken, Begun: ok}, err
+		}
+	}
+	return s.start(ctx, st)
+}
+
+// start runs the start script, calling it again with the keys it asks for.
+func (s *Store) start(ctx context.Context, st *Start) (StartResult, error) {
 	r := &st.Ref
 	lock := s.keys.LockOf(r)
 	holder := ""
@@ -73,9 +98,10 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		}
 		switch {
 		case rep.status == StatusHeld:
-			return StartResult{Status: StatusHeld, Holder: UnpackOwner(rep.str(0), r.FP), Follow: rep.str(1), Released: rep.str(2) == "r"}, nil
+			return StartResult{Status: StatusHeld, Holder: UnpackOwner(rep.str(0), r.FP), Follow: rep.str(1), Released: rep.str(2) == "r",
+				HolderRuns: rep.str(3) == "run"}, nil
 		case rep.status == StatusCooling:
-			return StartResult{Status: StatusCooling, Holder: UnpackOwner(rep.str(0), r.FP), Cooling: parseMillis(rep.str(1))}, nil
+			return StartResult{Status: StatusCooling, Holder: UnpackOwner(rep.str(0), r.FP), Cooling: parseMillis(rep.str(1)), Released: rep.str(2) == "r"}, nil
 		case rep.status == StatusSuperseded:
 			return StartResult{Status: rep.status, Holder: rep.str(0)}, nil
 		case rep.status != statusNeed:
@@ -217,6 +243,10 @@ type Finish struct {
 	// will not run again (an operator deleted or archived it); else
 	// untouched (FinishResult.Held).
 	Watch bool
+	// Begun: the attempt started by the begin script (StartResult.Begun):
+	// a release tries the done script first, which settles the common case
+	// in one small call.
+	Begun bool
 }
 
 // FinishResult is what finish did.
@@ -231,8 +261,11 @@ type FinishResult struct {
 	Owes    string // Held: the follow-up the lock owes, "" for none (to Watch)
 }
 
-// Finish runs the finish script, calling it again with the follow-up's
-// record if the lock owes one it was not told of.
+// Finish settles the attempt: by the done script for a release of an
+// attempt begin started whose lock still holds nothing else (one small
+// call), else, or if done finds otherwise, by the finish script, called
+// again with the follow-up's record if the lock owes one it was not told
+// of.
 func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 	r := &f.Ref
 	mode := "hold"
@@ -241,6 +274,11 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		mode = "watch"
 	case f.Release:
 		mode = "release"
+	}
+	if mode == "release" && f.Begun && !f.GivenUp && f.Follow == "" && f.Token != "" && r.direct() {
+		if res, settled, err := s.done(ctx, f); settled || err != nil {
+			return res, err
+		}
 	}
 	hintF := f.Follow
 	for n := 0; ; n++ {
@@ -286,6 +324,21 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		}
 		hintF = rep.str(1)
 	}
+}
+
+// done runs the done script; settled is false when the lock holds more
+// than its owner (a follow-up, a cooldown) and finish must settle it.
+func (s *Store) done(ctx context.Context, f *Finish) (res FinishResult, settled bool, err error) {
+	r := &f.Ref
+	v, err := s.run(ctx, s.sc.done, []string{s.keys.LockOf(r)}, r.stored(), r.ID, f.Token)
+	if err != nil {
+		return FinishResult{}, false, err
+	}
+	n, ok := v.(int64)
+	if !ok {
+		return FinishResult{}, false, fmt.Errorf("dedup: unexpected script reply %T", v)
+	}
+	return FinishResult{Owned: n == 1}, n != 2, nil
 }
 
 // Again stores a copy of the running task of r under a new ID, due at a

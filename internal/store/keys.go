@@ -156,3 +156,11 @@ func (k Keys) LockOf(r *Ref) string { return k.Lock(r.Queue, r.FP) }
 
 // stored is r's task ID as its lock record stores it.
 func (r *Ref) stored() string { return PackOwner(r.ID, r.FP) }
+
+// direct reports whether r is a task the wrapper locked at enqueue under
+// an ID of its own (NewLockedID for r's key): the lock begin and done
+// settle in the common case.
+func (r *Ref) direct() bool {
+	fp, ok := ParseLockedID(r.ID)
+	return ok && fp == r.FP && !r.Indexed
+}

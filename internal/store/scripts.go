@@ -26,6 +26,10 @@ var (
 	acquireSrc string
 	//go:embed lua/start.lua
 	startSrc string
+	//go:embed lua/begin.lua
+	beginSrc string
+	//go:embed lua/done.lua
+	doneSrc string
 	//go:embed lua/extend.lua
 	extendSrc string
 	//go:embed lua/finish.lua
@@ -60,11 +64,11 @@ const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
 
 // scriptSet holds the scripts, in one of two builds.
 type scriptSet struct {
-	acquire, replace, start, extend, finish, unlock, coalesce, release, again, diagnose, prune, force, withdraw, optout *redis.Script
+	acquire, replace, start, begin, extend, finish, done, unlock, coalesce, release, again, diagnose, prune, force, withdraw, optout *redis.Script
 }
 
 func (s *scriptSet) all() []*redis.Script {
-	return []*redis.Script{s.acquire, s.replace, s.start, s.extend, s.finish, s.unlock, s.coalesce, s.release, s.again, s.diagnose, s.prune, s.force,
+	return []*redis.Script{s.acquire, s.replace, s.start, s.begin, s.extend, s.finish, s.done, s.unlock, s.coalesce, s.release, s.again, s.diagnose, s.prune, s.force,
 		s.withdraw, s.optout}
 }
 
@@ -84,7 +88,7 @@ func scripts() *scriptSet {
 func buildScripts(checked bool) *scriptSet {
 	b := func(src string) *redis.Script { return redis.NewScript(source(src, checked)) }
 	return &scriptSet{
-		acquire: b(acquireSrc), replace: b(replaceSrc), start: b(startSrc), extend: b(extendSrc), finish: b(finishSrc),
+		acquire: b(acquireSrc), replace: b(replaceSrc), start: b(startSrc), begin: b(beginSrc), extend: b(extendSrc), finish: b(finishSrc), done: b(doneSrc),
 		unlock: b(unlockSrc), coalesce: b(coalesceSrc), release: b(releaseSrc), again: b(againSrc), diagnose: b(diagnoseSrc),
 		prune: b(pruneSrc), force: b(forceSrc), withdraw: b(withdrawSrc), optout: b(optoutSrc),
 	}
@@ -123,12 +127,13 @@ func source(body string, checked bool) string {
 func LibScript(body string) *redis.Script { return redis.NewScript(source(libMarker+"\n"+body, true)) }
 
 // ScriptHash is the SHA1 by which Redis knows the script of an operation
-// ("acquire", "replace", "start", "extend", "finish", "unlock", "coalesce",
-// "release", "again"), in the build a Store created now uses; for tests that count
+// ("acquire", "replace", "start", "begin", "extend", "finish", "done", "unlock",
+// "coalesce", "release", "again"), in the build a Store created now uses; for tests that count
 // commands.
 func ScriptHash(op string) string {
 	sc := scripts()
-	m := map[string]*redis.Script{"acquire": sc.acquire, "replace": sc.replace, "start": sc.start, "extend": sc.extend, "finish": sc.finish,
+	m := map[string]*redis.Script{"acquire": sc.acquire, "replace": sc.replace, "start": sc.start, "begin": sc.begin, "extend": sc.extend,
+		"finish": sc.finish, "done": sc.done,
 		"unlock": sc.unlock, "coalesce": sc.coalesce, "release": sc.release, "again": sc.again}
 	if s, ok := m[op]; ok {
 		return s.Hash()

@@ -19,13 +19,16 @@
 --
 -- Reply: {1, f, new}               this attempt holds the lock; f: the follow-up it owes, or '';
 --                                   new '1' when there was no lock (the attempt made it), else ''
---        {0, holder, f, r}          held by another live task (as stored): the attempt must not run;
+--        {0, holder, f, r, run}     held by another live task (as stored): the attempt must not run;
 --                                   f: the follow-up the lock owes, or ''; r 'r' when an operator
 --                                   released this task's lock (its marker X says 'r:') and the
---                                   holder, which took the key after that, is of its type
---        {14, holder, ms}           the key cools down for ms more after its last task succeeded:
---                                   the attempt must not run
---        {9}                        the key's running policy is "allow": lock dropped, run unlocked
+--                                   holder, which took the key after that, is of its type; run
+--                                   'run' when an attempt of the holder runs, else ''
+--        {14, holder, ms, r}        the key cools down for ms more after its last task succeeded:
+--                                   the attempt must not run; r 'r' when an operator released
+--                                   this task's lock (its marker X says 'r:')
+--        {9}                        the key's running policy is "allow": lock dropped (not the index
+--                                   of a caller-chosen ID), run unlocked
 --        {12, followup}             superseded: the task lost its lock (its worker died) after a
 --                                   follow-up with a newer payload was made for it; it must not run
 --        {11, lacking, holder}      nothing done: call again with the keys of these roles
@@ -48,7 +51,8 @@ local now, now_ms = now_parts()
 local rec = call('HMGET', K.L, 'id', 'c', 'rp', 'b', 'f', 'tok', 'v', 'k', 'cd')
 local holder = rec[1]
 if rec[8] then
-  return {14, holder, call('PTTL', K.L)}
+  local by = call('GET', K.X)
+  return {14, holder, call('PTTL', K.L), by and string.sub(by, 1, 2) == 'r:' and 'r' or ''}
 end
 local cool_end = tonumber(rec[9] or '0')
 local released = false -- an operator released this task's lock
@@ -74,7 +78,7 @@ local function held()
       r = 'r'
     end
   end
-  return {0, holder, rec[5] or '', r}
+  return {0, holder, rec[5] or '', r, rec[6] and 'run' or ''}
 end
 if holder and holder ~= stored and holder ~= id then
   -- too young to be an orphan (unless written with its task: v)
@@ -111,10 +115,10 @@ if call('GET', K.F) == id then
   call('DEL', K.F) -- the follow-up is running: no longer owed
 end
 if rec[3] == 'a' or (not holder and ARGV[7] == 'a') then
+  -- (The index of a caller-chosen ID stays, until the end of the lifetime
+  -- it was given: the task's retries must still find their key, or they
+  -- would meet it as arrivals.)
   call('DEL', K.L)
-  if K.I then
-    call('DEL', K.I)
-  end
   return {9}
 end
 if released then

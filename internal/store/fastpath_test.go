@@ -1,0 +1,227 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/redis/go-redis/v9"
+)
+
+// begin and done are start's and finish's common cases: on random lock
+// states, in the checked build, each either declines and changes nothing,
+// or leaves Redis exactly as the general script would have (same reply
+// meaning, same keys, same contents, same TTLs to the second).
+
+// rawState is every key of a world's queue, dumped with its TTL, to put
+// back.
+type rawState map[string]struct {
+	dump string
+	pttl time.Duration
+}
+
+func (w *scriptWorld) raw() rawState {
+	ctx := context.Background()
+	out := rawState{}
+	for _, pat := range []string{"asynq:{" + w.q + "}:*", w.s.keys.Prefix() + ":{" + w.q + "}:*"} {
+		for _, key := range w.rdb.Keys(ctx, pat).Val() {
+			out[key] = struct {
+				dump string
+				pttl time.Duration
+			}{w.rdb.Dump(ctx, key).Val(), w.rdb.PTTL(ctx, key).Val()}
+		}
+	}
+	return out
+}
+
+func (w *scriptWorld) restore(st rawState) {
+	ctx := context.Background()
+	for _, pat := range []string{"asynq:{" + w.q + "}:*", w.s.keys.Prefix() + ":{" + w.q + "}:*"} {
+		if keys := w.rdb.Keys(ctx, pat).Val(); len(keys) > 0 {
+			w.rdb.Del(ctx, keys...)
+		}
+	}
+	for k, v := range st {
+		ttl := v.pttl
+		if ttl < 0 {
+			ttl = 0
+		}
+		if err := w.rdb.Restore(ctx, k, ttl, v.dump).Err(); err != nil {
+			w.t.Fatalf("restore %s: %v", k, err)
+		}
+	}
+}
+
+// canon is every key of the world's queue by its contents (not DUMP's
+// bytes, which differ with the order of writes) and its TTL in seconds.
+func (w *scriptWorld) canon() map[string]string {
+	ctx := context.Background()
+	out := map[string]string{}
+	for _, pat := range []string{"asynq:{" + w.q + "}:*", w.s.keys.Prefix() + ":{" + w.q + "}:*"} {
+		for _, key := range w.rdb.Keys(ctx, pat).Val() {
+			var v any
+			switch w.rdb.Type(ctx, key).Val() {
+			case "hash":
+				v = w.rdb.HGetAll(ctx, key).Val() // (fmt prints maps sorted)
+			case "zset":
+				v = w.rdb.ZRangeWithScores(ctx, key, 0, -1).Val()
+			case "list":
+				v = w.rdb.LRange(ctx, key, 0, -1).Val()
+			default:
+				v = w.rdb.Get(ctx, key).Val()
+			}
+			out[key] = fmt.Sprintf("%v ttl~%d", v, (w.rdb.PTTL(ctx, key).Val()+500*time.Millisecond)/time.Second)
+		}
+	}
+	return out
+}
+
+// spice adds what build leaves out: a lock written with its task (v), a
+// cooldown, a cooling mark; and makes the holder the task under test now
+// and then.
+func (w *scriptWorld) spice() {
+	ctx := context.Background()
+	if w.rdb.Exists(ctx, w.lock).Val() == 0 {
+		return
+	}
+	for _, f := range []struct {
+		name, val string
+		odds      int
+	}{{FieldStored, "1", 2}, {FieldCoolEnd, fmt.Sprint(time.Now().Add(time.Hour).UnixMilli()), 5}, {FieldCooling, "1", 8}} {
+		if w.pick(f.odds) == 0 {
+			w.rdb.HSet(ctx, w.lock, f.name, f.val)
+			w.note("lock %s=%s", f.name, f.val)
+		}
+	}
+}
+
+func newFastWorld(t *testing.T, rdb *redis.Client, s *Store, rng *rand.Rand, i int) *scriptWorld {
+	q := fmt.Sprintf("%s-%d", redistest.Uniq(t), i)
+	fp := fmt.Sprintf("%016x", rng.Uint64())
+	w := &scriptWorld{t: t, rdb: rdb, s: s, rng: rng, q: q, fp: fp, lock: s.keys.Lock(q, fp), ids: map[string]string{}}
+	w.build()
+	w.spice()
+	return w
+}
+
+// subject is the task the attempt is of: mostly the lock's holder.
+func (w *scriptWorld) subject() string {
+	if id := w.ids["holder"]; id != "" && w.pick(4) != 0 {
+		if fp, ok := ParseLockedID(id); ok && fp == w.fp {
+			return id
+		}
+	}
+	id := NewLockedID(w.fp)
+	w.putTask(id, StateActive)
+	return id
+}
+
+func TestBeginAgreesWithStart(t *testing.T) {
+	rdb := redistest.Client(t)
+	s := newTestStore(t, rdb)
+	ctx := context.Background()
+	rng := rand.New(rand.NewPCG(5, 6))
+	took := 0
+	for i := 0; i < 1200 && !t.Failed(); i++ {
+		w := newFastWorld(t, rdb, s, rng, i)
+		id := w.subject()
+		if w.rdb.Exists(ctx, TaskKey(w.q, id)).Val() == 0 {
+			w.putTask(id, StateActive) // a running task's record exists
+		}
+		r := Ref{Queue: w.q, FP: w.fp, ID: id, Type: "t"}
+		before := w.raw()
+		keys := []string{w.lock, s.keys.Follow(w.q, w.fp)}
+		v, err := s.sc.begin.Run(ctx, rdb, keys, r.stored(), r.ID, "tok2", int64(30000)).Result()
+		if err != nil {
+			t.Fatalf("case %d: begin: %v\n  %s", i, err, strings.Join(w.desc, "\n  "))
+		}
+		afterBegin := w.canon()
+		w.restore(before)
+		if v == int64(0) {
+			if d := diff(w.canon(), afterBegin); len(d) > 0 {
+				t.Errorf("case %d: begin declined but changed %v\n  %s", i, d, strings.Join(w.desc, "\n  "))
+			}
+			continue
+		}
+		took++
+		res, err := s.start(ctx, &Start{Ref: r, Token: "tok2", Lease: 30 * time.Second})
+		if err != nil || res.Status != StatusTaken || res.Follow != "" || res.New {
+			t.Errorf("case %d: begin took the lock, start says %+v, %v\n  %s", i, res, err, strings.Join(w.desc, "\n  "))
+		}
+		if d := diff(w.canon(), afterBegin); len(d) > 0 {
+			t.Errorf("case %d: begin and start differ: %v\n  %s\n  start: %v\n  begin: %v", i, d, strings.Join(w.desc, "\n  "), w.canon(), afterBegin)
+		}
+	}
+	if took < 15 {
+		t.Errorf("begin took only %d of the locks: the test does not reach its common case", took)
+	}
+}
+
+func TestDoneAgreesWithFinish(t *testing.T) {
+	rdb := redistest.Client(t)
+	s := newTestStore(t, rdb)
+	ctx := context.Background()
+	rng := rand.New(rand.NewPCG(7, 8))
+	released := 0
+	for i := 0; i < 1200 && !t.Failed(); i++ {
+		w := newFastWorld(t, rdb, s, rng, i)
+		id := w.subject()
+		tok := []string{"tok", "other", ""}[w.pick(3)]
+		if tok == "" {
+			tok = "tok"
+			if w.rdb.Exists(ctx, w.lock).Val() == 1 {
+				w.rdb.HSet(ctx, w.lock, FieldToken, tok)
+			}
+		}
+		r := Ref{Queue: w.q, FP: w.fp, ID: id, Type: "t"}
+		succeeded := w.pick(2) == 0
+		before := w.raw()
+		v, err := s.sc.done.Run(ctx, rdb, []string{w.lock}, r.stored(), r.ID, tok).Result()
+		if err != nil {
+			t.Fatalf("case %d: done: %v\n  %s", i, err, strings.Join(w.desc, "\n  "))
+		}
+		afterDone := w.canon()
+		w.restore(before)
+		if v == int64(2) {
+			if d := diff(w.canon(), afterDone); len(d) > 0 {
+				t.Errorf("case %d: done passed on but changed %v\n  %s", i, d, strings.Join(w.desc, "\n  "))
+			}
+			continue
+		}
+		// The general script, as Finish would call it without the fast path.
+		kl := newKeyList()
+		kl.add(roleLock, w.lock)
+		kl.add(roleScheduled, ScheduledKey(w.q))
+		kl.add(rolePending, PendingKey(w.q))
+		kl.add(roleFollow, s.keys.Follow(w.q, w.fp))
+		args := []any{kl.roleString(), r.stored(), tok, "release", int64(1000), int64(1000), s.parkSeconds(), "", "", r.ID}
+		if succeeded {
+			args = append(args, "1", "t")
+		}
+		fv, err := s.sc.finish.Run(ctx, rdb, kl.keys, args...).Result()
+		if err != nil {
+			t.Fatalf("case %d: finish: %v", i, err)
+		}
+		rep, err := parseReply(fv)
+		if err != nil {
+			t.Fatal(err)
+		}
+		owned := rep.status == StatusTaken
+		if owned != (v == int64(1)) || (owned && (rep.str(0) != "" || rep.str(1) != "")) {
+			t.Errorf("case %d: done says %v, finish %v\n  %s", i, v, rep.strs, strings.Join(w.desc, "\n  "))
+		}
+		if owned {
+			released++
+		}
+		if d := diff(w.canon(), afterDone); len(d) > 0 {
+			t.Errorf("case %d: done and finish differ: %v\n  %s", i, d, strings.Join(w.desc, "\n  "))
+		}
+	}
+	if released < 30 {
+		t.Errorf("done released only %d locks: the test does not reach its common case", released)
+	}
+}
