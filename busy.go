@@ -155,6 +155,9 @@ func (d *Dedup) retryBusy(ctx context.Context, t *asynq.Task, l *lease, holder s
 		return berr
 	}
 	id := store.NewAgainID(l.ref.FP)
+	if !l.arrived {
+		id = store.NewKeptID(l.ref.FP) // its copy keeps its standing
+	}
 	ok, err := d.store.Again(ctx, &l.ref, id, time.Now().Add(d.cfg.Lease))
 	if err != nil || !ok {
 		d.log.Warn("dedup: busy task on its last attempt could not be scheduled again; asynq archives it", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", err))

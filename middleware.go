@@ -234,7 +234,8 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 // resolve finds the lock of the task being run, and the Store of the
 // prefix it is under; nil for none. guarded reports a task that arrived
 // without a lock (the execution-time guard keys it by its type's rule), or
-// a copy of one that met a busy key on its last attempt.
+// a copy of one that met a busy key on its last attempt (the copy of a
+// task locked at enqueue keeps that standing).
 func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (ref *store.Ref, st *store.Store, guarded bool, err error) {
 	typ := t.Type()
 	if fp, ok := store.ParseLockedID(id); ok {
@@ -242,6 +243,9 @@ func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (r
 	}
 	if fp, ok := store.ParseAgainID(id); ok { // a busy arrival's copy: the key its original met
 		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, true, nil
+	}
+	if fp, ok := store.ParseKeptID(id); ok { // the copy of a busy task locked at enqueue
+		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, false, nil
 	}
 	if store.IsOptOutID(id) {
 		return nil, nil, false, nil

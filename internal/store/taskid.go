@@ -12,7 +12,9 @@ import (
 //
 //	dd-<16 or 32 hex fingerprint>-<20 hex random>   locked at enqueue
 //	dx-<20 hex random>                              opted out at enqueue
-//	da-<16 or 32 hex fingerprint>-<20 hex random>   a busy task's copy (Again), for the key it met
+//	da-<16 or 32 hex fingerprint>-<20 hex random>   a busy arrival's copy (Again), for the key it met
+//	dk-<16 or 32 hex fingerprint>-<20 hex random>   the copy of a busy task locked at enqueue (Again),
+//	                                                which keeps that standing
 //
 // A task enqueued under a caller-chosen ID has an index key (Keys.Index)
 // holding its lock's fingerprint, or OptOutMark. A caller-chosen ID of one
@@ -21,6 +23,7 @@ const (
 	lockedIDPrefix  = "dd-"
 	optOutIDPrefix  = "dx-"
 	againIDPrefix   = "da-"
+	keptIDPrefix    = "dk-"
 	randomHexDigits = 20
 )
 
@@ -56,6 +59,12 @@ func NewOptOutID() string {
 // when it starts it meets that key again, whatever the server's rules.
 func NewAgainID(fp string) string { return newKeyedID(againIDPrefix, fp) }
 
+// NewKeptID returns a fresh task ID for the copy Again stores of a task
+// locked at enqueue that met the key fp busy on its last attempt: like
+// NewAgainID's, but the copy keeps its original's standing (retried while
+// the key is busy, never dropped or folded).
+func NewKeptID(fp string) string { return newKeyedID(keptIDPrefix, fp) }
+
 // IsOptOutID reports whether id was made by NewOptOutID.
 func IsOptOutID(id string) bool {
 	rest, ok := strings.CutPrefix(id, optOutIDPrefix)
@@ -81,6 +90,9 @@ func ParseLockedID(id string) (fp string, ok bool) { return parseKeyedID(lockedI
 // ParseAgainID returns the fingerprint of an ID made by NewAgainID.
 func ParseAgainID(id string) (fp string, ok bool) { return parseKeyedID(againIDPrefix, id) }
 
+// ParseKeptID returns the fingerprint of an ID made by NewKeptID.
+func ParseKeptID(id string) (fp string, ok bool) { return parseKeyedID(keptIDPrefix, id) }
+
 // parseKeyedID returns the fingerprint of an ID made by newKeyedID with
 // prefix.
 func parseKeyedID(prefix, id string) (fp string, ok bool) {
@@ -99,13 +111,16 @@ func parseKeyedID(prefix, id string) (fp string, ok bool) {
 // which the middleware reads as such, so a caller may not choose it: for a
 // call that takes the lock of fingerprint fp, any but NewLockedID's form
 // for fp itself (an ID copied from an earlier task of the key); for a call
-// without a lock (fp ""), NewLockedID's and NewAgainID's (an opted-out
-// form is what it is).
+// without a lock (fp ""), NewLockedID's, NewAgainID's and NewKeptID's (an
+// opted-out form is what it is).
 func Reserved(id, fp string) bool {
 	if own, ok := ParseLockedID(id); ok {
 		return own != fp || fp == ""
 	}
 	if _, again := ParseAgainID(id); again {
+		return true
+	}
+	if _, kept := ParseKeptID(id); kept {
 		return true
 	}
 	return fp != "" && IsOptOutID(id)

@@ -55,3 +55,28 @@ func TestLockIDPacking(t *testing.T) {
 		}
 	})
 }
+
+// The copies Again stores carry their key, and say whether their original
+// arrived without a lock (da-) or was locked at enqueue (dk-); callers may
+// choose neither form.
+func TestCopyIDs(t *testing.T) {
+	fp := "0123456789abcdef"
+	a, k := NewAgainID(fp), NewKeptID(fp)
+	if got, ok := ParseAgainID(a); !ok || got != fp {
+		t.Errorf("ParseAgainID(%q) = %q, %v", a, got, ok)
+	}
+	if got, ok := ParseKeptID(k); !ok || got != fp {
+		t.Errorf("ParseKeptID(%q) = %q, %v", k, got, ok)
+	}
+	if _, ok := ParseKeptID(a); ok {
+		t.Errorf("ParseKeptID took an arrival's copy %q", a)
+	}
+	if _, ok := ParseAgainID(k); ok {
+		t.Errorf("ParseAgainID took a kept copy %q", k)
+	}
+	for _, id := range []string{a, k} {
+		if !Reserved(id, fp) || !Reserved(id, "") {
+			t.Errorf("a caller may choose %q", id)
+		}
+	}
+}
