@@ -1209,3 +1209,27 @@ func smallExponents(v any) bool {
 	}
 	return true
 }
+
+// Fields builds its option once per list of paths: the same list gives the
+// same key, and lists a cache key could confuse (a NUL inside a path) are
+// told apart.
+func TestFieldsOptionCache(t *testing.T) {
+	payload := `{"a":1,"b":2,"a\u0000b":3}`
+	fp := func(opt any) uint64 {
+		t.Helper()
+		r := &resolved{}
+		if err := opt.(option).applyTo(r); err != nil {
+			t.Fatal(err)
+		}
+		return mustFP(t, "t", payload, r)
+	}
+	if fp(Fields("a", "b")) != fp(Fields("a", "b")) || fp(Fields("a")) != fp(Fields("a")) {
+		t.Error("the same fields gave two keys")
+	}
+	if fp(Fields("a\x00b")) == fp(Fields("a", "b")) {
+		t.Error(`Fields("a\x00b") keyed as Fields("a", "b")`)
+	}
+	if allocs := testing.AllocsPerRun(100, func() { _ = Fields("user_id") }); allocs > 0 {
+		t.Errorf("Fields of a list seen before allocates %v times", allocs)
+	}
+}
