@@ -256,8 +256,8 @@ func (rep *report) writeDrain(w io.Writer, cfg config) (errs []string) {
 		commas(int64(cfg.drainTasks)), cfg.drainWorkers, workDesc(cfg.drainWork), cfg.e2eCheck, rep.Meta.Rounds)
 	fmt.Fprintf(w, "  %-22s %8s %5s %-12s %9s %9s %-12s %8s %8s %8s\n", "", "tasks/s", "ratio", " (range)", "rds µs", "rds ratio", " (range)", "scripts", "cmds", "rtts")
 	for _, s := range rep.Drain {
-		ratio, rng := fmtRatio(s.Ratio, ptrMin(s.RatioRounds), ptrMax(s.RatioRounds), len(s.RatioRounds))
-		cr, crng := fmtRatio(s.RCPURatio, ptrMin(s.RCPURatioRounds), ptrMax(s.RCPURatioRounds), len(s.RCPURatioRounds))
+		ratio, rng := fmtRounds(s.Ratio, s.RatioRounds)
+		cr, crng := fmtRounds(s.RCPURatio, s.RCPURatioRounds)
 		fmt.Fprintf(w, "  %-22s %8s %5s %-12s %9.1f %9s %-12s %8.2f %8.2f %8.2f\n", s.Title, commas(int64(s.TasksPerSec)), ratio, rng,
 			s.RedisUsPerTask, cr, crng, s.ScriptsPerTask, s.CmdsPerTask, s.RttsPerTask)
 		for _, e := range s.ErrorSamples {
@@ -274,16 +274,10 @@ func workDesc(d time.Duration) string {
 	return "sleeps " + d.String()
 }
 
-func ptrMin(xs []float64) *float64 {
-	if len(xs) == 0 {
-		return nil
+// fmtRounds is fmtRatio of a median and the rounds it was taken over.
+func fmtRounds(med *float64, rounds []float64) (ratio, rng string) {
+	if len(rounds) == 0 {
+		return fmtRatio(med, nil, nil, 0)
 	}
-	return ptr(slices.Min(xs))
-}
-
-func ptrMax(xs []float64) *float64 {
-	if len(xs) == 0 {
-		return nil
-	}
-	return ptr(slices.Max(xs))
+	return fmtRatio(med, ptr(slices.Min(rounds)), ptr(slices.Max(rounds)), len(rounds))
 }
