@@ -163,8 +163,14 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	if err != nil {
 		return err
 	}
+	r := &k.rule
+	ttl := waitTTL(d.ttlOf(r), k.processAt)
+	direct := c.canDirect(ctx, k)
 	id := k.callerID
 	switch {
+	case id == "" && direct && r.startsFree():
+		id = store.NewTimedLockedID(fp, now.Add(ttl)) // (the lock lasts ttl from the script's run, after now)
+		k.pass = append(k.pass, asynq.TaskID(id))
 	case id == "":
 		id = store.NewLockedID(fp)
 		k.pass = append(k.pass, asynq.TaskID(id))
@@ -172,9 +178,8 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 		return fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, da-, dx-), for another key", ErrInvalidOption, id)
 	}
 	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Indexed: k.callerID != ""}
-	r := &k.rule
 	k.acquire = store.Acquire{Ref: k.ref, OnWaiting: r.conflict.fold(), OnRunning: r.running.code(),
-		TTL: waitTTL(d.ttlOf(r), k.processAt), Now: now, MaxPending: r.maxPending, Cooldown: r.cooldown}
+		TTL: ttl, Now: now, MaxPending: r.maxPending, Cooldown: r.cooldown}
 	if r.debounce > 0 {
 		k.acquire.DebounceDue = k.processAt.Unix()
 	}
@@ -185,7 +190,9 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 		k.acquire.FollowID = store.NewLockedID(fp)
 	}
 	k.locked = true
-	c.prepareDirect(ctx, k)
+	if direct {
+		c.prepareDirect(k)
+	}
 	return nil
 }
 
@@ -198,27 +205,28 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 // v0.26.0's own client stores; TestDirectEnqueueMatchesAsynq compares the
 // two field by field.
 
-// prepareDirect adds the task's record to the acquire call when the direct
-// path applies.
-func (c *Client) prepareDirect(ctx context.Context, k *call) {
+// canDirect reports whether the direct path applies to the call.
+func (c *Client) canDirect(ctx context.Context, k *call) bool {
 	if !c.direct || k.msgUnknown || strings.TrimSpace(k.typ) == "" {
-		return
+		return false
 	}
 	if !k.explicitQueue && k.queue != "default" {
-		return // the remembered queue came from NewTask options: asynq's path
+		return false // the remembered queue came from NewTask options: asynq's path
 	}
 	if opts, ok := taskOpts(k.task); !ok || len(opts) > 0 {
-		return
+		return false
 	}
+	return c.d.store.PublishQueue(ctx, k.queue) == nil // else asynq's client registers it
+}
+
+// prepareDirect adds the task's record to the acquire call.
+func (c *Client) prepareDirect(k *call) {
 	m := &k.msg
 	m.Type, m.Payload, m.Headers, m.ID, m.Queue = k.typ, k.task.Payload(), k.task.Headers(), k.ref.ID, k.queue
 	// As asynq's client: neither a timeout nor a deadline (zero, or the
 	// Unix epoch exactly) means the default timeout.
 	if (m.Deadline.IsZero() || m.Deadline.Equal(time.Unix(0, 0))) && m.Timeout == 0 {
 		m.Timeout = store.DefaultTimeout
-	}
-	if c.d.store.PublishQueue(ctx, k.queue) != nil {
-		return // asynq's client registers it
 	}
 	k.acquire.Direct, k.acquire.Message = true, *m // a copy: a pointer into k would move k to the heap
 	if k.scheduled() {

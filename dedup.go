@@ -33,6 +33,7 @@ type Dedup struct {
 	store           *store.Store     // the Redis layout, and every call to Redis
 	insp            *asynq.Inspector // called through store.Foreign
 	hb              *heartbeater
+	rel             *releaser
 	stats           metrics
 	warnedElsewhere atomic.Bool     // the middleware met a task stored in another Redis (logged once)
 	foreign         foreignPrefixes // the other prefixes on this Redis, for the middleware (prefix.go)
@@ -83,6 +84,7 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 	d := &Dedup{rdb: rdb, cfg: c, rules: rules, prefixes: longestFirst(rules), log: c.Logger, insp: asynq.NewInspectorFromRedisClient(rdb)}
 	d.store = store.New(rdb, d.storeConfig())
 	d.hb = newHeartbeater(d, c.Lease/3)
+	d.rel = newReleaser(d)
 	if err := d.store.LoadScripts(ctx); err != nil {
 		// Best effort: a call whose script is missing sends it whole.
 		d.log.Debug("dedup: script preload failed", slog.Any("error", err))
@@ -164,6 +166,7 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 // nothing.
 func (d *Dedup) Close() error {
 	d.hb.stop()
+	d.rel.stop()
 	d.stopDiagnostics()
 	d.store.Close()
 	d.closeForeign()

@@ -50,6 +50,7 @@ var errPanicked = errors.New("dedup: handler panicked")
 // fails, asynq runs the task again while a duplicate may have been accepted.
 func (d *Dedup) Middleware() asynq.MiddlewareFunc {
 	d.hb.run()
+	d.rel.run()
 	return func(next asynq.Handler) asynq.Handler {
 		return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
 			return d.process(ctx, t, next)
@@ -63,6 +64,11 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	if !ok1 || !ok2 {
 		return next.ProcessTask(ctx, t) // not run by an asynq server
 	}
+	rule := d.ruleFor(t.Type())
+	if l := d.freeStart(ctx, queue, id, t, &rule); l != nil {
+		d.count(t.Type(), evStarted)
+		return d.run(ctx, t, next, &rule, l)
+	}
 	ref, rst, guarded, err := d.resolve(ctx, queue, id, t)
 	if err != nil {
 		return d.unlocked(ctx, "resolve", t, next, err)
@@ -70,7 +76,6 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	if ref == nil {
 		return next.ProcessTask(ctx, t)
 	}
-	rule := d.ruleFor(t.Type())
 	l := &lease{ref: *ref, st: rst, token: store.NewToken(), arrived: guarded}
 	st, err := d.startAttempt(ctx, l, &rule)
 	switch {
@@ -168,31 +173,42 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error, live bool) {
 	d.count(t.Type(), evProcessed)
 	f := d.finishOf(ctx, t, r, l, err)
+	if l.free && f.Release && !f.GivenUp {
+		d.rel.add(release{f: *f, live: live}) // off the handler's path (fastpath.go)
+		return
+	}
 	res, ferr := l.st.Finish(context.WithoutCancel(ctx), f)
+	d.report(l.st, f, res, ferr, live)
+}
+
+// report counts and logs how an attempt's lock was settled (f, by st),
+// and queues what the heartbeat must check again.
+func (d *Dedup) report(st *store.Store, f *store.Finish, res store.FinishResult, ferr error, live bool) {
+	typ, id := f.Ref.Type, f.Ref.ID
 	switch {
 	case ferr != nil:
-		d.count(t.Type(), evRedisError)
-		d.hb.retry(l.st, f)
-		d.log.Warn("dedup: could not settle lock; tried again at the next heartbeats, else it expires within one lease", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", ferr))
+		d.count(typ, evRedisError)
+		d.hb.retry(st, f)
+		d.log.Warn("dedup: could not settle lock; tried again at the next heartbeats, else it expires within one lease", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", ferr))
 	case !res.Owned:
 		if live { // else the heartbeat already reported it
-			d.count(t.Type(), evLockLost)
+			d.count(typ, evLockLost)
 		}
-		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID))
+		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", typ), slog.String("task_id", id))
 	case res.Cooling:
-		d.count(t.Type(), evCooling)
+		d.count(typ, evCooling)
 	case res.Held:
-		d.count(t.Type(), evHeld)
+		d.count(typ, evHeld)
 		switch {
 		case res.Guessed:
-			d.hb.recheck(l.st, f) // asynq had not decided yet: read its record again shortly
+			d.hb.recheck(st, f) // asynq had not decided yet: read its record again shortly
 		case res.Owes != "":
-			d.hb.watch(l.st, f, res.Owes) // queue the follow-up at once should the task never run again
+			d.hb.watch(st, f, res.Owes) // queue the follow-up at once should the task never run again
 		}
 	default:
-		d.count(t.Type(), evReleased)
+		d.count(typ, evReleased)
 		if res.Follow != "" {
-			d.log.Debug("dedup: follow-up released", slog.String("type", t.Type()), slog.String("task_id", res.Follow))
+			d.log.Debug("dedup: follow-up released", slog.String("type", typ), slog.String("task_id", res.Follow))
 		}
 	}
 }
@@ -295,6 +311,7 @@ type lease struct {
 	token   string
 	follow  string // the follow-up its lock owed when it started
 	begun   bool   // started by the begin script: its lock held nothing else then
+	free    bool   // started free (fastpath.go): no token, its lock as the producer wrote it
 	cancel  context.CancelCauseFunc
 }
 

@@ -82,6 +82,7 @@ func (s *Store) start(ctx context.Context, st *Start) (StartResult, error) {
 			id := UnpackOwner(holder, r.FP)
 			kl.add(roleHolder, TaskKey(r.Queue, id))
 			kl.add(roleHolderIndex, s.keys.Index(r.Queue, id))
+			kl.add(roleLease, LeaseKey(r.Queue))
 		}
 		var cool int64
 		if st.Cooldown > 0 {
@@ -324,21 +325,6 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		}
 		hintF = rep.str(1)
 	}
-}
-
-// done runs the done script; settled is false when the lock holds more
-// than its owner (a follow-up, a cooldown) and finish must settle it.
-func (s *Store) done(ctx context.Context, f *Finish) (res FinishResult, settled bool, err error) {
-	r := &f.Ref
-	v, err := s.run(ctx, s.sc.done, []string{s.keys.LockOf(r)}, r.stored(), r.ID, f.Token)
-	if err != nil {
-		return FinishResult{}, false, err
-	}
-	n, ok := v.(int64)
-	if !ok {
-		return FinishResult{}, false, fmt.Errorf("dedup: unexpected script reply %T", v)
-	}
-	return FinishResult{Owned: n == 1}, n != 2, nil
 }
 
 // Again stores a copy of the running task of r under a new ID, due at a

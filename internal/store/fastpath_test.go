@@ -180,9 +180,17 @@ func TestDoneAgreesWithFinish(t *testing.T) {
 		r := Ref{Queue: w.q, FP: w.fp, ID: id, Type: "t"}
 		succeeded := w.pick(2) == 0
 		before := w.raw()
-		v, err := s.sc.done.Run(ctx, rdb, []string{w.lock}, r.stored(), r.ID, tok).Result()
+		rv, err := s.sc.done.Run(ctx, rdb, []string{w.lock}, r.stored(), r.ID, tok).Result()
 		if err != nil {
 			t.Fatalf("case %d: done: %v\n  %s", i, err, strings.Join(w.desc, "\n  "))
+		}
+		rs, err := parseDone(rv, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		v := map[bool]int64{true: 1}[rs[0].Released]
+		if rs[0].Finish {
+			v = 2
 		}
 		afterDone := w.canon()
 		w.restore(before)
