@@ -18,7 +18,8 @@ import (
 // attempt runs without a start script, its lock untouched (no attempt
 // token); the heartbeat renews that lock from its first beat on, and a
 // release is sent off the handler's path, many tasks' in one call
-// (releaser). A processed task then costs no Redis call of its own.
+// (releaser, which releases every attempt's lock so when it can). A
+// processed task then costs no Redis call of its own.
 //
 // An attempt starts free only when nothing but the lock's owner can be
 // there to meet:
@@ -64,10 +65,13 @@ func (d *Dedup) freeStart(ctx context.Context, queue, id string, t *asynq.Task, 
 	return &lease{ref: store.Ref{Queue: queue, FP: fp, ID: id, Type: t.Type()}, st: d.store, free: true}
 }
 
-// releaser releases the locks of attempts that started free and ended for
-// good (store.DoneAll), off the handler's path: every release waiting when
-// the previous call returns goes in the next, so one task's release is a
-// round trip behind it, and under load one call carries many.
+// releaser releases the locks of attempts that ended for good (success,
+// revoked, final failure) while asynq still ran them, of a key the wrapper
+// chose the ID of (no index key to settle) and owing no follow-up they knew
+// of (store.DoneAll), off the handler's path: a release waits up to
+// releaseLinger for company, and every release waiting then goes in one
+// call, so under load one call carries tens (a call's cost is mostly fixed:
+// a round trip, a script run).
 //
 // Until the release lands the key reads as held by a task that is done: the
 // acquire script finds its record gone (or completed or archived) and takes
@@ -83,8 +87,7 @@ type releaser struct {
 	started bool
 }
 
-// release is one lock to release: a free start's, so under the Dedup's
-// own prefix.
+// release is one lock to release, under the Dedup's own prefix.
 type release struct {
 	f    store.Finish
 	live bool // the attempt's loss was not reported by the heartbeat
@@ -92,6 +95,9 @@ type release struct {
 
 // maxDoneBatch bounds the locks of one done call.
 const maxDoneBatch = 256
+
+// releaseLinger is how long a release waits for others to share its call.
+const releaseLinger = 2 * time.Millisecond
 
 func newReleaser(d *Dedup) *releaser {
 	return &releaser{d: d, wake: make(chan struct{}, 1), quit: make(chan struct{}), done: make(chan struct{})}
@@ -145,6 +151,10 @@ func (r *releaser) loop() {
 	for {
 		select {
 		case <-r.wake:
+			select {
+			case <-time.After(releaseLinger):
+			case <-r.quit:
+			}
 			r.send(r.take())
 		case <-r.quit:
 			r.send(r.take())
