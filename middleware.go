@@ -19,8 +19,9 @@ var errPanicked = errors.New("dedup: handler panicked")
 //
 // For every attempt it finds the task's lock from the task ID (or, for a
 // caller-chosen ID, from the index the wrapper wrote), makes the attempt its
-// running owner under a fresh token, renews it every Lease/3 while the
-// handler runs, and then:
+// running owner under a fresh token (but for a first attempt that starts
+// free: fastpath.go), renews it every Lease/3 while the handler runs, and
+// then:
 //
 //	success, asynq.RevokeTask          release
 //	asynq.SkipRetry, retries exhausted release (the task is archived)
@@ -46,8 +47,11 @@ var errPanicked = errors.New("dedup: handler panicked")
 // where asynq would archive it, a copy of it (same message, new ID) is
 // scheduled one Lease later instead and the attempt returns nil.
 //
-// Release happens just before asynq marks the task done: if that last step
-// fails, asynq runs the task again while a duplicate may have been accepted.
+// A release goes out just after the handler returns, with the others of
+// that moment (within a few milliseconds: fastpath.go's releaser); until it
+// lands the key reads as held by a task asynq completed, which the next
+// enqueue takes over at once. If asynq's own last step fails, asynq runs
+// the task again while a duplicate may have been accepted.
 func (d *Dedup) Middleware() asynq.MiddlewareFunc {
 	d.hb.run()
 	d.rel.run()

@@ -74,9 +74,9 @@ func TestSuccessReleasesLock(t *testing.T) {
 		t.Fatalf("ran %s, want %s", r.id, info.ID)
 	}
 	eventually(t, "task completed", func() bool { return h.taskState(info.ID) == asynq.TaskStateCompleted })
-	if owner := h.lockOwner(h.keyOf(task, h.queue)); owner != "" {
-		t.Fatalf("lock still held by %q after success", owner)
-	}
+	// (The release goes out just after the handler returns, with others:
+	// asynq may mark the task completed first.)
+	eventually(t, "lock released after success", func() bool { return h.lockOwner(h.keyOf(task, h.queue)) == "" })
 	again := h.enqueue(task)
 	if again.ID == info.ID {
 		t.Fatal("same ID twice")

@@ -1,0 +1,309 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// Adversarial tests, round 9: free starts (a task NewClient stored with its
+// lock runs its first attempt with no start script, its lock tokless) and
+// releases sent off the handler's path (releaser), through the public API
+// on a real asynq server and redis-server. Each test quotes the README
+// promise it attacks.
+
+// a9Server starts an asynq server on queue with handler (already wrapped in
+// whatever middleware the test wants) and returns it with a shutdown that
+// runs once (also at cleanup).
+func a9Server(t *testing.T, rdb redis.UniversalClient, queue string, handler asynq.Handler, tweak func(*asynq.Config)) (*asynq.Server, func()) {
+	t.Helper()
+	cfg := asynq.Config{
+		Concurrency:              10,
+		Queues:                   map[string]int{queue: 1},
+		TaskCheckInterval:        20 * time.Millisecond,
+		DelayedTaskCheckInterval: 100 * time.Millisecond,
+		LogLevel:                 asynq.FatalLevel,
+		ShutdownTimeout:          5 * time.Second,
+		IsFailure:                IsFailure,
+		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return time.Hour },
+	}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	srv := asynq.NewServerFromRedisClient(rdb, cfg)
+	if err := srv.Start(handler); err != nil {
+		t.Fatalf("server start: %v", err)
+	}
+	var once sync.Once
+	stop := func() { once.Do(srv.Shutdown) }
+	t.Cleanup(stop)
+	return srv, stop
+}
+
+// a9Timed fails the test unless id is a timed ID (one that may start free).
+func a9Timed(t *testing.T, id string) {
+	t.Helper()
+	if _, ok := store.LockedUntil(id); !ok {
+		t.Fatalf("task ID %q is not a timed ID: the attack needs a task that starts free", id)
+	}
+}
+
+// a9NewClientHarness is a harness over counter tasks keyed by "key",
+// enqueuing through NewClient (the direct path, timed IDs).
+func a9NewClientHarness(t *testing.T, r Rule) *harness {
+	t.Helper()
+	h := newHarness(t, counterRules(r))
+	h.client = h.d.NewClient()
+	return h
+}
+
+// 1. README (Lock lifecycle): "a task locked at enqueue finds its key held
+// by another task, or cooling | retried until the key is free, never dropped
+// or folded"; the matrix: "the Inspector archives or deletes the task while
+// it waits | NewClient: new task at once"; TestLifecycleMatrix "checks
+// besides that no key ever had two live tasks or two overlapping runs".
+//
+// A waiting task A is archived by an operator; the key's next enqueue B
+// heals the lock and takes the key (as promised). B runs. The operator then
+// runs A again (Inspector.RunTask): A is on its first attempt (asynq's
+// archive keeps the retry count), its ID still says its lock lasts an hour,
+// so it starts free and runs beside B, with no lock of its own.
+func TestAdversary9ArchivedWaitingTaskRunAgainStartsFreeBesideNewHolder(t *testing.T) {
+	h := a9NewClientHarness(t, Rule{})
+	a := h.enqueue(counterTask("k", 1, 1))
+	a9Timed(t, a.ID)
+	if err := h.insp.ArchiveTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	b := h.enqueue(counterTask("k", 1, 2)) // heals: A is archived
+	tr := newA6Tracker(a6CounterKey, 1, 2)
+	t.Cleanup(tr.openAll)
+	a6Serve(t, h.rdb, h.d, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	first := waitFor(t, tr.starts, "B runs")
+	if first.id != b.ID {
+		t.Fatalf("first run %s, want B %s", first.id, b.ID)
+	}
+	if err := h.insp.RunTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	tr.noSecondStart(t, first, 3*time.Second, "archived task "+a.ID+" run again by an operator while "+b.ID+" holds its key")
+}
+
+// 2. Same promises, through asynq's own archiving: a first attempt that
+// ends for good with SkipRetry (or an error under MaxRetry(0)) is archived
+// with retry count 0 and its key is released, as promised. A task of the
+// key B then takes the key and runs; an operator re-runs the archived task
+// (the usual fix after a bug). It must meet the key held by B (retried until
+// free), never run beside B.
+func TestAdversary9ArchivedOnFirstAttemptRunAgainStartsFreeBesideNewHolder(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		opts []asynq.Option
+		err  error
+	}{
+		{"SkipRetry", nil, fmt.Errorf("bad input: %w", asynq.SkipRetry)},
+		{"MaxRetry(0)", []asynq.Option{asynq.MaxRetry(0)}, errors.New("boom")},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := a9NewClientHarness(t, Rule{})
+			ctx := context.Background()
+			tr := newA6Tracker(a6CounterKey, 2)
+			t.Cleanup(tr.openAll)
+			a6Serve(t, h.rdb, h.d, h.queue, tr.handler(func(r a6Run) error {
+				if r.seq == 1 && r.retry == 0 && r.id != "" {
+					if n, _ := h.rdb.Get(ctx, h.prefix+":a9:ran:"+r.id).Int(); n == 0 {
+						h.rdb.Set(ctx, h.prefix+":a9:ran:"+r.id, 1, time.Hour)
+						return tc.err
+					}
+				}
+				return nil
+			}), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+			a := h.enqueue(counterTask("k", 1, 1), tc.opts...)
+			a9Timed(t, a.ID)
+			waitFor(t, tr.starts, "A's first attempt")
+			waitFor(t, tr.ends, "A's first attempt ends")
+			key := h.keyOf(counterTask("k", 1, 1), h.queue)
+			eventually(t, "A archived and its key released", func() bool {
+				return h.taskState(a.ID) == asynq.TaskStateArchived && h.rdb.Exists(ctx, key).Val() == 0
+			})
+			b := h.enqueue(counterTask("k", 1, 2))
+			first := waitFor(t, tr.starts, "B runs")
+			if first.id != b.ID {
+				t.Fatalf("run %s, want B %s", first.id, b.ID)
+			}
+			if err := h.insp.RunTask(h.queue, a.ID); err != nil {
+				t.Fatal(err)
+			}
+			tr.noSecondStart(t, first, 3*time.Second, "archived task "+a.ID+" run again while "+b.ID+" runs")
+		})
+	}
+}
+
+// 3. README ("Why not asynq.Unique?"): "tasks that bypass the client
+// (Scheduler, other services, CLI) | locked when they start; a busy key
+// defers them"; (Lock lifecycle) IDs of the form dd-<fingerprint>-… may be
+// "an ID copied from an earlier task of the key: the middleware reads the
+// key from such an ID".
+//
+// Another service re-enqueues, with asynq's own client, a task under the ID
+// copied from an earlier (finished) task of the key. Its ID is a timed one,
+// so it starts free: no lock is taken at all, and a dedup enqueue of the
+// same key is accepted and runs beside it.
+func TestAdversary9CopiedTimedIDThroughPlainAsynqRunsUnlocked(t *testing.T) {
+	h := a9NewClientHarness(t, Rule{})
+	ctx := context.Background()
+	tr := newA6Tracker(a6CounterKey, 2, 3)
+	t.Cleanup(tr.openAll)
+	a6Serve(t, h.rdb, h.d, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	a0 := h.enqueue(counterTask("k", 1, 1))
+	a9Timed(t, a0.ID)
+	key := h.keyOf(counterTask("k", 1, 2), h.queue)
+	waitFor(t, tr.ends, "the earlier task of the key runs")
+	waitFor(t, tr.starts, "(its start)")
+	eventually(t, "the earlier task done and its key released", func() bool {
+		return h.taskState(a0.ID) == 0 && h.rdb.Exists(ctx, key).Val() == 0
+	})
+	// Another service re-enqueues the work under the ID it logged.
+	if _, err := h.asynq.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID(a0.ID)); err != nil {
+		t.Fatal(err)
+	}
+	first := waitFor(t, tr.starts, "the plain task with the copied ID runs")
+	if h.rdb.Exists(ctx, key).Val() == 0 {
+		t.Errorf("task %s runs with no lock on its key (a task that bypasses the client must be locked when it starts)", first.id)
+	}
+	info, err := h.client.Enqueue(counterTask("k", 1, 3), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) {
+		t.Errorf("enqueue of the key while %s runs: %v (task %v), want a duplicate", first.id, err, info)
+	}
+	tr.noSecondStart(t, first, 2*time.Second, "a task of the key accepted while "+first.id+" runs")
+}
+
+// 4. README (Lock lifecycle): a caller may pass "dd-<fingerprint>-… of the
+// call's own key (an ID copied from an earlier task of the key)"; "Every
+// other attempt (a retry, …, a caller-chosen ID, …) makes the attempt the
+// running owner first" (Benchmarks: free starts are for IDs the wrapper
+// chose); "a task locked at enqueue finds its key held by another task |
+// retried until the key is free".
+//
+// A call copies an earlier task's timed ID (its lock promised an hour) and
+// asks for a per-call TTL of 1.5 s; its queue is paused, the lock expires
+// while it waits, and the next enqueue of the key creates task B (the key
+// is free, as promised). When the queue resumes the copied-ID task still
+// reads "lock lasts an hour" from its ID and starts free beside B.
+func TestAdversary9CopiedTimedIDWithShortTTLStartsFreeWithoutItsLock(t *testing.T) {
+	h := a9NewClientHarness(t, Rule{})
+	ctx := context.Background()
+	tr := newA6Tracker(a6CounterKey, 2, 3)
+	t.Cleanup(tr.openAll)
+	a6Serve(t, h.rdb, h.d, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	a0 := h.enqueue(counterTask("k", 1, 1))
+	a9Timed(t, a0.ID)
+	key := h.keyOf(counterTask("k", 1, 2), h.queue)
+	waitFor(t, tr.starts, "the earlier task of the key runs")
+	eventually(t, "the earlier task done and its key released", func() bool {
+		return h.taskState(a0.ID) == 0 && h.rdb.Exists(ctx, key).Val() == 0
+	})
+	if err := h.insp.PauseQueue(h.queue); err != nil {
+		t.Fatal(err)
+	}
+	a, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID(a0.ID), TTL(1500*time.Millisecond))
+	if err != nil {
+		t.Fatalf("enqueue under the copied ID: %v", err)
+	}
+	eventually(t, "the short-lived lock expires while its task waits", func() bool { return h.rdb.Exists(ctx, key).Val() == 0 })
+	b := h.enqueue(counterTask("k", 1, 3))
+	if err := h.insp.UnpauseQueue(h.queue); err != nil {
+		t.Fatal(err)
+	}
+	first := waitFor(t, tr.starts, "the key's first run")
+	tr.noSecondStart(t, first, 3*time.Second, "tasks "+a.ID+" and "+b.ID+" of one key")
+}
+
+// 5. README ("Why not asynq.Unique?"): "leftover handler of an old attempt
+// | cannot renew or release: every lock call checks the task ID and the
+// attempt (… a first attempt that started free has none, and loses the lock
+// to any later attempt, which takes one)"; (Lock lifecycle) "asynq gives
+// the attempt up (… shutdown outlived) and the handler returns later,
+// whatever it returns | follows the task's record: held while asynq will run
+// the task again (retry, requeued by shutdown even on the last attempt)".
+//
+// Server 1 runs A's first attempt free and shuts down; the handler outlives
+// ShutdownTimeout and asynq puts A back, retry count still 0. Server 2 runs
+// A again: a "later attempt", but again a first one, so it also starts free
+// and takes no token. The leftover on server 1 then returns: its release
+// carries no token, like the live attempt's lock, and with MaxRetry(0) (a
+// "final" attempt by asynq's count) it deletes the lock of the attempt
+// running on server 2: a duplicate is accepted while A runs.
+func TestAdversary9LeftoverOfShutdownRequeueReleasesTheRunningAttemptsLock(t *testing.T) {
+	h := a9NewClientHarness(t, Rule{})
+	ctx := context.Background()
+	started1, leftoverGo, leftoverDone := make(chan string, 4), make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	_, stop1 := a9Server(t, h.rdb, h.queue, h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started1 <- id
+		<-leftoverGo // ignores its context: outlives ShutdownTimeout
+		once.Do(func() { close(leftoverDone) })
+		return nil
+	})), func(c *asynq.Config) { c.Concurrency = 1; c.ShutdownTimeout = 300 * time.Millisecond })
+	t.Cleanup(func() {
+		select {
+		case <-leftoverGo:
+		default:
+			close(leftoverGo)
+		}
+	})
+	a := h.enqueue(counterTask("k", 1, 1), asynq.MaxRetry(0))
+	a9Timed(t, a.ID)
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	waitFor(t, started1, "A on server 1")
+	stop1() // returns once ShutdownTimeout passed: A is put back
+	eventually(t, "A put back in the queue", func() bool { return h.taskState(a.ID) == asynq.TaskStatePending })
+
+	// Server 2 (another process: a Dedup of its own, same prefix).
+	d2, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Rules: counterRules(Rule{}).Rules, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d2.Close() })
+	started2, hold2 := make(chan string, 4), make(chan struct{})
+	t.Cleanup(func() { close(hold2) })
+	a9Server(t, h.rdb, h.queue, d2.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started2 <- id
+		<-hold2
+		return nil
+	})), func(c *asynq.Config) { c.Concurrency = 1 })
+	if id := waitFor(t, started2, "A on server 2"); id != a.ID {
+		t.Fatalf("server 2 ran %s, want %s", id, a.ID)
+	}
+	if owner := h.lockOwner(key); owner != a.ID {
+		t.Fatalf("lock owner %q while A runs on server 2", owner)
+	}
+
+	close(leftoverGo) // the leftover on server 1 returns nil, long after asynq gave it up
+	<-leftoverDone
+	eventually(t, "the leftover's lock settled", func() bool {
+		st := h.d.Stats()
+		return st.Released+st.Held+st.LockLost+st.RedisErrors > 0
+	})
+	if h.taskState(a.ID) != asynq.TaskStateActive {
+		t.Fatalf("A is %v, want still active on server 2", h.taskState(a.ID))
+	}
+	if owner := h.lockOwner(key); owner != a.ID {
+		t.Errorf("A runs on server 2 but its lock is %q: the leftover attempt on server 1 (stats %+v) released it", owner, h.d.Stats())
+	}
+	info, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) {
+		t.Errorf("enqueue of A's key while A runs on server 2: %v (task %v), want a duplicate of %s", err, info, a.ID)
+	}
+}
