@@ -14,10 +14,11 @@ import (
 )
 
 // Adversarial tests, round 9: free starts (a task NewClient stored with its
-// lock runs its first attempt with no start script, its lock tokless) and
-// releases sent off the handler's path (releaser), through the public API
-// on a real asynq server and redis-server. Each test quotes the README
-// promise it attacks.
+// lock ran its first attempt with no start script, its lock tokless; they
+// were replaced by begins shared between attempts, begin.go, after these
+// attacks) and releases sent off the handler's path (releaser), through the
+// public API on a real asynq server and redis-server. Each test quotes the
+// README promise it attacks.
 
 // a9Server starts an asynq server on queue with handler (already wrapped in
 // whatever middleware the test wants) and returns it with a shutdown that
@@ -47,11 +48,16 @@ func a9Server(t *testing.T, rdb redis.UniversalClient, queue string, handler asy
 	return srv, stop
 }
 
-// a9Timed fails the test unless id is a timed ID (one that may start free).
+// a9Timed fails the test unless id is the wrapper's own (a task NewClient
+// stored with its lock, whose attempts begin by the begin script). (These
+// attacks were written against "free starts", first attempts that ran
+// without any start script, trusting a time carried in the task ID; they
+// broke them, and free starts gave way to begins shared between attempts:
+// begin.go. They stay as regression tests.)
 func a9Timed(t *testing.T, id string) {
 	t.Helper()
-	if _, ok := store.LockedUntil(id); !ok {
-		t.Fatalf("task ID %q is not a timed ID: the attack needs a task that starts free", id)
+	if _, ok := store.ParseLockedID(id); !ok {
+		t.Fatalf("task ID %q is not the wrapper's own", id)
 	}
 }
 
@@ -306,4 +312,278 @@ func TestAdversary9LeftoverOfShutdownRequeueReleasesTheRunningAttemptsLock(t *te
 	if !errors.As(err, &dup) {
 		t.Errorf("enqueue of A's key while A runs on server 2: %v (task %v), want a duplicate of %s", err, info, a.ID)
 	}
+}
+
+// 6. README (Lock API): Release "deletes the lock …, never a task: the
+// holder, if alive, still runs … and takes the key again when it starts if
+// the key is free; if a task of its type has taken the key since (the
+// release marks the holder so), the holder gives way to it".
+//
+// asynq has already moved A to active (a middleware of the application's,
+// ahead of dedup's, holds it: a rate limiter, a tracer flushing), so the
+// release finds A neither pending nor scheduled and adds no
+// dedup-released header; B then takes the free key and runs. When A reaches
+// the dedup middleware it starts free (its message, read at dequeue, has no
+// header; the marker the release left is never read) and runs beside B.
+func TestAdversary9ReleasedBeforeItsMiddlewareRunsStartsFreeBesideNewHolder(t *testing.T) {
+	h := a9NewClientHarness(t, Rule{})
+	ctx := context.Background()
+	tr := newA6Tracker(a6CounterKey, 1, 2)
+	t.Cleanup(tr.openAll)
+	dequeued, aheadGo := make(chan string, 4), make(chan struct{})
+	t.Cleanup(func() {
+		select {
+		case <-aheadGo:
+		default:
+			close(aheadGo)
+		}
+	})
+	ahead := func(next asynq.Handler) asynq.Handler { // the application's own middleware, before dedup's
+		return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+			if decodeCounter(t).Seq == 1 {
+				id, _ := asynq.GetTaskID(ctx)
+				dequeued <- id
+				<-aheadGo
+			}
+			return next.ProcessTask(ctx, t)
+		})
+	}
+	a9Server(t, h.rdb, h.queue, ahead(h.d.Middleware()(tr.handler(nil))), func(c *asynq.Config) { c.Concurrency = 4 })
+	a := h.enqueue(counterTask("k", 1, 1))
+	a9Timed(t, a.ID)
+	waitFor(t, dequeued, "A dequeued (active in asynq), not yet at the dedup middleware")
+	if ok, err := h.d.Release(ctx, counterTask("k", 1, 1), a.ID, asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("owner-checked release of A: %v %v", ok, err)
+	}
+	b := h.enqueue(counterTask("k", 1, 2)) // the key is free: B takes it
+	first := waitFor(t, tr.starts, "B runs")
+	if first.id != b.ID {
+		t.Fatalf("run %s, want B %s", first.id, b.ID)
+	}
+	close(aheadGo)
+	tr.noSecondStart(t, first, 3*time.Second, "released task "+a.ID+" reaching its start while "+b.ID+" (its type, took the key since) runs")
+}
+
+// 7. README (When the key is already taken): RunningDefer "never runs two
+// tasks of a key at once. The first enqueue that meets a running key
+// creates one follow-up task, and later ones are folded into it … When the
+// run ends — success, revoke, or final failure — the follow-up is queued
+// and takes the lock"; the brief of free starts: the release of a free
+// attempt must hand the key to a follow-up made while it ran (the attempt
+// started free, so it never learnt of it).
+func TestAdversary9FollowUpMadeDuringAFreeRunGetsTheKey(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		end  error
+	}{
+		{"success", nil},
+		{"RevokeTask", asynq.RevokeTask},
+		{"SkipRetry", fmt.Errorf("no: %w", asynq.SkipRetry)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := a9NewClientHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
+			ctx := context.Background()
+			tr := newA6Tracker(a6CounterKey, 1)
+			t.Cleanup(tr.openAll)
+			a6Serve(t, h.rdb, h.d, h.queue, tr.handler(func(r a6Run) error {
+				if r.seq == 1 {
+					return tc.end
+				}
+				return nil
+			}), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+			a := h.enqueue(counterTask("k", 1, 1))
+			a9Timed(t, a.ID)
+			key := h.keyOf(counterTask("k", 1, 1), h.queue)
+			waitFor(t, tr.starts, "A runs")
+			if !h.rdb.HExists(ctx, key, "tok").Val() {
+				t.Fatal("A runs without its attempt's token")
+			}
+			r2, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+			if err != nil || r2.Outcome != Deferred {
+				t.Fatalf("enqueue while A runs: %+v, %v; want Deferred", r2, err)
+			}
+			r3, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+			if err != nil || r3.TaskID != r2.TaskID {
+				t.Fatalf("second enqueue while A runs: %+v, %v; want folded into %s", r3, err, r2.TaskID)
+			}
+			tr.open(1)
+			waitFor(t, tr.ends, "A ends")
+			next := waitFor(t, tr.starts, "the follow-up runs")
+			if next.id != r2.TaskID || next.seq != 3 {
+				t.Fatalf("after A ran %s seq %d, want the follow-up %s with seq 3", next.id, next.seq, r2.TaskID)
+			}
+			waitFor(t, tr.ends, "the follow-up ends")
+			eventually(t, "the key free after the follow-up", func() bool {
+				return h.rdb.Exists(ctx, key).Val() == 0 && h.rdb.Exists(ctx, h.prefix+":{"+h.queue+"}:f:"+key[len(key)-16:]).Val() == 0
+			})
+			if ov := tr.overlapsSeen(); len(ov) > 0 {
+				t.Fatalf("overlaps: %v", ov)
+			}
+			if st := h.d.Stats(); st.LockLost != 0 || st.Started != 2 || st.Released != 2 {
+				t.Fatalf("stats %+v: want 2 started, 2 released, none lost", st)
+			}
+			select {
+			case r := <-tr.starts:
+				t.Fatalf("unexpected run %+v", r)
+			default:
+			}
+		})
+	}
+}
+
+// 8. README (Configuration): "Dedup.Close() stops the heartbeat: call it
+// after srv.Shutdown()"; (Failure modes) "graceful shutdown | handlers
+// finish, heartbeat stops, nothing leaks"; (Lock lifecycle) "success |
+// released". Releases now go out after the handler, in batches: a Close
+// right after Shutdown must still send every one, count each once, and
+// leave no lock.
+func TestAdversary9CloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) {
+	const n = 60
+	h := a9NewClientHarness(t, Rule{})
+	ctx := context.Background()
+	d2, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Rules: counterRules(Rule{}).Rules, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d2.Close() })
+	gate := make(chan struct{})
+	started := make(chan string, n)
+	_, stop := a9Server(t, h.rdb, h.queue, d2.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started <- id
+		<-gate
+		return nil
+	})), func(c *asynq.Config) { c.Concurrency = n })
+	keys := make([]string, n)
+	for i := range n {
+		info := h.enqueue(counterTask(fmt.Sprint("k", i), 1, i))
+		a9Timed(t, info.ID)
+		keys[i] = h.keyOf(counterTask(fmt.Sprint("k", i), 1, i), h.queue)
+	}
+	for range n {
+		waitFor(t, started, "every task running")
+	}
+	close(gate)
+	stop()
+	_ = d2.Close()
+	st := d2.Stats()
+	if st.Started != n || st.Processed != n || st.Released != n || st.LockLost != 0 || st.RedisErrors != 0 {
+		t.Errorf("stats after Shutdown and Close: %+v; want %d started, processed and released", st, n)
+	}
+	left := 0
+	for _, k := range keys {
+		left += int(h.rdb.Exists(ctx, k).Val())
+	}
+	if left != 0 {
+		t.Errorf("%d of %d locks left after their tasks succeeded, Shutdown and Close", left, n)
+	}
+}
+
+// 9. README (Failure modes): "heartbeat or release fails | logged and
+// counted; never fails the task; the lock expires within one lease"; (When
+// Redis fails) "Heartbeat and release errors never fail a task; the lock
+// then expires within one lease".
+//
+// A free attempt's lock is the producer's, with the waiting TTL (an hour
+// by default): when its release fails, nothing shortens it.
+func TestAdversary9FailedReleaseOfAFreeAttemptExpiresWithinALease(t *testing.T) {
+	h := a9NewClientHarness(t, Rule{})
+	ctx := context.Background()
+	proxy, sd := proxiedLockStore(t, h, Config{Rules: counterRules(Rule{}).Rules})
+	started, gate := make(chan string, 1), make(chan struct{})
+	a9Server(t, h.rdb, h.queue, sd.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started <- id
+		<-gate
+		return nil
+	})), nil)
+	a := h.enqueue(counterTask("k", 1, 1))
+	a9Timed(t, a.ID)
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	waitFor(t, started, "A runs")
+	proxy.stall() // the worker's lock store hangs
+	t.Cleanup(proxy.resume)
+	close(gate)
+	eventually(t, "the release fails", func() bool { return sd.Stats().RedisErrors > 0 })
+	eventually(t, "A completed in asynq", func() bool { return h.taskState(a.ID) == 0 })
+	if pttl := h.rdb.PTTL(ctx, key).Val(); pttl > sd.cfg.Lease {
+		t.Errorf("the lock of completed task %s, whose release failed, lives %v more: not within one lease (%v)", a.ID, pttl.Round(time.Second), sd.cfg.Lease)
+	}
+}
+
+// 10. README (Lock lifecycle): "success | released"; (Diagnostics) the
+// counters count each event once. Many free attempts ending at once share
+// done calls: every lock is released once, counted once, none lost, and
+// every key takes a new task at once.
+func TestAdversary9BatchedReleasesCountEachOnceAndFreeEveryKey(t *testing.T) {
+	const n = 300
+	h := a9NewClientHarness(t, Rule{})
+	ended := make(chan string, 2*n)
+	h.serve(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		ended <- id
+		return nil
+	}, func(c *asynq.Config) { c.Concurrency = 100 })
+	for i := range n {
+		h.enqueue(counterTask(fmt.Sprint("k", i), 1, i))
+	}
+	for range n {
+		waitFor(t, ended, "every task runs")
+	}
+	eventually(t, "every release counted", func() bool { return h.d.Stats().Released >= n })
+	if st := h.d.Stats(); st.Started != n || st.Processed != n || st.Released != n || st.LockLost != 0 || st.Held != 0 {
+		t.Fatalf("stats %+v; want %d started, processed, released", st, n)
+	}
+	if left := len(h.locks()); left != 0 {
+		t.Fatalf("%d locks left", left)
+	}
+	for i := range n {
+		if _, err := h.client.Enqueue(counterTask(fmt.Sprint("k", i), 1, n+i), asynq.Queue(h.queue)); err != nil {
+			t.Fatalf("key %d after its task succeeded: %v", i, err)
+		}
+	}
+}
+
+// 11. README (Lock API): "the holder, if alive, still runs … and takes the
+// key again when it starts if the key is free; if a task of its type has
+// taken the key since (the release marks the holder so), the holder gives
+// way to it"; (Lock lifecycle) "shutdown, the handler outliving
+// ShutdownTimeout | back in the queue".
+//
+// An operator releases the key of A while A runs free (so no header can be
+// added: A is active). B takes the key and waits. A's server shuts down,
+// the handler outlives ShutdownTimeout, and asynq puts A back with retry
+// count 0 and its original message. On the next server A starts free
+// again, beside B.
+func TestAdversary9ReleasedRunningHolderRequeuedByShutdownStartsFreeBesideNewHolder(t *testing.T) {
+	h := a9NewClientHarness(t, Rule{})
+	ctx := context.Background()
+	started1, leftoverGo := make(chan string, 4), make(chan struct{})
+	_, stop1 := a9Server(t, h.rdb, h.queue, h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started1 <- id
+		<-leftoverGo
+		return nil
+	})), func(c *asynq.Config) { c.Concurrency = 1; c.ShutdownTimeout = 300 * time.Millisecond })
+	t.Cleanup(func() { close(leftoverGo) })
+	a := h.enqueue(counterTask("k", 1, 1))
+	a9Timed(t, a.ID)
+	waitFor(t, started1, "A runs on server 1")
+	if ok, err := h.d.Release(ctx, counterTask("k", 1, 1), "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("forced release: %v %v", ok, err)
+	}
+	b := h.enqueue(counterTask("k", 1, 2)) // the key is free: B takes it, and waits (server 1 is busy)
+	stop1()
+	eventually(t, "A put back in the queue", func() bool { return h.taskState(a.ID) == asynq.TaskStatePending })
+
+	d2, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Rules: counterRules(Rule{}).Rules, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d2.Close() })
+	tr := newA6Tracker(a6CounterKey, 1, 2)
+	t.Cleanup(tr.openAll)
+	a6Serve(t, h.rdb, d2, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	first := waitFor(t, tr.starts, "the key's first run on server 2")
+	tr.noSecondStart(t, first, 3*time.Second, "released holder "+a.ID+" and "+b.ID+", which took the key since")
 }

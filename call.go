@@ -168,9 +168,6 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	direct := c.canDirect(ctx, k)
 	id := k.callerID
 	switch {
-	case id == "" && direct && r.startsFree():
-		id = store.NewTimedLockedID(fp, now.Add(ttl)) // (the lock lasts ttl from the script's run, after now)
-		k.pass = append(k.pass, asynq.TaskID(id))
 	case id == "":
 		id = store.NewLockedID(fp)
 		k.pass = append(k.pass, asynq.TaskID(id))

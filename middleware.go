@@ -19,9 +19,8 @@ var errPanicked = errors.New("dedup: handler panicked")
 //
 // For every attempt it finds the task's lock from the task ID (or, for a
 // caller-chosen ID, from the index the wrapper wrote), makes the attempt its
-// running owner under a fresh token (but for a first attempt that starts
-// free: fastpath.go), renews it every Lease/3 while the handler runs, and
-// then:
+// running owner under a fresh token, renews it every Lease/3 while the
+// handler runs, and then:
 //
 //	success, asynq.RevokeTask          release
 //	asynq.SkipRetry, retries exhausted release (the task is archived)
@@ -48,7 +47,7 @@ var errPanicked = errors.New("dedup: handler panicked")
 // scheduled one Lease later instead and the attempt returns nil.
 //
 // A release goes out just after the handler returns, with the others of
-// that moment (within a few milliseconds: fastpath.go's releaser); until it
+// that moment (within a few milliseconds: releaser.go); until it
 // lands the key reads as held by a task asynq completed, which the next
 // enqueue takes over at once. If asynq's own last step fails, asynq runs
 // the task again while a duplicate may have been accepted.
@@ -68,11 +67,6 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	if !ok1 || !ok2 {
 		return next.ProcessTask(ctx, t) // not run by an asynq server
 	}
-	rule := d.ruleFor(t.Type())
-	if l := d.freeStart(ctx, queue, id, t, &rule); l != nil {
-		d.count(t.Type(), evStarted)
-		return d.run(ctx, t, next, &rule, l)
-	}
 	ref, rst, guarded, err := d.resolve(ctx, queue, id, t)
 	if err != nil {
 		return d.unlocked(ctx, "resolve", t, next, err)
@@ -80,6 +74,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	if ref == nil {
 		return next.ProcessTask(ctx, t)
 	}
+	rule := d.ruleFor(t.Type())
 	l := &lease{ref: *ref, st: rst, token: store.NewToken(), arrived: guarded}
 	st, err := d.startAttempt(ctx, l, &rule)
 	switch {
@@ -178,7 +173,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	d.count(t.Type(), evProcessed)
 	f := d.finishOf(ctx, t, r, l, err)
 	if f.Release && !f.GivenUp && f.Follow == "" && !l.ref.Indexed && l.st == d.store {
-		d.rel.add(release{f: *f, live: live}) // off the handler's path (fastpath.go)
+		d.rel.add(release{f: *f, live: live}) // off the handler's path (releaser.go)
 		return
 	}
 	res, ferr := l.st.Finish(context.WithoutCancel(ctx), f)
@@ -315,7 +310,6 @@ type lease struct {
 	token   string
 	follow  string // the follow-up its lock owed when it started
 	begun   bool   // started by the begin script: its lock held nothing else then
-	free    bool   // started free (fastpath.go): no token, its lock as the producer wrote it
 	cancel  context.CancelCauseFunc
 }
 

@@ -52,8 +52,6 @@ func TestModel(t *testing.T) {
 		rt.Repeat(map[string]func(*rapid.T){
 			"Enqueue":     m.enqueue,
 			"Start":       m.start,
-			"StartFree":   m.startFree,
-			"LeaseLapses": m.leaseLapses,
 			"Heartbeat":   m.heartbeat,
 			"Finish":      m.finish,
 			"Crash":       m.crash,
@@ -154,10 +152,9 @@ const (
 	waitingPhase phase = iota // taken at enqueue, no attempt yet
 	runningPhase              // an attempt holds it under its token
 	heldPhase                 // held across a retry
-	freePhase                 // an attempt that started free runs: no token, the lifetime as written (or longer)
 )
 
-func (p phase) String() string { return [...]string{"waiting", "running", "held", "running free"}[p] }
+func (p phase) String() string { return [...]string{"waiting", "running", "held"}[p] }
 
 // mTask is one task ID. Generated IDs are labelled t1, t2, … (g1, … for one
 // whose enqueue never landed); a caller-chosen ID is its own label (k0-c1:
@@ -173,8 +170,6 @@ type mTask struct {
 	latest  string // token of the attempt asynq runs now, "" for none
 	index   bool   // caller-chosen ID: its index key points to its lock
 	tries   int
-	retried bool // asynq has retried it (its retry count is not 0)
-	lapsed  bool // active, and asynq's lease on it lapsed: its worker died
 }
 
 type mLock struct {
@@ -189,11 +184,7 @@ type mLock struct {
 // and the lock is older than the heal grace or was written with its
 // holder's record and no attempt runs.
 func (l *mLock) orphan() bool {
-	young := !l.old && !(l.stored && l.tok == "")
-	if l.tok == "" && l.holder.lapsed && !young {
-		return true // a free attempt's worker died
-	}
-	return !liveState(l.holder.state) && !young
+	return !liveState(l.holder.state) && (l.old || (l.stored && l.tok == ""))
 }
 
 // mAttempt is a handler run: it keeps the lock reference the middleware
@@ -201,17 +192,8 @@ func (l *mLock) orphan() bool {
 type mAttempt struct {
 	label string // t1#2: task t1's second attempt
 	task  *mTask
-	tok   string // "" for an attempt that started free
+	tok   string
 	ref   *store.Ref
-	free  bool
-}
-
-// run is what mTask.latest holds while asynq runs this attempt.
-func (a *mAttempt) run() string {
-	if a.free {
-		return "free:" + a.label
-	}
-	return a.tok
 }
 
 type modelRun struct {
@@ -241,7 +223,7 @@ func (w *modelWorld) newRun(rt *rapid.T, n int) *modelRun {
 // cleanup deletes what the run wrote: the shared Redis is never flushed.
 func (m *modelRun) cleanup() {
 	ctx := context.Background()
-	keys := []string{m.keys[0], m.keys[1], asynqPrefix(m.queue) + "pending", store.PrefixesKey(m.queue), store.LeaseKey(m.queue)}
+	keys := []string{m.keys[0], m.keys[1], asynqPrefix(m.queue) + "pending", store.PrefixesKey(m.queue)}
 	for _, tk := range m.tasks {
 		keys = append(keys, asynqTaskKeyPrefix(m.queue)+tk.id, indexKey(m.h.prefix, m.queue, tk.id))
 	}
@@ -363,7 +345,7 @@ func (m *modelRun) dropAttempt(a *mAttempt) {
 			break
 		}
 	}
-	if a.task.latest == a.run() {
+	if a.task.latest == a.tok {
 		a.task.latest = ""
 	}
 }
@@ -568,28 +550,17 @@ func (m *modelRun) ref(t *rapid.T, tk *mTask) *store.Ref {
 
 func (m *modelRun) setState(t *rapid.T, tk *mTask, state string) {
 	t.Helper()
-	ctx := context.Background()
 	key := asynqTaskKeyPrefix(m.queue) + tk.id
 	var err error
 	if state == "" {
-		err = m.raw.Del(ctx, key).Err()
+		err = m.raw.Del(context.Background(), key).Err()
 	} else {
-		err = m.raw.HSet(ctx, key, "state", state).Err()
-	}
-	// asynq leases an active task (30 s, renewed while its worker lives)
-	// and drops the lease when the task moves on.
-	if err == nil && state == "active" {
-		err = m.raw.ZAdd(ctx, store.LeaseKey(m.queue), redis.Z{Score: float64(time.Now().Add(30 * time.Second).Unix()), Member: tk.id}).Err()
-	} else if err == nil {
-		err = m.raw.ZRem(ctx, store.LeaseKey(m.queue), tk.id).Err()
+		err = m.raw.HSet(context.Background(), key, "state", state).Err()
 	}
 	if err != nil {
 		t.Fatalf("set task state: %v", err)
 	}
-	tk.state, tk.lapsed = state, false
-	if state == "retry" {
-		tk.retried = true
-	}
+	tk.state = state
 }
 
 // predictStart is the model of an attempt of tk starting: taken, possibly
@@ -671,43 +642,7 @@ func (m *modelRun) heartbeat(t *rapid.T) {
 	if err != nil || ok != want {
 		m.diverge(t, "heartbeat: renewal differs from the model", "heartbeat %s: %v, %v; model: owner %v", a.label, ok, err, want)
 	}
-	// (Without a token a lock only lengthens: a held or free lock keeps its
-	// longer lifetime.)
 	t.Logf("heartbeat %s → renewed %v", a.label, ok)
-}
-
-// startFree: asynq hands a task to a worker for its first attempt, and the
-// middleware starts it free (fastpath.go): its task ID (the wrapper's: a
-// caller-chosen ID never starts free) says the lock the producer wrote is
-// still there (the model: it holds the key, untouched since its enqueue),
-// so no script runs.
-func (m *modelRun) startFree(t *rapid.T) {
-	tk := m.drawTask(t, func(tk *mTask) bool {
-		l := m.locks[tk.key]
-		return !tk.caller && tk.tries == 0 && !tk.retried && (tk.state == "pending" || tk.state == "scheduled") &&
-			l != nil && l.holder == tk && l.tok == "" && l.phase == waitingPhase
-	})
-	ref := m.ref(t, tk)
-	m.setState(t, tk, "active")
-	m.locks[tk.key].phase = freePhase
-	tk.tries++
-	a := &mAttempt{label: fmt.Sprintf("%s#%d", tk.label, tk.tries), task: tk, ref: ref, free: true}
-	tk.latest = a.run()
-	m.attempts = append(m.attempts, a)
-	t.Logf("start %s → %s runs free", tk.label, a.label)
-}
-
-// leaseLapses: asynq's lease on an active task lapses (its worker died or
-// stalled; nothing renews it). A lock whose attempt started free is then
-// free for the key's next enqueue or start.
-func (m *modelRun) leaseLapses(t *rapid.T) {
-	tk := m.drawTask(t, func(tk *mTask) bool { return tk.state == "active" && !tk.lapsed })
-	past := float64(time.Now().Add(-time.Minute).Unix())
-	if err := m.raw.ZAdd(context.Background(), store.LeaseKey(m.queue), redis.Z{Score: past, Member: tk.id}).Err(); err != nil {
-		t.Fatal(err)
-	}
-	tk.lapsed = true
-	t.Logf("asynq's lease on %s lapses", tk.label)
 }
 
 // finishOutcomes: how an attempt ends, and what asynq then does with the
@@ -726,10 +661,6 @@ func (m *modelRun) settle(t *rapid.T, a *mAttempt, outcome string, fault *faultM
 	t.Helper()
 	release := outcome != "failure, retry left"
 	want := m.owner(a)
-	if a.free && fault == nil {
-		m.settleFree(t, a, outcome)
-		return
-	}
 	if fault != nil {
 		m.faults.arm(1, *fault)
 	}
@@ -759,15 +690,7 @@ func (m *modelRun) settle(t *rapid.T, a *mAttempt, outcome string, fault *faultM
 	default:
 		what += " → not the owner: lock untouched"
 	}
-	m.asynqEnds(t, a, outcome, &what)
-	m.dropAttempt(a)
-	t.Logf("%s", what)
-}
-
-// asynqEnds applies what asynq does with the task's record when attempt a
-// ends with outcome, if a is the attempt asynq is running.
-func (m *modelRun) asynqEnds(t *rapid.T, a *mAttempt, outcome string, what *string) {
-	if a.task.latest == a.run() && a.task.state == "active" {
+	if a.task.latest == a.tok && a.task.state == "active" {
 		switch outcome {
 		case "success", "revoked":
 			m.setState(t, a.task, "")
@@ -778,57 +701,8 @@ func (m *modelRun) asynqEnds(t *rapid.T, a *mAttempt, outcome string, what *stri
 		default:
 			m.setState(t, a.task, "retry")
 		}
-		*what += fmt.Sprintf("; asynq: %s %s", a.task.label, stateWord(a.task.state))
+		what += fmt.Sprintf("; asynq: %s %s", a.task.label, stateWord(a.task.state))
 	}
-}
-
-// settleFree ends an attempt that started free as the middleware does: the
-// attempt asynq still runs releases through the done script (success,
-// revoked, final failure) or holds through finish, without a token; one
-// asynq gave up on (a later attempt runs, or ran) is settled by the task's
-// record (Finish.GivenUp).
-func (m *modelRun) settleFree(t *rapid.T, a *mAttempt, outcome string) {
-	ctx := context.Background()
-	release := outcome != "failure, retry left"
-	want := m.owner(a)
-	current := a.task.latest == a.run() && a.task.state == "active"
-	what := fmt.Sprintf("%s (free) ends: %s", a.label, outcome)
-	var owned, held bool
-	switch {
-	case current && release:
-		r := m.h.d.store.DoneAll(ctx, []store.Done{{Ref: *a.ref}})[0]
-		if r.Err != nil || r.Finish {
-			m.diverge(t, "done: unexpected result", "%s: %+v", what, r)
-		}
-		owned = r.Released
-	default:
-		f := &store.Finish{Ref: *a.ref, Release: release, Hold: modelHeldTTL, FollowTTL: modelTTL, GivenUp: !current}
-		res, err := m.h.d.store.Finish(ctx, f)
-		if err != nil {
-			m.diverge(t, "finish: unexpected error", "%s: %v", what, err)
-		}
-		owned, held = res.Owned, res.Held
-		if !current && want { // the record decides
-			release = !waitingState(a.task.state)
-		}
-	}
-	switch {
-	case owned != want:
-		m.diverge(t, "finish: ownership differs from the model", "%s: owned %v; model: owner %v", what, owned, want)
-	case owned && release:
-		m.release(a.task.key)
-		what += " → released"
-	case owned:
-		if !held {
-			m.diverge(t, "finish: not held as the model says", "%s: released; model: held for the retry", what)
-		}
-		l := m.locks[a.task.key]
-		l.tok, l.phase = "", heldPhase
-		what += " → held for the retry"
-	default:
-		what += " → not the owner: lock untouched"
-	}
-	m.asynqEnds(t, a, outcome, &what)
 	m.dropAttempt(a)
 	t.Logf("%s", what)
 }
@@ -1101,8 +975,6 @@ func band(p phase) (lo, hi time.Duration) {
 		return modelLease, modelTTL
 	case heldPhase:
 		return modelTTL, modelHeldTTL
-	case freePhase:
-		return 0, modelHeldTTL // as written, or held for a retry by a leftover attempt's hold
 	}
 	return 0, modelLease
 }

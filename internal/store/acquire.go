@@ -208,7 +208,6 @@ func (a *Acquire) build(s *Store, lock string, h *hint, all bool) ([]string, []a
 	}
 	if h.holder != "" && (all || a.folds() || h.read) {
 		kl.add(roleHolder, h.holderTask)
-		kl.add(roleLease, LeaseKey(r.Queue))
 		if all || a.DebounceDue != 0 {
 			kl.add(roleHolderIndex, s.keys.Index(r.Queue, h.holderID))
 		}

@@ -46,17 +46,15 @@ type StartResult struct {
 
 // Start makes the attempt its lock's owner: by the begin script where the
 // lock is the one the wrapper wrote with its task and holds nothing else to
-// settle (the common case, one small script), else, or if begin finds
-// otherwise, by the start script, called again with the keys it asks for.
+// settle (the common case, one small script, shared with the attempts that
+// begin at the same moment: begin.go), else, or if begin finds otherwise,
+// by the start script, called again with the keys it asks for.
 func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 	r := &st.Ref
 	lock := s.keys.LockOf(r)
 	if r.direct() && st.Cooldown == 0 && st.Running != RunAllow { // (a lock of such a rule declines)
-		v, err := s.run(ctx, s.sc.begin, []string{lock, s.keys.Follow(r.Queue, r.FP)}, r.stored(), r.ID, st.Token, ms(st.Lease))
-		if err != nil {
-			return StartResult{}, err
-		}
-		if ok, err := parseFlag(v); ok || err != nil {
+		ok, err := s.bg.begin(ctx, r, lock, s.keys.Follow(r.Queue, r.FP), st.Token, st.Lease)
+		if ok || err != nil {
 			return StartResult{Status: StatusTaken, Begun: ok}, err
 		}
 	}
@@ -82,7 +80,6 @@ func (s *Store) start(ctx context.Context, st *Start) (StartResult, error) {
 			id := UnpackOwner(holder, r.FP)
 			kl.add(roleHolder, TaskKey(r.Queue, id))
 			kl.add(roleHolderIndex, s.keys.Index(r.Queue, id))
-			kl.add(roleLease, LeaseKey(r.Queue))
 		}
 		var cool int64
 		if st.Cooldown > 0 {

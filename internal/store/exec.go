@@ -51,6 +51,8 @@ type Store struct {
 	// client's ReadTimeout (3 s by default) and its retries, so it runs on
 	// another goroutine that the caller leaves at LockTimeout.
 	socketBound bool
+
+	bg *beginner // the begin calls of concurrent attempts (begin.go)
 }
 
 // New returns a Store over rdb. It does not take ownership of rdb.
@@ -60,6 +62,7 @@ func New(rdb redis.UniversalClient, cfg Config) *Store {
 	}
 	s := &Store{rdb: rdb, keys: NewKeys(cfg.Prefix), cfg: cfg, sc: scripts(), socketBound: contextTimeouts(rdb)}
 	s.sh = newShards(rdb, s.newShard)
+	s.bg = newBeginner(s)
 	return s
 }
 
@@ -76,6 +79,7 @@ func (s *Store) newShard() *shard {
 // Close stops the batchers' goroutines; later calls go straight to Redis.
 // It does not close the Redis client.
 func (s *Store) Close() {
+	s.bg.stopLoop()
 	for _, sh := range s.sh.all() {
 		if sh.batch != nil {
 			sh.batch.stop()

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -135,13 +137,13 @@ func TestBeginAgreesWithStart(t *testing.T) {
 		r := Ref{Queue: w.q, FP: w.fp, ID: id, Type: "t"}
 		before := w.raw()
 		keys := []string{w.lock, s.keys.Follow(w.q, w.fp)}
-		v, err := s.sc.begin.Run(ctx, rdb, keys, r.stored(), r.ID, "tok2", int64(30000)).Result()
+		oks, err := s.runBegin(ctx, keys, []any{r.stored(), r.ID, "tok2", int64(30000)}, 1)
 		if err != nil {
 			t.Fatalf("case %d: begin: %v\n  %s", i, err, strings.Join(w.desc, "\n  "))
 		}
 		afterBegin := w.canon()
 		w.restore(before)
-		if v == int64(0) {
+		if !oks[0] {
 			if d := diff(w.canon(), afterBegin); len(d) > 0 {
 				t.Errorf("case %d: begin declined but changed %v\n  %s", i, d, strings.Join(w.desc, "\n  "))
 			}
@@ -231,5 +233,88 @@ func TestDoneAgreesWithFinish(t *testing.T) {
 	}
 	if released < 30 {
 		t.Errorf("done released only %d locks: the test does not reach its common case", released)
+	}
+}
+
+// beginCounter counts the begin script's calls through a client.
+type beginCounter struct {
+	sha   string
+	calls atomic.Int64
+}
+
+func (c *beginCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (c *beginCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		c.count(cmd)
+		return next(ctx, cmd)
+	}
+}
+func (c *beginCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, cmd := range cmds {
+			c.count(cmd)
+		}
+		return next(ctx, cmds)
+	}
+}
+func (c *beginCounter) count(cmd redis.Cmder) {
+	if a := cmd.Args(); len(a) > 1 && a[1] == c.sha {
+		c.calls.Add(1)
+	}
+}
+
+// The attempts that begin at one moment share begin calls, and each gets
+// exactly what a begin of its own gives: its lock under its own token for
+// one lease, or, where the lock holds more (a follow-up), start's answer.
+func TestBeginsOfConcurrentAttemptsShareCalls(t *testing.T) {
+	rdb := redistest.Client(t)
+	s := newTestStore(t, rdb)
+	ctx := context.Background()
+	counter := &beginCounter{sha: s.sc.begin.Hash()}
+	rdb.AddHook(counter)
+	q := redistest.Uniq(t)
+	const n = 200
+	refs := make([]Ref, n)
+	for i := range refs {
+		fp := fmt.Sprintf("%016x", i+1)
+		r := Ref{Queue: q, FP: fp, ID: NewLockedID(fp), Type: "t"}
+		refs[i] = r
+		lock := s.keys.LockOf(&r)
+		fields := []any{FieldOwner, r.stored(), "c", time.Now().Unix(), "v", "1"}
+		if i%10 == 0 {
+			fields = append(fields, "f", NewLockedID(fp)) // owes a follow-up: start settles it
+		}
+		rdb.HSet(ctx, lock, fields...)
+		rdb.PExpire(ctx, lock, time.Hour)
+		rdb.HSet(ctx, TaskKey(q, r.ID), "state", StateActive)
+		t.Cleanup(func() { rdb.Del(context.Background(), lock, TaskKey(q, r.ID)) })
+	}
+	var wg sync.WaitGroup
+	results := make([]StartResult, n)
+	errs := make([]error, n)
+	for i := range refs {
+		wg.Go(func() {
+			results[i], errs[i] = s.Start(ctx, &Start{Ref: refs[i], Token: fmt.Sprintf("tok-%d", i), Lease: 30 * time.Second})
+		})
+	}
+	wg.Wait()
+	for i, r := range refs {
+		res, err := results[i], errs[i]
+		owes := i%10 == 0
+		if err != nil || res.Status != StatusTaken || res.Begun == owes || (res.Follow != "") != owes {
+			t.Fatalf("attempt %d: %+v, %v; want taken (begun %v)", i, res, err, !owes)
+		}
+		lock := s.keys.LockOf(&r)
+		if tok := rdb.HGet(ctx, lock, FieldToken).Val(); tok != fmt.Sprintf("tok-%d", i) {
+			t.Fatalf("attempt %d: lock token %q", i, tok)
+		}
+		if pttl := rdb.PTTL(ctx, lock).Val(); pttl <= 0 || pttl > 30*time.Second {
+			t.Fatalf("attempt %d: lock lives %v more, want the lease", i, pttl)
+		}
+	}
+	if calls := counter.calls.Load(); calls >= n {
+		t.Fatalf("%d begin calls for %d attempts at once: none shared", calls, n)
+	} else {
+		t.Logf("%d attempts began in %d begin calls", n, calls)
 	}
 }

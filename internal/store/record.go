@@ -51,9 +51,6 @@ type Lock struct {
 	TTL       time.Duration // -1: no expiry
 	TaskState string        // the owner's state in asynq; "missing" when it has no record
 	Fields    map[string]string
-	// Lapsed: the owner is active in asynq, runs without a token (it
-	// started free), and asynq's lease on it has lapsed: its worker died.
-	Lapsed bool
 }
 
 // Lock states as operators see them.
@@ -61,7 +58,7 @@ const (
 	LockCooling   = "cooling"    // the owner succeeded; the key stays held until the lock expires (Cooldown)
 	LockRunning   = "running"    // the owner runs: an attempt holds the lock, or asynq's record says active
 	LockRetryWait = "retry-wait" // asynq waits to retry the owner
-	LockOrphaned  = "orphaned"   // the owner is gone, completed or archived, or its worker died (Lapsed): the lock heals at the key's next enqueue
+	LockOrphaned  = "orphaned"   // the owner is gone, completed or archived: the lock heals at the key's next enqueue
 	LockWaiting   = "waiting"    // the owner waits to run
 )
 
@@ -71,10 +68,8 @@ func (l *Lock) State() string {
 	switch {
 	case l.Fields[FieldCooling] != "":
 		return LockCooling
-	case l.Lapsed:
-		return LockOrphaned
 	case l.Fields[FieldToken] != "" || l.TaskState == StateActive:
-		return LockRunning // (an attempt that started free holds no token)
+		return LockRunning // (asynq dequeued it: its start may not have run yet)
 	case l.TaskState == StateRetry:
 		return LockRetryWait
 	case l.TaskState == "missing" || Gone(l.TaskState):
@@ -110,15 +105,12 @@ func ReadLocks(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*
 		return nil, err
 	}
 	tasks := make([]*redis.SliceCmd, len(out))
-	leases := make([]*redis.FloatCmd, len(out))
 	_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, l := range out {
 			tasks[i] = p.HMGet(ctx, TaskKey(l.Queue, l.Owner), "state", "msg")
-			leases[i] = p.ZScore(ctx, LeaseKey(l.Queue), l.Owner)
 		}
 		return nil
 	})
-	now := time.Now().Unix()
 	for i, l := range out {
 		v, err := tasks[i].Result()
 		if err != nil {
@@ -135,9 +127,6 @@ func ReadLocks(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*
 			l.Type = l.WaitType() // the owner is gone; a counted lock still names its type
 		}
 		l.TaskState = s
-		if exp, err := leases[i].Result(); err == nil && s == StateActive && l.Fields[FieldToken] == "" {
-			l.Lapsed = int64(exp) < now // (as the scripts' lapsed)
-		}
 	}
 	return out, nil
 }

@@ -51,8 +51,8 @@ func releaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock, stuck b
 	kl.add(roleLock, l.Key)
 	kl.add(roleIndex, idx)
 	kl.add(roleWait, k.Wait(q, l.WaitType()))
-	kl.add(roleOwner, TaskKey(q, l.Owner))
 	if stuck || l.Follow != "" {
+		kl.add(roleOwner, TaskKey(q, l.Owner))
 		kl.add(rolePending, PendingKey(q))
 		kl.add(roleActive, ActiveKey(q))
 		kl.add(roleScheduled, ScheduledKey(q))
@@ -118,7 +118,6 @@ func ForceRelease(ctx context.Context, c redis.Cmdable, k Keys, r *Ref) (Release
 		}
 		if owner != "" {
 			kl.add(roleSuperseded, k.Superseded(r.Queue, UnpackOwner(owner, r.FP)))
-			kl.add(roleOwner, TaskKey(r.Queue, UnpackOwner(owner, r.FP)))
 		}
 		v, err := scripts().force.Run(ctx, c, kl.keys, kl.roleString(), r.FP, follow, owner).Result()
 		if err != nil {

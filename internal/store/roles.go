@@ -32,7 +32,6 @@ const (
 	rolePrefixes    = 'R' // the queue's registry of prefixes (PrefixesKey), until this Store registered in it (acquire)
 	roleActive      = 'A' // asynq active list of the queue (release)
 	roleRetry       = 'Q' // asynq retry set of the queue (release)
-	roleLease       = 'E' // asynq lease set of the queue, with H (acquire, start)
 )
 
 // keyList is a script's KEYS with the role letter of each, after a head

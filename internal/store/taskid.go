@@ -4,7 +4,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"strings"
-	"time"
 )
 
 // Task IDs chosen by the client wrapper carry the lock's fingerprint, so the
@@ -12,13 +11,6 @@ import (
 // configured:
 //
 //	dd-<16 or 32 hex fingerprint>-<20 hex random>   locked at enqueue
-//	dd-<16 or 32 hex fingerprint>-t<8 hex><12 hex random>
-//	                                                locked at enqueue with its task, the 8 hex
-//	                                                digits the unix second until which the lock
-//	                                                lasts at least (its first attempt may run
-//	                                                without a start: see LockedUntil); IDs of
-//	                                                one key differ there, so 48 random bits are
-//	                                                ample
 //	dx-<20 hex random>                              opted out at enqueue
 //	da-<16 or 32 hex fingerprint>-<20 hex random>   a busy arrival's copy (Again), for the key it met
 //	dk-<16 or 32 hex fingerprint>-<20 hex random>   the copy of a busy task locked at enqueue (Again),
@@ -33,9 +25,6 @@ const (
 	againIDPrefix   = "da-"
 	keptIDPrefix    = "dk-"
 	randomHexDigits = 20
-	timedMark       = 't' // heads the tail of a timed ID
-	untilHexDigits  = 8
-	timedTail       = 1 + randomHexDigits // the mark, the time and 12 random digits
 )
 
 // OptOutMark is the value of the index key of a caller-chosen task ID that
@@ -45,56 +34,6 @@ const OptOutMark = "-"
 
 // NewLockedID returns a fresh task ID for a task locked under fp.
 func NewLockedID(fp string) string { return newKeyedID(lockedIDPrefix, fp) }
-
-// ReleasedHeader is the task header an operator's release of a waiting
-// task's lock adds to its message (lib.lua's mark_released): the task
-// meets its key as it starts, never starting free.
-const ReleasedHeader = "dedup-released"
-
-// NewTimedLockedID returns a fresh task ID for a task stored with its lock
-// under fp, a lock that lasts at least until until (see LockedUntil).
-// A time past 2106 is clamped, which only shortens what the ID promises.
-func NewTimedLockedID(fp string, until time.Time) string {
-	sec := min(max(until.Unix(), 0), 1<<32-1)
-	var tail [timedTail]byte
-	tail[0] = timedMark
-	for i := untilHexDigits; i >= 1; i-- {
-		tail[i] = hexDigits[sec&15]
-		sec >>= 4
-	}
-	randomHex(tail[1+untilHexDigits:])
-	b := make([]byte, 0, len(lockedIDPrefix)+len(fp)+1+timedTail)
-	b = append(b, lockedIDPrefix...)
-	b = append(b, fp...)
-	b = append(b, '-')
-	return string(append(b, tail[:]...))
-}
-
-const hexDigits = "0123456789abcdef"
-
-// LockedUntil returns the time until which the lock of a task with an ID
-// made by NewTimedLockedID lasts at least (by its producer's clock), unless
-// an operator releases it or its task is done; ok is false for any other
-// ID.
-func LockedUntil(id string) (until time.Time, ok bool) {
-	if _, ok := ParseLockedID(id); !ok {
-		return time.Time{}, false
-	}
-	tail := id[strings.LastIndexByte(id, '-')+1:]
-	if !timed(tail) {
-		return time.Time{}, false
-	}
-	var sec int64
-	for i := 1; i <= untilHexDigits; i++ {
-		sec = sec<<4 | int64(strings.IndexByte(hexDigits, tail[i]))
-	}
-	return time.Unix(sec, 0), true
-}
-
-// timed reports whether s has the form of a timed ID's tail.
-func timed(s string) bool {
-	return len(s) == timedTail && s[0] == timedMark && isLowerHex(s[1:])
-}
 
 // newKeyedID is prefix, fp, '-' and random hex digits.
 func newKeyedID(prefix, fp string) string {
@@ -145,22 +84,8 @@ func randomHex(dst []byte) {
 	hex.Encode(dst, r[:len(dst)/2])
 }
 
-// ParseLockedID returns the fingerprint of an ID made by NewLockedID or
-// NewTimedLockedID.
-func ParseLockedID(id string) (fp string, ok bool) {
-	if fp, ok := parseKeyedID(lockedIDPrefix, id); ok {
-		return fp, true
-	}
-	n := len(id) - len(lockedIDPrefix) - 1 - timedTail
-	if (n != 16 && n != 32) || !strings.HasPrefix(id, lockedIDPrefix) || id[len(lockedIDPrefix)+n] != '-' {
-		return "", false
-	}
-	fp = id[len(lockedIDPrefix) : len(lockedIDPrefix)+n]
-	if !isLowerHex(fp) || !timed(id[len(lockedIDPrefix)+n+1:]) {
-		return "", false
-	}
-	return fp, true
-}
+// ParseLockedID returns the fingerprint of an ID made by NewLockedID.
+func ParseLockedID(id string) (fp string, ok bool) { return parseKeyedID(lockedIDPrefix, id) }
 
 // ParseAgainID returns the fingerprint of an ID made by NewAgainID.
 func ParseAgainID(id string) (fp string, ok bool) { return parseKeyedID(againIDPrefix, id) }
@@ -206,10 +131,9 @@ func Reserved(id, fp string) bool {
 func IsFingerprint(s string) bool { return (len(s) == 16 || len(s) == 32) && isLowerHex(s) }
 
 // Lock records store their owner's task ID compactly (a lock is mostly its
-// owner's ID): an ID made by NewLockedID or NewTimedLockedID for the lock's
-// own fingerprint as what follows the fingerprint (20 hex digits, or 't'
-// and 20), any other ID as itself, or as "=" + ID where that would be
-// ambiguous (one of those forms, or a leading '='). Locks written
+// owner's ID): an ID made by NewLockedID for the lock's own fingerprint as
+// its 20 random hex digits, any other ID as itself, or as "=" + ID where
+// that would be ambiguous (20 hex digits, or a leading '='). Locks written
 // before this packing, with the whole ID, read back as that ID. The Lua
 // scripts never pack or unpack: they compare and copy packed IDs, and are
 // given both forms where they need both.
@@ -217,11 +141,11 @@ func IsFingerprint(s string) bool { return (len(s) == 16 || len(s) == 32) && isL
 // PackOwner returns task ID id as the lock of fingerprint fp stores it.
 func PackOwner(id, fp string) string {
 	if rest, ok := strings.CutPrefix(id, lockedIDPrefix); ok {
-		if r, ok := strings.CutPrefix(rest, fp); ok && len(r) > 1 && r[0] == '-' && packedTail(r[1:]) {
+		if r, ok := strings.CutPrefix(rest, fp); ok && len(r) == 1+randomHexDigits && r[0] == '-' && isLowerHex(r[1:]) {
 			return r[1:]
 		}
 	}
-	if strings.HasPrefix(id, "=") || packedTail(id) {
+	if strings.HasPrefix(id, "=") || (len(id) == randomHexDigits && isLowerHex(id)) {
 		return "=" + id
 	}
 	return id
@@ -232,16 +156,10 @@ func UnpackOwner(s, fp string) string {
 	if rest, ok := strings.CutPrefix(s, "="); ok {
 		return rest
 	}
-	if packedTail(s) {
+	if len(s) == randomHexDigits && isLowerHex(s) {
 		return lockedIDPrefix + fp + "-" + s
 	}
 	return s
-}
-
-// packedTail reports whether s has the form of a packed wrapper's ID: what
-// follows the fingerprint in NewLockedID's or NewTimedLockedID's.
-func packedTail(s string) bool {
-	return (len(s) == randomHexDigits && isLowerHex(s)) || timed(s)
 }
 
 func isLowerHex(s string) bool {

@@ -11,7 +11,6 @@
 --   N  asynq record of the new follow-up ARGV[15]       with ARGV[15]
 --   H  asynq record of the holder ARGV[9], J its index key       when the holder must be read (J
 --                                                                also with ARGV[19], to lengthen it)
---   E  asynq lease set of the queue                              with H
 --   X  the holder's superseded marker                           when a Replace may defer
 --   G  asynq record of the follow-up ARGV[11]                    when the follow-up must be read
 --   Y  the lock a stale index of the new task's caller-chosen ID names, when that ID's task is gone
@@ -162,7 +161,7 @@ local fp = A[10] or ''
 -- state alone (before the library below is defined: most of a call's cost).
 if verified and policy == 'x' and follow == '' and not rec[3] and K.H and holder == A[9] then
   local st = call('HGET', K.H, 'state')
-  if st and st ~= 'completed' and st ~= 'archived' and not (st == 'active' and lapsed(K.E, K.H, now)) then
+  if st and st ~= 'completed' and st ~= 'archived' then
     return {0, holder, holder, '', 'v'}
   end
 end
@@ -293,11 +292,10 @@ end
 
 -- Read: the holder's record, then the follow-up's.
 local state, hmsg
-local young = not verified and now - (tonumber(rec[2]) or 0) < grace
 if holder then
   if lacks('H') then return need() end
   state, hmsg = read_task(K.H)
-  if gone(state) and young then
+  if gone(state) and not verified and now - (tonumber(rec[2]) or 0) < grace then
     -- Too young to tell: its producer may not have stored it in asynq yet.
     if not state and (policy ~= 'x' or running == 'd') then
       return {6, holder}
@@ -305,10 +303,7 @@ if holder then
     return {0, holder, holder, f or ''}
   end
 end
--- (A holder that started free runs without a token: asynq's lease on it
--- says whether its worker lives. As for a gone holder, a young lock not
--- written with its task is held whatever its record says, as start does.)
-local live = holder and not gone(state) and not (state == 'active' and not rec[4] and not young and lapsed(K.E, K.H, now))
+local live = holder and not gone(state)
 local orphan = false -- the key's follow-up pointer, when no live task holds the key
 if not live and follow ~= '' then
   if lacks('F') then return need() end

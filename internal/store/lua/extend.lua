@@ -12,8 +12,7 @@
 -- ARGV[4]  how long a follow-up stays parked from now, integer seconds
 -- ARGV[5]  task ID (a lock of the earlier layout holds it whole)
 --
--- Reply: 1 renewed (or, without a token, already lasting longer); 0 the
---        lock is gone or belongs to another task or attempt
+-- Reply: 1 renewed; 0 the lock is gone or belongs to another task or attempt
 --
 -- A parked follow-up (Defer) is kept parked for another ARGV[4] seconds. A
 -- lock with a cooldown (field cd) lives until the cooldown's end at least.
@@ -27,15 +26,9 @@ if rec[4] then -- a cooldown: the lock lasts until its end at least
   local _, now_ms = now_parts()
   life = math.max(life, tonumber(rec[4]) - now_ms)
 end
--- Without a token (a waiting lock, or an attempt that started free) the
--- lock only lengthens: the ID of a task stored with its lock promises the
--- lock lasts until a time (store.LockedUntil), and asynq's lease, not this
--- lifetime, says whether a free attempt's worker lives.
-if ARGV[2] ~= '' or call('PTTL', KEYS[1]) < life then
-  call('PEXPIRE', KEYS[1], life)
-  if KEYS[4] then
-    call('PEXPIRE', KEYS[4], ARGV[3])
-  end
+call('PEXPIRE', KEYS[1], life)
+if KEYS[4] then
+  call('PEXPIRE', KEYS[4], ARGV[3])
 end
 if rec[3] then
   local now = now_parts()

@@ -3,15 +3,14 @@
 -- that changes hands meanwhile cannot make it miss. The owner's index key
 -- (a caller-chosen ID) stays, so the owner, if it still runs, finds its key
 -- by it; and the owner the caller expected (read just before) gets its
--- marker X and, if it waits, the header 'dedup-released', as release.lua
--- writes them. A follow-up the lock owes that still
+-- marker X, as release.lua writes it. A follow-up the lock owes that still
 -- waits is queued now (the key is free, and it takes it when it starts).
 --
 -- KEYS, by the role letters of ARGV[1]:
 --   L  the lock; W  the waiting set of the caller's type; P, S  asynq's
 --      pending list and scheduled set of the queue; F  the key's follow-up pointer   always
 --   G  asynq record of the follow-up ARGV[3]                                         with ARGV[3]
---   X  the superseded marker of the owner ARGV[4], O its asynq record                with ARGV[4]
+--   X  the superseded marker of the owner ARGV[4]                                    with ARGV[4]
 -- ARGV[1]  the roles of KEYS, one letter each
 -- ARGV[2]  fingerprint (member of W)
 -- ARGV[3]  the follow-up the caller expects the lock to owe ('' for none)
@@ -44,7 +43,6 @@ local pttl = call('PTTL', K.L)
 if K.X and rec[1] == ARGV[4] and pttl > 0 then
   local _, now_ms = now_parts()
   call('SET', K.X, 'r:' .. now_ms, 'PX', pttl)
-  mark_released(K.O, now_ms)
 end
 call('DEL', K.L)
 if rec[2] and queued == '' then

@@ -183,20 +183,6 @@ local function placed(rec, pending, active, scheduled, retry, id)
   return state, there and true or false
 end
 
--- mark_released gives the message of task record rec, if the task waits to
--- start (pending or scheduled), the header 'dedup-released' (unix ms
--- now_ms): an operator released its lock, so the task must meet its key as
--- it starts (it never starts free; the middleware reads the header). An
--- entry of asynq's headers map (TaskMessage field 15) may come anywhere in
--- the message; a later one of the same name wins.
-local function mark_released(rec, now_ms)
-  local t = call('HMGET', rec, 'state', 'msg')
-  if (t[1] == 'pending' or t[1] == 'scheduled') and t[2] then
-    local entry = pb_str(1, 'dedup-released') .. pb_str(2, tostring(now_ms))
-    call('HSET', rec, 'msg', t[2] .. pb_str(15, entry))
-  end
-end
-
 -- now_parts reads the server clock: unix seconds, milliseconds, and
 -- nanoseconds as a string (asynq's pending_since).
 local function now_parts()

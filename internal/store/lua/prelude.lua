@@ -11,14 +11,3 @@ local function roles(from)
     K[string.sub(r, from + i, from + i)] = KEYS[i]
   end
 end
-
--- lapsed reports whether asynq's lease (in its lease set lease, given with
--- the record key rec of an active task) on that task has lapsed by now
--- (unix seconds): its worker died. An attempt that started free runs
--- without a token, so asynq's lease is the only sign of its worker's death.
-local function lapsed(lease, rec, now)
-  if not lease then return false end
-  -- (rec is asynq's key prefix, 't:' and the ID; lease the prefix and 'lease')
-  local exp = call('ZSCORE', lease, string.sub(rec, #lease - 2))
-  return exp and tonumber(exp) < now or false
-end

@@ -4,15 +4,13 @@
 -- owner's index key (a caller-chosen ID) stays: the owner, if it still
 -- runs, finds its key by it; and its marker X says it was released, so
 -- that, should it meet a task of its type holding the key (which took it
--- since), it gives way (start); a waiting owner's message gets the header
--- 'dedup-released' (lib.lua's mark_released), so that it meets its key as
--- it starts. doctor's release, of an owner that cannot run ('stuck'),
--- deletes the index instead.
+-- since), it gives way (start). doctor's release, of an owner that cannot
+-- run ('stuck'), deletes the index instead.
 --
 -- KEYS, by the role letters of ARGV[1]:
 --   L  the lock; I  index key of the owner; W  waiting set of the owner's type      always
---   O  the owner's asynq record                                                     always
---   P, A, S, Q  its queue's pending list, active list, scheduled set, retry set     with 'stuck', or a follow-up owed
+--   O  the owner's asynq record; P, A, S, Q  its queue's pending list, active list,
+--      scheduled set, retry set                                                    with 'stuck', or a follow-up owed
 --   F  the key's follow-up pointer; G  the follow-up's asynq record                 with a follow-up owed
 --   X  the owner's superseded marker                                                but with 'stuck'
 -- ARGV[1]  the roles of KEYS, one letter each
@@ -61,7 +59,6 @@ local pttl = call('PTTL', K.L)
 if K.X and pttl > 0 then
   local _, now_ms = now_parts()
   call('SET', K.X, 'r:' .. now_ms, 'PX', pttl)
-  mark_released(K.O, now_ms)
 end
 local f = rec[4]
 if f and K.G then

@@ -4,8 +4,7 @@
 --   L  the lock; W  the task type's waiting set; F  the key's follow-up pointer;
 --   X  the task's superseded marker; T the task's asynq record                    always
 --   I  index key of the task's caller-chosen ID                                  with a caller-chosen ID
---   H  asynq record of the holder ARGV[9], J its index key,
---   E  asynq lease set of the queue                                              when the holder must be read
+--   H  asynq record of the holder ARGV[9], J its index key                       when the holder must be read
 -- ARGV[1]  the roles of KEYS, one letter each
 -- ARGV[2]  task ID
 -- ARGV[3]  ARGV[2] as lock records store it
@@ -71,9 +70,7 @@ if holder ~= stored and holder ~= id then
 end
 -- held answers that another task holds the key, saying whether this task,
 -- released by an operator, met a task of its own type there.
--- hstate: the holder's asynq state, if read (a holder that started free
--- runs without a token).
-local function held(hstate)
+local function held()
   local r = ''
   if released then
     local tf = pb_str(1, ARGV[11] or '')
@@ -81,7 +78,7 @@ local function held(hstate)
       r = 'r'
     end
   end
-  return {0, holder, rec[5] or '', r, (rec[6] or hstate == 'active') and 'run' or ''}
+  return {0, holder, rec[5] or '', r, rec[6] and 'run' or ''}
 end
 if holder and holder ~= stored and holder ~= id then
   -- too young to be an orphan (unless written with its task: v)
@@ -95,9 +92,8 @@ if holder and holder ~= stored and holder ~= id then
   if young then
     return held()
   end
-  local hstate = call('HGET', K.H, 'state')
-  if not gone(hstate) and not (hstate == 'active' and not rec[6] and lapsed(K.E, K.H, now)) then
-    return held(hstate)
+  if not gone(call('HGET', K.H, 'state')) then
+    return held()
   end
   if rec[5] and rec[5] ~= id then
     return held() -- an orphan owed a follow-up: acquire or the follow-up settles it
