@@ -172,7 +172,7 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error, live bool) {
 	d.count(t.Type(), evProcessed)
 	f := d.finishOf(ctx, t, r, l, err)
-	if f.Release && !f.GivenUp && f.Follow == "" && !l.ref.Indexed && l.st == d.store {
+	if f.Release && !f.GivenUp && f.Follow == "" && r.cooldown == 0 && !l.ref.Indexed && l.st == d.store {
 		d.rel.add(release{f: *f, live: live}) // off the handler's path (releaser.go)
 		return
 	}

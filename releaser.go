@@ -10,8 +10,8 @@ import (
 
 // releaser releases the locks of attempts that ended for good (success,
 // revoked, final failure) while asynq still ran them, of a key the wrapper
-// chose the ID of (no index key to settle) and owing no follow-up they knew
-// of (store.DoneAll), off the handler's path, so that a processed task
+// chose the ID of (no index key to settle), owing no follow-up they knew of
+// and of a rule without a cooldown (store.DoneAll), off the handler's path, so that a processed task
 // waits for no release of its own: a release waits up to
 // releaseLinger for company, and every release waiting then goes in one
 // call, so under load one call carries tens (a call's cost is mostly fixed:
