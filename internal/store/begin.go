@@ -116,11 +116,8 @@ func (b *beginner) send(batch []*beginReq) {
 // stopLoop ends the loop and waits for it. Idempotent.
 func (b *beginner) stopLoop() {
 	b.stop.Do(func() { close(b.quit) })
-	started := true
-	b.once.Do(func() { started = false }) // a loop not started by now never starts
-	if started {
-		<-b.done
-	}
+	b.once.Do(func() { close(b.done) }) // never started: it never will, and there is nothing to wait for
+	<-b.done
 }
 
 // beginGroup runs the begin script for one queue's requests and answers

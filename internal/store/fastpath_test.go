@@ -318,3 +318,26 @@ func TestBeginsOfConcurrentAttemptsShareCalls(t *testing.T) {
 		t.Logf("%d attempts began in %d begin calls", n, calls)
 	}
 }
+
+// Close stops the beginner whether or not it ever ran, any number of times,
+// and begins after it go straight to Redis.
+func TestBeginnerStopsOnceOrTwice(t *testing.T) {
+	rdb := redistest.Client(t)
+	idle := newTestStore(t, rdb)
+	idle.Close()
+	idle.Close()
+	s := newTestStore(t, rdb)
+	q := redistest.Uniq(t)
+	r := Ref{Queue: q, FP: "00000000000000aa", ID: NewLockedID("00000000000000aa"), Type: "t"}
+	lock := s.keys.LockOf(&r)
+	t.Cleanup(func() { rdb.Del(context.Background(), lock) })
+	for i := 0; i < 2; i++ {
+		rdb.HSet(context.Background(), lock, FieldOwner, r.stored(), "c", time.Now().Unix(), "v", "1")
+		ok, err := s.bg.begin(context.Background(), &r, lock, s.keys.Follow(q, r.FP), "tok", time.Minute)
+		if err != nil || !ok {
+			t.Fatalf("begin %d: %v, %v", i, ok, err)
+		}
+		s.Close()
+		s.Close()
+	}
+}
