@@ -79,6 +79,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	st, err := d.startAttempt(ctx, l, &rule)
 	switch {
 	case err != nil:
+		d.startUnknown(ctx, t, &rule, l, err)
 		return d.unlocked(ctx, "start", t, next, err)
 	case st.Status == store.StatusElsewhere:
 		return d.elsewhere(t, id)
@@ -126,6 +127,18 @@ func (d *Dedup) startAttempt(ctx context.Context, l *lease, rule *resolved) (sto
 	}
 	l.st = other
 	return other.Start(ctx, s)
+}
+
+// startUnknown settles, at the next heartbeats, an attempt whose start
+// failed: its call may still have landed (a stalled Redis, the attempt's
+// context ended while it was out), leaving the lock under the attempt's
+// token with one Lease to live. Settled as given up, the task's record
+// decides: held for asynq's retry, released if asynq archived it (a token
+// that never landed matches nothing).
+func (d *Dedup) startUnknown(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error) {
+	f := d.finishOf(ctx, t, r, l, err)
+	f.GivenUp = true
+	d.hb.retry(l.st, f)
 }
 
 // elsewhere refuses a task whose asynq record is not in the Dedup's Redis:

@@ -11,24 +11,27 @@ import (
 // releaser releases the locks of attempts that ended for good (success,
 // revoked, final failure) while asynq still ran them, of a key the wrapper
 // chose the ID of (no index key to settle), owing no follow-up they knew of
-// and of a rule without a cooldown (store.DoneAll), off the handler's path, so that a processed task
-// waits for no release of its own: a release waits up to
-// releaseLinger for company, and every release waiting then goes in one
-// call, so under load one call carries tens (a call's cost is mostly fixed:
-// a round trip, a script run).
+// and of a rule without a cooldown (store.DoneAll), off the handler's path:
+// a processed task waits for no release of its own. A release waits up to
+// releaseLinger for company, and then every release of its queue waiting
+// goes in one call (a call's cost is mostly fixed: a round trip, a script
+// run), so under load one call carries tens. Each queue has at most one call
+// out, and no queue's call waits for another's.
 //
 // Until the release lands the key reads as held by a task that is done: the
 // acquire script finds its record gone (or completed or archived) and takes
 // the key at once. A release left unsent when the process dies leaves such
-// a lock until its TTL.
+// a lock until its running lease ends (Lease).
 type releaser struct {
-	d       *Dedup
-	mu      sync.Mutex
-	pending []release
-	wake    chan struct{} // buffered: a pending release was added
-	quit    chan struct{}
-	done    chan struct{}
-	started bool
+	d        *Dedup
+	mu       sync.Mutex
+	pending  map[string][]release // by queue: one call's locks share a slot
+	inflight map[string]bool      // queues with a call out: theirs wait for the next
+	wake     chan struct{}        // buffered: a release was added, or a call came back
+	quit     chan struct{}
+	done     chan struct{}
+	started  bool
+	sends    sync.WaitGroup
 }
 
 // release is one lock to release, under the Dedup's own prefix.
@@ -44,7 +47,8 @@ const maxDoneBatch = 256
 const releaseLinger = 2 * time.Millisecond
 
 func newReleaser(d *Dedup) *releaser {
-	return &releaser{d: d, wake: make(chan struct{}, 1), quit: make(chan struct{}), done: make(chan struct{})}
+	return &releaser{d: d, pending: map[string][]release{}, inflight: map[string]bool{},
+		wake: make(chan struct{}, 1), quit: make(chan struct{}), done: make(chan struct{})}
 }
 
 // run starts the loop once; later calls do nothing.
@@ -61,21 +65,27 @@ func (r *releaser) run() {
 func (r *releaser) add(rl release) {
 	r.mu.Lock()
 	select {
-	case <-r.quit: // (read under mu: stop's last take sees every release added before)
+	case <-r.quit: // (read under mu: stop sees every release added before)
 		r.mu.Unlock()
 		r.send([]release{rl})
 		return
 	default:
 	}
-	r.pending = append(r.pending, rl)
+	q := rl.f.Ref.Queue
+	r.pending[q] = append(r.pending[q], rl)
 	r.mu.Unlock()
+	r.poke()
+}
+
+func (r *releaser) poke() {
 	select {
 	case r.wake <- struct{}{}:
 	default:
 	}
 }
 
-// stop sends what is pending and ends the loop. Idempotent.
+// stop sends what is pending, ends the loop and waits for every call out.
+// Idempotent.
 func (r *releaser) stop() {
 	r.mu.Lock()
 	select {
@@ -88,7 +98,12 @@ func (r *releaser) stop() {
 	if started {
 		<-r.done
 	}
-	r.send(r.take()) // added after the loop's last look
+	for {
+		r.sends.Wait()
+		if !r.dispatch() {
+			return
+		}
+	}
 }
 
 func (r *releaser) loop() {
@@ -100,23 +115,42 @@ func (r *releaser) loop() {
 			case <-time.After(releaseLinger):
 			case <-r.quit:
 			}
-			r.send(r.take())
+			r.dispatch()
 		case <-r.quit:
-			r.send(r.take())
 			return
 		}
 	}
 }
 
-func (r *releaser) take() []release {
+// dispatch sends each queue's pending releases, unless a call of that queue
+// is out (its releases go when it comes back), each queue's on its own
+// goroutine: a queue whose master hangs holds up only its own. It reports
+// whether it sent any.
+func (r *releaser) dispatch() bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	rs := r.pending
-	r.pending = nil
-	return rs
+	sent := false
+	for q, rs := range r.pending {
+		if r.inflight[q] {
+			continue
+		}
+		delete(r.pending, q)
+		r.inflight[q], sent = true, true
+		r.sends.Go(func() {
+			r.send(rs)
+			r.mu.Lock()
+			delete(r.inflight, q)
+			more := len(r.pending[q]) > 0
+			r.mu.Unlock()
+			if more {
+				r.poke()
+			}
+		})
+	}
+	return sent
 }
 
-// send releases rs, maxDoneBatch locks per call.
+// send releases rs (one queue's), maxDoneBatch locks per call.
 func (r *releaser) send(rs []release) {
 	for len(rs) > 0 {
 		n := min(len(rs), maxDoneBatch)

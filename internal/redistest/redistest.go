@@ -233,3 +233,25 @@ func Eventually(t testing.TB, what string, cond func() bool) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// CmdHook is a go-redis hook that calls itself with every command sent,
+// alone or in a pipeline, before it is sent.
+type CmdHook func(redis.Cmder)
+
+// DialHook implements redis.Hook.
+func (h CmdHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+// ProcessHook implements redis.Hook.
+func (h CmdHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { h(cmd); return next(ctx, cmd) }
+}
+
+// ProcessPipelineHook implements redis.Hook.
+func (h CmdHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			h(c)
+		}
+		return next(ctx, cmds)
+	}
+}

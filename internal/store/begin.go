@@ -10,24 +10,27 @@ import (
 // Begins. Every attempt of a task locked at enqueue whose lock holds nothing
 // else calls the begin script before its handler runs. A call's cost is
 // mostly fixed (a round trip, a script run), so the begins of attempts that
-// start at the same moment go in one call: a beginner sends one call at a
-// time, and every begin that arrived while a call was out goes in the next
-// (one per queue: a call's keys share a slot). A lone attempt waits for one
-// round trip, as before; under load one call begins tens.
+// start at the same moment go in one call: each queue has a loop that sends
+// one call at a time (a call's keys share the queue's slot), and every begin
+// of the queue that arrived while a call was out goes in the next. A lone
+// attempt waits for one round trip, as before; under load one call begins
+// many. One queue's calls never wait for another's, so a Cluster master that
+// hangs holds up only its own queues.
 //
 // Invariants: a request is handed over by an unbuffered send, so it is
-// never queued where the loop will not see it; each request handed over is
-// answered exactly once on its buffered channel; after stop, begins go
-// straight to Redis.
+// never queued where its loop will not see it; each request handed over is
+// answered exactly once on its buffered channel; a request whose caller has
+// gone before its call is sent is answered, not sent (its attempt's outcome
+// stays known: it did not begin); after stop, begins go straight to Redis.
 
 // maxBegins bounds the attempts of one begin call.
 const maxBegins = 128
 
 type beginReq struct {
-	queue string
-	keys  [2]string
-	args  [4]any
-	done  chan beginRes // buffered: answering never blocks
+	ctx  context.Context // the caller's: once done, the request is not sent
+	keys [2]string
+	args [4]any
+	done chan beginRes // buffered: answering never blocks
 }
 
 type beginRes struct {
@@ -35,26 +38,30 @@ type beginRes struct {
 	err error
 }
 
+// beginner holds a loop per queue.
 type beginner struct {
-	s    *Store
-	reqs chan *beginReq
-	quit chan struct{}
-	done chan struct{}
-	once sync.Once
-	stop sync.Once
+	s       *Store
+	mu      sync.Mutex
+	queues  map[string]chan *beginReq // a loop's requests, by queue
+	quit    chan struct{}
+	stopped bool
+	wg      sync.WaitGroup
 }
 
 func newBeginner(s *Store) *beginner {
-	return &beginner{s: s, reqs: make(chan *beginReq), quit: make(chan struct{}), done: make(chan struct{})}
+	return &beginner{s: s, queues: map[string]chan *beginReq{}, quit: make(chan struct{})}
 }
 
-// begin runs the begin script for one attempt, with the others of the
-// moment. It reports whether the attempt holds the lock.
+// begin runs the begin script for one attempt, with the others of its queue
+// of the moment. It reports whether the attempt holds the lock.
 func (b *beginner) begin(ctx context.Context, r *Ref, lock, follow, token string, lease time.Duration) (bool, error) {
-	req := &beginReq{queue: r.Queue, keys: [2]string{lock, follow}, args: [4]any{r.stored(), r.ID, token, ms(lease)}, done: make(chan beginRes, 1)}
-	b.once.Do(func() { go b.loop() })
+	req := &beginReq{ctx: ctx, keys: [2]string{lock, follow}, args: [4]any{r.stored(), r.ID, token, ms(lease)}, done: make(chan beginRes, 1)}
+	reqs := b.loopOf(r.Queue)
+	if reqs == nil {
+		return b.s.beginDirect(ctx, req)
+	}
 	select {
-	case b.reqs <- req:
+	case reqs <- req:
 	case <-b.quit:
 		return b.s.beginDirect(ctx, req)
 	case <-ctx.Done():
@@ -64,29 +71,47 @@ func (b *beginner) begin(ctx context.Context, r *Ref, lock, follow, token string
 	case res := <-req.done:
 		return res.ok, res.err
 	case <-ctx.Done():
-		return false, ctx.Err() // (its begin may still land: the attempt's retry replaces its token)
+		// Not sent yet: it never will be. Sent: it may still land, and the
+		// caller, not knowing, settles the attempt as given up.
+		return false, ctx.Err()
 	}
 }
 
-func (b *beginner) loop() {
-	defer close(b.done)
+// loopOf returns the requests channel of queue's loop, starting it; nil
+// after stop.
+func (b *beginner) loopOf(queue string) chan *beginReq {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.stopped {
+		return nil
+	}
+	reqs, ok := b.queues[queue]
+	if !ok {
+		reqs = make(chan *beginReq)
+		b.queues[queue] = reqs
+		b.wg.Go(func() { b.loop(reqs) })
+	}
+	return reqs
+}
+
+func (b *beginner) loop(reqs chan *beginReq) {
 	for {
 		var first *beginReq
 		select {
-		case first = <-b.reqs:
+		case first = <-reqs:
 		case <-b.quit:
 			return
 		}
-		b.send(b.collect(first))
+		b.s.beginGroup(collect(reqs, first))
 	}
 }
 
 // collect returns first and every request waiting now, up to maxBegins.
-func (b *beginner) collect(first *beginReq) []*beginReq {
+func collect(reqs chan *beginReq, first *beginReq) []*beginReq {
 	batch := []*beginReq{first}
 	for len(batch) < maxBegins {
 		select {
-		case r := <-b.reqs:
+		case r := <-reqs:
 			batch = append(batch, r)
 		default:
 			return batch
@@ -95,34 +120,31 @@ func (b *beginner) collect(first *beginReq) []*beginReq {
 	return batch
 }
 
-// send makes one begin call per queue of batch, concurrently, and answers
-// every request.
-func (b *beginner) send(batch []*beginReq) {
-	groups := map[string][]*beginReq{}
-	for _, r := range batch {
-		groups[r.queue] = append(groups[r.queue], r)
-	}
-	var wg sync.WaitGroup
-	for _, g := range groups {
-		if len(groups) == 1 {
-			b.s.beginGroup(g)
-			break
-		}
-		wg.Go(func() { b.s.beginGroup(g) })
-	}
-	wg.Wait()
-}
-
-// stopLoop ends the loop and waits for it. Idempotent.
+// stopLoop ends the loops and waits for them. Idempotent.
 func (b *beginner) stopLoop() {
-	b.stop.Do(func() { close(b.quit) })
-	b.once.Do(func() { close(b.done) }) // never started: it never will, and there is nothing to wait for
-	<-b.done
+	b.mu.Lock()
+	if !b.stopped {
+		b.stopped = true
+		close(b.quit)
+	}
+	b.mu.Unlock()
+	b.wg.Wait()
 }
 
 // beginGroup runs the begin script for one queue's requests and answers
-// each.
-func (s *Store) beginGroup(g []*beginReq) {
+// each; a request whose caller has gone is answered without being sent.
+func (s *Store) beginGroup(all []*beginReq) {
+	g := all[:0:0]
+	for _, r := range all {
+		if err := r.ctx.Err(); err != nil {
+			r.done <- beginRes{err: err}
+			continue
+		}
+		g = append(g, r)
+	}
+	if len(g) == 0 {
+		return
+	}
 	keys := make([]string, 0, 2*len(g))
 	args := make([]any, 0, 4*len(g))
 	for _, r := range g {

@@ -242,21 +242,6 @@ type beginCounter struct {
 	calls atomic.Int64
 }
 
-func (c *beginCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (c *beginCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		c.count(cmd)
-		return next(ctx, cmd)
-	}
-}
-func (c *beginCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		for _, cmd := range cmds {
-			c.count(cmd)
-		}
-		return next(ctx, cmds)
-	}
-}
 func (c *beginCounter) count(cmd redis.Cmder) {
 	if a := cmd.Args(); len(a) > 1 && a[1] == c.sha {
 		c.calls.Add(1)
@@ -271,7 +256,7 @@ func TestBeginsOfConcurrentAttemptsShareCalls(t *testing.T) {
 	s := newTestStore(t, rdb)
 	ctx := context.Background()
 	counter := &beginCounter{sha: s.sc.begin.Hash()}
-	rdb.AddHook(counter)
+	rdb.AddHook(redistest.CmdHook(counter.count))
 	q := redistest.Uniq(t)
 	const n = 200
 	refs := make([]Ref, n)
