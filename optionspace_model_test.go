@@ -687,8 +687,10 @@ func (w *osWorld) checkStep() osLive {
 	m := w.m
 	m.mu.Lock()
 	// Invariant 1: one live task per key among those the library accepted,
-	// except a started RunningAllow task, and a RunningDefer holder that
-	// started with one follow-up that has not.
+	// except a started RunningAllow task, and a holder that started with one
+	// follow-up that has not: of a RunningDefer type, or the follow-up its
+	// lock owes (a busy arrival of a BusyFold type defers behind a running
+	// holder: busy.go's foldBusyOption).
 	byKey := map[osKey][]*osTask{}
 	for t := range live {
 		if t.counts() {
@@ -712,7 +714,7 @@ func (w *osWorld) checkStep() osLive {
 			if b.started && !a.started {
 				a, b = b, a
 			}
-			if a.started && !b.started && a.typ == b.typ && w.rules[a.typ].OnRunning == RunningDefer {
+			if a.started && !b.started && a.typ == b.typ && (w.rules[a.typ].OnRunning == RunningDefer || w.owedFollowUp(k) == b.id) {
 				continue // a running (or retrying) holder and its follow-up
 			}
 		}
@@ -772,6 +774,16 @@ func (w *osWorld) describeLock(k osKey) string {
 	}
 	sort.Strings(fields)
 	return fmt.Sprintf("its lock %s: %s, TTL %v", key, strings.Join(fields, " "), ttl.Round(time.Millisecond))
+}
+
+// owedFollowUp returns the follow-up task the lock of k owes ("" for none).
+func (w *osWorld) owedFollowUp(k osKey) string {
+	key := w.lockKey(k.queue, k.kid)
+	f, err := w.h.rdb.HGet(context.Background(), key, store.FieldFollow).Result()
+	if err != nil {
+		return ""
+	}
+	return ownerIn(key, f)
 }
 
 // osLock is one lock as read for the checks.
