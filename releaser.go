@@ -171,6 +171,7 @@ func (r *releaser) sendBatch(rs []release) {
 		rl := &rs[i]
 		switch {
 		case res.Finish: // a follow-up or a cooldown to settle
+			rl.f.Begun = false // (done has just declined: straight to finish)
 			fres, err := st.Finish(ctx, &rl.f)
 			d.report(st, &rl.f, fres, err, rl.live)
 		default:

@@ -15,14 +15,8 @@ import (
 // stored with its lock does the same.
 func TestReleasedNewClientHolderTakesOrGivesWay(t *testing.T) {
 	t.Run("key free: it takes the key", func(t *testing.T) {
-		h := newHarness(t, counterRules(Rule{}))
-		h.client = h.d.NewClient()
-		ctx := context.Background()
-		opts := []asynq.Option{asynq.Queue(h.queue)}
-		a := h.enqueue(counterTask("k", 1, 1))
-		if ok, err := h.d.Release(ctx, counterTask("k", 1, 1), "", opts...); err != nil || !ok {
-			t.Fatalf("forced release: %v %v", ok, err)
-		}
+		h, a := releasedNewClientHolder(t)
+		ctx, opts := context.Background(), []asynq.Option{asynq.Queue(h.queue)}
 		tr := newA6Tracker(a6CounterKey, 1)
 		h.serve(tr.handler(nil), nil)
 		t.Cleanup(tr.openAll)
@@ -36,14 +30,7 @@ func TestReleasedNewClientHolderTakesOrGivesWay(t *testing.T) {
 		}
 	})
 	t.Run("key taken since: it gives way", func(t *testing.T) {
-		h := newHarness(t, counterRules(Rule{}))
-		h.client = h.d.NewClient()
-		ctx := context.Background()
-		opts := []asynq.Option{asynq.Queue(h.queue)}
-		a := h.enqueue(counterTask("k", 1, 1))
-		if ok, err := h.d.Release(ctx, counterTask("k", 1, 1), "", opts...); err != nil || !ok {
-			t.Fatalf("forced release: %v %v", ok, err)
-		}
+		h, a := releasedNewClientHolder(t)
 		b := h.enqueue(counterTask("k", 1, 2))
 		tr := newA6Tracker(a6CounterKey, 1, 2)
 		h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
@@ -51,4 +38,17 @@ func TestReleasedNewClientHolderTakesOrGivesWay(t *testing.T) {
 		first := waitFor(t, tr.starts, "the key's first run")
 		tr.noSecondStart(t, first, 3*time.Second, "tasks "+a.ID+" and "+b.ID+" of one key")
 	})
+}
+
+// releasedNewClientHolder enqueues a task through NewClient and has an
+// operator release its lock (Release without a holder) while it waits.
+func releasedNewClientHolder(t *testing.T) (*harness, *asynq.TaskInfo) {
+	t.Helper()
+	h := newHarness(t, counterRules(Rule{}))
+	h.client = h.d.NewClient()
+	a := h.enqueue(counterTask("k", 1, 1))
+	if ok, err := h.d.Release(context.Background(), counterTask("k", 1, 1), "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("forced release: %v %v", ok, err)
+	}
+	return h, a
 }

@@ -157,16 +157,25 @@ func (s *Store) ExtendAll(ctx context.Context, es []*Extend) []ExtendResult {
 		sh := s.sh.forKey(ctx, s.keys.LockOf(&e.Ref))
 		groups[sh] = append(groups[sh], i)
 	}
+	eachGroup(groups, func(idx []int) { s.extendGroup(ctx, es, idx, out) })
+	return out
+}
+
+// eachGroup calls do for every group, concurrently when there are several
+// (so that one node's slow call delays only its own group), and returns
+// when all are done.
+func eachGroup[K comparable](groups map[K][]int, do func(idx []int)) {
+	if len(groups) == 1 {
+		for _, idx := range groups {
+			do(idx)
+		}
+		return
+	}
 	var wg sync.WaitGroup
 	for _, idx := range groups {
-		if len(groups) == 1 {
-			s.extendGroup(ctx, es, idx, out)
-			break
-		}
-		wg.Go(func() { s.extendGroup(ctx, es, idx, out) })
+		wg.Go(func() { do(idx) })
 	}
 	wg.Wait()
-	return out
 }
 
 // extendGroup renews the locks es[idx] of one node in one pipeline and

@@ -3,7 +3,6 @@ package store
 import (
 	"context"
 	"fmt"
-	"sync"
 )
 
 // Done is one attempt's release in a call of the done script
@@ -50,15 +49,7 @@ func (s *Store) DoneAll(ctx context.Context, ds []Done) []DoneResult {
 		tag := ds[i].Ref.Queue
 		groups[tag] = append(groups[tag], i)
 	}
-	var wg sync.WaitGroup
-	for _, idx := range groups {
-		if len(groups) == 1 {
-			s.doneGroup(ctx, ds, idx, out)
-			break
-		}
-		wg.Go(func() { s.doneGroup(ctx, ds, idx, out) })
-	}
-	wg.Wait()
+	eachGroup(groups, func(idx []int) { s.doneGroup(ctx, ds, idx, out) })
 	return out
 }
 
