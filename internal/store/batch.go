@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -220,6 +221,55 @@ func (b *batcher) exec(batch []*batchReq) {
 	if len(live) == 0 {
 		return
 	}
+	if groups := bySlotTag(b.rdb, live); groups != nil {
+		for _, g := range groups {
+			b.execLive(g)
+		}
+		return
+	}
+	b.execLive(live)
+}
+
+// bySlotTag splits a batch for a Redis Cluster client by its calls' hash
+// tags (a call's keys share one), so that a pipeline never spans slots: a
+// pipeline whose slots part during a migration has go-redis (v9.23.0) read
+// one command's reply on two goroutines at once. nil: one group will do.
+func bySlotTag(rdb redis.UniversalClient, live []*batchReq) [][]*batchReq {
+	if _, cluster := rdb.(*redis.ClusterClient); !cluster || len(live) < 2 {
+		return nil
+	}
+	idx := map[string]int{}
+	var groups [][]*batchReq
+	for _, r := range live {
+		tag := hashTag(r.keys[0])
+		i, ok := idx[tag]
+		if !ok {
+			i = len(groups)
+			idx[tag] = i
+			groups = append(groups, nil)
+		}
+		groups[i] = append(groups[i], r)
+	}
+	if len(groups) == 1 {
+		return nil
+	}
+	return groups
+}
+
+// hashTag is the part of key Redis Cluster hashes: the first {…} with
+// something in it, else the whole key.
+func hashTag(key string) string {
+	if i := strings.IndexByte(key, '{'); i >= 0 {
+		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
+			return key[i+1 : i+1+j]
+		}
+	}
+	return key
+}
+
+// execLive sends live requests (callers waiting) as one pipeline, or one
+// call for one, and answers each.
+func (b *batcher) execLive(live []*batchReq) {
 	if len(live) == 1 {
 		r := live[0]
 		ctx, cancel := context.WithTimeout(r.ctx, b.timeout) // its caller's alone: its cancellation counts

@@ -236,3 +236,14 @@ func TestBatcherNoScript(t *testing.T) {
 		t.Fatalf("sends %v: no pipeline met NOSCRIPT", g.sent())
 	}
 }
+
+// hashTag hashes what Redis Cluster hashes: the first non-empty {…}.
+func TestHashTag(t *testing.T) {
+	for key, want := range map[string]string{
+		"dedup:{q}:l:ab": "q", "asynq:{q-1}:t:x": "q-1", "plain": "plain", "a{}b{c}": "a{}b{c}", "x{y": "x{y", "{a}{b}": "a",
+	} {
+		if got := hashTag(key); got != want {
+			t.Errorf("hashTag(%q) = %q, want %q", key, got, want)
+		}
+	}
+}
