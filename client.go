@@ -165,10 +165,14 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 // ID with an opt-out mark where the middleware looks for its lock.
 func (c *Client) enqueueUnlocked(ctx context.Context, k *call) (Result, error) {
 	switch {
-	case k.callerID == "":
-		k.pass = append(k.pass, asynq.TaskID(store.NewOptOutID()))
 	case store.Reserved(k.callerID, ""):
 		return Result{}, fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, da-)", ErrInvalidOption, k.callerID)
+	case !k.rule.skip:
+		// OptIn and no rule: nothing here is deduplicated, so asynq's
+		// task ID stays as asynq makes it. (A server whose rules cover the
+		// type guards it as any task that arrives without a lock.)
+	case k.callerID == "":
+		k.pass = append(k.pass, asynq.TaskID(store.NewOptOutID()))
 	default:
 		if err := c.markOptOut(ctx, k); err != nil {
 			return Result{}, err

@@ -213,9 +213,18 @@ func TestSkipOptOut(t *testing.T) {
 func TestOptInMode(t *testing.T) {
 	h := newHarness(t, Config{OptIn: true, Rules: map[string]Rule{"ruled": {}}})
 	for range 2 {
-		if _, err := h.client.Enqueue(asynq.NewTask("free", []byte("x")), asynq.Queue(h.queue)); err != nil {
+		info, err := h.client.Enqueue(asynq.NewTask("free", []byte("x")), asynq.Queue(h.queue))
+		if err != nil {
 			t.Fatalf("type without rule in opt-in mode: %v", err)
 		}
+		// Nothing is deduplicated: the task ID is asynq's own.
+		if store.IsOptOutID(info.ID) || strings.HasPrefix(info.ID, "d") && strings.Contains(info.ID[:3], "-") {
+			t.Fatalf("task ID %q was rewritten for a type that is not deduplicated", info.ID)
+		}
+	}
+	// An explicit Skip still marks its task, so that a guarding server leaves it alone.
+	if info, err := h.client.Enqueue(asynq.NewTask("free", []byte("x")), asynq.Queue(h.queue), Skip()); err != nil || !store.IsOptOutID(info.ID) {
+		t.Fatalf("Skip in opt-in mode: %v, %v: want a dx- task ID", info, err)
 	}
 	if _, err := h.client.Enqueue(asynq.NewTask("ruled", []byte("x")), asynq.Queue(h.queue)); err != nil {
 		t.Fatal(err)

@@ -310,6 +310,14 @@ func compileFields(paths []string) (*jsonkey.Fields, error) {
 	return fs, nil
 }
 
+// ruleError names the rule an option error (one matching ErrInvalidOption)
+// came from, in the order of every other error of this package: the
+// sentinel first, then where, then what.
+func ruleError(typ string, err error) error {
+	what := strings.TrimPrefix(err.Error(), ErrInvalidOption.Error()+": ")
+	return &wrapped{msg: fmt.Sprintf("%v: rule for %q: %s", ErrInvalidOption, typ, what), err: err}
+}
+
 func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 	out := make(map[string]*resolved, len(rules))
 	for typ, r := range rules {
@@ -318,7 +326,7 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 		}
 		fs, err := compileFields(r.Fields)
 		if err != nil {
-			return nil, fmt.Errorf("rule for %q: %w", typ, err)
+			return nil, ruleError(typ, err)
 		}
 		if r.TTL < 0 {
 			return nil, fmt.Errorf("%w: rule for %q: negative TTL", ErrInvalidOption, typ)
@@ -342,7 +350,7 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 			cooldown: min(r.Cooldown, MaxLifetime), debounce: min(r.Debounce, MaxLifetime),
 		}
 		if err := res.checkModes(); err != nil {
-			return nil, fmt.Errorf("rule for %q: %w", typ, err)
+			return nil, ruleError(typ, err)
 		}
 		out[typ] = res
 	}

@@ -165,3 +165,13 @@ func IsFailure(err error) bool {
 func unavailable(op string, err error) error {
 	return fmt.Errorf("%w: %s: %w", ErrUnavailable, op, err)
 }
+
+// wrapped is an error whose message is reworded (ruleError) but which
+// still matches, with errors.Is and errors.As, everything err does.
+type wrapped struct {
+	msg string
+	err error
+}
+
+func (w *wrapped) Error() string { return w.msg }
+func (w *wrapped) Unwrap() error { return w.err }

@@ -89,13 +89,10 @@ func (s *Stats) field(e event) *uint64 {
 	return reflect.ValueOf(s).Elem().Field(int(e)).Addr().Interface().(*uint64)
 }
 
-// EventNames returns the names of the counters of Stats, in the order of
-// its fields: "locked", "duplicate", "rollback", "started", "busy",
-// "released", "held", "lock_lost", "redis_error", "fail_open", "unguarded",
-// "coalesced", "merged", "deferred", "over_bound", "processed",
-// "breaker_open". They are the
-// keys of Stats.Map, the fields of the stats hashes in Redis and the "event"
-// label of the Prometheus collector (package dedupprom).
+// EventNames returns the names of the counters of Stats (its fields'
+// "event" tags), in the order of its fields. They are the keys of
+// Stats.Map, the fields of the stats hashes in Redis and the "event" label
+// of the Prometheus collector (package dedupprom).
 func EventNames() []string {
 	out := make([]string, numEvents)
 	copy(out, eventNames[:])

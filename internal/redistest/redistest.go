@@ -17,6 +17,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -32,6 +33,11 @@ const (
 	// MiniredisEnv forces the miniredis fallback (to try it where
 	// redis-server is installed).
 	MiniredisEnv = "DEDUP_TEST_MINIREDIS"
+	// LogEnv lets go-redis's own log lines through to stderr. Without it
+	// Main keeps them out of the test output: the fault tests kill Redis on
+	// purpose, and go-redis's "connection refused" lines by the hundred
+	// hid real failures.
+	LogEnv = "DEDUP_REDIS_LOG"
 )
 
 var addr string // the shared server's address, "" when there is none
@@ -40,6 +46,9 @@ var addr string // the shared server's address, "" when there is none
 // from TestMain: os.Exit(redistest.Main(m, "dedup")). name labels its
 // messages.
 func Main(m *testing.M, name string) int {
+	if os.Getenv(LogEnv) == "" {
+		redis.SetLogger(&Quiet)
+	}
 	var (
 		p   *Proc
 		err = fmt.Errorf("%s is set", MiniredisEnv)
@@ -59,6 +68,18 @@ func Main(m *testing.M, name string) int {
 	}
 	return m.Run()
 }
+
+// Quiet is the go-redis logger Main installs (unless LogEnv is set): it
+// counts go-redis's log lines and drops them.
+var Quiet quietLog
+
+type quietLog struct{ n atomic.Int64 }
+
+// Printf implements go-redis's internal logging interface.
+func (q *quietLog) Printf(context.Context, string, ...any) { q.n.Add(1) }
+
+// Lines returns how many lines go-redis logged into q.
+func (q *quietLog) Lines() int64 { return q.n.Load() }
 
 // Addr is the shared redis-server's address, or "" when the tests run on
 // miniredis.
