@@ -84,13 +84,16 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	case st.Status == store.StatusElsewhere:
 		return d.elsewhere(t, id)
 	case st.Status == store.StatusAllowed:
-		return next.ProcessTask(ctx, t) // RunningAllow: the key was freed as the task started
+		if !st.New {
+			d.count(t.Type(), evReleased) // RunningAllow: the key was freed as the task started
+		}
+		return d.runAllowed(ctx, t, next)
 	case rule.running == RunningAllow && !guarded && st.Status == store.StatusHeld && !st.HolderRuns && !st.Released:
 		// A task accepted at enqueue of a type that runs beside a waiting
 		// task of its key: its first attempt freed the key (or its lock
 		// lapsed while it waited), and another task has taken it since and
 		// waits. It runs, as RunningAllow runs, without the lock.
-		return next.ProcessTask(ctx, t)
+		return d.runAllowed(ctx, t, next)
 	case st.Status == store.StatusCooling && guarded:
 		return d.cooling(t, &l.ref, st.Holder, st.Cooling)
 	case st.Status == store.StatusSuperseded:
@@ -103,6 +106,14 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	d.count(t.Type(), evStarted)
 	l.follow, l.begun = st.Follow, st.Begun
 	return d.run(ctx, t, next, &rule, l)
+}
+
+// runAllowed runs an attempt of a RunningAllow type, which holds no lock
+// while it runs; it is counted as started and processed as any other.
+func (d *Dedup) runAllowed(ctx context.Context, t *asynq.Task, next asynq.Handler) error {
+	d.count(t.Type(), evStarted)
+	defer d.count(t.Type(), evProcessed) // (a panic too, as run counts it)
+	return next.ProcessTask(ctx, t)
 }
 
 // startAttempt makes the attempt its lock's running owner. A task the wrapper

@@ -20,9 +20,9 @@ type Stats struct {
 	Locked      uint64 `event:"locked"`       // enqueues that took a lock
 	Duplicates  uint64 `event:"duplicate"`    // enqueues rejected with DuplicateTaskError
 	Rollbacks   uint64 `event:"rollback"`     // locks given back after asynq refused an enqueue
-	Started     uint64 `event:"started"`      // attempts that ran holding their lock
+	Started     uint64 `event:"started"`      // attempts that ran holding their lock (RunningAllow: its lock released as they start)
 	Busy        uint64 `event:"busy"`         // attempts deferred or skipped by the execution-time guard
-	Released    uint64 `event:"released"`     // locks released: success, revoke, final failure
+	Released    uint64 `event:"released"`     // locks released: success, revoke, final failure; RunningAllow: as the task starts
 	Held        uint64 `event:"held"`         // locks kept across a retry
 	LockLost    uint64 `event:"lock_lost"`    // running attempts that found their lock gone
 	RedisErrors uint64 `event:"redis_error"`  // failed lock calls
@@ -32,7 +32,7 @@ type Stats struct {
 	Merged      uint64 `event:"merged"`       // enqueues merged into a waiting task's payload, Merge
 	Deferred    uint64 `event:"deferred"`     // enqueues that created the follow-up of a running key (Defer); later folds into it count as coalesced or merged
 	OverBound   uint64 `event:"over_bound"`   // new keys refused because MaxPending keys were waiting
-	Processed   uint64 `event:"processed"`    // attempts that finished holding their lock
+	Processed   uint64 `event:"processed"`    // started attempts that finished
 	BreakerOpen uint64 `event:"breaker_open"` // times the circuit breaker opened
 	Superseded  uint64 `event:"superseded"`   // attempts not run: the task lost its lock to a newer payload of its key (its follow-up, Replace + Defer; or, an operator having released it, a Replace task of its type that took the key since)
 	Cooling     uint64 `event:"cooling"`      // locks kept after their task succeeded, until its Cooldown ends

@@ -31,7 +31,7 @@ type StartResult struct {
 	Holder  string        // StatusHeld, StatusCooling: the task holding the key; StatusSuperseded: the follow-up that replaces it
 	Follow  string        // StatusTaken, StatusHeld: the follow-up the lock owes, "" for none
 	Cooling time.Duration // StatusCooling: how long the key stays held
-	New     bool          // StatusTaken: there was no lock; the attempt made it
+	New     bool          // StatusTaken: there was no lock, the attempt made it; StatusAllowed: there was no lock to drop
 	// Released: StatusHeld, and an operator released this task's lock
 	// (Release, dedupctl release) before the holder, a task of its type,
 	// took the key: the holder's payload is the newer; StatusCooling, and

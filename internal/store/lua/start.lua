@@ -27,8 +27,9 @@
 --        {14, holder, ms, r}        the key cools down for ms more after its last task succeeded:
 --                                   the attempt must not run; r 'r' when an operator released
 --                                   this task's lock (its marker X says 'r:')
---        {9}                        the key's running policy is "allow": lock dropped (not the index
---                                   of a caller-chosen ID), run unlocked
+--        {9, '', new}               the key's running policy is "allow": lock dropped (not the index
+--                                   of a caller-chosen ID), run unlocked; new '1' when there was no
+--                                   lock to drop
 --        {12, followup}             superseded: the task lost its lock (its worker died) after a
 --                                   follow-up with a newer payload was made for it; it must not run
 --        {11, lacking, holder}      nothing done: call again with the keys of these roles
@@ -119,7 +120,7 @@ if rec[3] == 'a' or (not holder and ARGV[7] == 'a') then
   -- it was given: the task's retries must still find their key, or they
   -- would meet it as arrivals.)
   call('DEL', K.L)
-  return {9}
+  return {9, '', rec[3] == 'a' and '' or '1'}
 end
 if released then
   call('DEL', K.X) -- (the key was free: it runs, as any task that takes it)
