@@ -300,16 +300,6 @@ type resolved struct {
 	quiet           bool      // an enqueue on the middleware's behalf: its busy decision speaks for it
 }
 
-// compileFields compiles a field selection (nil for none), with errors
-// matching ErrInvalidOption.
-func compileFields(paths []string) (*jsonkey.Fields, error) {
-	fs, err := jsonkey.Compile(paths)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidOption, err)
-	}
-	return fs, nil
-}
-
 // ruleError names the rule an option error (one matching ErrInvalidOption)
 // came from, in the order of every other error of this package: the
 // sentinel first, then where, then what.

@@ -118,27 +118,6 @@ func (e *DuplicateTaskError) Is(target error) bool {
 	return target == ErrDuplicateTask || target == asynq.ErrDuplicateTask || (e.ownID && target == asynq.ErrTaskIDConflict)
 }
 
-// PayloadError reports a payload that cannot be fingerprinted. It names the
-// task type and, where there is one, the field; it never quotes the payload.
-type PayloadError struct {
-	Type  string // task type
-	Field string // selected field path, or "" when not about one field
-	Err   error  // cause
-}
-
-func (e *PayloadError) Error() string {
-	if e.Field != "" {
-		return fmt.Sprintf("dedup: task %q: field %q: %v", e.Type, e.Field, e.Err)
-	}
-	return fmt.Sprintf("dedup: task %q: %v", e.Type, e.Err)
-}
-
-// Is reports whether target is ErrInvalidPayload.
-func (e *PayloadError) Is(target error) bool { return target == ErrInvalidPayload }
-
-// Unwrap returns the cause.
-func (e *PayloadError) Unwrap() error { return e.Err }
-
 // BusyError is returned by the middleware when the running task's key is held
 // by another live task. It matches ErrKeyBusy.
 type BusyError struct {

@@ -3,6 +3,9 @@ package dedup
 import (
 	"context"
 	"errors"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"runtime/debug"
 	"testing"
 	"time"
@@ -108,5 +111,34 @@ func TestKnownAsynqLayout(t *testing.T) {
 	h := newHarness(t, Config{})
 	if c := h.d.NewClient(); !c.direct {
 		t.Fatal("the direct path is off with the known asynq")
+	}
+}
+
+// Field selection's public face has its own file (fields.go): the Fields
+// option, the path and canonical-value rules, PayloadError.
+func TestFieldSelectionHasItsOwnFile(t *testing.T) {
+	f, err := parser.ParseFile(token.NewFileSet(), "fields.go", nil, parser.SkipObjectResolution)
+	if err != nil {
+		t.Fatal(err)
+	}
+	declared := map[string]bool{}
+	for _, d := range f.Decls {
+		switch d := d.(type) {
+		case *ast.FuncDecl:
+			if d.Recv == nil {
+				declared[d.Name.Name] = true
+			}
+		case *ast.GenDecl:
+			for _, s := range d.Specs {
+				if ts, ok := s.(*ast.TypeSpec); ok {
+					declared[ts.Name.Name] = true
+				}
+			}
+		}
+	}
+	for _, name := range []string{"Fields", "PayloadError", "compileFields"} {
+		if !declared[name] {
+			t.Errorf("%s is not declared in fields.go", name)
+		}
 	}
 }
