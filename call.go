@@ -176,7 +176,7 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	}
 	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Indexed: k.callerID != ""}
 	k.acquire = store.Acquire{Ref: k.ref, OnWaiting: r.conflict.fold(), OnRunning: r.running.code(),
-		TTL: ttl, Now: now, MaxPending: r.maxPending, Cooldown: r.cooldown}
+		TTL: ttl, Now: now, MaxPending: r.maxPending, Cooldown: r.cooldown, KeyForm: keyForm(r)}
 	if r.debounce > 0 {
 		k.acquire.DebounceDue = k.processAt.Unix()
 	}

@@ -241,7 +241,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if ds, err := store.Diagnose(ctx, c, ls, 0, time.Now()); err != nil || len(ds) > 0 {
+	if ds, _, err := store.Diagnose(ctx, c, ls, 0, time.Now()); err != nil || len(ds) > 0 {
 		t.Fatalf("after the recovery, locks whose owner cannot run: %+v %v", ds, err)
 	}
 }

@@ -276,6 +276,7 @@ func (c *Config) withDefaults() (Config, error) {
 type resolved struct {
 	skip            bool
 	fields          *jsonkey.Fields
+	form            string // how the key is chosen, for the lock record (store's KeyForm); "": work it out (keyForm)
 	missingAsNull   bool
 	key             string
 	hasKey          bool
@@ -342,6 +343,7 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 		if err := res.checkModes(); err != nil {
 			return nil, ruleError(typ, err)
 		}
+		res.form = keyForm(res)
 		out[typ] = res
 	}
 	return out, nil

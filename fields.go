@@ -28,6 +28,7 @@ import (
 	"sync/atomic"
 
 	"github.com/asynq-dedup/dedup/internal/jsonkey"
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -87,6 +88,10 @@ func newFieldsOption(paths []string) option {
 	if err == nil && fs == nil {
 		err = fmt.Errorf("%w: Fields needs at least one path", ErrInvalidOption)
 	}
+	var form string // once per option, not per call
+	if fs != nil {
+		form = store.KeyFormFields(fs.Paths())
+	}
 	return option{desc: fmt.Sprintf("dedup.Fields(%s)", strings.Join(paths, ", ")), apply: func(r *resolved) error {
 		if err != nil {
 			return err
@@ -95,7 +100,7 @@ func newFieldsOption(paths []string) option {
 		if r.callKey != "" {
 			return nil // the call's explicit key beats its fields
 		}
-		r.fields, r.key, r.hasKey, r.keyFunc = fs, "", false, nil
+		r.fields, r.key, r.hasKey, r.keyFunc, r.form = fs, "", false, nil, form
 		return nil
 	}}
 }

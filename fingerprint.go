@@ -8,6 +8,7 @@ import (
 	"io"
 
 	"github.com/asynq-dedup/dedup/internal/jsonkey"
+	"github.com/asynq-dedup/dedup/internal/store"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -33,6 +34,29 @@ const (
 	kindFields = 'f'
 	kindKey    = 'k'
 )
+
+// keyForm says how r chooses a key, as a lock records it (store's
+// KeyForm): which kind of key, and the field names, never the material.
+// It follows fingerprintStream's precedence.
+func keyForm(r *resolved) string {
+	if r.form != "" {
+		return r.form
+	}
+	shared := r.shared && (r.keyFunc != nil || r.hasKey)
+	switch {
+	case r.keyFunc != nil && shared:
+		return store.KeyFormSharedFunc
+	case r.keyFunc != nil:
+		return store.KeyFormFunc
+	case r.hasKey && shared:
+		return store.KeyFormShared
+	case r.hasKey:
+		return store.KeyFormKey
+	case r.fields != nil:
+		return store.KeyFormFields(r.fields.Paths())
+	}
+	return store.KeyFormPayload
+}
 
 // fingerprint hashes one task under a resolved rule with 64-bit xxhash. It
 // reads the payload once and allocates nothing for scalar fields.

@@ -50,6 +50,8 @@ func keyOption(name, key string, shared bool) asynq.Option {
 			return fmt.Errorf("%w: %s and %s in one call: give one key", ErrInvalidOption, r.callKey, name)
 		}
 		r.key, r.hasKey, r.keyFunc, r.fields, r.shared, r.optedIn = key, true, nil, nil, shared, true
+		r.form = ""
+		r.form = keyForm(r) // (the rule's form no longer holds)
 		r.callKey = name
 		return nil
 	}}

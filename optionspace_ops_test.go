@@ -602,7 +602,7 @@ func (w *osWorld) doctor() {
 	if err != nil {
 		w.fail("doctor: read locks: " + err.Error())
 	}
-	ds, err := store.Diagnose(ctx, w.h.rdb, ls, osHealGrace, time.Now())
+	ds, _, err := store.Diagnose(ctx, w.h.rdb, ls, osHealGrace, time.Now())
 	if err != nil {
 		w.fail("doctor: " + err.Error())
 	}

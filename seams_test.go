@@ -570,7 +570,7 @@ func TestDoctorFixQueuesTheFollowUpOfALockItReleases(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ds, err := store.Diagnose(ctx, h.rdb, ls, time.Minute, time.Now())
+	ds, _, err := store.Diagnose(ctx, h.rdb, ls, time.Minute, time.Now())
 	if err != nil || len(ds) != 1 {
 		t.Fatalf("doctor: %v %v, want the one lock whose owner was archived", ds, err)
 	}

@@ -50,7 +50,7 @@ func TestAdversary5DoctorFixReleasesALockRetakenUnderTheSameCallerChosenID(t *te
 	if err != nil {
 		t.Fatal(err)
 	}
-	ds, err := store.Diagnose(ctx, f.rdb, ls, 0, time.Now())
+	ds, _, err := store.Diagnose(ctx, f.rdb, ls, 0, time.Now())
 	if err != nil || len(ds) != 1 || ds[0].Problem != store.ProblemGone {
 		t.Fatalf("diagnose: %+v %v, want the one lock gone", ds, err)
 	}

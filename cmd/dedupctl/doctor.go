@@ -28,7 +28,8 @@ record in asynq and reports the locks whose owner cannot run:
         it expires; healing does not apply, as the record looks alive.
 
 A lock younger than --grace whose owner is gone is left alone unless it was
-written with its task (its task may not be stored yet). With --fix each lock
+written with its task (its task may not be stored yet): doctor lists it
+apart, as left alone, and --fix does not release it. With --fix each lock
 found is released owner-checked, as "release --yes" does; the tasks are left
 as they are (a lost task's record stays for you to inspect or re-enqueue),
 but for a follow-up the lock owes (RunningDefer) that still waits: it takes
@@ -69,6 +70,8 @@ type doctorOutput struct {
 	Checked  int             `json:"checked"`
 	Findings []doctorFinding `json:"findings"`
 	Released int             `json:"released"`
+	Grace    string          `json:"grace"`
+	Young    []doctorFinding `json:"left_alone"` // orphans younger than --grace: not released
 }
 
 func runDoctor(a *app, o *doctorFlags) error {
@@ -87,14 +90,18 @@ func runDoctor(a *app, o *doctorFlags) error {
 	if err := s.each(ctx, func(l *lockInfo) { ls = append(ls, l.lock) }); err != nil {
 		return err
 	}
-	ds, err := store.Diagnose(ctx, c.rdb, ls, o.grace, time.Now())
+	ds, young, err := store.Diagnose(ctx, c.rdb, ls, o.grace, time.Now())
 	if err != nil {
 		return err
 	}
-	out := doctorOutput{Prefix: a.g.prefix, Checked: len(ls), Findings: []doctorFinding{}}
+	out := doctorOutput{Prefix: a.g.prefix, Checked: len(ls), Findings: []doctorFinding{}, Grace: fmtDuration(o.grace), Young: []doctorFinding{}}
+	for _, d := range young {
+		f := findingOf(d)
+		f.Detail += fmt.Sprintf(", lock younger than --grace %s: its task may not be stored yet", out.Grace)
+		out.Young = append(out.Young, f)
+	}
 	for _, d := range ds {
-		l := d.Lock
-		f := doctorFinding{Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, TaskState: l.TaskState, Problem: d.Problem, Detail: d.Detail}
+		l, f := d.Lock, findingOf(d)
 		if o.fix {
 			res, err := store.ReleaseStuck(ctx, c.rdb, store.NewKeys(a.g.prefix), l)
 			switch {
@@ -120,10 +127,19 @@ func runDoctor(a *app, o *doctorFlags) error {
 	return nil
 }
 
+// findingOf presents one diagnosis.
+func findingOf(d store.Diagnosis) doctorFinding {
+	l := d.Lock
+	return doctorFinding{Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, TaskState: l.TaskState, Problem: d.Problem, Detail: d.Detail}
+}
+
 func printDoctor(w io.Writer, out doctorOutput, fix bool) {
-	if len(out.Findings) > 0 {
+	if len(out.Findings)+len(out.Young) > 0 {
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "KEY\tTYPE\tOWNER\tPROBLEM\tDETAIL")
+		for _, f := range out.Young {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s; left alone\n", f.Key, orDash(f.Type), f.Owner, f.Problem, f.Detail)
+		}
 		for _, f := range out.Findings {
 			detail := f.Detail
 			switch {
@@ -138,12 +154,16 @@ func printDoctor(w io.Writer, out doctorOutput, fix bool) {
 		}
 		_ = tw.Flush()
 	}
-	fmt.Fprintf(w, "%d %s checked, %d %s owner cannot run", out.Checked, plural(out.Checked, "lock", "locks"), len(out.Findings), plural(len(out.Findings), "lock whose", "locks whose"))
+	n := len(out.Findings)
+	fmt.Fprintf(w, "%d %s checked, %d %s owner cannot run", out.Checked, plural(out.Checked, "lock", "locks"), n, plural(n, "lock whose", "locks whose"))
+	if y := len(out.Young); y > 0 {
+		fmt.Fprintf(w, ", %d %s younger than --grace %s left alone", y, plural(y, "orphan", "orphans"), out.Grace)
+	}
 	switch {
 	case fix:
 		fmt.Fprintf(w, ", %d released\n", out.Released)
-	case len(out.Findings) > 0:
-		fmt.Fprintln(w, "; run with --fix to release them")
+	case n > 0:
+		fmt.Fprintf(w, "; run with --fix to release %s\n", plural(n, "it", "them"))
 	default:
 		fmt.Fprintln(w)
 	}

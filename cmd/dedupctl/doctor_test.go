@@ -53,9 +53,16 @@ func TestDoctorFindsAndFixesLocksWhoseOwnerCannotRun(t *testing.T) {
 	if !strings.Contains(r.stdout, "but not in asynq's pending list or set") || !strings.Contains(r.stdout, "5 locks checked, 2 locks whose owner cannot run; run with --fix") {
 		t.Errorf("doctor text:\n%s", r.stdout)
 	}
-	// An orphan younger than --grace is left alone (a WrapClient lock).
-	if out := decode[doctorOutput](t, f.ok("--json", "doctor")); len(out.Findings) != 1 || out.Findings[0].Owner != lost.ID {
-		t.Errorf("doctor with the default grace: %+v, want only the lost lock", out.Findings)
+	// An orphan younger than --grace is left alone (a WrapClient lock), and
+	// doctor says so: show calls it orphaned.
+	if out := decode[doctorOutput](t, f.ok("--json", "doctor")); len(out.Findings) != 1 || out.Findings[0].Owner != lost.ID ||
+		len(out.Young) != 1 || out.Young[0].Owner != orphan.ID {
+		t.Errorf("doctor with the default grace: found %+v, left alone %+v; want the lost lock found and the orphan left alone", out.Findings, out.Young)
+	}
+	r = f.ok("doctor")
+	if !strings.Contains(r.stdout, "5 locks checked, 1 lock whose owner cannot run, 1 orphan younger than --grace 1m00s left alone; run with --fix to release it") ||
+		!strings.Contains(r.stdout, orphan.ID) {
+		t.Errorf("doctor text with the default grace:\n%s", r.stdout)
 	}
 
 	fixed := decode[doctorOutput](t, f.ok("--json", "doctor", "--grace", "0", "--fix"))

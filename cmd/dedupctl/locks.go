@@ -34,6 +34,7 @@ type lockInfo struct {
 	Queue       string            `json:"queue"`
 	Fingerprint string            `json:"fingerprint"`
 	Type        string            `json:"type"`
+	KeyedOn     string            `json:"keyed_on,omitempty"` // how the key was chosen: field names, never values
 	Owner       string            `json:"owner"`
 	State       string            `json:"state"`      // running, waiting, retry-wait, cooling or orphaned
 	TaskState   string            `json:"task_state"` // the owner's state in asynq; "missing" when it is gone
@@ -52,6 +53,9 @@ type lockInfo struct {
 func infoOf(l *store.Lock) *lockInfo {
 	li := &lockInfo{Key: l.Key, Queue: l.Queue, Fingerprint: l.FP, Type: l.Type, Owner: l.Owner, State: l.State(),
 		TaskState: l.TaskState, Coalesced: l.Folds, FollowUp: l.Follow, Created: l.Created, Fields: l.Fields, lock: l}
+	if l.KeyForm != "" {
+		li.KeyedOn = store.DescribeKeyForm(l.KeyForm)
+	}
 	li.TTLms, li.TTL = -1, "no expiry"
 	if l.TTL >= 0 {
 		li.TTLms, li.TTL = l.TTL.Milliseconds(), fmtDuration(l.TTL)

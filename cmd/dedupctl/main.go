@@ -85,7 +85,7 @@ type command struct {
 var commands []*command // filled by init, in help order
 
 func init() {
-	commands = []*command{listCommand(), showCommand(), releaseCommand(), doctorCommand(), statsCommand()}
+	commands = []*command{listCommand(), showCommand(), lookupCommand(), releaseCommand(), doctorCommand(), statsCommand()}
 }
 
 func lookup(name string) *command {

@@ -233,7 +233,7 @@ func TestUsageErrors(t *testing.T) {
 		want string
 	}{
 		{nil, "no command given"},
-		{[]string{"frobnicate"}, `unknown command "frobnicate" (commands: list, show, release, doctor, stats)`},
+		{[]string{"frobnicate"}, `unknown command "frobnicate" (commands: list, show, lookup, release, doctor, stats)`},
 		{[]string{"show"}, "missing argument: KEY (or --task ID [--queue Q])"},
 		{[]string{"release"}, "missing argument: KEY (or --task ID [--queue Q])"},
 		{[]string{"show", "a", "b"}, `too many arguments: ["b"]`},

@@ -367,6 +367,7 @@ func printShow(w io.Writer, o *showOutput, now time.Time) {
 	}
 	row("fingerprint", o.Fingerprint)
 	row("type", orDash(o.Type))
+	row("keyed on", orDash(o.KeyedOn))
 	row("state", o.State)
 	row("owner", o.Owner)
 	row("owner in asynq", o.OwnerTask.Note)

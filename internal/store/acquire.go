@@ -37,6 +37,7 @@ type Acquire struct {
 	// that a caller's Acquire holding it stays on the caller's stack.
 	Direct     bool
 	Message    Message
+	KeyForm    string // how the key was chosen (KeyForm), kept in a taken lock
 	DueAt      int64  // for Message: unix seconds it is due; 0: pending now
 	MaxPending int    // most keys of the type waiting in the queue; 0: no bound
 	Payload    []byte // the new payload, for FoldReplace and a follow-up
@@ -251,26 +252,26 @@ func (a *Acquire) sendsMessage(h *hint) bool {
 }
 
 // args lays out ARGV; the optional arguments go only as far as the last
-// one that differs from its default (a plain call sends 8).
+// one that differs from its default (a plain call sends 9).
 func (a *Acquire) args(s *Store, kl *keyList, h *hint, sends bool) []any {
 	r := &a.Ref
 	var msg []byte
 	if sends {
 		msg = a.Message.Encode() // only now: a call expecting the key held never encodes it
 	}
-	args := make([]any, 7, 16)
+	args := make([]any, 9, 21)
 	args[0], args[1], args[2], args[3] = kl.roleString(), r.ID, r.stored(), a.Now.UnixMilli()
-	args[4], args[5], args[6] = s.graceSeconds(), ms(a.TTL), msg
+	args[4], args[5], args[6], args[7], args[8] = s.graceSeconds(), ms(a.TTL), msg, r.Type, a.KeyForm
 	n := 0
 	switch {
 	case a.DebounceDue != 0:
-		n = 13
+		n = 12
 	case a.Cooldown > 0:
-		n = 11
-	case a.MaxPending > 0 || a.folds(): // a fold checks the type
 		n = 10
 	case a.FollowID != "":
 		n = 9
+	case a.MaxPending > 0 || a.folds():
+		n = 7
 	case a.DueAt != 0 && msg != nil:
 		n = 6
 	case h.follow != "":
@@ -291,7 +292,7 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint, sends bool) []any {
 	if a.Cooldown > 0 {
 		cool = ms(a.Cooldown)
 	}
-	opt := [...]any{field, h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), r.Type, cool, a.DebounceDue, h.holderID}
+	opt := [...]any{field, h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), cool, a.DebounceDue, h.holderID}
 	return append(args, opt[:n]...)
 }
 

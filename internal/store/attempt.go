@@ -20,6 +20,7 @@ type Start struct {
 	Token   string        // the attempt's random token
 	Lease   time.Duration // the running lock's lifetime
 	Running Running       // running policy, recorded if Start creates the lock
+	KeyForm string        // how the key was chosen (KeyForm), recorded if Start creates the lock
 	// Cooldown, recorded if Start creates the lock (as Acquire.Cooldown,
 	// from now).
 	Cooldown time.Duration
@@ -86,7 +87,7 @@ func (s *Store) start(ctx context.Context, st *Start) (StartResult, error) {
 			cool = ms(st.Cooldown)
 		}
 		v, err := s.run(ctx, s.sc.start, kl.keys, kl.roleString(), r.ID, r.stored(), st.Token,
-			ms(st.Lease), s.graceSeconds(), string(st.Running), r.FP, holder, cool, r.Type)
+			ms(st.Lease), s.graceSeconds(), string(st.Running), r.FP, holder, cool, r.Type, st.KeyForm)
 		if err != nil {
 			return StartResult{}, err
 		}

@@ -29,12 +29,12 @@ type Diagnosis struct {
 // migration that dropped a list. Each owner's state and place are read
 // together, atomically (lua/diagnose.lua), so a task asynq moves meanwhile
 // is never taken for lost. A lock younger than grace whose owner is gone
-// is left out unless it was written with its task: the task may not be
-// stored yet. One pipelined round trip (per node on a cluster).
-func Diagnose(ctx context.Context, c redis.Cmdable, ls []*Lock, grace time.Duration, now time.Time) ([]Diagnosis, error) {
+// is not found but young, unless it was written with its task: the task
+// may not be stored yet. One pipelined round trip (per node on a cluster).
+func Diagnose(ctx context.Context, c redis.Cmdable, ls []*Lock, grace time.Duration, now time.Time) (found, young []Diagnosis, err error) {
 	sc := scripts().diagnose
 	cmds := make([]*redis.Cmd, len(ls))
-	_, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
+	_, err = c.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, l := range ls {
 			if l.State() == LockCooling {
 				continue
@@ -46,30 +46,33 @@ func Diagnose(ctx context.Context, c redis.Cmdable, ls []*Lock, grace time.Durat
 		return nil
 	})
 	if err != nil && !errors.Is(err, redis.Nil) {
-		return nil, fmt.Errorf("check the owners: %w", err)
+		return nil, nil, fmt.Errorf("check the owners: %w", err)
 	}
-	var out []Diagnosis
 	for i, cmd := range cmds {
 		if cmd == nil {
 			continue
 		}
 		v, err := cmd.Result()
 		if err != nil {
-			return nil, fmt.Errorf("check %s: %w", ls[i].Key, err)
+			return nil, nil, fmt.Errorf("check %s: %w", ls[i].Key, err)
 		}
 		rep, err := parseReply(v)
 		if err != nil {
-			return nil, fmt.Errorf("check %s: %w", ls[i].Key, err)
+			return nil, nil, fmt.Errorf("check %s: %w", ls[i].Key, err)
 		}
-		if d, bad := diagnosis(ls[i], rep.str(0), rep.str(1) == "1", grace, now); bad {
-			out = append(out, d)
+		switch d, bad := diagnosis(ls[i], rep.str(0), rep.str(1) == "1", grace, now); {
+		case bad:
+			found = append(found, d)
+		case d.Lock != nil:
+			young = append(young, d)
 		}
 	}
-	return out, nil
+	return found, young, nil
 }
 
 // diagnosis judges one lock from its owner's state and whether that
-// state's list or set holds it.
+// state's list or set holds it: bad, or (not bad, with its Lock set) an
+// orphan younger than grace.
 func diagnosis(l *Lock, state string, there bool, grace time.Duration, now time.Time) (Diagnosis, bool) {
 	switch {
 	case state == "" || Gone(state):

@@ -24,8 +24,44 @@ const (
 	FieldStored  = "v"   // written with its owner's asynq record (no enqueue gap): heals without the grace
 	FieldCoolEnd = "cd"  // the end of the key's cooldown, unix milliseconds: kept till then if the task succeeds
 	FieldCooling = "k"   // the owner succeeded and the key cools down until the lock expires
-	FieldType    = "ty"  // the owner's type: in cooling locks (their owner's record is gone), and in locks of the earlier layout
+	FieldType    = "ty"  // the task type the key was taken for
+	FieldKeyForm = "kf"  // how the key was chosen (KeyForm): field names, never values
 )
+
+// Key forms: how a lock's key was chosen, kept in its record
+// (FieldKeyForm) so that operators can tell what a lock is about without
+// its owner's task; never the key's material.
+const (
+	KeyFormPayload    = "p"   // the whole raw payload
+	KeyFormKey        = "k"   // an explicit key, namespaced by type
+	KeyFormShared     = "s"   // an explicit key shared across types
+	KeyFormFunc       = "fn"  // a key function's result, namespaced by type
+	KeyFormSharedFunc = "sfn" // a key function's result, shared across types
+	keyFormFields     = "f:"  // followed by the selected paths, comma-separated
+)
+
+// KeyFormFields is the key form of a selection of JSON fields.
+func KeyFormFields(paths []string) string { return keyFormFields + strings.Join(paths, ",") }
+
+// DescribeKeyForm says what a key form means, for people.
+func DescribeKeyForm(kf string) string {
+	if paths, ok := strings.CutPrefix(kf, keyFormFields); ok {
+		return "fields " + strings.ReplaceAll(paths, ",", ", ")
+	}
+	switch kf {
+	case KeyFormPayload:
+		return "whole payload"
+	case KeyFormKey:
+		return "key (explicit)"
+	case KeyFormShared:
+		return "shared key"
+	case KeyFormFunc:
+		return "key function"
+	case KeyFormSharedFunc:
+		return "key function, shared key"
+	}
+	return "-"
+}
 
 // Running is what acquire does when the key is held by a running task; a
 // lock records it (FieldRunning), so the server needs no configuration.
@@ -44,7 +80,8 @@ type Lock struct {
 	Queue     string
 	FP        string
 	Owner     string // task ID
-	Type      string // the owner's task type, from its asynq record ("" if unknown)
+	Type      string // the task type the key was taken for, from the lock or its owner's asynq record ("" if unknown)
+	KeyForm   string // how the key was chosen (KeyForm), "" in locks of the earlier layout
 	Follow    string // owed follow-up task, "" for none
 	Created   int64  // unix seconds
 	Folds     int64
@@ -179,6 +216,7 @@ func fillLock(l *Lock, h map[string]string, ttl time.Duration) *Lock {
 	l.Fields = h
 	l.Owner = UnpackOwner(h[FieldOwner], l.FP)
 	l.Type = h[FieldType]
+	l.KeyForm = h[FieldKeyForm]
 	l.Follow = h[FieldFollow]
 	l.Folds, _ = strconv.ParseInt(h[FieldFolds], 10, 64)
 	l.Created, _ = strconv.ParseInt(h[FieldCreated], 10, 64)

@@ -6,13 +6,13 @@
 --   I  index key of the new task's caller-chosen ID     with a caller-chosen ID
 --   T  asynq record of the new task                     with ARGV[7]; with a caller-chosen ID
 --   P  asynq pending list, S asynq scheduled set        with ARGV[7]; to release a follow-up
---   W  the type's waiting set                           with ARGV[14]; to heal a counted lock
---   F  the key's follow-up pointer                      with ARGV[15]; to release a follow-up
---   N  asynq record of the new follow-up ARGV[15]       with ARGV[15]
---   H  asynq record of the holder ARGV[9], J its index key       when the holder must be read (J
---                                                                also with ARGV[19], to lengthen it)
+--   W  the type's waiting set                           with ARGV[16]; to heal a counted lock
+--   F  the key's follow-up pointer                      with ARGV[17]; to release a follow-up
+--   N  asynq record of the new follow-up ARGV[17]       with ARGV[17]
+--   H  asynq record of the holder ARGV[11], J its index key       when the holder must be read (J
+--                                                                also with ARGV[20], to lengthen it)
 --   X  the holder's superseded marker                           when a Replace may defer
---   G  asynq record of the follow-up ARGV[11]                    when the follow-up must be read
+--   G  asynq record of the follow-up ARGV[13]                    when the follow-up must be read
 --   Y  the lock a stale index of the new task's caller-chosen ID names, when that ID's task is gone
 --   R  the queue's registry of prefixes                          at a caller's first call on the queue
 -- A call that needs a key it was not given changes nothing and replies
@@ -30,24 +30,27 @@
 -- ARGV[6]  lock lifetime while waiting, integer milliseconds
 -- ARGV[7]  asynq task message to store with a taken lock ('' for none: the
 --          caller enqueues; a caller that expects the key held sends none)
+-- ARGV[8]  the task type: kept in a taken lock (operators find a lock by
+--          it after its owner's record is gone); a payload only lands in a
+--          task of its own type
+-- ARGV[9]  how the key was chosen (Keys' KeyForm: field names, never
+--          values), kept in a taken lock
 -- The rest may be left out (most calls do: every argument costs); the
 -- default is in brackets:
--- ARGV[8]  the new payload as an encoded TaskMessage field 2 ('' when empty) ['']
--- ARGV[9]  the holder H and J belong to, as lock records store it ['']
--- ARGV[10] fingerprint (member of W, value of I), given with W or I ['']
--- ARGV[11] the follow-up G belongs to ['']
--- ARGV[12] ARGV[11] as lock records store it ['']
--- ARGV[13] for ARGV[7]: unix seconds it is due, '0' for pending now ['0']
--- ARGV[14] most keys of the type waiting in the queue, '0' for no bound ['0']
--- ARGV[15] ID for a new follow-up (defer) ['']
--- ARGV[16] how long a new follow-up stays parked, integer seconds ['0']
--- ARGV[17] the task type, given with ARGV[14] and whenever the call may fold: a
---          payload only lands in a task of its own type ['']
--- ARGV[18] cooldown of a taken lock, integer milliseconds: after its task
+-- ARGV[10] the new payload as an encoded TaskMessage field 2 ('' when empty) ['']
+-- ARGV[11] the holder H and J belong to, as lock records store it ['']
+-- ARGV[12] fingerprint (member of W, value of I), given with W or I ['']
+-- ARGV[13] the follow-up G belongs to ['']
+-- ARGV[14] ARGV[13] as lock records store it ['']
+-- ARGV[15] for ARGV[7]: unix seconds it is due, '0' for pending now ['0']
+-- ARGV[16] most keys of the type waiting in the queue, '0' for no bound ['0']
+-- ARGV[17] ID for a new follow-up (defer) ['']
+-- ARGV[18] how long a new follow-up stays parked, integer seconds ['0']
+-- ARGV[19] cooldown of a taken lock, integer milliseconds: after its task
 --          succeeds the key stays held until this long after the take ['0']
--- ARGV[19] debounce: unix seconds a scheduled holder folded into becomes due
+-- ARGV[20] debounce: unix seconds a scheduled holder folded into becomes due
 --          ('0' for none), with ARGV[6] its lock's lifetime from now ['0']
--- ARGV[20] with ARGV[19]: ARGV[9] whole, as asynq's scheduled set holds it ['']
+-- ARGV[21] with ARGV[20]: ARGV[11] whole, as asynq's scheduled set holds it ['']
 --
 -- Reply (holder and f: the lock's owner as stored and its follow-up after
 -- the call, for the caller's hints):
@@ -68,7 +71,7 @@
 --                                      caller-chosen ID, or ARGV[7] given), or the ID holds the
 --                                      key and its task is completed or archived (asynq refuses
 --                                      the ID while the record lasts)
---   {8, waiting, queued}               refused: ARGV[14] keys already waiting; queued: tasks in the
+--   {8, waiting, queued}               refused: ARGV[16] keys already waiting; queued: tasks in the
 --                                      queue's pending list and scheduled set (fewer than waiting:
 --                                      some entries are stale)
 --   {11, lacking, holder, f[, stale]}  nothing done: call again with the keys of these roles (stale:
@@ -115,7 +118,7 @@ local id, stored, ttl, msg = A[2], A[3], A[6], A[7]
 local now_ms = tonumber(A[4])
 local now = (now_ms - now_ms % 1000) / 1000
 local grace = tonumber(A[5])
-local follow = A[15] or ''
+local follow = A[17] or ''
 local rec = call('HMGET', K.L, 'id', 'c', 'f', 'tok', 'v', 'k')
 local holder = rec[1]
 if rec[6] then
@@ -137,7 +140,7 @@ roles(2)
 -- caller's to enqueue.
 local own = holder and (holder == stored or holder == id)
 if own then
-  local okey = K.T or (holder == A[9] and K.H)
+  local okey = K.T or (holder == A[11] and K.H)
   if not okey then
     return {11, 'H', holder, rec[3] or ''}
   end
@@ -156,10 +159,10 @@ if own then
   end
   K.H = okey
 end
-local fp = A[10] or ''
+local fp = A[12] or ''
 -- A plain rejection of a lock written with its task reads the holder's
 -- state alone (before the library below is defined: most of a call's cost).
-if verified and policy == 'x' and follow == '' and not rec[3] and K.H and holder == A[9] then
+if verified and policy == 'x' and follow == '' and not rec[3] and K.H and holder == A[11] then
   local st = call('HGET', K.H, 'state')
   if st and st ~= 'completed' and st ~= 'archived' then
     return {0, holder, holder, '', 'v'}
@@ -195,8 +198,8 @@ local function take()
     -- never store it twice.
     return {7}
   end
-  local max, cool = tonumber(A[14] or '0'), tonumber(A[18] or '0')
-  local fields = (max > 0 or running ~= 'x' or cool > 0) and {'id', stored, 'c', now} -- else the plain record below
+  local max, cool = tonumber(A[16] or '0'), tonumber(A[19] or '0')
+  local fields = {'id', stored, 'c', now, 'ty', A[8], 'kf', A[9]}
   if max > 0 then
     call('ZREMRANGEBYSCORE', K.W, '-inf', now_ms)
     local n = call('ZCARD', K.W)
@@ -205,7 +208,7 @@ local function take()
     end
     call('ZADD', K.W, now_ms + tonumber(ttl), fp)
     fields[#fields + 1] = 'b'
-    fields[#fields + 1] = A[17] -- the type: where the lock is counted
+    fields[#fields + 1] = A[8] -- the type: where the lock is counted
   end
   if running ~= 'x' then
     fields[#fields + 1] = 'rp'
@@ -216,13 +219,13 @@ local function take()
     fields[#fields + 1] = now_ms + cool
     if cool > tonumber(ttl) then ttl = cool end
   end
-  if msg ~= '' and fields then
+  if msg ~= '' then
     fields[#fields + 1] = 'v' -- stored with its task: verified
     fields[#fields + 1] = '1'
   end
   if msg ~= '' then
     -- Store the task as asynq's enqueue (or schedule) script would.
-    local due = A[13] or '0'
+    local due = A[15] or '0'
     if due ~= '0' then
       call('HSET', K.T, 'msg', msg, 'state', 'scheduled')
       call('ZADD', K.S, due, id)
@@ -231,13 +234,7 @@ local function take()
       call('LPUSH', K.P, id)
     end
   end
-  if fields then
-    call('HSET', K.L, unpack(fields))
-  elseif msg ~= '' then
-    call('HSET', K.L, 'id', stored, 'c', now, 'v', '1')
-  else
-    call('HSET', K.L, 'id', stored, 'c', now)
-  end
+  call('HSET', K.L, unpack(fields))
   call('PEXPIRE', K.L, ttl)
   if K.I then
     call('SET', K.I, fp, 'PX', ttl)
@@ -248,18 +245,18 @@ if not holder and follow == '' then
   return take() -- free, and no follow-up can be owed
 end
 -- @lib: lib.lua is spliced in here, after the fast paths.
-local field, fhint_s = A[8] or '', A[12] or ''
+local field, fhint_s = A[10] or '', A[14] or ''
 if holder then
   local more = call('HMGET', K.L, 'rp', 'n', 'b')
   rec = {rec[1], rec[2], rec[3], rec[4], more[1], more[2], more[3]}
 end
 -- rec: id, c, f, tok, rp, n, b
 local f = rec[3]
--- The holder H, J and X were given for (A[9], or the call's own ID), and
+-- The holder H, J and X were given for (A[11], or the call's own ID), and
 -- its whole ID.
-local hinted = holder and (own or holder == A[9])
-local hwhole = own and id or A[20]
-if not hinted or holder ~= A[9] then
+local hinted = holder and (own or holder == A[11])
+local hwhole = own and id or A[21]
+if not hinted or holder ~= A[11] then
   K.J, K.X = nil, nil -- given for another holder: not ours to touch
   if not own then K.H = nil end
 end
@@ -312,7 +309,7 @@ if not live and follow ~= '' then
 end
 local fstate, fmsg
 if fu then
-  if fu ~= A[11] then K.G = nil end
+  if fu ~= A[13] then K.G = nil end
   if lacks('G') then return need() end
   fstate, fmsg = read_task(K.G)
 end
@@ -320,7 +317,7 @@ end
 -- same_type reports whether a stored message is of the new task's type
 -- (asynq's messages begin with the type field).
 local function same_type(tmsg)
-  local tf = pb_str(1, A[17] or '')
+  local tf = pb_str(1, A[8] or '')
   return string.sub(tmsg, 1, #tf) == tf
 end
 
@@ -335,7 +332,7 @@ local function coalesce(t, tkey, tstate, tmsg, ch, cf)
     if not p then return {-1, 'malformed task message'} end
     return {4, t, p, rec[6] or '0', ch, cf}
   end
-  local due = hinted and t == holder and cf == '' and A[19] or '0' -- (a follow-up's due time is the heartbeat's)
+  local due = hinted and t == holder and cf == '' and A[20] or '0' -- (a follow-up's due time is the heartbeat's)
   if due ~= '0' and tstate == 'scheduled' and lacks('S') then return need() end
   local new = pb_setpayload(tmsg, field)
   if not new then return {-1, 'malformed task message'} end
@@ -379,7 +376,7 @@ if live then
     local copy = hmsg and pb_rewrite(hmsg, {[2] = field, [3] = pb_str(3, follow),
       [6] = '', [7] = '', [11] = '', [13] = ''})
     if not copy then return {-1, 'malformed task message'} end
-    local max = tonumber(A[14] or '0')
+    local max = tonumber(A[16] or '0')
     if max > 0 then
       -- The follow-up is a key waiting: counted under MaxPending from now
       -- until it starts (start), or a check finds it cannot run (prune): no
@@ -392,9 +389,9 @@ if live then
         end
       end
       call('ZADD', K.W, '+inf', fp)
-      call('HSET', K.L, 'b', A[17])
+      call('HSET', K.L, 'b', A[8])
     end
-    local park = tonumber(A[16] or '0')
+    local park = tonumber(A[18] or '0')
     call('HSET', K.N, 'msg', copy, 'state', 'scheduled')
     call('ZADD', K.S, now + park, follow)
     call('SET', K.F, follow, 'PX', park * 1000)

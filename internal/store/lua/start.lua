@@ -15,7 +15,8 @@
 -- ARGV[8]  fingerprint (member of W, value of I)
 -- ARGV[9]  the holder H and J belong to, as lock records store it ['']
 -- ARGV[10] cooldown recorded if this creates the lock, integer milliseconds ['0']
--- ARGV[11] the task's type ['']
+-- ARGV[11] the task's type, kept in a lock this creates ['']
+-- ARGV[12] how the key was chosen (KeyForm), kept in a lock this creates ['']
 --
 -- Reply: {1, f, new}               this attempt holds the lock; f: the follow-up it owes, or '';
 --                                   new '1' when there was no lock (the attempt made it), else ''
@@ -127,10 +128,9 @@ if released then
 end
 local new = not holder
 if not holder then
+  call('HSET', K.L, 'id', stored, 'c', now, 'ty', ARGV[11] or '', 'kf', ARGV[12] or '')
   if ARGV[7] ~= 'x' then
-    call('HSET', K.L, 'id', stored, 'c', now, 'rp', ARGV[7])
-  else
-    call('HSET', K.L, 'id', stored, 'c', now)
+    call('HSET', K.L, 'rp', ARGV[7])
   end
   local cool = tonumber(ARGV[10] or '0')
   if cool > 0 then
