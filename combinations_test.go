@@ -57,7 +57,7 @@ type combinationRow struct {
 
 func readCombinationsTable(t *testing.T) []combinationRow {
 	t.Helper()
-	b, err := os.ReadFile("README.md")
+	b, err := os.ReadFile("docs/configuration.md")
 	if err != nil {
 		t.Fatal(err)
 	}

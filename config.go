@@ -207,8 +207,11 @@ type Rule struct {
 	// Debounce, with OnConflict Replace or Merge, makes a new task due
 	// Debounce after its enqueue, and moves it to Debounce after each later
 	// enqueue folded into it while it is still scheduled: a burst runs once,
-	// with its last payload, about Debounce after the burst ends. See
-	// Debounce for the details. Not with RunningDefer. Default 0: off.
+	// with its last payload, about Debounce after the burst ends; asynq
+	// moves due tasks to pending every DelayedTaskCheckInterval (5 s by
+	// default), so the run comes up to that much later: lower it on the
+	// server for short delays. See Debounce for the details. Not with
+	// RunningDefer. Default 0: off.
 	Debounce time.Duration
 
 	// MaxPending bounds how many keys of this type may wait in one queue at

@@ -299,8 +299,8 @@ func TestFieldErrorTexts(t *testing.T) {
 		want         string
 		invalidInput bool // ErrInvalidOption, else ErrInvalidPayload
 	}{
-		{ruleErr("ok", "a..b"), `rule for "t": dedup: invalid option: field path "a..b" has an empty segment`, true},
-		{ruleErr(many...), `rule for "t": dedup: invalid option: 65 fields selected, at most 64`, true},
+		{ruleErr("ok", "a..b"), `dedup: invalid option: rule for "t": field path "a..b" has an empty segment`, true},
+		{ruleErr(many...), `dedup: invalid option: rule for "t": 65 fields selected, at most 64`, true},
 		{optErr("a", ""), `dedup: invalid option: field path "" has an empty segment`, true},
 		{optErr(many...), `dedup: invalid option: 65 fields selected, at most 64`, true},
 		{optErr(), `dedup: invalid option: Fields needs at least one path`, true},

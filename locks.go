@@ -64,7 +64,7 @@ func (d *Dedup) Lookup(ctx context.Context, task *asynq.Task, opts ...asynq.Opti
 // task: the holder, if alive, still runs (a caller-chosen ID keeps its
 // index key, by which it finds its key), and takes the key again when it
 // starts if the key is free. A follow-up the lock owes that waits is
-// queued now (unless the holder runs: the run's end queues it). It
+// queued now, even while the holder runs (its payload is the newest). It
 // reports whether a lock was released (false: the key was free).
 func (d *Dedup) Release(ctx context.Context, task *asynq.Task, holder string, opts ...asynq.Option) (bool, error) {
 	if holder == "" {

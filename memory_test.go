@@ -27,10 +27,15 @@ const lockMemoryTarget = 150
 // owner's ID and no type. A running lock adds the attempt token and lands
 // one 16-byte allocation step above it (TestLockMemory logs where the bytes
 // go); there are at most as many as handlers running.
+//
+// Every lock also keeps its task type and how its key was chosen (ty, kf:
+// "email:welcome" and "f:user_id" here), so that operators can find it
+// after its owner's record is gone: 32 bytes over the target with these
+// names, more with longer ones.
 const (
-	waitingLockCeiling = lockMemoryTarget // id (packed), c, v
-	runningLockCeiling = 168              // id (packed), c, tok, v
-	replaceLockCeiling = 152              // id (packed), c, n, v: one step over, from the direct path's v
+	waitingLockCeiling = 168 // id (packed), c, v, ty, kf
+	runningLockCeiling = 184 // id (packed), c, tok, v, ty, kf
+	replaceLockCeiling = 184 // id (packed), c, n, v, ty, kf
 )
 
 // TestLockMemory takes locks the normal way (NewClient, default Config, the

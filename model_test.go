@@ -966,7 +966,7 @@ func (m *modelRun) lostAcquire(t *rapid.T, what string, k int, kind enqKind, hol
 
 // Invariants.
 
-var lockFields = map[string]bool{"id": true, "c": true, "tok": true, "n": true, "v": true}
+var lockFields = map[string]bool{"id": true, "c": true, "tok": true, "n": true, "v": true, "ty": true, "kf": true}
 
 // band is the lifetime a lock (and its holder's index) has in a phase.
 func band(p phase) (lo, hi time.Duration) {

@@ -1,42 +1,37 @@
 package dedup
 
 import (
-	"os"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
 )
 
-// The README's list of counter names ("Their names (dedup.EventNames(),
-// Stats.Map()): ...") must be EventNames.
-func TestReadmeListsEveryEvent(t *testing.T) {
-	b, err := os.ReadFile("README.md")
-	if err != nil {
-		t.Fatal(err)
+// The README is read in five minutes: at most 300 lines. Everything else
+// lives in the guides in docs/.
+func TestReadmeIsShort(t *testing.T) {
+	s := readDoc(t, "README.md")
+	if n := strings.Count(s, "\n"); n > 300 {
+		t.Errorf("README.md has %d lines, at most 300: move the detail to a guide in docs/", n)
 	}
-	s := string(b)
-	i := strings.Index(s, "Their names (`dedup.EventNames()`, `Stats.Map()`):")
-	if i < 0 {
-		t.Fatal("README list not found")
-	}
-	j := strings.Index(s[i:], ". Counting")
-	var got []string
-	for _, m := range regexp.MustCompile("`([a-z_]+)`").FindAllStringSubmatch(s[i:i+j], -1) {
-		got = append(got, m[1])
-	}
-	if want := EventNames(); !slices.Equal(got, want) {
-		t.Errorf("README lists %v\nEventNames() = %v", got, want)
-	}
-	// Every name round-trips through Map.
-	var st Stats
-	for e := range numEvents {
-		*st.field(e) = uint64(e) + 1
-	}
-	m := st.Map()
-	for e, name := range EventNames() {
-		if m[name] != uint64(e)+1 {
-			t.Errorf("Map()[%q] = %d", name, m[name])
+}
+
+// The README's first ```sh block holds the two commands CI runs, and only
+// them.
+func TestReadmeHasTheTwoCommands(t *testing.T) {
+	var cmds []string
+	for _, b := range fencedBlocks("README.md", readDoc(t, "README.md")) {
+		if b.lang != "sh" {
+			continue
 		}
+		for _, line := range strings.Split(b.code, "\n") {
+			if cmd, _, _ := strings.Cut(line, "#"); strings.TrimSpace(cmd) != "" {
+				cmds = append(cmds, strings.Join(strings.Fields(cmd), " "))
+			}
+		}
+		break
+	}
+	want := []string{"go run ./examples/worker", "go test -race -count=1 ./..."}
+	if !slices.Equal(cmds, want) {
+		t.Errorf("README's first sh block runs %q, want the two commands %q", cmds, want)
 	}
 }

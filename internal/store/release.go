@@ -27,9 +27,9 @@ type ReleaseResult struct {
 // only if its owner is still l's and has not taken it again since (its
 // take time is l's), with the lock's entry in its type's waiting set. The
 // owner's index key (a caller-chosen ID) stays, so the owner, if it still
-// runs, finds its key. A follow-up the lock owes that waits is queued now
-// (unless an attempt of the owner runs: its end queues it), and takes the
-// key when it starts.
+// runs, finds its key. A follow-up the lock owes that waits is queued now,
+// even while an attempt of the owner runs (its payload is the newest), and
+// takes the key when it starts.
 func ReleaseLock(ctx context.Context, c redis.Scripter, k Keys, l *Lock) (ReleaseResult, error) {
 	return releaseLock(ctx, c, k, l, false)
 }
