@@ -167,7 +167,7 @@ func (c *Client) enqueueUnlocked(ctx context.Context, k *call) (Result, error) {
 	switch {
 	case store.Reserved(k.callerID, ""):
 		return Result{}, fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, da-)", ErrInvalidOption, k.callerID)
-	case !k.rule.skip:
+	case k.callerID == "" && !k.rule.skip:
 		// OptIn and no rule: nothing here is deduplicated, so asynq's
 		// task ID stays as asynq makes it. (A server whose rules cover the
 		// type guards it as any task that arrives without a lock.)
@@ -300,7 +300,9 @@ func enqueueError(typ string, err error) error {
 const optOutMarkTTL = 24 * time.Hour
 
 // markOptOut records that the caller-chosen task ID opted out, so the
-// middleware does not lock it at execution.
+// middleware does not lock it at execution. A type nothing deduplicates
+// (OptIn, no rule) is marked too: the index of an earlier task with that
+// ID would otherwise lock it under that task's key.
 func (c *Client) markOptOut(ctx context.Context, k *call) error {
 	d := c.d
 	ttl := waitTTL(max(d.ttlOf(&k.rule), optOutMarkTTL), k.processAt)

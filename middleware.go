@@ -121,7 +121,10 @@ func (d *Dedup) runAllowed(ctx context.Context, t *asynq.Task, next asynq.Handle
 // have been locked under another (prefix.go): the lock the attempt just
 // made is given back, and the attempt takes the producer's.
 func (d *Dedup) startAttempt(ctx context.Context, l *lease, rule *resolved) (store.StartResult, error) {
-	s := &store.Start{Ref: l.ref, Token: l.token, Lease: d.cfg.Lease, Running: rule.running.code(), Cooldown: rule.cooldown, KeyForm: keyForm(rule)}
+	s := &store.Start{Ref: l.ref, Token: l.token, Lease: d.cfg.Lease, Running: rule.running.code(), Cooldown: rule.cooldown}
+	if l.arrived {
+		s.KeyForm = keyForm(rule) // the key is the server's rule's; else the producer's, of a form unknown here
+	}
 	res, err := l.st.Start(ctx, s)
 	if err != nil || res.Status != store.StatusTaken || !res.New || l.st != d.store {
 		return res, err

@@ -138,7 +138,7 @@ func printDoctor(w io.Writer, out doctorOutput, fix bool) {
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "KEY\tTYPE\tOWNER\tPROBLEM\tDETAIL")
 		for _, f := range out.Young {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s; left alone\n", f.Key, orDash(f.Type), f.Owner, f.Problem, f.Detail)
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s; left alone\n", text(f.Key), orDash(f.Type), text(f.Owner), f.Problem, text(f.Detail))
 		}
 		for _, f := range out.Findings {
 			detail := f.Detail
@@ -150,7 +150,7 @@ func printDoctor(w io.Writer, out doctorOutput, fix bool) {
 			case f.Error != "":
 				detail += "; not released: " + f.Error
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", f.Key, orDash(f.Type), f.Owner, f.Problem, detail)
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", text(f.Key), orDash(f.Type), text(f.Owner), f.Problem, text(detail))
 		}
 		_ = tw.Flush()
 	}

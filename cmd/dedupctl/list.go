@@ -5,8 +5,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"text/tabwriter"
+	"unicode"
 )
 
 type listFlags struct {
@@ -133,7 +135,7 @@ func printList(w io.Writer, out listOutput) {
 	}
 	fmt.Fprintln(tw, head)
 	for _, l := range out.Locks {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d", l.Key, orDash(l.Type), l.Owner, l.Queue, l.State, l.TTL, l.Coalesced)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d", text(l.Key), orDash(l.Type), text(l.Owner), text(l.Queue), l.State, l.TTL, l.Coalesced)
 		if follow {
 			fmt.Fprintf(tw, "\t%s", orDash(l.FollowUp))
 		}
@@ -150,6 +152,16 @@ func printList(w io.Writer, out listOutput) {
 func orDash(s string) string {
 	if s == "" {
 		return "-"
+	}
+	return text(s)
+}
+
+// text prints a name read from Redis (a type, an ID, a key) as one visible
+// token: with a control character (a newline, a tab) it is quoted, so that
+// it can neither forge lines nor columns.
+func text(s string) string {
+	if strings.IndexFunc(s, func(r rune) bool { return !unicode.IsPrint(r) }) >= 0 {
+		return strconv.Quote(s)
 	}
 	return s
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/asynq-dedup/dedup"
+	"github.com/asynq-dedup/dedup/internal/jsonkey"
 	"github.com/hibiken/asynq"
 )
 
@@ -109,6 +110,9 @@ func lockKey(ctx context.Context, c *conn, prefix string, hashKey []byte, task *
 	}
 	defer d.Close()
 	kl, found, err := d.Lookup(ctx, task, opts...)
+	if errors.Is(err, dedup.ErrInvalidPayload) || errors.Is(err, dedup.ErrInvalidOption) {
+		return "", usagef("%v", err) // what checkFields cannot see (a number out of range)
+	}
 	if err != nil || !found {
 		return "", err
 	}
@@ -141,15 +145,39 @@ func (f *lookupFlags) task() (*asynq.Task, []asynq.Option, error) {
 	case f.key != "":
 		return asynq.NewTask(f.typ, nil), append(opts, dedup.Key(f.key)), nil
 	case f.payload != "" && f.fields != "":
-		return asynq.NewTask(f.typ, []byte(f.payload)), append(opts, dedup.Fields(strings.Split(f.fields, ",")...)), nil
+		paths := strings.Split(f.fields, ",")
+		return asynq.NewTask(f.typ, []byte(f.payload)), append(opts, dedup.Fields(paths...)), checkFields([]byte(f.payload), paths)
 	case f.payload != "":
 		return asynq.NewTask(f.typ, []byte(f.payload)), opts, nil
 	}
 	payload, paths, err := payloadOf(f.field)
-	if err != nil {
-		return nil, nil, err
+	if err == nil {
+		err = checkFields(payload, paths)
 	}
-	return asynq.NewTask(f.typ, payload), append(opts, dedup.Fields(paths...)), nil
+	return asynq.NewTask(f.typ, payload), append(opts, dedup.Fields(paths...)), err
+}
+
+// checkFields refuses, before Redis is asked, paths that are not paths and
+// a payload the key cannot be taken from (not JSON, a field missing).
+func checkFields(payload []byte, paths []string) error {
+	fs, err := jsonkey.Compile(paths)
+	if err != nil {
+		return usagef("%v", err)
+	}
+	var spans [jsonkey.MaxFields]jsonkey.Span
+	if err := jsonkey.Select(payload, fs, &spans); err != nil {
+		return usagef("the payload: %v", err)
+	}
+	for i, p := range fs.Paths() {
+		sp := spans[i]
+		if sp.End == 0 {
+			return usagef("the payload has no field %q", p)
+		}
+		if _, err := jsonkey.AppendCanonical(nil, payload[sp.Start:sp.End]); err != nil {
+			return usagef("field %q: %v", p, err)
+		}
+	}
+	return nil
 }
 
 // payloadOf builds a JSON payload from PATH=VALUE pairs (dotted paths

@@ -359,7 +359,7 @@ func describeSideKeys(ctx context.Context, c *conn, keys store.Keys, l *lockInfo
 }
 
 func printShow(w io.Writer, o *showOutput, now time.Time) {
-	row := func(k, v string) { fmt.Fprintf(w, "%-17s%s\n", k, v) }
+	row := func(k, v string) { fmt.Fprintf(w, "%-17s%s\n", k, text(v)) }
 	row("key", o.Key)
 	row("queue", o.Queue)
 	if o.Node != "" {
@@ -408,7 +408,7 @@ func printShow(w io.Writer, o *showOutput, now time.Time) {
 	sort.Strings(names)
 	var fields []string
 	for _, k := range names {
-		fields = append(fields, k+"="+o.Fields[k])
+		fields = append(fields, text(k)+"="+text(o.Fields[k]))
 	}
 	row("fields", strings.Join(fields, " "))
 }

@@ -220,7 +220,7 @@ func printTop(w io.Writer, top []topKey) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "KEY\tTYPE\tOWNER\tCOALESCED")
 	for _, t := range top {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\n", t.Key, orDash(t.Type), t.Owner, t.Coalesced)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\n", text(t.Key), orDash(t.Type), text(t.Owner), t.Coalesced)
 	}
 	_ = tw.Flush()
 }
@@ -230,7 +230,7 @@ func typeName(t string) string {
 	if t == "" {
 		return "(no type)"
 	}
-	return t
+	return text(t)
 }
 
 func typeWidth(types []string) int {

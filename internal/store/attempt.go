@@ -20,7 +20,7 @@ type Start struct {
 	Token   string        // the attempt's random token
 	Lease   time.Duration // the running lock's lifetime
 	Running Running       // running policy, recorded if Start creates the lock
-	KeyForm string        // how the key was chosen (KeyForm), recorded if Start creates the lock
+	KeyForm string        // how the key was chosen (KeyForm), recorded if Start creates the lock; "": unknown
 	// Cooldown, recorded if Start creates the lock (as Acquire.Cooldown,
 	// from now).
 	Cooldown time.Duration

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -37,16 +38,22 @@ const (
 	KeyFormShared     = "s"   // an explicit key shared across types
 	KeyFormFunc       = "fn"  // a key function's result, namespaced by type
 	KeyFormSharedFunc = "sfn" // a key function's result, shared across types
-	keyFormFields     = "f:"  // followed by the selected paths, comma-separated
+	keyFormFields     = "f:"  // followed by the selected paths, NUL-separated (a path may hold a comma)
 )
 
 // KeyFormFields is the key form of a selection of JSON fields.
-func KeyFormFields(paths []string) string { return keyFormFields + strings.Join(paths, ",") }
+func KeyFormFields(paths []string) string { return keyFormFields + strings.Join(paths, "\x00") }
 
 // DescribeKeyForm says what a key form means, for people.
 func DescribeKeyForm(kf string) string {
 	if paths, ok := strings.CutPrefix(kf, keyFormFields); ok {
-		return "fields " + strings.ReplaceAll(paths, ",", ", ")
+		ps := strings.Split(paths, "\x00")
+		for i, p := range ps {
+			if strings.ContainsAny(p, ", \"") || strings.IndexFunc(p, func(r rune) bool { return !unicode.IsPrint(r) }) >= 0 {
+				ps[i] = strconv.Quote(p) // one path, however it reads
+			}
+		}
+		return "fields " + strings.Join(ps, ", ")
 	}
 	switch kf {
 	case KeyFormPayload:

@@ -16,7 +16,9 @@
 -- ARGV[9]  the holder H and J belong to, as lock records store it ['']
 -- ARGV[10] cooldown recorded if this creates the lock, integer milliseconds ['0']
 -- ARGV[11] the task's type, kept in a lock this creates ['']
--- ARGV[12] how the key was chosen (KeyForm), kept in a lock this creates ['']
+-- ARGV[12] how the key was chosen (KeyForm), kept in a lock this creates; ''
+--          when unknown (the key is the producer's, from the task's ID or
+--          index) ['']
 --
 -- Reply: {1, f, new}               this attempt holds the lock; f: the follow-up it owes, or '';
 --                                   new '1' when there was no lock (the attempt made it), else ''
@@ -128,7 +130,10 @@ if released then
 end
 local new = not holder
 if not holder then
-  call('HSET', K.L, 'id', stored, 'c', now, 'ty', ARGV[11] or '', 'kf', ARGV[12] or '')
+  call('HSET', K.L, 'id', stored, 'c', now, 'ty', ARGV[11] or '')
+  if (ARGV[12] or '') ~= '' then
+    call('HSET', K.L, 'kf', ARGV[12])
+  end
   if ARGV[7] ~= 'x' then
     call('HSET', K.L, 'rp', ARGV[7])
   end
