@@ -1,8 +1,13 @@
-// Command service is a small HTTP service, meant to be copied, that enqueues
-// asynq tasks through dedup. Its endpoints show Reject (409 names the holder),
-// Debounce, Cooldown (429 with Retry-After) and Replace; an asynq server runs
-// the tasks behind dedup's middleware, which also locks an asynq Scheduler's
-// tasks; /metrics serves dedup's counters; SIGINT or SIGTERM stops it cleanly.
+// Command service is a small HTTP service, meant to be copied, that enqueues asynq tasks through
+// dedup; an asynq server runs them behind dedup's middleware, which also locks an asynq
+// Scheduler's tasks; SIGINT or SIGTERM stops it cleanly.
+//
+//	POST /welcome?user=42    Reject: 202, or 409 naming the task that holds the key
+//	POST /reindex?user=42    Debounce: a burst runs once, 2 s after it ends
+//	POST /report?tenant=7    Cooldown: 409 while it waits or runs, then 429 with Retry-After
+//	PUT  /profile/42         Replace + RunningDefer: the latest JSON body wins
+//	GET  /profile/42/synced  the profile the last sync saw
+//	GET  /metrics            dedup's counters (Prometheus); dedupctl stats reads their flushes
 //
 //	go run ./examples/service                                    # on an embedded Redis (miniredis)
 //	REDIS_URL=redis://127.0.0.1:6379/0 go run ./examples/service  # on your Redis
@@ -61,12 +66,9 @@ func main() {
 	flag.StringVar(&o.Listen, "listen", o.Listen, "HTTP listen `address`")
 	flag.Parse()
 	o.RedisURL = os.Getenv("REDIS_URL")
-	fmt.Fprintf(os.Stderr, "try: curl -XPOST 'http://%[1]s/welcome?user=42'; "+
-		"curl -XPUT -d '{\"name\":\"Ada\"}' http://%[1]s/profile/42; curl http://%[1]s/metrics\n", o.Listen)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, o)
-	stop()
-	if err != nil {
+	defer stop()
+	if err := run(ctx, o); err != nil {
 		o.Logger.Error("service failed", "err", err)
 		os.Exit(1)
 	}
@@ -78,7 +80,7 @@ var rules = map[string]dedup.Rule{
 	typeWelcome: {Fields: []string{"user_id"}},
 	// Each request of a burst replaces the payload and pushes the run back 2 s.
 	typeReindex: {Fields: []string{"user_id"}, OnConflict: dedup.Replace, Debounce: 2 * time.Second},
-	// Held for an hour after a success, against HTTP and the Scheduler alike.
+	// One report per tenant an hour (counted from its enqueue), from HTTP and the Scheduler alike.
 	typeReport: {Fields: []string{"tenant_id"}, Cooldown: time.Hour},
 	// Latest wins; updates during a sync wait in one follow-up sync.
 	typeProfile: {Fields: []string{"user_id"}, OnConflict: dedup.Replace, OnRunning: dedup.RunningDefer},
@@ -99,9 +101,7 @@ func run(ctx context.Context, o options) error {
 	if err := errors.Join(err, err2); err != nil {
 		return fmt.Errorf("REDIS_URL (want redis://host:port/db): %w", err)
 	}
-	// A deadline then cuts a command off on its socket, so dedup runs its
-	// lock calls on the caller's goroutine instead of handing them to its own.
-	opt.ContextTimeoutEnabled = true
+	opt.ContextTimeoutEnabled = true // dedup then bounds its lock calls on the caller's goroutine
 	rdb := redis.NewClient(opt)
 	defer rdb.Close()
 	return serve(ctx, o, rdb, conn)
@@ -118,7 +118,8 @@ func serve(ctx context.Context, o options, rdb *redis.Client, conn asynq.RedisCo
 	if err != nil {
 		return err // "dedup: ..."
 	}
-	defer d.Close() // after srv.Shutdown: until then it renews running handlers' locks
+	defer d.Close()                      // after srv.Shutdown: until then it renews running handlers' locks
+	_ = d.StartFlusher(10 * time.Second) // counters to Redis for dedupctl stats (fails only after Close)
 	s := &service{log: o.Logger, client: d.NewClient()}
 	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{
 		IsFailure:                dedup.IsFailure, // a task deferred by dedup's guard uses up no retry
@@ -141,8 +142,7 @@ func serve(ctx context.Context, o options, rdb *redis.Client, conn asynq.RedisCo
 // startScheduler asks for tenant 1's report on a schedule, through asynq's own
 // client: the middleware locks each task as it starts (dropped while cooling).
 func startScheduler(conn asynq.RedisConnOpt, o options) (*asynq.Scheduler, error) {
-	// Not NewSchedulerFromRedisClient: Shutdown closes the client, logging an error
-	// for a shared one (asynq v0.26.0), and only once started: so Start, then Register.
+	// Not NewSchedulerFromRedisClient, whose Shutdown logs an error (asynq v0.26.0). Start first: only a started one closes.
 	sch := asynq.NewScheduler(conn, &asynq.SchedulerOpts{Logger: asynqLogger{o.Logger}})
 	if err := sch.Start(); err != nil {
 		return nil, fmt.Errorf("asynq scheduler: %w", err)
@@ -220,7 +220,7 @@ func payloadOf(r *http.Request, param string) (payload, error) {
 	if r.Method == http.MethodPut {
 		p.Profile, err = io.ReadAll(io.LimitReader(r.Body, 64<<10))
 		if err != nil || !json.Valid(p.Profile) {
-			return p, errors.New("want a JSON body of at most 64 KiB")
+			return p, errors.New("want a JSON body (at most 64 KiB)")
 		}
 	}
 	return p, nil
