@@ -231,9 +231,8 @@ func (b *batcher) exec(batch []*batchReq) {
 }
 
 // bySlotTag splits a batch for a Redis Cluster client by its calls' hash
-// tags (a call's keys share one), so that a pipeline never spans slots: a
-// pipeline whose slots part during a migration has go-redis (v9.23.0) read
-// one command's reply on two goroutines at once. nil: one group will do.
+// tags (a call's keys share one), so that a pipeline never spans slots: it
+// goes straight to its slot's master (node). nil: one group will do.
 func bySlotTag(rdb redis.UniversalClient, live []*batchReq) [][]*batchReq {
 	if _, cluster := rdb.(*redis.ClusterClient); !cluster || len(live) < 2 {
 		return nil
@@ -254,6 +253,24 @@ func bySlotTag(rdb redis.UniversalClient, live []*batchReq) [][]*batchReq {
 		return nil
 	}
 	return groups
+}
+
+// node is where a batch whose keys share key's hash slot is pipelined: on
+// a Redis Cluster, straight to the slot's master, not through the Cluster
+// client's pipeline, whose replies go-redis (v9.23.0) may read on two
+// goroutines at once when a redirection meets a pipeline mid-read (a data
+// race seen during slot migrations, even within one slot); a redirected
+// call is then sent again alone through the Cluster client (execLive).
+func (b *batcher) node(ctx context.Context, key string) redis.UniversalClient {
+	cc, ok := b.rdb.(*redis.ClusterClient)
+	if !ok {
+		return b.rdb
+	}
+	n, err := cc.MasterForKey(ctx, key)
+	if err != nil {
+		return b.rdb // (the calls then meet the same trouble alone)
+	}
+	return n
 }
 
 // hashTag is the part of key Redis Cluster hashes: the first {…} with
@@ -280,24 +297,32 @@ func (b *batcher) execLive(live []*batchReq) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), b.timeout)
 	defer cancel()
+	node := b.node(ctx, live[0].keys[0])
 	cmds := make([]*redis.Cmd, len(live))
-	pipe := b.rdb.Pipeline()
+	pipe := node.Pipeline()
 	for i, r := range live {
 		cmds[i] = r.s.EvalSha(ctx, pipe, r.keys, r.args...)
 	}
 	_, _ = pipe.Exec(ctx) // each command carries its own error
 	var retry []int
 	for i, c := range cmds {
-		if err := c.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		switch err := c.Err(); {
+		case err != nil && redis.HasErrorPrefix(err, "NOSCRIPT"):
 			retry = append(retry, i)
-			continue
+		case err != nil && node != b.rdb && (redis.HasErrorPrefix(err, "MOVED") || redis.HasErrorPrefix(err, "ASK")):
+			// The slot moved, or is moving: the Cluster client follows
+			// the redirection (and learns the new slot map).
+			r := live[i]
+			v, err := r.s.Run(ctx, b.rdb, r.keys, r.args...).Result()
+			r.done <- batchRes{v, err}
+		default:
+			live[i].done <- batchRes{c.Val(), c.Err()}
 		}
-		live[i].done <- batchRes{c.Val(), c.Err()}
 	}
 	if len(retry) == 0 {
 		return
 	}
-	pipe = b.rdb.Pipeline()
+	pipe = node.Pipeline()
 	for _, i := range retry {
 		r := live[i]
 		cmds[i] = r.s.Eval(ctx, pipe, r.keys, r.args...)
