@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"strconv"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"
@@ -19,8 +18,9 @@ const DefaultFlushInterval = 10 * time.Second
 // every interval (default DefaultFlushInterval when 0), so that ReadStats
 // sees the counts of every process that flushes. Each flush is one
 // pipelined round trip (one per node on Redis Cluster) of HINCRBYs of what
-// was counted since the last flush, into one hash per task type, bounded by
-// Config.LockTimeout; it runs on its own goroutine, never on an enqueue or
+// was counted since the last flush, into one hash per task type (and, by
+// one script call per type, into that type's hash of the current minute,
+// kept two hours: ReadMinuteStats), bounded by Config.LockTimeout; it runs on its own goroutine, never on an enqueue or
 // a handler. A failed flush is
 // logged and its counts are kept for the next one; Close stops the flusher
 // and flushes one last time.
@@ -97,14 +97,20 @@ func (d *Dedup) flush(ctx context.Context) error {
 	}
 	keys := d.store.Keys()
 	types := make([]any, len(ps))
+	minute := time.Now().Unix() / 60
 	var sadd *redis.IntCmd
 	cmds, err := d.store.Pipelined(ctx, "", func(p redis.Pipeliner) { // (the stats keys span nodes)
 		for i, pt := range ps {
 			types[i] = pt.typ
+			deltas := []any{store.MinuteStatsTTL.Milliseconds()}
 			for e := range numEvents {
 				if delta := pt.cur[e] - pt.base[e]; delta > 0 {
 					pt.cmds[e] = p.HIncrBy(ctx, keys.Stats(pt.typ), eventNames[e], int64(delta))
+					deltas = append(deltas, eventNames[e], int64(delta))
 				}
+			}
+			if len(deltas) > 1 {
+				p.Eval(ctx, minuteScript, []string{keys.StatsMinute(pt.typ, minute)}, deltas...)
 			}
 		}
 		sadd = p.SAdd(ctx, keys.StatsTypes(), types...)
@@ -114,6 +120,15 @@ func (d *Dedup) flush(ctx context.Context) error {
 	}
 	return d.markFlushed(ps, sadd.Err())
 }
+
+// minuteScript adds a flush's counts to the hash of the current minute
+// and sets its TTL in one step, so the hash never lives without one:
+// KEYS[1] the hash, ARGV[1] the TTL in ms, then event, count pairs. These
+// per-minute counts are best effort: a flush whose totals fail is sent
+// again, and counted again here if this part went through.
+const minuteScript = `for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1`
 
 // pendingFlush is one type's counts not yet added in Redis, and its
 // commands once queued.
@@ -200,19 +215,7 @@ func ReadStats(ctx context.Context, rdb redis.UniversalClient, prefix string) (m
 		if err != nil {
 			return nil, unavailable("read stats", err)
 		}
-		var s Stats
-		for f, v := range h {
-			e, ok := eventByName[f]
-			if !ok {
-				continue
-			}
-			n, err := strconv.ParseUint(v, 10, 64)
-			if err != nil {
-				continue
-			}
-			*s.field(e) = n
-		}
-		out[typ] = s
+		out[typ] = statsOf(h)
 	}
 	return out, nil
 }

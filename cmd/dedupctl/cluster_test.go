@@ -131,11 +131,11 @@ func TestCluster(t *testing.T) {
 		info := first[q]
 		o := decode[showOutput](t, f.ok("--json", "show", f.lockOf(info)))
 		if o.Node != m || !o.OwnerTask.Exists || o.OwnerTask.State != "pending" || o.Coalesced != 1 {
-			t.Errorf("show on %s: %+v %+v", m, o.lockInfo, o.OwnerTask)
+			t.Errorf("show on %s: %+v %+v", m, o.Info, o.OwnerTask)
 		}
 		o = decode[showOutput](t, f.ok("--json", "show", "--task", info.ID))
 		if o.Key != f.lockOf(info) || o.TaskRole != "owner" {
-			t.Errorf("show --task on %s: %+v", m, o.lockInfo)
+			t.Errorf("show --task on %s: %+v", m, o.Info)
 		}
 	}
 

@@ -6,11 +6,11 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"sort"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/lockview"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -154,28 +154,8 @@ func (c *conn) ping(ctx context.Context) error {
 	return fmt.Errorf("cannot reach Redis at %s: %v", c.where, err)
 }
 
-// masters returns the clients to SCAN: the one server, or every master of
-// the cluster, sorted by address so that a cursor can name where it stopped.
-func (c *conn) masters(ctx context.Context) ([]*redis.Client, error) {
-	if c.cluster == nil {
-		return []*redis.Client{c.rdb.(*redis.Client)}, nil
-	}
-	var (
-		mu  sync.Mutex
-		out []*redis.Client
-	)
-	err := c.cluster.ForEachMaster(ctx, func(_ context.Context, m *redis.Client) error {
-		mu.Lock()
-		out = append(out, m)
-		mu.Unlock()
-		return nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("list cluster masters: %w", err)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Options().Addr < out[j].Options().Addr })
-	return out, nil
-}
+// src is the connection as internal/lockview reads it.
+func (c *conn) src() lockview.Source { return lockview.Source{RDB: c.rdb, Cluster: c.cluster} }
 
 func (c *conn) close() error { return c.rdb.Close() }
 

@@ -1,13 +1,14 @@
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"io"
 	"text/tabwriter"
 	"time"
 
-	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/asynq-dedup/dedup/internal/lockview"
 )
 
 func doctorCommand() *command {
@@ -52,85 +53,18 @@ type doctorFlags struct {
 	typ, queue string
 }
 
-type doctorFinding struct {
-	Key       string `json:"key"`
-	Queue     string `json:"queue"`
-	Type      string `json:"type"`
-	Owner     string `json:"owner"`
-	TaskState string `json:"task_state"`
-	Problem   string `json:"problem"` // gone or lost
-	Detail    string `json:"detail"`
-	Released  bool   `json:"released,omitempty"`
-	FollowUp  string `json:"follow_up_queued,omitempty"` // the owed follow-up that took the key, queued now
-	Error     string `json:"error,omitempty"`            // why --fix did not release it
-}
-
-type doctorOutput struct {
-	Prefix   string          `json:"prefix"`
-	Checked  int             `json:"checked"`
-	Findings []doctorFinding `json:"findings"`
-	Released int             `json:"released"`
-	Grace    string          `json:"grace"`
-	Young    []doctorFinding `json:"left_alone"` // orphans younger than --grace: not released
-}
-
 func runDoctor(a *app, o *doctorFlags) error {
-	ctx, cancel := a.ctx()
-	defer cancel()
-	c, err := a.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer c.close()
-	s, err := newScanner(ctx, c, a.g.prefix, scanFilter{typ: o.typ, queue: o.queue}, 500)
-	if err != nil {
-		return err
-	}
-	var ls []*store.Lock
-	if err := s.each(ctx, func(l *lockInfo) { ls = append(ls, l.lock) }); err != nil {
-		return err
-	}
-	ds, young, err := store.Diagnose(ctx, c.rdb, ls, o.grace, time.Now())
-	if err != nil {
-		return err
-	}
-	out := doctorOutput{Prefix: a.g.prefix, Checked: len(ls), Findings: []doctorFinding{}, Grace: fmtDuration(o.grace), Young: []doctorFinding{}}
-	for _, d := range young {
-		f := findingOf(d)
-		f.Detail += fmt.Sprintf(", lock younger than --grace %s: its task may not be stored yet", out.Grace)
-		out.Young = append(out.Young, f)
-	}
-	for _, d := range ds {
-		l, f := d.Lock, findingOf(d)
-		if o.fix {
-			res, err := store.ReleaseStuck(ctx, c.rdb, store.NewKeys(a.g.prefix), l)
-			switch {
-			case err != nil:
-				f.Error = err.Error()
-			case res.Released:
-				f.Released, f.FollowUp = true, res.FollowUp
-				out.Released++
-			case res.Gone:
-				f.Error = "gone meanwhile"
-			case res.Runnable != "":
-				f.Error = "its owner can run now (" + res.Runnable + ")"
-			default:
-				f.Error = "changed owner meanwhile, to " + res.Owner
-			}
+	return a.withConn(func(ctx context.Context, c *conn) error {
+		out, err := lockview.Doctor(ctx, c.src(), a.g.prefix, lockview.Filter{Type: o.typ, Queue: o.queue}, o.grace, o.fix)
+		if err != nil {
+			return err
 		}
-		out.Findings = append(out.Findings, f)
-	}
-	if a.g.json {
-		return writeJSON(a.stdout, out)
-	}
-	printDoctor(a.stdout, out, o.fix)
-	return nil
-}
-
-// findingOf presents one diagnosis.
-func findingOf(d store.Diagnosis) doctorFinding {
-	l := d.Lock
-	return doctorFinding{Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, TaskState: l.TaskState, Problem: d.Problem, Detail: d.Detail}
+		if a.g.json {
+			return writeJSON(a.stdout, out)
+		}
+		printDoctor(a.stdout, *out, o.fix)
+		return nil
+	})
 }
 
 func printDoctor(w io.Writer, out doctorOutput, fix bool) {

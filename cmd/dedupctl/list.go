@@ -9,6 +9,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"unicode"
+
+	"github.com/asynq-dedup/dedup/internal/lockview"
 )
 
 type listFlags struct {
@@ -74,19 +76,19 @@ func runList(a *app, o *listFlags) error {
 		return err
 	}
 	defer c.close()
-	s, err := newScanner(ctx, c, a.g.prefix, scanFilter{typ: o.typ, queue: o.queue}, o.count)
+	s, err := lockview.NewScanner(ctx, c.src(), a.g.prefix, lockview.Filter{Type: o.typ, Queue: o.queue}, o.count)
 	if err != nil {
 		return err
 	}
-	start, err := decodeCursor(s.masters, c.cluster != nil, o.cursor)
+	start, err := s.DecodeCursor(o.cursor)
 	if err != nil {
 		return err
 	}
-	locks, next, done, err := s.collect(ctx, start, o.limit)
+	locks, next, done, err := s.Collect(ctx, start, o.limit)
 	if err != nil {
 		return err
 	}
-	sortLocks(locks)
+	lockview.SortLocks(locks)
 	for _, l := range locks {
 		l.Fields = nil
 	}
@@ -95,7 +97,7 @@ func runList(a *app, o *listFlags) error {
 		out.Locks = []*lockInfo{}
 	}
 	if !done {
-		out.NextCursor = encodeCursor(s.masters, c.cluster != nil, next)
+		out.NextCursor = s.EncodeCursor(next)
 	}
 	if a.g.json {
 		return writeJSON(a.stdout, out)

@@ -19,6 +19,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/lockview"
 	"github.com/asynq-dedup/dedup/internal/store"
 )
 
@@ -37,13 +38,9 @@ const (
 )
 
 // usageError is a command line the tool cannot make sense of (exit 2).
-type usageError struct{ msg string }
+type usageError = lockview.UsageError
 
-func (e *usageError) Error() string { return e.msg }
-
-func usagef(format string, args ...any) error {
-	return &usageError{msg: fmt.Sprintf(format, args...)}
-}
+func usagef(format string, args ...any) error { return lockview.Usagef(format, args...) }
 
 // globals are the flags every command accepts, before or after its name.
 type globals struct {
@@ -85,7 +82,7 @@ type command struct {
 var commands []*command // filled by init, in help order
 
 func init() {
-	commands = []*command{listCommand(), showCommand(), lookupCommand(), releaseCommand(), doctorCommand(), statsCommand()}
+	commands = []*command{listCommand(), showCommand(), lookupCommand(), releaseCommand(), doctorCommand(), statsCommand(), serveCommand()}
 }
 
 func lookup(name string) *command {
@@ -373,7 +370,7 @@ func (a *app) withConn(fn func(ctx context.Context, c *conn) error) error {
 }
 
 // withLock runs fn with the lock that args and s select.
-func (a *app) withLock(args []string, s selector, fn func(ctx context.Context, c *conn, t *target, l *lockInfo) error) error {
+func (a *app) withLock(args []string, s selector, fn func(ctx context.Context, c *conn, t *lockview.Target, l *lockInfo) error) error {
 	if err := s.check(args); err != nil {
 		return err
 	}
@@ -382,7 +379,7 @@ func (a *app) withLock(args []string, s selector, fn func(ctx context.Context, c
 		if err != nil {
 			return err
 		}
-		l, err := readOne(ctx, c, a.g.prefix, t)
+		l, err := lockview.ReadOne(ctx, c.src(), a.g.prefix, t)
 		if err != nil {
 			return err
 		}

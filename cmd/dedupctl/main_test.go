@@ -233,7 +233,7 @@ func TestUsageErrors(t *testing.T) {
 		want string
 	}{
 		{nil, "no command given"},
-		{[]string{"frobnicate"}, `unknown command "frobnicate" (commands: list, show, lookup, release, doctor, stats)`},
+		{[]string{"frobnicate"}, `unknown command "frobnicate" (commands: list, show, lookup, release, doctor, stats, serve)`},
 		{[]string{"show"}, "missing argument: KEY (or --task ID [--queue Q])"},
 		{[]string{"release"}, "missing argument: KEY (or --task ID [--queue Q])"},
 		{[]string{"show", "a", "b"}, `too many arguments: ["b"]`},
@@ -616,7 +616,7 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 	}
 	so := decode[showOutput](t, f.ok("--json", "show", f.lockOf(orphan)))
 	if so.OwnerTask.Exists || so.OwnerTask.State != "missing" || so.State != "orphaned" {
-		t.Errorf("show --json orphaned: %+v %+v", so.lockInfo, so.OwnerTask)
+		t.Errorf("show --json orphaned: %+v %+v", so.Info, so.OwnerTask)
 	}
 
 	// --task of the follow-up finds the lock but does not release it.
@@ -659,7 +659,7 @@ func TestShow(t *testing.T) {
 	o := decode[showOutput](t, f.ok("--json", "show", key))
 	if o.Key != key || o.Owner != welcome[0].ID || o.Fields["n"] != "2" ||
 		!o.OwnerTask.Exists || o.OwnerTask.State != "pending" || o.OwnerTask.MaxRetry != 25 || o.OwnerTask.Type != "email:welcome" || o.PayloadVersion != "2" {
-		t.Errorf("show --json: %+v / %+v", o.lockInfo, o.OwnerTask)
+		t.Errorf("show --json: %+v / %+v", o.Info, o.OwnerTask)
 	}
 
 	// By task ID: with its queue, and searching asynq's queues.
@@ -683,7 +683,7 @@ func TestShow(t *testing.T) {
 	info := f.enqueue(f.qb, "email:welcome", 9, asynq.TaskID("welcome-9-"+f.qb))
 	o = decode[showOutput](t, f.ok("--json", "show", "--task", info.ID, "--queue", f.qb))
 	if o.Owner != info.ID || o.IndexKey != store.NewKeys(f.prefix).Index(f.qb, info.ID) || o.TaskRole != "owner" {
-		t.Errorf("show --task of a caller-chosen ID: %+v (index %q)", o.lockInfo, o.IndexKey)
+		t.Errorf("show --task of a caller-chosen ID: %+v (index %q)", o.Info, o.IndexKey)
 	}
 }
 

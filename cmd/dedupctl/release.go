@@ -10,7 +10,7 @@ import (
 	"os"
 	"strings"
 
-	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/asynq-dedup/dedup/internal/lockview"
 )
 
 type releaseOutput struct {
@@ -55,18 +55,18 @@ carries the newest payload).`,
 }
 
 func runRelease(a *app, args []string, s selector, yes bool) error {
-	return a.withLock(args, s, func(ctx context.Context, c *conn, t *target, l *lockInfo) error {
+	return a.withLock(args, s, func(ctx context.Context, c *conn, t *lockview.Target, l *lockInfo) error {
 		return release(a, ctx, c, t, l, yes)
 	})
 }
 
-func release(a *app, ctx context.Context, c *conn, t *target, l *lockInfo, yes bool) error {
-	if t.task != "" && t.task != l.Owner {
+func release(a *app, ctx context.Context, c *conn, t *lockview.Target, l *lockInfo, yes bool) error {
+	if t.Task != "" && t.Task != l.Owner {
 		role := "does not hold it"
-		if t.task == l.FollowUp {
+		if t.Task == l.FollowUp {
 			role = "is its owed follow-up, not its owner"
 		}
-		return fmt.Errorf("not released: task %s %s (lock %s, owner %s); name the key to release it anyway", t.task, role, l.Key, l.Owner)
+		return fmt.Errorf("not released: task %s %s (lock %s, owner %s); name the key to release it anyway", t.Task, role, l.Key, l.Owner)
 	}
 	if !yes {
 		if err := a.confirm(l); err != nil {
@@ -76,22 +76,12 @@ func release(a *app, ctx context.Context, c *conn, t *target, l *lockInfo, yes b
 		defer cancel()
 		ctx = fresh
 	}
-
-	res, err := store.ReleaseLock(ctx, c.rdb, store.NewKeys(a.g.prefix), l.lock)
-	switch {
-	case err != nil:
-		return fmt.Errorf("release %s: %w", l.Key, err)
-	case res.Gone:
-		return fmt.Errorf("no such lock: %s (released or expired meanwhile)", l.Key)
-	case !res.Released && res.Owner == l.Owner:
-		return fmt.Errorf("not released: %s was taken again by %s since it was read; run again to release it", l.Key, l.Owner)
-	case !res.Released:
-		return fmt.Errorf("not released: %s changed owner from %s to %s since it was read; run again to release the new owner's lock", l.Key, l.Owner, res.Owner)
+	res, err := lockview.Release(ctx, c.src(), a.g.prefix, l)
+	if err != nil {
+		return err
 	}
 	out := releaseOutput{Released: true, Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, State: l.State,
-		TaskState: l.TaskState, TTLms: l.TTLms, FollowUp: l.FollowUp}
-	out.IndexKeyRemove = res.Index
-	out.Notes = releaseNotes(l, res.FollowUp != "")
+		TaskState: l.TaskState, TTLms: l.TTLms, FollowUp: l.FollowUp, IndexKeyRemove: res.IndexKey, Notes: res.Notes}
 	if a.g.json {
 		return writeJSON(a.stdout, out)
 	}
@@ -103,27 +93,6 @@ func release(a *app, ctx context.Context, c *conn, t *target, l *lockInfo, yes b
 		fmt.Fprintf(a.stdout, "note: %s\n", n)
 	}
 	return nil
-}
-
-// releaseNotes says what releasing leaves behind; queued: the follow-up
-// the lock owed was queued.
-func releaseNotes(l *lockInfo, queued bool) []string {
-	var notes []string
-	switch {
-	case l.State == "running" && l.FollowUp != "":
-		notes = append(notes, fmt.Sprintf("owner %s is running: its handler goes on without the lock (its heartbeat logs the loss)", l.Owner))
-	case l.State == "running":
-		notes = append(notes, fmt.Sprintf("owner %s is running: its handler goes on without the lock (its heartbeat logs the loss); the key's next enqueue creates a new task, which may run alongside it", l.Owner))
-	case l.TaskState == "pending" || l.TaskState == "scheduled" || l.TaskState == "retry" || l.TaskState == "active" || l.TaskState == "aggregating":
-		notes = append(notes, fmt.Sprintf("owner %s is still %s in asynq: releasing deletes no task; it still runs, and takes the lock again when it starts if the key is free", l.Owner, l.TaskState))
-	}
-	switch {
-	case queued:
-		notes = append(notes, fmt.Sprintf("follow-up task %s, which carries the newest payload, is queued now; it takes the key when it starts", l.FollowUp))
-	case l.FollowUp != "":
-		notes = append(notes, fmt.Sprintf("follow-up task %s stays owed: it runs when its parking time ends, or the key's next deferring enqueue queues it", l.FollowUp))
-	}
-	return notes
 }
 
 // confirm asks on stdin whether to release l; it refuses when stdin is not

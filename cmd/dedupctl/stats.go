@@ -12,6 +12,7 @@ import (
 	"text/tabwriter"
 
 	"github.com/asynq-dedup/dedup"
+	"github.com/asynq-dedup/dedup/internal/lockview"
 )
 
 const noCounters = "no counters in Redis: start d.StartFlusher in your processes"
@@ -106,11 +107,11 @@ func newStatsOutput(prefix string, byType map[string]dedup.Stats) statsOutput {
 // scanLockStats counts the live locks by state into out.Locks and keeps
 // the top most coalesced ones in out.Top.
 func scanLockStats(ctx context.Context, c *conn, prefix string, count int64, top int, out *statsOutput) error {
-	s, err := newScanner(ctx, c, prefix, scanFilter{}, count)
+	s, err := lockview.NewScanner(ctx, c.src(), prefix, lockview.Filter{}, count)
 	if err != nil {
 		return err
 	}
-	err = s.each(ctx, func(l *lockInfo) {
+	err = s.Each(ctx, func(l *lockInfo) {
 		out.Locks.Total++
 		out.Locks.ByState[l.State]++
 		if l.Coalesced <= 0 || top == 0 {

@@ -1,6 +1,10 @@
 package store
 
-import "strings"
+import (
+	"strconv"
+	"strings"
+	"time"
+)
 
 // Keys builds the key names of one deployment (one key prefix). Every key
 // of a queue carries the queue's hash tag "{<queue>}" exactly as asynq's
@@ -14,6 +18,7 @@ import "strings"
 //	<prefix>:{<queue>}:s:<task ID>      superseded: the follow-up carrying a newer payload than this task (Replace with RunningDefer)
 //	<prefix>:stats:types                set of the task types with flushed counters (no hash tag)
 //	<prefix>:stats:type:<task type>     one type's flushed counters, a hash of event name → total
+//	<prefix>:stats:min:<minute>:<type>  what one type's flushes added in one minute (unix minutes), a hash of event name → count, kept MinuteStatsTTL
 //	dedup:{<queue>}:prefixes            set of the prefixes whose locks are in the queue (PrefixesKey)
 //
 // The prefix may not contain braces (Config validates it), so the hash tag
@@ -55,6 +60,16 @@ func (k Keys) StatsTypes() string { return k.prefix + ":stats:types" }
 
 // Stats is the hash of one task type's flushed counters.
 func (k Keys) Stats(typ string) string { return k.prefix + ":stats:type:" + typ }
+
+// MinuteStatsTTL is how long a per-minute counter hash (StatsMinute) is
+// kept after its last flush.
+const MinuteStatsTTL = 2 * time.Hour
+
+// StatsMinute is the hash of what one type's flushes added during one
+// minute, minute being unix seconds / 60.
+func (k Keys) StatsMinute(typ string, minute int64) string {
+	return k.prefix + ":stats:min:" + strconv.FormatInt(minute, 10) + ":" + typ
+}
 
 // LockPattern is the SCAN MATCH pattern of the lock keys of queue, or of
 // every queue for "".

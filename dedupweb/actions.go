@@ -1,0 +1,172 @@
+package dedupweb
+
+import (
+	"context"
+	"log/slog"
+	"net/http"
+	"sort"
+	"strconv"
+	"strings"
+
+	"github.com/asynq-dedup/dedup/internal/lockview"
+)
+
+// confirmView is the confirmation page of a release.
+type confirmView struct {
+	base
+	L     *lockview.Info
+	Token string
+}
+
+// resultView says what an action did.
+type resultView struct {
+	base
+	OK    bool
+	Lines []string
+	Back  string
+}
+
+// releaseSubject is what a release token is bound to: the lock and the
+// owner the confirmation page showed.
+func releaseSubject(key, owner string) string { return key + "\x00" + owner }
+
+// confirmRelease shows the lock to release and the form that releases it.
+func (h *Handler) confirmRelease(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
+	t, err := lockview.ByKey(h.opts.Prefix, r.URL.Query().Get("key"))
+	if err != nil {
+		return &httpError{http.StatusBadRequest, err.Error()}
+	}
+	l, err := lockview.ReadOne(ctx, h.src, h.opts.Prefix, t)
+	if err != nil {
+		return err
+	}
+	h.logAction(r, "confirm", slog.String("action", "release"), slog.String("key", l.Key), slog.String("owner", l.Owner))
+	v := confirmView{base: h.base("Release " + l.Key + "?"), L: l, Token: h.token("release", releaseSubject(l.Key, l.Owner))}
+	return h.render(w, http.StatusOK, "confirm", v)
+}
+
+// postRelease releases the lock the confirmation page showed, only while
+// the owner is still the one it showed and has not taken it again.
+func (h *Handler) postRelease(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
+	key, owner := r.PostFormValue("key"), r.PostFormValue("owner")
+	what := []slog.Attr{slog.String("action", "release"), slog.String("key", key), slog.String("owner", owner)}
+	err := h.release(ctx, w, r, key, owner)
+	if err != nil {
+		h.logAction(r, "refused", append(what, slog.String("error", err.Error()))...)
+		return err
+	}
+	h.logAction(r, "released", what...)
+	return nil
+}
+
+func (h *Handler) release(ctx context.Context, w http.ResponseWriter, r *http.Request, key, owner string) error {
+	if err := h.checkToken(r, "release", releaseSubject(key, owner)); err != nil {
+		return err
+	}
+	t, err := lockview.ByKey(h.opts.Prefix, key)
+	if err != nil {
+		return &httpError{http.StatusBadRequest, err.Error()}
+	}
+	l, err := lockview.ReadOne(ctx, h.src, h.opts.Prefix, t)
+	if err != nil {
+		return err
+	}
+	if l.Owner != owner {
+		return &httpError{http.StatusConflict, "not released: " + key + " changed owner from " + owner + " to " + l.Owner + " since you confirmed; look at it again"}
+	}
+	if c := r.PostFormValue("created"); c != "" && c != strconv.FormatInt(l.Created, 10) {
+		return &httpError{http.StatusConflict, "not released: " + owner + " took " + key + " again since you confirmed; look at it again"}
+	}
+	res, err := lockview.Release(ctx, h.src, h.opts.Prefix, l)
+	if err != nil {
+		return &httpError{http.StatusConflict, err.Error()}
+	}
+	lines := []string{"released " + l.Key + " (type " + l.Type + ", owner " + l.Owner + ", " + l.State + ", " + l.TTL + " left)"}
+	if res.IndexKey != "" {
+		lines = append(lines, "deleted index key "+res.IndexKey)
+	}
+	lines = append(lines, res.Notes...)
+	v := resultView{base: h.base("Released"), OK: true, Lines: lines, Back: h.opts.RootPath + "/locks"}
+	return h.render(w, http.StatusOK, "result", v)
+}
+
+// fixView is the confirmation page of releasing what the doctor found.
+type fixView struct {
+	base
+	R     *lockview.Report
+	Grace string
+	Token string
+}
+
+// fixSubject binds a doctor token to the locks (key and owner) shown.
+func fixSubject(keys, owners []string) string {
+	pairs := make([]string, len(keys))
+	for i := range keys {
+		pairs[i] = releaseSubject(keys[i], owners[i])
+	}
+	sort.Strings(pairs)
+	return strings.Join(pairs, "\n")
+}
+
+func (h *Handler) confirmFix(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
+	rep, g, err := h.diagnose(ctx, r)
+	if err != nil {
+		return err
+	}
+	var keys, owners []string
+	for _, f := range rep.Findings {
+		keys, owners = append(keys, f.Key), append(owners, f.Owner)
+	}
+	h.logAction(r, "confirm", slog.String("action", "doctor-fix"), slog.Int("locks", len(keys)))
+	v := fixView{base: h.base("Release what the doctor found?"), R: rep, Grace: g.String(), Token: h.token("doctor-fix", fixSubject(keys, owners))}
+	return h.render(w, http.StatusOK, "fix", v)
+}
+
+// postFix checks again and releases, of the locks the confirmation page
+// listed, those whose owner still cannot run (store.ReleaseStuck).
+func (h *Handler) postFix(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
+	if err := r.ParseForm(); err != nil {
+		return &httpError{http.StatusBadRequest, err.Error()}
+	}
+	keys, owners := r.PostForm["key"], r.PostForm["owner"]
+	if len(keys) != len(owners) {
+		return &httpError{http.StatusBadRequest, "bad form: keys and owners do not pair"}
+	}
+	if err := h.checkToken(r, "doctor-fix", fixSubject(keys, owners)); err != nil {
+		h.logAction(r, "refused", slog.String("action", "doctor-fix"), slog.String("error", err.Error()))
+		return err
+	}
+	rep, _, err := h.diagnose(ctx, r)
+	if err != nil {
+		return err
+	}
+	shown := map[string]bool{}
+	for i := range keys {
+		shown[releaseSubject(keys[i], owners[i])] = true
+	}
+	rep.Fix(ctx, h.src, func(f *lockview.Finding) bool { return shown[releaseSubject(f.Key, f.Owner)] })
+	return h.fixResult(w, r, rep)
+}
+
+// fixResult logs and shows what a doctor fix released.
+func (h *Handler) fixResult(w http.ResponseWriter, r *http.Request, rep *lockview.Report) error {
+	var lines []string
+	for _, f := range rep.Findings {
+		switch {
+		case f.Released && f.FollowUp != "":
+			lines = append(lines, "released "+f.Key+" (owner "+f.Owner+") to its follow-up "+f.FollowUp+", queued now")
+		case f.Released:
+			lines = append(lines, "released "+f.Key+" (owner "+f.Owner+")")
+		case f.Error != "":
+			lines = append(lines, "not released "+f.Key+": "+f.Error)
+		}
+		if f.Released {
+			h.logAction(r, "released", slog.String("action", "doctor-fix"), slog.String("key", f.Key), slog.String("owner", f.Owner), slog.String("problem", f.Problem))
+		} else if f.Error != "" {
+			h.logAction(r, "refused", slog.String("action", "doctor-fix"), slog.String("key", f.Key), slog.String("owner", f.Owner), slog.String("error", f.Error))
+		}
+	}
+	lines = append(lines, strconv.Itoa(rep.Released)+" released")
+	v := resultView{base: h.base("Doctor: released"), OK: true, Lines: lines, Back: h.opts.RootPath + "/doctor"}
+	return h.render(w, http.StatusOK, "result", v)
+}

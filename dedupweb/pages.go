@@ -1,0 +1,305 @@
+package dedupweb
+
+import (
+	"context"
+	"net/http"
+	"net/url"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/asynq-dedup/dedup"
+	"github.com/asynq-dedup/dedup/internal/lockview"
+	"github.com/asynq-dedup/dedup/internal/store"
+)
+
+// base is what every page shows: where it is mounted and what it may do.
+type base struct {
+	Root         string
+	Asynqmon     string
+	Prefix       string
+	Title        string
+	AllowRelease bool
+	Now          string
+}
+
+func (h *Handler) base(title string) base {
+	return base{Root: h.opts.RootPath, Asynqmon: h.opts.AsynqmonRoot, Prefix: h.opts.Prefix, Title: title,
+		AllowRelease: h.opts.AllowRelease, Now: h.now().UTC().Format("2006-01-02 15:04:05 UTC")}
+}
+
+// overviewView is the overview: locks by queue, type and state, and the
+// counters of the last hour.
+type overviewView struct {
+	base
+	States  []string
+	Rows    []*lockview.Tally
+	Totals  map[string]int
+	Total   int
+	Charts  []typeCharts
+	Minutes int
+}
+
+// typeCharts are one task type's counters of the last hour.
+type typeCharts struct {
+	Type   string
+	Series []series
+}
+
+// series is one counter of the last hour, with its chart.
+type series struct {
+	Name  string
+	Total uint64
+	Chart chart
+}
+
+// overviewMinutes is how far back the overview's counters go.
+const overviewMinutes = 60
+
+func (h *Handler) overview(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
+	rows, err := lockview.CountLocks(ctx, h.src, h.opts.Prefix, 500)
+	if err != nil {
+		return err
+	}
+	v := overviewView{base: h.base("Overview"), States: lockview.States, Rows: rows, Totals: map[string]int{}, Minutes: overviewMinutes}
+	for _, t := range rows {
+		for s, n := range t.ByState {
+			v.Totals[s] += n
+		}
+		v.Total += t.Total
+	}
+	byType, err := dedup.ReadMinuteStats(ctx, h.rdb, h.opts.Prefix, h.now(), overviewMinutes)
+	if err != nil {
+		return err
+	}
+	types := make([]string, 0, len(byType))
+	for t := range byType {
+		types = append(types, t)
+	}
+	sort.Strings(types)
+	for _, t := range types {
+		v.Charts = append(v.Charts, chartsOf(t, byType[t]))
+	}
+	return h.render(w, http.StatusOK, "overview", v)
+}
+
+// counters are the overview's series: name and how to read it.
+var counters = []struct {
+	name string
+	of   func(dedup.Stats) uint64
+}{
+	{"locked", func(s dedup.Stats) uint64 { return s.Locked }},
+	{"duplicate", func(s dedup.Stats) uint64 { return s.Duplicates }},
+	{"folds", func(s dedup.Stats) uint64 { return s.Coalesced + s.Merged + s.Deferred }},
+	{"busy", func(s dedup.Stats) uint64 { return s.Busy }},
+	{"released", func(s dedup.Stats) uint64 { return s.Released }},
+}
+
+func chartsOf(typ string, ms []dedup.MinuteStats) typeCharts {
+	tc := typeCharts{Type: typ}
+	for _, c := range counters {
+		vals := make([]uint64, len(ms))
+		var total uint64
+		for i, m := range ms {
+			vals[i] = c.of(m.Stats)
+			total += vals[i]
+		}
+		tc.Series = append(tc.Series, series{Name: c.name, Total: total, Chart: barChart(vals)})
+	}
+	return tc
+}
+
+// locksView is one page of the lock list.
+type locksView struct {
+	base
+	Filter   lockview.Filter
+	States   []string
+	Locks    []*lockview.Info
+	Next     string // the next page's URL, "" on the last
+	Complete bool
+	First    bool
+}
+
+func (h *Handler) locks(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
+	q := r.URL.Query()
+	f := lockview.Filter{Queue: q.Get("queue"), Type: q.Get("type"), State: q.Get("state")}
+	s, err := lockview.NewScanner(ctx, h.src, h.opts.Prefix, f, 200)
+	if err != nil {
+		return err
+	}
+	cursor := q.Get("cursor")
+	start, err := s.DecodeCursor(cursor)
+	if err != nil {
+		return err
+	}
+	locks, next, done, err := s.Collect(ctx, start, h.opts.PageSize)
+	if err != nil {
+		return err
+	}
+	lockview.SortLocks(locks)
+	v := locksView{base: h.base("Locks"), Filter: f, States: lockview.States, Locks: locks, Complete: done, First: cursor == ""}
+	if !done {
+		nq := url.Values{"cursor": {s.EncodeCursor(next)}}
+		for k, val := range map[string]string{"queue": f.Queue, "type": f.Type, "state": f.State} {
+			if val != "" {
+				nq.Set(k, val)
+			}
+		}
+		v.Next = h.opts.RootPath + "/locks?" + nq.Encode()
+	}
+	return h.render(w, http.StatusOK, "locks", v)
+}
+
+// lockView is one lock's page.
+type lockView struct {
+	base
+	D            *lockview.Detail
+	Created      string
+	Age          string
+	CooldownLeft string
+	Payload      string
+	ShowPayload  bool
+	RawFields    [][2]string
+}
+
+func (h *Handler) lock(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
+	t, err := lockview.ByKey(h.opts.Prefix, r.URL.Query().Get("key"))
+	if err != nil {
+		return &httpError{http.StatusBadRequest, err.Error()}
+	}
+	return h.showLock(ctx, w, t)
+}
+
+// showLock renders the page of the lock t names.
+func (h *Handler) showLock(ctx context.Context, w http.ResponseWriter, t *lockview.Target) error {
+	l, err := lockview.ReadOne(ctx, h.src, h.opts.Prefix, t)
+	if err != nil {
+		return err
+	}
+	d, err := lockview.Describe(ctx, h.src, h.opts.Prefix, l, t)
+	if err != nil {
+		return err
+	}
+	now := h.now()
+	v := lockView{base: h.base("Lock " + l.Key), D: d}
+	if l.Created > 0 {
+		c := time.Unix(l.Created, 0).UTC()
+		v.Created, v.Age = c.Format(time.RFC3339), lockview.FmtDuration(now.Sub(c))
+	}
+	if ms, err := strconv.ParseInt(l.Fields[store.FieldCoolEnd], 10, 64); err == nil {
+		if left := time.UnixMilli(ms).Sub(now); left > 0 {
+			v.CooldownLeft = lockview.FmtDuration(left)
+		} else {
+			v.CooldownLeft = "over"
+		}
+	}
+	if h.opts.PayloadFormatter != nil && d.OwnerTask.Exists {
+		v.ShowPayload, v.Payload = true, h.opts.PayloadFormatter.FormatPayload(d.OwnerTask.Type, d.OwnerTask.Payload)
+	}
+	for k, val := range l.Fields {
+		v.RawFields = append(v.RawFields, [2]string{k, val})
+	}
+	sort.Slice(v.RawFields, func(i, j int) bool { return v.RawFields[i][0] < v.RawFields[j][0] })
+	return h.render(w, http.StatusOK, "lock", v)
+}
+
+// searchView is the search page, with the last query and what went wrong.
+type searchView struct {
+	base
+	Q     url.Values
+	Error string
+}
+
+// search finds a lock by lock key, by task ID, or by type and key (as
+// dedupctl lookup), and shows it; without a query it shows the forms.
+func (h *Handler) search(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
+	q := r.URL.Query()
+	v := searchView{base: h.base("Search"), Q: q}
+	var (
+		t   *lockview.Target
+		err error
+	)
+	switch {
+	case strings.TrimSpace(q.Get("lock")) != "":
+		t, err = lockview.ByKey(h.opts.Prefix, strings.TrimSpace(q.Get("lock")))
+	case strings.TrimSpace(q.Get("task")) != "":
+		t, err = lockview.ByTask(ctx, h.src, h.opts.Prefix, strings.TrimSpace(q.Get("task")), strings.TrimSpace(q.Get("queue")))
+	case strings.TrimSpace(q.Get("type")) != "":
+		t, err = h.byKeySpec(ctx, q)
+	default:
+		return h.render(w, http.StatusOK, "search", v)
+	}
+	if err == nil {
+		http.Redirect(w, r, h.opts.RootPath+"/lock?"+url.Values{"key": {t.Key}}.Encode(), http.StatusSeeOther)
+		return nil
+	}
+	v.Error = err.Error()
+	status := statusOf(err)
+	if status == http.StatusInternalServerError {
+		status = http.StatusNotFound // no such lock, no such task
+	}
+	return h.render(w, status, "search", v)
+}
+
+// byKeySpec finds the lock a task of the query's type and key would take.
+func (h *Handler) byKeySpec(ctx context.Context, q url.Values) (*lockview.Target, error) {
+	spec := lockview.KeySpec{Type: strings.TrimSpace(q.Get("type")), Payload: strings.TrimSpace(q.Get("payload")),
+		Fields: strings.TrimSpace(q.Get("fields")), Key: q.Get("key"), Shared: q.Get("shared") != "", Queue: strings.TrimSpace(q.Get("queue"))}
+	for _, v := range q["field"] {
+		for line := range strings.Lines(v) {
+			if line = strings.TrimSpace(line); line != "" {
+				spec.Field = append(spec.Field, line)
+			}
+		}
+	}
+	task, opts, err := spec.Task()
+	if err != nil {
+		return nil, err
+	}
+	key, err := lockview.LockKey(ctx, h.rdb, h.opts.Prefix, h.opts.HashKey, task, opts)
+	if err != nil {
+		return nil, err
+	}
+	if key == "" {
+		return nil, &httpError{http.StatusNotFound, "no lock: the key is free"}
+	}
+	return &lockview.Target{Key: key}, nil
+}
+
+// doctorView is the doctor's report.
+type doctorView struct {
+	base
+	R     *lockview.Report
+	Grace string
+}
+
+func (h *Handler) grace(r *http.Request) (time.Duration, error) {
+	g := r.FormValue("grace")
+	if g == "" {
+		return h.opts.DoctorGrace, nil
+	}
+	d, err := time.ParseDuration(g)
+	if err != nil || d < 0 {
+		return 0, lockview.Usagef("bad grace %q: want a duration such as 1m", g)
+	}
+	return d, nil
+}
+
+// diagnose runs the doctor with the request's grace, releasing nothing.
+func (h *Handler) diagnose(ctx context.Context, r *http.Request) (*lockview.Report, time.Duration, error) {
+	g, err := h.grace(r)
+	if err != nil {
+		return nil, 0, err
+	}
+	rep, err := lockview.Doctor(ctx, h.src, h.opts.Prefix, lockview.Filter{}, g, false)
+	return rep, g, err
+}
+
+func (h *Handler) doctor(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
+	rep, g, err := h.diagnose(ctx, r)
+	if err != nil {
+		return err
+	}
+	return h.render(w, http.StatusOK, "doctor", doctorView{base: h.base("Doctor"), R: rep, Grace: g.String()})
+}

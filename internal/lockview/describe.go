@@ -1,0 +1,310 @@
+package lockview
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// Target is a resolved lock key.
+type Target struct {
+	Key, Queue, FP string
+	Task           string // the task ID that led to it, if any
+}
+
+// ByKey checks that key is a lock key of prefix.
+func ByKey(prefix, key string) (*Target, error) {
+	q, fp, ok := store.NewKeys(prefix).ParseLock(key)
+	if !ok {
+		return nil, NotLockKey(prefix, key)
+	}
+	return &Target{Key: key, Queue: q, FP: fp}, nil
+}
+
+// ByTask finds the lock of task ID task in queue, or in every queue asynq
+// knows when queue is "".
+func ByTask(ctx context.Context, src Source, prefix, task, queue string) (*Target, error) {
+	keys := store.NewKeys(prefix)
+	queues, err := taskQueues(src, task, queue)
+	if err != nil {
+		return nil, err
+	}
+	found, err := findTaskLocks(ctx, src, keys, queues, task)
+	if err != nil {
+		return nil, err
+	}
+	if len(found) == 0 {
+		return nil, noTaskLock(keys, task, queue, queues)
+	}
+	return pickMine(ctx, src, keys, found, task)
+}
+
+// taskQueues lists the queues to look for a task in: queue, or every
+// queue asynq knows.
+func taskQueues(src Source, task, queue string) ([]string, error) {
+	if queue != "" {
+		return []string{queue}, nil
+	}
+	all, err := asynq.NewInspectorFromRedisClient(src.RDB).Queues()
+	if err != nil {
+		return nil, fmt.Errorf("list asynq queues: %w", err)
+	}
+	if len(all) == 0 {
+		return nil, fmt.Errorf("no lock for task %q: asynq knows no queues (pass --queue)", task)
+	}
+	sort.Strings(all)
+	return all, nil
+}
+
+// findTaskLocks finds the task's lock in each queue.
+func findTaskLocks(ctx context.Context, src Source, keys store.Keys, queues []string, task string) ([]*Target, error) {
+	var found []*Target
+	for _, q := range queues {
+		tl, err := store.FindLock(ctx, src.RDB, keys, q, task)
+		switch {
+		case err != nil:
+			return nil, err
+		case tl.OptOut:
+			return nil, fmt.Errorf("task %q in queue %s was enqueued with deduplication off (dedup.Skip): it has no lock", task, q)
+		case tl.Found:
+			found = append(found, &Target{Key: keys.Lock(q, tl.FP), Queue: q, FP: tl.FP, Task: task})
+		}
+	}
+	return found, nil
+}
+
+// noTaskLock explains that no queue has a lock for the task.
+func noTaskLock(keys store.Keys, task, queue string, queues []string) error {
+	where := "queue " + queue
+	if queue == "" {
+		where = "any queue (" + strings.Join(queues, ", ") + ")"
+	}
+	if fp, ok := store.ParseLockedID(task); ok {
+		return fmt.Errorf("no such lock: task %q would hold %s in %s, and there is none", task, keys.Lock("<queue>", fp), where)
+	}
+	return fmt.Errorf("no such lock: no index key %s for task %q in %s (the task was not enqueued through the dedup wrapper with its own ID, or its lock is gone)", keys.Index("<queue>", task), task, where)
+}
+
+// pickMine chooses among the locks found for a task: the same work may be
+// locked in several queues, so it keeps the lock the task owns (or is owed
+// as follow-up).
+func pickMine(ctx context.Context, src Source, keys store.Keys, found []*Target, task string) (*Target, error) {
+	if len(found) == 1 {
+		return found[0], nil
+	}
+	var mine []*Target
+	for _, t := range found {
+		ls, err := store.ReadLocks(ctx, src.RDB, keys, []string{t.Key})
+		if err != nil {
+			return nil, err
+		}
+		if len(ls) == 1 && (ls[0].Owner == task || ls[0].Follow == task) {
+			mine = append(mine, t)
+		}
+	}
+	if len(mine) == 1 {
+		return mine[0], nil
+	}
+	var qs []string
+	for _, t := range found {
+		qs = append(qs, t.Queue)
+	}
+	return nil, fmt.Errorf("task %q has a lock in several queues (%s): pass --queue", task, strings.Join(qs, ", "))
+}
+
+// ErrNoLock is wrapped by ReadOne's error when the key holds no lock.
+var ErrNoLock = errors.New("no such lock")
+
+// ReadOne reads one lock, or explains why there is none.
+func ReadOne(ctx context.Context, src Source, prefix string, t *Target) (*Info, error) {
+	ls, err := ReadLocks(ctx, src.RDB, prefix, []string{t.Key})
+	if err != nil {
+		return nil, err
+	}
+	if len(ls) == 1 {
+		if src.Cluster != nil {
+			if m, err := src.Cluster.MasterForKey(ctx, t.Key); err == nil {
+				ls[0].Node = m.Options().Addr
+			}
+		}
+		return ls[0], nil
+	}
+	typ, err := src.RDB.Type(ctx, t.Key).Result()
+	if err != nil {
+		return nil, err
+	}
+	if typ != "none" {
+		return nil, fmt.Errorf("not a dedup lock: %s is a %s without an owner", t.Key, typ)
+	}
+	return nil, fmt.Errorf("%w: %s (released, expired, or never taken)", ErrNoLock, t.Key)
+}
+
+// TaskInfo is what asynq says about a task.
+type TaskInfo struct {
+	ID            string     `json:"id"`
+	Exists        bool       `json:"exists"`
+	State         string     `json:"state"` // asynq's state, or "missing"
+	Type          string     `json:"type,omitempty"`
+	Retried       int        `json:"retried"`
+	MaxRetry      int        `json:"max_retry"`
+	LastError     string     `json:"last_error,omitempty"`
+	NextProcessAt *time.Time `json:"next_process_at,omitempty"`
+	WorkerLost    bool       `json:"worker_lost,omitempty"` // active, but no worker renews it
+	Note          string     `json:"note"`
+
+	Payload []byte `json:"-"` // the task's payload, for a caller that may show it
+}
+
+// InspectTask asks asynq's Inspector about a task.
+func InspectTask(insp *asynq.Inspector, queue, id string, now time.Time) (*TaskInfo, error) {
+	ti := &TaskInfo{ID: id}
+	info, err := insp.GetTaskInfo(queue, id)
+	switch {
+	case errors.Is(err, asynq.ErrTaskNotFound) || errors.Is(err, asynq.ErrQueueNotFound):
+		ti.State = "missing"
+		ti.Note = "missing (the lock is orphaned; it heals at the next enqueue)"
+		return ti, nil
+	case err != nil:
+		return nil, fmt.Errorf("asynq inspector, task %s: %w", id, err)
+	}
+	ti.Exists, ti.State, ti.Type, ti.Payload = true, info.State.String(), info.Type, info.Payload
+	ti.Retried, ti.MaxRetry = info.Retried, info.MaxRetry
+	ti.LastError = info.LastErr
+	ti.WorkerLost = info.IsOrphaned
+	if !info.NextProcessAt.IsZero() {
+		t := info.NextProcessAt.UTC()
+		ti.NextProcessAt = &t
+	}
+	ti.Note = taskNote(info, now)
+	return ti, nil
+}
+
+// taskNote says in words where a task stands.
+func taskNote(info *asynq.TaskInfo, now time.Time) string {
+	state := info.State.String()
+	retries := fmt.Sprintf("retried %d/%d", info.Retried, info.MaxRetry)
+	var note string
+	switch info.State {
+	case asynq.TaskStateCompleted, asynq.TaskStateArchived:
+		note = state + " (the lock is orphaned; it heals at the next enqueue)"
+	case asynq.TaskStateActive:
+		note = "active (" + retries + ")"
+		if info.IsOrphaned {
+			note = "active, but its worker is gone (asynq will retry it; the lock expires within one lease)"
+		}
+	case asynq.TaskStateScheduled, asynq.TaskStateRetry:
+		note = state + " (" + retries
+		switch left := info.NextProcessAt.Sub(now); {
+		case info.NextProcessAt.IsZero():
+		case left < 0:
+			note += ", due " + FmtDuration(-left) + " ago: runs when a server picks it up"
+		default:
+			note += ", runs in " + FmtDuration(left)
+		}
+		note += ")"
+	default:
+		note = state + " (" + retries + ")"
+	}
+	if info.LastErr != "" {
+		note += "; last error: " + info.LastErr
+	}
+	return note
+}
+
+// Detail is one lock in full: what asynq and the side keys say about it.
+type Detail struct {
+	Info
+	OwnerTask      *TaskInfo `json:"owner_task"`
+	FollowUpTask   *TaskInfo `json:"follow_up_task,omitempty"`
+	FollowUpKey    string    `json:"follow_up_key,omitempty"` // <prefix>:{q}:f:<fp>, when present
+	RunningPolicy  string    `json:"running_policy,omitempty"`
+	PayloadVersion string    `json:"payload_version,omitempty"`
+	WaitingSet     string    `json:"waiting_set,omitempty"`
+	IndexKey       string    `json:"index_key,omitempty"`
+	Task           string    `json:"task,omitempty"`      // the task ID the lock was found by
+	TaskRole       string    `json:"task_role,omitempty"` // owner, follow-up or other
+}
+
+// Describe adds what asynq and the side keys say about a lock.
+func Describe(ctx context.Context, src Source, prefix string, l *Info, t *Target) (*Detail, error) {
+	insp := asynq.NewInspectorFromRedisClient(src.RDB)
+	out := &Detail{Info: *l, Task: t.Task}
+	var err error
+	if out.OwnerTask, err = InspectTask(insp, l.Queue, l.Owner, time.Now()); err != nil {
+		return nil, err
+	}
+	if l.State == store.LockCooling {
+		out.OwnerTask.Note = out.OwnerTask.State + " (it succeeded; the key cools down until the lock expires, Cooldown)"
+	}
+	if l.FollowUp != "" {
+		if out.FollowUpTask, err = InspectTask(insp, l.Queue, l.FollowUp, time.Now()); err != nil {
+			return nil, err
+		}
+	}
+	out.RunningPolicy = runningPolicy(l.lock.RunningPolicy())
+	out.PayloadVersion = l.Fields[store.FieldFolds] // the fold count doubles as the merge version
+	keys := store.NewKeys(prefix)
+	if l.lock.Bounded() {
+		out.WaitingSet = keys.Wait(l.Queue, l.lock.WaitType())
+	}
+	if err := describeSideKeys(ctx, src, keys, l, out); err != nil {
+		return nil, err
+	}
+	switch {
+	case t.Task == "":
+	case t.Task == l.Owner:
+		out.TaskRole = "owner"
+	case t.Task == l.FollowUp:
+		out.TaskRole = "follow-up"
+	default:
+		out.TaskRole = "other"
+	}
+	return out, nil
+}
+
+func runningPolicy(rp string) string {
+	switch rp {
+	case string(store.RunAllow):
+		return "allow (a)"
+	case string(store.RunDefer):
+		return "defer (d)"
+	}
+	return rp
+}
+
+// describeSideKeys adds the owner's index key (when it points to this
+// lock) and the key's follow-up pointer, with the follow-up a dead run left
+// owed.
+func describeSideKeys(ctx context.Context, src Source, keys store.Keys, l *Info, out *Detail) error {
+	if _, ok := store.ParseLockedID(l.Owner); !ok {
+		ik := keys.Index(l.Queue, l.Owner)
+		if v, err := src.RDB.Get(ctx, ik).Result(); err == nil && v == l.Fingerprint {
+			out.IndexKey = ik
+		} else if err != nil && !errors.Is(err, redis.Nil) {
+			return err
+		}
+	}
+	fk := keys.Follow(l.Queue, l.Fingerprint)
+	v, err := src.RDB.Get(ctx, fk).Result()
+	if errors.Is(err, redis.Nil) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	out.FollowUpKey = fk
+	if l.FollowUp == "" && v != "" {
+		// A follow-up owed by a run that died: the next enqueue adopts it.
+		if out.FollowUpTask, err = InspectTask(asynq.NewInspectorFromRedisClient(src.RDB), l.Queue, v, time.Now()); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -1,0 +1,105 @@
+package lockview
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+)
+
+// Finding is one lock whose owner cannot run (or an orphan left alone).
+type Finding struct {
+	Key       string `json:"key"`
+	Queue     string `json:"queue"`
+	Type      string `json:"type"`
+	Owner     string `json:"owner"`
+	TaskState string `json:"task_state"`
+	Problem   string `json:"problem"` // gone or lost
+	Detail    string `json:"detail"`
+	Released  bool   `json:"released,omitempty"`
+	FollowUp  string `json:"follow_up_queued,omitempty"` // the owed follow-up that took the key, queued now
+	Error     string `json:"error,omitempty"`            // why the fix did not release it
+
+	lock *store.Lock
+}
+
+// Report is what Doctor found.
+type Report struct {
+	Prefix   string    `json:"prefix"`
+	Checked  int       `json:"checked"`
+	Findings []Finding `json:"findings"`
+	Released int       `json:"released"`
+	Grace    string    `json:"grace"`
+	Young    []Finding `json:"left_alone"` // orphans younger than the grace: not released
+}
+
+// Doctor checks every lock of prefix that passes f against its owner's
+// record (store.Diagnose) and, with fix, releases those whose owner cannot
+// run, owner-checked (store.ReleaseStuck).
+func Doctor(ctx context.Context, src Source, prefix string, f Filter, grace time.Duration, fix bool) (*Report, error) {
+	s, err := NewScanner(ctx, src, prefix, f, 500)
+	if err != nil {
+		return nil, err
+	}
+	var ls []*store.Lock
+	if err := s.Each(ctx, func(l *Info) { ls = append(ls, l.lock) }); err != nil {
+		return nil, err
+	}
+	ds, young, err := store.Diagnose(ctx, src.RDB, ls, grace, time.Now())
+	if err != nil {
+		return nil, err
+	}
+	out := &Report{Prefix: prefix, Checked: len(ls), Findings: []Finding{}, Grace: FmtDuration(grace), Young: []Finding{}}
+	for _, d := range young {
+		f := findingOf(d)
+		f.Detail += fmt.Sprintf(", lock younger than --grace %s: its task may not be stored yet", out.Grace)
+		out.Young = append(out.Young, f)
+	}
+	for _, d := range ds {
+		out.Findings = append(out.Findings, findingOf(d))
+	}
+	if fix {
+		out.Fix(ctx, src, func(*Finding) bool { return true })
+	}
+	return out, nil
+}
+
+// Fix releases the findings that keep selects, owner-checked and only if
+// their owner still cannot run (store.ReleaseStuck), and records each
+// outcome in its finding.
+func (r *Report) Fix(ctx context.Context, src Source, keep func(*Finding) bool) {
+	for i := range r.Findings {
+		f := &r.Findings[i]
+		if !keep(f) {
+			continue
+		}
+		fixOne(ctx, src, r.Prefix, f.lock, f)
+		if f.Released {
+			r.Released++
+		}
+	}
+}
+
+// fixOne releases one lock found stuck, and records the outcome in f.
+func fixOne(ctx context.Context, src Source, prefix string, l *store.Lock, f *Finding) {
+	res, err := store.ReleaseStuck(ctx, src.RDB, store.NewKeys(prefix), l)
+	switch {
+	case err != nil:
+		f.Error = err.Error()
+	case res.Released:
+		f.Released, f.FollowUp = true, res.FollowUp
+	case res.Gone:
+		f.Error = "gone meanwhile"
+	case res.Runnable != "":
+		f.Error = "its owner can run now (" + res.Runnable + ")"
+	default:
+		f.Error = "changed owner meanwhile, to " + res.Owner
+	}
+}
+
+// findingOf presents one diagnosis.
+func findingOf(d store.Diagnosis) Finding {
+	l := d.Lock
+	return Finding{Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, TaskState: l.TaskState, Problem: d.Problem, Detail: d.Detail, lock: l}
+}
