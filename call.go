@@ -28,7 +28,8 @@ type call struct {
 	conflicting   string    // asynq.Unique or asynq.Group, which deduplication refuses
 	taskQueue     string    // the queue given to asynq.NewTask, if any
 	msg           store.Message
-	msgUnknown    bool // an asynq option the direct path cannot store
+	msgUnknown    bool              // an asynq option the direct path cannot store
+	headers       map[string]string // added by dedup.Headers options (headers.go); nil: none
 
 	// Set by prepare, for a deduplicated call.
 	ref       store.Ref
@@ -56,6 +57,10 @@ func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
 			continue
 		}
 		if ov, ok := o.(option); ok {
+			if ov.headers != nil {
+				k.addHeaders(ov.headers)
+				continue
+			}
 			if rule == nil {
 				rule = new(resolved)
 				*rule = k.rule
@@ -73,6 +78,9 @@ func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
 			return err
 		}
 		k.rule = *rule
+	}
+	if err := k.applyHeaders(); err != nil {
+		return err
 	}
 	return k.chooseQueue(c.d)
 }

@@ -154,10 +154,16 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 		return Result{}, err
 	}
 	res, n, err := c.lock(ctx, &k)
-	if n != enqueue {
-		return res, err
+	if n == enqueue {
+		res, err = c.enqueueLocked(ctx, &k)
 	}
-	return c.enqueueLocked(ctx, &k)
+	if err == nil {
+		res.Fingerprint, res.Conflict, res.Running, res.FailOpen = k.ref.FP, k.rule.conflict, k.rule.running, !k.locked
+		if k.headers != nil && res.Outcome != Created {
+			res.NotApplied = append(res.NotApplied, headersDesc) // the task it went into keeps its headers
+		}
+	}
+	return res, err
 }
 
 // enqueueUnlocked enqueues a call without deduplication, marked so that the

@@ -71,32 +71,38 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	if err != nil {
 		return d.unlocked(ctx, "resolve", t, next, err)
 	}
+	rec := attemptOf(ctx) // nil unless a wrapper asked (WithAttempt)
 	if ref == nil {
+		rec.set(AttemptNotLocked)
 		return next.ProcessTask(ctx, t)
 	}
 	rule := d.ruleFor(t.Type())
-	l := &lease{ref: *ref, st: rst, token: store.NewToken(), arrived: guarded}
+	l := &lease{ref: *ref, st: rst, token: store.NewToken(), arrived: guarded, rec: rec}
+	rec.locked(l)
 	st, err := d.startAttempt(ctx, l, &rule)
 	switch {
 	case err != nil:
 		d.startUnknown(ctx, t, &rule, l, err)
 		return d.unlocked(ctx, "start", t, next, err)
 	case st.Status == store.StatusElsewhere:
+		rec.set(AttemptRefused)
 		return d.elsewhere(t, id)
 	case st.Status == store.StatusAllowed:
 		if !st.New {
 			d.count(t.Type(), evReleased) // RunningAllow: the key was freed as the task started
 		}
-		return d.runAllowed(ctx, t, next)
+		return d.runAllowed(ctx, t, next, rec)
 	case rule.running == RunningAllow && !guarded && st.Status == store.StatusHeld && !st.HolderRuns && !st.Released:
 		// A task accepted at enqueue of a type that runs beside a waiting
 		// task of its key: its first attempt freed the key (or its lock
 		// lapsed while it waited), and another task has taken it since and
 		// waits. It runs, as RunningAllow runs, without the lock.
-		return d.runAllowed(ctx, t, next)
+		return d.runAllowed(ctx, t, next, rec)
 	case st.Status == store.StatusCooling && guarded:
+		rec.other(AttemptBusyDropped, st.Holder)
 		return d.cooling(t, &l.ref, st.Holder, st.Cooling)
 	case st.Status == store.StatusSuperseded:
+		rec.other(AttemptSuperseded, st.Holder)
 		d.count(t.Type(), evSuperseded)
 		d.log.Info("dedup: not run: the task lost its lock and its follow-up carries a newer payload", slog.String("type", t.Type()), slog.String("task_id", id), slog.String("follow_up", st.Holder))
 		return nil
@@ -110,7 +116,8 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 
 // runAllowed runs an attempt of a RunningAllow type, which holds no lock
 // while it runs; it is counted as started and processed as any other.
-func (d *Dedup) runAllowed(ctx context.Context, t *asynq.Task, next asynq.Handler) error {
+func (d *Dedup) runAllowed(ctx context.Context, t *asynq.Task, next asynq.Handler, rec *Attempt) error {
+	rec.set(AttemptAllowed)
 	d.count(t.Type(), evStarted)
 	defer d.count(t.Type(), evProcessed) // (a panic too, as run counts it)
 	return next.ProcessTask(ctx, t)
@@ -167,9 +174,12 @@ func (d *Dedup) elsewhere(t *asynq.Task, id string) error {
 // unlocked runs the handler without a lock after a Redis error, if
 // fail-open allows it.
 func (d *Dedup) unlocked(ctx context.Context, op string, t *asynq.Task, next asynq.Handler, err error) error {
+	rec := attemptOf(ctx)
 	if d.onRedisError(ctx, op, t.Type(), err) {
+		rec.set(AttemptFailOpen)
 		return next.ProcessTask(ctx, t)
 	}
+	rec.set(AttemptRefused)
 	return unavailable(op, err)
 }
 
@@ -199,12 +209,16 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error, live bool) {
 	d.count(t.Type(), evProcessed)
 	f := d.finishOf(ctx, t, r, l, err)
-	if f.Release && !f.GivenUp && f.Follow == "" && r.cooldown == 0 && !l.ref.Indexed && l.st == d.store {
+	// A release is batched off the handler's path, unless a wrapper asked
+	// what became of the lock (WithAttempt): a follow-up queued by the
+	// release is known only once it has landed.
+	if f.Release && !f.GivenUp && f.Follow == "" && r.cooldown == 0 && !l.ref.Indexed && l.st == d.store && l.rec == nil {
 		d.rel.add(release{f: *f, live: live}) // off the handler's path (releaser.go)
 		return
 	}
 	res, ferr := l.st.Finish(context.WithoutCancel(ctx), f)
 	d.report(l.st, f, res, ferr, live)
+	l.rec.settled(res, ferr)
 }
 
 // report counts and logs how an attempt's lock was settled (f, by st),
@@ -338,6 +352,7 @@ type lease struct {
 	follow  string // the follow-up its lock owed when it started
 	begun   bool   // started by the begin script: its lock held nothing else then
 	cancel  context.CancelCauseFunc
+	rec     *Attempt // what the middleware did, for a wrapper (WithAttempt); nil: not asked
 }
 
 func (l *lease) String() string { return fmt.Sprintf("%s@%s:%s", l.ref.ID, l.ref.Queue, l.ref.FP) }

@@ -18,8 +18,9 @@ const OptionType asynq.OptionType = 0x6464
 
 // option is a per-call option. It implements asynq.Option.
 type option struct {
-	apply func(*resolved) error
-	desc  string
+	apply   func(*resolved) error
+	desc    string
+	headers map[string]string // dedup.Headers: read by compose, not applied to the rule
 }
 
 func (o option) String() string            { return o.desc }

@@ -2,6 +2,7 @@ package dedup
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/asynq-dedup/dedup/internal/store"
 
@@ -145,9 +146,34 @@ type Result struct {
 	// NotApplied names, for a call folded into another task (Replaced,
 	// Merged, Deferred), the call's options that task did not take
 	// (asynq's ProcessIn, MaxRetry, Timeout, a TaskID, ...; a
-	// dedup.Cooldown): it keeps its own. Nil when there were none, and for
-	// Created.
+	// dedup.Cooldown, dedup.Headers): it keeps its own. Nil when there
+	// were none, and for Created.
 	NotApplied []string
+	// Fingerprint is the call's key hashed, as its lock key ends (16 or 32
+	// hex digits; see Config.HashKey): never the key's own text. Empty for
+	// a call that is not deduplicated (Skip, Config.OptIn without a rule).
+	Fingerprint string
+	// Conflict and Running are the policies the call was made with: its
+	// type's rule with the call's options (zero for a call that is not
+	// deduplicated).
+	Conflict Conflict
+	Running  Running
+	// FailOpen is true when Redis failed and the task was enqueued without
+	// a lock (Config.FailOpen); the execution-time guard locks it when it
+	// starts.
+	FailOpen bool
+}
+
+// KeyHash returns the fingerprint a lock key ends with (such as
+// DuplicateTaskError.Key, BusyError.Key, Decision.Key): the key hashed,
+// as Result.Fingerprint holds it. It returns "" for a string that does
+// not end as a lock key does.
+func KeyHash(lockKey string) string {
+	i := strings.LastIndex(lockKey, "}:l:")
+	if i < 0 || !store.IsFingerprint(lockKey[i+len("}:l:"):]) {
+		return ""
+	}
+	return lockKey[i+len("}:l:"):]
 }
 
 // OnConflict sets this call's policy for a key held by a waiting task,

@@ -1,0 +1,57 @@
+package dedup
+
+import (
+	"fmt"
+	"maps"
+
+	"github.com/hibiken/asynq"
+)
+
+// Headers adds h to the headers of the task this call creates (asynq
+// v0.26.0 task headers, Task.Headers), on top of the task's own
+// (asynq.NewTaskWithHeaders): a name in both takes h's value; several
+// Headers options in one call are merged, the last winning. The task's
+// asynq.NewTask options are kept. It is how a wrapper such as package
+// dedupotel adds a trace context to a task without rebuilding it.
+//
+// Headers belong to the task a call creates: on the NewClient direct path,
+// through WrapClient's Enqueuer, and for a call that is not deduplicated.
+// A call folded into another task (Replaced, Merged, Deferred) leaves that
+// task's headers as they are, and Result.NotApplied names "dedup.Headers(…)".
+// Headers does not opt a call in under Config.OptIn. Default: no headers
+// added. A nil or empty h adds none.
+func Headers(h map[string]string) asynq.Option {
+	return option{desc: headersDesc, headers: maps.Clone(h), apply: func(*resolved) error { return nil }}
+}
+
+// headersDesc names the Headers option in Result.NotApplied.
+const headersDesc = "dedup.Headers(…)"
+
+// addHeaders records the headers of a Headers option on the call.
+func (k *call) addHeaders(h map[string]string) {
+	if len(h) == 0 {
+		return
+	}
+	if k.headers == nil {
+		k.headers = make(map[string]string, len(h))
+	}
+	maps.Copy(k.headers, h)
+}
+
+// applyHeaders makes the call's task again with the Headers options'
+// headers added, keeping its payload and its asynq.NewTask options.
+func (k *call) applyHeaders() error {
+	if k.headers == nil {
+		return nil
+	}
+	opts, ok := taskOpts(k.task)
+	if !ok {
+		return fmt.Errorf("%w: dedup.Headers: this asynq version's task options cannot be read, so the task cannot be made again with them", ErrInvalidOption)
+	}
+	own := k.task.Headers()
+	h := make(map[string]string, len(own)+len(k.headers))
+	maps.Copy(h, own)
+	maps.Copy(h, k.headers)
+	k.task = asynq.NewTaskWithHeaders(k.typ, k.task.Payload(), h, opts...)
+	return nil
+}

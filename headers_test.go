@@ -1,0 +1,125 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"maps"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+)
+
+// storedHeaders returns the headers asynq stored for task id.
+func (h *harness) storedHeaders(id string) map[string]string {
+	h.t.Helper()
+	ti, err := h.insp.GetTaskInfo(h.queue, id)
+	if err != nil {
+		h.t.Fatalf("GetTaskInfo %s: %v", id, err)
+	}
+	return ti.Headers
+}
+
+// TestHeadersOnCreatedTasks: dedup.Headers adds to a created task's own
+// headers (the option winning a clash) on every path that creates one:
+// NewClient's direct path, WrapClient's Enqueuer (a task with NewTask
+// options, which are kept), and a call that is not deduplicated.
+func TestHeadersOnCreatedTasks(t *testing.T) {
+	h := newHarness(t, Config{})
+	ctx := context.Background()
+	add := Headers(map[string]string{"traceparent": "00-tp", "a": "mine"})
+	own := map[string]string{"a": "task's", "b": "task's"}
+	want := map[string]string{"traceparent": "00-tp", "a": "mine", "b": "task's"}
+
+	clients := map[string]*Client{"direct": h.d.NewClient(), "wrapped": h.client}
+	for name, c := range clients {
+		task := asynq.NewTaskWithHeaders("hdr:"+name, []byte(`{"n":1}`), own, asynq.MaxRetry(7))
+		res, err := c.Submit(ctx, task, asynq.Queue(h.queue), add)
+		if err != nil || res.Outcome != Created {
+			t.Fatalf("%s: Submit = %+v, %v", name, res, err)
+		}
+		if got := h.storedHeaders(res.TaskID); !maps.Equal(got, want) {
+			t.Errorf("%s: stored headers %v, want %v", name, got, want)
+		}
+		if ti, _ := h.insp.GetTaskInfo(h.queue, res.TaskID); ti == nil || ti.MaxRetry != 7 {
+			t.Errorf("%s: the task's NewTask option MaxRetry(7) was lost: %+v", name, ti)
+		}
+		if !maps.Equal(task.Headers(), own) {
+			t.Errorf("%s: the caller's task was changed: %v", name, task.Headers())
+		}
+	}
+	// The direct path itself (no NewTask options), which stores asynq's record in the lock script.
+	res, err := clients["direct"].Submit(ctx, asynq.NewTask("hdr:bare", []byte(`{}`)), asynq.Queue(h.queue), add)
+	if err != nil || res.Outcome != Created {
+		t.Fatalf("direct bare: %+v, %v", res, err)
+	}
+	if got := h.storedHeaders(res.TaskID); got["traceparent"] != "00-tp" || got["a"] != "mine" {
+		t.Errorf("direct bare: stored headers %v", got)
+	}
+	res, err = h.client.Submit(ctx, asynq.NewTask("hdr:skip", nil), asynq.Queue(h.queue), Skip(), add)
+	if err != nil || res.Fingerprint != "" {
+		t.Fatalf("skip: %+v, %v", res, err)
+	}
+	if got := h.storedHeaders(res.TaskID); got["traceparent"] != "00-tp" {
+		t.Errorf("skip: stored headers %v", got)
+	}
+}
+
+// TestHeadersNotAppliedOnFold: a call folded into a waiting task leaves
+// that task's headers alone and names the option in Result.NotApplied.
+func TestHeadersNotAppliedOnFold(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"hdr:fold": {Fields: []string{"k"}, OnConflict: Replace}}})
+	ctx := context.Background()
+	first, err := h.client.Submit(ctx, asynq.NewTask("hdr:fold", []byte(`{"k":1,"v":1}`)), asynq.Queue(h.queue), asynq.ProcessIn(time.Hour),
+		Headers(map[string]string{"traceparent": "first"}))
+	if err != nil || first.Outcome != Created {
+		t.Fatalf("first: %+v, %v", first, err)
+	}
+	second, err := h.client.Submit(ctx, asynq.NewTask("hdr:fold", []byte(`{"k":1,"v":2}`)), asynq.Queue(h.queue),
+		Headers(map[string]string{"traceparent": "second"}))
+	if err != nil || second.Outcome != Replaced || second.TaskID != first.TaskID {
+		t.Fatalf("second: %+v, %v", second, err)
+	}
+	if !slices.Contains(second.NotApplied, "dedup.Headers(…)") {
+		t.Errorf("NotApplied = %q, want it to name dedup.Headers(…)", second.NotApplied)
+	}
+	if got := h.storedHeaders(first.TaskID); got["traceparent"] != "first" {
+		t.Errorf("the waiting task's headers changed: %v", got)
+	}
+	if first.Fingerprint == "" || second.Fingerprint != first.Fingerprint {
+		t.Errorf("fingerprints %q, %q: want one, the same", first.Fingerprint, second.Fingerprint)
+	}
+}
+
+// TestHeadersFingerprintAndKeyHash: Result.Fingerprint is the end of the
+// lock key (KeyHash of DuplicateTaskError.Key), never the key's text;
+// Headers does not opt a call in under Config.OptIn.
+func TestHeadersFingerprintAndKeyHash(t *testing.T) {
+	h := newHarness(t, Config{OptIn: true})
+	ctx := context.Background()
+	task := asynq.NewTask("hdr:key", []byte(`{}`))
+	res, err := h.client.Submit(ctx, task, asynq.Queue(h.queue), Key("user-secret-42"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = h.client.Submit(ctx, task, asynq.Queue(h.queue), Key("user-secret-42"))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) {
+		t.Fatalf("second call: %v, want a duplicate", err)
+	}
+	if res.Fingerprint == "" || KeyHash(dup.Key) != res.Fingerprint || KeyHash(h.keyOf(task, h.queue, Key("user-secret-42"))) != res.Fingerprint {
+		t.Errorf("Fingerprint %q, KeyHash(dup.Key %q) = %q", res.Fingerprint, dup.Key, KeyHash(dup.Key))
+	}
+	for _, bad := range []string{"", "x", "dedup:{q}:l:notHex", dup.Key + "0"} {
+		if got := KeyHash(bad); got != "" {
+			t.Errorf("KeyHash(%q) = %q, want empty", bad, got)
+		}
+	}
+	for range 2 { // not deduplicated: Headers is no dedup option
+		r, err := h.client.Submit(ctx, asynq.NewTask("hdr:optin", []byte(`{}`)), asynq.Queue(h.queue), Headers(map[string]string{"x": "y"}))
+		if err != nil || r.Outcome != Created || r.Fingerprint != "" {
+			t.Fatalf("OptIn without a rule: %+v, %v", r, err)
+		}
+	}
+}
