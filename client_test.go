@@ -680,3 +680,27 @@ func TestLookupAndReleaseAKey(t *testing.T) {
 		t.Fatalf("a task without deduplication: %v", err)
 	}
 }
+
+// QueueOf names the queue Submit would use: the call's, else NewTask's,
+// else "default".
+func TestQueueOfIsTheQueueSubmitUses(t *testing.T) {
+	h := newHarness(t, Config{})
+	for _, tc := range []struct {
+		task *asynq.Task
+		opts []asynq.Option
+		want string
+	}{
+		{asynq.NewTask("q:of", nil), nil, "default"},
+		{asynq.NewTask("q:of", nil, asynq.Queue("from-task")), nil, "from-task"},
+		{asynq.NewTask("q:of", nil, asynq.Queue("from-task")), []asynq.Option{asynq.Queue("from-call")}, "from-call"},
+		{asynq.NewTask("q:of", nil), []asynq.Option{asynq.Queue(" ")}, "default"}, // refused by Submit
+	} {
+		if got := h.d.QueueOf(tc.task, tc.opts...); got != tc.want {
+			t.Errorf("QueueOf(%v) = %q, want %q", tc.opts, got, tc.want)
+		}
+	}
+	info, err := h.d.NewClient().Enqueue(asynq.NewTask("q:of", []byte("x"), asynq.Queue(h.queue)))
+	if err != nil || info.Queue != h.d.QueueOf(asynq.NewTask("q:of", nil, asynq.Queue(h.queue))) {
+		t.Fatalf("Enqueue to %v (%v), QueueOf says %q", info, err, h.queue)
+	}
+}

@@ -44,6 +44,18 @@ func (d *Dedup) lockKeyOf(task *asynq.Task, opts []asynq.Option) (store.Ref, err
 	return store.Ref{Queue: k.queue, FP: fp, Type: k.typ}, nil
 }
 
+// QueueOf returns the queue an enqueue of task with opts would use, as
+// Client.Submit chooses it: the call's asynq.Queue, else the one given to
+// asynq.NewTask, else the one tasks of its type last landed in, else
+// "default" (also for a task or options Submit would refuse).
+func (d *Dedup) QueueOf(task *asynq.Task, opts ...asynq.Option) string {
+	var k call
+	if task == nil || (&Client{d: d}).compose(&k, task, opts) != nil || k.queue == "" {
+		return "default"
+	}
+	return k.queue
+}
+
 // Lookup reads the lock the task would take if enqueued with opts (the
 // same key choice and queue as an enqueue: its type's rule, per-call key
 // options, asynq.Queue): found is false when the key is free. It reads

@@ -3,6 +3,7 @@ package dedupotel
 import (
 	"context"
 	"errors"
+	"strings"
 
 	"github.com/asynq-dedup/dedup"
 	"github.com/hibiken/asynq"
@@ -59,7 +60,17 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 		semconv.MessagingOperationTypeSend,
 		semconv.MessagingOperationName("send"),
 	))
-	defer span.End()
+	defer func() {
+		// Recovered before the span ends: the SDK's End would record the
+		// panic's value (a KeyFunc's or MergeFunc's), which may quote the
+		// payload. It goes on to the caller.
+		if rec := recover(); rec != nil {
+			span.SetStatus(codes.Error, "panicked")
+			span.End()
+			panic(rec)
+		}
+		span.End()
+	}()
 	if task != nil {
 		span.SetAttributes(AttrTaskType.String(task.Type()))
 	}
@@ -69,7 +80,7 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 		opts = append(opts[:len(opts):len(opts)], dedup.Headers(carrier))
 	}
 	res, err := c.next.Submit(ctx, task, opts...)
-	queue := queueOf(task, opts, res, err)
+	queue := queueOf(c.d, task, opts, res, err)
 	span.SetName("send " + queue)
 	span.SetAttributes(semconv.MessagingDestinationName(queue), AttrBreaker.String(c.d.BreakerState().String()))
 	if err != nil {
@@ -78,6 +89,10 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 	}
 	span.SetAttributes(resultAttrs(res)...)
 	switch res.Outcome {
+	case dedup.Created:
+		if !strings.HasPrefix(res.TaskID, "dd-") { // a caller-chosen ID: folds into an earlier task of it are not this one's
+			c.s.links.clear(ctx, queue, res.TaskID)
+		}
 	case dedup.Replaced, dedup.Merged, dedup.Deferred:
 		if lerr := c.s.links.push(ctx, queue, res.TaskID, span.SpanContext()); lerr != nil {
 			span.SetAttributes(AttrLinked.Bool(false))
@@ -155,8 +170,9 @@ func errorClass(err error) string {
 }
 
 // queueOf is the queue of a call: the task's, else the one its lock named,
-// else the one the call or asynq.NewTask named, else "default".
-func queueOf(task *asynq.Task, opts []asynq.Option, res dedup.Result, err error) string {
+// else the one the call would use (the call's or asynq.NewTask's, as
+// dedup chooses it).
+func queueOf(d *dedup.Dedup, task *asynq.Task, opts []asynq.Option, res dedup.Result, err error) string {
 	var dup *dedup.DuplicateTaskError
 	switch {
 	case err == nil && res.Info != nil && res.Info.Queue != "":
@@ -164,12 +180,5 @@ func queueOf(task *asynq.Task, opts []asynq.Option, res dedup.Result, err error)
 	case errors.As(err, &dup) && dup.Queue != "":
 		return dup.Queue
 	}
-	for i := len(opts) - 1; i >= 0; i-- {
-		if o := opts[i]; o != nil && o.Type() == asynq.QueueOpt {
-			if q, ok := o.Value().(string); ok {
-				return q
-			}
-		}
-	}
-	return "default"
+	return d.QueueOf(task, opts...)
 }

@@ -53,6 +53,15 @@ func (l *links) push(ctx context.Context, queue, id string, sc trace.SpanContext
 	return err
 }
 
+// clear forgets the links recorded for task id of queue: a new task of a
+// caller-chosen ID must not inherit those of an earlier task of that ID.
+func (l *links) clear(ctx context.Context, queue, id string) {
+	if l.rdb == nil || id == "" {
+		return
+	}
+	_ = l.rdb.Del(context.WithoutCancel(ctx), LinksKey(queue, id)).Err() // (at worst, stale links on one span)
+}
+
 // take returns the links recorded for task id of queue, oldest first, and
 // deletes them.
 func (l *links) take(ctx context.Context, queue, id string) ([]trace.Link, error) {

@@ -51,17 +51,21 @@ func (s *settings) process(ctx context.Context, t *asynq.Task, next asynq.Handle
 		AttrTaskType.String(t.Type()),
 		AttrAttempt.Int(retry),
 	))
-	defer span.End()
 	var a dedup.Attempt
-	panicked := true
 	defer func() {
+		// Recovered before the span ends: the SDK's End would record the
+		// panic's value, which may quote the payload. It goes on to asynq.
+		rec := recover()
 		s.settle(ctx, span, queue, id, &a)
-		if panicked {
+		if rec != nil {
 			span.SetStatus(codes.Error, "handler panicked")
+		}
+		span.End()
+		if rec != nil {
+			panic(rec)
 		}
 	}()
 	err = next.ProcessTask(dedup.WithAttempt(ctx, &a), t)
-	panicked = false
 	switch {
 	case err == nil, errors.Is(err, dedup.ErrKeyBusy): // busy: retried later, no failure
 	default:

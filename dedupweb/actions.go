@@ -26,9 +26,11 @@ type resultView struct {
 	Back  string
 }
 
-// releaseSubject is what a release token is bound to: the lock and the
-// owner the confirmation page showed.
-func releaseSubject(key, owner string) string { return key + "\x00" + owner }
+// releaseSubject is what a release token is bound to: the lock, its owner
+// and when that owner took it, as the confirmation page showed them.
+func releaseSubject(key, owner, created string) string {
+	return key + "\x00" + owner + "\x00" + created
+}
 
 // confirmRelease shows the lock to release and the form that releases it.
 func (h *Handler) confirmRelease(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
@@ -41,7 +43,7 @@ func (h *Handler) confirmRelease(ctx context.Context, w http.ResponseWriter, r *
 		return err
 	}
 	h.logAction(r, "confirm", slog.String("action", "release"), slog.String("key", l.Key), slog.String("owner", l.Owner))
-	v := confirmView{base: h.base("Release " + l.Key + "?"), L: l, Token: h.token("release", releaseSubject(l.Key, l.Owner))}
+	v := confirmView{base: h.base("Release " + l.Key + "?"), L: l, Token: h.token("release", releaseSubject(l.Key, l.Owner, strconv.FormatInt(l.Created, 10)))}
 	return h.render(w, http.StatusOK, "confirm", v)
 }
 
@@ -60,7 +62,8 @@ func (h *Handler) postRelease(ctx context.Context, w http.ResponseWriter, r *htt
 }
 
 func (h *Handler) release(ctx context.Context, w http.ResponseWriter, r *http.Request, key, owner string) error {
-	if err := h.checkToken(r, "release", releaseSubject(key, owner)); err != nil {
+	created := r.PostFormValue("created")
+	if err := h.checkToken(r, "release", releaseSubject(key, owner, created)); err != nil {
 		return err
 	}
 	t, err := lockview.ByKey(h.opts.Prefix, key)
@@ -74,7 +77,7 @@ func (h *Handler) release(ctx context.Context, w http.ResponseWriter, r *http.Re
 	if l.Owner != owner {
 		return &httpError{http.StatusConflict, "not released: " + key + " changed owner from " + owner + " to " + l.Owner + " since you confirmed; look at it again"}
 	}
-	if c := r.PostFormValue("created"); c != "" && c != strconv.FormatInt(l.Created, 10) {
+	if created != strconv.FormatInt(l.Created, 10) {
 		return &httpError{http.StatusConflict, "not released: " + owner + " took " + key + " again since you confirmed; look at it again"}
 	}
 	res, err := lockview.Release(ctx, h.src, h.opts.Prefix, l)
@@ -98,11 +101,15 @@ type fixView struct {
 	Token string
 }
 
-// fixSubject binds a doctor token to the locks (key and owner) shown.
+// lockPair is a lock and its owner, as one string.
+func lockPair(key, owner string) string { return key + "\x00" + owner }
+
+// fixSubject binds a doctor token to the locks (key and owner) shown;
+// the fix re-reads each owner in the releasing script (store.ReleaseStuck).
 func fixSubject(keys, owners []string) string {
 	pairs := make([]string, len(keys))
 	for i := range keys {
-		pairs[i] = releaseSubject(keys[i], owners[i])
+		pairs[i] = lockPair(keys[i], owners[i])
 	}
 	sort.Strings(pairs)
 	return strings.Join(pairs, "\n")
@@ -142,9 +149,9 @@ func (h *Handler) postFix(ctx context.Context, w http.ResponseWriter, r *http.Re
 	}
 	shown := map[string]bool{}
 	for i := range keys {
-		shown[releaseSubject(keys[i], owners[i])] = true
+		shown[lockPair(keys[i], owners[i])] = true
 	}
-	rep.Fix(ctx, h.src, func(f *lockview.Finding) bool { return shown[releaseSubject(f.Key, f.Owner)] })
+	rep.Fix(ctx, h.src, func(f *lockview.Finding) bool { return shown[lockPair(f.Key, f.Owner)] })
 	return h.fixResult(w, r, rep)
 }
 

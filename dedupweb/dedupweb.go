@@ -20,6 +20,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"path"
 	"strings"
 	"time"
 
@@ -157,11 +158,20 @@ func (h *Handler) routes() {
 	h.mux = m
 }
 
+// cleanPath is p cleaned as ServeMux cleans it: rooted, without . and ..
+// segments or repeated slashes, keeping a trailing slash.
+func cleanPath(p string) string {
+	c := path.Clean("/" + p)
+	if strings.HasSuffix(p, "/") && c != "/" {
+		c += "/"
+	}
+	return c
+}
+
 // ServeHTTP serves the pages under Options.RootPath.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	path := r.URL.Path
 	if h.opts.RootPath != "" {
-		rest, ok := strings.CutPrefix(path, h.opts.RootPath)
+		rest, ok := strings.CutPrefix(r.URL.Path, h.opts.RootPath)
 		if !ok || (rest != "" && rest[0] != '/') {
 			http.NotFound(w, r)
 			return
@@ -173,6 +183,14 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		r2 := r.Clone(r.Context())
 		r2.URL.Path, r2.URL.RawPath = rest, ""
 		r = r2
+	}
+	// A path that is not clean is redirected here, under RootPath: the
+	// inner mux would redirect it without RootPath.
+	if clean := cleanPath(r.URL.Path); clean != r.URL.Path {
+		u := *r.URL
+		u.Path, u.RawPath = h.opts.RootPath+clean, ""
+		http.Redirect(w, r, u.RequestURI(), http.StatusMovedPermanently)
+		return
 	}
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	w.Header().Set("X-Frame-Options", "DENY")

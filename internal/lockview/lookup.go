@@ -117,12 +117,20 @@ func CheckFields(payload []byte, paths []string) error {
 // nest), and returns it with the paths in order. A VALUE that is JSON is
 // taken as JSON, anything else as a string.
 func PayloadOf(pairs []string) ([]byte, []string, error) {
+	if len(pairs) > jsonkey.MaxFields {
+		return nil, nil, Usagef("%d fields given, at most %d", len(pairs), jsonkey.MaxFields)
+	}
 	root := map[string]any{}
 	paths := make([]string, 0, len(pairs))
 	for _, p := range pairs {
 		path, value, ok := strings.Cut(p, "=")
 		if !ok || path == "" {
 			return nil, nil, Usagef("--field %q: want PATH=VALUE", p)
+		}
+		// Bounded before the objects are made: a path of a million dots
+		// would nest as many, and encoding them overflows the stack.
+		if n := strings.Count(path, ".") + 1; n > jsonkey.MaxDepth {
+			return nil, nil, Usagef("--field: a path of %d segments, at most %d", n, jsonkey.MaxDepth)
 		}
 		var v any = value
 		if json.Valid([]byte(value)) {
