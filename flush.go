@@ -102,16 +102,14 @@ func (d *Dedup) flush(ctx context.Context) error {
 	cmds, err := d.store.Pipelined(ctx, "", func(p redis.Pipeliner) { // (the stats keys span nodes)
 		for i, pt := range ps {
 			types[i] = pt.typ
-			deltas := []any{store.MinuteStatsTTL.Milliseconds()}
+			var deltas []any // event, count pairs
 			for e := range numEvents {
 				if delta := pt.cur[e] - pt.base[e]; delta > 0 {
 					pt.cmds[e] = p.HIncrBy(ctx, keys.Stats(pt.typ), eventNames[e], int64(delta))
 					deltas = append(deltas, eventNames[e], int64(delta))
 				}
 			}
-			if len(deltas) > 1 {
-				p.Eval(ctx, minuteScript, []string{keys.StatsMinute(pt.typ, minute)}, deltas...)
-			}
+			store.AddMinuteStats(ctx, p, keys.StatsMinute(pt.typ, minute), deltas)
 		}
 		sadd = p.SAdd(ctx, keys.StatsTypes(), types...)
 	})
@@ -120,15 +118,6 @@ func (d *Dedup) flush(ctx context.Context) error {
 	}
 	return d.markFlushed(ps, sadd.Err())
 }
-
-// minuteScript adds a flush's counts to the hash of the current minute
-// and sets its TTL in one step, so the hash never lives without one:
-// KEYS[1] the hash, ARGV[1] the TTL in ms, then event, count pairs. These
-// per-minute counts are best effort: a flush whose totals fail is sent
-// again, and counted again here if this part went through.
-const minuteScript = `for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return 1`
 
 // pendingFlush is one type's counts not yet added in Redis, and its
 // commands once queued.

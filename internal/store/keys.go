@@ -1,9 +1,13 @@
 package store
 
 import (
+	"context"
+	_ "embed"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // Keys builds the key names of one deployment (one key prefix). Every key
@@ -64,6 +68,21 @@ func (k Keys) Stats(typ string) string { return k.prefix + ":stats:type:" + typ 
 // MinuteStatsTTL is how long a per-minute counter hash (StatsMinute) is
 // kept after its last flush.
 const MinuteStatsTTL = 2 * time.Hour
+
+//go:embed lua/minute.lua
+var minuteSrc string
+
+// AddMinuteStats queues on p the adding of deltas (event name, count
+// pairs) to the minute's counter hash key, with its lifetime
+// (lua/minute.lua); nothing for no deltas. These counts are best effort:
+// a flush whose totals fail is sent again, and counted again here if this
+// part went through.
+func AddMinuteStats(ctx context.Context, p redis.Pipeliner, key string, deltas []any) {
+	if len(deltas) == 0 {
+		return
+	}
+	p.Eval(ctx, minuteSrc, []string{key}, append([]any{MinuteStatsTTL.Milliseconds()}, deltas...)...)
+}
 
 // StatsMinute is the hash of what one type's flushes added during one
 // minute, minute being unix seconds / 60.
