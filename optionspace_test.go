@@ -523,6 +523,9 @@ func (w *osWorld) drawSpec() *osSpec {
 	if rng.IntN(20) == 0 {
 		s.add(asynq.Retention(time.Minute), "Retention(1m)")
 	}
+	if rng.IntN(10) == 0 { // (a task's headers play no part in its lock: any mode, any path)
+		s.add(Headers(map[string]string{"os": "1"}), "Headers(os=1)")
+	}
 	if !s.skip {
 		switch {
 		case rng.IntN(40) == 0:
