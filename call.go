@@ -164,6 +164,7 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	}
 	now := time.Now()
 	k.debounce(now)
+	k.rule.settleWindow(now)
 	fp, err := k.rule.fixedFP, error(nil)
 	if fp == "" {
 		fp, err = d.fingerprintHex(k.typ, k.task.Payload(), &k.rule)
@@ -183,8 +184,9 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 		return fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, da-, dx-), for another key", ErrInvalidOption, id)
 	}
 	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Indexed: k.callerID != ""}
+	cool, window := r.lockTerms(now)
 	k.acquire = store.Acquire{Ref: k.ref, OnWaiting: r.conflict.fold(), OnRunning: r.running.code(),
-		TTL: ttl, Now: now, MaxPending: r.maxPending, Cooldown: r.cooldown, KeyForm: keyForm(r)}
+		TTL: ttl, Now: now, MaxPending: r.maxPending, Cooldown: cool, KeyForm: keyForm(r), FailHold: r.failHold, Window: window}
 	if r.debounce > 0 {
 		k.acquire.DebounceDue = k.processAt.Unix()
 	}

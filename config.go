@@ -214,6 +214,28 @@ type Rule struct {
 	// RunningDefer. Default 0: off.
 	Debounce time.Duration
 
+	// Period takes the key at most once per wall-clock window of this
+	// length ("one digest per user per day"): the key includes the window,
+	// and once its task succeeds it stays held until the window ends. At
+	// least a second; whole days from a day on. See Period for the
+	// details. Needs OnRunning RunningReject; not with Cooldown. Default
+	// 0: off.
+	Period time.Duration
+
+	// Location is the time zone of Period's windows (where midnight is).
+	// Default nil: UTC.
+	Location *time.Location
+
+	// OnFailure: what becomes of the key when its task fails for good
+	// (archived after its last retry, or SkipRetry): FailRelease frees it
+	// (the default), FailHold keeps it held for FailureHold, and
+	// FailHoldUntilReleased until someone releases it. See Failure.
+	OnFailure Failure
+
+	// FailureHold is how long FailHold holds the key after the failure;
+	// it goes with OnFailure FailHold only. Default 0.
+	FailureHold time.Duration
+
 	// MaxPending bounds how many keys of this type may wait in one queue at
 	// once; an enqueue of a new key beyond it fails with ErrTooManyPending
 	// (or waits, with WaitForRoom). Enqueues folded into waiting keys always
@@ -293,7 +315,12 @@ type resolved struct {
 	maxPending      int
 	busy            Busy
 	cooldown        time.Duration
-	callCooldown    string // the per-call Cooldown option applied, if any (a fold does not apply it)
+	period          time.Duration  // Period: the window's length; 0 none
+	loc             *time.Location // Period's time zone; nil UTC
+	window          time.Time      // Period: the window of this enqueue (settleWindow); zero: work it out when hashing
+	windowEnd       time.Time
+	failHold        time.Duration // recorded in a taken lock: 0 release on a final failure, negative hold until released, else hold
+	callCooldown    string        // the per-call Cooldown option applied, if any (a fold does not apply it)
 	debounce        time.Duration
 	waitForRoom     bool
 	callConflict    Conflict // the per-call OnConflict, if callConflictSet
@@ -342,6 +369,15 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: lifetime(r.TTL), optedIn: true,
 			conflict: r.OnConflict, merge: r.MergeFunc, running: r.OnRunning, maxPending: r.MaxPending, busy: r.OnBusy,
 			cooldown: min(r.Cooldown, MaxLifetime), debounce: min(r.Debounce, MaxLifetime),
+		}
+		if res.failHold, err = failHold(r.OnFailure, r.FailureHold); err != nil {
+			return nil, ruleError(typ, err)
+		}
+		if r.Period != 0 {
+			if err := checkPeriod(r.Period); err != nil {
+				return nil, ruleError(typ, err)
+			}
+			res.period, res.loc = r.Period, r.Location
 		}
 		if err := res.checkModes(); err != nil {
 			return nil, ruleError(typ, err)

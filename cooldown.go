@@ -50,6 +50,10 @@ func (r *resolved) checkModes() error {
 		return fmt.Errorf("%w: negative Cooldown or Debounce", ErrInvalidOption)
 	case r.cooldown > 0 && r.running != RunningReject:
 		return fmt.Errorf("%w: Cooldown needs OnRunning RunningReject (%v would run the key again within the cooldown)", ErrInvalidOption, r.running)
+	case r.period > 0 && r.running != RunningReject:
+		return fmt.Errorf("%w: Period needs OnRunning RunningReject (%v would run the key again within the window)", ErrInvalidOption, r.running)
+	case r.period > 0 && r.cooldown > 0:
+		return fmt.Errorf("%w: Period and Cooldown cannot be combined (a key cools down until its window ends)", ErrInvalidOption)
 	case r.debounce > 0 && r.conflict == Reject:
 		return fmt.Errorf("%w: Debounce needs OnConflict Replace or Merge (a rejected enqueue has nothing to debounce)", ErrInvalidOption)
 	case r.debounce > 0 && r.running == RunningDefer:
@@ -59,11 +63,15 @@ func (r *resolved) checkModes() error {
 }
 
 // cooling answers a task that arrived without a lock at a key that cools
-// down after its last task succeeded: dropped, as the enqueue would have
-// been rejected.
-func (d *Dedup) cooling(t *asynq.Task, l *store.Ref, holder string, left time.Duration) error {
+// down after its last task succeeded, or is held after it failed: dropped,
+// as the enqueue would have been rejected.
+func (d *Dedup) cooling(t *asynq.Task, l *store.Ref, holder string, left time.Duration, failed bool) error {
 	d.count(t.Type(), evBusy)
-	d.decide(Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.Queue, Key: d.lockKey(l), TaskID: holder, Dropped: true, CoolingDown: true})
-	d.log.Info("dedup: dropped task, its key cools down after its last task succeeded", slog.String("type", t.Type()), slog.String("task_id", l.ID), slog.String("holder", holder), slog.Duration("left", left))
+	d.decide(Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.Queue, Key: d.lockKey(l), TaskID: holder, Dropped: true, CoolingDown: !failed, Failed: failed})
+	why := "dedup: dropped task, its key cools down after its last task succeeded"
+	if failed {
+		why = "dedup: dropped task, its key is held after its last task failed (OnFailure)"
+	}
+	d.log.Info(why, slog.String("type", t.Type()), slog.String("task_id", l.ID), slog.String("holder", holder), slog.Duration("left", left))
 	return nil
 }

@@ -28,8 +28,11 @@ type Decision struct {
 	// or a key cooling down).
 	Dropped bool
 	// CoolingDown is true when the key is held after its task succeeded
-	// (Cooldown): TaskID is that task.
+	// (Cooldown, Period): TaskID is that task.
 	CoolingDown bool
+	// Failed is true when the key is held after its task failed for good
+	// (OnFailure): TaskID is that task.
+	Failed bool
 }
 
 // decide tells Config.OnDecision, if set. The hook runs on the caller's

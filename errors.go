@@ -96,16 +96,25 @@ type DuplicateTaskError struct {
 	Type   string // the rejected task's type
 	Key    string // the Redis key of the lock
 	// CoolingDown: TaskID succeeded, and the key stays held for its
-	// Cooldown; FreeIn is how long it has left, as Redis counted at the call.
+	// Cooldown (or Period); FreeIn is how long it has left, as Redis
+	// counted at the call.
 	CoolingDown bool
-	FreeIn      time.Duration
+	// Failed: TaskID failed for good, and the key stays held (OnFailure)
+	// for FreeIn more; a negative FreeIn: until released by hand.
+	Failed bool
+	FreeIn time.Duration
 
 	ownID bool // TaskID is the call's own caller-chosen ID
 }
 
 func (e *DuplicateTaskError) Error() string {
-	if e.CoolingDown {
+	switch {
+	case e.CoolingDown:
 		return fmt.Sprintf("dedup: duplicate task: type %q in queue %q cools down after task %s for %v more", e.Type, e.Queue, e.TaskID, e.FreeIn)
+	case e.Failed && e.FreeIn < 0:
+		return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held after task %s failed, until released", e.Type, e.Queue, e.TaskID)
+	case e.Failed:
+		return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held after task %s failed, for %v more", e.Type, e.Queue, e.TaskID, e.FreeIn)
 	}
 	return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held by task %s", e.Type, e.Queue, e.TaskID)
 }

@@ -3,9 +3,11 @@ package dedup
 import (
 	"crypto/hmac"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"io"
+	"time"
 
 	"github.com/asynq-dedup/dedup/internal/jsonkey"
 	"github.com/asynq-dedup/dedup/internal/store"
@@ -16,7 +18,7 @@ import (
 // A fingerprint is the 64-bit xxhash (or, with Config.HashKey, a keyed
 // 128-bit HMAC-SHA-256) of a prefix-free encoding of
 //
-//	version, namespace (the task type, or a shared-key marker), kind, material
+//	version, namespace (the task type, or a shared-key marker), [window,] kind, material
 //
 // where kind says whether the material is the raw payload, the canonical
 // encoding of the selected JSON fields, or an explicit key. Because every
@@ -102,6 +104,15 @@ func fingerprintStream(buf *[256]byte, typ string, payload []byte, r *resolved) 
 	} else {
 		b = append(b, 'T')
 		b = jsonkey.AppendString(b, typ)
+	}
+	if r.period > 0 {
+		// The window: 'W' and its start, before the kind (no kind is 'W').
+		w := r.window
+		if w.IsZero() {
+			w, _ = periodWindow(time.Now(), r.period, r.loc)
+		}
+		b = append(b, 'W')
+		b = binary.BigEndian.AppendUint64(b, uint64(w.UnixMilli()))
 	}
 	switch {
 	case keyed:

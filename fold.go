@@ -202,14 +202,15 @@ func (c *Client) repeated(ctx context.Context, k *call) (Result, next, error) {
 }
 
 // duplicate is the error of a call whose key holder the script named
-// (held, still unstored, or cooling down after its success).
+// (held, still unstored, cooling down after its success, or held after
+// its failure).
 func (c *Client) duplicate(k *call, res store.AcquireResult) error {
-	cooling := res.Status == store.StatusCooling
+	cooling := res.Status == store.StatusCooling && !res.Failed
 	if !k.rule.quiet {
 		c.d.count(k.typ, evDuplicate)
-		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: res.Lock, TaskID: res.Task, FollowUp: res.FollowUp, CoolingDown: cooling})
+		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: res.Lock, TaskID: res.Task, FollowUp: res.FollowUp, CoolingDown: cooling, Failed: res.Failed})
 	}
-	return &DuplicateTaskError{TaskID: res.Task, Queue: k.queue, Type: k.typ, Key: res.Lock, CoolingDown: cooling, FreeIn: res.Cooling}
+	return &DuplicateTaskError{TaskID: res.Task, Queue: k.queue, Type: k.typ, Key: res.Lock, CoolingDown: cooling, Failed: res.Failed, FreeIn: res.Cooling}
 }
 
 // folded describes the task a call was folded into, from what the lock

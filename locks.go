@@ -17,9 +17,14 @@ type KeyLock struct {
 	Queue    string        // the queue it lives in
 	Holder   string        // the task holding the key
 	FollowUp string        // the follow-up task owed to the key (RunningDefer), "" for none
-	State    string        // "waiting", "running", "retry-wait", "cooling" (its task succeeded; Cooldown) or "orphaned" (its task is gone; it heals)
-	TTL      time.Duration // left before the lock expires
+	State    string        // "waiting", "running", "retry-wait", "cooling" (its task succeeded; Cooldown, Period), "failed" (its task failed for good; OnFailure) or "orphaned" (its task is gone; it heals)
+	TTL      time.Duration // left before the lock expires; negative: no expiry (held until released)
 	Folds    int64         // enqueues folded into the key
+	// LastError: State "failed", the holder's last error.
+	LastError string
+	// Window: a period key (Period), the wall-clock window it belongs to,
+	// [WindowStart, WindowEnd); zero otherwise.
+	WindowStart, WindowEnd time.Time
 }
 
 // ErrNotHolder reports a Release whose expected holder no longer holds
@@ -65,7 +70,11 @@ func (d *Dedup) Lookup(ctx context.Context, task *asynq.Task, opts ...asynq.Opti
 	if err != nil || l == nil {
 		return KeyLock{}, false, err
 	}
-	return KeyLock{Key: l.Key, Queue: l.Queue, Holder: l.Owner, FollowUp: l.Follow, State: l.State(), TTL: l.TTL, Folds: l.Folds}, true, nil
+	kl := KeyLock{Key: l.Key, Queue: l.Queue, Holder: l.Owner, FollowUp: l.Follow, State: l.State(), TTL: l.TTL, Folds: l.Folds,
+		LastError: l.Fields[store.FieldError]}
+	w := l.Window()
+	kl.WindowStart, kl.WindowEnd = w.Start, w.End
+	return kl, true, nil
 }
 
 // Release frees the key the task would take if enqueued with opts:

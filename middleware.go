@@ -100,7 +100,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return d.runAllowed(ctx, t, next, rec)
 	case st.Status == store.StatusCooling && guarded:
 		rec.other(AttemptBusyDropped, st.Holder)
-		return d.cooling(t, &l.ref, st.Holder, st.Cooling)
+		return d.cooling(t, &l.ref, st.Holder, st.Cooling, st.Failed)
 	case st.Status == store.StatusSuperseded:
 		rec.other(AttemptSuperseded, st.Holder)
 		d.count(t.Type(), evSuperseded)
@@ -128,7 +128,8 @@ func (d *Dedup) runAllowed(ctx context.Context, t *asynq.Task, next asynq.Handle
 // have been locked under another (prefix.go): the lock the attempt just
 // made is given back, and the attempt takes the producer's.
 func (d *Dedup) startAttempt(ctx context.Context, l *lease, rule *resolved) (store.StartResult, error) {
-	s := &store.Start{Ref: l.ref, Token: l.token, Lease: d.cfg.Lease, Running: rule.running.code(), Cooldown: rule.cooldown}
+	cool, window := rule.lockTerms(time.Now())
+	s := &store.Start{Ref: l.ref, Token: l.token, Lease: d.cfg.Lease, Running: rule.running.code(), Cooldown: cool, FailHold: rule.failHold, Window: window}
 	if l.arrived {
 		s.KeyForm = keyForm(rule) // the key is the server's rule's; else the producer's, of a form unknown here
 	}
@@ -212,7 +213,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	// A release is batched off the handler's path, unless a wrapper asked
 	// what became of the lock (WithAttempt): a follow-up queued by the
 	// release is known only once it has landed.
-	if f.Release && !f.GivenUp && f.Follow == "" && r.cooldown == 0 && !l.ref.Indexed && l.st == d.store && l.rec == nil {
+	if f.Release && !f.GivenUp && f.Follow == "" && f.Failure == "" && r.cooldown == 0 && !l.ref.Indexed && l.st == d.store && l.rec == nil {
 		d.rel.add(release{f: *f, live: live}) // off the handler's path (releaser.go)
 		return
 	}
@@ -237,6 +238,8 @@ func (d *Dedup) report(st *store.Store, f *store.Finish, res store.FinishResult,
 		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", typ), slog.String("task_id", id))
 	case res.Cooling:
 		d.count(typ, evCooling)
+	case res.Failed:
+		d.count(typ, evFailureHeld)
 	case res.Held:
 		d.count(typ, evHeld)
 		switch {
@@ -275,7 +278,11 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 		f.GivenUp = true
 		err = context.DeadlineExceeded
 	}
-	if err == nil || errors.Is(err, asynq.RevokeTask) || errors.Is(err, asynq.SkipRetry) {
+	switch {
+	case err == nil || errors.Is(err, asynq.RevokeTask):
+		return f
+	case errors.Is(err, asynq.SkipRetry):
+		f.Failure = err.Error() // archived at once
 		return f
 	}
 	n, _ := asynq.GetRetryCount(ctx)
@@ -284,6 +291,7 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	// (finish learns that from the record, whatever the count).
 	f.Hold = addLifetimes(d.cfg.RetryDelayFunc(n, err, t), d.ttlOf(r))
 	f.Release = n >= max
+	f.Failure = err.Error() // (used by a release: asynq archives the task)
 	return f
 }
 

@@ -51,7 +51,7 @@ func (h *harness) cancelUntil(id, what string, state asynq.TaskState) {
 // settled waits until the middleware has settled n attempts (held, released or cooling).
 func (h *harness) settled(n uint64) {
 	h.t.Helper()
-	eventually(h.t, "attempt settled", func() bool { s := h.d.Stats(); return s.Held+s.Released+s.Cooling >= n })
+	eventually(h.t, "attempt settled", func() bool { s := h.d.Stats(); return s.Held+s.Released+s.Cooling+s.FailureHeld >= n })
 }
 
 // heldAfterGiveUp runs a task whose handler ignores its context and

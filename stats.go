@@ -42,6 +42,7 @@ type Stats struct {
 	BreakerOpen uint64 `event:"breaker_open"` // times the circuit breaker opened
 	Superseded  uint64 `event:"superseded"`   // attempts not run: the task lost its lock to a newer payload of its key (its follow-up, Replace + Defer; or, an operator having released it, a Replace task of its type that took the key since)
 	Cooling     uint64 `event:"cooling"`      // locks kept after their task succeeded, until its Cooldown ends
+	FailureHeld uint64 `event:"failure_held"` // locks kept after their task failed for good (OnFailure)
 }
 
 // event is one countable thing: the index of its Stats field.
@@ -68,6 +69,7 @@ const (
 	evBreakerOpen = event(unsafe.Offsetof(Stats{}.BreakerOpen) / counterSize)
 	evSuperseded  = event(unsafe.Offsetof(Stats{}.Superseded) / counterSize)
 	evCooling     = event(unsafe.Offsetof(Stats{}.Cooling) / counterSize)
+	evFailureHeld = event(unsafe.Offsetof(Stats{}.FailureHeld) / counterSize)
 
 	counterSize = unsafe.Sizeof(uint64(0))
 	numEvents   = event(unsafe.Sizeof(Stats{}) / counterSize)

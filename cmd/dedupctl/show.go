@@ -121,6 +121,15 @@ func printShow(w io.Writer, o *showOutput, now time.Time) {
 	if o.PayloadVersion != "" {
 		row("payload version", o.PayloadVersion)
 	}
+	if o.OnFailure != "" {
+		row("on failure", o.OnFailure)
+	}
+	if o.LastError != "" {
+		row("last error", o.LastError)
+	}
+	if o.Window != "" {
+		row("window", o.Window)
+	}
 	if o.WaitingSet != "" {
 		row("waiting set", o.WaitingSet)
 	}

@@ -8,7 +8,7 @@ import (
 )
 
 // States are the lock states, in the order they are shown.
-var States = []string{store.LockWaiting, store.LockRunning, store.LockRetryWait, store.LockCooling, store.LockOrphaned}
+var States = []string{store.LockWaiting, store.LockRunning, store.LockRetryWait, store.LockCooling, store.LockFailed, store.LockOrphaned}
 
 // Tally is how many locks of one queue and task type are in each state.
 type Tally struct {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -228,8 +229,11 @@ type Detail struct {
 	PayloadVersion string    `json:"payload_version,omitempty"`
 	WaitingSet     string    `json:"waiting_set,omitempty"`
 	IndexKey       string    `json:"index_key,omitempty"`
-	Task           string    `json:"task,omitempty"`      // the task ID the lock was found by
-	TaskRole       string    `json:"task_role,omitempty"` // owner, follow-up or other
+	OnFailure      string    `json:"on_failure,omitempty"` // the failure policy recorded (OnFailure), "" for release
+	LastError      string    `json:"last_error,omitempty"` // a lock held after its owner failed for good: the owner's last error
+	Window         string    `json:"window,omitempty"`     // a period key's window, "start – end" (RFC 3339, UTC)
+	Task           string    `json:"task,omitempty"`       // the task ID the lock was found by
+	TaskRole       string    `json:"task_role,omitempty"`  // owner, follow-up or other
 }
 
 // Describe adds what asynq and the side keys say about a lock.
@@ -240,9 +244,13 @@ func Describe(ctx context.Context, src Source, prefix string, l *Info, t *Target
 	if out.OwnerTask, err = InspectTask(insp, l.Queue, l.Owner, time.Now()); err != nil {
 		return nil, err
 	}
-	if l.State == store.LockCooling {
-		out.OwnerTask.Note = out.OwnerTask.State + " (it succeeded; the key cools down until the lock expires, Cooldown)"
+	switch l.State {
+	case store.LockCooling:
+		out.OwnerTask.Note = out.OwnerTask.State + " (it succeeded; the key cools down until the lock expires, Cooldown or Period)"
+	case store.LockFailed:
+		out.OwnerTask.Note = out.OwnerTask.State + " (it failed for good; the key is held, OnFailure)"
 	}
+	describePolicies(l, out)
 	if l.FollowUp != "" {
 		if out.FollowUpTask, err = InspectTask(insp, l.Queue, l.FollowUp, time.Now()); err != nil {
 			return nil, err
@@ -307,4 +315,22 @@ func describeSideKeys(ctx context.Context, src Source, keys store.Keys, l *Info,
 		}
 	}
 	return nil
+}
+
+// describePolicies adds the lock's failure policy, the last error of an
+// owner that failed for good and a period key's window.
+func describePolicies(l *Info, out *Detail) {
+	switch fh := l.Fields[store.FieldFailHold]; fh {
+	case "":
+	case "-1":
+		out.OnFailure = "hold until released"
+	default:
+		if n, err := strconv.ParseInt(fh, 10, 64); err == nil {
+			out.OnFailure = "hold " + FmtDuration(time.Duration(n)*time.Millisecond)
+		}
+	}
+	out.LastError = l.Fields[store.FieldError]
+	if w := l.lock.Window(); !w.Start.IsZero() {
+		out.Window = w.Start.UTC().Format(time.RFC3339) + " – " + w.End.UTC().Format(time.RFC3339)
+	}
 }

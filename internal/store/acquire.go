@@ -48,6 +48,12 @@ type Acquire struct {
 	// DebounceDue: a fold into a scheduled holder moves its due time here
 	// (unix seconds) and its lock's lifetime to TTL from now; 0: no move.
 	DebounceDue int64
+	// FailHold: once the task of a lock this call takes fails for good,
+	// the key stays held this long; negative: until released by hand; 0:
+	// released at once.
+	FailHold time.Duration
+	// Window: a period key's window, kept in a taken lock; zero: none.
+	Window Window
 
 	staleFP string // the key a stale index of the caller-chosen ID names (learnt from a reply)
 }
@@ -66,7 +72,8 @@ type AcquireResult struct {
 	Version  string        // StatusMerge: the version Coalesce compares
 	Waiting  int64         // StatusOver: keys waiting
 	Queued   int64         // StatusOver: tasks in the queue's pending list and scheduled set
-	Cooling  time.Duration // StatusCooling: how long the key stays held
+	Cooling  time.Duration // StatusCooling: how long the key stays held; negative: until released
+	Failed   bool          // StatusCooling: the holder failed for good (a failure hold), rather than succeeded
 	Reason   string        // StatusBroken
 	Lock     string        // the lock's key
 	Stored   bool          // StatusTaken: the task (Acquire.Message) was stored with the lock
@@ -259,11 +266,15 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint, sends bool) []any {
 	if sends {
 		msg = a.Message.Encode() // only now: a call expecting the key held never encodes it
 	}
-	args := make([]any, 9, 21)
+	args := make([]any, 9, 23)
 	args[0], args[1], args[2], args[3] = kl.roleString(), r.ID, r.stored(), a.Now.UnixMilli()
 	args[4], args[5], args[6], args[7], args[8] = s.graceSeconds(), ms(a.TTL), msg, r.Type, a.KeyForm
 	n := 0
 	switch {
+	case !a.Window.Start.IsZero():
+		n = 14
+	case a.FailHold != 0:
+		n = 13
 	case a.DebounceDue != 0:
 		n = 12
 	case a.Cooldown > 0:
@@ -292,7 +303,7 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint, sends bool) []any {
 	if a.Cooldown > 0 {
 		cool = ms(a.Cooldown)
 	}
-	opt := [...]any{field, h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), cool, a.DebounceDue, h.holderID}
+	opt := [...]any{field, h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), cool, a.DebounceDue, h.holderID, FailHold(a.FailHold), a.Window.arg()}
 	return append(args, opt[:n]...)
 }
 
@@ -342,7 +353,7 @@ func (a *Acquire) result(s *Store, lock string, h *hint, rep reply) AcquireResul
 		res.Queued, _ = strconv.ParseInt(rep.str(1), 10, 64)
 	case StatusCooling:
 		res.Task = h.id(&a.Ref, rep.str(0))
-		res.Cooling = parseMillis(rep.str(1))
+		res.Cooling, res.Failed = parseMillis(rep.str(1)), rep.str(2) == CoolingFailed
 	case StatusBroken:
 		res.Reason = rep.str(0)
 	}

@@ -24,6 +24,10 @@ type Start struct {
 	// Cooldown, recorded if Start creates the lock (as Acquire.Cooldown,
 	// from now).
 	Cooldown time.Duration
+	// FailHold, recorded if Start creates the lock (as Acquire.FailHold).
+	FailHold time.Duration
+	// Window, recorded if Start creates the lock (as Acquire.Window).
+	Window Window
 }
 
 // StartResult is what start did.
@@ -31,7 +35,8 @@ type StartResult struct {
 	Status  Status        // StatusTaken, StatusHeld, StatusCooling, StatusAllowed or StatusSuperseded
 	Holder  string        // StatusHeld, StatusCooling: the task holding the key; StatusSuperseded: the follow-up that replaces it
 	Follow  string        // StatusTaken, StatusHeld: the follow-up the lock owes, "" for none
-	Cooling time.Duration // StatusCooling: how long the key stays held
+	Cooling time.Duration // StatusCooling: how long the key stays held; negative: until released
+	Failed  bool          // StatusCooling: held after the holder failed for good (OnFailure)
 	New     bool          // StatusTaken: there was no lock, the attempt made it; StatusAllowed: there was no lock to drop
 	// Released: StatusHeld, and an operator released this task's lock
 	// (Release, dedupctl release) before the holder, a task of its type,
@@ -87,7 +92,7 @@ func (s *Store) start(ctx context.Context, st *Start) (StartResult, error) {
 			cool = ms(st.Cooldown)
 		}
 		v, err := s.run(ctx, s.sc.start, kl.keys, kl.roleString(), r.ID, r.stored(), st.Token,
-			ms(st.Lease), s.graceSeconds(), string(st.Running), r.FP, holder, cool, r.Type, st.KeyForm)
+			ms(st.Lease), s.graceSeconds(), string(st.Running), r.FP, holder, cool, r.Type, st.KeyForm, FailHold(st.FailHold), st.Window.arg())
 		if err != nil {
 			return StartResult{}, err
 		}
@@ -100,7 +105,8 @@ func (s *Store) start(ctx context.Context, st *Start) (StartResult, error) {
 			return StartResult{Status: StatusHeld, Holder: UnpackOwner(rep.str(0), r.FP), Follow: rep.str(1), Released: rep.str(2) == "r",
 				HolderRuns: rep.str(3) == "run"}, nil
 		case rep.status == StatusCooling:
-			return StartResult{Status: StatusCooling, Holder: UnpackOwner(rep.str(0), r.FP), Cooling: parseMillis(rep.str(1)), Released: rep.str(2) == "r"}, nil
+			return StartResult{Status: StatusCooling, Holder: UnpackOwner(rep.str(0), r.FP), Cooling: parseMillis(rep.str(1)), Released: rep.str(2) == "r",
+				Failed: rep.str(3) == CoolingFailed}, nil
 		case rep.status == StatusSuperseded:
 			return StartResult{Status: rep.status, Holder: rep.str(0)}, nil
 		case rep.status != statusNeed:
@@ -251,6 +257,10 @@ type Finish struct {
 	// will not run again (an operator deleted or archived it); else
 	// untouched (FinishResult.Held).
 	Watch bool
+	// Failure: the handler's error, when a release ends the task for good
+	// (asynq archives it): a lock recording a failure hold then stays, with
+	// this error; "" for success or a revoke.
+	Failure string
 	// Begun: the attempt started by the begin script (StartResult.Begun):
 	// a release tries the done script first, which settles the common case
 	// in one small call.
@@ -266,6 +276,7 @@ type FinishResult struct {
 	Guessed bool
 	Follow  string // the follow-up the lock was released to, "" for none
 	Cooling bool   // kept, the task done, until the end of its cooldown
+	Failed  bool   // kept, the task archived, for its failure hold
 	Owes    string // Held: the follow-up the lock owes, "" for none (to Watch)
 }
 
@@ -283,7 +294,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 	case f.Release:
 		mode = "release"
 	}
-	if mode == "release" && f.Begun && !f.GivenUp && f.Follow == "" && f.Token != "" && r.direct() {
+	if mode == "release" && f.Begun && !f.GivenUp && f.Follow == "" && f.Failure == "" && f.Token != "" && r.direct() {
 		if res, settled, err := s.done(ctx, f); settled || err != nil {
 			return res, err
 		}
@@ -308,7 +319,13 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 			kl.add(roleOwner, TaskKey(r.Queue, r.ID))
 		}
 		args := []any{kl.roleString(), r.stored(), f.Token, mode, ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID}
-		if f.Succeeded {
+		switch ok := ""; {
+		case f.Failure != "":
+			if f.Succeeded {
+				ok = "1" // (given up: asynq's record decides which counts)
+			}
+			args = append(args, ok, r.Type, f.Failure)
+		case f.Succeeded:
 			args = append(args, "1", r.Type)
 		}
 		v, err := s.run(ctx, s.sc.finish, kl.keys, args...)
@@ -322,7 +339,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		switch {
 		case rep.status != statusNeed:
 			held := rep.str(1) == "held"
-			res := FinishResult{Owned: rep.status == StatusTaken, Follow: rep.str(0), Held: held, Guessed: held && rep.str(2) == "guess", Cooling: rep.str(1) == "cooling"}
+			res := FinishResult{Owned: rep.status == StatusTaken, Follow: rep.str(0), Held: held, Guessed: held && rep.str(2) == "guess", Cooling: rep.str(1) == "cooling", Failed: rep.str(1) == "failed"}
 			if held {
 				res.Owes = rep.str(3)
 			}

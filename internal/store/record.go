@@ -15,19 +15,38 @@ import (
 // The lock record: a hash at Keys.Lock with these fields. The Lua scripts
 // use the same names.
 const (
-	FieldOwner   = "id"  // owner task ID, packed (PackOwner)
-	FieldCreated = "c"   // when the owner took the lock, unix seconds (heal grace)
-	FieldToken   = "tok" // the running attempt's token; present while an attempt runs
-	FieldRunning = "rp"  // running policy: "a" allow, "d" defer; absent: reject
-	FieldBounded = "b"   // counted in the waiting set (Keys.Wait) of this type ("1" in locks of the earlier layout)
-	FieldFolds   = "n"   // enqueues folded into the key; Merge's version
-	FieldFollow  = "f"   // the follow-up task owed to the key (RunningDefer), whole ID
-	FieldStored  = "v"   // written with its owner's asynq record (no enqueue gap): heals without the grace
-	FieldCoolEnd = "cd"  // the end of the key's cooldown, unix milliseconds: kept till then if the task succeeds
-	FieldCooling = "k"   // the owner succeeded and the key cools down until the lock expires
-	FieldType    = "ty"  // the task type the key was taken for
-	FieldKeyForm = "kf"  // how the key was chosen (KeyForm): field names, never values
+	FieldOwner    = "id"  // owner task ID, packed (PackOwner)
+	FieldCreated  = "c"   // when the owner took the lock, unix seconds (heal grace)
+	FieldToken    = "tok" // the running attempt's token; present while an attempt runs
+	FieldRunning  = "rp"  // running policy: "a" allow, "d" defer; absent: reject
+	FieldBounded  = "b"   // counted in the waiting set (Keys.Wait) of this type ("1" in locks of the earlier layout)
+	FieldFolds    = "n"   // enqueues folded into the key; Merge's version
+	FieldFollow   = "f"   // the follow-up task owed to the key (RunningDefer), whole ID
+	FieldStored   = "v"   // written with its owner's asynq record (no enqueue gap): heals without the grace
+	FieldCoolEnd  = "cd"  // the end of the key's cooldown, unix milliseconds: kept till then if the task succeeds
+	FieldCooling  = "k"   // the owner succeeded and the key cools down until the lock expires
+	FieldType     = "ty"  // the task type the key was taken for
+	FieldKeyForm  = "kf"  // how the key was chosen (KeyForm): field names, never values
+	FieldFailHold = "fh"  // what a final failure of the owner does (FailHold): absent release, "-1" hold until released, else hold this many ms
+	FieldError    = "e"   // a lock held after its owner failed for good (FieldCooling "f"): the owner's last error
+	FieldWindow   = "pw"  // a period key's window, "start:end" in unix milliseconds (Window)
 )
+
+// CoolingFailed is FieldCooling's value in a lock held after its owner
+// failed for good (OnFailure); any other value is a cooldown after success.
+const CoolingFailed = "f"
+
+// FailHold encodes a failure hold as locks and scripts carry it: 0 none
+// (""), negative until released by hand ("-1"), else integer milliseconds.
+func FailHold(d time.Duration) string {
+	switch {
+	case d == 0:
+		return ""
+	case d < 0:
+		return "-1"
+	}
+	return strconv.FormatInt(ms(d), 10)
+}
 
 // Key forms: how a lock's key was chosen, kept in its record
 // (FieldKeyForm) so that operators can tell what a lock is about without
@@ -99,17 +118,48 @@ type Lock struct {
 
 // Lock states as operators see them.
 const (
-	LockCooling   = "cooling"    // the owner succeeded; the key stays held until the lock expires (Cooldown)
+	LockCooling   = "cooling"    // the owner succeeded; the key stays held until the lock expires (Cooldown, Period)
+	LockFailed    = "failed"     // the owner failed for good; the key stays held until the lock expires or is released (OnFailure)
 	LockRunning   = "running"    // the owner runs: an attempt holds the lock, or asynq's record says active
 	LockRetryWait = "retry-wait" // asynq waits to retry the owner
 	LockOrphaned  = "orphaned"   // the owner is gone, completed or archived: the lock heals at the key's next enqueue
 	LockWaiting   = "waiting"    // the owner waits to run
 )
 
+// Window is a period key's wall-clock window, [Start, End); zero for a
+// key of no period.
+type Window struct{ Start, End time.Time }
+
+// arg encodes the window as locks keep it (FieldWindow): "start:end" in
+// unix milliseconds, "" for none.
+func (w Window) arg() string {
+	if w.Start.IsZero() {
+		return ""
+	}
+	return strconv.FormatInt(w.Start.UnixMilli(), 10) + ":" + strconv.FormatInt(w.End.UnixMilli(), 10)
+}
+
+// Window returns a period key's window from its record; zero for a lock
+// of no period.
+func (l *Lock) Window() Window {
+	if l == nil {
+		return Window{}
+	}
+	a, b, ok := strings.Cut(l.Fields[FieldWindow], ":")
+	s, err1 := strconv.ParseInt(a, 10, 64)
+	e, err2 := strconv.ParseInt(b, 10, 64)
+	if !ok || err1 != nil || err2 != nil {
+		return Window{}
+	}
+	return Window{Start: time.UnixMilli(s), End: time.UnixMilli(e)}
+}
+
 // State derives what the lock is doing from its record and its owner's
 // asynq state.
 func (l *Lock) State() string {
 	switch {
+	case l.Fields[FieldCooling] == CoolingFailed:
+		return LockFailed
 	case l.Fields[FieldCooling] != "":
 		return LockCooling
 	case l.Fields[FieldToken] != "" || l.TaskState == StateActive:

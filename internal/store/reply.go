@@ -73,11 +73,14 @@ func parseReply(v any) (reply, error) {
 	return r, nil
 }
 
-// parseMillis reads a PTTL from a reply as a duration (0 for a key with no
-// expiry, or none).
+// parseMillis reads a PTTL from a reply as a duration (-1 for a key with
+// no expiry, 0 for none).
 func parseMillis(s string) time.Duration {
 	n, _ := strconv.ParseInt(s, 10, 64)
-	if n < 0 {
+	switch {
+	case n == -1:
+		return -1 // PTTL's "no expiry": held until released
+	case n < 0:
 		return 0
 	}
 	return time.Duration(n) * time.Millisecond

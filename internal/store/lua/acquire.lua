@@ -51,6 +51,10 @@
 -- ARGV[20] debounce: unix seconds a scheduled holder folded into becomes due
 --          ('0' for none), with ARGV[6] its lock's lifetime from now ['0']
 -- ARGV[21] with ARGV[20]: ARGV[11] whole, as asynq's scheduled set holds it ['']
+-- ARGV[22] what a final failure of a taken lock's task does (FailHold): ''
+--          release, '-1' hold until released, else hold this many ms ['']
+-- ARGV[23] a period key's window, 'start:end' in unix milliseconds, kept in
+--          a taken lock ('' for none) ['']
 --
 -- Reply (holder and f: the lock's owner as stored and its follow-up after
 -- the call, for the caller's hints):
@@ -58,8 +62,9 @@
 --   {2}                                already held by ARGV[2], whose task is not stored (the caller
 --                                      enqueues it): untouched,
 --                                      but for a lock written with its task, which loses v and is young again
---   {14, holder, ms}                   held by its last task, which succeeded: the key cools
---                                      down for ms more (any policy; rejected)
+--   {14, holder, ms, k}                held by its last task, which succeeded (k '1': the key cools
+--                                      down) or failed for good (k 'f', OnFailure), for ms more (-1:
+--                                      until released); any policy; rejected
 --   {0, who, holder, f[, 'v']}         held by who (as stored, or a follow-up); rejected ('v': a lock
 --                                      marked v whose owner's record was read and is live)
 --   {10, holder}                       the same, from the lock alone: it is younger than the grace
@@ -122,7 +127,7 @@ local follow = A[17] or ''
 local rec = call('HMGET', K.L, 'id', 'c', 'f', 'tok', 'v', 'k')
 local holder = rec[1]
 if rec[6] then
-  return {14, holder, call('PTTL', K.L)} -- cooling down: nothing folds into a task that is done
+  return {14, holder, call('PTTL', K.L), rec[6]} -- cooling down or failed: nothing folds into a task that is done
 end
 -- A lock written with its owner's record (v), and not running, can be
 -- judged by that record at once: there is no gap to wait out.
@@ -218,6 +223,14 @@ local function take()
     fields[#fields + 1] = 'cd' -- the end of the cooldown, should the task succeed before it
     fields[#fields + 1] = now_ms + cool
     if cool > tonumber(ttl) then ttl = cool end
+  end
+  if (A[22] or '') ~= '' then
+    fields[#fields + 1] = 'fh'
+    fields[#fields + 1] = A[22]
+  end
+  if (A[23] or '') ~= '' then
+    fields[#fields + 1] = 'pw'
+    fields[#fields + 1] = A[23]
   end
   if msg ~= '' then
     fields[#fields + 1] = 'v' -- stored with its task: verified

@@ -21,11 +21,17 @@
 -- ARGV[11] '1' if the handler returned nil: a released lock with a cooldown
 --          (field cd) then stays, marked k, until the cooldown's end, unless
 --          asynq gave the attempt up and archived the task ['']
--- ARGV[12] with ARGV[11]: the task's type, kept in a cooling lock (its task's
+-- ARGV[12] the task's type, kept in a cooling or failed lock (its task's
 --          record goes) ['']
+-- ARGV[13] the handler's error, if it returned one that ends the task for
+--          good when released (asynq archives it): a lock recording a
+--          failure hold (field fh) then stays, marked k 'f' with the error
+--          as field e, for the hold ('-1': until released); also when asynq
+--          gave the attempt up and its record says archived ['']
 --
 -- Reply: {1, ''}             released
 --        {1, '', 'cooling'}  kept until the end of its cooldown (marked k), the task done
+--        {1, '', 'failed'}   kept for its failure hold (marked k 'f'), the task archived
 --        {1, '', 'held', g, f}  held for the retry; g 'guess' if asynq had not moved the task on yet
 --                            (O given, the task still active): the hold is a guess, to check later;
 --                            f the follow-up the lock owes ('' none): to watch for (see 'watch')
@@ -34,7 +40,7 @@
 --        {11, 'G', followup} nothing done: call again with the follow-up's record
 -- @lib: lib.lua is spliced in here.
 roles(0)
-local rec = call('HMGET', K.L, 'id', 'tok', 'f', 'cd')
+local rec = call('HMGET', K.L, 'id', 'tok', 'f', 'cd', 'fh')
 if (rec[1] ~= ARGV[2] and rec[1] ~= ARGV[10]) or (rec[2] or '') ~= ARGV[3] then
   return {0}
 end
@@ -43,6 +49,7 @@ if f and (f ~= ARGV[8] or not K.G or not K.X) then
   return {11, 'G', f}
 end
 local mode, guess, ok = ARGV[4], '', ARGV[11] == '1'
+local failed = ARGV[13] or ''
 if mode == 'watch' then
   -- The task waits for its retry while its follow-up stays parked: nothing
   -- changes until its record says it will not run again.
@@ -61,6 +68,11 @@ elseif K.O then
   elseif gone(state) then
     mode = 'release'
     ok = ok and state ~= 'archived' -- completed or deleted: asynq counted it a success
+    if state ~= 'archived' then
+      failed = '' -- completed or deleted by an operator: no failure holds the key
+    elseif failed == '' then
+      failed = 'archived by asynq' -- (its record says why)
+    end
   else
     guess = 'guess'
   end
@@ -80,6 +92,17 @@ if mode == 'release' then
     call('HSET', K.L, 'k', '1', 'ty', ARGV[12])
     call('PEXPIRE', K.L, left)
     return {1, '', 'cooling'}
+  end
+  if failed ~= '' and not ok and rec[5] and not f then
+    -- OnFailure: the key stays held by the task that failed for good.
+    call('HDEL', K.L, 'tok')
+    call('HSET', K.L, 'k', 'f', 'e', string.sub(failed, 1, 1000), 'ty', ARGV[12] or '')
+    if rec[5] == '-1' then
+      call('PERSIST', K.L)
+    else
+      call('PEXPIRE', K.L, rec[5])
+    end
+    return {1, '', 'failed'}
   end
   if f then
     call('DEL', K.F)

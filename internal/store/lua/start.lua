@@ -19,6 +19,10 @@
 -- ARGV[12] how the key was chosen (KeyForm), kept in a lock this creates; ''
 --          when unknown (the key is the producer's, from the task's ID or
 --          index) ['']
+-- ARGV[13] what a final failure does (FailHold), recorded if this creates
+--          the lock ['']
+-- ARGV[14] a period key's window, 'start:end' in unix milliseconds,
+--          recorded if this creates the lock ['']
 --
 -- Reply: {1, f, new}               this attempt holds the lock; f: the follow-up it owes, or '';
 --                                   new '1' when there was no lock (the attempt made it), else ''
@@ -27,9 +31,12 @@
 --                                   released this task's lock (its marker X says 'r:') and the
 --                                   holder, which took the key after that, is of its type; run
 --                                   'run' when an attempt of the holder runs, else ''
---        {14, holder, ms, r}        the key cools down for ms more after its last task succeeded:
---                                   the attempt must not run; r 'r' when an operator released
---                                   this task's lock (its marker X says 'r:')
+--        {14, holder, ms, r, k}     the key cools down for ms more after its last task succeeded
+--                                   (k '1'), or is held after it failed for good (k 'f'; ms -1:
+--                                   until released): the attempt must not run; r 'r' when an
+--                                   operator released this task's lock (its marker X says 'r:').
+--                                   (The holder itself, run again by hand after it failed, takes
+--                                   its lock back instead: {1, ...}.)
 --        {9, '', new}               the key's running policy is "allow": lock dropped (not the index
 --                                   of a caller-chosen ID), run unlocked; new '1' when there was no
 --                                   lock to drop
@@ -54,9 +61,15 @@ local id, stored, fp = ARGV[2], ARGV[3], ARGV[8]
 local now, now_ms = now_parts()
 local rec = call('HMGET', K.L, 'id', 'c', 'rp', 'b', 'f', 'tok', 'v', 'k', 'cd')
 local holder = rec[1]
+if rec[8] == 'f' and (holder == stored or holder == id) then
+  -- The task that failed for good runs again (an operator ran it from the
+  -- archive): its held lock is its own again.
+  call('HDEL', K.L, 'k', 'e')
+  rec[8] = nil
+end
 if rec[8] then
   local by = call('GET', K.X)
-  return {14, holder, call('PTTL', K.L), by and string.sub(by, 1, 2) == 'r:' and 'r' or ''}
+  return {14, holder, call('PTTL', K.L), by and string.sub(by, 1, 2) == 'r:' and 'r' or '', rec[8]}
 end
 local cool_end = tonumber(rec[9] or '0')
 local released = false -- an operator released this task's lock
@@ -141,6 +154,12 @@ if not holder then
   if cool > 0 then
     cool_end = now_ms + cool
     call('HSET', K.L, 'cd', cool_end)
+  end
+  if (ARGV[13] or '') ~= '' then
+    call('HSET', K.L, 'fh', ARGV[13])
+  end
+  if (ARGV[14] or '') ~= '' then
+    call('HSET', K.L, 'pw', ARGV[14])
   end
 end
 call('HSET', K.L, 'tok', ARGV[4], 'v', '1') -- the task runs: it is stored
