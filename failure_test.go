@@ -11,6 +11,14 @@ import (
 	"github.com/hibiken/asynq"
 )
 
+// failRules is counterRules with a short Lease: a final failure's hold is
+// settled on a guess and checked again at the next heartbeat (Lease/3).
+func failRules(r Rule) Config {
+	cfg := counterRules(r)
+	cfg.Lease = 3 * time.Second
+	return cfg
+}
+
 // failedDup asserts that enqueuing task is refused with a *DuplicateTaskError
 // whose Failed is set, naming holder, and returns it.
 func failedDup(t *testing.T, c *Client, task *asynq.Task, q, holder string, opts ...asynq.Option) *DuplicateTaskError {
@@ -24,7 +32,7 @@ func failedDup(t *testing.T, c *Client, task *asynq.Task, q, holder string, opts
 }
 
 func TestFailHoldKeepsTheKeyAfterRetriesAreExhausted(t *testing.T) {
-	bothPaths(t, counterRules(Rule{OnFailure: FailHold, FailureHold: time.Hour}), func(t *testing.T, h *harness) {
+	bothPaths(t, failRules(Rule{OnFailure: FailHold, FailureHold: time.Hour}), func(t *testing.T, h *harness) {
 		rc := newRecorder(func(run) error { return errors.New("boom: upstream said no") })
 		h.serve(rc.handler(), nil)
 		info := h.enqueue(counterTask("a", 1, 0), asynq.MaxRetry(1))
@@ -46,7 +54,7 @@ func TestFailHoldKeepsTheKeyAfterRetriesAreExhausted(t *testing.T) {
 }
 
 func TestFailHoldUntilReleasedHoldsAfterSkipRetryUntilReleasedByHand(t *testing.T) {
-	bothPaths(t, counterRules(Rule{OnFailure: FailHoldUntilReleased}), func(t *testing.T, h *harness) {
+	bothPaths(t, failRules(Rule{OnFailure: FailHoldUntilReleased}), func(t *testing.T, h *harness) {
 		rc := newRecorder(func(run) error { return fmt.Errorf("bad input: %w", asynq.SkipRetry) })
 		h.serve(rc.handler(), nil)
 		info := h.enqueue(counterTask("b", 1, 0))
@@ -71,7 +79,7 @@ func TestFailHoldUntilReleasedHoldsAfterSkipRetryUntilReleasedByHand(t *testing.
 
 func TestFailurePolicyIsRecordedSoTheServerNeedsNoRule(t *testing.T) {
 	// The producer's per-call option decides; the server's Dedup has no rule.
-	h := newHarness(t, Config{})
+	h := newHarness(t, Config{Lease: 3 * time.Second})
 	rc := newRecorder(func(run) error { return asynq.SkipRetry })
 	h.serve(rc.handler(), nil)
 	c := h.d.NewClient()
@@ -95,7 +103,7 @@ func TestFailurePolicyIsRecordedSoTheServerNeedsNoRule(t *testing.T) {
 }
 
 func TestFailHoldDoesNotHoldRevokedDeletedOrSucceededTasks(t *testing.T) {
-	h := newHarness(t, counterRules(Rule{OnFailure: FailHoldUntilReleased}))
+	h := newHarness(t, failRules(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	rc := newRecorder(func(r run) error {
 		switch decodeCounter(r.task).Key {
@@ -131,7 +139,7 @@ func TestFailHoldDoesNotHoldRevokedDeletedOrSucceededTasks(t *testing.T) {
 // A handler that ignores its deadline holds the key while it runs; once it
 // returns, asynq's record (archived) decides, whatever it returned.
 func TestFailHoldWhenAsynqArchivesAnAttemptThatOutlivedItsDeadline(t *testing.T) {
-	h := newHarness(t, counterRules(Rule{OnFailure: FailHold, FailureHold: time.Hour}))
+	h := newHarness(t, failRules(Rule{OnFailure: FailHold, FailureHold: time.Hour}))
 	h.client = h.d.NewClient()
 	release := make(chan struct{})
 	rc := newRecorder(func(run) error { <-release; return nil }) // ignores its context
@@ -153,7 +161,7 @@ func TestFailHoldWhenAsynqArchivesAnAttemptThatOutlivedItsDeadline(t *testing.T)
 }
 
 func TestRunningAHeldTaskAgainByHandMakesItTheOwnerAgain(t *testing.T) {
-	h := newHarness(t, counterRules(Rule{OnFailure: FailHoldUntilReleased}))
+	h := newHarness(t, failRules(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	fail := make(chan bool, 2)
 	fail <- true

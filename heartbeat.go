@@ -231,6 +231,8 @@ func (h *heartbeater) settleOne(rc recheck) (recheck, bool) {
 		return watchOf(rc.st, &rc.f, res.Owes), true // settled as held for the retry
 	case res.Cooling:
 		d.count(rc.f.Ref.Type, evCooling)
+	case res.Failed:
+		d.count(rc.f.Ref.Type, evFailureHeld)
 	case res.Owned && !res.Held:
 		d.count(rc.f.Ref.Type, evReleased)
 	}

@@ -36,6 +36,8 @@ var lcPolicies = []lcPolicy{
 	{"MaxPending", Rule{MaxPending: 1}},
 	{"Cooldown", Rule{Cooldown: time.Hour}},
 	{"Debounce", Rule{OnConflict: Replace, Debounce: 2 * time.Second}}, // overrides the rows' ProcessIn: due in 2 s
+	{"Period", Rule{Period: 24 * time.Hour}},
+	{"FailHold", Rule{OnFailure: FailHold, FailureHold: time.Hour}},
 }
 
 // lcClass is where an ending leaves the first task.
@@ -57,6 +59,7 @@ type lcEnding struct {
 	drive   func(t *testing.T, w *lcWorld) // after the first enqueues: make asynq end them
 	class   lcClass
 	success bool // the handler's success ends the task (Cooldown keeps the key)
+	archive bool // asynq's record ends archived (FailHold keeps the key)
 }
 
 var errLifecycle = errors.New("lifecycle: handler failed")
@@ -75,8 +78,8 @@ func lcLate(err error) func(context.Context, <-chan struct{}) error {
 var lcEndings = []lcEnding{
 	{name: "success", handler: lcReturn(nil), drive: lcSettle, class: lcOver, success: true},
 	{name: "error with retries left", handler: lcReturn(errLifecycle), drive: lcSettle, class: lcAgain},
-	{name: "error on the last retry", opts: lcOpts(asynq.MaxRetry(0)), handler: lcReturn(errLifecycle), drive: lcSettle, class: lcOver},
-	{name: "SkipRetry", handler: lcReturn(fmt.Errorf("give up: %w", asynq.SkipRetry)), drive: lcSettle, class: lcOver},
+	{name: "error on the last retry", opts: lcOpts(asynq.MaxRetry(0)), handler: lcReturn(errLifecycle), drive: lcSettle, class: lcOver, archive: true},
+	{name: "SkipRetry", handler: lcReturn(fmt.Errorf("give up: %w", asynq.SkipRetry)), drive: lcSettle, class: lcOver, archive: true},
 	{name: "RevokeTask", handler: lcReturn(asynq.RevokeTask), drive: lcSettle, class: lcOver},
 	{name: "panic", handler: func(context.Context, <-chan struct{}) error { panic("lifecycle") }, drive: lcSettle, class: lcAgain},
 	{name: "Timeout passed, handler returns nil", opts: lcOpts(asynq.Timeout(time.Second)), handler: lcLate(nil),
@@ -89,7 +92,7 @@ var lcEndings = []lcEnding{
 		drive: lcLateUntil(asynq.TaskStateRetry, func(w *lcWorld, id string) { _ = w.h.insp.CancelProcessing(id) })},
 	{name: "shutdown outlived", handler: lcLate(nil), class: lcAgain,
 		tweak: func(c *asynq.Config) { c.ShutdownTimeout = 100 * time.Millisecond }, drive: lcShutdown},
-	{name: "Inspector archives the waiting task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcRemoved,
+	{name: "Inspector archives the waiting task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcRemoved, archive: true,
 		drive: lcInspect(func(w *lcWorld, id string) error { return w.h.insp.ArchiveTask(w.h.queue, id) })},
 	{name: "Inspector deletes the waiting task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcRemoved,
 		drive: lcInspect(func(w *lcWorld, id string) error { return w.h.insp.DeleteTask(w.h.queue, id) })},
@@ -100,7 +103,7 @@ var lcEndings = []lcEnding{
 		}},
 	{name: "paused queue", handler: lcReturn(nil), class: lcWaiting, drive: func(*testing.T, *lcWorld) {}},
 	{name: "IsFailure false on the last retry", opts: lcOpts(asynq.MaxRetry(0)), handler: lcReturn(errLifecycle),
-		tweak: func(c *asynq.Config) { c.IsFailure = func(error) bool { return false } }, drive: lcSettle, class: lcOver},
+		tweak: func(c *asynq.Config) { c.IsFailure = func(error) bool { return false } }, drive: lcSettle, class: lcOver, archive: true},
 }
 
 // lcCell is one policy on one enqueue path, with a task type of its own.
@@ -308,14 +311,28 @@ func lcInspect(op func(w *lcWorld, id string) error) func(*testing.T, *lcWorld) 
 	}
 }
 
+// cools reports whether the ending leaves the key cooling down.
+func (c *lcCell) cools(e *lcEnding) bool {
+	return e.success && (c.pol.rule.Cooldown > 0 || c.pol.rule.Period > 0)
+}
+
+// failHeld reports whether the ending leaves the key held as failed: an
+// archived task under FailHold, once the lock can be judged by its record
+// (a lock taken before its task was stored waits out HealGrace first).
+func (c *lcCell) failHeld(e *lcEnding) bool {
+	return e.archive && c.pol.rule.OnFailure == FailHold && (c.direct || e.class != lcRemoved)
+}
+
 // expect is the matrix's cell: what a second enqueue of the key gets after
 // the ending (0 for a duplicate), and whether the first task still holds the
 // key.
 func (c *lcCell) expect(e *lcEnding) (Outcome, bool) {
 	class := e.class
 	switch {
-	case e.success && c.pol.rule.Cooldown > 0:
+	case c.cools(e):
 		return 0, true // the key cools down, held by the task that succeeded
+	case c.failHeld(e):
+		return 0, true // held after the failure
 	case class == lcOver, class == lcRemoved && c.direct:
 		return Created, false // the key is free (a direct lock has no enqueue gap to wait out)
 	case class == lcRemoved:
@@ -338,8 +355,10 @@ func (w *lcWorld) checkSecond(t *testing.T, e *lcEnding, c *lcCell) {
 	switch {
 	case want == 0 && (!errors.As(err, &dup) || dup.TaskID != c.first.ID):
 		t.Errorf("%s: second enqueue: %+v, %v; want a duplicate of %s", c.typ, res, err, c.first.ID)
-	case want == 0 && dup.CoolingDown != (e.success && c.pol.rule.Cooldown > 0):
+	case want == 0 && dup.CoolingDown != c.cools(e):
 		t.Errorf("%s: duplicate's CoolingDown is %v", c.typ, dup.CoolingDown)
+	case want == 0 && dup.Failed != c.failHeld(e):
+		t.Errorf("%s: duplicate's Failed is %v", c.typ, dup.Failed)
 	case want != 0 && (err != nil || res.Outcome != want):
 		t.Errorf("%s: second enqueue: %+v, %v; want outcome %v", c.typ, res, err, want)
 	case want != 0 && firstHolds && res.TaskID != c.first.ID:

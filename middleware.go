@@ -241,7 +241,9 @@ func (d *Dedup) report(st *store.Store, f *store.Finish, res store.FinishResult,
 	case res.Failed:
 		d.count(typ, evFailureHeld)
 	case res.Held:
-		d.count(typ, evHeld)
+		if !res.Guessed || !f.Release || f.Failure == "" || f.GivenUp {
+			d.count(typ, evHeld) // (a final failure held on a guess is counted once its recheck knows)
+		}
 		switch {
 		case res.Guessed:
 			d.hb.recheck(st, f) // asynq had not decided yet: read its record again shortly
@@ -278,19 +280,16 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 		f.GivenUp = true
 		err = context.DeadlineExceeded
 	}
-	switch {
-	case err == nil || errors.Is(err, asynq.RevokeTask):
-		return f
-	case errors.Is(err, asynq.SkipRetry):
-		f.Failure = err.Error() // archived at once
+	if err == nil || errors.Is(err, asynq.RevokeTask) {
 		return f
 	}
 	n, _ := asynq.GetRetryCount(ctx)
 	max, _ := asynq.GetMaxRetry(ctx)
-	// The hold is needed for a retry, and for a task shutdown put back
-	// (finish learns that from the record, whatever the count).
+	// The hold is needed for a retry, for a task shutdown put back
+	// (finish learns that from the record, whatever the count), and for a
+	// final failure whose lock holds the key until asynq's record says so.
 	f.Hold = addLifetimes(d.cfg.RetryDelayFunc(n, err, t), d.ttlOf(r))
-	f.Release = n >= max
+	f.Release = n >= max || errors.Is(err, asynq.SkipRetry)
 	f.Failure = err.Error() // (used by a release: asynq archives the task)
 	return f
 }

@@ -259,7 +259,8 @@ type Finish struct {
 	Watch bool
 	// Failure: the handler's error, when a release ends the task for good
 	// (asynq archives it): a lock recording a failure hold then stays, with
-	// this error; "" for success or a revoke.
+	// this error, on a guess until asynq's record says archived; "" for
+	// success or a revoke.
 	Failure string
 	// Begun: the attempt started by the begin script (StartResult.Begun):
 	// a release tries the done script first, which settles the common case
@@ -315,7 +316,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 			kl.add(roleSuperseded, s.keys.Superseded(r.Queue, r.ID))
 			stored = PackOwner(hintF, r.FP)
 		}
-		if f.GivenUp || f.Watch {
+		if f.GivenUp || f.Watch || (f.Release && f.Failure != "") {
 			kl.add(roleOwner, TaskKey(r.Queue, r.ID))
 		}
 		args := []any{kl.roleString(), r.stored(), f.Token, mode, ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID}

@@ -305,6 +305,14 @@ local state, hmsg
 if holder then
   if lacks('H') then return need() end
   state, hmsg = read_task(K.H)
+  if state == 'archived' and not rec[4] then
+    local fh = call('HGET', K.L, 'fh')
+    if fh then
+      -- Its owner failed for good (asynq archived it) before its settle
+      -- marked the lock (or its worker died): the failure holds the key.
+      return {14, holder, hold_failed(K.L, fh, false), 'f'}
+    end
+  end
   if gone(state) and not verified and now - (tonumber(rec[2]) or 0) < grace then
     -- Too young to tell: its producer may not have stored it in asynq yet.
     if not state and (policy ~= 'x' or running == 'd') then

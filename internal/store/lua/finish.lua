@@ -4,7 +4,8 @@
 --   L  the lock; S, P  asynq scheduled set and pending list; F  the key's follow-up pointer   always
 --   I  index key of the task's caller-chosen ID                                               with a caller-chosen ID
 --   G  asynq record of the follow-up ARGV[8], X the task's superseded marker                  when the lock owes one
---   O  asynq record of the task ARGV[10]                                                      when asynq gave the attempt up; with 'watch'
+--   O  asynq record of the task ARGV[10]                                                      when asynq gave the attempt up; with 'watch';
+--                                                                                            with ARGV[13]
 -- ARGV[1]  the roles of KEYS, one letter each
 -- ARGV[2]  task ID, as lock records store it
 -- ARGV[3]  attempt token ('' for a lock no attempt runs under: a check after a guess, a watch)
@@ -75,6 +76,12 @@ elseif K.O then
     end
   else
     guess = 'guess'
+    if mode == 'release' and failed ~= '' and not ok and rec[5] then
+      -- A failure that holds the key: held until asynq's record says what
+      -- followed (archived holds it; a retry, as for an IsFailure that
+      -- said no, keeps it for the retry).
+      mode = 'hold'
+    end
   end
 end
 if mode == 'release' then
@@ -95,12 +102,9 @@ if mode == 'release' then
   end
   if failed ~= '' and not ok and rec[5] and not f then
     -- OnFailure: the key stays held by the task that failed for good.
-    call('HDEL', K.L, 'tok')
-    call('HSET', K.L, 'k', 'f', 'e', string.sub(failed, 1, 1000), 'ty', ARGV[12] or '')
-    if rec[5] == '-1' then
-      call('PERSIST', K.L)
-    else
-      call('PEXPIRE', K.L, rec[5])
+    hold_failed(K.L, rec[5], failed)
+    if (ARGV[12] or '') ~= '' then
+      call('HSET', K.L, 'ty', ARGV[12])
     end
     return {1, '', 'failed'}
   end

@@ -128,6 +128,24 @@ local function gone(state)
   return (not state) or state == 'completed' or state == 'archived'
 end
 
+-- hold_failed keeps lock held after its owner failed for good (OnFailure:
+-- fh, the lock's failure hold, '-1' for until released), marked k 'f' with
+-- the owner's last error err (kept if err is false and one is there), and
+-- returns its PTTL.
+local function hold_failed(lock, fh, err)
+  call('HDEL', lock, 'tok')
+  call('HSET', lock, 'k', 'f')
+  if err or call('HEXISTS', lock, 'e') == 0 then
+    call('HSET', lock, 'e', string.sub(err or 'archived by asynq', 1, 1000))
+  end
+  if fh == '-1' then
+    call('PERSIST', lock)
+  else
+    call('PEXPIRE', lock, fh)
+  end
+  return call('PTTL', lock)
+end
+
 -- debounce moves the due time of a scheduled task t to due (unix seconds,
 -- '0' for no debounce), never earlier than it was, and makes its lock last
 -- at least ttl_ms from now_ms, with the task's index key (index, if given:

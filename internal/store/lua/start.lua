@@ -109,8 +109,14 @@ if holder and holder ~= stored and holder ~= id then
   if young then
     return held()
   end
-  if not gone(call('HGET', K.H, 'state')) then
+  local hstate = call('HGET', K.H, 'state')
+  if not gone(hstate) then
     return held()
+  end
+  local fh = hstate == 'archived' and not rec[6] and call('HGET', K.L, 'fh')
+  if fh then
+    -- The holder failed for good: the failure holds the key (OnFailure).
+    return {14, holder, hold_failed(K.L, fh, false), '', 'f'}
   end
   if rec[5] and rec[5] ~= id then
     return held() -- an orphan owed a follow-up: acquire or the follow-up settles it
