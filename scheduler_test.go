@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/redistest"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -702,5 +703,129 @@ func TestSchedulerStartAndShutdownStates(t *testing.T) {
 	s.Shutdown()
 	if err := s.Start(); err == nil {
 		t.Error("Start after Shutdown: no error")
+	}
+}
+
+// TestSchedulerComparedWithAsynqScheduler logs, without asserting, the runs
+// per firing of three replicas "@every 1s" started a third of a second
+// apart (as pods start): asynq's Scheduler, asynq's with
+// asynq.Unique(time.Second), and this package's. asynq's count from each
+// replica's registration, so a firing there is a period of the window.
+func TestSchedulerComparedWithAsynqScheduler(t *testing.T) {
+	needRealRedis(t)
+	t.Parallel()
+	const replicas, period, window = 3, time.Second, 8 * time.Second
+	plain, unique, ours := newHarness(t, Config{}), newHarness(t, Config{}), newHarness(t, Config{})
+	var nPlain, nUnique, nOurs atomic.Int64
+	counting := func(n *atomic.Int64, next asynq.HandlerFunc) asynq.HandlerFunc {
+		return func(ctx context.Context, task *asynq.Task) error {
+			n.Add(1)
+			if next != nil {
+				return next(ctx, task)
+			}
+			return nil
+		}
+	}
+	plainServe(t, plain, counting(&nPlain, nil))
+	plainServe(t, unique, counting(&nUnique, nil))
+	runs := newSchedRuns(t)
+	ours.serve(counting(&nOurs, runs.handler()), nil)
+	var id string
+	for i := range replicas {
+		if i > 0 {
+			time.Sleep(period / replicas) // the pods' start times: part of the scenario
+		}
+		asynqScheduler(t, "@every 1s", plain.queue)
+		asynqScheduler(t, "@every 1s", unique.queue, asynq.Unique(time.Second))
+		s := schedReplica(t, ours, nil, 0, nil)
+		id = register(t, ours, s)
+		startAll(t, s)
+	}
+	start := [3]int64{nPlain.Load(), nUnique.Load(), nOurs.Load()}
+	time.Sleep(window) // the measurement's window
+	end := [3]int64{nPlain.Load(), nUnique.Load(), nOurs.Load()}
+	firings := float64(window / period)
+	perFiring := func(i int) float64 { return float64(end[i]-start[i]) / firings }
+	t.Logf("%d replicas @every 1s, runs per firing over %v: asynq.Scheduler %.2f, with asynq.Unique(1s) %.2f, dedup.Scheduler %.2f",
+		replicas, window, perFiring(0), perFiring(1), perFiring(2))
+	ats, n := runs.firings(id)
+	total := 0
+	for _, at := range ats {
+		total += n[at]
+	}
+	t.Logf("dedup.Scheduler: %d runs of %d firings, by their firing header", total, len(ats))
+}
+
+// plainServe runs an asynq server without the middleware on h's queue.
+func plainServe(t *testing.T, h *harness, handler asynq.HandlerFunc) {
+	t.Helper()
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{
+		Concurrency: 10, Queues: map[string]int{h.queue: 1}, TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel,
+	})
+	if err := srv.Start(handler); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+}
+
+// asynqScheduler starts one of asynq's own Schedulers with one entry.
+func asynqScheduler(t *testing.T, spec, queue string, opts ...asynq.Option) {
+	t.Helper()
+	s := asynq.NewScheduler(asynq.RedisClientOpt{Addr: redistest.Addr()}, &asynq.SchedulerOpts{LogLevel: asynq.FatalLevel})
+	if _, err := s.Register(spec, schedTask(), append(opts, asynq.Queue(queue))...); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Shutdown)
+}
+
+func TestClusterSchedulerRunsEachFiringOnce(t *testing.T) {
+	c := clusterClient(t)
+	t.Parallel()
+	h := newHarnessOn(t, c, Config{})
+	queues := queuesOnEveryMaster(t, c, h.queue)
+	runs := newSchedRuns(t)
+	srvQueues := map[string]int{}
+	for _, q := range queues {
+		srvQueues[q] = 1
+	}
+	srv := asynq.NewServerFromRedisClient(c, asynq.Config{
+		Concurrency: 8, Queues: srvQueues, LogLevel: asynq.FatalLevel, IsFailure: IsFailure,
+		TaskCheckInterval: 20 * time.Millisecond, DelayedTaskCheckInterval: 100 * time.Millisecond,
+	})
+	if err := srv.Start(h.d.Middleware()(runs.handler())); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	// Two replicas 2 s apart, each on a Cluster client of its own, with one
+	// entry in a queue on each master.
+	var replicas []*Scheduler
+	for _, off := range []time.Duration{-time.Second, time.Second} {
+		replicas = append(replicas, schedReplica(t, h, clusterClient(t), off, nil))
+	}
+	ids := map[string]bool{}
+	for _, q := range queues {
+		for _, s := range replicas {
+			id, err := s.Register("@every 1s", schedTask(), asynq.Queue(q))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ids[id] = true
+		}
+	}
+	if len(ids) != len(queues) {
+		t.Fatalf("%d entry IDs for %d entries", len(ids), len(queues))
+	}
+	startAll(t, replicas...)
+	runs.waitFirings(6 * len(queues))
+	shutdownAll(replicas...)
+	drained(t, h.insp, queues...)
+	for id := range ids {
+		runs.checkOncePerFiring(id, time.Second)
+	}
+	for _, q := range queues {
+		_ = h.insp.DeleteQueue(q, true)
 	}
 }
