@@ -12,9 +12,9 @@ import (
 // parses them (robfig/cron v3's standard parser: five fields, descriptors
 // such as @daily, "@every <duration>", a CRON_TZ= or TZ= prefix), and every
 // replica computes the same times from them. One departure: asynq counts
-// "@every d" from the moment the entry is registered, which differs from
-// pod to pod, so replicas would never agree on a firing; here its firings
-// are the multiples of d since the Unix epoch.
+// "@every d" in whole seconds from the moment its Scheduler starts, which
+// differs from pod to pod, so replicas would not agree on a firing; here
+// its firings are the multiples of d since the Unix epoch.
 
 // schedule gives an entry's firing times.
 type schedule interface {

@@ -153,7 +153,7 @@ func NewScheduler(d *Dedup, opts *SchedulerOpts) *Scheduler {
 // the task's type and payload and its queue: every replica that registers
 // the same entry gets the same ID, and its tasks carry it
 // (SchedulerEntryHeader). "@every d" fires at the multiples of d since the
-// Unix epoch, not d after registration as in asynq, so that replicas agree.
+// Unix epoch, not every d from its start as in asynq, so that replicas agree.
 //
 // The options are checked once, here, composed with the type's rule as
 // each firing composes them. Register refuses (ErrInvalidOption) a spec

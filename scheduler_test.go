@@ -707,16 +707,18 @@ func TestSchedulerStartAndShutdownStates(t *testing.T) {
 }
 
 // TestSchedulerComparedWithAsynqScheduler logs, without asserting, the runs
-// per firing of three replicas "@every 1s" started a third of a second
-// apart (as pods start): asynq's Scheduler, asynq's with
-// asynq.Unique(time.Second), and this package's. asynq's count from each
-// replica's registration, so a firing there is a period of the window.
+// per firing of three replicas "@every 1s" started 0.7 s apart (as pods
+// start): asynq's Scheduler, asynq's with asynq.Unique(time.Second), and
+// this package's; and asynq's with Unique "@every 2s". asynq's @every fires
+// on whole seconds counted from each replica's start, so at 1s the
+// replicas fire together, at 2s not; a firing there is a period of the
+// window.
 func TestSchedulerComparedWithAsynqScheduler(t *testing.T) {
 	needRealRedis(t)
 	t.Parallel()
-	const replicas, period, window = 3, time.Second, 8 * time.Second
-	plain, unique, ours := newHarness(t, Config{}), newHarness(t, Config{}), newHarness(t, Config{})
-	var nPlain, nUnique, nOurs atomic.Int64
+	const replicas, window = 3, 8 * time.Second
+	plain, unique, unique2, ours := newHarness(t, Config{}), newHarness(t, Config{}), newHarness(t, Config{}), newHarness(t, Config{})
+	var n [4]atomic.Int64
 	counting := func(n *atomic.Int64, next asynq.HandlerFunc) asynq.HandlerFunc {
 		return func(ctx context.Context, task *asynq.Task) error {
 			n.Add(1)
@@ -726,32 +728,38 @@ func TestSchedulerComparedWithAsynqScheduler(t *testing.T) {
 			return nil
 		}
 	}
-	plainServe(t, plain, counting(&nPlain, nil))
-	plainServe(t, unique, counting(&nUnique, nil))
+	plainServe(t, plain, counting(&n[0], nil))
+	plainServe(t, unique, counting(&n[1], nil))
+	plainServe(t, unique2, counting(&n[2], nil))
 	runs := newSchedRuns(t)
-	ours.serve(counting(&nOurs, runs.handler()), nil)
+	ours.serve(counting(&n[3], runs.handler()), nil)
 	var id string
 	for i := range replicas {
 		if i > 0 {
-			time.Sleep(period / replicas) // the pods' start times: part of the scenario
+			time.Sleep(700 * time.Millisecond) // the pods' start times: part of the scenario
 		}
 		asynqScheduler(t, "@every 1s", plain.queue)
 		asynqScheduler(t, "@every 1s", unique.queue, asynq.Unique(time.Second))
+		asynqScheduler(t, "@every 2s", unique2.queue, asynq.Unique(time.Second))
 		s := schedReplica(t, ours, nil, 0, nil)
 		id = register(t, ours, s)
 		startAll(t, s)
 	}
-	start := [3]int64{nPlain.Load(), nUnique.Load(), nOurs.Load()}
+	var start, end [4]int64
+	for i := range n {
+		start[i] = n[i].Load()
+	}
 	time.Sleep(window) // the measurement's window
-	end := [3]int64{nPlain.Load(), nUnique.Load(), nOurs.Load()}
-	firings := float64(window / period)
-	perFiring := func(i int) float64 { return float64(end[i]-start[i]) / firings }
-	t.Logf("%d replicas @every 1s, runs per firing over %v: asynq.Scheduler %.2f, with asynq.Unique(1s) %.2f, dedup.Scheduler %.2f",
-		replicas, window, perFiring(0), perFiring(1), perFiring(2))
-	ats, n := runs.firings(id)
+	for i := range n {
+		end[i] = n[i].Load()
+	}
+	perFiring := func(i int, period time.Duration) float64 { return float64(end[i]-start[i]) / float64(window/period) }
+	t.Logf("%d replicas started 0.7 s apart, runs per firing over %v: @every 1s: asynq.Scheduler %.2f, with asynq.Unique(1s) %.2f, dedup.Scheduler %.2f; @every 2s: asynq.Scheduler with asynq.Unique(1s) %.2f",
+		replicas, window, perFiring(0, time.Second), perFiring(1, time.Second), perFiring(3, time.Second), perFiring(2, 2*time.Second))
+	ats, runsOf := runs.firings(id)
 	total := 0
 	for _, at := range ats {
-		total += n[at]
+		total += runsOf[at]
 	}
 	t.Logf("dedup.Scheduler: %d runs of %d firings, by their firing header", total, len(ats))
 }
