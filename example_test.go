@@ -338,3 +338,93 @@ func ExampleRule_debounce() {
 	// payload: {"user_id": 42, "name": "Ada Lovelace"}
 	// due about 10s after the last edit: true
 }
+
+// Every replica (pod) runs the same Scheduler with the same entries; each
+// firing is enqueued once, and the other replicas' enqueues of it are
+// refused. Here two replicas share one process.
+func ExampleScheduler() {
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	d, err := dedup.New(ctx, rdb, dedup.Config{Logger: quiet})
+	if err != nil {
+		panic(err)
+	}
+	defer d.Close()
+
+	ran := make(chan *asynq.Task, 10)
+	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{
+		Queues:            map[string]int{"reports": 1},
+		IsFailure:         dedup.IsFailure,
+		TaskCheckInterval: 10 * time.Millisecond,
+		LogLevel:          asynq.FatalLevel,
+	})
+	mux := asynq.NewServeMux()
+	mux.Use(d.Middleware())
+	mux.HandleFunc("report:build", func(_ context.Context, t *asynq.Task) error {
+		ran <- t
+		return nil
+	})
+	if err := srv.Start(mux); err != nil {
+		panic(err)
+	}
+	defer srv.Shutdown()
+
+	// What each replica's enqueue of each firing came to.
+	type outcome struct {
+		firing time.Time
+		err    error
+	}
+	outcomes := make(chan outcome, 100)
+	task := asynq.NewTask("report:build", []byte(`{"report": "daily"}`))
+	var ids []string
+	for range 2 { // two replicas, as two pods would each run one
+		var firing time.Time // a replica enqueues its firings one after the other
+		s := dedup.NewScheduler(d, &dedup.SchedulerOpts{
+			Logger:          quiet,
+			PreEnqueueFunc:  func(t *asynq.Task, _ []asynq.Option) { _, firing, _ = dedup.SchedulerFiring(t) },
+			PostEnqueueFunc: func(_ *asynq.TaskInfo, err error) { outcomes <- outcome{firing, err} },
+		})
+		id, err := s.Register("@every 1s", task, asynq.Queue("reports"))
+		if err != nil {
+			panic(err)
+		}
+		ids = append(ids, id)
+		if err := s.Start(); err != nil {
+			panic(err)
+		}
+		defer s.Shutdown()
+	}
+	fmt.Println("entry:", ids[0], "on both replicas:", ids[0] == ids[1])
+
+	// The first firing both replicas enqueued.
+	seen := map[time.Time][]error{}
+	var errs []error
+	for len(errs) < 2 {
+		o := <-outcomes
+		seen[o.firing] = append(seen[o.firing], o.err)
+		errs = seen[o.firing]
+	}
+	created, refused := 0, 0
+	for _, err := range errs {
+		var dup *dedup.DuplicateTaskError
+		switch {
+		case err == nil:
+			created++
+		case errors.As(err, &dup):
+			refused++
+		}
+	}
+	fmt.Println("created:", created, "refused as a duplicate:", refused)
+
+	t := <-ran
+	entry, at, _ := dedup.SchedulerFiring(t)
+	fmt.Println("ran a firing of the entry:", entry == ids[0], "on a whole second:", at.Equal(at.Truncate(time.Second)))
+	// Output:
+	// entry: 31fe77177b1a9cee0cecb823737a5286 on both replicas: true
+	// created: 1 refused as a duplicate: 1
+	// ran a firing of the entry: true on a whole second: true
+}

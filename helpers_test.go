@@ -25,6 +25,13 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if os.Getenv(schedWorkerEnv) == "1" { // a replica process of TestSchedulerReplicaKilledMidRunMissesNoFiring
+		if err := runSchedWorker(); err != nil {
+			fmt.Fprintln(os.Stderr, "scheduler replica:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if spec := os.Getenv(faultProxyEnv); spec != "" { // a proxy process of a fault test
 		fmt.Fprintln(os.Stderr, "fault proxy:", runFaultProxy(spec))
 		os.Exit(1)
