@@ -161,7 +161,8 @@ func NewScheduler(d *Dedup, opts *SchedulerOpts) *Scheduler {
 // what would break the one-run-per-firing promise: a key-choosing option
 // (Key, SharedKey, Fields, Skip; the Scheduler keys each firing itself),
 // an asynq.TaskID, a folding option (OnConflict, MergeWith, Debounce), a
-// Cooldown (the Scheduler sets the hold), asynq.Unique or asynq.Group, and
+// Cooldown, Period or OnFailure (the Scheduler sets the hold), asynq.Unique
+// or asynq.Group, and
 // a type whose rule turns deduplication off or cannot be combined with a
 // cooldown (Rule.OnRunning other than RunningReject, Rule.Debounce).
 func (s *Scheduler) Register(cronspec string, task *asynq.Task, opts ...asynq.Option) (entryID string, err error) {
@@ -371,7 +372,7 @@ func (e *schedEntry) firing(at time.Time, hold time.Duration) (*asynq.Task, []as
 		OnConflict(Reject),
 		Key(e.id+"@"+strconv.FormatInt(at.Unix(), 10)),
 		Cooldown(hold),
-		// TODO(merge): add dedup.OnFailure(dedup.FailHold, hold)
+		OnFailure(FailHold, hold), // a firing whose task fails for good stays taken too
 	)
 	return asynq.NewTaskWithHeaders(e.typ, e.payload, h), opts
 }
@@ -464,8 +465,8 @@ func refusal(o asynq.Option) string {
 		return "chooses the key, but the scheduler keys each firing itself (entry and firing time)"
 	case r.callConflictSet || r.callMerge != nil || r.debounce > 0:
 		return "folds enqueues together, but each firing is one task and the other replicas' enqueues of it are rejected"
-	case r.cooldown > 0:
-		return "sets the hold, which the scheduler sets itself: (next firing − this firing) + MaxSkew"
+	case r.cooldown > 0 || r.period > 0 || r.failHold != 0:
+		return "sets the hold, which the scheduler sets itself: (next firing − this firing) + MaxSkew, after success or failure"
 	}
 	return ""
 }

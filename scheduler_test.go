@@ -458,6 +458,9 @@ func TestSchedulerHoldsAFiringsKeyPastItsSuccess(t *testing.T) {
 	for _, o := range opts.Load().([]asynq.Option) {
 		descs = append(descs, o.String())
 	}
+	if !slices.Contains(descs, "dedup.OnFailure(FailHold, 4s)") {
+		t.Fatalf("firing options %v hold nothing after a failure", descs)
+	}
 	if !slices.Contains(descs, "dedup.Cooldown(4s)") { // next firing 1 s later, + MaxSkew
 		t.Errorf("the firing's options %v hold the key otherwise than for 4s", descs)
 	}
@@ -504,6 +507,8 @@ func TestSchedulerRegisterRefusesOptionsThatBreakOneRunPerFiring(t *testing.T) {
 		"Skip":        {Skip()},
 		"TaskID":      {asynq.TaskID("fixed")},
 		"Cooldown":    {Cooldown(time.Hour)},
+		"Period":      {Period(time.Hour, nil)},
+		"OnFailure":   {OnFailure(FailHoldUntilReleased, 0)},
 		"OnConflict":  {OnConflict(Replace)},
 		"MergeWith":   {MergeWith(func(a, _ []byte) ([]byte, error) { return a, nil })},
 		"Debounce":    {Debounce(time.Second)},
