@@ -91,7 +91,7 @@ func readCombinationsTable(t *testing.T) []combinationRow {
 // policyParts are the names the table joins with " + " for mixes of
 // policies.
 var policyParts = []string{"Reject", "Replace", "Merge", "RunningReject", "RunningAllow", "RunningDefer",
-	"Cooldown", "Debounce", "MaxPending", "BusyRetry", "BusyDrop", "BusyFold"}
+	"Cooldown", "Debounce", "MaxPending", "BusyRetry", "BusyDrop", "BusyFold", "Period", "FailHold"}
 
 // splitCombinationRows returns the refused rows made only of policy names
 // (each as its set of parts), and the first cells of the other refused
@@ -126,6 +126,8 @@ type policyMix struct {
 	cooldown   bool
 	debounce   bool
 	maxPending bool
+	period     bool
+	failHold   bool
 	busy       Busy
 }
 
@@ -141,6 +143,12 @@ func (m policyMix) parts() []string {
 	if m.maxPending {
 		p = append(p, "MaxPending")
 	}
+	if m.period {
+		p = append(p, "Period")
+	}
+	if m.failHold {
+		p = append(p, "FailHold")
+	}
 	return p
 }
 
@@ -151,8 +159,9 @@ func allPolicyMixes() []policyMix {
 	for c := Reject; c <= Merge; c++ {
 		for r := RunningReject; r <= RunningDefer; r++ {
 			for b := BusyRetry; b <= BusyFold; b++ {
-				for bits := range 8 {
-					out = append(out, policyMix{conflict: c, running: r, busy: b, cooldown: bits&1 != 0, debounce: bits&2 != 0, maxPending: bits&4 != 0})
+				for bits := range 32 {
+					out = append(out, policyMix{conflict: c, running: r, busy: b, cooldown: bits&1 != 0, debounce: bits&2 != 0, maxPending: bits&4 != 0,
+						period: bits&8 != 0, failHold: bits&16 != 0})
 				}
 			}
 		}
@@ -191,6 +200,12 @@ func (m policyMix) rule() Rule {
 	}
 	if m.maxPending {
 		r.MaxPending = 1000
+	}
+	if m.period {
+		r.Period = 24 * time.Hour
+	}
+	if m.failHold {
+		r.OnFailure, r.FailureHold = FailHold, time.Hour
 	}
 	return r
 }
@@ -233,6 +248,12 @@ func checkCallMix(t *testing.T, h *harness, ctx context.Context, m policyMix, re
 	if m.debounce {
 		opts = append(opts, Debounce(time.Hour))
 	}
+	if m.period {
+		opts = append(opts, Period(24*time.Hour, nil))
+	}
+	if m.failHold {
+		opts = append(opts, OnFailure(FailHold, time.Hour))
+	}
 	_, err := h.client.Submit(ctx, asynq.NewTask(typ, fmt.Appendf(nil, `{"k":%d}`, n)), opts...)
 	switch {
 	case refused && !errors.Is(err, ErrInvalidOption):
@@ -266,6 +287,16 @@ func specialCombinations(h *harness) map[string]func(context.Context) error {
 			return submit(OnConflict(Replace), MergeWith(keepMerging))(ctx)
 		},
 		"`Key` + `SharedKey`": submit(Key("a"), SharedKey("b")),
+		"`Scheduler.Register` with a key, fold or hold option (`Key`, `SharedKey`, `Fields`, `Skip`, `asynq.TaskID`, `OnConflict`, `MergeWith`, `Debounce`, `Cooldown`, `Period`, `OnFailure`)": func(context.Context) error {
+			s := NewScheduler(h.d, nil)
+			for _, o := range []asynq.Option{Key("k"), SharedKey("k"), Fields("k"), Skip(), asynq.TaskID("x"), OnConflict(Reject), MergeWith(keepMerging),
+				Debounce(time.Second), Cooldown(time.Second), Period(time.Hour, nil), OnFailure(FailHoldUntilReleased, 0)} {
+				if _, err := s.Register("@every 1m", asynq.NewTask("special", nil), o); !errors.Is(err, ErrInvalidOption) {
+					return fmt.Errorf("%v: %w", o, err)
+				}
+			}
+			return ErrInvalidOption
+		},
 		"`asynq.Unique` or `asynq.Group`, deduplicating": func(ctx context.Context) error {
 			if err := submit(asynq.Unique(time.Hour))(ctx); !errors.Is(err, ErrInvalidOption) {
 				return err

@@ -29,6 +29,8 @@ var policyRules = map[string]Rule{
 	"RunningDefer": {OnConflict: Replace, OnRunning: RunningDefer},
 	"RunningAllow": {OnRunning: RunningAllow},
 	"Cooldown":     {Cooldown: time.Hour},
+	"Period":       {Period: 24 * time.Hour},
+	"FailHold":     {OnFailure: FailHold, FailureHold: time.Hour},
 	"Debounce":     {OnConflict: Replace, Debounce: 100 * time.Millisecond},
 }
 
