@@ -221,7 +221,7 @@ func (b *batcher) exec(batch []*batchReq) {
 	if len(live) == 0 {
 		return
 	}
-	if groups := bySlotTag(b.rdb, live); groups != nil {
+	if groups := bySlotTag(b.rdb, live, firstKey); groups != nil {
 		for _, g := range groups {
 			b.execLive(g)
 		}
@@ -231,16 +231,17 @@ func (b *batcher) exec(batch []*batchReq) {
 }
 
 // bySlotTag splits a batch for a Redis Cluster client by its calls' hash
-// tags (a call's keys share one), so that a pipeline never spans slots: it
-// goes straight to its slot's master (nodeFor). nil: one group will do.
-func bySlotTag(rdb redis.UniversalClient, live []*batchReq) [][]*batchReq {
+// tags (a call's keys share one; key returns its first), so that a
+// pipeline never spans slots: it goes straight to its slot's master
+// (nodeFor). nil: one group will do.
+func bySlotTag[T any](rdb redis.UniversalClient, live []T, key func(T) string) [][]T {
 	if _, cluster := rdb.(*redis.ClusterClient); !cluster || len(live) < 2 {
 		return nil
 	}
 	idx := map[string]int{}
-	var groups [][]*batchReq
+	var groups [][]T
 	for _, r := range live {
-		tag := hashTag(r.keys[0])
+		tag := hashTag(key(r))
 		i, ok := idx[tag]
 		if !ok {
 			i = len(groups)
@@ -254,6 +255,9 @@ func bySlotTag(rdb redis.UniversalClient, live []*batchReq) [][]*batchReq {
 	}
 	return groups
 }
+
+// firstKey is a batched call's first key, which names its slot.
+func firstKey(r *batchReq) string { return r.keys[0] }
 
 // nodeFor is where a pipeline whose keys share key's hash slot is sent:
 // on a Redis Cluster, straight to the slot's master, not through the
