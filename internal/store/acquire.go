@@ -88,19 +88,20 @@ const maxNeeds = 4
 func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) {
 	st := s.newAcquireStep(a)
 	for {
-		sc, keys, args := st.next(s)
+		sc, keys, args := st.next(s, a)
 		v, err := s.run(ctx, sc, keys, args...)
-		res, more, err := st.read(s, v, err)
+		res, more, err := st.read(s, a, v, err)
 		if !more {
 			return res, err
 		}
 	}
 }
 
-// acquireStep is one Acquire on its way, call after call: Acquire makes
-// them one at a time, AcquireAll many in a pipeline.
+// acquireStep is where one Acquire is on its way, call after call:
+// Acquire makes them one at a time, AcquireAll many in a pipeline. (The
+// Acquire is passed to each method rather than kept, so that a caller's
+// stays on its stack.)
 type acquireStep struct {
-	a       *Acquire
 	lock    string
 	h       hint // the holder and follow-up the next call passes
 	n       int  // calls answered statusNeed so far
@@ -108,31 +109,30 @@ type acquireStep struct {
 }
 
 func (s *Store) newAcquireStep(a *Acquire) acquireStep {
-	st := acquireStep{a: a, lock: s.keys.LockOf(&a.Ref)}
+	st := acquireStep{lock: s.keys.LockOf(&a.Ref)}
 	st.h, _ = s.hints.get(st.lock)
 	st.replace = a.replacesKnownHolder(&st.h)
 	return st
 }
 
-// next returns the step's next call: the script, its KEYS and ARGV.
-func (st *acquireStep) next(s *Store) (*redis.Script, []string, []any) {
+// next returns a's next call: the script, its KEYS and ARGV.
+func (st *acquireStep) next(s *Store, a *Acquire) (*redis.Script, []string, []any) {
 	if st.replace {
 		h := &st.h
-		return s.sc.replace, []string{st.lock, h.holderTask}, []any{h.holder, payloadField(st.a.Payload), typeField(st.a.Ref.Type)}
+		return s.sc.replace, []string{st.lock, h.holderTask}, []any{h.holder, payloadField(a.Payload), typeField(a.Ref.Type)}
 	}
 	if st.n > 0 {
 		st.h.checked = 0 // a call asked for more keys verifies what it finds
 	}
-	keys, args := st.a.build(s, st.lock, &st.h, st.n > 0)
+	keys, args := a.build(s, st.lock, &st.h, st.n > 0)
 	return s.sc.acquire, keys, args
 }
 
-// read reads the reply v (or the failure err) of the step's call. more
-// reports that the step needs another call: the replace script did not
-// apply, the acquire script asked for more keys, or the ACL refused the
-// queue's registry of prefixes.
-func (st *acquireStep) read(s *Store, v any, err error) (res AcquireResult, more bool, _ error) {
-	a := st.a
+// read reads the reply v (or the failure err) of a's call. more reports
+// that a needs another call: the replace script did not apply, the acquire
+// script asked for more keys, or the ACL refused the queue's registry of
+// prefixes.
+func (st *acquireStep) read(s *Store, a *Acquire, v any, err error) (res AcquireResult, more bool, _ error) {
 	if st.replace {
 		st.replace = false
 		return st.readReplace(v, err)

@@ -44,7 +44,7 @@ func (s *Store) AcquireAll(ctx context.Context, as []*Acquire) []AcquireOutcome 
 		pending[i] = i
 	}
 	for len(pending) > 0 {
-		pending = s.acquireRound(ctx, steps, pending, out)
+		pending = s.acquireRound(ctx, as, steps, pending, out)
 	}
 	return out
 }
@@ -56,13 +56,13 @@ type acquireCall struct {
 	sent bool // it may have reached Redis
 }
 
-// acquireRound sends the next call of the steps idx (pipelined per node),
+// acquireRound sends the next call of the Acquires idx (pipelined per node),
 // writes the outcome of those answered to out and returns the others.
-func (s *Store) acquireRound(ctx context.Context, steps []acquireStep, idx []int, out []AcquireOutcome) []int {
+func (s *Store) acquireRound(ctx context.Context, as []*Acquire, steps []acquireStep, idx []int, out []AcquireOutcome) []int {
 	calls := make([]acquireCall, len(idx))
 	groups := map[*shard][]int{} // positions in calls, in order
 	for j, i := range idx {
-		sc, keys, args := steps[i].next(s)
+		sc, keys, args := steps[i].next(s, as[i])
 		calls[j].req = batchReq{ctx: ctx, s: sc, keys: keys, args: args, done: make(chan batchRes, 1)}
 		sh := s.sh.forKey(ctx, keys[0])
 		groups[sh] = append(groups[sh], j)
@@ -71,7 +71,7 @@ func (s *Store) acquireRound(ctx context.Context, steps []acquireStep, idx []int
 	var more []int
 	for j, i := range idx {
 		c := &calls[j]
-		res, again, err := steps[i].read(s, c.res.v, c.res.err)
+		res, again, err := steps[i].read(s, as[i], c.res.v, c.res.err)
 		if again {
 			more = append(more, i)
 			continue
