@@ -138,24 +138,42 @@ func (c *Client) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...a
 // A rejected call returns a *DuplicateTaskError, as EnqueueContext does.
 func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Option) (Result, error) {
 	var k call // kept on the stack: a call is composed for every enqueue
-	if err := c.compose(&k, task, opts); err != nil {
+	locks, err := c.begin(ctx, &k, task, opts)
+	switch {
+	case err != nil:
 		return Result{}, err
-	}
-	if err := ctx.Err(); err != nil { // the caller gave up before the call began: not an outage
-		return Result{}, fmt.Errorf("dedup: enqueue %q: %w", k.typ, err)
-	}
-	if !c.d.active(&k.rule) {
+	case !locks:
 		return c.enqueueUnlocked(ctx, &k)
 	}
-	if err := c.place.refused(); err != nil {
-		return Result{}, err
-	}
-	if err := c.prepare(ctx, &k); err != nil {
-		return Result{}, err
-	}
 	res, n, err := c.lock(ctx, &k)
+	return c.complete(ctx, &k, res, n, err)
+}
+
+// begin composes the call and, if it is deduplicated (locks), prepares its
+// lock: every step of an enqueue before its first acquire. It touches
+// Redis only to register a queue new to this process, on the direct path.
+func (c *Client) begin(ctx context.Context, k *call, task *asynq.Task, opts []asynq.Option) (locks bool, err error) {
+	if err := c.compose(k, task, opts); err != nil {
+		return false, err
+	}
+	if err := ctx.Err(); err != nil { // the caller gave up before the call began: not an outage
+		return false, fmt.Errorf("dedup: enqueue %q: %w", k.typ, err)
+	}
+	if !c.d.active(&k.rule) {
+		return false, nil
+	}
+	if err := c.place.refused(); err != nil {
+		return false, err
+	}
+	return true, c.prepare(ctx, k)
+}
+
+// complete ends a deduplicated call once its lock is settled (n, res and
+// err from lock): it enqueues the task through asynq when the lock was
+// taken without it (or fail-open), and fills in the result.
+func (c *Client) complete(ctx context.Context, k *call, res Result, n next, err error) (Result, error) {
 	if n == enqueue {
-		res, err = c.enqueueLocked(ctx, &k)
+		res, err = c.enqueueLocked(ctx, k)
 	}
 	if err == nil {
 		res.Fingerprint, res.Conflict, res.Running, res.FailOpen = k.ref.FP, k.rule.conflict, k.rule.running, !k.locked
