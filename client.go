@@ -53,8 +53,9 @@ func (d *Dedup) WrapClient(next Enqueuer) *Client {
 
 // NewClient returns a Client over an asynq client on the Dedup's own Redis
 // client (asynq.NewClientFromRedisClient). Because the lock and the task
-// live in the same Redis, an accepted enqueue of a task without
-// asynq.NewTask options is stored by the lock script itself, in asynq
+// live in the same Redis, an accepted enqueue of a task without asynq's
+// own options in asynq.NewTask (this package's may be there) is stored by
+// the lock script itself, in asynq
 // v0.26.0's layout: one round trip instead of two, and no moment when the
 // lock exists without its task. Other tasks go through the asynq client.
 // Config.NoDirectEnqueue turns this off.
@@ -102,7 +103,9 @@ func (c *Client) Enqueue(task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInf
 
 // EnqueueContext fingerprints the task, takes its lock in one atomic script
 // and enqueues it. opts may mix asynq's options with this package's; only
-// asynq's reach asynq.
+// asynq's reach asynq. This package's options given to asynq.NewTask apply
+// to that task, under the call's (which override them, as asynq's own
+// call options override NewTask's).
 //
 // On a duplicate it returns a *DuplicateTaskError naming the task that holds
 // the key (matching ErrDuplicateTask and asynq.ErrDuplicateTask), and

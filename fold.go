@@ -246,8 +246,8 @@ func (k *call) notApplied() []string {
 	var out []string
 	own, _ := taskOpts(k.task) // asynq.NewTask's, which the call's follow
 	for _, o := range append(own[:len(own):len(own)], k.pass...) {
-		if o == nil {
-			continue
+		if _, mine := o.(option); mine || o == nil {
+			continue // (this package's: applied, or named below)
 		}
 		switch o.Type() {
 		case asynq.QueueOpt:
