@@ -10,8 +10,8 @@ import (
 // AcquireOutcome is one Acquire's answer in AcquireAll: what Acquire would
 // have returned for it.
 type AcquireOutcome struct {
-	AcquireResult
-	Err error
+	AcquireResult       // with Err: only Sent holds
+	Err           error // Acquire's error
 }
 
 // maxAcquirePipeline bounds the calls of one AcquireAll pipeline: a node's
