@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"reflect"
 	"strings"
+	"sync"
 	"time"
 	"unsafe"
 
@@ -361,9 +362,19 @@ func checkTask(t *asynq.Task) (conflicting, queue, id string, err error) {
 // which asynq offers no way to see. ok is false if the field is not there
 // (a changed asynq): then the direct path is never taken.
 func taskOpts(t *asynq.Task) (opts []asynq.Option, ok bool) {
-	f := reflect.ValueOf(t).Elem().FieldByName("opts")
-	if !f.IsValid() || f.Type() != reflect.TypeFor[[]asynq.Option]() {
+	off, ok := taskOptsOffset()
+	if !ok {
 		return nil, false
 	}
-	return *(*[]asynq.Option)(unsafe.Pointer(f.UnsafeAddr())), true
+	return *(*[]asynq.Option)(unsafe.Add(unsafe.Pointer(t), off)), true
 }
+
+// taskOptsOffset is where asynq.Task keeps its opts field, looked up once
+// (every enqueue reads it, some more than once).
+var taskOptsOffset = sync.OnceValues(func() (uintptr, bool) {
+	f, ok := reflect.TypeFor[asynq.Task]().FieldByName("opts")
+	if !ok || f.Type != reflect.TypeFor[[]asynq.Option]() {
+		return 0, false
+	}
+	return f.Offset, true
+})
