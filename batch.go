@@ -39,15 +39,18 @@ const batchWorkers = 16
 //
 // The lock calls are pipelined: one pipeline per Redis node (on Redis
 // Cluster, one per queue, sent straight to its slot's master), each
-// through the node's circuit breaker and bounded by Config.LockTimeout
-// (store.AcquireAll). On the direct path (NewClient, tasks without asynq's
-// own NewTask options) the lock call stores the task too, so a batch of new
-// keys costs one round trip per node (plus, once per process, registering
-// each new queue). What needs more calls takes them after the pipeline, as
-// Submit does: asynq's enqueue through WrapClient's Enqueuer, a Merge's
+// through the node's circuit breaker and bounded by Config.LockTimeout, at
+// most 1,000 calls each (a larger batch sends several, in order). On the
+// direct path (NewClient, tasks without asynq's own NewTask options) the
+// lock call stores the task too, so a batch of new keys costs one round
+// trip per node (plus, once per process, registering each new queue). A
+// call that needs another (a key whose holder this process has not met
+// yet) makes it in a second pipelined round. What needs more calls after
+// that takes them as Submit does, up to 16 tasks at once, the tasks of one
+// key one after another, in order: asynq's enqueue (through WrapClient's
+// Enqueuer, or of a task with asynq's own NewTask options), a Merge's
 // compare-and-set, a wait for a holder not stored yet or for room
-// (MaxPending), a key whose holder this process has not met yet; up to 16
-// tasks at once, the tasks of one key one after another, in order.
+// (MaxPending).
 //
 // A ctx already done gives every task its error (not ErrUnavailable); one
 // that ends during the batch ends the calls not yet made. With Redis
