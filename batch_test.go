@@ -511,3 +511,39 @@ func (h *harness) enqueueWith(c *Client, task *asynq.Task, opts ...asynq.Option)
 	}
 	return info
 }
+
+// A batch meeting keys held by tasks this process has not met (another
+// process enqueued them, long enough ago that their records must be read)
+// takes a second pipelined round, not a call per task: two round trips.
+func TestEnqueueBatchOfKeysHeldElsewhereIsTwoPipelines(t *testing.T) {
+	h := newHarness(t, batchRules())
+	h.client = h.d.NewClient()
+	const n = 20
+	var held []string
+	for i := range n {
+		info := h.enqueue(userTask(i, "first"))
+		h.ageLock(h.keyOf(userTask(i, ""), h.queue))
+		held = append(held, info.ID)
+	}
+	other := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix, Rules: batchRules().Rules}) // another process
+	other.client = other.d.NewClient()
+	log := &tripLog{}
+	other.rdb.AddHook(tripHook{log: log})
+	other.enqueueWith(other.client, userTask(n, ""), asynq.Queue(h.queue)) // registers the queue in this process
+	var tasks []*asynq.Task
+	for i := range n {
+		tasks = append(tasks, userTask(i, "second"))
+	}
+	log.take()
+	out := other.client.EnqueueBatch(context.Background(), tasks, asynq.Queue(h.queue))
+	trips := locksOnly(log.take(), h.prefix)
+	for i, r := range out {
+		var dup *DuplicateTaskError
+		if !errors.As(r.Err, &dup) || dup.TaskID != held[i] {
+			t.Fatalf("task %d: %+v, want a duplicate of %s", i, r, held[i])
+		}
+	}
+	if len(trips) != 2 || len(trips[0].cmds) != n || len(trips[1].cmds) != n {
+		t.Fatalf("round trips %v, want two pipelines of %d", trips, n)
+	}
+}
