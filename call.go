@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"reflect"
 	"strings"
+	"sync"
 	"time"
 	"unsafe"
 
@@ -39,8 +40,10 @@ type call struct {
 	relocated bool // made again in the queue its task landed in (relocate.go)
 }
 
-// compose reads the call's options into k: this package's apply to the
-// type's rule, asynq's are kept for asynq and read for what the lock needs.
+// compose reads the task's and the call's options into k: this package's
+// apply to the type's rule (those given to asynq.NewTask first, the call's
+// over them, as asynq orders its own), asynq's are kept for asynq and read
+// for what the lock needs.
 func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
 	conflicting, taskQueue, taskID, err := checkTask(task)
 	if err != nil {
@@ -52,20 +55,17 @@ func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
 	k.pass = make([]asynq.Option, 0, len(opts)+1)
 	k.msg.Retry = store.DefaultMaxRetry
 	var rule *resolved // the options' functions get a copy, so k stays on the caller's stack
+	if own, _ := taskOpts(task); len(own) > 0 {
+		if err := k.ownOptions(own, &rule); err != nil {
+			return err
+		}
+	}
 	for _, o := range opts {
 		if o == nil {
 			continue
 		}
 		if ov, ok := o.(option); ok {
-			if ov.headers != nil {
-				k.addHeaders(ov.headers)
-				continue
-			}
-			if rule == nil {
-				rule = new(resolved)
-				*rule = k.rule
-			}
-			if err := ov.apply(rule); err != nil {
+			if err := k.applyOption(ov, &rule); err != nil {
 				return err
 			}
 			continue
@@ -83,6 +83,56 @@ func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
 		return err
 	}
 	return k.chooseQueue(c.d)
+}
+
+// ownOptions applies this package's options given to asynq.NewTask (asynq
+// applies its own from there itself), as the options of a layer under the
+// call's: a key, OnConflict or MergeWith the call gives replaces theirs
+// rather than contradicting it.
+func (k *call) ownOptions(own []asynq.Option, rule **resolved) error {
+	n := 0
+	for _, o := range own {
+		if ov, ok := o.(option); ok {
+			if err := k.applyOption(ov, rule); err != nil {
+				return fmt.Errorf("%w (given to asynq.NewTask)", err)
+			}
+			n++
+		}
+	}
+	if n == 0 {
+		return nil
+	}
+	if err := (*rule).endLayer(); err != nil {
+		return fmt.Errorf("%w (given to asynq.NewTask)", err)
+	}
+	return nil
+}
+
+// endLayer ends a layer of options (asynq.NewTask's) under the call's:
+// its OnConflict and MergeWith become the rule's, and its key choice no
+// longer counts as the call's, so that the call's own options replace them
+// (a key, Fields, a policy) rather than contradicting them.
+func (r *resolved) endLayer() error {
+	if err := r.takeConflict(); err != nil {
+		return err
+	}
+	r.callConflict, r.callConflictSet, r.callMerge, r.callKey = 0, false, nil, ""
+	return nil
+}
+
+// applyOption applies one of this package's options to the call: Headers
+// to its task, the others to its rule (a copy of the type's, made at the
+// first).
+func (k *call) applyOption(ov option, rule **resolved) error {
+	if ov.headers != nil {
+		k.addHeaders(ov.headers)
+		return nil
+	}
+	if *rule == nil {
+		*rule = new(resolved)
+		**rule = k.rule
+	}
+	return ov.apply(*rule)
 }
 
 // asynqOption reads one of asynq's options.
@@ -204,8 +254,9 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 }
 
 // Direct enqueue: for a Client from Dedup.NewClient (whose asynq client
-// shares the Dedup's Redis) and a task that carries no options from
-// asynq.NewTask (which the wrapper cannot see), the acquire script stores
+// shares the Dedup's Redis) and a task that carries none of asynq's options
+// from asynq.NewTask (which the wrapper cannot see; this package's it
+// reads), the acquire script stores
 // asynq's task record itself, in the same atomic step that takes the lock:
 // one round trip for an accepted enqueue instead of two, and no window in
 // which the lock exists without its task. It stores exactly what asynq
@@ -220,10 +271,22 @@ func (c *Client) canDirect(ctx context.Context, k *call) bool {
 	if !k.explicitQueue && k.queue != "default" {
 		return false // the remembered queue came from NewTask options: asynq's path
 	}
-	if opts, ok := taskOpts(k.task); !ok || len(opts) > 0 {
+	if opts, ok := taskOpts(k.task); !ok || !onlyOwn(opts) {
 		return false
 	}
 	return c.d.store.PublishQueue(ctx, k.queue) == nil // else asynq's client registers it
+}
+
+// onlyOwn reports whether opts (a task's asynq.NewTask options) hold none
+// of asynq's (nil ones asynq ignores): then the direct path stores what
+// asynq would.
+func onlyOwn(opts []asynq.Option) bool {
+	for _, o := range opts {
+		if _, own := o.(option); !own && o != nil {
+			return false
+		}
+	}
+	return true
 }
 
 // prepareDirect adds the task's record to the acquire call.
@@ -301,9 +364,19 @@ func checkTask(t *asynq.Task) (conflicting, queue, id string, err error) {
 // which asynq offers no way to see. ok is false if the field is not there
 // (a changed asynq): then the direct path is never taken.
 func taskOpts(t *asynq.Task) (opts []asynq.Option, ok bool) {
-	f := reflect.ValueOf(t).Elem().FieldByName("opts")
-	if !f.IsValid() || f.Type() != reflect.TypeFor[[]asynq.Option]() {
+	off, ok := taskOptsOffset()
+	if !ok {
 		return nil, false
 	}
-	return *(*[]asynq.Option)(unsafe.Pointer(f.UnsafeAddr())), true
+	return *(*[]asynq.Option)(unsafe.Add(unsafe.Pointer(t), off)), true
 }
+
+// taskOptsOffset is where asynq.Task keeps its opts field, looked up once
+// (every enqueue reads it, some more than once).
+var taskOptsOffset = sync.OnceValues(func() (uintptr, bool) {
+	f, ok := reflect.TypeFor[asynq.Task]().FieldByName("opts")
+	if !ok || f.Type != reflect.TypeFor[[]asynq.Option]() {
+		return 0, false
+	}
+	return f.Offset, true
+})

@@ -53,8 +53,9 @@ func (d *Dedup) WrapClient(next Enqueuer) *Client {
 
 // NewClient returns a Client over an asynq client on the Dedup's own Redis
 // client (asynq.NewClientFromRedisClient). Because the lock and the task
-// live in the same Redis, an accepted enqueue of a task without
-// asynq.NewTask options is stored by the lock script itself, in asynq
+// live in the same Redis, an accepted enqueue of a task without asynq's
+// own options in asynq.NewTask (this package's may be there) is stored by
+// the lock script itself, in asynq
 // v0.26.0's layout: one round trip instead of two, and no moment when the
 // lock exists without its task. Other tasks go through the asynq client.
 // Config.NoDirectEnqueue turns this off.
@@ -102,7 +103,9 @@ func (c *Client) Enqueue(task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInf
 
 // EnqueueContext fingerprints the task, takes its lock in one atomic script
 // and enqueues it. opts may mix asynq's options with this package's; only
-// asynq's reach asynq.
+// asynq's reach asynq. This package's options given to asynq.NewTask apply
+// to that task, under the call's (which override them, as asynq's own
+// call options override NewTask's).
 //
 // On a duplicate it returns a *DuplicateTaskError naming the task that holds
 // the key (matching ErrDuplicateTask and asynq.ErrDuplicateTask), and
@@ -138,24 +141,42 @@ func (c *Client) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...a
 // A rejected call returns a *DuplicateTaskError, as EnqueueContext does.
 func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Option) (Result, error) {
 	var k call // kept on the stack: a call is composed for every enqueue
-	if err := c.compose(&k, task, opts); err != nil {
+	locks, err := c.begin(ctx, &k, task, opts)
+	switch {
+	case err != nil:
 		return Result{}, err
-	}
-	if err := ctx.Err(); err != nil { // the caller gave up before the call began: not an outage
-		return Result{}, fmt.Errorf("dedup: enqueue %q: %w", k.typ, err)
-	}
-	if !c.d.active(&k.rule) {
+	case !locks:
 		return c.enqueueUnlocked(ctx, &k)
 	}
-	if err := c.place.refused(); err != nil {
-		return Result{}, err
-	}
-	if err := c.prepare(ctx, &k); err != nil {
-		return Result{}, err
-	}
 	res, n, err := c.lock(ctx, &k)
+	return c.complete(ctx, &k, res, n, err)
+}
+
+// begin composes the call and, if it is deduplicated (locks), prepares its
+// lock: every step of an enqueue before its first acquire. It touches
+// Redis only to register a queue new to this process, on the direct path.
+func (c *Client) begin(ctx context.Context, k *call, task *asynq.Task, opts []asynq.Option) (locks bool, err error) {
+	if err := c.compose(k, task, opts); err != nil {
+		return false, err
+	}
+	if err := ctx.Err(); err != nil { // the caller gave up before the call began: not an outage
+		return false, fmt.Errorf("dedup: enqueue %q: %w", k.typ, err)
+	}
+	if !c.d.active(&k.rule) {
+		return false, nil
+	}
+	if err := c.place.refused(); err != nil {
+		return false, err
+	}
+	return true, c.prepare(ctx, k)
+}
+
+// complete ends a deduplicated call once its lock is settled (n, res and
+// err from lock): it enqueues the task through asynq when the lock was
+// taken without it (or fail-open), and fills in the result.
+func (c *Client) complete(ctx context.Context, k *call, res Result, n next, err error) (Result, error) {
 	if n == enqueue {
-		res, err = c.enqueueLocked(ctx, &k)
+		res, err = c.enqueueLocked(ctx, k)
 	}
 	if err == nil {
 		res.Fingerprint, res.Conflict, res.Running, res.FailOpen = k.ref.FP, k.rule.conflict, k.rule.running, !k.locked

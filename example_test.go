@@ -428,3 +428,48 @@ func ExampleScheduler() {
 	// created: 1 refused as a duplicate: 1
 	// ran a firing of the entry: true on a whole second: true
 }
+
+// Enqueue many tasks in one round trip per Redis node: each gets its own
+// answer, in order. This package's options given to asynq.NewTask apply to
+// that task alone.
+func ExampleClient_EnqueueBatch() {
+	mr, _ := miniredis.Run()
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+	d, err := dedup.New(ctx, rdb, dedup.Config{Rules: map[string]dedup.Rule{"user:reindex": {Fields: []string{"user_id"}}}})
+	if err != nil {
+		panic(err)
+	}
+	defer d.Close()
+	client := d.NewClient()
+
+	user := func(id int, opts ...asynq.Option) *asynq.Task {
+		return asynq.NewTask("user:reindex", fmt.Appendf(nil, `{"user_id":%d}`, id), opts...)
+	}
+	results := client.EnqueueBatch(ctx, []*asynq.Task{
+		user(1),
+		user(2),
+		user(1),                            // the first task's key
+		user(3, dedup.Key("tenant-7")),     // keyed by its own option
+		asynq.NewTask("user:reindex", nil), // no user_id: its own error
+	}, asynq.Queue("critical"))
+	for i, r := range results {
+		var dup *dedup.DuplicateTaskError
+		switch {
+		case errors.As(r.Err, &dup):
+			fmt.Printf("%d: duplicate of task 0: %v\n", i, dup.TaskID == results[0].TaskID)
+		case r.Err != nil:
+			fmt.Printf("%d: invalid payload: %v\n", i, errors.Is(r.Err, dedup.ErrInvalidPayload))
+		default:
+			fmt.Printf("%d: %v in %s\n", i, r.Outcome, r.Info.Queue)
+		}
+	}
+	// Output:
+	// 0: created in critical
+	// 1: created in critical
+	// 2: duplicate of task 0: true
+	// 3: created in critical
+	// 4: invalid payload: true
+}

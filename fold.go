@@ -49,22 +49,33 @@ var roomBackoff = Backoff{Min: 10 * time.Millisecond, Max: time.Second}
 // lock is taken and the task is to be enqueued.
 func (c *Client) lock(ctx context.Context, k *call) (Result, next, error) {
 	var w waits
+	return c.relock(ctx, k, &w)
+}
+
+// relock is lock for a call that has made w's retries already.
+func (c *Client) relock(ctx context.Context, k *call, w *waits) (Result, next, error) {
 	for {
 		res, err := c.d.store.Acquire(ctx, &k.acquire)
-		if err != nil && w.room > 0 && !res.Sent && ctx.Err() != nil {
-			// The caller's context ended while it waited for room: the answer
-			// is still "no room", whichever call the end interrupted.
-			c.d.count(k.typ, evOverBound)
-			return Result{}, done, fmt.Errorf("%w: waited for room: %w", ErrTooManyPending, ctx.Err())
-		}
-		if err != nil {
-			return c.acquireFailed(ctx, k, res.Sent, err)
-		}
-		out, n, err := c.outcome(ctx, k, res, &w)
+		out, n, err := c.acquired(ctx, k, res, err, w)
 		if n != again {
 			return out, n, err
 		}
 	}
+}
+
+// acquired turns one acquire's answer, or its failure err, into the
+// call's: final, enqueue, or again.
+func (c *Client) acquired(ctx context.Context, k *call, res store.AcquireResult, err error, w *waits) (Result, next, error) {
+	if err != nil && w.room > 0 && !res.Sent && ctx.Err() != nil {
+		// The caller's context ended while it waited for room: the answer
+		// is still "no room", whichever call the end interrupted.
+		c.d.count(k.typ, evOverBound)
+		return Result{}, done, fmt.Errorf("%w: waited for room: %w", ErrTooManyPending, ctx.Err())
+	}
+	if err != nil {
+		return c.acquireFailed(ctx, k, res.Sent, err)
+	}
+	return c.outcome(ctx, k, res, w)
 }
 
 // acquireFailed decides what a failed acquire means: fail-closed, or
@@ -236,8 +247,8 @@ func (k *call) notApplied() []string {
 	var out []string
 	own, _ := taskOpts(k.task) // asynq.NewTask's, which the call's follow
 	for _, o := range append(own[:len(own):len(own)], k.pass...) {
-		if o == nil {
-			continue
+		if _, mine := o.(option); mine || o == nil {
+			continue // (this package's: applied, or named below)
 		}
 		switch o.Type() {
 		case asynq.QueueOpt:

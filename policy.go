@@ -207,6 +207,19 @@ func MergeWith(fn MergeFunc) asynq.Option {
 // option has been read, so their order does not matter: MergeWith means
 // Merge, and contradicts an OnConflict of another policy.
 func (r *resolved) settleConflict() error {
+	if err := r.takeConflict(); err != nil {
+		return err
+	}
+	if r.conflict == Merge && r.merge == nil {
+		return fmt.Errorf("%w: OnConflict(Merge) without a merge function (use MergeWith, or Rule.MergeFunc)", ErrInvalidOption)
+	}
+	return nil
+}
+
+// takeConflict makes the OnConflict and MergeWith read so far the rule's
+// policy (MergeWith means Merge, and contradicts an OnConflict of another
+// policy).
+func (r *resolved) takeConflict() error {
 	switch {
 	case r.callMerge != nil && r.callConflictSet && r.callConflict != Merge:
 		return fmt.Errorf("%w: MergeWith and OnConflict(%v) in one call", ErrInvalidOption, r.callConflict)
@@ -214,9 +227,6 @@ func (r *resolved) settleConflict() error {
 		r.conflict, r.merge = Merge, r.callMerge
 	case r.callConflictSet:
 		r.conflict = r.callConflict
-	}
-	if r.conflict == Merge && r.merge == nil {
-		return fmt.Errorf("%w: OnConflict(Merge) without a merge function (use MergeWith, or Rule.MergeFunc)", ErrInvalidOption)
 	}
 	return nil
 }

@@ -14,7 +14,11 @@
 //     dedup Replace and dedup Reject (1,000 tasks). Two modes: "before", all
 //     enqueued before the server starts, timed from server start until the
 //     queue is drained; "live", the server already running, timed from the
-//     first enqueue until the queue is drained.
+//     first enqueue until the queue is drained;
+//  8. the worker side (-cases drain): unique tasks worked off by one server,
+//     with and without the middleware (drain.go);
+//  9. a batch (-cases batch): Client.EnqueueBatch of -batch-size new keys
+//     against the same tasks Submitted one by one (batch.go).
 //
 // Cases 1–6 run at each concurrency (-c) for -duration per round; each round
 // visits every case once (the order rotates), and a ratio is the case's ops/s
@@ -91,6 +95,8 @@ type config struct {
 	drainTasks, drainWorkers int
 	drainWork                time.Duration
 
+	batchSize, batchRuns int
+
 	stdout, stderr io.Writer
 }
 
@@ -101,7 +107,7 @@ func caseNames() []string {
 	for _, cd := range allCases {
 		names = append(names, cd.name)
 	}
-	return append(names, "e2e", "drain")
+	return append(names, "e2e", "drain", "batch")
 }
 
 // listFlags are the flags that take a comma-separated list, split after
@@ -159,6 +165,8 @@ func (c *config) define(fs *flag.FlagSet) listFlags {
 	fs.IntVar(&c.drainTasks, "drain-tasks", 10_000, "worker side: unique tasks the server drains")
 	fs.IntVar(&c.drainWorkers, "drain-workers", 64, "worker side: asynq server Concurrency")
 	fs.DurationVar(&c.drainWork, "drain-work", 0, "worker side: simulated work per task (sleep; 0: a no-op handler)")
+	fs.IntVar(&c.batchSize, "batch-size", 1000, "batch: tasks per EnqueueBatch call")
+	fs.IntVar(&c.batchRuns, "batch-runs", 20, "batch: calls per run (each variant enqueues batch-size × batch-runs tasks per round)")
 	modes := fs.String("e2e-mode", "before,live", "end to end: modes, before (enqueue all, then start the server) and/or live (server already running)")
 	return listFlags{conc: conc, cases: cases, modes: modes}
 }
@@ -234,6 +242,8 @@ func (c *config) check() error {
 		return errors.New("-e2e-*: bad value")
 	case c.drainTasks < 1 || c.drainWorkers < 1 || c.drainWork < 0:
 		return errors.New("-drain-*: bad value")
+	case c.batchSize < 1 || c.batchRuns < 1:
+		return errors.New("-batch-size and -batch-runs must be at least 1")
 	}
 	return nil
 }
@@ -446,18 +456,20 @@ func startProfile(path string) (stop func(), err error) {
 }
 
 // allRuns holds every round's results: throughput by concurrency and
-// case, end to end by mode and variant, drains by variant.
+// case, end to end by mode and variant, drains and batches by variant.
 type allRuns struct {
 	throughput map[int]map[string][]*runResult
 	e2e        map[string]map[string][]*e2eResult
 	drain      map[string][]*drainResult
+	batch      map[string][]*batchResult
 }
 
 // rounds runs every round: each case at each concurrency, then the end to
-// end variants in each mode, then the drains, each round starting one later
+// end variants in each mode, then the drains and the batches, each round starting one later
 // in the order, so that no case always runs right after the same one.
 func (e *env) rounds(ctx context.Context, selected []*caseDef) (*allRuns, error) {
-	runs := &allRuns{throughput: map[int]map[string][]*runResult{}, e2e: map[string]map[string][]*e2eResult{}, drain: map[string][]*drainResult{}}
+	runs := &allRuns{throughput: map[int]map[string][]*runResult{}, e2e: map[string]map[string][]*e2eResult{},
+		drain: map[string][]*drainResult{}, batch: map[string][]*batchResult{}}
 	for _, c := range e.cfg.conc {
 		runs.throughput[c] = map[string][]*runResult{}
 	}
@@ -472,6 +484,11 @@ func (e *env) rounds(ctx context.Context, selected []*caseDef) (*allRuns, error)
 		}
 		if e.cfg.has("drain") {
 			if err := e.drainRound(ctx, r, runs.drain); err != nil {
+				return nil, err
+			}
+		}
+		if e.cfg.has("batch") {
+			if err := e.batchRound(ctx, r, runs.batch); err != nil {
 				return nil, err
 			}
 		}

@@ -65,7 +65,8 @@ func TestSmoke(t *testing.T) {
 	needRedisServer(t)
 	var out, errOut bytes.Buffer
 	cfg, err := parseFlags([]string{"-duration", "100ms", "-rounds", "1", "-warmup", "0", "-c", "1,4", "-keys", "50",
-		"-e2e-tasks", "300", "-e2e-keys", "30", "-e2e-workers", "8", "-e2e-producers", "8", "-drain-tasks", "200", "-drain-workers", "8", "-q"}, &out, &errOut)
+		"-e2e-tasks", "300", "-e2e-keys", "30", "-e2e-workers", "8", "-e2e-producers", "8", "-drain-tasks", "200", "-drain-workers", "8",
+		"-batch-size", "50", "-batch-runs", "2", "-q"}, &out, &errOut)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -74,7 +75,7 @@ func TestSmoke(t *testing.T) {
 	}
 	for _, want := range []string{"plain Enqueue", "asynq.Unique dup", "dedup accepted", "dedup rejected", "dedup coalesced",
 		"c=4", "enqueued before workers start", "server already running", "dedup Replace", "→",
-		"worker side: 200 unique tasks", "middleware, guard", "middleware, Cooldown"} {
+		"worker side: 200 unique tasks", "middleware, guard", "middleware, Cooldown", "2 calls of 50 tasks", "EnqueueBatch"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q:\n%s", want, out.String())
 		}
@@ -154,6 +155,40 @@ func TestSmokeDrain(t *testing.T) {
 		}
 		if s.Variant == "plain" && *s.Ratio != 1 {
 			t.Errorf("plain: ratio %v to itself", *s.Ratio)
+		}
+	}
+}
+
+// TestSmokeBatch checks the batch case's machine output: both variants
+// create every task, the batch in one round trip per call, the Submits in
+// one each, with the batch's ratios to the Submits'.
+func TestSmokeBatch(t *testing.T) {
+	needRedisServer(t)
+	var out, errOut bytes.Buffer
+	cfg, err := parseFlags([]string{"-rounds", "2", "-warmup", "0", "-cases", "batch", "-batch-size", "100", "-batch-runs", "3",
+		"-json", "-q"}, &out, &errOut)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code := run(context.Background(), cfg); code != 0 {
+		t.Fatalf("exit status %d\nstderr:\n%s", code, errOut.String())
+	}
+	var rep report
+	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	if len(rep.Batch) != 2 || rep.Errors != 0 || rep.Meta.KeysLeft != 0 || rep.BatchConfig == nil || rep.BatchConfig.Size != 100 {
+		t.Fatalf("report: %s", out.String())
+	}
+	// Round trips per task: one per call (a new pooled connection's set-up
+	// adds its own, hence the slack).
+	want := map[string]float64{"sequential": 1, "batch": 1.0 / 100}
+	for _, s := range rep.Batch {
+		if rtt := want[s.Variant]; s.Ratio == nil || len(s.RatioRounds) != 2 || s.RCPURatio == nil || s.TasksPerSec <= 0 || s.RttsPerTask < rtt || s.RttsPerTask > 2*rtt {
+			t.Errorf("%s: %s", s.Title, out.String())
+		}
+		if s.Variant == "sequential" && (*s.Ratio != 1 || *s.RCPURatio != 1) {
+			t.Errorf("sequential: ratios %v, %v to itself", *s.Ratio, *s.RCPURatio)
 		}
 	}
 }

@@ -91,6 +91,8 @@ type report struct {
 	E2EConfig   *e2eConfig     `json:"end_to_end_config,omitempty"`
 	Drain       []drainSummary `json:"drain,omitempty"`
 	DrainConfig *drainConfig   `json:"drain_config,omitempty"`
+	Batch       []batchSummary `json:"batch,omitempty"`
+	BatchConfig *batchConfig   `json:"batch_config,omitempty"`
 	Errors      int64          `json:"unexpected_errors"`
 }
 
@@ -127,6 +129,7 @@ func ptr(f float64) *float64 { return &f }
 
 func (rep *report) summarize(cfg config, selected []*caseDef, all *allRuns) {
 	rep.summarizeDrains(cfg, all.drain)
+	rep.summarizeBatches(cfg, all.batch)
 	runs, e2eRuns := all.throughput, all.e2e
 	for _, c := range cfg.conc {
 		plain := runs[c]["plain"]
@@ -273,6 +276,9 @@ func (rep *report) writeTable(w io.Writer, cfg config) {
 	}
 	if len(rep.Drain) > 0 {
 		errs = append(errs, rep.writeDrain(w, cfg)...)
+	}
+	if len(rep.Batch) > 0 {
+		errs = append(errs, rep.writeBatch(w, cfg)...)
 	}
 	if len(errs) > 0 {
 		fmt.Fprintf(w, "\nUNEXPECTED OUTCOMES (%d in all; samples):\n", rep.Errors)

@@ -93,44 +93,95 @@ const maxNeeds = 4
 // Acquire runs the acquire script, calling it again with the keys it asks
 // for.
 func (s *Store) Acquire(ctx context.Context, a *Acquire) (AcquireResult, error) {
-	lock := s.keys.LockOf(&a.Ref)
-	h, _ := s.hints.get(lock)
-	if a.replacesKnownHolder(&h) {
-		res, done, err := s.replace(ctx, a, lock, &h)
-		if done || err != nil {
+	st := s.newAcquireStep(a)
+	for {
+		sc, keys, args := st.next(s, a)
+		v, err := s.run(ctx, sc, keys, args...)
+		res, more, err := st.read(s, a, v, err)
+		if !more {
 			return res, err
 		}
 	}
-	for n := 0; ; n++ {
-		if n > 0 {
-			h.checked = 0 // a call asked for more keys verifies what it finds
-		}
-		keys, args := a.build(s, lock, &h, n > 0)
-		v, err := s.run(ctx, s.sc.acquire, keys, args...)
-		if err != nil && s.registryRefused(err, a.Ref.Queue) {
-			n-- // (not a statusNeed)
-			continue
-		}
-		if err != nil {
-			return AcquireResult{Sent: a.sendsMessage(&h) && !errors.Is(err, s.cfg.ErrCircuitOpen)}, err
-		}
-		rep, err := parseReply(v)
-		if err != nil {
-			return AcquireResult{}, err
-		}
-		s.registered.Store(a.Ref.Queue, true) // (the script ran: it registered the prefix, if asked)
-		if rep.status != statusNeed {
-			return a.result(s, lock, &h, rep), nil
-		}
-		if n == maxNeeds {
-			return AcquireResult{}, fmt.Errorf("%w: %s", ErrMoving, lock)
-		}
-		h = newHint(&a.Ref, rep.str(1), rep.str(2))
-		h.read = true
-		if fp := rep.str(3); IsFingerprint(fp) {
-			a.staleFP = fp
-		}
+}
+
+// acquireStep is where one Acquire is on its way, call after call:
+// Acquire makes them one at a time, AcquireAll many in a pipeline. (The
+// Acquire is passed to each method rather than kept, so that a caller's
+// stays on its stack.)
+type acquireStep struct {
+	lock    string
+	h       hint // the holder and follow-up the next call passes
+	n       int  // calls answered statusNeed so far
+	replace bool // the next call is the replace script (a Replace into the holder h names)
+}
+
+func (s *Store) newAcquireStep(a *Acquire) acquireStep {
+	st := acquireStep{lock: s.keys.LockOf(&a.Ref)}
+	st.h, _ = s.hints.get(st.lock)
+	st.replace = a.replacesKnownHolder(&st.h)
+	return st
+}
+
+// next returns a's next call: the script, its KEYS and ARGV.
+func (st *acquireStep) next(s *Store, a *Acquire) (*redis.Script, []string, []any) {
+	if st.replace {
+		h := &st.h
+		return s.sc.replace, []string{st.lock, h.holderTask}, []any{h.holder, payloadField(a.Payload), typeField(a.Ref.Type)}
 	}
+	if st.n > 0 {
+		st.h.checked = 0 // a call asked for more keys verifies what it finds
+	}
+	keys, args := a.build(s, st.lock, &st.h, st.n > 0)
+	return s.sc.acquire, keys, args
+}
+
+// read reads the reply v (or the failure err) of a's call. more reports
+// that a needs another call: the replace script did not apply, the acquire
+// script asked for more keys, or the ACL refused the queue's registry of
+// prefixes.
+func (st *acquireStep) read(s *Store, a *Acquire, v any, err error) (res AcquireResult, more bool, _ error) {
+	if st.replace {
+		st.replace = false
+		return st.readReplace(v, err)
+	}
+	if err != nil && s.registryRefused(err, a.Ref.Queue) {
+		return AcquireResult{}, true, nil // (not a statusNeed)
+	}
+	if err != nil {
+		return AcquireResult{Sent: a.sendsMessage(&st.h) && !errors.Is(err, s.cfg.ErrCircuitOpen)}, false, err
+	}
+	rep, err := parseReply(v)
+	if err != nil {
+		return AcquireResult{}, false, err
+	}
+	s.registered.Store(a.Ref.Queue, true) // (the script ran: it registered the prefix, if asked)
+	if rep.status != statusNeed {
+		return a.result(s, st.lock, &st.h, rep), false, nil
+	}
+	if st.n == maxNeeds {
+		return AcquireResult{}, false, fmt.Errorf("%w: %s", ErrMoving, st.lock)
+	}
+	st.n++
+	st.h = newHint(&a.Ref, rep.str(1), rep.str(2))
+	st.h.read = true
+	if fp := rep.str(3); IsFingerprint(fp) {
+		a.staleFP = fp
+	}
+	return AcquireResult{}, true, nil
+}
+
+// readReplace reads the replace script's reply (lua/replace.lua): the
+// payload was written into the holder, or the script did not apply and
+// acquire must run.
+func (st *acquireStep) readReplace(v any, err error) (AcquireResult, bool, error) {
+	if err != nil {
+		return AcquireResult{}, false, err
+	}
+	rep, err := parseReply(v)
+	if err != nil || rep.status != StatusReplaced {
+		return AcquireResult{}, err == nil, err
+	}
+	return AcquireResult{Status: StatusReplaced, Task: st.h.holderID, State: rep.str(0), Lock: st.lock}, false, nil
 }
 
 // registryRefused reports whether err is an ACL's refusal of a call that
@@ -150,20 +201,6 @@ func (s *Store) registryRefused(err error, queue string) bool {
 // holder a hint names, which the replace script does alone.
 func (a *Acquire) replacesKnownHolder(h *hint) bool {
 	return a.OnWaiting == FoldReplace && h.holder != "" && h.follow == "" && h.holderID != a.Ref.ID && a.DebounceDue == 0
-}
-
-// replace runs the replace script (lua/replace.lua); done is false when it
-// did not apply and acquire must run.
-func (s *Store) replace(ctx context.Context, a *Acquire, lock string, h *hint) (AcquireResult, bool, error) {
-	v, err := s.run(ctx, s.sc.replace, []string{lock, h.holderTask}, h.holder, payloadField(a.Payload), typeField(a.Ref.Type))
-	if err != nil {
-		return AcquireResult{}, false, err
-	}
-	rep, err := parseReply(v)
-	if err != nil || rep.status != StatusReplaced {
-		return AcquireResult{}, false, err
-	}
-	return AcquireResult{Status: StatusReplaced, Task: h.holderID, State: rep.str(0), Lock: lock}, true, nil
 }
 
 // build returns the script's KEYS and ARGV, with the keys of h's holder and

@@ -221,7 +221,7 @@ func (b *batcher) exec(batch []*batchReq) {
 	if len(live) == 0 {
 		return
 	}
-	if groups := bySlotTag(b.rdb, live); groups != nil {
+	if groups := bySlotTag(b.rdb, live, firstKey); groups != nil {
 		for _, g := range groups {
 			b.execLive(g)
 		}
@@ -231,16 +231,17 @@ func (b *batcher) exec(batch []*batchReq) {
 }
 
 // bySlotTag splits a batch for a Redis Cluster client by its calls' hash
-// tags (a call's keys share one), so that a pipeline never spans slots: it
-// goes straight to its slot's master (node). nil: one group will do.
-func bySlotTag(rdb redis.UniversalClient, live []*batchReq) [][]*batchReq {
+// tags (a call's keys share one; key returns its first), so that a
+// pipeline never spans slots: it goes straight to its slot's master
+// (nodeFor). nil: one group will do.
+func bySlotTag[T any](rdb redis.UniversalClient, live []T, key func(T) string) [][]T {
 	if _, cluster := rdb.(*redis.ClusterClient); !cluster || len(live) < 2 {
 		return nil
 	}
 	idx := map[string]int{}
-	var groups [][]*batchReq
+	var groups [][]T
 	for _, r := range live {
-		tag := hashTag(r.keys[0])
+		tag := hashTag(key(r))
 		i, ok := idx[tag]
 		if !ok {
 			i = len(groups)
@@ -255,20 +256,24 @@ func bySlotTag(rdb redis.UniversalClient, live []*batchReq) [][]*batchReq {
 	return groups
 }
 
-// node is where a batch whose keys share key's hash slot is pipelined: on
-// a Redis Cluster, straight to the slot's master, not through the Cluster
-// client's pipeline, whose replies go-redis (v9.23.0) may read on two
-// goroutines at once when a redirection meets a pipeline mid-read (a data
-// race seen during slot migrations, even within one slot); a redirected
-// call is then sent again alone through the Cluster client (execLive).
-func (b *batcher) node(ctx context.Context, key string) redis.UniversalClient {
-	cc, ok := b.rdb.(*redis.ClusterClient)
+// firstKey is a batched call's first key, which names its slot.
+func firstKey(r *batchReq) string { return r.keys[0] }
+
+// nodeFor is where a pipeline whose keys share key's hash slot is sent:
+// on a Redis Cluster, straight to the slot's master, not through the
+// Cluster client's pipeline, whose replies go-redis (v9.23.0) may read on
+// two goroutines at once when a redirection meets a pipeline mid-read (a
+// data race seen during slot migrations, even within one slot); a
+// redirected call is then sent again alone through the Cluster client
+// (pipeScripts). Elsewhere it is rdb itself.
+func nodeFor(ctx context.Context, rdb redis.UniversalClient, key string) redis.UniversalClient {
+	cc, ok := rdb.(*redis.ClusterClient)
 	if !ok {
-		return b.rdb
+		return rdb
 	}
 	n, err := cc.MasterForKey(ctx, key)
 	if err != nil {
-		return b.rdb // (the calls then meet the same trouble alone)
+		return rdb // (the calls then meet the same trouble alone)
 	}
 	return n
 }
@@ -297,7 +302,18 @@ func (b *batcher) execLive(live []*batchReq) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), b.timeout)
 	defer cancel()
-	node := b.node(ctx, live[0].keys[0])
+	pipeScripts(ctx, b.rdb, live)
+}
+
+// pipeScripts sends live, script calls whose keys share one hash slot, as
+// one pipeline to the slot's node (nodeFor), bounded by ctx, and answers
+// each on its done channel. A call whose slot moved or is moving (MOVED,
+// ASK) is sent again alone through the Cluster client, which follows the
+// redirection; scripts missing from the server's cache (NOSCRIPT: Redis
+// restarted, or SCRIPT FLUSH) are sent again whole, with EVAL, which
+// caches them. It does not look at the calls' own contexts.
+func pipeScripts(ctx context.Context, rdb redis.UniversalClient, live []*batchReq) {
+	node := nodeFor(ctx, rdb, live[0].keys[0])
 	cmds := make([]*redis.Cmd, len(live))
 	pipe := node.Pipeline()
 	for i, r := range live {
@@ -309,11 +325,11 @@ func (b *batcher) execLive(live []*batchReq) {
 		switch err := c.Err(); {
 		case err != nil && redis.HasErrorPrefix(err, "NOSCRIPT"):
 			retry = append(retry, i)
-		case err != nil && node != b.rdb && (redis.HasErrorPrefix(err, "MOVED") || redis.HasErrorPrefix(err, "ASK")):
+		case err != nil && node != rdb && (redis.HasErrorPrefix(err, "MOVED") || redis.HasErrorPrefix(err, "ASK")):
 			// The slot moved, or is moving: the Cluster client follows
 			// the redirection (and learns the new slot map).
 			r := live[i]
-			v, err := r.s.Run(ctx, b.rdb, r.keys, r.args...).Result()
+			v, err := r.s.Run(ctx, rdb, r.keys, r.args...).Result()
 			r.done <- batchRes{v, err}
 		default:
 			live[i].done <- batchRes{c.Val(), c.Err()}
