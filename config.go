@@ -319,6 +319,7 @@ type resolved struct {
 	loc             *time.Location // Period's time zone; nil UTC
 	window          time.Time      // Period: the window of this enqueue (settleWindow); zero: work it out when hashing
 	windowEnd       time.Time
+	failSet         bool          // the per-call OnFailure option applied
 	failHold        time.Duration // recorded in a taken lock: 0 release on a final failure, negative hold until released, else hold
 	callCooldown    string        // the per-call Cooldown option applied, if any (a fold does not apply it)
 	debounce        time.Duration

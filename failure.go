@@ -65,7 +65,7 @@ func OnFailure(f Failure, hold time.Duration) asynq.Option {
 		if err != nil {
 			return err
 		}
-		r.failHold, r.optedIn = d, true
+		r.failHold, r.failSet, r.optedIn = d, true, true
 		return nil
 	}}
 }

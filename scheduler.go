@@ -465,7 +465,7 @@ func refusal(o asynq.Option) string {
 		return "chooses the key, but the scheduler keys each firing itself (entry and firing time)"
 	case r.callConflictSet || r.callMerge != nil || r.debounce > 0:
 		return "folds enqueues together, but each firing is one task and the other replicas' enqueues of it are rejected"
-	case r.cooldown > 0 || r.period > 0 || r.failHold != 0:
+	case r.cooldown > 0 || r.period > 0 || r.failSet:
 		return "sets the hold, which the scheduler sets itself: (next firing − this firing) + MaxSkew, after success or failure"
 	}
 	return ""
