@@ -332,3 +332,397 @@ func TestAdversary12LastErrorIsKeptAsValidText(t *testing.T) {
 		t.Errorf("LastError (%d bytes) is not valid UTF-8: ends %q", len(kl.LastError), kl.LastError[len(kl.LastError)-4:])
 	}
 }
+
+// A call folded into a waiting task leaves the key's failure policy as it
+// was; "Result.NotApplied names the call's options that were not applied"
+// (as it names a folded call's Cooldown). OnFailure is not named.
+func TestAdversary12FoldedOnFailureIsNamedNotApplied(t *testing.T) {
+	h := newHarness(t, adv12Rules(Rule{OnConflict: Replace}))
+	h.client = h.d.NewClient()
+	first := h.enqueue(adv12Task("f", 1))
+	res, err := h.client.Submit(context.Background(), adv12Task("f", 2), asynq.Queue(h.queue), OnFailure(FailHoldUntilReleased, 0), Cooldown(time.Hour))
+	if err != nil || res.Outcome != Replaced || res.TaskID != first.ID {
+		t.Fatalf("Submit: %+v %v, want replaced into %s", res, err, first.ID)
+	}
+	named := strings.Join(res.NotApplied, " ")
+	if !strings.Contains(named, "dedup.Cooldown") {
+		t.Fatalf("NotApplied %v does not name the Cooldown", res.NotApplied)
+	}
+	if !strings.Contains(named, "dedup.OnFailure") {
+		t.Errorf("NotApplied %v does not name dedup.OnFailure, which the fold did not apply", res.NotApplied)
+	}
+}
+
+// A firing that fails for good keeps its key (FailHold) so that a replica
+// whose clock lags cannot enqueue it again; a firing revoked by its handler
+// (asynq.RevokeTask) or deleted by an operator frees it, and the lagging
+// replica's enqueue of the same firing (the very options the first replica
+// used) is accepted: the firing is enqueued, and run, twice.
+// docs/scheduler.md: "each firing once however many replicas run it".
+func TestAdversary12SchedulerFiringEnqueuedOnceWhenRevokedOrDeleted(t *testing.T) {
+	for _, end := range []string{"revoked", "deleted"} {
+		t.Run(end, func(t *testing.T) {
+			h := newHarness(t, Config{})
+			type firing struct {
+				task *asynq.Task
+				opts []asynq.Option
+			}
+			fired := make(chan firing, 10)
+			posted := make(chan error, 10)
+			s := NewScheduler(h.d, &SchedulerOpts{Logger: quietLogger(), PreEnqueueFunc: func(task *asynq.Task, opts []asynq.Option) {
+				fired <- firing{task, opts}
+			}, PostEnqueueFunc: func(info *asynq.TaskInfo, err error) { posted <- err }})
+			if _, err := s.Register("@every 1s", asynq.NewTask("adv12:report", nil), asynq.Queue(h.queue)); err != nil {
+				t.Fatal(err)
+			}
+			var ran atomic.Int32
+			if end == "revoked" {
+				h.serve(func(context.Context, *asynq.Task) error { ran.Add(1); return asynq.RevokeTask }, nil)
+			}
+			if err := s.Start(); err != nil {
+				t.Fatal(err)
+			}
+			f := waitFor(t, fired, "a firing")
+			if err := waitFor(t, posted, "the firing's enqueue"); err != nil {
+				t.Fatal(err)
+			}
+			s.Shutdown()
+			_, at, _ := SchedulerFiring(f.task)
+			entry, _, _ := SchedulerFiring(f.task)
+			id := func() string {
+				l, found, _ := h.d.Lookup(context.Background(), f.task, f.opts...)
+				if found {
+					return l.Holder
+				}
+				return ""
+			}
+			holder := ""
+			eventually(t, "the firing's task is stored", func() bool { holder = id(); return holder != "" })
+			if end == "revoked" {
+				eventually(t, "the firing ran and was revoked", func() bool { return ran.Load() >= 1 && h.d.Stats().Released >= 1 })
+			} else {
+				if err := h.insp.DeleteTask(h.queue, holder); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// A replica whose clock lags by 0.5 s (within MaxSkew) enqueues this firing now.
+			res, err := h.d.NewClient().Submit(context.Background(), f.task, f.opts...)
+			var dup *DuplicateTaskError
+			if !errors.As(err, &dup) {
+				t.Errorf("a lagging replica's enqueue of firing %s of entry %s after it was %s: %+v %v, want a duplicate",
+					at.Format(time.TimeOnly), entry[:8], end, res.Outcome, err)
+			}
+		})
+	}
+}
+
+// Bad per-call Period and OnFailure values fail with ErrInvalidOption on
+// both enqueue paths and leave no lock and no task.
+func TestAdversary12BadPeriodAndOnFailureLeaveNothing(t *testing.T) {
+	bad := map[string][]asynq.Option{
+		"FailHold 0":                     {OnFailure(FailHold, 0)},
+		"FailHold negative":              {OnFailure(FailHold, -time.Second)},
+		"FailHold min int":               {OnFailure(FailHold, time.Duration(-1<<63))},
+		"Failure(-1)":                    {OnFailure(Failure(-1), 0)},
+		"Failure(3)":                     {OnFailure(Failure(3), time.Second)},
+		"FailRelease with a hold":        {OnFailure(FailRelease, -time.Second)},
+		"UntilReleased with a hold":      {OnFailure(FailHoldUntilReleased, -1)},
+		"Period 0":                       {Period(0, nil)},
+		"Period negative":                {Period(-time.Hour, nil)},
+		"Period 999ms":                   {Period(999*time.Millisecond, nil)},
+		"Period 25h":                     {Period(25*time.Hour, nil)},
+		"Period day and a ns":            {Period(24*time.Hour+1, nil)},
+		"Period past MaxLifetime":        {Period(MaxLifetime+24*time.Hour, nil)},
+		"Period max int":                 {Period(time.Duration(1<<63-1), nil)},
+		"Period with Cooldown":           {Period(time.Hour, nil), Cooldown(time.Minute)},
+		"Period with RunningDefer rule":  {Period(time.Hour, nil), asynq.Queue("")},
+		"Period, a good OnFailure after": {Period(time.Millisecond, nil), OnFailure(FailHold, time.Hour)},
+	}
+	for _, path := range []string{"wrap", "direct"} {
+		h := newHarness(t, Config{Rules: map[string]Rule{"adv12:defer": {OnConflict: Replace, OnRunning: RunningDefer}}})
+		if path == "direct" {
+			h.client = h.d.NewClient()
+		}
+		for name, opts := range bad {
+			task := adv12Task(name, 1)
+			if name == "Period with RunningDefer rule" {
+				task, opts = asynq.NewTask("adv12:defer", []byte(`{}`)), opts[:1]
+			}
+			_, err := h.client.Enqueue(task, append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...)
+			if !errors.Is(err, ErrInvalidOption) {
+				t.Errorf("%s, %s: %v, want ErrInvalidOption", path, name, err)
+			}
+		}
+		if n := len(h.locks()); n != 0 {
+			t.Errorf("%s: %d locks left behind", path, n)
+		}
+		if n := h.queueSize(h.queue); n != 0 {
+			t.Errorf("%s: %d tasks enqueued", path, n)
+		}
+		// The largest values that are valid are taken, and bounded.
+		info, err := h.client.Enqueue(adv12Task("huge", 1), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)), OnFailure(FailHold, time.Duration(1<<63-1)))
+		if err != nil {
+			t.Fatalf("%s: the largest Period and FailHold: %v", path, err)
+		}
+		kl, found, err := h.d.Lookup(context.Background(), adv12Task("huge", 2), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)))
+		if err != nil || !found || kl.Holder != info.ID || kl.TTL <= 0 || kl.TTL > MaxLifetime || !kl.WindowStart.Before(time.Now()) || !kl.WindowEnd.After(time.Now()) {
+			t.Errorf("%s: Lookup of the largest Period: %+v %v %v", path, kl, found, err)
+		}
+	}
+}
+
+// Cooldown and FailHold together: success cools for the cooldown, a final
+// failure holds for FailureHold.
+func TestAdversary12CooldownCoolsAndFailHoldHolds(t *testing.T) {
+	h := newHarness(t, failRules(Rule{Cooldown: time.Hour, OnFailure: FailHold, FailureHold: 10 * time.Minute}))
+	h.client = h.d.NewClient()
+	h.serve(func(_ context.Context, task *asynq.Task) error {
+		if decodeCounter(task).Key == "bad" {
+			return asynq.SkipRetry
+		}
+		return nil
+	}, nil)
+	ok := h.enqueue(counterTask("ok", 1, 0))
+	bad := h.enqueue(counterTask("bad", 1, 0))
+	eventually(t, "both settled", func() bool { s := h.d.Stats(); return s.Cooling == 1 && s.FailureHeld == 1 })
+	if d := coolingDup(t, h.client, counterTask("ok", 2, 0), h.queue, ok.ID); d.FreeIn < 59*time.Minute {
+		t.Errorf("after success: FreeIn %v, want the hour of the cooldown", d.FreeIn)
+	}
+	if d := failedDup(t, h.client, counterTask("bad", 2, 0), h.queue, bad.ID); d.FreeIn > 10*time.Minute || d.FreeIn < 9*time.Minute {
+		t.Errorf("after failure: FreeIn %v, want the 10m of FailureHold", d.FreeIn)
+	}
+}
+
+// A failure whose lock owes a RunningDefer follow-up hands the key to the
+// follow-up, which runs; its success frees the key.
+func TestAdversary12FailureHandsTheKeyToTheDeferFollowUp(t *testing.T) {
+	h := newHarness(t, failRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	release := make(chan struct{})
+	ran := make(chan int, 4)
+	h.serve(func(_ context.Context, task *asynq.Task) error {
+		n := decodeCounter(task).N
+		ran <- n
+		if n == 1 {
+			<-release
+			return asynq.SkipRetry
+		}
+		return nil
+	}, nil)
+	h.enqueue(counterTask("d", 1, 0))
+	if n := waitFor(t, ran, "the first run"); n != 1 {
+		t.Fatalf("ran %d", n)
+	}
+	res, err := h.client.Submit(context.Background(), counterTask("d", 2, 0), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("Submit while running: %+v %v, want a follow-up", res, err)
+	}
+	close(release)
+	if n := waitFor(t, ran, "the follow-up"); n != 2 {
+		t.Fatalf("ran %d, want the follow-up's payload", n)
+	}
+	eventually(t, "the key frees after the follow-up's success", func() bool {
+		_, err := h.client.Enqueue(counterTask("d", 3, 0), asynq.Queue(h.queue))
+		return err == nil
+	})
+	if s := h.d.Stats(); s.FailureHeld != 0 {
+		t.Errorf("failure_held %d, want 0 (the key went to the follow-up)", s.FailureHeld)
+	}
+}
+
+// An operator releases a failed hold while the archived task runs again by
+// hand; a new task takes the key. The re-run failing again must not hold
+// the new task's key as its own failure.
+func TestAdversary12ReleaseWhileTheHeldTaskRunsAgain(t *testing.T) {
+	h := newHarness(t, failRules(Rule{OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	rerun := make(chan struct{})
+	ran := make(chan run, 8)
+	var attempts sync.Map
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		ran <- run{id: id, task: task}
+		n, _ := attempts.LoadOrStore(id, new(atomic.Int32))
+		if decodeCounter(task).N == 1 {
+			if n.(*atomic.Int32).Add(1) == 2 {
+				<-rerun // the run by hand waits
+			}
+			return fmt.Errorf("still broken: %w", asynq.SkipRetry)
+		}
+		return nil
+	}, nil)
+	a := h.enqueue(counterTask("r", 1, 0), asynq.Retention(time.Hour))
+	waitFor(t, ran, "the failing run")
+	eventually(t, "archived and held", func() bool {
+		return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+	})
+	if err := h.insp.RunTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, ran, "the run by hand")
+	if ok, err := h.d.Release(context.Background(), counterTask("r", 0, 0), a.ID, asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("Release during the run by hand: %v %v", ok, err)
+	}
+	b := h.enqueue(counterTask("r", 2, 0))
+	if r := waitFor(t, ran, "the new task"); r.id != b.ID {
+		t.Fatalf("ran %s, want %s", r.id, b.ID)
+	}
+	close(rerun)
+	eventually(t, "the run by hand failed again", func() bool { return h.taskState(a.ID) == asynq.TaskStateArchived })
+	eventually(t, "settled", func() bool { s := h.d.Stats(); return s.Released+s.FailureHeld+s.LockLost >= 3 })
+	kl, found, err := h.d.Lookup(context.Background(), counterTask("r", 3, 0), asynq.Queue(h.queue))
+	if err != nil || (found && kl.State == "failed") {
+		t.Fatalf("after the new task succeeded and the released re-run failed: %+v %v %v, want no failed hold", kl, found, err)
+	}
+}
+
+// A failed hold holds no MaxPending slot: the task does not wait. Neither
+// after a failed run (its slot left when it started) nor after an
+// operator's archive of a waiting task (the bound prunes it).
+func TestAdversary12FailedHoldsDoNotFillMaxPending(t *testing.T) {
+	h := newHarness(t, adv12Rules(Rule{MaxPending: 1, OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	a := h.enqueue(adv12Task("a", 1))
+	if err := h.insp.ArchiveTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	failedDup(t, h.client, adv12Task("a", 2), h.queue, a.ID)
+	b, err := h.client.Enqueue(adv12Task("b", 1), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatalf("a new key with the only waiting task archived: %v", err)
+	}
+	failedDup(t, h.client, adv12Task("a", 3), h.queue, a.ID)
+	_ = b
+}
+
+// An operator deletes the archived task that holds its key: the docs list
+// only Release as the way out ("held until someone releases it"), and
+// Lookup still says failed; Release still frees it.
+func TestAdversary12DeletingTheArchivedHolderKeepsTheHold(t *testing.T) {
+	h := newHarness(t, failRules(Rule{OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
+	a := h.enqueue(counterTask("del", 1, 0))
+	eventually(t, "archived and held", func() bool {
+		return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+	})
+	if err := h.insp.DeleteTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	failedDup(t, h.client, counterTask("del", 2, 0), h.queue, a.ID)
+	kl, found, _ := h.d.Lookup(context.Background(), counterTask("del", 2, 0), asynq.Queue(h.queue))
+	if !found || kl.State != "failed" {
+		t.Fatalf("Lookup: %+v %v, want failed", kl, found)
+	}
+	if ok, err := h.d.Release(context.Background(), counterTask("del", 3, 0), a.ID, asynq.Queue(h.queue)); !ok || err != nil {
+		t.Fatalf("Release: %v %v", ok, err)
+	}
+	h.enqueue(counterTask("del", 4, 0))
+}
+
+// An attempt on its last retry that asynq gives up at its deadline, with a
+// handler that returns the context's error at once: held, failed, with an
+// error that says so.
+func TestAdversary12DeadlineOnTheLastRetryHolds(t *testing.T) {
+	h := newHarness(t, failRules(Rule{OnFailure: FailHold, FailureHold: time.Hour}))
+	h.client = h.d.NewClient()
+	h.serve(func(ctx context.Context, _ *asynq.Task) error { <-ctx.Done(); return ctx.Err() }, nil)
+	info := h.enqueue(counterTask("dl", 1, 0), asynq.MaxRetry(0), asynq.Timeout(time.Second))
+	eventually(t, "held after asynq archived it", func() bool {
+		_, err := h.client.Enqueue(counterTask("dl", 2, 0), asynq.Queue(h.queue))
+		var de *DuplicateTaskError
+		return errors.As(err, &de) && de.Failed && de.TaskID == info.ID
+	})
+	kl, _, _ := h.d.Lookup(context.Background(), counterTask("dl", 3, 0), asynq.Queue(h.queue))
+	if kl.State != "failed" || kl.LastError == "" {
+		t.Errorf("Lookup: %+v, want failed with an error", kl)
+	}
+}
+
+// Period with Replace, a caller-chosen task ID and WrapClient: folds while
+// the task waits, cools after its success for the rest of the window.
+func TestAdversary12PeriodWithReplaceAndCallerIDCoolsAfterSuccess(t *testing.T) {
+	h := newHarness(t, adv12Rules(Rule{Period: 24 * time.Hour, OnConflict: Replace}))
+	first := h.enqueue(adv12Task("c", 1), asynq.TaskID("digest-c-1"))
+	res, err := h.client.Submit(context.Background(), adv12Task("c", 2), asynq.Queue(h.queue), asynq.TaskID("digest-c-2"))
+	if err != nil || res.Outcome != Replaced || res.TaskID != first.ID {
+		t.Fatalf("Submit while it waits: %+v %v", res, err)
+	}
+	ran := make(chan *asynq.Task, 2)
+	h.serve(func(_ context.Context, task *asynq.Task) error { ran <- task; return nil }, nil)
+	if n := decodeN(waitFor(t, ran, "the run")); n != 2 {
+		t.Fatalf("ran payload %d, want the replaced 2", n)
+	}
+	eventually(t, "cooling", func() bool { return h.d.Stats().Cooling == 1 })
+	_, end := periodWindow(time.Now(), 24*time.Hour, nil)
+	_, err = h.client.Enqueue(adv12Task("c", 3), asynq.Queue(h.queue), asynq.TaskID("digest-c-3"))
+	var d *DuplicateTaskError
+	if !errors.As(err, &d) || !d.CoolingDown || d.TaskID != first.ID {
+		t.Fatalf("enqueue after the success: %v, want cooling after %s", err, first.ID)
+	}
+	if left := time.Until(end); d.FreeIn > left+time.Second || d.FreeIn < left-time.Minute {
+		t.Errorf("FreeIn %v, want until the window's end (%v)", d.FreeIn, left)
+	}
+}
+
+func decodeN(task *asynq.Task) int {
+	var n int
+	fmt.Sscanf(string(task.Payload()[strings.Index(string(task.Payload()), `"n":`)+4:]), "%d", &n)
+	return n
+}
+
+// Register refuses a type whose rule has a Period (the firings' hold is a
+// Cooldown), and accepts one whose rule holds failures (the Scheduler's
+// FailHold overrides it).
+func TestAdversary12SchedulerRegisterAndTypeRules(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{
+		"adv12:period": {Period: time.Hour},
+		"adv12:held":   {OnFailure: FailHoldUntilReleased, MaxPending: 3},
+	}})
+	s := NewScheduler(h.d, nil)
+	if _, err := s.Register("@hourly", asynq.NewTask("adv12:period", nil)); !errors.Is(err, ErrInvalidOption) {
+		t.Errorf("a Period type: %v, want ErrInvalidOption", err)
+	}
+	if _, err := s.Register("@hourly", asynq.NewTask("adv12:held", nil)); err != nil {
+		t.Errorf("a FailHoldUntilReleased type: %v", err)
+	}
+}
+
+// Register, Unregister and Shutdown from many goroutines (run with -race):
+// once Shutdown and every Unregister have returned, nothing is enqueued.
+func TestAdversary12SchedulerRegisterUnregisterShutdownRace(t *testing.T) {
+	h := newHarness(t, Config{})
+	s := NewScheduler(h.d, &SchedulerOpts{Logger: quietLogger()})
+	if err := s.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 20 {
+				id, err := s.Register("@every 1s", asynq.NewTask("adv12:race", fmt.Appendf(nil, "%d-%d", g, i)), asynq.Queue(h.queue))
+				if err != nil {
+					t.Errorf("Register: %v", err)
+					return
+				}
+				if i%2 == 0 {
+					if err := s.Unregister(id); err != nil {
+						t.Errorf("Unregister: %v", err)
+					}
+				}
+			}
+		})
+	}
+	wg.Go(func() { s.Shutdown() })
+	wg.Wait()
+	s.Shutdown()
+	size := h.queueSize(h.queue)
+	next := time.Now().Truncate(time.Second).Add(1500 * time.Millisecond)
+	eventually(t, "a firing time has passed", func() bool { return time.Now().After(next) })
+	if n := h.queueSize(h.queue); n != size {
+		t.Errorf("%d tasks enqueued after Shutdown returned", n-size)
+	}
+	if err := s.Start(); err == nil {
+		t.Error("Start after Shutdown: no error")
+	}
+}

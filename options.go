@@ -11,9 +11,11 @@ import (
 // package. It lies outside asynq's own constants, so asynq ignores these
 // options; the Client removes them before asynq sees the list anyway.
 //
-// Per-call options only take effect in Client.Enqueue/EnqueueContext. Given
-// to asynq.NewTask or Scheduler.Register they are silently dropped by asynq;
-// use Config.Rules for those.
+// Per-call options take effect in the Client's calls (Enqueue,
+// EnqueueContext, Submit, EnqueueBatch), given to the call or to the task's
+// asynq.NewTask (the call's override the task's), and in Scheduler.Register.
+// asynq's own Client and Scheduler drop them silently; use Config.Rules for
+// tasks enqueued that way.
 const OptionType asynq.OptionType = 0x6464
 
 // option is a per-call option. It implements asynq.Option.
