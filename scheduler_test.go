@@ -545,6 +545,7 @@ func TestSchedulerRegisterRefusesATypeItCannotDeduplicate(t *testing.T) {
 		"RunningDefer": {OnRunning: RunningDefer},
 		"RunningAllow": {OnRunning: RunningAllow},
 		"Debounce":     {OnConflict: Replace, Debounce: time.Second},
+		"Period":       {Period: time.Hour},
 	} {
 		h := newHarness(t, Config{Rules: map[string]Rule{schedType: rule}})
 		if _, err := NewScheduler(h.d, nil).Register("@hourly", schedTask()); !errors.Is(err, ErrInvalidOption) {
