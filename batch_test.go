@@ -13,6 +13,7 @@ import (
 
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
 )
 
 // tripLog records the round trips clients make, by node: each pipeline
@@ -545,5 +546,112 @@ func TestEnqueueBatchOfKeysHeldElsewhereIsTwoPipelines(t *testing.T) {
 	}
 	if len(trips) != 2 || len(trips[0].cmds) != n || len(trips[1].cmds) != n {
 		t.Fatalf("round trips %v, want two pipelines of %d", trips, n)
+	}
+}
+
+// The tasks of a batch that share a lock key or a caller-chosen task ID,
+// directly or through others, are one group, in batch order; a task
+// begin answered shares nothing.
+func TestEnqueueBatchGroupsByKeyAndTaskID(t *testing.T) {
+	h := newHarness(t, batchRules())
+	ctx := context.Background()
+	q := asynq.Queue(h.queue)
+	type in struct {
+		task *asynq.Task
+		opts []asynq.Option
+	}
+	ins := []in{
+		{userTask(1, "a"), nil},                                           // 0: key 1
+		{userTask(2, "b"), []asynq.Option{asynq.TaskID("grp-x")}},         // 1: key 2, ID x
+		{userTask(3, "c"), nil},                                           // 2: key 3
+		{userTask(1, "d"), []asynq.Option{asynq.TaskID("grp-x")}},         // 3: key 1 and ID x: joins 0 and 1
+		{userTask(4, "e"), []asynq.Option{asynq.TaskID("grp-y"), Skip()}}, // 4: ID y, undeduplicated
+		{userTask(5, "f"), []asynq.Option{asynq.TaskID("grp-y")}},         // 5: ID y
+		{nil, nil},              // 6: answered by begin
+		{userTask(6, "g"), nil}, // 7
+		{userTask(3, "h"), []asynq.Option{asynq.TaskID("grp-z"), Skip()}}, // 8: undeduplicated: its key is none
+	}
+	b := &batch{c: h.client, ctx: ctx, calls: make([]batchCall, len(ins))}
+	for i, x := range ins {
+		bc := &b.calls[i]
+		bc.locks, bc.err = h.client.begin(ctx, &bc.k, x.task, append([]asynq.Option{q}, x.opts...))
+	}
+	got := fmt.Sprint(b.groups())
+	if want := "[[0 1 3] [2] [4 5] [6] [7] [8]]"; got != want {
+		t.Fatalf("groups %s, want %s", got, want)
+	}
+}
+
+// batchUserTask is userTask with options given to asynq.NewTask.
+func batchUserTask(user int, trace string, opts ...asynq.Option) *asynq.Task {
+	return asynq.NewTask("user:reindex", userTask(user, trace).Payload(), opts...)
+}
+
+// batchPanicky is an Enqueuer that panics for a task whose payload holds
+// "boom", and enqueues the others through next.
+type batchPanicky struct{ next Enqueuer }
+
+func (p batchPanicky) Enqueue(task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
+	return p.EnqueueContext(context.Background(), task, opts...)
+}
+
+func (p batchPanicky) EnqueueContext(ctx context.Context, task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
+	if strings.Contains(string(task.Payload()), "boom") {
+		panic("enqueue boom")
+	}
+	return p.next.EnqueueContext(ctx, task, opts...)
+}
+
+// A panic in a task's steps (the Enqueuer, a MergeFunc), with and without
+// Config.OnDecision: it reaches the caller of EnqueueBatch, with its value,
+// once the other groups are answered (their tasks stored with their
+// locks); the later tasks of its group are not sent; no goroutine is left.
+func TestEnqueueBatchPanicReachesTheCaller(t *testing.T) {
+	for _, hook := range []bool{false, true} {
+		for _, where := range []string{"enqueue", "merge"} {
+			t.Run(fmt.Sprintf("hook=%v/%s", hook, where), func(t *testing.T) {
+				cfg := batchRules()
+				if hook {
+					cfg.OnDecision = func(Decision) {}
+				}
+				h := newHarness(t, cfg)
+				c := h.d.WrapClient(batchPanicky{next: h.asynq})
+				h.enqueueWith(c, userTask(0, "warm")) // placement found: no task goes alone first
+				holder := h.enqueue(userTask(2, "holder"), asynq.ProcessIn(time.Hour))
+				// The panicking task, and a later task of its key, which would
+				// replace the key's task's payload if it were sent.
+				boom := batchUserTask(2, "x", MergeWith(func(old, new []byte) ([]byte, error) { panic("merge boom") }))
+				later := batchUserTask(2, "later", OnConflict(Replace))
+				if where == "enqueue" {
+					boom, later = batchUserTask(7, "boom"), batchUserTask(7, "later", OnConflict(Replace))
+				}
+				tasks := []*asynq.Task{userTask(1, "a"), boom, userTask(3, "b"), later}
+				for i := 10; i < 40; i++ {
+					tasks = append(tasks, userTask(i, "more"))
+				}
+				leak := goleak.IgnoreCurrent()
+				var got any
+				func() {
+					defer func() { got = recover() }()
+					c.EnqueueBatch(context.Background(), tasks, asynq.Queue(h.queue))
+				}()
+				if want := where + " boom"; got != want {
+					t.Fatalf("recovered %v, want %q", got, want)
+				}
+				goleak.VerifyNone(t, leak)
+				for _, i := range []int{0, 2, 4, 20, len(tasks) - 1} {
+					if owner := h.lockOwner(h.keyOf(tasks[i], h.queue)); owner == "" {
+						t.Errorf("task %d: its key is free, want it created", i)
+					} else if ti, err := h.insp.GetTaskInfo(h.queue, owner); err != nil || string(ti.Payload) != string(tasks[i].Payload()) {
+						t.Errorf("task %d: its key's task %s: %+v, %v", i, owner, ti, err)
+					}
+				}
+				if where == "merge" {
+					if ti, err := h.insp.GetTaskInfo(h.queue, holder.ID); err != nil || !strings.Contains(string(ti.Payload), "holder") {
+						t.Errorf("the waiting holder: %+v, %v; want its own payload (the later Replace not sent)", ti, err)
+					}
+				}
+			})
+		}
 	}
 }

@@ -99,7 +99,7 @@ func (k *call) ownOptions(own []asynq.Option, rule **resolved) error {
 			n++
 		}
 	}
-	if n == 0 {
+	if n == 0 || *rule == nil { // (Headers alone leave the rule as it is)
 		return nil
 	}
 	if err := (*rule).endLayer(); err != nil {
@@ -236,7 +236,7 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Indexed: k.callerID != ""}
 	cool, window := r.lockTerms(now)
 	k.acquire = store.Acquire{Ref: k.ref, OnWaiting: r.conflict.fold(), OnRunning: r.running.code(),
-		TTL: ttl, Now: now, MaxPending: r.maxPending, Cooldown: cool, KeyForm: keyForm(r), FailHold: r.failHold, Window: window}
+		TTL: ttl, Now: now, MaxPending: r.maxPending, Cooldown: cool, KeyForm: keyForm(r), FailHold: r.failHold, Window: window, CoolAlways: r.coolAlways}
 	if r.debounce > 0 {
 		k.acquire.DebounceDue = k.processAt.Unix()
 	}

@@ -142,7 +142,11 @@ type Config struct {
 	// Merge, Defer) and busy arrival, with its type, queue, lock key and
 	// the task involved, never the payload: BullMQ's "deduplicated" event.
 	// It runs synchronously on the enqueuing (or handling) goroutine, so
-	// keep it fast; a panic in it is logged and ignored. Default: none.
+	// keep it fast; a panic in it is logged and ignored. In
+	// Client.EnqueueBatch too it runs on the goroutine that called it, never
+	// twice at once within the batch: with the hook set, the batch's steps
+	// that can decide run there one at a time (docs/batch.md). Default:
+	// none.
 	OnDecision func(Decision)
 
 	// Logger receives warnings (fail-open, lost locks, Redis errors). Never
@@ -320,8 +324,9 @@ type resolved struct {
 	window          time.Time      // Period: the window of this enqueue (settleWindow); zero: work it out when hashing
 	windowEnd       time.Time
 	failSet         bool          // the per-call OnFailure option applied
+	coolAlways      bool          // the cooldown follows a revoke too (Scheduler firings)
 	failHold        time.Duration // recorded in a taken lock: 0 release on a final failure, negative hold until released, else hold
-	callCooldown    string        // the per-call Cooldown option applied, if any (a fold does not apply it)
+	callKept        []string      // the per-call Cooldown and OnFailure options applied (a fold does not apply them: the key keeps what it was taken with)
 	debounce        time.Duration
 	waitForRoom     bool
 	callConflict    Conflict // the per-call OnConflict, if callConflictSet

@@ -35,7 +35,18 @@ func Cooldown(d time.Duration) asynq.Option {
 		if d <= 0 {
 			return fmt.Errorf("%w: Cooldown %v is not positive", ErrInvalidOption, d)
 		}
-		r.cooldown, r.callCooldown, r.optedIn = lifetime(d), desc, true
+		r.cooldown, r.optedIn = lifetime(d), true
+		r.callKept = append(r.callKept[:len(r.callKept):len(r.callKept)], desc) // (a copy: the rule's slice is shared)
+		return nil
+	}}
+}
+
+// coolAfterAnyEnd makes a taken lock's cooldown follow any end of its
+// task, a revoke too (not a final failure, which OnFailure decides): a
+// Scheduler firing's key must outlive the firing whatever its task does.
+func coolAfterAnyEnd() asynq.Option {
+	return option{desc: "dedup.coolAfterAnyEnd()", apply: func(r *resolved) error {
+		r.coolAlways = true
 		return nil
 	}}
 }

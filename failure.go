@@ -3,6 +3,7 @@ package dedup
 import (
 	"fmt"
 	"time"
+	"unicode/utf8"
 
 	"github.com/hibiken/asynq"
 )
@@ -66,6 +67,7 @@ func OnFailure(f Failure, hold time.Duration) asynq.Option {
 			return err
 		}
 		r.failHold, r.failSet, r.optedIn = d, true, true
+		r.callKept = append(r.callKept[:len(r.callKept):len(r.callKept)], desc) // (a copy: the rule's slice is shared)
 		return nil
 	}}
 }
@@ -86,4 +88,23 @@ func failHold(f Failure, hold time.Duration) (time.Duration, error) {
 		return -1, nil
 	}
 	return 0, nil
+}
+
+// maxFailureText bounds the error a lock keeps after a final failure, in
+// bytes, with the mark of a cut (the scripts cut at 1000 bytes).
+const maxFailureText = 996
+
+// failureText is err's text as a held lock keeps it: at most
+// maxFailureText bytes, cut at a character boundary and marked "…". (A
+// panic is kept as errPanicked: its value may quote the payload.)
+func failureText(err error) string {
+	s := err.Error()
+	if len(s) <= maxFailureText {
+		return s
+	}
+	cut := maxFailureText - len("…")
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "…"
 }

@@ -264,9 +264,7 @@ func (k *call) notApplied() []string {
 		}
 		out = append(out, o.String())
 	}
-	if k.rule.callCooldown != "" {
-		out = append(out, k.rule.callCooldown) // the key keeps the cooldown it was taken with
-	}
+	out = append(out, k.rule.callKept...) // the key keeps the cooldown and failure policy it was taken with
 	return out
 }
 

@@ -59,7 +59,7 @@ type lcEnding struct {
 	drive   func(t *testing.T, w *lcWorld) // after the first enqueues: make asynq end them
 	class   lcClass
 	success bool // the handler's success ends the task (Cooldown keeps the key)
-	archive bool // asynq's record ends archived (FailHold keeps the key)
+	archive bool // asynq archives the task after it failed (FailHold keeps the key)
 }
 
 var errLifecycle = errors.New("lifecycle: handler failed")
@@ -92,7 +92,7 @@ var lcEndings = []lcEnding{
 		drive: lcLateUntil(asynq.TaskStateRetry, func(w *lcWorld, id string) { _ = w.h.insp.CancelProcessing(id) })},
 	{name: "shutdown outlived", handler: lcLate(nil), class: lcAgain,
 		tweak: func(c *asynq.Config) { c.ShutdownTimeout = 100 * time.Millisecond }, drive: lcShutdown},
-	{name: "Inspector archives the waiting task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcRemoved, archive: true,
+	{name: "Inspector archives the waiting task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcRemoved,
 		drive: lcInspect(func(w *lcWorld, id string) error { return w.h.insp.ArchiveTask(w.h.queue, id) })},
 	{name: "Inspector deletes the waiting task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcRemoved,
 		drive: lcInspect(func(w *lcWorld, id string) error { return w.h.insp.DeleteTask(w.h.queue, id) })},
@@ -316,11 +316,10 @@ func (c *lcCell) cools(e *lcEnding) bool {
 	return e.success && (c.pol.rule.Cooldown > 0 || c.pol.rule.Period > 0)
 }
 
-// failHeld reports whether the ending leaves the key held as failed: an
-// archived task under FailHold, once the lock can be judged by its record
-// (a lock taken before its task was stored waits out HealGrace first).
+// failHeld reports whether the ending leaves the key held as failed: a
+// task asynq archived after it failed, under FailHold.
 func (c *lcCell) failHeld(e *lcEnding) bool {
-	return e.archive && c.pol.rule.OnFailure == FailHold && (c.direct || e.class != lcRemoved)
+	return e.archive && c.pol.rule.OnFailure == FailHold
 }
 
 // expect is the matrix's cell: what a second enqueue of the key gets after

@@ -110,7 +110,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return d.busy(ctx, t, &rule, l, &st)
 	}
 	d.count(t.Type(), evStarted)
-	l.follow, l.begun = st.Follow, st.Begun
+	l.follow, l.begun, l.cools = st.Follow, st.Begun, st.Cools
 	return d.run(ctx, t, next, &rule, l)
 }
 
@@ -213,7 +213,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	// A release is batched off the handler's path, unless a wrapper asked
 	// what became of the lock (WithAttempt): a follow-up queued by the
 	// release is known only once it has landed.
-	if f.Release && !f.GivenUp && f.Follow == "" && f.Failure == "" && r.cooldown == 0 && !l.ref.Indexed && l.st == d.store && l.rec == nil {
+	if f.Release && !f.GivenUp && f.Follow == "" && f.Failure == "" && r.cooldown == 0 && !l.cools && !l.ref.Indexed && l.st == d.store && l.rec == nil {
 		d.rel.add(release{f: *f, live: live}) // off the handler's path (releaser.go)
 		return
 	}
@@ -290,7 +290,7 @@ func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	// final failure whose lock holds the key until asynq's record says so.
 	f.Hold = addLifetimes(d.cfg.RetryDelayFunc(n, err, t), d.ttlOf(r))
 	f.Release = n >= max || errors.Is(err, asynq.SkipRetry)
-	f.Failure = err.Error() // (used by a release: asynq archives the task)
+	f.Failure = failureText(err) // (used by a release: asynq archives the task)
 	return f
 }
 
@@ -358,6 +358,7 @@ type lease struct {
 	token   string
 	follow  string // the follow-up its lock owed when it started
 	begun   bool   // started by the begin script: its lock held nothing else then
+	cools   bool   // its lock has a cooldown (the producer's, perhaps): a success settles on the handler's path
 	cancel  context.CancelCauseFunc
 	rec     *Attempt // what the middleware did, for a wrapper (WithAttempt); nil: not asked
 }

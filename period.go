@@ -73,16 +73,42 @@ func periodWindow(t time.Time, d time.Duration, loc *time.Location) (start, end 
 		days := int64(d / (24 * time.Hour))
 		n := time.Date(y, m, day, 0, 0, 0, 0, time.UTC).Unix()/86400 - firstMonday
 		first := n - ((n%days)+days)%days + firstMonday // floored: n may be negative
-		start = time.Date(1970, 1, 1+int(first), 0, 0, 0, 0, loc)
-		return start, time.Date(1970, 1, 1+int(first+days), 0, 0, 0, 0, loc)
+		return dayStart(1970, 1, 1+int(first), loc), dayStart(1970, 1, 1+int(first+days), loc)
 	}
-	midnight := time.Date(y, m, day, 0, 0, 0, 0, loc)
-	next := time.Date(y, m, day+1, 0, 0, 0, 0, loc)
+	midnight := dayStart(y, m, day, loc)
+	next := dayStart(y, m, day+1, loc)
 	start = midnight.Add(t.Sub(midnight) / d * d)
 	if end = start.Add(d); end.After(next) {
 		end = next
 	}
 	return start, end
+}
+
+// dayStart is the first instant of a calendar day in loc (the day may be
+// given out of range, as to time.Date): its midnight, or, where the clocks
+// skip midnight (daylight saving starting at 00:00, as in Santiago), the
+// instant they jump.
+func dayStart(y int, m time.Month, day int, loc *time.Location) time.Time {
+	y, m, day = time.Date(y, m, day, 12, 0, 0, 0, time.UTC).Date() // normalised
+	onOrAfter := func(t time.Time) bool {
+		ty, tm, td := t.In(loc).Date()
+		return time.Date(ty, tm, td, 0, 0, 0, 0, time.UTC).Compare(time.Date(y, m, day, 0, 0, 0, 0, time.UTC)) >= 0
+	}
+	t := time.Date(y, m, day, 0, 0, 0, 0, loc)
+	if onOrAfter(t) {
+		return t // midnight, or the day's first instant after a skipped one
+	}
+	// time.Date gave an instant of the day before: the day starts at the
+	// jump, within a few hours; found to the second.
+	lo, hi := t, t.Add(4*time.Hour)
+	for hi.Sub(lo) > time.Second/2 {
+		if mid := lo.Add(hi.Sub(lo) / 2); onOrAfter(mid) {
+			hi = mid
+		} else {
+			lo = mid
+		}
+	}
+	return hi.Truncate(time.Second) // (zone changes fall on whole seconds)
 }
 
 // settleWindow works out the window of a rule with a period at now: its

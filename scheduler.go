@@ -373,6 +373,7 @@ func (e *schedEntry) firing(at time.Time, hold time.Duration) (*asynq.Task, []as
 		Key(e.id+"@"+strconv.FormatInt(at.Unix(), 10)),
 		Cooldown(hold),
 		OnFailure(FailHold, hold), // a firing whose task fails for good stays taken too
+		coolAfterAnyEnd(),         // and one revoked
 	)
 	return asynq.NewTaskWithHeaders(e.typ, e.payload, h), opts
 }

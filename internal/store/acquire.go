@@ -54,6 +54,10 @@ type Acquire struct {
 	FailHold time.Duration
 	// Window: a period key's window, kept in a taken lock; zero: none.
 	Window Window
+	// CoolAlways: the cooldown of a lock this call takes follows any end
+	// of its task that is not a final failure (a revoke too), not only a
+	// success.
+	CoolAlways bool
 
 	staleFP string // the key a stale index of the caller-chosen ID names (learnt from a reply)
 }
@@ -303,11 +307,13 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint, sends bool) []any {
 	if sends {
 		msg = a.Message.Encode() // only now: a call expecting the key held never encodes it
 	}
-	args := make([]any, 9, 23)
+	args := make([]any, 9, 24)
 	args[0], args[1], args[2], args[3] = kl.roleString(), r.ID, r.stored(), a.Now.UnixMilli()
 	args[4], args[5], args[6], args[7], args[8] = s.graceSeconds(), ms(a.TTL), msg, r.Type, a.KeyForm
 	n := 0
 	switch {
+	case a.CoolAlways:
+		n = 15
 	case !a.Window.Start.IsZero():
 		n = 14
 	case a.FailHold != 0:
@@ -340,7 +346,7 @@ func (a *Acquire) args(s *Store, kl *keyList, h *hint, sends bool) []any {
 	if a.Cooldown > 0 {
 		cool = ms(a.Cooldown)
 	}
-	opt := [...]any{field, h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), cool, a.DebounceDue, h.holderID, FailHold(a.FailHold), a.Window.arg()}
+	opt := [...]any{field, h.holder, r.FP, h.follow, h.followStored, a.DueAt, a.MaxPending, a.FollowID, s.parkSeconds(), cool, a.DebounceDue, h.holderID, FailHold(a.FailHold), a.Window.arg(), flag(a.CoolAlways)}
 	return append(args, opt[:n]...)
 }
 
@@ -492,4 +498,12 @@ func (s *Store) Unlock(ctx context.Context, r *Ref, bounded bool) (bool, error) 
 	}
 	s.hints.forget(lock)
 	return parseFlag(v)
+}
+
+// flag encodes a boolean script argument: "1" or "".
+func flag(b bool) string {
+	if b {
+		return "1"
+	}
+	return ""
 }

@@ -33,8 +33,10 @@ const maxAcquirePipeline = 1000
 // Calls of one lock are sent in the order of as, so of two Acquires of one
 // key the first takes it and the second meets it held. (Only where the
 // first needs another call and the second does not is the second answered
-// first.) A call whose pipeline failed after it was sent reports Sent as
-// Acquire does. It returns one outcome per Acquire, in order.
+// first.) Client.EnqueueBatch relies on none of this: it never gives one
+// AcquireAll two Acquires of one key or one caller-chosen task ID. A call
+// whose pipeline failed after it was sent reports Sent as Acquire does. It
+// returns one outcome per Acquire, in order.
 func (s *Store) AcquireAll(ctx context.Context, as []*Acquire) []AcquireOutcome {
 	out := make([]AcquireOutcome, len(as))
 	steps := make([]acquireStep, len(as))

@@ -37,6 +37,7 @@ type StartResult struct {
 	Follow  string        // StatusTaken, StatusHeld: the follow-up the lock owes, "" for none
 	Cooling time.Duration // StatusCooling: how long the key stays held; negative: until released
 	Failed  bool          // StatusCooling: held after the holder failed for good (OnFailure)
+	Cools   bool          // StatusTaken: the lock has a cooldown (Cooldown, Period), perhaps the producer's alone
 	New     bool          // StatusTaken: there was no lock, the attempt made it; StatusAllowed: there was no lock to drop
 	// Released: StatusHeld, and an operator released this task's lock
 	// (Release, dedupctl release) before the holder, a task of its type,
@@ -110,7 +111,7 @@ func (s *Store) start(ctx context.Context, st *Start) (StartResult, error) {
 		case rep.status == StatusSuperseded:
 			return StartResult{Status: rep.status, Holder: rep.str(0)}, nil
 		case rep.status != statusNeed:
-			return StartResult{Status: rep.status, Follow: rep.str(0), New: rep.str(1) == "1"}, nil
+			return StartResult{Status: rep.status, Follow: rep.str(0), New: rep.str(1) == "1", Cools: rep.str(2) == "1"}, nil
 		case n == maxNeeds:
 			return StartResult{}, fmt.Errorf("%w: %s", ErrMoving, lock)
 		}

@@ -30,6 +30,7 @@ const (
 	FieldFailHold = "fh"  // what a final failure of the owner does (FailHold): absent release, "-1" hold until released, else hold this many ms
 	FieldError    = "e"   // a lock held after its owner failed for good (FieldCooling "f"): the owner's last error
 	FieldWindow   = "pw"  // a period key's window, "start:end" in unix milliseconds (Window)
+	FieldCoolAll  = "ca"  // "1": the cooldown follows any end of the task but a final failure, a revoke too (Scheduler firings)
 )
 
 // CoolingFailed is FieldCooling's value in a lock held after its owner
@@ -158,8 +159,9 @@ func (l *Lock) Window() Window {
 // asynq state.
 func (l *Lock) State() string {
 	switch {
-	case l.Fields[FieldCooling] == CoolingFailed:
-		return LockFailed
+	case l.Fields[FieldCooling] == CoolingFailed,
+		l.TaskState == StateArchived && l.Fields[FieldToken] == "" && l.Fields[FieldFailHold] != "" && l.Fields[FieldError] != "":
+		return LockFailed // (the second: the next call that meets it marks it)
 	case l.Fields[FieldCooling] != "":
 		return LockCooling
 	case l.Fields[FieldToken] != "" || l.TaskState == StateActive:

@@ -55,6 +55,8 @@
 --          release, '-1' hold until released, else hold this many ms ['']
 -- ARGV[23] a period key's window, 'start:end' in unix milliseconds, kept in
 --          a taken lock ('' for none) ['']
+-- ARGV[24] '1': a taken lock's cooldown follows any end of its task but a
+--          final failure (a revoke too), kept as field ca ['']
 --
 -- Reply (holder and f: the lock's owner as stored and its follow-up after
 -- the call, for the caller's hints):
@@ -232,6 +234,10 @@ local function take()
     fields[#fields + 1] = 'pw'
     fields[#fields + 1] = A[23]
   end
+  if A[24] == '1' and cool > 0 then
+    fields[#fields + 1] = 'ca'
+    fields[#fields + 1] = '1'
+  end
   if msg ~= '' then
     fields[#fields + 1] = 'v' -- stored with its task: verified
     fields[#fields + 1] = '1'
@@ -306,11 +312,11 @@ if holder then
   if lacks('H') then return need() end
   state, hmsg = read_task(K.H)
   if state == 'archived' and not rec[4] then
-    local fh = call('HGET', K.L, 'fh')
-    if fh then
-      -- Its owner failed for good (asynq archived it) before its settle
-      -- marked the lock (or its worker died): the failure holds the key.
-      return {14, holder, hold_failed(K.L, fh, false), 'f'}
+    local m = call('HMGET', K.L, 'fh', 'e')
+    if m[1] and m[2] then
+      -- Its owner failed for good (its settle marked the failure e, and
+      -- asynq archived it) before the recheck held the key: held now.
+      return {14, holder, hold_failed(K.L, m[1], false, K.J), 'f'}
     end
   end
   if gone(state) and not verified and now - (tonumber(rec[2]) or 0) < grace then

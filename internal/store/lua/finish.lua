@@ -41,7 +41,7 @@
 --        {11, 'G', followup} nothing done: call again with the follow-up's record
 -- @lib: lib.lua is spliced in here.
 roles(0)
-local rec = call('HMGET', K.L, 'id', 'tok', 'f', 'cd', 'fh')
+local rec = call('HMGET', K.L, 'id', 'tok', 'f', 'cd', 'fh', 'ca')
 if (rec[1] ~= ARGV[2] and rec[1] ~= ARGV[10]) or (rec[2] or '') ~= ARGV[3] then
   return {0}
 end
@@ -88,25 +88,30 @@ if mode == 'release' then
   if K.X then
     call('DEL', K.X) -- done: the follow-up runs after it
   end
+  if failed ~= '' and not ok and rec[5] and not f then
+    -- OnFailure: the key stays held by the task that failed for good (its
+    -- index too, by which a run by hand finds its lock).
+    hold_failed(K.L, rec[5], failed, K.I)
+    if (ARGV[12] or '') ~= '' then
+      call('HSET', K.L, 'ty', ARGV[12])
+    end
+    return {1, '', 'failed'}
+  end
   if K.I then
     call('DEL', K.I)
   end
   local _, now_ms = now_parts()
   local left = tonumber(rec[4] or '0') - now_ms
-  if ok and left > 0 and not f then
-    -- Cooldown: the key stays held by the task that just succeeded.
+  if (ok or rec[6]) and left > 0 and not f then
+    -- Cooldown: the key stays held by the task that just succeeded (or
+    -- ended any way, for a lock marked ca).
     call('HDEL', K.L, 'tok')
-    call('HSET', K.L, 'k', '1', 'ty', ARGV[12])
-    call('PEXPIRE', K.L, left)
-    return {1, '', 'cooling'}
-  end
-  if failed ~= '' and not ok and rec[5] and not f then
-    -- OnFailure: the key stays held by the task that failed for good.
-    hold_failed(K.L, rec[5], failed)
+    call('HSET', K.L, 'k', '1')
     if (ARGV[12] or '') ~= '' then
       call('HSET', K.L, 'ty', ARGV[12])
     end
-    return {1, '', 'failed'}
+    call('PEXPIRE', K.L, left)
+    return {1, '', 'cooling'}
   end
   if f then
     call('DEL', K.F)
@@ -124,6 +129,13 @@ if mode == 'release' then
   return {1, ''}
 end
 call('HDEL', K.L, 'tok')
+if guess ~= '' and failed ~= '' and not ok and rec[5] then
+  -- A final failure on a guess: marked with its error, so that a call that
+  -- finds the task archived before the recheck holds the key at once.
+  call('HSET', K.L, 'e', string.sub(failed, 1, 1000))
+else
+  call('HDEL', K.L, 'e')
+end
 local _, now_ms = now_parts()
 call('PEXPIRE', K.L, math.max(tonumber(ARGV[5]), tonumber(rec[4] or '0') - now_ms))
 if K.I then

@@ -128,24 +128,6 @@ local function gone(state)
   return (not state) or state == 'completed' or state == 'archived'
 end
 
--- hold_failed keeps lock held after its owner failed for good (OnFailure:
--- fh, the lock's failure hold, '-1' for until released), marked k 'f' with
--- the owner's last error err (kept if err is false and one is there), and
--- returns its PTTL.
-local function hold_failed(lock, fh, err)
-  call('HDEL', lock, 'tok')
-  call('HSET', lock, 'k', 'f')
-  if err or call('HEXISTS', lock, 'e') == 0 then
-    call('HSET', lock, 'e', string.sub(err or 'archived by asynq', 1, 1000))
-  end
-  if fh == '-1' then
-    call('PERSIST', lock)
-  else
-    call('PEXPIRE', lock, fh)
-  end
-  return call('PTTL', lock)
-end
-
 -- debounce moves the due time of a scheduled task t to due (unix seconds,
 -- '0' for no debounce), never earlier than it was, and makes its lock last
 -- at least ttl_ms from now_ms, with the task's index key (index, if given:
@@ -207,4 +189,35 @@ local function now_parts()
   local t = call('TIME')
   local s, us = tonumber(t[1]), tonumber(t[2])
   return s, s * 1000 + (us - us % 1000) / 1000, t[1] .. string.format('%06d', us) .. '000'
+end
+
+-- hold_failed keeps lock held after its owner failed for good (OnFailure:
+-- fh, the lock's failure hold, '-1' for until released), marked k 'f' with
+-- the owner's last error err (kept if err is false and one is there), and
+-- returns its PTTL. A period key's hold ends with its window at the latest:
+-- the next window is another key. index, if given, is the owner's index
+-- key (a caller-chosen ID), kept as long, so that a run by hand finds it
+-- (30 days at most for a hold until released).
+local function hold_failed(lock, fh, err, index)
+  call('HDEL', lock, 'tok')
+  call('HSET', lock, 'k', 'f')
+  if err or call('HEXISTS', lock, 'e') == 0 then
+    call('HSET', lock, 'e', string.sub(err or 'archived by asynq', 1, 1000))
+  end
+  local _, now_ms = now_parts()
+  local ms = tonumber(fh)
+  local w = call('HGET', lock, 'pw')
+  local w_end = w and tonumber(string.match(w, ':(%d+)$'))
+  if w_end and (ms < 0 or now_ms + ms > w_end) then
+    ms = math.max(w_end - now_ms, 1)
+  end
+  if ms < 0 then
+    call('PERSIST', lock)
+  else
+    call('PEXPIRE', lock, ms)
+  end
+  if index then
+    call('PEXPIRE', index, ms < 0 and 2592000000 or ms)
+  end
+  return call('PTTL', lock)
 end

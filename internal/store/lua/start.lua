@@ -24,8 +24,9 @@
 -- ARGV[14] a period key's window, 'start:end' in unix milliseconds,
 --          recorded if this creates the lock ['']
 --
--- Reply: {1, f, new}               this attempt holds the lock; f: the follow-up it owes, or '';
---                                   new '1' when there was no lock (the attempt made it), else ''
+-- Reply: {1, f, new, cools}        this attempt holds the lock; f: the follow-up it owes, or '';
+--                                   new '1' when there was no lock (the attempt made it), else '';
+--                                   cools '1' when the lock has a cooldown (field cd)
 --        {0, holder, f, r, run}     held by another live task (as stored): the attempt must not run;
 --                                   f: the follow-up the lock owes, or ''; r 'r' when an operator
 --                                   released this task's lock (its marker X says 'r:') and the
@@ -113,10 +114,10 @@ if holder and holder ~= stored and holder ~= id then
   if not gone(hstate) then
     return held()
   end
-  local fh = hstate == 'archived' and not rec[6] and call('HGET', K.L, 'fh')
-  if fh then
+  local m = hstate == 'archived' and not rec[6] and call('HMGET', K.L, 'fh', 'e')
+  if m and m[1] and m[2] then
     -- The holder failed for good: the failure holds the key (OnFailure).
-    return {14, holder, hold_failed(K.L, fh, false), '', 'f'}
+    return {14, holder, hold_failed(K.L, m[1], false, K.J), '', 'f'}
   end
   if rec[5] and rec[5] ~= id then
     return held() -- an orphan owed a follow-up: acquire or the follow-up settles it
@@ -175,4 +176,4 @@ call('PEXPIRE', K.L, math.max(tonumber(ARGV[5]), cool_end - now_ms))
 if K.I then
   call('SET', K.I, fp, 'PX', ARGV[5])
 end
-return {1, rec[5] or '', new and '1' or ''}
+return {1, rec[5] or '', new and '1' or '', cool_end > 0 and '1' or ''}
