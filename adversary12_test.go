@@ -224,7 +224,10 @@ func TestAdversary12PeriodFailedHoldEndsWithItsWindow(t *testing.T) {
 	h := newHarness(t, Config{Lease: 3 * time.Second})
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
-	opts := []asynq.Option{asynq.Queue(h.queue), Fields("key"), Period(2*time.Second, nil), OnFailure(FailHoldUntilReleased, 0)}
+	const period = 6 * time.Second
+	opts := []asynq.Option{asynq.Queue(h.queue), Fields("key"), Period(period, nil), OnFailure(FailHoldUntilReleased, 0)}
+	// Enqueue early in a window, so that the failure is held before it ends.
+	eventually(t, "a window with 5 s left", func() bool { _, end := periodWindow(time.Now(), period, nil); return time.Until(end) > 5*time.Second })
 	if _, err := h.client.Enqueue(adv12Task("w", 1), opts...); err != nil {
 		t.Fatal(err)
 	}
@@ -232,7 +235,7 @@ func TestAdversary12PeriodFailedHoldEndsWithItsWindow(t *testing.T) {
 		for _, k := range h.locks() {
 			if h.rdb.HGet(context.Background(), k, "k").Val() == "f" {
 				ttl := h.rdb.PTTL(context.Background(), k).Val()
-				return ttl > 0 && ttl <= 2*time.Second
+				return ttl > 0 && ttl <= period
 			}
 		}
 		return false
