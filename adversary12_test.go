@@ -216,7 +216,6 @@ func TestAdversary12InspectorArchiveOfAWaitingTaskFreesItsKey(t *testing.T) {
 	}
 }
 
-
 // Period + FailHoldUntilReleased: the hold ends with the window at the
 // latest (the next window is another key), so no lock is left that no API
 // can reach.
