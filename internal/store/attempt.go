@@ -303,33 +303,7 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 	}
 	hintF := f.Follow
 	for n := 0; ; n++ {
-		kl := newKeyList()
-		kl.add(roleLock, s.keys.LockOf(r))
-		kl.add(roleScheduled, ScheduledKey(r.Queue))
-		kl.add(rolePending, PendingKey(r.Queue))
-		kl.add(roleFollow, s.keys.Follow(r.Queue, r.FP))
-		if r.Indexed {
-			kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
-		}
-		stored := ""
-		if hintF != "" {
-			kl.add(roleFollowTask, TaskKey(r.Queue, hintF))
-			kl.add(roleSuperseded, s.keys.Superseded(r.Queue, r.ID))
-			stored = PackOwner(hintF, r.FP)
-		}
-		if f.GivenUp || f.Watch || (f.Release && f.Failure != "") {
-			kl.add(roleOwner, TaskKey(r.Queue, r.ID))
-		}
-		args := []any{kl.roleString(), r.stored(), f.Token, mode, ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID}
-		switch ok := ""; {
-		case f.Failure != "":
-			if f.Succeeded {
-				ok = "1" // (given up: asynq's record decides which counts)
-			}
-			args = append(args, ok, r.Type, f.Failure)
-		case f.Succeeded:
-			args = append(args, "1", r.Type)
-		}
+		kl, args := s.finishCall(f, mode, hintF)
 		v, err := s.run(ctx, s.sc.finish, kl.keys, args...)
 		if err != nil {
 			return FinishResult{}, err
@@ -351,6 +325,40 @@ func (s *Store) Finish(ctx context.Context, f *Finish) (FinishResult, error) {
 		}
 		hintF = rep.str(1)
 	}
+}
+
+// finishCall lays out the finish script's KEYS and ARGV for f in mode,
+// with the follow-up hintF's record if one is owed.
+func (s *Store) finishCall(f *Finish, mode, hintF string) (*keyList, []any) {
+	r := &f.Ref
+	kl := newKeyList()
+	kl.add(roleLock, s.keys.LockOf(r))
+	kl.add(roleScheduled, ScheduledKey(r.Queue))
+	kl.add(rolePending, PendingKey(r.Queue))
+	kl.add(roleFollow, s.keys.Follow(r.Queue, r.FP))
+	if r.Indexed {
+		kl.add(roleIndex, s.keys.Index(r.Queue, r.ID))
+	}
+	stored := ""
+	if hintF != "" {
+		kl.add(roleFollowTask, TaskKey(r.Queue, hintF))
+		kl.add(roleSuperseded, s.keys.Superseded(r.Queue, r.ID))
+		stored = PackOwner(hintF, r.FP)
+	}
+	if f.GivenUp || f.Watch || (f.Release && f.Failure != "") {
+		kl.add(roleOwner, TaskKey(r.Queue, r.ID))
+	}
+	args := []any{kl.roleString(), r.stored(), f.Token, mode, ms(f.Hold), ms(f.FollowTTL), s.parkSeconds(), hintF, stored, r.ID}
+	switch ok := ""; {
+	case f.Failure != "":
+		if f.Succeeded {
+			ok = "1" // (given up: asynq's record decides which counts)
+		}
+		args = append(args, ok, r.Type, f.Failure)
+	case f.Succeeded:
+		args = append(args, "1", r.Type)
+	}
+	return kl, args
 }
 
 // Again stores a copy of the running task of r under a new ID, due at a
