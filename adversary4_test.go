@@ -103,6 +103,11 @@ func TestAdversary4RelocatedDuplicateOfCoolingKeySaysCoolingDown(t *testing.T) {
 	h.settled(1)
 	coolingDup(t, h.client, digest(1, 2), h.queue, first.ID)
 
+	// Paused: a worker that took the moved task first would leave it to meet
+	// its key when it starts (relocate.go), and the call would say created.
+	if err := h.insp.PauseQueue(h.queue); err != nil {
+		t.Fatal(err)
+	}
 	c := h.d.WrapClient(queueMover{c: h.asynq, q: h.queue})
 	_, err := c.Enqueue(digest(1, 3), asynq.Queue("elsewhere-"+uniq(t)))
 	var dup *DuplicateTaskError
