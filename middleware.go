@@ -213,7 +213,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	// A release is batched off the handler's path, unless a wrapper asked
 	// what became of the lock (WithAttempt): a follow-up queued by the
 	// release is known only once it has landed.
-	if f.Release && !f.GivenUp && f.Follow == "" && f.Failure == "" && r.cooldown == 0 && !l.cools && !l.ref.Indexed && l.st == d.store && l.rec == nil {
+	if f.Release && !f.GivenUp && f.Follow == "" && f.Failure == "" && !l.cools && !l.ref.Indexed && l.st == d.store && l.rec == nil {
 		d.rel.add(release{f: *f, live: live}) // off the handler's path (releaser.go)
 		return
 	}
