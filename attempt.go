@@ -15,16 +15,14 @@ import (
 // before it returns. An Attempt never holds a payload or a key's text.
 //
 // Without WithAttempt the middleware records nothing and costs nothing
-// more. With it, a lock released by its task's success is settled before
-// the middleware returns, so that the Attempt says how (a RunningDefer
-// follow-up it queued, a lock found lost): one Redis call on the worker's
-// path per attempt, which the middleware otherwise batches with the other
-// releases of that moment, just after the handler returns.
+// more; with it, it records what it did, with no Redis call more either.
 type Attempt struct {
 	// Outcome is what became of the attempt and its lock.
 	Outcome AttemptOutcome
 	// Fingerprint is the task's key hashed, as its lock key ends (see
-	// Result.Fingerprint); empty when the task has no lock (AttemptNotLocked).
+	// Result.Fingerprint); empty when the task has no lock (AttemptNotLocked),
+	// or when the middleware made no Redis call for it (a task whose key's
+	// policy acts only at enqueue, whose lock asynq releases).
 	Fingerprint string
 	// Arrived is true for a task that arrived without a lock (asynq.Scheduler,
 	// another service): the execution-time guard keyed it by its type's rule.
@@ -49,8 +47,11 @@ const (
 	// it (no rule under Config.OptIn, Skip, Config.NoExecutionGuard) or its
 	// key could not be computed at execution (counted as unguarded).
 	AttemptNotLocked
-	// AttemptReleased: the task ran and its lock was released (success,
-	// asynq.RevokeTask, SkipRetry, last retry).
+	// AttemptReleased: the task ran, and its key goes as asynq moves the
+	// task on: released with its success or revoke (by asynq's own
+	// scripts, or the middleware), or left to heal at the key's next enqueue
+	// once asynq archives it (SkipRetry, last retry); or it went to the
+	// follow-up the key owed (FollowUp).
 	AttemptReleased
 	// AttemptHeld: the task ran, failed with retries left, and its lock is
 	// held for the retry.
@@ -61,8 +62,9 @@ const (
 	// AttemptLockLost: the task ran, but its lock was no longer its own at
 	// the end (it expired, or was taken over).
 	AttemptLockLost
-	// AttemptUnsettled: the task ran, and the call settling its lock failed;
-	// the heartbeat tries again, else the lock expires within one Lease.
+	// AttemptUnsettled: the task ran, and the call settling its lock failed:
+	// the key stays as it was (held by the task, which asynq releases on a
+	// success, or heals at the key's next enqueue).
 	AttemptUnsettled
 	// AttemptAllowed: a RunningAllow task, which ran without holding its lock.
 	AttemptAllowed
@@ -136,8 +138,8 @@ func (a *Attempt) locked(l *lease) {
 	}
 }
 
-// settled records how the attempt's lock was settled, as report counts it.
-func (a *Attempt) settled(res store.FinishResult, err error) {
+// settled records how the attempt's key was settled, as report counts it.
+func (a *Attempt) settled(res store.SettleResult, err error) {
 	switch {
 	case a == nil:
 	case err != nil:

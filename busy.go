@@ -19,7 +19,8 @@ const (
 	// BusyRetry returns a *BusyError, so asynq runs the task again later;
 	// with IsFailure in asynq.Config that uses up no retry. On its last
 	// attempt, where asynq would archive it whatever the error, a copy is
-	// scheduled one Lease later instead. Default (unless Config.SkipBusy).
+	// scheduled a little later instead (three heartbeats, 30 s by
+	// default). Default (unless Config.SkipBusy).
 	BusyRetry Busy = iota
 	// BusyDrop drops the task: the middleware returns nil (asynq marks it
 	// done), counts it (busy) and tells Config.OnDecision (Dropped). It
@@ -74,7 +75,7 @@ func (d *Dedup) busyPolicy(r *resolved) Busy {
 func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, st *store.StartResult) error {
 	holder := st.Holder
 	policy := d.busyPolicy(r)
-	switch released := st.Released && st.Follow != l.ref.ID; {
+	switch released := l.lost == store.LostReleased; {
 	case l.arrived:
 	case released && r.conflict == Replace:
 		return d.superseded(t, l, holder)
@@ -150,7 +151,7 @@ func foldBusyOption(fp string) option {
 
 // retryBusy returns the BusyError that has asynq retry the task later. On
 // its last attempt asynq would archive it whatever the error, so a copy of
-// it is scheduled instead, due in one Lease, and this attempt succeeds.
+// it is scheduled instead, due after copyDelay, and this attempt succeeds.
 func (d *Dedup) retryBusy(ctx context.Context, t *asynq.Task, l *lease, holder string) error {
 	berr := &BusyError{TaskID: l.ref.ID, Holder: holder, Key: d.lockKey(&l.ref)}
 	n, _ := asynq.GetRetryCount(ctx)
@@ -160,9 +161,9 @@ func (d *Dedup) retryBusy(ctx context.Context, t *asynq.Task, l *lease, holder s
 	}
 	id := store.NewAgainID(l.ref.FP)
 	if !l.arrived {
-		id = store.NewKeptID(l.ref.FP) // its copy keeps its standing
+		id = store.NewKeptID() // its copy keeps its standing
 	}
-	ok, err := d.store.Again(ctx, &l.ref, id, time.Now().Add(d.cfg.Lease))
+	ok, err := d.store.Again(ctx, &l.ref, id, time.Now().Add(d.copyDelay()))
 	if err != nil || !ok {
 		d.log.Warn("dedup: busy task on its last attempt could not be scheduled again; asynq archives it", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.Any("error", err))
 		return berr
@@ -170,3 +171,7 @@ func (d *Dedup) retryBusy(ctx context.Context, t *asynq.Task, l *lease, holder s
 	d.log.Info("dedup: busy task on its last attempt scheduled again as a copy", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("copy", id), slog.String("holder", holder))
 	return nil
 }
+
+// copyDelay is how long after a busy task's last attempt its copy comes
+// due: three heartbeats (30 s by default).
+func (d *Dedup) copyDelay() time.Duration { return 3 * d.cfg.heartbeat }

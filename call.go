@@ -35,6 +35,7 @@ type call struct {
 	// Set by prepare, for a deduplicated call.
 	ref       store.Ref
 	acquire   store.Acquire
+	terms     terms
 	locked    bool // the lock is taken (false: fail-open)
 	self      bool // the caller's own task ID already held the key: not this call's lock
 	relocated bool // made again in the queue its task landed in (relocate.go)
@@ -78,9 +79,6 @@ func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
 			return err
 		}
 		k.rule = *rule
-	}
-	if err := k.applyHeaders(); err != nil {
-		return err
 	}
 	return k.chooseQueue(c.d)
 }
@@ -201,9 +199,9 @@ func (k *call) chooseQueue(d *Dedup) error {
 	return nil
 }
 
-// prepare makes a deduplicated call ready for the lock script: its key,
-// task ID, the script's arguments and, on the direct path, the task to
-// store with the lock.
+// prepare makes a deduplicated call ready for the lock scripts: its key,
+// task ID, what its policy needs beside the lock (modes.go), the scripts'
+// arguments and, on the direct path, the task to store with the lock.
 func (c *Client) prepare(ctx context.Context, k *call) error {
 	d := c.d
 	if k.conflicting != "" {
@@ -222,35 +220,65 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	if err != nil {
 		return err
 	}
-	r := &k.rule
-	ttl := waitTTL(d.ttlOf(r), k.processAt)
-	direct := c.canDirect(ctx, k)
 	id := k.callerID
 	switch {
 	case id == "":
-		id = store.NewLockedID(fp)
+		id = store.NewPlainID()
 		k.pass = append(k.pass, asynq.TaskID(id))
-	case store.Reserved(id, fp):
-		return fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, da-, dx-), for another key", ErrInvalidOption, id)
+	case store.Reserved(id):
+		return fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, df-, dk-, da-, dx-, or a leading '~')", ErrInvalidOption, id)
 	}
-	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Indexed: k.callerID != ""}
-	cool, window := r.lockTerms(now)
-	k.acquire = store.Acquire{Ref: k.ref, OnWaiting: r.conflict.fold(), OnRunning: r.running.code(),
-		TTL: ttl, Now: now, MaxPending: r.maxPending, Cooldown: cool, KeyForm: keyForm(r), FailHold: r.failHold, Window: window, CoolAlways: r.coolAlways}
-	if r.debounce > 0 {
-		k.acquire.DebounceDue = k.processAt.Unix()
-	}
-	if r.conflict == Replace || r.running == RunningDefer {
-		k.acquire.Payload = k.task.Payload()
-	}
-	if r.running == RunningDefer {
-		k.acquire.FollowID = store.NewLockedID(fp)
-	}
+	direct := c.canDirect(ctx, k)
+	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Lock: d.store.Keys().Lock(k.queue, fp)}
+	k.acquire = k.acquireOf(d, direct, now)
 	k.locked = true
+	if err := k.markTask(); err != nil {
+		return err
+	}
 	if direct {
 		c.prepareDirect(k)
 	}
 	return nil
+}
+
+// acquireOf is the call's Acquire: the lock's value, lifetime and mode
+// record, and what the policy does with a holder.
+func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
+	r := &k.rule
+	a := store.Acquire{Ref: k.ref, OnWaiting: r.conflict.fold(), TTL: d.lockTTL(r, k.processAt, now), Now: now,
+		MaxPending: r.maxPending, Caller: k.callerID != ""}
+	switch {
+	case r.firing > 0: // a Scheduler firing: held until it expires, whatever its task does
+		a.Value, a.TTL, a.MaxPending = store.FiringValue(k.ref.ID), r.firing, 0
+		return a
+	case direct:
+		a.Value, a.Unique = store.Value(k.ref.ID), true
+	default:
+		a.Value = store.WrapValue(k.ref.ID, now)
+	}
+	k.terms = termsOf(r, k.typ, k.ref.ID, now, !direct)
+	a.Mode = k.terms.mode
+	if r.debounce > 0 {
+		a.DebounceDue = k.processAt.Unix()
+	}
+	if r.conflict == Replace || r.running == RunningDefer {
+		a.Payload = k.task.Payload()
+	}
+	if r.running == RunningDefer {
+		a.Defers, a.FollowID = true, store.NewFollowID()
+	}
+	return a
+}
+
+// markTask gives the task the header that tells the middleware what to do
+// with it (modes.go), unless its ID says all (a plain task the direct path
+// stores), and drops any of this package's headers it carried (a task a
+// handler enqueues again).
+func (k *call) markTask() error {
+	if k.terms.flags != "" || (k.callerID != "" && k.rule.firing == 0) {
+		k.addHeaders(map[string]string{store.HeaderLock: store.LockHeader(k.terms.flags, k.ref.Lock)})
+	}
+	return k.applyHeaders()
 }
 
 // Direct enqueue: for a Client from Dedup.NewClient (whose asynq client
@@ -293,6 +321,9 @@ func onlyOwn(opts []asynq.Option) bool {
 func (c *Client) prepareDirect(k *call) {
 	m := &k.msg
 	m.Type, m.Payload, m.Headers, m.ID, m.Queue = k.typ, k.task.Payload(), k.task.Headers(), k.ref.ID, k.queue
+	if k.acquire.Unique {
+		m.UniqueKey = k.ref.Lock
+	}
 	// As asynq's client: neither a timeout nor a deadline (zero, or the
 	// Unix epoch exactly) means the default timeout.
 	if (m.Deadline.IsZero() || m.Deadline.Equal(time.Unix(0, 0))) && m.Timeout == 0 {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
@@ -87,7 +86,7 @@ func (c *Client) Close() error {
 func (c *Client) Ping() error {
 	ctx, cancel := context.WithTimeout(context.Background(), c.d.cfg.LockTimeout)
 	defer cancel()
-	if err := c.d.rdb.Ping(ctx).Err(); err != nil {
+	if err := c.d.store.Client().Ping(ctx).Err(); err != nil {
 		return unavailable("ping", err)
 	}
 	if p, ok := c.next.(interface{ Ping() error }); ok {
@@ -189,21 +188,22 @@ func (c *Client) complete(ctx context.Context, k *call, res Result, n next, err 
 
 // enqueueUnlocked enqueues a call without deduplication, marked so that the
 // execution-time guard leaves it alone: in its ID, or for a caller-chosen
-// ID with an opt-out mark where the middleware looks for its lock.
+// ID in its header.
 func (c *Client) enqueueUnlocked(ctx context.Context, k *call) (Result, error) {
 	switch {
-	case store.Reserved(k.callerID, ""):
-		return Result{}, fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, da-)", ErrInvalidOption, k.callerID)
-	case k.callerID == "" && !k.rule.skip:
-		// OptIn and no rule: nothing here is deduplicated, so asynq's
-		// task ID stays as asynq makes it. (A server whose rules cover the
-		// type guards it as any task that arrives without a lock.)
+	case store.Reserved(k.callerID):
+		return Result{}, fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, df-, dk-, da-, dx-, or a leading '~')", ErrInvalidOption, k.callerID)
+	case !k.rule.skip:
+		// OptIn and no rule: nothing here is deduplicated, so the task stays
+		// as asynq makes it. (A server whose rules cover the type guards it
+		// as any task that arrives without a lock.)
 	case k.callerID == "":
 		k.pass = append(k.pass, asynq.TaskID(store.NewOptOutID()))
 	default:
-		if err := c.markOptOut(ctx, k); err != nil {
-			return Result{}, err
-		}
+		k.addHeaders(map[string]string{store.HeaderLock: store.OptedOut})
+	}
+	if err := k.applyHeaders(); err != nil {
+		return Result{}, err
 	}
 	return created(c.next.EnqueueContext(ctx, k.task, k.pass...))
 }
@@ -246,7 +246,7 @@ func (c *Client) enqueueLocked(ctx context.Context, k *call) (Result, error) {
 func (c *Client) coverDelay(ctx context.Context, k *call, info *asynq.TaskInfo) {
 	d := c.d
 	ext := &store.Extend{Ref: k.ref, TTL: waitTTL(d.ttlOf(&k.rule), info.NextProcessAt)}
-	if _, err := d.store.Extend(context.WithoutCancel(ctx), ext); err != nil {
+	if err := d.store.ExtendAll(context.WithoutCancel(ctx), []*store.Extend{ext})[0].Err; err != nil {
 		d.count(k.typ, evRedisError)
 		d.log.Warn("dedup: could not lengthen a scheduled task's lock", slog.String("type", k.typ), slog.String("task_id", k.ref.ID), slog.Any("error", err))
 	}
@@ -272,7 +272,7 @@ func (c *Client) rollback(ctx context.Context, k *call, enqErr error) (*asynq.Ta
 	if ti != nil || err != nil {
 		return ti, err
 	}
-	if _, err := d.store.Unlock(ctx, &k.ref, k.acquire.MaxPending > 0); err != nil {
+	if _, err := d.store.Unlock(ctx, &k.ref, k.acquire.Value); err != nil {
 		d.count(k.typ, evRedisError)
 		d.log.Warn("dedup: could not give back the lock of a refused enqueue; it heals itself", slog.String("type", k.typ), slog.Any("error", err))
 	} else {
@@ -321,24 +321,3 @@ func enqueueError(typ string, err error) error {
 	return fmt.Errorf("%w: enqueue %q: %w", ErrUnavailable, typ, err)
 }
 
-// optOutMarkTTL is how long the opt-out mark of a caller-chosen task ID
-// lasts at least: tasks that wait longer than it are treated as arriving
-// without a lock.
-const optOutMarkTTL = 24 * time.Hour
-
-// markOptOut records that the caller-chosen task ID opted out, so the
-// middleware does not lock it at execution. A type nothing deduplicates
-// (OptIn, no rule) is marked too: the index of an earlier task with that
-// ID would otherwise lock it under that task's key.
-func (c *Client) markOptOut(ctx context.Context, k *call) error {
-	d := c.d
-	ttl := waitTTL(max(d.ttlOf(&k.rule), optOutMarkTTL), k.processAt)
-	if err := d.store.MarkOptOut(ctx, k.queue, k.callerID, ttl); err != nil {
-		d.count(k.typ, evRedisError)
-		if d.cfg.FailOpen {
-			return nil // the guard may lock it at execution: the safe side
-		}
-		return unavailable("opt-out mark", err)
-	}
-	return nil
-}

@@ -15,7 +15,6 @@ import (
 const (
 	DefaultPrefix      = "dedup"
 	DefaultTTL         = time.Hour
-	DefaultLease       = 30 * time.Second
 	DefaultLockTimeout = time.Second
 	DefaultHealGrace   = time.Minute
 )
@@ -30,28 +29,31 @@ type Config struct {
 	// '}' (the queue's hash tag follows it). Default "dedup".
 	Prefix string
 
-	// TTL bounds how long a lock stays taken while its task waits to run
-	// (for ProcessIn/ProcessAt tasks, counted from the time they are due).
-	// Default DefaultTTL, one hour: long enough for a busy queue's wait, and
-	// cheap because locks whose task has vanished heal themselves.
+	// TTL is a lock's lifetime, a safety net: a lock lives as long as its
+	// task (asynq's own scripts release it), and one whose task is gone
+	// heals at the key's next enqueue, but a lock nothing releases (a queue
+	// deleted, say) expires after this long. It counts from the enqueue
+	// while the task waits (for ProcessIn/ProcessAt tasks, from the time
+	// they are due), and covers a retry's delay; the heartbeat extends it
+	// while a handler runs long. Default DefaultTTL, one hour: set it above
+	// your queues' longest wait.
 	TTL time.Duration
 
-	// Lease is the lock's expiry while a handler runs; a heartbeat renews it
-	// every Lease/3. A crashed worker's lock frees within one Lease.
-	// Default DefaultLease (30 s, asynq's own task lease).
-	Lease time.Duration
-
-	// LockTimeout bounds each lock call to Redis, so a slow Redis cannot hang
-	// an enqueue. Default DefaultLockTimeout (1 s). It holds whatever the
-	// client's options; with go-redis's Options.ContextTimeoutEnabled the
-	// call is cancelled on the socket, without it the call is abandoned (a
-	// goroutine finishes it when go-redis's ReadTimeout fires).
+	// LockTimeout bounds each Redis call the library makes (enqueue,
+	// middleware, Lookup, Release, Ping, the flusher), so a slow Redis
+	// cannot hang it. Default DefaultLockTimeout (1 s). It holds whatever the
+	// client's options: a client without go-redis's
+	// Options.ContextTimeoutEnabled is copied into one more client (one more
+	// connection pool) with it set, which the library uses for its own
+	// calls.
 	LockTimeout time.Duration
 
-	// HealGrace is how old a lock must be before it is treated as orphaned
-	// when its owner task no longer exists in asynq (or is completed or
-	// archived). It covers the gap between taking the lock and asynq storing
-	// the task. Default DefaultHealGrace (1 minute).
+	// HealGrace is how old a lock taken before its task was stored (by a
+	// Client over asynq's own client: WrapClient, or NewClient when it
+	// cannot store tasks itself) must be before it is treated as orphaned
+	// when its task does not exist in asynq. It covers the gap between
+	// taking the lock and asynq storing the task. Default DefaultHealGrace
+	// (1 minute).
 	HealGrace time.Duration
 
 	// Rules sets per-task-type fields, TTL, key and opt-out. Per-call options
@@ -152,6 +154,10 @@ type Config struct {
 	// Logger receives warnings (fail-open, lost locks, Redis errors). Never
 	// given payload contents. Default slog.Default().
 	Logger *slog.Logger
+
+	// heartbeat is how often the heartbeat looks at running handlers
+	// (DefaultHeartbeat); the package's tests shorten it.
+	heartbeat time.Duration
 }
 
 // Rule is the deduplication setting for one task type.
@@ -255,7 +261,7 @@ func (c *Config) withDefaults() (Config, error) {
 	if strings.ContainsAny(cfg.Prefix, "{}") {
 		return cfg, fmt.Errorf("%w: Prefix %q contains a brace", ErrInvalidOption, cfg.Prefix)
 	}
-	for name, d := range map[string]*time.Duration{"TTL": &cfg.TTL, "Lease": &cfg.Lease, "LockTimeout": &cfg.LockTimeout, "HealGrace": &cfg.HealGrace} {
+	for name, d := range map[string]*time.Duration{"TTL": &cfg.TTL, "LockTimeout": &cfg.LockTimeout, "HealGrace": &cfg.HealGrace} {
 		if *d < 0 {
 			return cfg, fmt.Errorf("%w: %s is negative", ErrInvalidOption, name)
 		}
@@ -264,11 +270,8 @@ func (c *Config) withDefaults() (Config, error) {
 	if cfg.TTL == 0 {
 		cfg.TTL = DefaultTTL
 	}
-	if cfg.Lease == 0 {
-		cfg.Lease = DefaultLease
-	}
-	if cfg.Lease < 3*time.Millisecond {
-		return cfg, fmt.Errorf("%w: Lease %v is too short", ErrInvalidOption, cfg.Lease)
+	if cfg.heartbeat <= 0 {
+		cfg.heartbeat = DefaultHeartbeat
 	}
 	if cfg.LockTimeout == 0 {
 		cfg.LockTimeout = DefaultLockTimeout
@@ -324,7 +327,7 @@ type resolved struct {
 	window          time.Time      // Period: the window of this enqueue (settleWindow); zero: work it out when hashing
 	windowEnd       time.Time
 	failSet         bool          // the per-call OnFailure option applied
-	coolAlways      bool          // the cooldown follows a revoke too (Scheduler firings)
+	firing          time.Duration // a Scheduler firing: its key is held this long from the take, whatever its task does
 	failHold        time.Duration // recorded in a taken lock: 0 release on a final failure, negative hold until released, else hold
 	callKept        []string      // the per-call Cooldown and OnFailure options applied (a fold does not apply them: the key keeps what it was taken with)
 	debounce        time.Duration

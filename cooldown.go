@@ -41,12 +41,12 @@ func Cooldown(d time.Duration) asynq.Option {
 	}}
 }
 
-// coolAfterAnyEnd makes a taken lock's cooldown follow any end of its
-// task, a revoke too (not a final failure, which OnFailure decides): a
-// Scheduler firing's key must outlive the firing whatever its task does.
-func coolAfterAnyEnd() asynq.Option {
-	return option{desc: "dedup.coolAfterAnyEnd()", apply: func(r *resolved) error {
-		r.coolAlways = true
+// firingHold keys a Scheduler firing: its key is held for hold from the
+// take, whatever its task does (the key only has to outlive its window),
+// and its middleware makes no Redis call.
+func firingHold(hold time.Duration) asynq.Option {
+	return option{desc: "dedup.firingHold()", apply: func(r *resolved) error {
+		r.firing = lifetime(hold)
 		return nil
 	}}
 }

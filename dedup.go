@@ -2,6 +2,7 @@ package dedup
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"reflect"
@@ -21,7 +22,8 @@ import (
 // wrapper (WrapClient) and the server middleware (Middleware). It is safe for
 // concurrent use. Create one per process with New and Close it on shutdown.
 type Dedup struct {
-	rdb             redis.UniversalClient
+	rdb             redis.UniversalClient // the caller's client, which asynq's client and Inspector use
+	own             redis.UniversalClient // the library's own copy of rdb with ContextTimeoutEnabled; nil: rdb has it
 	cfg             Config
 	rules           map[string]*resolved
 	prefixes        []string // the rule names, longest first, for ruleFor's prefix match
@@ -33,10 +35,8 @@ type Dedup struct {
 	store           *store.Store     // the Redis layout, and every call to Redis
 	insp            *asynq.Inspector // called through store.Foreign
 	hb              *heartbeater
-	rel             *releaser
 	stats           metrics
-	warnedElsewhere atomic.Bool     // the middleware met a task stored in another Redis (logged once)
-	foreign         foreignPrefixes // the other prefixes on this Redis, for the middleware (prefix.go)
+	warnedElsewhere atomic.Bool // the middleware met a task stored in another Redis (logged once)
 
 	// queues remembers, per task type, the queue its tasks landed in when the
 	// call named none (a queue set in asynq.NewTask is invisible before the
@@ -73,7 +73,14 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 	if err != nil {
 		return nil, err
 	}
-	if err := connect(ctx, rdb, c.ConnectAttempts, c.ConnectBackoff, c.LockTimeout); err != nil {
+	lib, own := rdb, boundedCopy(rdb) // (every call of the library's is bounded by LockTimeout)
+	if own != nil {
+		lib = own
+	}
+	if err := connect(ctx, lib, c.ConnectAttempts, c.ConnectBackoff, c.LockTimeout); err != nil {
+		if own != nil {
+			_ = own.Close()
+		}
 		return nil, err
 	}
 	if v, ok := linkedAsynq(); ok && !knownLayout(v) && !c.NoDirectEnqueue {
@@ -81,10 +88,9 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 			slog.String("asynq", v), slog.String("known", store.AsynqVersion))
 		c.NoDirectEnqueue = true
 	}
-	d := &Dedup{rdb: rdb, cfg: c, rules: rules, prefixes: longestFirst(rules), log: c.Logger, insp: asynq.NewInspectorFromRedisClient(rdb)}
-	d.store = store.New(rdb, d.storeConfig())
-	d.hb = newHeartbeater(d, c.Lease/3)
-	d.rel = newReleaser(d)
+	d := &Dedup{rdb: rdb, own: own, cfg: c, rules: rules, prefixes: longestFirst(rules), log: c.Logger, insp: asynq.NewInspectorFromRedisClient(rdb)}
+	d.store = store.New(lib, d.storeConfig())
+	d.hb = newHeartbeater(d, c.heartbeat)
 	if err := d.store.LoadScripts(ctx); err != nil {
 		// Best effort: a call whose script is missing sends it whole.
 		d.log.Debug("dedup: script preload failed", slog.Any("error", err))
@@ -130,7 +136,7 @@ func linkedAsynq() (v string, ok bool) {
 func (d *Dedup) storeConfig() store.Config {
 	c := d.cfg
 	return store.Config{
-		Prefix: c.Prefix, LockTimeout: c.LockTimeout, HealGrace: c.HealGrace, Lease: c.Lease,
+		Prefix: c.Prefix, LockTimeout: c.LockTimeout, HealGrace: c.HealGrace,
 		MaxBatch: c.MaxBatch, BreakerThreshold: c.BreakerThreshold,
 		BreakerWait: func(opens int) time.Duration {
 			if opens == 0 {
@@ -148,7 +154,7 @@ func (d *Dedup) storeConfig() store.Config {
 func (d *Dedup) warnEviction(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.LockTimeout)
 	defer cancel()
-	v, err := d.rdb.ConfigGet(ctx, "maxmemory-policy").Result()
+	v, err := d.store.Client().ConfigGet(ctx, "maxmemory-policy").Result()
 	if err != nil {
 		return // CONFIG may be disabled (managed Redis); nothing to check
 	}
@@ -166,12 +172,46 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 // nothing.
 func (d *Dedup) Close() error {
 	d.hb.stop()
-	d.rel.stop()
 	d.stopDiagnostics()
 	d.store.Close()
-	d.closeForeign()
-	if d.ownsRDB && d.closed.CompareAndSwap(false, true) {
-		return d.rdb.Close()
+	if !d.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	var err error
+	if d.own != nil {
+		err = d.own.Close()
+	}
+	if d.ownsRDB {
+		err = errors.Join(err, d.rdb.Close())
+	}
+	return err
+}
+
+// boundedCopy returns a copy of rdb, over the same options, that cuts its
+// calls at their context's deadline (ContextTimeoutEnabled), or nil when
+// rdb does so already or is of a kind it cannot copy (whose calls the
+// Store then abandons at the deadline).
+func boundedCopy(rdb redis.UniversalClient) redis.UniversalClient {
+	if store.ContextTimeouts(rdb) {
+		return nil
+	}
+	switch c := rdb.(type) {
+	case *redis.Client:
+		o := *c.Options()
+		o.ContextTimeoutEnabled = true
+		// What NewClient derived for c stays c's: its push processor (shared,
+		// a second client would register its handlers twice), its cache.
+		o.PushNotificationProcessor, o.ClientSideCache, o.ClientSideCacheConfig = nil, nil, nil
+		return redis.NewClient(&o)
+	case *redis.ClusterClient:
+		o := *c.Options()
+		o.ContextTimeoutEnabled = true
+		o.PushNotificationProcessor = nil
+		return redis.NewClusterClient(&o)
+	case *redis.Ring:
+		o := *c.Options()
+		o.ContextTimeoutEnabled = true
+		return redis.NewRing(&o)
 	}
 	return nil
 }
@@ -246,4 +286,9 @@ func (d *Dedup) ttlOf(r *resolved) time.Duration {
 }
 
 // lockKey is the Redis key of ref's lock, as errors report it.
-func (d *Dedup) lockKey(ref *store.Ref) string { return d.store.Keys().LockOf(ref) }
+func (d *Dedup) lockKey(ref *store.Ref) string {
+	if ref.Lock != "" {
+		return ref.Lock
+	}
+	return d.store.Keys().Lock(ref.Queue, ref.FP)
+}

@@ -153,12 +153,11 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 // idTaken answers a call whose task ID already holds the key (StatusSelf:
 // the caller enqueues it again, through asynq) or is taken
 // (StatusConflict). A direct call carried its task: when its own ID holds
-// the key, an earlier run of this very call may have stored the task and
-// taken the lock (go-redis retries a call whose reply was lost), and then
-// the answer is that task, created. (A task ID that is taken while the key
-// is free is never this call's: its run would have taken the lock.)
+// the key, or its own ID (not the caller's) is taken, an earlier run of
+// this very call stored the task (go-redis retries a call whose reply was
+// lost), and then the answer is that task, created.
 func (c *Client) idTaken(ctx context.Context, k *call, st store.Status) (Result, next, error) {
-	if k.acquire.Direct && st == store.StatusSelf {
+	if k.acquire.Direct && (st == store.StatusSelf || k.callerID == "") {
 		ti, err := c.landed(ctx, k, nil)
 		switch {
 		case ti != nil:
@@ -293,12 +292,12 @@ func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w 
 	if mfp, err := d.fingerprintHex(k.typ, merged, &k.rule); err != nil || mfp != k.ref.FP {
 		return Result{}, done, &PayloadError{Type: k.typ, Err: errMergeChangedKey}
 	}
-	cr, err := d.store.Coalesce(ctx, &store.Coalesce{Ref: k.ref, Target: res.Task, Follow: res.FollowUp, Version: res.Version, Payload: merged,
+	cr, err := d.store.Merge(ctx, &store.Merge{Ref: k.ref, Target: res.Task, Follow: res.FollowUp, Version: res.Version, Payload: merged,
 		DebounceDue: k.acquire.DebounceDue, TTL: k.acquire.TTL, Bounded: k.acquire.MaxPending > 0, Now: time.Now()})
 	switch {
 	case err != nil:
 		d.count(k.typ, evRedisError)
-		return Result{}, done, unavailable("coalesce", err)
+		return Result{}, done, unavailable("merge", err)
 	case cr.Broken != "":
 		return Result{}, done, fmt.Errorf("%w: %s", ErrIncompatible, cr.Broken)
 	case cr.Written:

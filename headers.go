@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"maps"
 
+	"github.com/asynq-dedup/dedup/internal/store"
+
 	"github.com/hibiken/asynq"
 )
 
@@ -38,19 +40,25 @@ func (k *call) addHeaders(h map[string]string) {
 	maps.Copy(k.headers, h)
 }
 
-// applyHeaders makes the call's task again with the Headers options'
-// headers added, keeping its payload and its asynq.NewTask options.
+// applyHeaders makes the task again with the call's headers (dedup.Headers,
+// and the lock header prepare adds) and without the ones this package
+// writes that it carried (a task a handler enqueues again); a task that
+// needs neither stays as it is.
 func (k *call) applyHeaders() error {
-	if k.headers == nil {
+	own := k.task.Headers()
+	_, lock := own[store.HeaderLock]
+	_, lost := own[store.HeaderLost]
+	if k.headers == nil && !lock && !lost {
 		return nil
 	}
 	opts, ok := taskOpts(k.task)
 	if !ok {
-		return fmt.Errorf("%w: dedup.Headers: this asynq version's task options cannot be read, so the task cannot be made again with them", ErrInvalidOption)
+		return fmt.Errorf("%w: this asynq version's task options cannot be read, so the task cannot be made again with its headers", ErrInvalidOption)
 	}
-	own := k.task.Headers()
 	h := make(map[string]string, len(own)+len(k.headers))
 	maps.Copy(h, own)
+	delete(h, store.HeaderLock)
+	delete(h, store.HeaderLost)
 	maps.Copy(h, k.headers)
 	k.task = asynq.NewTaskWithHeaders(k.typ, k.task.Payload(), h, opts...)
 	return nil

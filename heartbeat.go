@@ -9,27 +9,38 @@ import (
 	"github.com/asynq-dedup/dedup/internal/store"
 )
 
-// heartbeater renews the leases of all running attempts of one Dedup with a
-// single goroutine and one pipelined round trip per interval (per cluster
-// node), however many handlers run.
+// DefaultHeartbeat is how often the heartbeat looks at the running
+// handlers: a handler that has run this long gets its key's lifetime
+// extended (to its TTL from then, and again each time half of that has
+// passed), so a lock never expires under a handler however long it runs,
+// while the short handlers that are most of them cost nothing.
+const DefaultHeartbeat = 10 * time.Second
+
+// heartbeater extends the locks of the long-running attempts of one Dedup,
+// from one goroutine.
 //
-// Invariant: a lease is in entries from just after its attempt took the lock
-// until just before the attempt settles it, so a renewal that finds the lock
-// released by its own settle is never reported as a loss.
+// Invariant: an attempt is in entries from just before its handler runs
+// until just after it returns, so an extension that finds the key settled
+// by its own attempt is never reported as a loss.
 type heartbeater struct {
 	d        *Dedup
 	interval time.Duration
 
-	mu       sync.Mutex
-	entries  map[*lease]struct{}
-	rechecks []recheck
-	started  bool
-	quit     chan struct{}
-	done     chan struct{}
+	mu      sync.Mutex
+	entries map[*lease]*beat
+	started bool
+	quit    chan struct{}
+	done    chan struct{}
+}
+
+// beat is one running attempt's times.
+type beat struct {
+	since    time.Time // when its handler started
+	extended time.Time // when its key's lifetime was last extended; zero: never
 }
 
 func newHeartbeater(d *Dedup, interval time.Duration) *heartbeater {
-	return &heartbeater{d: d, interval: interval, entries: map[*lease]struct{}{}, quit: make(chan struct{}), done: make(chan struct{})}
+	return &heartbeater{d: d, interval: interval, entries: map[*lease]*beat{}, quit: make(chan struct{}), done: make(chan struct{})}
 }
 
 // run starts the loop once; later calls do nothing.
@@ -41,7 +52,7 @@ func (h *heartbeater) run() {
 	}
 	select {
 	case <-h.quit:
-		h.d.log.Error("dedup: Middleware used after Close: locks of running handlers will not be renewed")
+		h.d.log.Error("dedup: Middleware used after Close: locks of long-running handlers will not be extended")
 		return
 	default:
 	}
@@ -64,62 +75,9 @@ func (h *heartbeater) stop() {
 	}
 }
 
-// recheck is a lock to settle again at the next beats: held on a guess of
-// what asynq would do with an attempt it gave up (see Dedup.finishOf), to
-// settle by the task's record once asynq has written it; or one whose
-// settle call failed (Redis refused it during a slot migration, or was
-// unreachable a moment); or a watch (store.Finish.Watch): a lock held for
-// the task's retry that owes a follow-up, released to the follow-up as
-// soon as an operator deletes or archives the waiting task, and watched
-// for as long as the hold lasts (until the retry starts or the lock
-// expires). A watch lives in this process only: after a restart the
-// follow-up is queued by the key's next enqueue, by dedupctl doctor --fix,
-// or when its parked time comes.
-type recheck struct {
-	st   *store.Store // of the lock's prefix
-	f    store.Finish
-	left int // beats to try before leaving it to heal (not for a watch)
-}
-
-// maxRechecks bounds the beats a recheck is tried.
-const maxRechecks = 3
-
-// recheckConcurrency bounds the rechecks in flight at once (the batcher
-// sends them together).
-const recheckConcurrency = 32
-
-// recheck settles f again, without its attempt's token, at the next beats.
-func (h *heartbeater) recheck(st *store.Store, f *store.Finish) {
-	rc := recheck{st: st, f: *f, left: maxRechecks}
-	rc.f.Token = ""
-	h.queue(rc)
-}
-
-// watch watches the lock f held for its task's retry, which owes the
-// follow-up owes.
-func (h *heartbeater) watch(st *store.Store, f *store.Finish, owes string) {
-	h.queue(watchOf(st, f, owes))
-}
-
-func watchOf(st *store.Store, f *store.Finish, owes string) recheck {
-	return recheck{st: st, f: store.Finish{Ref: f.Ref, Watch: true, Follow: owes, FollowTTL: f.FollowTTL}}
-}
-
-// retry settles f again, as it was (with its attempt's token), at the next
-// beats: its settle call failed.
-func (h *heartbeater) retry(st *store.Store, f *store.Finish) {
-	h.queue(recheck{st: st, f: *f, left: maxRechecks})
-}
-
-func (h *heartbeater) queue(rc recheck) {
-	h.mu.Lock()
-	h.rechecks = append(h.rechecks, rc)
-	h.mu.Unlock()
-}
-
 func (h *heartbeater) add(l *lease) {
 	h.mu.Lock()
-	h.entries[l] = struct{}{}
+	h.entries[l] = &beat{since: time.Now()}
 	h.mu.Unlock()
 }
 
@@ -141,105 +99,68 @@ func (h *heartbeater) loop() {
 		select {
 		case <-h.quit:
 			return
-		case <-t.C:
-			h.beat()
-			h.settleGuesses()
+		case now := <-t.C:
+			h.beat(now)
 		}
 	}
 }
 
-// beat renews every registered lease in one pipeline.
-func (h *heartbeater) beat() {
+// due lists the attempts whose keys need extending at now: running for at
+// least one interval, and not extended within half their TTL.
+func (h *heartbeater) due(now time.Time) []*lease {
 	h.mu.Lock()
-	ls := make([]*lease, 0, len(h.entries))
-	for l := range h.entries {
-		ls = append(ls, l)
+	defer h.mu.Unlock()
+	var ls []*lease
+	for l, b := range h.entries {
+		if now.Sub(b.since) >= h.interval && (b.extended.IsZero() || now.Sub(b.extended) >= l.ttl/2) {
+			b.extended = now
+			ls = append(ls, l)
+		}
 	}
-	h.mu.Unlock()
-	byStore := map[*store.Store][]*lease{} // (one Store but where a producer's prefix differs: prefix.go)
-	for _, l := range ls {
-		byStore[l.st] = append(byStore[l.st], l)
-	}
-	for st, ls := range byStore {
-		h.renew(st, ls)
-	}
+	return ls
 }
 
-// renew renews the leases of one Store's locks in one pipeline.
-func (h *heartbeater) renew(st *store.Store, ls []*lease) {
+// beat extends the keys of the attempts due.
+func (h *heartbeater) beat(now time.Time) {
 	d := h.d
-	es := make([]*store.Extend, len(ls))
-	for i, l := range ls {
-		es[i] = &store.Extend{Ref: l.ref, Token: l.token, TTL: d.cfg.Lease}
+	ls := h.due(now)
+	if len(ls) == 0 {
+		return
 	}
-	for i, r := range st.ExtendAll(context.Background(), es) {
+	ctx := context.Background()
+	es := make([]*store.Extend, 0, len(ls))
+	keyed := ls[:0]
+	for _, l := range ls {
+		if !d.findLock(ctx, l) {
+			continue // (a plain task whose record names no lock)
+		}
+		es = append(es, &store.Extend{Ref: l.ref, TTL: l.ttl})
+		keyed = append(keyed, l)
+	}
+	for i, r := range d.store.ExtendAll(ctx, es) {
 		switch {
 		case r.Err != nil:
-			// Renewal errors never fail a task; the lease may still be renewed in time.
-			d.count(ls[i].ref.Type, evRedisError)
-			d.log.Warn("dedup: heartbeat failed", slog.String("task_id", ls[i].ref.ID), slog.Any("error", r.Err))
-		case !r.Renewed:
-			h.lost(ls[i])
+			// Extension errors never fail a task; the next beat tries again.
+			d.count(keyed[i].ref.Type, evRedisError)
+			d.log.Warn("dedup: heartbeat failed", slog.String("task_id", keyed[i].ref.ID), slog.Any("error", r.Err))
+			h.again(keyed[i])
+		case !r.Owned:
+			h.lost(keyed[i])
 		}
 	}
 }
 
-// settleGuesses settles again the locks held on a guess (the task's
-// record now says whether asynq retried or finished it), tries again the
-// settles that failed, and checks the watches.
-func (h *heartbeater) settleGuesses() {
+// again makes a failed extension due at the next beat.
+func (h *heartbeater) again(l *lease) {
 	h.mu.Lock()
-	rs := h.rechecks
-	h.rechecks = nil
+	if b, ok := h.entries[l]; ok {
+		b.extended = time.Time{}
+	}
 	h.mu.Unlock()
-	var (
-		mu    sync.Mutex
-		again []recheck
-		wg    sync.WaitGroup
-		slots = make(chan struct{}, recheckConcurrency)
-	)
-	for _, rc := range rs {
-		slots <- struct{}{}
-		wg.Go(func() {
-			defer func() { <-slots }()
-			if next, keep := h.settleOne(rc); keep {
-				mu.Lock()
-				again = append(again, next)
-				mu.Unlock()
-			}
-		})
-	}
-	wg.Wait()
-	if len(again) > 0 {
-		h.mu.Lock()
-		h.rechecks = append(h.rechecks, again...)
-		h.mu.Unlock()
-	}
 }
 
-// settleOne settles one recheck, and says what to check at the next beat.
-func (h *heartbeater) settleOne(rc recheck) (recheck, bool) {
-	d := h.d
-	res, err := rc.st.Finish(context.Background(), &rc.f)
-	switch {
-	case rc.f.Watch && (err != nil || res.Held):
-		return rc, true
-	case err != nil || (res.Held && res.Guessed):
-		rc.left--
-		return rc, rc.left > 0
-	case res.Held && res.Owes != "":
-		return watchOf(rc.st, &rc.f, res.Owes), true // settled as held for the retry
-	case res.Cooling:
-		d.count(rc.f.Ref.Type, evCooling)
-	case res.Failed:
-		d.count(rc.f.Ref.Type, evFailureHeld)
-	case res.Owned && !res.Held:
-		d.count(rc.f.Ref.Type, evReleased)
-	}
-	return rc, false
-}
-
-// lost reports a lease whose lock is gone, unless its attempt already ended.
+// lost reports an attempt whose key is no longer its task's, unless the
+// attempt already ended.
 func (h *heartbeater) lost(l *lease) {
 	h.mu.Lock()
 	_, live := h.entries[l]

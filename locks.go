@@ -46,7 +46,7 @@ func (d *Dedup) lockKeyOf(task *asynq.Task, opts []asynq.Option) (store.Ref, err
 	if err != nil {
 		return store.Ref{}, err
 	}
-	return store.Ref{Queue: k.queue, FP: fp, Type: k.typ}, nil
+	return store.Ref{Queue: k.queue, FP: fp, Type: k.typ, Lock: d.store.Keys().Lock(k.queue, fp)}, nil
 }
 
 // QueueOf returns the queue an enqueue of task with opts would use, as
@@ -82,51 +82,33 @@ func (d *Dedup) Lookup(ctx context.Context, task *asynq.Task, opts ...asynq.Opti
 // still holds it (else ErrNotHolder); with holder "", whoever holds it
 // (forced: in one step, so a key that changes hands meanwhile is released
 // all the same). It deletes the lock with its MaxPending entry, never a
-// task: the holder, if alive, still runs (a caller-chosen ID keeps its
-// index key, by which it finds its key), and takes the key again when it
-// starts if the key is free. A follow-up the lock owes that waits is
-// queued now, even while the holder runs (its payload is the newest). It
-// reports whether a lock was released (false: the key was free).
+// task: the holder, if alive, still runs; if it still waits, it is marked,
+// so that when it runs it checks the key first (and gives way to a task of
+// its type that took the key since). A follow-up the key owes that waits
+// is queued now, even while the holder runs (its payload is the newest).
+// Held keys are released too: a cooldown, a failure hold. It reports
+// whether a lock was released (false: the key was free).
 func (d *Dedup) Release(ctx context.Context, task *asynq.Task, holder string, opts ...asynq.Option) (bool, error) {
+	rel := &store.Release{How: store.ReleaseHolder, Holder: holder, Grace: d.cfg.HealGrace}
 	if holder == "" {
-		return d.forceRelease(ctx, task, opts)
+		rel.How = store.ReleaseForce
 	}
-	l, err := d.readKeyLock(ctx, task, opts)
-	if err != nil || l == nil {
-		return false, err
-	}
-	if l.Owner != holder {
-		return false, fmt.Errorf("%w: %s holds %s, not %s", ErrNotHolder, l.Owner, l.Key, holder)
-	}
-	ctx, cancel := context.WithTimeout(ctx, d.cfg.LockTimeout)
-	defer cancel()
-	res, err := store.ReleaseLock(ctx, d.rdb, d.store.Keys(), l)
-	switch {
-	case err != nil:
-		return false, unavailable("release", err)
-	case res.Owner != "": // changed hands since it was read
-		return false, fmt.Errorf("%w: %s now holds %s", ErrNotHolder, res.Owner, l.Key)
-	}
-	if res.Released {
-		d.store.Forget(l.Key)
-	}
-	return res.Released, nil
-}
-
-// forceRelease releases the key of task whoever holds it.
-func (d *Dedup) forceRelease(ctx context.Context, task *asynq.Task, opts []asynq.Option) (bool, error) {
 	ref, err := d.lockKeyOf(task, opts)
 	if err != nil {
 		return false, err
 	}
+	rel.Lock, rel.Queue, rel.Type = ref.Lock, ref.Queue, ref.Type
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.LockTimeout)
 	defer cancel()
-	res, err := store.ForceRelease(ctx, d.rdb, d.store.Keys(), &ref)
-	if err != nil {
+	res, err := store.ReleaseKey(ctx, d.store.Client(), rel)
+	switch {
+	case err != nil:
 		return false, unavailable("release", err)
+	case !res.Released && res.Holder != "":
+		return false, fmt.Errorf("%w: %s holds %s, not %s", ErrNotHolder, res.Holder, rel.Lock, holder)
 	}
 	if res.Released {
-		d.store.Forget(d.store.Keys().LockOf(&ref))
+		d.store.Forget(rel.Lock)
 	}
 	return res.Released, nil
 }
@@ -139,7 +121,7 @@ func (d *Dedup) readKeyLock(ctx context.Context, task *asynq.Task, opts []asynq.
 	}
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.LockTimeout)
 	defer cancel()
-	ls, err := store.ReadLocks(ctx, d.rdb, d.store.Keys(), []string{d.store.Keys().LockOf(&ref)})
+	ls, err := store.ReadLocks(ctx, d.store.Client(), d.store.Keys(), []string{ref.Lock})
 	if err != nil {
 		return nil, unavailable("lookup", err)
 	}

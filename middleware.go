@@ -17,43 +17,41 @@ var errPanicked = errors.New("dedup: handler panicked")
 
 // Middleware returns the server middleware: mux.Use(d.Middleware()).
 //
-// For every attempt it finds the task's lock from the task ID (or, for a
-// caller-chosen ID, from the index the wrapper wrote), makes the attempt its
-// running owner under a fresh token, renews it every Lease/3 while the
-// handler runs, and then:
+// A task's lock is what asynq's record of the task says: a task locked at
+// enqueue by NewClient names its lock as its unique key, and asynq's own
+// scripts release it when the task succeeds, is revoked or deleted, in the
+// same step that marks the task done. So for a task whose key's policy acts
+// only at enqueue (Reject, Replace, Merge with RunningReject, Debounce, a
+// Scheduler firing) the middleware makes no Redis call at all. It calls
+// Redis only where a task needs it, and only on that path:
 //
-//	success, asynq.RevokeTask          release
-//	asynq.SkipRetry, retries exhausted release (the task is archived)
-//	any other error, a panic           hold for RetryDelayFunc(n) + TTL
+//	the attempt starts        RunningAllow (free the key), MaxPending (the key
+//	                          waits no more), a follow-up, a task asynq runs
+//	                          again (a retry, a run by hand) or one that lost
+//	                          its key while it waited: check the key is its own
+//	success                   Cooldown, Period: hold the key until the window ends
+//	a final failure           OnFailure: hold the key (else it heals at the
+//	                          key's next enqueue, asynq's record saying archived)
+//	any end                   RunningDefer: hand the key to the follow-up it owes
+//	a failure, retries left   hold the key for the retry delay
+//	a long run                extend the key's lifetime (heartbeat.go)
+//
+// Those holds are written before the handler's result reaches asynq, so no
+// shutdown or deadline can lose or stretch them.
 //
 // Once the attempt's context has ended (Timeout or Deadline, CancelProcessing,
-// a lost lease, shutdown), asynq ignores what the handler returns and moves
-// the task on by itself; the lock then follows the task's record: held
-// while asynq will run it again (retry, requeued), released when it is
-// archived, and, while asynq has not written its decision yet, settled by
-// asynq's rule for that error.
-//
-// A task of a RunningAllow type holds no lock while it runs: once accepted
-// at enqueue, it runs beside a task that took its key since (a retry,
-// after its first attempt freed the key) while that task waits; behind a
-// running one it is retried. A task locked at enqueue is never dropped for
-// a cooling key: it is retried until the cooldown ends.
+// a lost lease), asynq ignores what the handler returns and retries or
+// archives the task by its own rule; the middleware follows that rule.
 //
 // A task that arrives without a lock (asynq.Scheduler, another service, the
-// CLI) takes one when it starts, keyed by its type's rule; if another live
-// task holds that key it does not run now: it returns a *BusyError (retried
-// later; see IsFailure) or, with Config.SkipBusy, nil. On its last attempt,
-// where asynq would archive it, a copy of it (same message, new ID) is
-// scheduled one Lease later instead and the attempt returns nil.
-//
-// A release goes out just after the handler returns, with the others of
-// that moment (within a few milliseconds: releaser.go); until it
-// lands the key reads as held by a task asynq completed, which the next
-// enqueue takes over at once. If asynq's own last step fails, asynq runs
-// the task again while a duplicate may have been accepted.
+// CLI) takes one when it starts, keyed by its type's rule, and gives it
+// back when it ends; if another live task holds that key it does not run
+// now: it returns a *BusyError (retried later; see IsFailure) or, with
+// Config.SkipBusy, nil. On its last attempt, where asynq would archive it,
+// a copy of it (same message, new ID) is scheduled instead and the attempt
+// returns nil.
 func (d *Dedup) Middleware() asynq.MiddlewareFunc {
 	d.hb.run()
-	d.rel.run()
 	return func(next asynq.Handler) asynq.Handler {
 		return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
 			return d.process(ctx, t, next)
@@ -61,57 +59,87 @@ func (d *Dedup) Middleware() asynq.MiddlewareFunc {
 	}
 }
 
-func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) (err error) {
+func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) error {
 	id, ok1 := asynq.GetTaskID(ctx)
 	queue, ok2 := asynq.GetQueueName(ctx)
 	if !ok1 || !ok2 {
 		return next.ProcessTask(ctx, t) // not run by an asynq server
 	}
-	ref, rst, guarded, err := d.resolve(ctx, queue, id, t)
-	if err != nil {
-		return d.unlocked(ctx, "resolve", t, next, err)
-	}
 	rec := attemptOf(ctx) // nil unless a wrapper asked (WithAttempt)
-	if ref == nil {
+	l := d.attemptFor(ctx, queue, id, t)
+	if l == nil {
 		rec.set(AttemptNotLocked)
 		return next.ProcessTask(ctx, t)
 	}
+	l.rec = rec
 	rule := d.ruleFor(t.Type())
-	l := &lease{ref: *ref, st: rst, token: store.NewToken(), arrived: guarded, rec: rec}
+	if l.mustStart() {
+		if done, err := d.start(ctx, t, next, &rule, l); done {
+			return err
+		}
+	}
 	rec.locked(l)
-	st, err := d.startAttempt(ctx, l, &rule)
+	d.count(t.Type(), evStarted)
+	return d.run(ctx, t, next, &rule, l)
+}
+
+// start makes the checks of an attempt that must see its key before it
+// runs (mustStart); done reports that the attempt is answered (err), else
+// it runs.
+func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, rule *resolved, l *lease) (done bool, err error) {
+	if !d.findLock(ctx, l) {
+		return false, nil // (a plain task whose record names no lock: a Scheduler firing's)
+	}
+	st, err := d.store.Start(ctx, &store.Start{Ref: l.ref, TTL: d.ttlOf(rule), Allow: l.allows(rule), Again: l.again, Mode: l.mode})
 	switch {
 	case err != nil:
-		d.startUnknown(ctx, t, &rule, l, err)
-		return d.unlocked(ctx, "start", t, next, err)
+		return true, d.unlocked(ctx, "start", t, next, err)
 	case st.Status == store.StatusElsewhere:
-		rec.set(AttemptRefused)
-		return d.elsewhere(t, id)
+		l.rec.set(AttemptRefused)
+		return true, d.elsewhere(t, l.ref.ID)
 	case st.Status == store.StatusAllowed:
 		if !st.New {
 			d.count(t.Type(), evReleased) // RunningAllow: the key was freed as the task started
 		}
-		return d.runAllowed(ctx, t, next, rec)
-	case rule.running == RunningAllow && !guarded && st.Status == store.StatusHeld && !st.HolderRuns && !st.Released:
+		return true, d.runAllowed(ctx, t, next, l.rec)
+	case st.Status == store.StatusHeld && l.allows(rule) && !l.arrived && !st.HolderRuns && l.lost != store.LostReleased:
 		// A task accepted at enqueue of a type that runs beside a waiting
-		// task of its key: its first attempt freed the key (or its lock
-		// lapsed while it waited), and another task has taken it since and
-		// waits. It runs, as RunningAllow runs, without the lock.
-		return d.runAllowed(ctx, t, next, rec)
-	case st.Status == store.StatusCooling && guarded:
-		rec.other(AttemptBusyDropped, st.Holder)
-		return d.cooling(t, &l.ref, st.Holder, st.Cooling, st.Failed)
+		// task of its key: its first attempt freed the key, and another task
+		// has taken it since and waits. It runs, as RunningAllow runs.
+		return true, d.runAllowed(ctx, t, next, l.rec)
+	case st.Status == store.StatusCooling && st.Holder == l.ref.ID:
+		// It succeeded already, after asynq had given that attempt up: its
+		// key cools down, and the task is not run again.
+		l.rec.set(AttemptCooling)
+		d.count(t.Type(), evCooling)
+		return true, nil
+	case st.Status == store.StatusCooling && l.arrived:
+		l.rec.other(AttemptBusyDropped, st.Holder)
+		return true, d.cooling(t, &l.ref, st.Holder, st.Cooling, st.Failed)
 	case st.Status == store.StatusSuperseded:
-		rec.other(AttemptSuperseded, st.Holder)
+		l.rec.other(AttemptSuperseded, st.Holder)
 		d.count(t.Type(), evSuperseded)
-		d.log.Info("dedup: not run: the task lost its lock and its follow-up carries a newer payload", slog.String("type", t.Type()), slog.String("task_id", id), slog.String("follow_up", st.Holder))
-		return nil
+		d.log.Info("dedup: not run: asynq runs the task again, and its follow-up carries a newer payload", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("follow_up", st.Holder))
+		return true, nil
 	case st.Status != store.StatusTaken:
-		return d.busy(ctx, t, &rule, l, &st)
+		return true, d.busy(ctx, t, rule, l, &st)
 	}
-	d.count(t.Type(), evStarted)
-	l.follow, l.begun, l.cools = st.Follow, st.Begun, st.Cools
-	return d.run(ctx, t, next, &rule, l)
+	return false, nil
+}
+
+// findLock learns the lock key of a plain task (its record's unique key),
+// reporting false when it names none.
+func (d *Dedup) findLock(ctx context.Context, l *lease) bool {
+	if l.ref.Lock != "" {
+		return true
+	}
+	lock, err := d.store.LockOf(ctx, l.ref.Queue, l.ref.ID)
+	if err != nil || lock == "" {
+		return false
+	}
+	l.ref.Lock = lock
+	_, _, l.ref.FP, _ = store.ParseLockKey(lock)
+	return true
 }
 
 // runAllowed runs an attempt of a RunningAllow type, which holds no lock
@@ -121,46 +149,6 @@ func (d *Dedup) runAllowed(ctx context.Context, t *asynq.Task, next asynq.Handle
 	d.count(t.Type(), evStarted)
 	defer d.count(t.Type(), evProcessed) // (a panic too, as run counts it)
 	return next.ProcessTask(ctx, t)
-}
-
-// startAttempt makes the attempt its lock's running owner. A task the wrapper
-// locked at enqueue whose lock is not there under the Dedup's prefix may
-// have been locked under another (prefix.go): the lock the attempt just
-// made is given back, and the attempt takes the producer's.
-func (d *Dedup) startAttempt(ctx context.Context, l *lease, rule *resolved) (store.StartResult, error) {
-	cool, window := rule.lockTerms(time.Now())
-	s := &store.Start{Ref: l.ref, Token: l.token, Lease: d.cfg.Lease, Running: rule.running.code(), Cooldown: cool, FailHold: rule.failHold, Window: window}
-	if l.arrived {
-		s.KeyForm = keyForm(rule) // the key is the server's rule's; else the producer's, of a form unknown here
-	}
-	res, err := l.st.Start(ctx, s)
-	if err != nil || res.Status != store.StatusTaken || !res.New || l.st != d.store {
-		return res, err
-	}
-	if _, locked := store.ParseLockedID(l.ref.ID); !locked {
-		return res, nil
-	}
-	other, _ := d.foreignStore(ctx, &l.ref)
-	if other == nil {
-		return res, nil
-	}
-	if _, err := l.st.Finish(ctx, &store.Finish{Ref: l.ref, Token: l.token, Release: true}); err != nil {
-		d.log.Warn("dedup: could not give back a lock made under the server's own prefix; it expires within one lease", slog.String("task_id", l.ref.ID), slog.Any("error", err))
-	}
-	l.st = other
-	return other.Start(ctx, s)
-}
-
-// startUnknown settles, at the next heartbeats, an attempt whose start
-// failed: its call may still have landed (a stalled Redis, the attempt's
-// context ended while it was out), leaving the lock under the attempt's
-// token with one Lease to live. Settled as given up, the task's record
-// decides: held for asynq's retry, released if asynq archived it (a token
-// that never landed matches nothing).
-func (d *Dedup) startUnknown(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error) {
-	f := d.finishOf(ctx, t, r, l, err)
-	f.GivenUp = true
-	d.hb.retry(l.st, f)
 }
 
 // elsewhere refuses a task whose asynq record is not in the Dedup's Redis:
@@ -189,7 +177,7 @@ func (d *Dedup) unlocked(ctx context.Context, op string, t *asynq.Task, next asy
 func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule *resolved, l *lease) (err error) {
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	l.cancel = cancel
+	l.cancel, l.ttl = cancel, d.ttlOf(rule)
 	d.hb.add(l)
 	panicked := true
 	defer func() {
@@ -205,162 +193,183 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 	return err
 }
 
-// settle releases the lock or holds it for the task's next run, by asynq's
-// rules for what follows the attempt. Its errors never fail the task.
+// settle ends an attempt's hold on its key, by asynq's rule for what
+// follows the attempt, making a Redis call only where the task's policy
+// acts at that end (Settle). Its errors never fail the task.
 func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error, live bool) {
-	d.count(t.Type(), evProcessed)
-	f := d.finishOf(ctx, t, r, l, err)
-	// A release is batched off the handler's path, unless a wrapper asked
-	// what became of the lock (WithAttempt): a follow-up queued by the
-	// release is known only once it has landed.
-	if f.Release && !f.GivenUp && f.Follow == "" && f.Failure == "" && !l.cools && !l.ref.Indexed && l.st == d.store && l.rec == nil {
-		d.rel.add(release{f: *f, live: live}) // off the handler's path (releaser.go)
+	typ := t.Type()
+	d.count(typ, evProcessed)
+	s := d.settleOf(ctx, t, r, l, err)
+	if !l.calls(s.End) {
+		// asynq's scripts release the key (success, revoke) or keep it for
+		// the key's next enqueue to heal (a final failure, archived).
+		d.count(typ, evReleased)
+		l.rec.set(AttemptReleased)
 		return
 	}
-	res, ferr := l.st.Finish(context.WithoutCancel(ctx), f)
-	d.report(l.st, f, res, ferr, live)
-	l.rec.settled(res, ferr)
+	if !d.findLock(ctx, l) {
+		l.rec.set(AttemptReleased)
+		return
+	}
+	s.Ref = l.ref
+	res, serr := d.store.Settle(context.WithoutCancel(ctx), s)
+	d.report(typ, l, res, serr, live)
+	l.rec.settled(res, serr)
 }
 
-// report counts and logs how an attempt's lock was settled (f, by st),
-// and queues what the heartbeat must check again.
-func (d *Dedup) report(st *store.Store, f *store.Finish, res store.FinishResult, ferr error, live bool) {
-	typ, id := f.Ref.Type, f.Ref.ID
+// settleOf describes the end of an attempt as asynq sees it (processor.go):
+// a revoked task is done; a SkipRetry or an error on the last retry
+// archives it; any other error means a retry. Once the attempt's context
+// has ended, asynq has given the attempt up (deadline, CancelProcessing, a
+// lost lease) and ignores what the handler returns: it archives the task
+// on its last retry, else retries it.
+func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error) *store.Settle {
+	n, _ := asynq.GetRetryCount(ctx)
+	maxRetry, _ := asynq.GetMaxRetry(ctx)
+	if cerr := ctx.Err(); cerr != nil {
+		err = cerr
+		if n >= maxRetry {
+			return &store.Settle{End: store.EndFail, Err: failureText(err)}
+		}
+	}
+	s := &store.Settle{End: store.EndSuccess, TTL: d.ttlOf(r), Release: l.flags.Has(store.FlagRelease)}
 	switch {
-	case ferr != nil:
+	case err == nil:
+	case errors.Is(err, asynq.RevokeTask) && ctx.Err() == nil:
+		s.End = store.EndRevoke
+	case n >= maxRetry || (errors.Is(err, asynq.SkipRetry) && ctx.Err() == nil):
+		s.End, s.Err = store.EndFail, failureText(err)
+	default:
+		s.End, s.TTL = store.EndRetry, addLifetimes(d.cfg.RetryDelayFunc(n, err, t), d.ttlOf(r))
+	}
+	return s
+}
+
+// report counts and logs how an attempt's key was settled.
+func (d *Dedup) report(typ string, l *lease, res store.SettleResult, err error, live bool) {
+	id := l.ref.ID
+	switch {
+	case err != nil:
 		d.count(typ, evRedisError)
-		d.hb.retry(st, f)
-		d.log.Warn("dedup: could not settle lock; tried again at the next heartbeats, else it expires within one lease", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", ferr))
+		d.log.Warn("dedup: could not settle the lock at the end of an attempt", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", err))
 	case !res.Owned:
 		if live { // else the heartbeat already reported it
 			d.count(typ, evLockLost)
 		}
-		d.log.Warn("dedup: lock was no longer this attempt's at the end", slog.String("type", typ), slog.String("task_id", id))
+		d.log.Warn("dedup: lock was no longer this task's at the end", slog.String("type", typ), slog.String("task_id", id))
 	case res.Cooling:
 		d.count(typ, evCooling)
 	case res.Failed:
 		d.count(typ, evFailureHeld)
 	case res.Held:
-		if !res.Guessed || !f.Release || f.Failure == "" || f.GivenUp {
-			d.count(typ, evHeld) // (a final failure held on a guess is counted once its recheck knows)
-		}
-		switch {
-		case res.Guessed:
-			d.hb.recheck(st, f) // asynq had not decided yet: read its record again shortly
-		case res.Owes != "":
-			d.hb.watch(st, f, res.Owes) // queue the follow-up at once should the task never run again
-		}
+		d.count(typ, evHeld)
 	default:
 		d.count(typ, evReleased)
 		if res.Follow != "" {
-			d.log.Debug("dedup: follow-up released", slog.String("type", typ), slog.String("task_id", res.Follow))
+			d.log.Debug("dedup: follow-up queued", slog.String("type", typ), slog.String("task_id", res.Follow))
 		}
 	}
 }
 
-// finishOf describes the end of an attempt as asynq sees it (processor.go):
-// a revoked task is done; a SkipRetry or an error on the last retry
-// archives it; any other error means a retry. Once the attempt's context
-// has ended, asynq has given the attempt up (deadline, CancelProcessing, a
-// lost lease, shutdown) and ignores what the handler returns: it retries,
-// archives or requeues the task by itself, and its record decides.
-//
-// A deadline closer than LockTimeout may pass while the settle call is on
-// its way, before asynq hears the handler's result; asynq then takes the
-// deadline instead. Such an attempt is settled as given up too: at worst a
-// task that did complete keeps its key until the next heartbeat finds it
-// completed (and then cools down if it has a Cooldown: Succeeded says the
-// handler returned nil), never a retried task without its lock.
-func (d *Dedup) finishOf(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error) *store.Finish {
-	f := &store.Finish{Ref: l.ref, Token: l.token, Release: true, FollowTTL: d.ttlOf(r), Follow: l.follow, Succeeded: err == nil, Begun: l.begun}
-	if cerr := ctx.Err(); cerr != nil {
-		f.GivenUp = true
-		err = cerr
-	} else if dl, ok := ctx.Deadline(); ok && time.Until(dl) < d.cfg.LockTimeout {
-		f.GivenUp = true
-		err = context.DeadlineExceeded
-	}
-	if err == nil || errors.Is(err, asynq.RevokeTask) {
-		return f
-	}
+// attemptFor is what the middleware knows of an attempt's lock from the
+// task alone, with no Redis call: nil for a task nothing locks.
+func (d *Dedup) attemptFor(ctx context.Context, queue, id string, t *asynq.Task) *lease {
+	typ, h := t.Type(), t.Headers()
 	n, _ := asynq.GetRetryCount(ctx)
-	max, _ := asynq.GetMaxRetry(ctx)
-	// The hold is needed for a retry, for a task shutdown put back
-	// (finish learns that from the record, whatever the count), and for a
-	// final failure whose lock holds the key until asynq's record says so.
-	f.Hold = addLifetimes(d.cfg.RetryDelayFunc(n, err, t), d.ttlOf(r))
-	f.Release = n >= max || errors.Is(err, asynq.SkipRetry)
-	f.Failure = failureText(err) // (used by a release: asynq archives the task)
-	return f
+	l := &lease{ref: store.Ref{Queue: queue, ID: id, Type: typ}, kind: store.KindOf(id), lost: h[store.HeaderLost], again: n > 0}
+	if v, ok := h[store.HeaderLock]; ok {
+		flags, lock, optedOut, valid := store.ParseLockHeader(v)
+		switch {
+		case optedOut:
+			return nil
+		case valid:
+			l.flags, l.ref.Lock = flags, lock
+			_, _, l.ref.FP, _ = store.ParseLockKey(lock)
+			return l
+		}
+		d.log.Warn("dedup: task carries a malformed lock header; treated as arriving without a lock", slog.String("type", typ), slog.String("task_id", id))
+	}
+	switch l.kind {
+	case store.IDOptOut:
+		return nil
+	case store.IDPlain, store.IDKept: // its record names its lock (LockOf)
+		return l
+	case store.IDAgain: // a busy arrival's copy: the key its original met
+		fp, _ := store.ParseAgainID(id)
+		l.ref.FP, l.ref.Lock = fp, d.store.Keys().Lock(queue, fp)
+		return d.arrival(l, t)
+	}
+	return d.guard(l, t)
 }
 
-// resolve finds the lock of the task being run, and the Store of the
-// prefix it is under; nil for none. guarded reports a task that arrived
-// without a lock (the execution-time guard keys it by its type's rule), or
-// a copy of one that met a busy key on its last attempt (the copy of a
-// task locked at enqueue keeps that standing).
-func (d *Dedup) resolve(ctx context.Context, queue, id string, t *asynq.Task) (ref *store.Ref, st *store.Store, guarded bool, err error) {
-	typ := t.Type()
-	if fp, ok := store.ParseLockedID(id); ok {
-		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, false, nil
-	}
-	if fp, ok := store.ParseAgainID(id); ok { // a busy arrival's copy: the key its original met
-		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, true, nil
-	}
-	if fp, ok := store.ParseKeptID(id); ok { // the copy of a busy task locked at enqueue
-		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}, d.store, false, nil
-	}
-	if store.IsOptOutID(id) {
-		return nil, nil, false, nil
-	}
-	// A caller-chosen ID: the wrapper left an index to its lock.
-	fp, found, err := d.store.IndexOf(ctx, queue, id)
-	switch {
-	case err != nil:
-		return nil, nil, false, err
-	case found && fp == store.OptOutMark:
-		return nil, nil, false, nil // enqueued with Skip under a caller-chosen ID
-	case found:
-		return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ, Indexed: true}, d.store, false, nil
-	}
-	ref = &store.Ref{Queue: queue, ID: id, Type: typ, Indexed: true}
-	switch other, optOut := d.foreignStore(ctx, ref); { // indexed under a producer's other prefix
-	case optOut:
-		return nil, nil, false, nil
-	case other != nil:
-		return ref, other, false, nil
-	}
-	return d.guardRef(queue, id, t), d.store, true, nil
-}
-
-// guardRef is the lock the execution-time guard takes for a task that
-// arrives without one (asynq.Scheduler, other services), or nil.
-func (d *Dedup) guardRef(queue, id string, t *asynq.Task) *store.Ref {
+// guard keys a task that arrives without a lock by its type's rule (the
+// execution-time guard), or returns nil.
+func (d *Dedup) guard(l *lease, t *asynq.Task) *lease {
 	typ := t.Type()
 	r := d.ruleFor(typ)
-	if d.cfg.NoExecutionGuard || !d.active(&r) {
+	if d.cfg.NoExecutionGuard || !d.active(&r) || store.Reserved(l.ref.ID) {
 		return nil
 	}
 	fp, err := d.fingerprintHex(typ, t.Payload(), &r)
 	if err != nil {
-		d.log.Warn("dedup: cannot key task at execution; running it unguarded", slog.String("type", typ), slog.String("task_id", id), slog.Any("error", err))
+		d.log.Warn("dedup: cannot key task at execution; running it unguarded", slog.String("type", typ), slog.String("task_id", l.ref.ID), slog.Any("error", err))
 		d.count(typ, evUnguarded)
 		return nil
 	}
-	return &store.Ref{Queue: queue, FP: fp, ID: id, Type: typ}
+	l.ref.FP, l.ref.Lock = fp, d.store.Keys().Lock(l.ref.Queue, fp)
+	return d.arrival(l, t)
 }
 
-// lease is one running attempt registered with the heartbeat.
+// arrival completes the lease of a task that arrived without a lock: it
+// takes one at start by its type's rule, which its end gives back.
+func (d *Dedup) arrival(l *lease, t *asynq.Task) *lease {
+	r := d.ruleFor(t.Type())
+	tm := termsOf(&r, l.ref.Type, l.ref.ID, time.Now(), true)
+	l.arrived, l.flags, l.mode = true, tm.flags, tm.mode
+	return l
+}
+
+// lease is one attempt the middleware runs under a lock.
 type lease struct {
-	ref     store.Ref
-	st      *store.Store // of the prefix its lock is under: the Dedup's, unless prefix.go found another
-	arrived bool         // the task arrived without a lock (the execution-time guard keyed it)
-	token   string
-	follow  string // the follow-up its lock owed when it started
-	begun   bool   // started by the begin script: its lock held nothing else then
-	cools   bool   // its lock has a cooldown (the producer's, perhaps): a success settles on the handler's path
+	ref     store.Ref // Lock "" for a plain task until findLock reads it
+	kind    store.IDKind
+	flags   store.Flags // what the task's policy does at start and end (modes.go)
+	mode    []any       // a task that arrived without a lock: the mode record of the key it takes
+	arrived bool        // arrived without a lock: the execution-time guard keyed it
+	again   bool        // asynq runs the task again (retried before)
+	lost    string      // the task lost its key while it waited (store.HeaderLost)
+	ttl     time.Duration
 	cancel  context.CancelCauseFunc
 	rec     *Attempt // what the middleware did, for a wrapper (WithAttempt); nil: not asked
+}
+
+// mustStart reports whether the attempt checks its key before it runs.
+func (l *lease) mustStart() bool {
+	return l.arrived || l.again || l.lost != "" || l.kind == store.IDFollow || l.kind == store.IDKept ||
+		l.flags.Has(store.FlagStart) || l.flags.Has(store.FlagAllow)
+}
+
+// allows reports whether the task runs without its lock (RunningAllow):
+// the producer's flag, or the server's rule for a task that arrived
+// without a lock.
+func (l *lease) allows(r *resolved) bool {
+	return l.flags.Has(store.FlagAllow) || (l.arrived && r.running == RunningAllow)
+}
+
+// calls reports whether an attempt that ended so settles its key with a
+// Redis call: only where the task's policy acts at that end, or for a
+// retry (the key is held for it).
+func (l *lease) calls(end string) bool {
+	f := l.flags
+	switch end {
+	case store.EndSuccess:
+		return f.Has(store.FlagCool) || f.Has(store.FlagDefer) || f.Has(store.FlagRelease)
+	case store.EndRevoke:
+		return f.Has(store.FlagDefer) || f.Has(store.FlagRelease)
+	case store.EndFail:
+		return f.Has(store.FlagFail) || f.Has(store.FlagDefer)
+	}
+	return true
 }
 
 func (l *lease) String() string { return fmt.Sprintf("%s@%s:%s", l.ref.ID, l.ref.Queue, l.ref.FP) }

@@ -2,9 +2,11 @@ package dedup
 
 import (
 	"context"
+	"maps"
 	"log/slog"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -37,6 +39,9 @@ func (c *Client) relocate(ctx context.Context, k *call, info *asynq.TaskInfo) (R
 		return created(info, nil)
 	}
 	m := k.movedTo(d, info)
+	if err := m.markTask(); err != nil {
+		return Result{}, err
+	}
 	res, n, err := c.lock(ctx, m)
 	if n != enqueue {
 		return res, err
@@ -50,17 +55,23 @@ func (k *call) movedTo(d *Dedup, info *asynq.TaskInfo) *call {
 	m.queue, m.explicitQueue, m.relocated = info.Queue, true, true
 	m.pass = append(k.pass[:len(k.pass):len(k.pass)], asynq.Queue(info.Queue))
 	m.ref.Queue = info.Queue
+	m.ref.Lock = d.store.Keys().Lock(info.Queue, k.ref.FP)
 	m.acquire.Ref = m.ref
-	m.acquire.Direct, m.acquire.DueAt = false, 0
+	m.acquire.Direct, m.acquire.DueAt, m.acquire.Unique = false, 0, false
+	m.acquire.Value = store.WrapValue(m.ref.ID, time.Now())
 	m.acquire.TTL = waitTTL(d.ttlOf(&k.rule), info.NextProcessAt)
 	m.acquire.Now = time.Now()
 	m.locked, m.self = true, false
+	// asynq's client stores it again: its record will not name the lock.
+	m.terms = termsOf(&m.rule, m.typ, m.ref.ID, m.acquire.Now, true)
+	m.acquire.Mode = m.terms.mode
+	m.headers = maps.Clone(k.headers)
 	return &m
 }
 
 // unlockMoved gives back the lock the call took in the queue it asked for.
 func (c *Client) unlockMoved(ctx context.Context, k *call) {
-	if _, err := c.d.store.Unlock(ctx, &k.ref, k.acquire.MaxPending > 0); err != nil {
+	if _, err := c.d.store.Unlock(ctx, &k.ref, k.acquire.Value); err != nil {
 		c.d.count(k.typ, evRedisError)
 	}
 }

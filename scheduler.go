@@ -371,9 +371,7 @@ func (e *schedEntry) firing(at time.Time, hold time.Duration) (*asynq.Task, []as
 		asynq.Queue(e.queue),
 		OnConflict(Reject),
 		Key(e.id+"@"+strconv.FormatInt(at.Unix(), 10)),
-		Cooldown(hold),
-		OnFailure(FailHold, hold), // a firing whose task fails for good stays taken too
-		coolAfterAnyEnd(),         // and one revoked
+		firingHold(hold), // held until it expires, whatever its task does
 	)
 	return asynq.NewTaskWithHeaders(e.typ, e.payload, h), opts
 }

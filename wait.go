@@ -9,6 +9,7 @@ import (
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 var (
@@ -67,7 +68,7 @@ var waitBackoff = Backoff{Min: 25 * time.Millisecond, Max: time.Second}
 //     good gives ErrTaskFailed, and the caller decides whether to enqueue
 //     again.
 func (d *Dedup) WaitResult(ctx context.Context, queue, taskID string) (*asynq.TaskInfo, error) {
-	return d.waitResult(ctx, queue, taskID, nil)
+	return d.waitResult(ctx, queue, taskID, "", nil)
 }
 
 // WaitHolder is WaitResult for the task named by a duplicate's error:
@@ -82,12 +83,13 @@ func (d *Dedup) WaitHolder(ctx context.Context, dup *DuplicateTaskError) (*asynq
 	if dup == nil {
 		return nil, fmt.Errorf("%w: WaitHolder: nil DuplicateTaskError", ErrInvalidOption)
 	}
-	return d.waitResult(ctx, dup.Queue, dup.TaskID, nil)
+	return d.waitResult(ctx, dup.Queue, dup.TaskID, dup.Key, nil)
 }
 
-// waitResult is WaitResult; onPoll, if not nil, is told each state seen
-// (0 for a task not found while its lock names it), for tests.
-func (d *Dedup) waitResult(ctx context.Context, queue, taskID string, onPoll func(asynq.TaskState)) (*asynq.TaskInfo, error) {
+// waitResult is WaitResult for the task holding the lock key ("" when not
+// known); onPoll, if not nil, is told each state seen (0 for a task not
+// found while it may still be stored), for tests.
+func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPoll func(asynq.TaskState)) (*asynq.TaskInfo, error) {
 	if queue == "" || taskID == "" {
 		return nil, fmt.Errorf("%w: WaitResult needs a queue and a task ID", ErrInvalidOption)
 	}
@@ -115,7 +117,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID string, onPoll fun
 				return info, fmt.Errorf("%w: task %s in queue %q was archived; last error: %s", ErrTaskFailed, taskID, queue, info.LastErr)
 			}
 		case errors.Is(err, asynq.ErrTaskNotFound), errors.Is(err, asynq.ErrQueueNotFound):
-			locked, lerr := d.lockNames(ctx, queue, taskID)
+			locked, lerr := d.lockNames(ctx, key, taskID)
 			if lerr != nil {
 				if ctx.Err() == nil {
 					lastErr = lerr
@@ -125,7 +127,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID string, onPoll fun
 			if missing.IsZero() {
 				missing = time.Now()
 			}
-			if !locked || time.Since(missing) > d.cfg.HealGrace {
+			if !locked || time.Since(missing) > d.cfg.HealGrace || (key == "" && time.Since(missing) > unknownGrace) {
 				return nil, fmt.Errorf("%w: task %s in queue %q: %w", ErrResultUnavailable, taskID, queue, err)
 			}
 			if onPoll != nil {
@@ -155,18 +157,26 @@ func waitCtxErr(taskID string, ctxErr, lastErr error) error {
 	return fmt.Errorf("dedup: wait for task %s: %w", taskID, ctxErr)
 }
 
-// lockNames reports whether the lock of taskID (found from a wrapper-chosen
-// ID, or from the index of a caller-chosen one) still names it as owner:
-// then asynq is about to store the task.
-func (d *Dedup) lockNames(ctx context.Context, queue, taskID string) (bool, error) {
-	fp, ok := store.ParseLockedID(taskID)
-	if !ok {
-		v, found, err := d.store.IndexOf(ctx, queue, taskID)
-		if err != nil || !found {
-			return false, err
-		}
-		fp = v
+// unknownGrace is how long WaitResult waits for a missing task whose lock
+// it does not know: long enough for a producer one round trip from storing
+// it (asynq's client, after the lock).
+const unknownGrace = time.Second
+
+// lockNames reports whether the lock at key ("" unknown: maybe) names
+// taskID as a holder whose task its producer has yet to store (a lock
+// taken before asynq's client stores the task): then asynq is about to
+// store it.
+func (d *Dedup) lockNames(ctx context.Context, key, taskID string) (bool, error) {
+	if key == "" {
+		return true, nil
 	}
-	owner, found, err := d.store.OwnerOf(ctx, queue, fp)
-	return found && owner == taskID, err
+	v, err := d.store.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return rdb.Get(c, key).Result()
+	})
+	if errors.Is(err, redis.Nil) {
+		return false, nil
+	}
+	s, _ := v.(string)
+	p := store.ParseValue(s)
+	return err == nil && p.Holder == taskID && p.Kind == store.HoldWrap, err
 }

@@ -85,9 +85,6 @@ func (h *Handler) release(ctx context.Context, w http.ResponseWriter, r *http.Re
 		return &httpError{http.StatusConflict, err.Error()}
 	}
 	lines := []string{"released " + l.Key + " (type " + l.Type + ", owner " + l.Owner + ", " + l.State + ", " + l.TTL + " left)"}
-	if res.IndexKey != "" {
-		lines = append(lines, "deleted index key "+res.IndexKey)
-	}
 	lines = append(lines, res.Notes...)
 	v := resultView{base: h.base("Released"), OK: true, Lines: lines, Back: h.opts.RootPath + "/locks"}
 	return h.render(w, http.StatusOK, "result", v)

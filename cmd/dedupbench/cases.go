@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/asynq-dedup/dedup/internal/store"
 	"runtime/pprof"
 	"strconv"
 	"sync"
@@ -54,7 +53,7 @@ func (e *env) cleanup(ctx context.Context, q string) error {
 	if err := e.insp.DeleteQueue(q, true); err != nil && !errors.Is(err, asynq.ErrQueueNotFound) {
 		return fmt.Errorf("delete queue %s: %w", q, err)
 	}
-	for _, pat := range []string{"asynq:{" + q + "}:*", dedupPrefix + ":{" + q + "}:*", store.PrefixesKey(q)} {
+	for _, pat := range []string{"asynq:{" + q + "}:*", dedupPrefix + ":{" + q + "}:*"} {
 		if _, err := unlinkMatching(ctx, e.rdb, pat); err != nil {
 			return fmt.Errorf("unlink %s: %w", pat, err)
 		}

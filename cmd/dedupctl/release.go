@@ -23,7 +23,6 @@ type releaseOutput struct {
 	TaskState      string   `json:"task_state"`
 	TTLms          int64    `json:"ttl_ms"` // what was left
 	FollowUp       string   `json:"follow_up,omitempty"`
-	IndexKeyRemove string   `json:"index_key_deleted,omitempty"`
 	Notes          []string `json:"notes,omitempty"`
 }
 
@@ -81,14 +80,11 @@ func release(a *app, ctx context.Context, c *conn, t *lockview.Target, l *lockIn
 		return err
 	}
 	out := releaseOutput{Released: true, Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, State: l.State,
-		TaskState: l.TaskState, TTLms: l.TTLms, FollowUp: l.FollowUp, IndexKeyRemove: res.IndexKey, Notes: res.Notes}
+		TaskState: l.TaskState, TTLms: l.TTLms, FollowUp: l.FollowUp, Notes: res.Notes}
 	if a.g.json {
 		return writeJSON(a.stdout, out)
 	}
 	fmt.Fprintf(a.stdout, "released %s (type %s, owner %s, %s, %s left)\n", l.Key, orDash(l.Type), l.Owner, l.State, l.TTL)
-	if out.IndexKeyRemove != "" {
-		fmt.Fprintf(a.stdout, "deleted index key %s\n", out.IndexKeyRemove)
-	}
 	for _, n := range out.Notes {
 		fmt.Fprintf(a.stdout, "note: %s\n", n)
 	}

@@ -59,8 +59,8 @@ archived means the lock is orphaned: the library heals it at the key's next
 enqueue.
 
 KEY is a lock key, ` + lockKeyForm + `, as list prints
-it. With --task the lock is found from a task ID: dd-<fingerprint>-<random>
-IDs carry the fingerprint, and caller-chosen IDs have an index key.`,
+it. With --task the lock is found from a task ID: the task's asynq record
+names its lock.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
 			s := &selector{}
 			s.register(fs, "to show")
@@ -103,17 +103,17 @@ func printShow(w io.Writer, o *showOutput, now time.Time) {
 	case "other":
 		row("--task", o.Task+" does not hold this lock")
 	}
+	if o.Hold != "" {
+		row("value", o.Hold)
+	}
 	if o.Created > 0 {
 		c := time.Unix(o.Created, 0).UTC()
-		row("created", c.Format(time.RFC3339)+" ("+fmtDuration(now.Sub(c))+" ago)")
+		row("taken", c.Format(time.RFC3339)+" ("+fmtDuration(now.Sub(c))+" ago, before its task was stored)")
 	}
 	row("TTL left", o.TTL)
 	row("coalesced", fmt.Sprintf("%d", o.Coalesced))
 	if o.FollowUpTask != nil {
 		row("follow-up", o.FollowUpTask.ID+": "+o.FollowUpTask.Note)
-	}
-	if o.FollowUpKey != "" {
-		row("follow-up key", o.FollowUpKey)
 	}
 	if o.RunningPolicy != "" {
 		row("running policy", o.RunningPolicy)
@@ -133,8 +133,8 @@ func printShow(w io.Writer, o *showOutput, now time.Time) {
 	if o.WaitingSet != "" {
 		row("waiting set", o.WaitingSet)
 	}
-	if o.IndexKey != "" {
-		row("index key", o.IndexKey)
+	if o.ModeKey != "" {
+		row("mode record", o.ModeKey)
 	}
 	names := make([]string, 0, len(o.Fields))
 	for k := range o.Fields {

@@ -11,7 +11,6 @@ import (
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
-	"github.com/redis/go-redis/v9"
 )
 
 // Target is a resolved lock key.
@@ -68,14 +67,17 @@ func taskQueues(src Source, task, queue string) ([]string, error) {
 func findTaskLocks(ctx context.Context, src Source, keys store.Keys, queues []string, task string) ([]*Target, error) {
 	var found []*Target
 	for _, q := range queues {
-		tl, err := store.FindLock(ctx, src.RDB, keys, q, task)
+		lock, optedOut, err := store.TaskLockOf(ctx, src.RDB, q, task)
 		switch {
 		case err != nil:
 			return nil, err
-		case tl.OptOut:
+		case optedOut:
 			return nil, fmt.Errorf("task %q in queue %s was enqueued with deduplication off (dedup.Skip): it has no lock", task, q)
-		case tl.Found:
-			found = append(found, &Target{Key: keys.Lock(q, tl.FP), Queue: q, FP: tl.FP, Task: task})
+		case lock == "":
+			continue
+		}
+		if lq, fp, ok := keys.ParseLock(lock); ok && lq == q {
+			found = append(found, &Target{Key: lock, Queue: q, FP: fp, Task: task})
 		}
 	}
 	return found, nil
@@ -87,10 +89,7 @@ func noTaskLock(keys store.Keys, task, queue string, queues []string) error {
 	if queue == "" {
 		where = "any queue (" + strings.Join(queues, ", ") + ")"
 	}
-	if fp, ok := store.ParseLockedID(task); ok {
-		return fmt.Errorf("no such lock: task %q would hold %s in %s, and there is none", task, keys.Lock("<queue>", fp), where)
-	}
-	return fmt.Errorf("no such lock: no index key %s for task %q in %s (the task was not enqueued through the dedup wrapper with its own ID, or its lock is gone)", keys.Index("<queue>", task), task, where)
+	return fmt.Errorf("no such lock: task %q in %s names no lock of prefix %q (it was not enqueued through a dedup Client, or its record is gone; find its lock by key instead)", task, where, keys.Prefix())
 }
 
 // pickMine chooses among the locks found for a task: the same work may be
@@ -219,16 +218,15 @@ func taskNote(info *asynq.TaskInfo, now time.Time) string {
 	return note
 }
 
-// Detail is one lock in full: what asynq and the side keys say about it.
+// Detail is one lock in full: what asynq and its mode record say about it.
 type Detail struct {
 	Info
 	OwnerTask      *TaskInfo `json:"owner_task"`
 	FollowUpTask   *TaskInfo `json:"follow_up_task,omitempty"`
-	FollowUpKey    string    `json:"follow_up_key,omitempty"` // <prefix>:{q}:f:<fp>, when present
+	ModeKey        string    `json:"mode_key,omitempty"` // <prefix>:{q}:m:<fp>, when the key has a mode record
 	RunningPolicy  string    `json:"running_policy,omitempty"`
 	PayloadVersion string    `json:"payload_version,omitempty"`
 	WaitingSet     string    `json:"waiting_set,omitempty"`
-	IndexKey       string    `json:"index_key,omitempty"`
 	OnFailure      string    `json:"on_failure,omitempty"` // the failure policy recorded (OnFailure), "" for release
 	LastError      string    `json:"last_error,omitempty"` // a lock held after its owner failed for good: the owner's last error
 	Window         string    `json:"window,omitempty"`     // a period key's window, "start – end" (RFC 3339, UTC)
@@ -236,8 +234,8 @@ type Detail struct {
 	TaskRole       string    `json:"task_role,omitempty"`  // owner, follow-up or other
 }
 
-// Describe adds what asynq and the side keys say about a lock.
-func Describe(ctx context.Context, src Source, prefix string, l *Info, t *Target) (*Detail, error) {
+// Describe adds what asynq and the mode record say about a lock.
+func Describe(_ context.Context, src Source, prefix string, l *Info, t *Target) (*Detail, error) {
 	insp := asynq.NewInspectorFromRedisClient(src.RDB)
 	out := &Detail{Info: *l, Task: t.Task}
 	var err error
@@ -250,20 +248,22 @@ func Describe(ctx context.Context, src Source, prefix string, l *Info, t *Target
 	case store.LockFailed:
 		out.OwnerTask.Note = out.OwnerTask.State + " (it failed for good; the key is held, OnFailure)"
 	}
+	if l.lock.Kind == store.HoldFiring && l.State == store.LockCooling {
+		out.OwnerTask.Note = out.OwnerTask.State + " (a Scheduler firing's key: held until its window ends)"
+	}
 	describePolicies(l, out)
 	if l.FollowUp != "" {
 		if out.FollowUpTask, err = InspectTask(insp, l.Queue, l.FollowUp, time.Now()); err != nil {
 			return nil, err
 		}
 	}
-	out.RunningPolicy = runningPolicy(l.lock.RunningPolicy())
+	out.RunningPolicy = runningPolicy(l.lock.Running())
 	out.PayloadVersion = l.Fields[store.FieldFolds] // the fold count doubles as the merge version
-	keys := store.NewKeys(prefix)
 	if l.lock.Bounded() {
-		out.WaitingSet = keys.Wait(l.Queue, l.lock.WaitType())
+		out.WaitingSet = store.NewKeys(prefix).Wait(l.Queue, l.lock.WaitType())
 	}
-	if err := describeSideKeys(ctx, src, keys, l, out); err != nil {
-		return nil, err
+	if l.Fields != nil {
+		out.ModeKey = store.ModeOf(l.Key)
 	}
 	switch {
 	case t.Task == "":
@@ -277,44 +277,17 @@ func Describe(ctx context.Context, src Source, prefix string, l *Info, t *Target
 	return out, nil
 }
 
-func runningPolicy(rp string) string {
+// runningPolicy says a running policy in words.
+func runningPolicy(rp store.Running) string {
 	switch rp {
-	case string(store.RunAllow):
-		return "allow (a)"
-	case string(store.RunDefer):
-		return "defer (d)"
+	case store.RunAllow:
+		return "allow"
+	case store.RunDefer:
+		return "defer"
+	case store.RunReplace:
+		return "defer (replace: a retry gives way to the follow-up)"
 	}
-	return rp
-}
-
-// describeSideKeys adds the owner's index key (when it points to this
-// lock) and the key's follow-up pointer, with the follow-up a dead run left
-// owed.
-func describeSideKeys(ctx context.Context, src Source, keys store.Keys, l *Info, out *Detail) error {
-	if _, ok := store.ParseLockedID(l.Owner); !ok {
-		ik := keys.Index(l.Queue, l.Owner)
-		if v, err := src.RDB.Get(ctx, ik).Result(); err == nil && v == l.Fingerprint {
-			out.IndexKey = ik
-		} else if err != nil && !errors.Is(err, redis.Nil) {
-			return err
-		}
-	}
-	fk := keys.Follow(l.Queue, l.Fingerprint)
-	v, err := src.RDB.Get(ctx, fk).Result()
-	if errors.Is(err, redis.Nil) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	out.FollowUpKey = fk
-	if l.FollowUp == "" && v != "" {
-		// A follow-up owed by a run that died: the next enqueue adopts it.
-		if out.FollowUpTask, err = InspectTask(asynq.NewInspectorFromRedisClient(src.RDB), l.Queue, v, time.Now()); err != nil {
-			return err
-		}
-	}
-	return nil
+	return ""
 }
 
 // describePolicies adds the lock's failure policy, the last error of an

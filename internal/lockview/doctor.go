@@ -32,11 +32,15 @@ type Report struct {
 	Released int       `json:"released"`
 	Grace    string    `json:"grace"`
 	Young    []Finding `json:"left_alone"` // orphans younger than the grace: not released
+
+	grace time.Duration
 }
 
-// Doctor checks every lock of prefix that passes f against its owner's
-// record (store.Diagnose) and, with fix, releases those whose owner cannot
-// run, owner-checked (store.ReleaseStuck).
+// Doctor checks every lock of prefix that passes f against its holder's
+// record (store.Diagnose) and, with fix, releases those no task and no
+// policy keeps: the holder cannot run, and the key is not held on purpose
+// (a cooldown, a failure hold, a firing's window), holder-checked
+// (store.ReleaseStuck).
 func Doctor(ctx context.Context, src Source, prefix string, f Filter, grace time.Duration, fix bool) (*Report, error) {
 	s, err := NewScanner(ctx, src, prefix, f, 500)
 	if err != nil {
@@ -50,7 +54,7 @@ func Doctor(ctx context.Context, src Source, prefix string, f Filter, grace time
 	if err != nil {
 		return nil, err
 	}
-	out := &Report{Prefix: prefix, Checked: len(ls), Findings: []Finding{}, Grace: FmtDuration(grace), Young: []Finding{}}
+	out := &Report{Prefix: prefix, Checked: len(ls), Findings: []Finding{}, Grace: FmtDuration(grace), Young: []Finding{}, grace: grace}
 	for _, d := range young {
 		f := findingOf(d)
 		f.Detail += fmt.Sprintf(", lock younger than --grace %s: its task may not be stored yet", out.Grace)
@@ -65,16 +69,16 @@ func Doctor(ctx context.Context, src Source, prefix string, f Filter, grace time
 	return out, nil
 }
 
-// Fix releases the findings that keep selects, owner-checked and only if
-// their owner still cannot run (store.ReleaseStuck), and records each
-// outcome in its finding.
+// Fix releases the findings that keep selects, holder-checked and only if
+// their holder still cannot run and no policy holds the key
+// (store.ReleaseStuck), and records each outcome in its finding.
 func (r *Report) Fix(ctx context.Context, src Source, keep func(*Finding) bool) {
 	for i := range r.Findings {
 		f := &r.Findings[i]
 		if !keep(f) {
 			continue
 		}
-		fixOne(ctx, src, r.Prefix, f.lock, f)
+		fixOne(ctx, src, r.grace, f.lock, f)
 		if f.Released {
 			r.Released++
 		}
@@ -82,19 +86,19 @@ func (r *Report) Fix(ctx context.Context, src Source, keep func(*Finding) bool) 
 }
 
 // fixOne releases one lock found stuck, and records the outcome in f.
-func fixOne(ctx context.Context, src Source, prefix string, l *store.Lock, f *Finding) {
-	res, err := store.ReleaseStuck(ctx, src.RDB, store.NewKeys(prefix), l)
+func fixOne(ctx context.Context, src Source, grace time.Duration, l *store.Lock, f *Finding) {
+	res, err := store.ReleaseKey(ctx, src.RDB, &store.Release{Lock: l.Key, Queue: l.Queue, Type: l.WaitType(), How: store.ReleaseStuck, Holder: l.Owner, Grace: grace})
 	switch {
 	case err != nil:
 		f.Error = err.Error()
 	case res.Released:
-		f.Released, f.FollowUp = true, res.FollowUp
-	case res.Gone:
+		f.Released, f.FollowUp = true, res.Queued
+	case res.Kept != "":
+		f.Error = "kept: " + res.Kept + " (its holder can run now, or a policy holds the key)"
+	case res.Holder == "":
 		f.Error = "gone meanwhile"
-	case res.Runnable != "":
-		f.Error = "its owner can run now (" + res.Runnable + ")"
 	default:
-		f.Error = "changed owner meanwhile, to " + res.Owner
+		f.Error = "changed holder meanwhile, to " + res.Holder
 	}
 }
 

@@ -77,9 +77,6 @@ func NotLockKey(prefix, key string) error {
 			return fmt.Errorf("not a dedup lock key of prefix %q: %q (its prefix is %q: pass --prefix %s)", prefix, key, other, other)
 		}
 	}
-	if q, id, ok := store.NewKeys(prefix).ParseIndex(key); ok {
-		return fmt.Errorf("not a dedup lock key: %q is the index key of task %q (use --task %s --queue %s)", key, id, id, q)
-	}
 	return fmt.Errorf("not a dedup lock key: %q (want %s)", key, store.NewKeys(prefix).Lock("<queue>", "<16 or 32 hex digits>"))
 }
 
@@ -91,15 +88,16 @@ type Info struct {
 	Type        string            `json:"type"`
 	KeyedOn     string            `json:"keyed_on,omitempty"` // how the key was chosen: field names, never values
 	Owner       string            `json:"owner"`
+	Hold        string            `json:"hold,omitempty"` // the lock's value, when it holds the key past its task ("~c:…" cooling, "~f:…" failed, "~x:…" a firing's)
 	State       string            `json:"state"`      // running, waiting, retry-wait, cooling or orphaned
 	TaskState   string            `json:"task_state"` // the owner's state in asynq; "missing" when it is gone
 	TTLms       int64             `json:"ttl_ms"`     // -1: no expiry
 	TTL         string            `json:"ttl"`
 	Coalesced   int64             `json:"coalesced"`
 	FollowUp    string            `json:"follow_up,omitempty"`
-	Created     int64             `json:"created,omitempty"` // unix seconds
+	Created     int64             `json:"created,omitempty"` // unix seconds, for a lock taken before its task was stored
 	Node        string            `json:"node,omitempty"`    // cluster master that holds it
-	Fields      map[string]string `json:"fields,omitempty"`  // show only: the raw hash
+	Fields      map[string]string `json:"fields,omitempty"`  // show only: the mode record
 
 	lock *store.Lock // as read
 }
@@ -110,7 +108,10 @@ func (i *Info) Raw() *store.Lock { return i.lock }
 // InfoOf presents a lock read by store.ReadLocks.
 func InfoOf(l *store.Lock) *Info {
 	li := &Info{Key: l.Key, Queue: l.Queue, Fingerprint: l.FP, Type: l.Type, Owner: l.Owner, State: l.State(),
-		TaskState: l.TaskState, Coalesced: l.Folds, FollowUp: l.Follow, Created: l.Created, Fields: l.Fields, lock: l}
+		TaskState: l.TaskState, Coalesced: l.Folds, FollowUp: l.Follow, Created: l.Taken, Fields: l.Fields, lock: l}
+	if store.ParseValue(l.Value).HeldOnPurpose() {
+		li.Hold = l.Value
+	}
 	if l.KeyForm != "" {
 		li.KeyedOn = store.DescribeKeyForm(l.KeyForm)
 	}

@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"sync"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -151,4 +152,21 @@ func pipeFault(rs []batchRes) error {
 		}
 	}
 	return nil
+}
+
+// eachGroup calls do for every group, concurrently when there are several
+// (so that one node's slow call delays only its own group), and returns
+// when all are done.
+func eachGroup[K comparable](groups map[K][]int, do func(idx []int)) {
+	if len(groups) == 1 {
+		for _, idx := range groups {
+			do(idx)
+		}
+		return
+	}
+	var wg sync.WaitGroup
+	for _, idx := range groups {
+		wg.Go(func() { do(idx) })
+	}
+	wg.Wait()
 }

@@ -44,6 +44,7 @@ const (
 	fieldRetry     protowire.Number = 5
 	fieldTimeout   protowire.Number = 8
 	fieldDeadline  protowire.Number = 9
+	fieldUniqueKey protowire.Number = 10
 	fieldRetention protowire.Number = 12
 	fieldHeaders   protowire.Number = 15
 )
@@ -60,6 +61,7 @@ type Message struct {
 	Timeout   time.Duration // whole seconds are stored
 	Deadline  time.Time     // unix seconds are stored; zero: none
 	Retention time.Duration // whole seconds are stored
+	UniqueKey string        // the lock asynq's scripts release with the task ("" none)
 }
 
 // Encode marshals m the way asynq's client does (proto3: zero values
@@ -90,6 +92,7 @@ func (m *Message) Encode() []byte {
 	if !m.Deadline.IsZero() {
 		varint(fieldDeadline, m.Deadline.Unix())
 	}
+	str(fieldUniqueKey, m.UniqueKey)
 	varint(fieldRetention, int64(m.Retention/time.Second))
 	for k, v := range m.Headers {
 		var e []byte
@@ -126,6 +129,63 @@ func typeField(typ string) []byte {
 func MessageType(msg string) string {
 	typ, _, _ := decodeTypePayload([]byte(msg))
 	return typ
+}
+
+// MessageHeaders returns the headers of a stored TaskMessage (nil if there
+// are none, or msg is not one).
+func MessageHeaders(b []byte) map[string]string {
+	var h map[string]string
+	for len(b) > 0 {
+		num, wt, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return h
+		}
+		b = b[n:]
+		if num != fieldHeaders || wt != protowire.BytesType {
+			m := protowire.ConsumeFieldValue(num, wt, b)
+			if m < 0 {
+				return h
+			}
+			b = b[m:]
+			continue
+		}
+		e, m := protowire.ConsumeBytes(b)
+		if m < 0 {
+			return h
+		}
+		b = b[m:]
+		k, v := mapEntry(e)
+		if h == nil {
+			h = map[string]string{}
+		}
+		h[k] = v
+	}
+	return h
+}
+
+// mapEntry reads the key and value of an encoded map<string, string> entry.
+func mapEntry(e []byte) (k, v string) {
+	for len(e) > 0 {
+		num, wt, n := protowire.ConsumeTag(e)
+		if n < 0 {
+			return k, v
+		}
+		e = e[n:]
+		m := protowire.ConsumeFieldValue(num, wt, e)
+		if m < 0 {
+			return k, v
+		}
+		if wt == protowire.BytesType {
+			s, _ := protowire.ConsumeBytes(e)
+			if num == 1 {
+				k = string(s)
+			} else if num == 2 {
+				v = string(s)
+			}
+		}
+		e = e[m:]
+	}
+	return k, v
 }
 
 // decodeTypePayload reads the type and payload of a TaskMessage.

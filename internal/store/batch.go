@@ -18,13 +18,11 @@ import (
 // slot is busy are batched. One goroutine therefore sees plain single round
 // trips, and 64 see pipelines of tens of calls.
 //
-// Who sends a batch depends on the client. If it applies context deadlines
-// to socket reads (go-redis Options.ContextTimeoutEnabled), the caller that
-// finds a free slot sends the batch itself (its own call first, then every
-// call waiting at that moment), so no goroutine is woken for a lone call.
-// Otherwise a stalled Redis would hold that caller past LockTimeout, so a
-// fixed set of sender goroutines sends the batches while each caller waits
-// for its reply or its deadline, whichever comes first.
+// The caller that finds a free slot sends the batch itself (its own call
+// first, then every call waiting at that moment), so no goroutine is woken
+// for a lone call. The Store's client cuts a call off at its context's
+// deadline on the socket (ContextTimeoutEnabled), so a stalled Redis holds
+// no caller past LockTimeout.
 //
 // Invariants: at most `slots` batches are in flight; a request is handed
 // over by an unbuffered send, so it is never queued where no sender will see
@@ -64,47 +62,33 @@ type batcher struct {
 	rdb     redis.UniversalClient
 	max     int
 	timeout time.Duration // bounds each call and each pipeline
-	lead    bool          // callers send batches themselves (ContextTimeoutEnabled)
-	slot    chan struct{} // lead mode: one token per batch in flight
+	slot    chan struct{} // one token per batch in flight
 	reqs    chan *batchReq
 	stopped chan struct{}
 	once    sync.Once
-	wg      sync.WaitGroup // sender goroutines (not in lead mode)
-	batches sync.Pool      // *[]*batchReq
+	batches sync.Pool // *[]*batchReq
 }
 
-func newBatcher(rdb redis.UniversalClient, max int, timeout time.Duration, lead bool) *batcher {
-	b := &batcher{rdb: rdb, max: max, timeout: timeout, lead: lead,
+func newBatcher(rdb redis.UniversalClient, max int, timeout time.Duration) *batcher {
+	b := &batcher{rdb: rdb, max: max, timeout: timeout, slot: make(chan struct{}, slots),
 		reqs: make(chan *batchReq), stopped: make(chan struct{})}
 	b.batches.New = func() any { s := make([]*batchReq, 0, max); return &s }
-	if lead {
-		b.slot = make(chan struct{}, slots)
-		return b
-	}
-	b.wg.Add(slots)
-	for range slots {
-		go b.send()
-	}
 	return b
 }
 
 // do runs s, bounded by timeout and ctx. ok is false when the batcher is
 // stopped and did not send the call: the caller must then make it itself.
-// (In lead mode a caller that finds a free slot still sends: that needs no
-// goroutine of the batcher's.)
 //
 // The deadline is a pooled timer rather than a context.WithTimeout per call:
 // under load that allocation and its cancellation were a tenth of the
 // producer's CPU per enqueue.
 func (b *batcher) do(ctx context.Context, s *redis.Script, keys []string, args []any) (v any, err error, ok bool) {
 	req := &batchReq{ctx: ctx, s: s, keys: keys, args: args, done: make(chan batchRes, 1)}
-	if b.lead {
-		select {
-		case b.slot <- struct{}{}: // a free slot, the common case when calls are few
-			v, err := b.lead1(req)
-			return v, err, true
-		default:
-		}
+	select {
+	case b.slot <- struct{}{}: // a free slot, the common case when calls are few
+		v, err := b.lead1(req)
+		return v, err, true
+	default:
 	}
 	t := timers.Get().(*time.Timer)
 	t.Reset(b.timeout)
@@ -113,7 +97,7 @@ func (b *batcher) do(ctx context.Context, s *redis.Script, keys []string, args [
 		timers.Put(t)
 	}()
 	select {
-	case b.slot <- struct{}{}: // nil channel unless in lead mode
+	case b.slot <- struct{}{}:
 		v, err := b.lead1(req)
 		return v, err, true
 	case b.reqs <- req:
@@ -152,39 +136,8 @@ var timers = sync.Pool{New: func() any {
 	return t
 }}
 
-// stop ends the senders after they have answered every request handed over.
-//
-// It waits at most the call timeout: a sender stuck in a read of a hung
-// Redis (a client without ContextTimeoutEnabled ignores deadlines there)
-// ends when go-redis's own ReadTimeout fires, after stop has returned.
-func (b *batcher) stop() {
-	b.once.Do(func() { close(b.stopped) })
-	done := make(chan struct{})
-	go func() {
-		b.wg.Wait()
-		close(done)
-	}()
-	t := time.NewTimer(b.timeout)
-	defer t.Stop()
-	select {
-	case <-done:
-	case <-t.C:
-	}
-}
-
-// send is a sender goroutine: it takes one request, then every request
-// waiting at that moment (up to max), and sends them as one batch.
-func (b *batcher) send() {
-	defer b.wg.Done()
-	for {
-		select {
-		case r := <-b.reqs:
-			b.collect(r)
-		case <-b.stopped:
-			return
-		}
-	}
-}
+// stop makes later calls go straight to Redis.
+func (b *batcher) stop() { b.once.Do(func() { close(b.stopped) }) }
 
 // collect sends first together with the requests waiting now (up to max)
 // and answers them all.

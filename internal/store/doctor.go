@@ -9,10 +9,10 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Problems of a lock whose owner cannot run, as Diagnose names them.
+// Problems of a lock no task and no policy keeps, as Diagnose names them.
 const (
-	ProblemGone     = "gone" // the owner's record is missing, completed or archived (and the lock is not cooling down)
-	ProblemNotThere = "lost" // the owner's record names a state whose list or set does not hold it: asynq never runs it
+	ProblemGone     = "gone" // the holder's record is missing, completed or archived
+	ProblemNotThere = "lost" // the holder's record names a state whose list or set does not hold it: asynq never runs it
 )
 
 // Diagnosis is what Diagnose found about one lock.
@@ -22,45 +22,59 @@ type Diagnosis struct {
 	Detail  string
 }
 
-// Diagnose finds, among locks read by ReadLocks, those whose owner cannot
-// run: its asynq record is gone (missing, completed, archived; a cooling
-// lock is held on purpose), or its state names a list or set (pending,
-// scheduled, retry, active) that does not hold it, as after a slot
-// migration that dropped a list. Each owner's state and place are read
-// together, atomically (lua/diagnose.lua), so a task asynq moves meanwhile
-// is never taken for lost. A lock younger than grace whose owner is gone
-// is not found but young, unless it was written with its task: the task
-// may not be stored yet. One pipelined round trip (per node on a cluster).
-func Diagnose(ctx context.Context, c redis.Cmdable, ls []*Lock, grace time.Duration, now time.Time) (found, young []Diagnosis, err error) {
-	sc := scripts().diagnose
-	cmds := make([]*redis.Cmd, len(ls))
-	_, err = c.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, l := range ls {
-			if l.State() == LockCooling {
-				continue
-			}
-			q := l.Queue
-			keys := []string{TaskKey(q, l.Owner), PendingKey(q), ActiveKey(q), ScheduledKey(q), RetryKey(q)}
-			cmds[i] = sc.Eval(ctx, p, keys, l.Owner)
-		}
-		return nil
-	})
-	if err != nil && !errors.Is(err, redis.Nil) {
-		return nil, nil, fmt.Errorf("check the owners: %w", err)
+// Diagnose finds, among locks read by ReadLocks, those that no task and no
+// policy keeps: a lock held on purpose (cooling, failed, a firing's) never
+// is one; else its holder's asynq record is gone (missing, completed,
+// archived), or its state names a list or set (pending, scheduled, retry,
+// active) that does not hold it, as after a slot migration that dropped a
+// list. Each holder's state and place are read together, in one MULTI, so
+// a task asynq moves meanwhile is never taken for lost. A lock taken
+// before its task was stored, younger than grace, whose holder has no
+// record is not found but young: the task may not be stored yet. One
+// pipelined round trip (per slot on a cluster).
+func Diagnose(ctx context.Context, c redis.UniversalClient, ls []*Lock, grace time.Duration, now time.Time) (found, young []Diagnosis, err error) {
+	type read struct {
+		state        *redis.StringCmd
+		pending, act *redis.IntCmd
+		sched, retry *redis.FloatCmd
+		checked      bool
 	}
-	for i, cmd := range cmds {
-		if cmd == nil {
+	reads := make([]read, len(ls))
+	for i, l := range ls {
+		if ParseValue(l.Value).HeldOnPurpose() {
 			continue
 		}
-		v, err := cmd.Result()
-		if err != nil {
-			return nil, nil, fmt.Errorf("check %s: %w", ls[i].Key, err)
+		q, id, r := l.Queue, l.Owner, &reads[i]
+		_, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
+			r.state = p.HGet(ctx, TaskKey(q, id), "state")
+			r.pending = p.LPos(ctx, PendingKey(q), id, redis.LPosArgs{})
+			r.act = p.LPos(ctx, ActiveKey(q), id, redis.LPosArgs{})
+			r.sched = p.ZScore(ctx, ScheduledKey(q), id)
+			r.retry = p.ZScore(ctx, RetryKey(q), id)
+			return nil
+		})
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return nil, nil, fmt.Errorf("check %s: %w", l.Key, err)
 		}
-		rep, err := parseReply(v)
-		if err != nil {
-			return nil, nil, fmt.Errorf("check %s: %w", ls[i].Key, err)
+		r.checked = true
+	}
+	for i, r := range reads {
+		if !r.checked {
+			continue
 		}
-		switch d, bad := diagnosis(ls[i], rep.str(0), rep.str(1) == "1", grace, now); {
+		state := r.state.Val()
+		there := true // (a state that names no list or set: completed, archived, aggregating)
+		switch state {
+		case StatePending:
+			there = r.pending.Err() == nil
+		case StateActive:
+			there = r.act.Err() == nil
+		case StateScheduled:
+			there = r.sched.Err() == nil
+		case StateRetry:
+			there = r.retry.Err() == nil
+		}
+		switch d, bad := diagnosis(ls[i], state, there, grace, now); {
 		case bad:
 			found = append(found, d)
 		case d.Lock != nil:
@@ -70,19 +84,19 @@ func Diagnose(ctx context.Context, c redis.Cmdable, ls []*Lock, grace time.Durat
 	return found, young, nil
 }
 
-// diagnosis judges one lock from its owner's state and whether that
-// state's list or set holds it: bad, or (not bad, with its Lock set) an
-// orphan younger than grace.
+// diagnosis judges one lock from its holder's state and whether that
+// state's list or set holds it: bad, or (not bad, with its Lock set) a lock
+// younger than grace whose task may not be stored yet.
 func diagnosis(l *Lock, state string, there bool, grace time.Duration, now time.Time) (Diagnosis, bool) {
 	switch {
 	case state == "" || Gone(state):
 		if state == "" {
 			state = "missing"
 		}
-		young := l.Fields[FieldStored] == "" && now.Sub(time.Unix(l.Created, 0)) < grace
-		return Diagnosis{Lock: l, Problem: ProblemGone, Detail: "owner " + state}, !young
+		young := l.Kind == HoldWrap && state == "missing" && now.Sub(time.Unix(l.Taken, 0)) < grace
+		return Diagnosis{Lock: l, Problem: ProblemGone, Detail: "holder " + state}, !young
 	case !there:
-		return Diagnosis{Lock: l, Problem: ProblemNotThere, Detail: fmt.Sprintf("owner %s but not in asynq's %s list or set", state, state)}, true
+		return Diagnosis{Lock: l, Problem: ProblemNotThere, Detail: fmt.Sprintf("holder %s but not in asynq's %s list or set", state, state)}, true
 	}
 	return Diagnosis{}, false
 }

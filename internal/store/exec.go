@@ -14,12 +14,11 @@ import (
 type Config struct {
 	Prefix      string
 	LockTimeout time.Duration // bound of every call
-	HealGrace   time.Duration // a younger lock is never treated as orphaned
-	Lease       time.Duration // a running lock's lifetime; follow-ups stay parked two leases
+	HealGrace   time.Duration // a lock taken before its task was stored is never orphaned younger
 	MaxBatch    int           // most script calls per pipeline; < 0: no batching
-	// Recheck bounds how long plain rejections of a lock marked v are
-	// answered from the lock alone after its owner's record was last read
-	// (0: DefaultRecheck; < 0: read it on every rejection).
+	// Recheck bounds how long plain rejections of a key are answered from
+	// the lock alone after its holder's record was last read (0:
+	// DefaultRecheck; < 0: read it on every rejection).
 	Recheck          time.Duration
 	BreakerThreshold int // consecutive failures that open the breaker; < 0: no breaker
 	// BreakerWait is how long the breaker stays open after opens earlier
@@ -30,39 +29,44 @@ type Config struct {
 	Logger         *slog.Logger
 }
 
+// DefaultRecheck bounds how long a process answers a plain rejection from
+// the lock alone after it last read the holder's record (Config.Recheck):
+// a hot key's rejections do not each pay for that read, and a holder that
+// has gone frees the key within this time.
+const DefaultRecheck = time.Second
+
 // Store is the library's one path to Redis: every call goes through the
 // circuit breaker of its node and is bounded by Config.LockTimeout;
 // concurrent script calls for one node share pipelines (batch.go,
-// shard.go). It is safe for concurrent use.
+// shard.go). Its client should cut calls at their context's deadline
+// (go-redis's ContextTimeoutEnabled), so that every call runs on its
+// caller's goroutine and a hung Redis holds none past LockTimeout. It is
+// safe for concurrent use.
 type Store struct {
-	rdb        redis.UniversalClient
-	keys       Keys
-	cfg        Config
-	sc         *scriptSet
-	sh         *shards
-	hints      hintCache
-	published  sync.Map // queues registered by PublishQueue
-	registered sync.Map // queues whose PrefixesKey holds this Store's prefix (acquire adds it)
-	pruned     sync.Map // waiting set → when and on what counts PruneWaiting last checked it (pruneCheck)
+	rdb       redis.UniversalClient
+	keys      Keys
+	cfg       Config
+	sc        *scriptSet
+	sh        *shards
+	hints     hintCache
+	published sync.Map // queues registered by PublishQueue
+	pruned    sync.Map // waiting set → when and on what counts PruneWaiting last checked it (pruneCheck)
 
-	// socketBound: the client cuts a call off at its context's deadline on
-	// the socket (go-redis ContextTimeoutEnabled), so a call can run on the
-	// caller's goroutine. Otherwise a hung Redis would hold it for the
-	// client's ReadTimeout (3 s by default) and its retries, so it runs on
-	// another goroutine that the caller leaves at LockTimeout.
-	socketBound bool
-
-	bg *beginner // the begin calls of concurrent attempts (begin.go)
+	// bounded: the client cuts a call at its context's deadline; else (a
+	// client of a kind the caller could not copy with ContextTimeoutEnabled)
+	// a call runs on another goroutine that its caller leaves at the
+	// deadline, and calls are not batched.
+	bounded bool
 }
 
-// New returns a Store over rdb. It does not take ownership of rdb.
+// New returns a Store over rdb, which should have ContextTimeoutEnabled. It
+// does not take ownership of rdb.
 func New(rdb redis.UniversalClient, cfg Config) *Store {
 	if cfg.Recheck == 0 {
 		cfg.Recheck = DefaultRecheck
 	}
-	s := &Store{rdb: rdb, keys: NewKeys(cfg.Prefix), cfg: cfg, sc: scripts(), socketBound: contextTimeouts(rdb)}
+	s := &Store{rdb: rdb, keys: NewKeys(cfg.Prefix), cfg: cfg, sc: scripts(), bounded: ContextTimeouts(rdb)}
 	s.sh = newShards(rdb, s.newShard)
-	s.bg = newBeginner(s)
 	return s
 }
 
@@ -70,22 +74,24 @@ func New(rdb redis.UniversalClient, cfg Config) *Store {
 func (s *Store) newShard() *shard {
 	cfg := &s.cfg
 	sh := &shard{br: &breaker{threshold: cfg.BreakerThreshold, wait: cfg.BreakerWait, log: cfg.Logger, onOpen: cfg.OnBreakerOpen}}
-	if cfg.MaxBatch > 0 {
-		sh.batch = newBatcher(s.rdb, cfg.MaxBatch, cfg.LockTimeout, s.socketBound)
+	if cfg.MaxBatch > 0 && s.bounded {
+		sh.batch = newBatcher(s.rdb, cfg.MaxBatch, cfg.LockTimeout)
 	}
 	return sh
 }
 
-// Close stops the batchers' goroutines; later calls go straight to Redis.
-// It does not close the Redis client.
+// Close makes later calls go straight to Redis. It does not close the
+// Redis client.
 func (s *Store) Close() {
-	s.bg.stopLoop()
 	for _, sh := range s.sh.all() {
 		if sh.batch != nil {
 			sh.batch.stop()
 		}
 	}
 }
+
+// Client is the Store's Redis client.
+func (s *Store) Client() redis.UniversalClient { return s.rdb }
 
 // Keys returns the key names of this Store's prefix.
 func (s *Store) Keys() Keys { return s.keys }
@@ -173,11 +179,11 @@ func (s *Store) guard(ctx context.Context, sh *shard, send func() (any, error)) 
 	return v, err
 }
 
-// direct makes one call from this goroutine's side, bounded by LockTimeout.
+// direct makes one call, bounded by LockTimeout.
 func (s *Store) direct(ctx context.Context, fn func(context.Context) (any, error)) (any, error) {
 	lctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
 	defer cancel()
-	if s.socketBound {
+	if s.bounded {
 		return fn(lctx)
 	}
 	return abandonable(lctx, fn)
@@ -218,30 +224,12 @@ func (s *Store) Pipelined(ctx context.Context, route string, fn func(p redis.Pip
 	return cmds, err
 }
 
-func ms(d time.Duration) int64 {
-	m := d.Milliseconds()
-	if m < 1 {
-		m = 1 // PX 0 is an error in Redis
-	}
-	return m
-}
-
-// graceSeconds is HealGrace in whole seconds, at least 1.
-func (s *Store) graceSeconds() int64 { return max(int64(s.cfg.HealGrace/time.Second), 1) }
-
-// parkSeconds is how long a Defer follow-up stays parked without a
-// heartbeat: two leases, so a live run always renews it in time and a dead
-// one releases it soon.
-func (s *Store) parkSeconds() int64 {
-	return max(int64((2*s.cfg.Lease+time.Second-1)/time.Second), 2)
-}
-
 // Batching reports whether concurrent script calls share pipelines.
 func (s *Store) Batching() bool { return s.sh.one.batch != nil }
 
-// contextTimeouts reports whether the client honours context deadlines on
-// its socket reads (go-redis's Options.ContextTimeoutEnabled).
-func contextTimeouts(rdb redis.UniversalClient) bool {
+// ContextTimeouts reports whether a client cuts calls at their context's
+// deadline on the socket (go-redis's Options.ContextTimeoutEnabled).
+func ContextTimeouts(rdb redis.UniversalClient) bool {
 	switch c := rdb.(type) {
 	case *redis.Client:
 		return c.Options().ContextTimeoutEnabled
@@ -251,4 +239,12 @@ func contextTimeouts(rdb redis.UniversalClient) bool {
 		return c.Options().ContextTimeoutEnabled
 	}
 	return false
+}
+
+// flag encodes a boolean script argument: "1" or "".
+func flag(b bool) string {
+	if b {
+		return "1"
+	}
+	return ""
 }

@@ -7,13 +7,12 @@ import (
 
 // hintCache remembers, per lock, the holder and follow-up the last script
 // reply named, so that the next call on the key can pass the keys of their
-// asynq records (roles H, J, G) at once instead of learning them from a
+// asynq records (roles H, G) at once instead of learning them from a
 // statusNeed reply, one round trip later, and can leave out the task it
 // would store with a free key: a key last seen held is likely held still.
 // A wrong or missing hint costs a round trip, nothing else: the scripts
-// check every hint against the lock, and a key taken without its task is
-// enqueued through asynq's client. Memory is bounded: each shard keeps at most
-// hintsPerShard locks and forgets an arbitrary one to make room.
+// check every hint against the lock. Memory is bounded: each shard keeps at
+// most hintsPerShard locks and forgets an arbitrary one to make room.
 type hintCache struct {
 	seed   maphash.Seed
 	once   sync.Once
@@ -32,44 +31,12 @@ type hintShard struct {
 	m  map[string]hint
 }
 
-// hint is what a lock held at the last reply: its owner as stored, and its
-// follow-up ("" for none), with what the scripts' arguments need of them,
-// worked out once.
+// hint is what a lock held at the last reply: its holder and its follow-up
+// ("" for none), whole task IDs.
 type hint struct {
 	holder, follow string
-
-	holderID, holderTask     string // the holder's task ID and asynq record
-	followStored, followTask string // the follow-up as stored, and its asynq record
-	read                     bool   // the last call on the key had to read the holder's record
-	checked                  int64  // when a reply last read the holder's record (unix ns; 0: never)
-	cached                   bool   // read from the cache (not from a reply of this call)
-}
-
-func newHint(r *Ref, holder, follow string) hint {
-	h := hint{holder: holder, follow: follow}
-	if holder != "" {
-		h.holderID = UnpackOwner(holder, r.FP)
-		h.holderTask = TaskKey(r.Queue, h.holderID)
-	}
-	if follow != "" {
-		h.followStored = PackOwner(follow, r.FP)
-		h.followTask = TaskKey(r.Queue, follow)
-	}
-	return h
-}
-
-// id returns the task ID a reply names as s (as stored, or whole for a
-// follow-up), without unpacking the hint's own.
-func (h *hint) id(r *Ref, s string) string {
-	switch {
-	case s == "":
-		return ""
-	case s == h.holder:
-		return h.holderID
-	case s == h.follow:
-		return s
-	}
-	return UnpackOwner(s, r.FP)
+	checked        int64 // when a reply last found the holder's record live (unix ns; 0: never)
+	cached         bool  // read from the cache (not from a reply of this call)
 }
 
 func (c *hintCache) shard(lockKey string) *hintShard {
@@ -91,7 +58,7 @@ func (c *hintCache) put(lockKey string, h hint) {
 	sh.mu.RLock()
 	old, ok := sh.m[lockKey]
 	sh.mu.RUnlock()
-	if ok && old.holder == h.holder && old.follow == h.follow && old.read == h.read && old.checked == h.checked {
+	if ok && old.holder == h.holder && old.follow == h.follow && old.checked == h.checked {
 		return
 	}
 	sh.mu.Lock()

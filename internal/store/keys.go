@@ -15,15 +15,14 @@ import (
 // own keys do, so a lock lives in the Redis Cluster slot of its queue, next
 // to asynq's records of that queue, and one script can use both:
 //
-//	<prefix>:{<queue>}:l:<fingerprint>  lock (a hash, see record.go)
-//	<prefix>:{<queue>}:i:<task ID>      index: fingerprint of a caller-chosen task ID's lock, or OptOutMark
+//	<prefix>:{<queue>}:u:<fingerprint>  the lock: a string naming its holder (value.go); the
+//	                                    holder's asynq record names it as its unique key
+//	<prefix>:{<queue>}:m:<fingerprint>  the key's mode record, a hash (record.go), for keys
+//	                                    whose policy keeps state beside the lock
 //	<prefix>:{<queue>}:w:<task type>    waiting keys of a type (MaxPending), a sorted set of fingerprints
-//	<prefix>:{<queue>}:f:<fingerprint>  follow-up task owed to the key (RunningDefer)
-//	<prefix>:{<queue>}:s:<task ID>      superseded: the follow-up carrying a newer payload than this task (Replace with RunningDefer)
 //	<prefix>:stats:types                set of the task types with flushed counters (no hash tag)
 //	<prefix>:stats:type:<task type>     one type's flushed counters, a hash of event name → total
 //	<prefix>:stats:min:<minute>:<type>  what one type's flushes added in one minute (unix minutes), a hash of event name → count, kept MinuteStatsTTL
-//	dedup:{<queue>}:prefixes            set of the prefixes whose locks are in the queue (PrefixesKey)
 //
 // The prefix may not contain braces (Config validates it), so the hash tag
 // is always the queue's.
@@ -38,26 +37,28 @@ func (k Keys) Prefix() string { return k.prefix }
 // (Each key is one concatenation: one allocation.)
 
 // Lock is the lock of fingerprint fp in queue.
-func (k Keys) Lock(queue, fp string) string { return k.prefix + ":{" + queue + "}:l:" + fp }
-
-// Index is the index key of a caller-chosen task ID.
-func (k Keys) Index(queue, id string) string { return k.prefix + ":{" + queue + "}:i:" + id }
+func (k Keys) Lock(queue, fp string) string { return k.prefix + ":{" + queue + "}:u:" + fp }
 
 // Wait is the set of a type's keys waiting in queue (MaxPending).
 func (k Keys) Wait(queue, typ string) string { return k.prefix + ":{" + queue + "}:w:" + typ }
 
-// Follow is the pointer to the follow-up task owed to a key (RunningDefer).
-func (k Keys) Follow(queue, fp string) string { return k.prefix + ":{" + queue + "}:f:" + fp }
+// lockMark is what separates a lock key's queue from its fingerprint.
+const lockMark = "}:u:"
 
-// Superseded marks a task whose follow-up carries a newer payload (Replace
-// with RunningDefer): if the task starts again after losing its lock (its
-// worker died), the follow-up has run or will, and it must not.
-func (k Keys) Superseded(queue, id string) string { return k.prefix + ":{" + queue + "}:s:" + id }
+// ModeOf is the mode record of the lock at lock (whatever its prefix).
+func ModeOf(lock string) string {
+	i := strings.LastIndex(lock, lockMark)
+	if i < 0 {
+		return lock + ":m"
+	}
+	return lock[:i] + "}:m:" + lock[i+len(lockMark):]
+}
 
-// PrefixesKey is the set of the key prefixes of the Stores that lock
-// tasks of queue (whatever their own prefix, it starts with "dedup"): a
-// server whose prefix is not its producers' finds their locks through it.
-func PrefixesKey(queue string) string { return "dedup:{" + queue + "}:prefixes" }
+// WaitOf is the waiting set of typ beside the lock at lock.
+func WaitOf(lock, typ string) string {
+	prefix, queue, _, _ := ParseLockKey(lock)
+	return NewKeys(prefix).Wait(queue, typ)
+}
 
 // StatsTypes is the set of the task types that have flushed counters.
 func (k Keys) StatsTypes() string { return k.prefix + ":stats:types" }
@@ -97,35 +98,35 @@ func (k Keys) LockPattern(queue string) string {
 	if queue != "" {
 		q = globEscape(queue)
 	}
-	return globEscape(k.prefix) + ":{" + q + "}:l:*"
+	return globEscape(k.prefix) + ":{" + q + lockMark + "*"
 }
 
-// ParseLock splits a lock key into its queue and fingerprint. The
-// fingerprint is read from the end, so queue names holding braces or ":l:"
-// still parse.
+// ParseLock splits a lock key of this prefix into its queue and
+// fingerprint.
 func (k Keys) ParseLock(key string) (queue, fp string, ok bool) {
-	head := k.prefix + ":{"
-	if !strings.HasPrefix(key, head) {
+	prefix, queue, fp, ok := ParseLockKey(key)
+	if !ok || prefix != k.prefix {
 		return "", "", false
+	}
+	return queue, fp, true
+}
+
+// ParseLockKey splits a lock key of any prefix. The fingerprint is read
+// from the end and the prefix up to the first ":{", so queue names holding
+// braces or the lock mark still parse.
+func ParseLockKey(key string) (prefix, queue, fp string, ok bool) {
+	i := strings.Index(key, ":{")
+	if i < 1 {
+		return "", "", "", false
 	}
 	for _, n := range []int{16, 32} {
-		end := len(key) - n - len("}:l:")
-		if end <= len(head) || key[end:end+4] != "}:l:" || !IsFingerprint(key[end+4:]) {
+		end := len(key) - n - len(lockMark)
+		if end <= i+2 || key[end:end+len(lockMark)] != lockMark || !IsFingerprint(key[end+len(lockMark):]) {
 			continue
 		}
-		return key[len(head):end], key[end+4:], true
+		return key[:i], key[i+2 : end], key[end+len(lockMark):], true
 	}
-	return "", "", false
-}
-
-// ParseIndex splits an index key into its queue and task ID.
-func (k Keys) ParseIndex(key string) (queue, id string, ok bool) {
-	rest, ok := strings.CutPrefix(key, k.prefix+":{")
-	if !ok {
-		return "", "", false
-	}
-	queue, id, ok = strings.Cut(rest, "}:i:")
-	return queue, id, ok && queue != "" && id != ""
+	return "", "", "", false
 }
 
 // PrefixOf guesses the prefix of what looks like a key of this layout (the
@@ -153,7 +154,7 @@ func globEscape(s string) string {
 // asynq v0.26.0's keys (its internal/base), in the queue's slot.
 
 // TaskKey is asynq's hash of one task: fields "msg" (the TaskMessage
-// protobuf, see asynq.go), "state", "pending_since", ...
+// protobuf, see asynq.go), "state", "pending_since", "unique_key" ...
 func TaskKey(queue, id string) string { return "asynq:{" + queue + "}:t:" + id }
 
 // PendingKey is asynq's list of a queue's pending task IDs.
@@ -176,25 +177,14 @@ func ProcessedKey(queue string) string { return "asynq:{" + queue + "}:processed
 // QueuesKey is asynq's set of queue names.
 const QueuesKey = "asynq:queues"
 
-// Ref names one lock and the task that owns or wants it.
+// Ref names one lock and the task that holds or wants it.
 type Ref struct {
-	Queue   string
-	FP      string // fingerprint, hex
-	ID      string // task ID
-	Type    string // task type
-	Indexed bool   // the ID is caller-chosen: an index key leads to the lock
+	Queue string
+	FP    string // fingerprint, hex
+	ID    string // task ID
+	Type  string // task type
+	Lock  string // the lock's key (another prefix's, for a task whose producer used one)
 }
 
-// LockOf is the key of r's lock.
-func (k Keys) LockOf(r *Ref) string { return k.Lock(r.Queue, r.FP) }
-
-// stored is r's task ID as its lock record stores it.
-func (r *Ref) stored() string { return PackOwner(r.ID, r.FP) }
-
-// direct reports whether r is a task the wrapper locked at enqueue under
-// an ID of its own (NewLockedID for r's key): the lock begin and done
-// settle in the common case.
-func (r *Ref) direct() bool {
-	fp, ok := ParseLockedID(r.ID)
-	return ok && fp == r.FP && !r.Indexed
-}
+// Mode is the key of r's mode record.
+func (r *Ref) Mode() string { return ModeOf(r.Lock) }

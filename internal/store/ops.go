@@ -4,53 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 )
 
 // Reads and writes outside the scripts, each one Redis command through the
 // guarded path.
-
-// IndexOf reads the index key of a caller-chosen task ID: the fingerprint
-// of its lock, or OptOutMark. found is false when there is none.
-func (s *Store) IndexOf(ctx context.Context, queue, id string) (fp string, found bool, err error) {
-	key := s.keys.Index(queue, id)
-	v, err := s.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
-		return rdb.Get(c, key).Result()
-	})
-	if errors.Is(err, redis.Nil) {
-		return "", false, nil
-	}
-	fp, _ = v.(string)
-	return fp, err == nil, err
-}
-
-// OwnerOf reads the owner of the lock of fp in queue; found is false when
-// there is no lock.
-func (s *Store) OwnerOf(ctx context.Context, queue, fp string) (id string, found bool, err error) {
-	key := s.keys.Lock(queue, fp)
-	v, err := s.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
-		return rdb.HGet(c, key, FieldOwner).Result()
-	})
-	if errors.Is(err, redis.Nil) {
-		return "", false, nil
-	}
-	if err != nil {
-		return "", false, err
-	}
-	stored, _ := v.(string)
-	return UnpackOwner(stored, fp), true, nil
-}
-
-// MarkOptOut records that the caller-chosen task ID id was enqueued without
-// deduplication, for ttl, so the middleware does not lock it when it runs
-// (lua/optout.lua); unless a task with that ID exists (asynq refuses the
-// enqueue then), whose index it leaves as it is.
-func (s *Store) MarkOptOut(ctx context.Context, queue, id string, ttl time.Duration) error {
-	_, err := s.run(ctx, s.sc.optout, []string{s.keys.Index(queue, id), TaskKey(queue, id)}, ms(ttl))
-	return err
-}
 
 // Withdraw deletes task id of queue if it waits (pending or scheduled) and
 // no worker took it (lua/withdraw.lua): a task an enqueuer stored where
@@ -152,67 +111,3 @@ func (s *Store) StoredTask(ctx context.Context, queue, id string) (typ string, p
 	return typ, payload, state, true, nil
 }
 
-// OtherPrefixes reads the prefixes registered for queue but this Store's.
-func (s *Store) OtherPrefixes(ctx context.Context, queue string) ([]string, error) {
-	key := PrefixesKey(queue)
-	v, err := s.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
-		return rdb.SMembers(c, key).Result()
-	})
-	if err != nil {
-		return nil, err
-	}
-	all, _ := v.([]string)
-	out := all[:0]
-	for _, p := range all {
-		if p != s.keys.prefix {
-			out = append(out, p)
-		}
-	}
-	return out, nil
-}
-
-// ForeignLock finds, among prefixes, the one whose locks the task of r
-// belongs with: for an ID the wrapper chose (its fingerprint r.FP), the
-// prefix under which the key has a lock, whoever holds it (the task's
-// own, or the one it waits behind: the key lives there); for a
-// caller-chosen ID (r.Indexed), the one under which the ID has an index,
-// whose fingerprint it returns, or optOut when that index is an opt-out
-// mark. It returns "" when none has.
-func (s *Store) ForeignLock(ctx context.Context, r *Ref, prefixes []string) (prefix, fp string, optOut bool, err error) {
-	route := TaskKey(r.Queue, r.ID) // (every key is in the queue's slot)
-	v, err := s.Do(ctx, route, func(c context.Context, rdb redis.Cmdable) (any, error) {
-		cmds := make([]redis.Cmder, len(prefixes))
-		_, err := rdb.Pipelined(c, func(p redis.Pipeliner) error {
-			for i, pre := range prefixes {
-				k := NewKeys(pre)
-				if r.Indexed {
-					cmds[i] = p.Get(c, k.Index(r.Queue, r.ID))
-				} else {
-					cmds[i] = p.Exists(c, k.Lock(r.Queue, r.FP))
-				}
-			}
-			return nil
-		})
-		if err != nil && !errors.Is(err, redis.Nil) {
-			return nil, err
-		}
-		return cmds, nil
-	})
-	if err != nil {
-		return "", "", false, err
-	}
-	cmds, _ := v.([]redis.Cmder)
-	for i, c := range cmds {
-		switch c := c.(type) {
-		case *redis.StringCmd:
-			if got := c.Val(); c.Err() == nil && (IsFingerprint(got) || got == OptOutMark) {
-				return prefixes[i], got, got == OptOutMark, nil
-			}
-		case *redis.IntCmd:
-			if c.Err() == nil && c.Val() == 1 {
-				return prefixes[i], r.FP, false, nil
-			}
-		}
-	}
-	return "", "", false, nil
-}

@@ -12,32 +12,26 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// The lock record: a hash at Keys.Lock with these fields. The Lua scripts
-// use the same names.
+// The mode record: a hash at ModeOf(lock), kept beside a key whose policy
+// needs state the lock's value cannot carry, and written only by those
+// policies. It is about one holder (FieldHolder): a record about another
+// task than the lock's holder is stale, and read as empty. The scripts use
+// the same names.
 const (
-	FieldOwner    = "id"  // owner task ID, packed (PackOwner)
-	FieldCreated  = "c"   // when the owner took the lock, unix seconds (heal grace)
-	FieldToken    = "tok" // the running attempt's token; present while an attempt runs
-	FieldRunning  = "rp"  // running policy: "a" allow, "d" defer; absent: reject
-	FieldBounded  = "b"   // counted in the waiting set (Keys.Wait) of this type ("1" in locks of the earlier layout)
-	FieldFolds    = "n"   // enqueues folded into the key; Merge's version
-	FieldFollow   = "f"   // the follow-up task owed to the key (RunningDefer), whole ID
-	FieldStored   = "v"   // written with its owner's asynq record (no enqueue gap): heals without the grace
-	FieldCoolEnd  = "cd"  // the end of the key's cooldown, unix milliseconds: kept till then if the task succeeds
-	FieldCooling  = "k"   // the owner succeeded and the key cools down until the lock expires
-	FieldType     = "ty"  // the task type the key was taken for
-	FieldKeyForm  = "kf"  // how the key was chosen (KeyForm): field names, never values
-	FieldFailHold = "fh"  // what a final failure of the owner does (FailHold): absent release, "-1" hold until released, else hold this many ms
-	FieldError    = "e"   // a lock held after its owner failed for good (FieldCooling "f"): the owner's last error
-	FieldWindow   = "pw"  // a period key's window, "start:end" in unix milliseconds (Window)
-	FieldCoolAll  = "ca"  // "1": the cooldown follows any end of the task but a final failure, a revoke too (Scheduler firings)
+	FieldHolder   = "id" // the task the record is about
+	FieldType     = "ty" // the task type the key was taken for
+	FieldKeyForm  = "kf" // how the key was chosen (KeyForm): field names, never values
+	FieldCoolEnd  = "cd" // the end of the key's cooldown, unix ms: held till then if the task succeeds (Cooldown, Period)
+	FieldWindow   = "pw" // a period key's window, "start:end" in unix ms (Window)
+	FieldFailHold = "fh" // what a final failure does (FailHold): "-1" hold until released, else hold this many ms
+	FieldRunning  = "rp" // running policy (Running): "a" allow, "d" defer, "r" defer with Replace
+	FieldFollow   = "f"  // the follow-up task owed to the key (RunningDefer)
+	FieldFolds    = "n"  // enqueues folded into the holder (Replace, Merge); Merge's version
+	FieldError    = "e"  // the holder's last error, once it failed for good and holds the key
+	FieldBounded  = "b"  // the type whose waiting set counts the key (MaxPending)
 )
 
-// CoolingFailed is FieldCooling's value in a lock held after its owner
-// failed for good (OnFailure); any other value is a cooldown after success.
-const CoolingFailed = "f"
-
-// FailHold encodes a failure hold as locks and scripts carry it: 0 none
+// FailHold encodes a failure hold as the mode record carries it: 0 none
 // (""), negative until released by hand ("-1"), else integer milliseconds.
 func FailHold(d time.Duration) string {
 	switch {
@@ -49,9 +43,9 @@ func FailHold(d time.Duration) string {
 	return strconv.FormatInt(ms(d), 10)
 }
 
-// Key forms: how a lock's key was chosen, kept in its record
+// Key forms: how a lock's key was chosen, kept in its mode record
 // (FieldKeyForm) so that operators can tell what a lock is about without
-// its owner's task; never the key's material.
+// its holder's task; never the key's material.
 const (
 	KeyFormPayload    = "p"   // the whole raw payload
 	KeyFormKey        = "k"   // an explicit key, namespaced by type
@@ -90,15 +84,16 @@ func DescribeKeyForm(kf string) string {
 	return "-"
 }
 
-// Running is what acquire does when the key is held by a running task; a
-// lock records it (FieldRunning), so the server needs no configuration.
+// Running is what an enqueue does when the key is held by a running task;
+// the mode record keeps a policy other than reject (FieldRunning).
 type Running byte
 
 // Running policies, as the record and the scripts spell them.
 const (
-	RunReject Running = 'x' // name the holder (not recorded: the default)
-	RunAllow  Running = 'a' // the lock is dropped when its task starts
-	RunDefer  Running = 'd' // fold into one follow-up task, queued when the run ends
+	RunReject  Running = 'x' // name the holder (not recorded: the default)
+	RunAllow   Running = 'a' // the lock is dropped when its task starts
+	RunDefer   Running = 'd' // fold into one follow-up task, queued when the run ends
+	RunReplace Running = 'r' // RunDefer for a Replace type: a retry of the holder gives way to a waiting follow-up
 )
 
 // Lock is one lock as read from Redis, for operators (dedupctl).
@@ -106,34 +101,36 @@ type Lock struct {
 	Key       string
 	Queue     string
 	FP        string
-	Owner     string // task ID
-	Type      string // the task type the key was taken for, from the lock or its owner's asynq record ("" if unknown)
-	KeyForm   string // how the key was chosen (KeyForm), "" in locks of the earlier layout
+	Value     string // the lock's value (value.go)
+	Owner     string // the task holding the key
+	Kind      Hold
+	Type      string // the task type: the mode record's, else the holder's asynq record's ("" if unknown)
+	KeyForm   string // how the key was chosen (KeyForm), "" when no mode record says
 	Follow    string // owed follow-up task, "" for none
-	Created   int64  // unix seconds
+	Taken     int64  // HoldWrap: when the key was taken, unix seconds; else 0
 	Folds     int64
 	TTL       time.Duration // -1: no expiry
-	TaskState string        // the owner's state in asynq; "missing" when it has no record
+	TaskState string        // the holder's state in asynq; "missing" when it has no record
 	Fields    map[string]string
 }
 
 // Lock states as operators see them.
 const (
-	LockCooling   = "cooling"    // the owner succeeded; the key stays held until the lock expires (Cooldown, Period)
-	LockFailed    = "failed"     // the owner failed for good; the key stays held until the lock expires or is released (OnFailure)
-	LockRunning   = "running"    // the owner runs: an attempt holds the lock, or asynq's record says active
-	LockRetryWait = "retry-wait" // asynq waits to retry the owner
-	LockOrphaned  = "orphaned"   // the owner is gone, completed or archived: the lock heals at the key's next enqueue
-	LockWaiting   = "waiting"    // the owner waits to run
+	LockCooling   = "cooling"    // the holder succeeded; the key stays held until the lock expires (Cooldown, Period, a firing)
+	LockFailed    = "failed"     // the holder failed for good; the key stays held until the lock expires or is released (OnFailure)
+	LockRunning   = "running"    // asynq's record says the holder runs
+	LockRetryWait = "retry-wait" // asynq waits to retry the holder
+	LockOrphaned  = "orphaned"   // the holder is gone, completed or archived: the lock heals at the key's next enqueue
+	LockWaiting   = "waiting"    // the holder waits to run
 )
 
 // Window is a period key's wall-clock window, [Start, End); zero for a
 // key of no period.
 type Window struct{ Start, End time.Time }
 
-// arg encodes the window as locks keep it (FieldWindow): "start:end" in
-// unix milliseconds, "" for none.
-func (w Window) arg() string {
+// Arg encodes the window as mode records keep it (FieldWindow): "start:end"
+// in unix milliseconds, "" for none.
+func (w Window) Arg() string {
 	if w.Start.IsZero() {
 		return ""
 	}
@@ -155,48 +152,51 @@ func (l *Lock) Window() Window {
 	return Window{Start: time.UnixMilli(s), End: time.UnixMilli(e)}
 }
 
-// State derives what the lock is doing from its record and its owner's
+// State derives what the lock is doing from its value and its holder's
 // asynq state.
 func (l *Lock) State() string {
 	switch {
-	case l.Fields[FieldCooling] == CoolingFailed,
-		l.TaskState == StateArchived && l.Fields[FieldToken] == "" && l.Fields[FieldFailHold] != "" && l.Fields[FieldError] != "":
-		return LockFailed // (the second: the next call that meets it marks it)
-	case l.Fields[FieldCooling] != "":
+	case l.Kind == HoldFailed:
+		return LockFailed
+	case l.Kind == HoldCooling, l.Kind == HoldFiring && (l.TaskState == "missing" || Gone(l.TaskState)):
 		return LockCooling
-	case l.Fields[FieldToken] != "" || l.TaskState == StateActive:
-		return LockRunning // (asynq dequeued it: its start may not have run yet)
+	case l.TaskState == StateActive:
+		return LockRunning
 	case l.TaskState == StateRetry:
 		return LockRetryWait
+	case l.Kind == HoldWrap && l.TaskState == "missing" && time.Since(time.Unix(l.Taken, 0)) < time.Minute:
+		return LockWaiting // (its producer stores the task next)
 	case l.TaskState == "missing" || Gone(l.TaskState):
 		return LockOrphaned
 	}
 	return LockWaiting
 }
 
-// RunningPolicy is the record's running policy code ("" for reject).
-func (l *Lock) RunningPolicy() string { return l.Fields[FieldRunning] }
+// Running is the running policy the mode record keeps (RunReject for none).
+func (l *Lock) Running() Running {
+	if rp := l.Fields[FieldRunning]; rp != "" {
+		return Running(rp[0])
+	}
+	return RunReject
+}
 
-// Bounded reports whether the lock is counted in its type's waiting set.
+// Bounded reports whether the lock is counted in a type's waiting set.
 func (l *Lock) Bounded() bool { return l.Fields[FieldBounded] != "" }
 
 // WaitType is the type whose waiting set counts the lock (Keys.Wait).
 func (l *Lock) WaitType() string {
-	if t := l.Fields[FieldBounded]; t != "" && t != "1" {
+	if t := l.Fields[FieldBounded]; t != "" {
 		return t
 	}
 	return l.Type
 }
 
-// OwnerStored is the owner as the record stores it, for owner-checked
-// release.
-func (l *Lock) OwnerStored() string { return l.Fields[FieldOwner] }
-
-// ReadLocks reads the locks at keys in two pipelined round trips (the
-// records and their TTLs, then their owners' asynq records). Keys that are
-// not lock hashes of k, or have gone meanwhile, are left out.
+// ReadLocks reads the locks at keys (of k's prefix) in two pipelined round
+// trips: their values, lifetimes and mode records, then their holders'
+// asynq records. Keys that are not locks of k, or have gone meanwhile, are
+// left out.
 func ReadLocks(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*Lock, error) {
-	out, err := readRecords(ctx, c, k, keys)
+	out, err := readValues(ctx, c, k, keys)
 	if err != nil || len(out) == 0 {
 		return nil, err
 	}
@@ -220,19 +220,21 @@ func ReadLocks(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*
 			l.Type = MessageType(msg)
 		}
 		if l.Type == "" && l.Bounded() {
-			l.Type = l.WaitType() // the owner is gone; a counted lock still names its type
+			l.Type = l.WaitType()
 		}
 		l.TaskState = s
 	}
 	return out, nil
 }
 
-// readRecords reads the lock hashes and TTLs at keys in one round trip.
-func readRecords(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*Lock, error) {
+// readValues reads the values, lifetimes and mode records at keys in one
+// round trip.
+func readValues(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*Lock, error) {
 	type read struct {
-		l   *Lock
-		h   *redis.MapStringStringCmd
-		ttl *redis.DurationCmd
+		l    *Lock
+		v    *redis.StringCmd
+		ttl  *redis.DurationCmd
+		mode *redis.MapStringStringCmd
 	}
 	var reads []read
 	for _, key := range keys {
@@ -245,40 +247,50 @@ func readRecords(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([
 	}
 	_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i := range reads {
-			reads[i].h = p.HGetAll(ctx, reads[i].l.Key)
+			reads[i].v = p.Get(ctx, reads[i].l.Key)
 			reads[i].ttl = p.PTTL(ctx, reads[i].l.Key)
+			reads[i].mode = p.HGetAll(ctx, ModeOf(reads[i].l.Key))
 		}
 		return nil
 	})
 	var out []*Lock
 	for _, r := range reads {
-		h, err := r.h.Result()
-		if err != nil && strings.HasPrefix(err.Error(), "WRONGTYPE") {
-			continue // a string or set whose name looks like a lock key
-		}
-		if err != nil {
+		v, err := r.v.Result()
+		switch {
+		case errors.Is(err, redis.Nil):
+			continue // gone since the SCAN
+		case err != nil && strings.HasPrefix(err.Error(), "WRONGTYPE"):
+			continue // not a string: something else whose name looks like a lock key
+		case err != nil:
 			return nil, fmt.Errorf("read %s: %w", r.l.Key, err)
 		}
 		ttl, err := r.ttl.Result()
 		if err != nil {
 			return nil, fmt.Errorf("read %s: %w", r.l.Key, err)
 		}
-		if len(h) == 0 || h[FieldOwner] == "" || ttl == -2 {
-			continue // gone since the SCAN, or not a lock
+		mode, err := r.mode.Result()
+		if err != nil && !strings.HasPrefix(err.Error(), "WRONGTYPE") {
+			return nil, fmt.Errorf("read %s: %w", ModeOf(r.l.Key), err)
 		}
-		out = append(out, fillLock(r.l, h, ttl))
+		out = append(out, fillLock(r.l, v, mode, ttl))
 	}
 	return out, nil
 }
 
-func fillLock(l *Lock, h map[string]string, ttl time.Duration) *Lock {
-	l.Fields = h
-	l.Owner = UnpackOwner(h[FieldOwner], l.FP)
-	l.Type = h[FieldType]
-	l.KeyForm = h[FieldKeyForm]
-	l.Follow = h[FieldFollow]
-	l.Folds, _ = strconv.ParseInt(h[FieldFolds], 10, 64)
-	l.Created, _ = strconv.ParseInt(h[FieldCreated], 10, 64)
+func fillLock(l *Lock, v string, mode map[string]string, ttl time.Duration) *Lock {
+	p := ParseValue(v)
+	l.Value, l.Owner, l.Kind = v, p.Holder, p.Kind
+	if p.Kind == HoldWrap {
+		l.Taken = p.At.Unix()
+	}
+	if mode[FieldHolder] != l.Owner {
+		mode = nil // about another task: stale
+	}
+	l.Fields = mode
+	l.Type = mode[FieldType]
+	l.KeyForm = mode[FieldKeyForm]
+	l.Follow = mode[FieldFollow]
+	l.Folds, _ = strconv.ParseInt(mode[FieldFolds], 10, 64)
 	l.TTL = ttl
 	if ttl < 0 {
 		l.TTL = -1
@@ -286,31 +298,36 @@ func fillLock(l *Lock, h map[string]string, ttl time.Duration) *Lock {
 	return l
 }
 
-// TaskLock is where a task's lock is, as found from the task's ID.
-type TaskLock struct {
-	FP     string // the lock's fingerprint
-	Found  bool   // the lock (wrapper-chosen ID) or the index key (caller-chosen ID) exists
-	OptOut bool   // the caller-chosen ID was enqueued without deduplication
+// LockOf reads the key of the lock the stored task id of queue names as its
+// unique key; "" when it names none (or has no record).
+func LockOf(ctx context.Context, c redis.Cmdable, queue, id string) (string, error) {
+	v, err := c.HGet(ctx, TaskKey(queue, id), "unique_key").Result()
+	if errors.Is(err, redis.Nil) {
+		return "", nil
+	}
+	return v, err
 }
 
-// FindLock finds the lock of task id in queue: an ID the wrapper chose
-// carries the fingerprint (found when that lock exists); a caller-chosen ID
-// has an index key.
-func FindLock(ctx context.Context, c redis.Cmdable, k Keys, queue, id string) (TaskLock, error) {
-	if fp, ok := ParseLockedID(id); ok {
-		n, err := c.Exists(ctx, k.Lock(queue, fp)).Result()
-		return TaskLock{FP: fp, Found: n == 1}, err
+// TaskLockOf finds the lock task id of queue was locked under, from its
+// asynq record: the unique key it names, else the lock its HeaderLock
+// names. lock is "" when it names none (or has no record); optedOut
+// reports a task enqueued without deduplication.
+func TaskLockOf(ctx context.Context, c redis.Cmdable, queue, id string) (lock string, optedOut bool, err error) {
+	if KindOf(id) == IDOptOut {
+		return "", true, nil
 	}
-	v, err := c.Get(ctx, k.Index(queue, id)).Result()
-	switch {
-	case errors.Is(err, redis.Nil):
-		return TaskLock{}, nil
-	case err != nil:
-		return TaskLock{}, err
-	case v == OptOutMark:
-		return TaskLock{Found: true, OptOut: true}, nil
-	case !IsFingerprint(v):
-		return TaskLock{}, fmt.Errorf("index key %s holds %q, not a fingerprint", k.Index(queue, id), v)
+	v, err := c.HMGet(ctx, TaskKey(queue, id), "unique_key", "msg").Result()
+	if err != nil {
+		return "", false, err
 	}
-	return TaskLock{FP: v, Found: true}, nil
+	if u, _ := v[0].(string); u != "" {
+		return u, false, nil
+	}
+	msg, _ := v[1].(string)
+	h, ok := MessageHeaders([]byte(msg))[HeaderLock]
+	if !ok {
+		return "", false, nil
+	}
+	_, lock, optedOut, _ = ParseLockHeader(h)
+	return lock, optedOut, nil
 }

@@ -22,16 +22,17 @@ const (
 	StatusConflict  Status = 7  // direct enqueue: the task ID already exists in asynq (acquire)
 	StatusOver      Status = 8  // too many keys waiting (acquire)
 	StatusAllowed   Status = 9  // running policy "allow": run without the lock (start)
-	statusHeldYoung Status = 10 // StatusHeld, from the lock alone (acquire)
+	statusFree      Status = 10 // the key is free: take it, with the task (take, acquire)
 	statusNeed      Status = 11 // the script lacks keys: call again with them
-	// StatusSuperseded: the task's follow-up carries a newer payload and the
-	// task lost its lock meanwhile: it must not run (start).
+	// StatusSuperseded: the task's follow-up carries a newer payload and
+	// asynq runs the task again: it must not run (start).
 	StatusSuperseded Status = 12
 	// StatusElsewhere: the starting task has no asynq record in this Redis:
 	// its server stores tasks elsewhere (start).
 	StatusElsewhere Status = 13
 	// StatusCooling: the key's last task succeeded and the key cools down
-	// (a cooldown): held by that task, whatever the policy (acquire, start).
+	// (Cooldown, Period), or it failed for good and the key is held
+	// (OnFailure): held by that task, whatever the policy (take, acquire, start).
 	StatusCooling Status = 14
 )
 

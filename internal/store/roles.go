@@ -2,36 +2,30 @@ package store
 
 import "sync/atomic"
 
-// Scripts whose keys depend on the call (acquire, start, finish) name each
-// key they are given by a role letter, in ARGV[1]: "LTP" means KEYS[1] is
-// the lock, KEYS[2] the new task's asynq record, KEYS[3] asynq's pending
-// list. The lock always comes first. Some keys cannot be known before the script runs: the asynq record
-// of the task that holds a lock, or of the follow-up it owes. The caller
-// passes them for the holder it expects (a hint, see hints.go); a script
-// that finds another holder, or needs a key it was not given, changes
-// nothing and replies statusNeed with the roles it lacks and the IDs they
-// belong to, and the caller calls again with those keys. Every key a
-// script touches is therefore in KEYS, as Redis Cluster requires to refuse
-// (TRYAGAIN, ASK) a call whose slot is moving instead of splitting a
-// queue's keys between two nodes.
+// Scripts whose keys depend on the call (take, acquire, start, settle,
+// release) name each key they are given by a role letter, in ARGV[1]: "LTP"
+// means KEYS[1] is the lock, KEYS[2] the new task's asynq record, KEYS[3]
+// asynq's pending list. The lock always comes first. Some keys cannot be
+// known before the script runs: the asynq record of the task that holds a
+// lock, or of the follow-up it owes. The caller passes them for the holder
+// it expects (a hint, see hints.go); a script that finds another holder, or
+// needs a key it was not given, changes nothing and replies statusNeed
+// with the roles it lacks and the IDs they belong to, and the caller calls
+// again with those keys. Every key a script touches is therefore in KEYS,
+// as Redis Cluster requires to refuse (TRYAGAIN, ASK) a call whose slot is
+// moving instead of splitting a queue's keys between two nodes.
 const (
-	roleLock        = 'L' // the lock
-	roleIndex       = 'I' // index key of the task's caller-chosen ID
-	roleTask        = 'T' // asynq record of the new task
-	rolePending     = 'P' // asynq pending list of the queue
-	roleScheduled   = 'S' // asynq scheduled set of the queue
-	roleWait        = 'W' // the task type's waiting set
-	roleFollow      = 'F' // the key's follow-up pointer
-	roleNewFollow   = 'N' // asynq record of a new follow-up
-	roleHolder      = 'H' // asynq record of the lock's holder
-	roleHolderIndex = 'J' // index key of the lock's holder
-	roleFollowTask  = 'G' // asynq record of the lock's follow-up
-	roleOwner       = 'O' // asynq record of the attempt's own task
-	roleSuperseded  = 'X' // superseded marker (Keys.Superseded) of the holder (acquire) or of the task itself (start, finish)
-	roleStaleLock   = 'Y' // the lock a stale index of the caller-chosen ID names (acquire)
-	rolePrefixes    = 'R' // the queue's registry of prefixes (PrefixesKey), until this Store registered in it (acquire)
-	roleActive      = 'A' // asynq active list of the queue (release)
-	roleRetry       = 'Q' // asynq retry set of the queue (release)
+	roleLock       = 'L' // the lock
+	roleMode       = 'M' // the key's mode record
+	roleTask       = 'T' // asynq record of the task (new, or the one starting)
+	rolePending    = 'P' // asynq pending list of the queue
+	roleScheduled  = 'S' // asynq scheduled set of the queue
+	roleRetry      = 'R' // asynq retry set of the queue
+	roleActive     = 'A' // asynq active list of the queue (release)
+	roleWait       = 'W' // the task type's waiting set
+	roleHolder     = 'H' // asynq record of the lock's holder
+	roleFollowTask = 'G' // asynq record of the lock's follow-up
+	roleNewFollow  = 'N' // asynq record of a new follow-up
 )
 
 // keyList is a script's KEYS with the role letter of each, after a head

@@ -22,38 +22,26 @@ var (
 	pbSrc string
 	//go:embed lua/lib.lua
 	libSrc string
+	//go:embed lua/take.lua
+	takeSrc string
 	//go:embed lua/acquire.lua
 	acquireSrc string
+	//go:embed lua/merge.lua
+	mergeSrc string
 	//go:embed lua/start.lua
 	startSrc string
-	//go:embed lua/begin.lua
-	beginSrc string
-	//go:embed lua/done.lua
-	doneSrc string
+	//go:embed lua/settle.lua
+	settleSrc string
 	//go:embed lua/extend.lua
 	extendSrc string
-	//go:embed lua/finish.lua
-	finishSrc string
-	//go:embed lua/unlock.lua
-	unlockSrc string
-	//go:embed lua/coalesce.lua
-	coalesceSrc string
-	//go:embed lua/replace.lua
-	replaceSrc string
 	//go:embed lua/release.lua
 	releaseSrc string
 	//go:embed lua/again.lua
 	againSrc string
-	//go:embed lua/diagnose.lua
-	diagnoseSrc string
 	//go:embed lua/prune.lua
 	pruneSrc string
-	//go:embed lua/force.lua
-	forceSrc string
 	//go:embed lua/withdraw.lua
 	withdrawSrc string
-	//go:embed lua/optout.lua
-	optoutSrc string
 )
 
 // CheckKeysEnv, when set in the environment of a process that creates a
@@ -64,12 +52,11 @@ const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
 
 // scriptSet holds the scripts, in one of two builds.
 type scriptSet struct {
-	acquire, replace, start, begin, extend, finish, done, unlock, coalesce, release, again, diagnose, prune, force, withdraw, optout *redis.Script
+	take, acquire, merge, start, settle, extend, release, again, prune, withdraw *redis.Script
 }
 
 func (s *scriptSet) all() []*redis.Script {
-	return []*redis.Script{s.acquire, s.replace, s.start, s.begin, s.extend, s.finish, s.done, s.unlock, s.coalesce, s.release, s.again, s.diagnose, s.prune, s.force,
-		s.withdraw, s.optout}
+	return []*redis.Script{s.take, s.acquire, s.merge, s.start, s.settle, s.extend, s.release, s.again, s.prune, s.withdraw}
 }
 
 var (
@@ -88,9 +75,8 @@ func scripts() *scriptSet {
 func buildScripts(checked bool) *scriptSet {
 	b := func(src string) *redis.Script { return redis.NewScript(source(src, checked)) }
 	return &scriptSet{
-		acquire: b(acquireSrc), replace: b(replaceSrc), start: b(startSrc), begin: b(beginSrc), extend: b(extendSrc), finish: b(finishSrc), done: b(doneSrc),
-		unlock: b(unlockSrc), coalesce: b(coalesceSrc), release: b(releaseSrc), again: b(againSrc), diagnose: b(diagnoseSrc),
-		prune: b(pruneSrc), force: b(forceSrc), withdraw: b(withdrawSrc), optout: b(optoutSrc),
+		take: b(takeSrc), acquire: b(acquireSrc), merge: b(mergeSrc), start: b(startSrc), settle: b(settleSrc),
+		extend: b(extendSrc), release: b(releaseSrc), again: b(againSrc), prune: b(pruneSrc), withdraw: b(withdrawSrc),
 	}
 }
 
@@ -127,14 +113,13 @@ func source(body string, checked bool) string {
 func LibScript(body string) *redis.Script { return redis.NewScript(source(libMarker+"\n"+body, true)) }
 
 // ScriptHash is the SHA1 by which Redis knows the script of an operation
-// ("acquire", "replace", "start", "begin", "extend", "finish", "done", "unlock",
-// "coalesce", "release", "again"), in the build a Store created now uses; for tests that count
+// ("take", "acquire", "merge", "start", "settle", "extend", "release",
+// "again"), in the build a Store created now uses; for tests that count
 // commands.
 func ScriptHash(op string) string {
 	sc := scripts()
-	m := map[string]*redis.Script{"acquire": sc.acquire, "replace": sc.replace, "start": sc.start, "begin": sc.begin, "extend": sc.extend,
-		"finish": sc.finish, "done": sc.done,
-		"unlock": sc.unlock, "coalesce": sc.coalesce, "release": sc.release, "again": sc.again}
+	m := map[string]*redis.Script{"take": sc.take, "acquire": sc.acquire, "merge": sc.merge, "start": sc.start,
+		"settle": sc.settle, "extend": sc.extend, "release": sc.release, "again": sc.again}
 	if s, ok := m[op]; ok {
 		return s.Hash()
 	}

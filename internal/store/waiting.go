@@ -99,43 +99,40 @@ func (s *Store) waitingKeys(ctx context.Context, wait string, now time.Time) ([]
 // waitEntry is one key of a waiting set, as read for PruneWaiting.
 type waitEntry struct {
 	fp                    string
-	lock                  []any  // id, f, c, v, b (nil values for missing fields)
-	pointer               string // the key's follow-up pointer (Keys.Follow), "" for none
-	ownerState, follState string // of the lock's owner, and of its follow-up (else the pointer's)
+	value                 string // the lock's value, "" for no lock
+	bounded, follow       string // the mode record's waiting-set type and follow-up (of the holder)
+	ownerState, follState string // of the lock's holder, and of its follow-up
 }
 
-func (e *waitEntry) field(i int) string { s, _ := e.lock[i].(string); return s }
-
 // waits reports whether the entry's key still waits, as healing would
-// judge its lock: counted under typ, and its owner or follow-up waiting or
-// about to (an owner gone from a lock not written with its task and
-// younger than grace may not be stored yet).
+// judge its lock: counted under typ, and its holder or follow-up waiting or
+// about to (a holder not stored yet, younger than grace).
 func (e *waitEntry) waits(typ string, grace time.Duration, now time.Time) bool {
-	owner, counted := e.field(0), e.field(4)
+	p := ParseValue(e.value)
 	switch {
-	case owner == "":
-		return Waiting(e.follState) // no lock: a follow-up its dead run owed may still wait
-	case counted != typ && counted != "1":
+	case e.value == "":
+		return Waiting(e.follState) // no lock: a follow-up its gone holder owed may still wait
+	case e.bounded != typ:
 		return false // not counted here
 	case Waiting(e.ownerState) || Waiting(e.follState):
 		return true
-	case Gone(e.ownerState) && e.field(3) == "":
-		c, _ := strconv.ParseInt(e.field(2), 10, 64)
-		return now.Sub(time.Unix(c, 0)) < grace
+	case e.ownerState == "" && p.Kind == HoldWrap:
+		return now.Sub(p.At) < grace
 	}
-	return false // running (its entry left as it started), or gone
+	return false // running (its entry left as it started), held past its task, or gone
 }
 
-// readEntries reads the locks of fps, then their owners' and follow-ups'
-// asynq states: two pipelined round trips.
+// readEntries reads the locks of fps with their mode records, then their
+// holders' and follow-ups' asynq states: two pipelined round trips.
 func (s *Store) readEntries(ctx context.Context, queue, route string, fps []string) ([]waitEntry, error) {
 	out := make([]waitEntry, len(fps))
-	locks := make([]*redis.SliceCmd, len(fps))
-	pointers := make([]*redis.StringCmd, len(fps))
+	locks := make([]*redis.StringCmd, len(fps))
+	modes := make([]*redis.SliceCmd, len(fps))
 	_, err := s.Pipelined(ctx, route, func(p redis.Pipeliner) {
 		for i, fp := range fps {
-			locks[i] = p.HMGet(ctx, s.keys.Lock(queue, fp), FieldOwner, FieldFollow, FieldCreated, FieldStored, FieldBounded)
-			pointers[i] = p.Get(ctx, s.keys.Follow(queue, fp))
+			lock := s.keys.Lock(queue, fp)
+			locks[i] = p.Get(ctx, lock)
+			modes[i] = p.HMGet(ctx, ModeOf(lock), FieldHolder, FieldBounded, FieldFollow)
 		}
 	})
 	if err != nil && !errors.Is(err, redis.Nil) {
@@ -144,24 +141,31 @@ func (s *Store) readEntries(ctx context.Context, queue, route string, fps []stri
 	states := make([][2]*redis.StringCmd, len(fps))
 	_, err = s.Pipelined(ctx, route, func(p redis.Pipeliner) {
 		for i, fp := range fps {
-			out[i] = waitEntry{fp: fp, lock: locks[i].Val(), pointer: pointers[i].Val()}
-			if len(out[i].lock) != 5 {
-				out[i].lock = make([]any, 5)
+			e := &out[i]
+			e.fp, e.value = fp, locks[i].Val()
+			m := modes[i].Val()
+			str := func(j int) string {
+				if j < len(m) {
+					v, _ := m[j].(string)
+					return v
+				}
+				return ""
 			}
-			if id := out[i].field(0); id != "" {
-				states[i][0] = p.HGet(ctx, TaskKey(queue, UnpackOwner(id, fp)), "state")
+			holder := ParseValue(e.value).Holder
+			e.follow = str(2)
+			if e.value == "" || str(0) == holder {
+				e.bounded = str(1)
 			}
-			f := out[i].field(1)
-			if f == "" {
-				f = out[i].pointer
+			if holder != "" {
+				states[i][0] = p.HGet(ctx, TaskKey(queue, holder), "state")
 			}
-			if f != "" {
-				states[i][1] = p.HGet(ctx, TaskKey(queue, f), "state")
+			if e.follow != "" {
+				states[i][1] = p.HGet(ctx, TaskKey(queue, e.follow), "state")
 			}
 		}
 	})
 	if err != nil && !errors.Is(err, redis.Nil) {
-		return nil, fmt.Errorf("read waiting owners: %w", err)
+		return nil, fmt.Errorf("read waiting holders: %w", err)
 	}
 	for i := range out {
 		if c := states[i][0]; c != nil {
@@ -178,12 +182,12 @@ func (s *Store) readEntries(ctx context.Context, queue, route string, fps []stri
 // set.
 func (s *Store) prune(ctx context.Context, queue, wait string, es []waitEntry) (int, error) {
 	keys := make([]string, 0, len(es)+1)
-	args := make([]any, 0, 4*len(es))
+	args := make([]any, 0, 2*len(es))
 	keys = append(keys, wait)
 	for i := range es {
 		e := &es[i]
 		keys = append(keys, s.keys.Lock(queue, e.fp))
-		args = append(args, e.fp, e.field(0), e.field(1), e.field(2))
+		args = append(args, e.fp, e.value)
 	}
 	v, err := s.run(ctx, s.sc.prune, keys, args...)
 	if err != nil {

@@ -81,11 +81,11 @@ func (w *World) Enqueue(queue, typ string, user int, opts ...asynq.Option) *asyn
 // LockOf is the lock key of a task enqueued through the wrapper.
 func (w *World) LockOf(info *asynq.TaskInfo) string {
 	w.T.Helper()
-	fp, ok := store.ParseLockedID(info.ID)
-	if !ok {
-		w.T.Fatalf("task ID %q is not a dd- ID", info.ID)
+	lock, _, err := store.TaskLockOf(context.Background(), w.RDB, info.Queue, info.ID)
+	if err != nil || lock == "" {
+		w.T.Fatalf("task %s names no lock: %v", info.ID, err)
 	}
-	return store.NewKeys(w.Prefix).Lock(info.Queue, fp)
+	return lock
 }
 
 // Exists reports whether a key exists.

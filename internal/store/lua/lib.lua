@@ -1,10 +1,10 @@
--- lib: helpers spliced into the scripts that read or write asynq's own task
--- record (at their "-- @lib" line, after the fast paths, which then do not
--- pay for defining them), after pb.lua. They parse and rewrite asynq v0.26.0's
--- TaskMessage protobuf (type = 1, payload = 2, id = 3, retried = 6,
--- error_msg = 7, deadline = 9, last_failed_at = 11, completed_at = 13);
--- TestAsynqLayoutPinned and the rewrite tests guard this.
--- Lengths are below 2^53, so the arithmetic on them is exact.
+-- lib: helpers spliced into the scripts at their "-- @lib" line (after
+-- their fast paths, which then do not pay for defining them), after pb.lua.
+-- They read the lock's value (record.go owns its grammar), and parse and
+-- rewrite asynq v0.26.0's TaskMessage protobuf (type = 1, payload = 2,
+-- id = 3, retried = 6, error_msg = 7, completed_at = 13, headers = 15);
+-- TestAsynqLayoutPinned and the rewrite tests guard this. Lengths are below
+-- 2^53, so the arithmetic on them is exact.
 
 local function pb_putvarint(n)
   local t = {}
@@ -123,43 +123,95 @@ local function waiting(state)
 end
 
 -- gone reports whether an asynq task state (false: no record) means its
--- task will never run again, so a lock it owns is orphaned.
+-- task will never run again, so a lock it holds is orphaned.
 local function gone(state)
   return (not state) or state == 'completed' or state == 'archived'
 end
 
--- debounce moves the due time of a scheduled task t to due (unix seconds,
--- '0' for no debounce), never earlier than it was, and makes its lock last
--- at least ttl_ms from now_ms, with the task's index key (index, if given:
--- a caller-chosen ID) and its entry fp in the waiting set (wait, if given
--- and counted there), when a payload was folded into it: a burst of folds
--- runs once, after the last. A task already due keeps its place.
-local function debounce(lock, sched, t, tstate, due, ttl_ms, index, wait, fp, now_ms)
+-- now_parts reads the server clock: unix seconds, milliseconds, and
+-- nanoseconds as a string (asynq's pending_since).
+local function now_parts()
+  local t = call('TIME')
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s, s * 1000 + (us - us % 1000) / 1000, t[1] .. string.format('%06d', us) .. '000'
+end
+
+-- lacks records which of the roles in r were not given (in `lacking`,
+-- which a script replies with so that its caller calls again with them).
+local lacking = ''
+local function lacks(r)
+  for i = 1, #r do
+    local c = string.sub(r, i, i)
+    if not K[c] then lacking = lacking .. c end
+  end
+  return lacking ~= ''
+end
+
+-- keep makes the mode record mode live as long as the lock.
+local function keep(lock, mode)
+  local left = call('PTTL', lock)
+  if left > 0 then
+    call('PEXPIRE', mode, left)
+  elseif left == -1 then
+    call('PERSIST', mode)
+  end
+end
+
+-- lengthen makes key live at least ms more (a key without expiry stays so).
+local function lengthen(key, ms)
+  local left = call('PTTL', key)
+  if left >= 0 and left < tonumber(ms) then
+    call('PEXPIRE', key, ms)
+  end
+end
+
+-- queue_now moves the waiting task id (record rec, in state) to the pending
+-- list now, from the scheduled set or the retry set, as asynq's forwarder
+-- would. Returns its state after.
+local function queue_now(rec, id, state, sched, retry, pending)
+  if state == 'pending' then return state end
+  call('ZREM', state == 'retry' and retry or sched, id)
+  call('LPUSH', pending, id)
+  local _, _, ns = now_parts()
+  call('HSET', rec, 'state', 'pending', 'pending_since', ns)
+  return 'pending'
+end
+
+-- mark adds the header dedup-lost = reason to the stored task rec (a
+-- waiting or archived task asynq will not rewrite before it runs): the
+-- task lost its key, so its next run checks the key first.
+local function mark(rec, reason)
+  local msg = call('HGET', rec, 'msg')
+  if not msg then return end
+  local entry = pb_str(1, 'dedup-lost') .. pb_str(2, reason)
+  local field = pb_putvarint(122) .. pb_putvarint(#entry) .. entry -- field 15, length-delimited
+  if not string.find(msg, field, 1, true) then
+    call('HSET', rec, 'msg', msg .. field)
+  end
+end
+
+-- same_type reports whether a stored message is of type typ (asynq's
+-- messages begin with the type field).
+local function same_type(msg, typ)
+  local tf = pb_str(1, typ)
+  return msg and string.sub(msg, 1, #tf) == tf
+end
+
+-- debounce moves the due time of the scheduled task t to due (unix seconds;
+-- '0' none), never earlier, and makes its lock last ttl ms from now at
+-- least, with its entry fp in the waiting set wait (if given): a burst of
+-- folds runs once, after the last. A task already due keeps its place.
+local function debounce(lock, sched, t, tstate, due, ttl, wait, fp, now_ms)
   if due == '0' or tstate ~= 'scheduled' then return end
   if tonumber(call('ZSCORE', sched, t) or '0') < tonumber(due) then
     call('ZADD', sched, 'XX', due, t)
   end
-  if call('PTTL', lock) < tonumber(ttl_ms) then
-    call('PEXPIRE', lock, ttl_ms)
-    if index then
-      call('PEXPIRE', index, ttl_ms) -- (none for an ID the wrapper chose)
-    end
+  if call('PTTL', lock) < tonumber(ttl) then
+    call('PEXPIRE', lock, ttl)
     if wait then
-      call('ZADD', wait, 'XX', now_ms + tonumber(ttl_ms), fp)
+      call('ZADD', wait, 'XX', now_ms + tonumber(ttl), fp)
     end
   end
-end
-
--- queue_now moves task id, parked in asynq's scheduled set sched (its
--- record rec in state), to the pending list now, as asynq's forwarder
--- would (pending_since: since, in nanoseconds); a task already pending or
--- waiting for a retry stays. Returns its state after.
-local function queue_now(sched, pending, rec, id, state, since)
-  if state ~= 'scheduled' then return state end
-  call('ZREM', sched, id)
-  call('LPUSH', pending, id)
-  call('HSET', rec, 'state', 'pending', 'pending_since', since)
-  return 'pending'
 end
 
 -- placed reads where asynq keeps task id: its record's state ('' when the
@@ -167,9 +219,7 @@ end
 -- (true too for a state that names none: completed, archived, aggregating).
 local function placed(rec, pending, active, scheduled, retry, id)
   local state = call('HGET', rec, 'state')
-  if not state then
-    return '', false
-  end
+  if not state then return '', false end
   local there = true
   if state == 'pending' then
     there = call('LPOS', pending, id)
@@ -181,43 +231,4 @@ local function placed(rec, pending, active, scheduled, retry, id)
     there = call('ZSCORE', retry, id)
   end
   return state, there and true or false
-end
-
--- now_parts reads the server clock: unix seconds, milliseconds, and
--- nanoseconds as a string (asynq's pending_since).
-local function now_parts()
-  local t = call('TIME')
-  local s, us = tonumber(t[1]), tonumber(t[2])
-  return s, s * 1000 + (us - us % 1000) / 1000, t[1] .. string.format('%06d', us) .. '000'
-end
-
--- hold_failed keeps lock held after its owner failed for good (OnFailure:
--- fh, the lock's failure hold, '-1' for until released), marked k 'f' with
--- the owner's last error err (kept if err is false and one is there), and
--- returns its PTTL. A period key's hold ends with its window at the latest:
--- the next window is another key. index, if given, is the owner's index
--- key (a caller-chosen ID), kept as long, so that a run by hand finds it
--- (30 days at most for a hold until released).
-local function hold_failed(lock, fh, err, index)
-  call('HDEL', lock, 'tok')
-  call('HSET', lock, 'k', 'f')
-  if err or call('HEXISTS', lock, 'e') == 0 then
-    call('HSET', lock, 'e', string.sub(err or 'archived by asynq', 1, 1000))
-  end
-  local _, now_ms = now_parts()
-  local ms = tonumber(fh)
-  local w = call('HGET', lock, 'pw')
-  local w_end = w and tonumber(string.match(w, ':(%d+)$'))
-  if w_end and (ms < 0 or now_ms + ms > w_end) then
-    ms = math.max(w_end - now_ms, 1)
-  end
-  if ms < 0 then
-    call('PERSIST', lock)
-  else
-    call('PEXPIRE', lock, ms)
-  end
-  if index then
-    call('PEXPIRE', index, ms < 0 and 2592000000 or ms)
-  end
-  return call('PTTL', lock)
 end

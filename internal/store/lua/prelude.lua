@@ -11,3 +11,15 @@ local function roles(from)
     K[string.sub(r, from + i, from + i)] = KEYS[i]
   end
 end
+
+-- holder_of splits a lock's value (false: no lock; record.go owns the
+-- grammar): the task that holds the key, the kind of hold ('' held by its
+-- task; 'w' taken at `at`, unix seconds, before its task was stored; 'c'
+-- cooling after its success; 'f' held after it failed for good; 'x' a
+-- Scheduler firing's, held until it expires), and at.
+local function holder_of(v)
+  if not v then return nil, '' end
+  local i = string.byte(v, 1) == 126 and string.find(v, ':', 2, true)
+  if not i then return v, '' end
+  return string.sub(v, i + 1), string.sub(v, 2, 2), tonumber(string.sub(v, 3, i - 1)) or 0
+end

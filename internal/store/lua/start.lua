@@ -1,179 +1,109 @@
--- start: an attempt of a task begins; make it the lock's running owner.
+-- start: an attempt that must check its key begins (a task whose mode acts
+-- at start, one asynq runs again, one that lost its key, a follow-up, a
+-- task that arrived without a lock): make sure the key is its task's.
 --
 -- KEYS, by the role letters of ARGV[1]:
---   L  the lock; W  the task type's waiting set; F  the key's follow-up pointer;
---   X  the task's superseded marker; T the task's asynq record                    always
---   I  index key of the task's caller-chosen ID                                  with a caller-chosen ID
---   H  asynq record of the holder ARGV[9], J its index key                       when the holder must be read
--- ARGV[1]  the roles of KEYS, one letter each
+--   L  the lock; M  the key's mode record; T  the task's asynq record;
+--   W  the task type's waiting set                                 always
+--   H  asynq record of the holder ARGV[6]                          when another task holds the key
+--   G  asynq record of the follow-up ARGV[8]; S, P, R  asynq's
+--      scheduled set, pending list, retry set                      to hand the key to a follow-up
+-- ARGV[1]  the roles of KEYS
 -- ARGV[2]  task ID
--- ARGV[3]  ARGV[2] as lock records store it
--- ARGV[4]  attempt token (random per attempt)
--- ARGV[5]  lease, integer milliseconds
--- ARGV[6]  heal grace, integer seconds
--- ARGV[7]  running policy ('x' reject, 'a' allow, 'd' defer) recorded if this creates the lock
--- ARGV[8]  fingerprint (member of W, value of I)
--- ARGV[9]  the holder H and J belong to, as lock records store it ['']
--- ARGV[10] cooldown recorded if this creates the lock, integer milliseconds ['0']
--- ARGV[11] the task's type, kept in a lock this creates ['']
--- ARGV[12] how the key was chosen (KeyForm), kept in a lock this creates; ''
---          when unknown (the key is the producer's, from the task's ID or
---          index) ['']
--- ARGV[13] what a final failure does (FailHold), recorded if this creates
---          the lock ['']
--- ARGV[14] a period key's window, 'start:end' in unix milliseconds,
---          recorded if this creates the lock ['']
+-- ARGV[3]  the lock's lifetime while the task runs, integer milliseconds
+-- ARGV[4]  flags: 'a' RunningAllow (the key is freed as the task starts);
+--          'r' asynq runs the task again (a retry, a run by hand): a Replace
+--          holder whose follow-up waits gives way to it
+-- ARGV[5]  the key's fingerprint (its member of W)
+-- ARGV[6]  the holder H belongs to ('' none); ARGV[7] heal grace, seconds
+-- ARGV[8]  the follow-up G belongs to ('' none)
+-- ARGV[9] on: the mode record of a lock this takes (the rule of a task that
+--          arrived without a lock), as field, value pairs
 --
--- Reply: {1, f, new, cools}        this attempt holds the lock; f: the follow-up it owes, or '';
---                                   new '1' when there was no lock (the attempt made it), else '';
---                                   cools '1' when the lock has a cooldown (field cd)
---        {0, holder, f, r, run}     held by another live task (as stored): the attempt must not run;
---                                   f: the follow-up the lock owes, or ''; r 'r' when an operator
---                                   released this task's lock (its marker X says 'r:') and the
---                                   holder, which took the key after that, is of its type; run
---                                   'run' when an attempt of the holder runs, else ''
---        {14, holder, ms, r, k}     the key cools down for ms more after its last task succeeded
---                                   (k '1'), or is held after it failed for good (k 'f'; ms -1:
---                                   until released): the attempt must not run; r 'r' when an
---                                   operator released this task's lock (its marker X says 'r:').
---                                   (The holder itself, run again by hand after it failed, takes
---                                   its lock back instead: {1, ...}.)
---        {9, '', new}               the key's running policy is "allow": lock dropped (not the index
---                                   of a caller-chosen ID), run unlocked; new '1' when there was no
---                                   lock to drop
---        {12, followup}             superseded: the task lost its lock (its worker died) after a
---                                   follow-up with a newer payload was made for it; it must not run
---        {11, lacking, holder}      nothing done: call again with the keys of these roles
---        {13}                       the task has no asynq record here: its server stores tasks in
---                                   another Redis; nothing done
---
--- A new attempt replaces an older attempt's token, so a leftover handler of
--- that attempt can neither renew nor release the lock any more.
---
--- The marker X holds the follow-up of a task whose run was superseded by
--- it (Replace + Defer), or 'r:' when an operator released the task's lock
--- (release, force): any task holding the key now took it since.
+-- Reply: {1, new}              the task holds the key (new '1': it took it now)
+--        {0, holder, run}      held by another live task (run '1': it is running)
+--        {14, holder, ms, k}   held after its last task ended (as take.lua)
+--        {9, new}              RunningAllow: the lock is dropped (new '1': there was none)
+--        {12, followup}        superseded: the key went to the waiting follow-up, which
+--                              carries a newer payload; the task must not run
+--        {11, lacking, holder, f}  nothing done: call again with these keys
+--        {13}                  the task has no asynq record here (its server
+--                              stores tasks in another Redis)
 -- @lib: lib.lua is spliced in here.
 roles(0)
+local A = ARGV
+local id, ttl, flags = A[2], A[3], A[4]
 if call('EXISTS', K.T) == 0 then
-  return {13} -- (a running task's record always exists where asynq runs it)
+  return {13}
 end
-local id, stored, fp = ARGV[2], ARGV[3], ARGV[8]
-local now, now_ms = now_parts()
-local rec = call('HMGET', K.L, 'id', 'c', 'rp', 'b', 'f', 'tok', 'v', 'k', 'cd')
-local holder = rec[1]
-if rec[8] == 'f' and (holder == stored or holder == id) then
-  -- The task that failed for good runs again (an operator ran it from the
-  -- archive): its held lock is its own again.
-  call('HDEL', K.L, 'k', 'e')
-  rec[8] = nil
+local holder, kind, at = holder_of(call('GET', K.L))
+local m = call('HMGET', K.M, 'id', 'rp', 'f', 'b')
+local f = m[3]
+local function need()
+  return {11, lacking, holder or '', f or ''}
 end
-if rec[8] then
-  local by = call('GET', K.X)
-  return {14, holder, call('PTTL', K.L), by and string.sub(by, 1, 2) == 'r:' and 'r' or '', rec[8]}
-end
-local cool_end = tonumber(rec[9] or '0')
-local released = false -- an operator released this task's lock
-if holder ~= stored and holder ~= id then
-  local by = call('GET', K.X)
-  if by and string.sub(by, 1, 2) == 'r:' then
-    released = true
-  elseif by then
-    call('DEL', K.X)
-    if K.I then
-      call('DEL', K.I)
-    end
-    return {12, by}
+local allow, new = string.find(flags, 'a', 1, true), ''
+if holder == id then
+  if kind == 'f' then
+    call('SET', K.L, id, 'PX', ttl) -- run again by hand after it failed for good: its own again
   end
-end
--- held answers that another task holds the key, saying whether this task,
--- released by an operator, met a task of its own type there.
-local function held()
-  local r = ''
-  if released then
-    local tf = pb_str(1, ARGV[11] or '')
-    if string.sub(call('HGET', K.H, 'msg') or '', 1, #tf) == tf then
-      r = 'r'
-    end
+elseif holder then
+  if kind == 'c' or kind == 'f' then
+    return {14, holder, call('PTTL', K.L), kind}
   end
-  return {0, holder, rec[5] or '', r, rec[6] and 'run' or ''}
-end
-if holder and holder ~= stored and holder ~= id then
-  -- too young to be an orphan (unless written with its task: v)
-  local young = not (rec[7] and not rec[6]) and now - (tonumber(rec[2]) or 0) < tonumber(ARGV[6])
-  if young and not released then
-    return held()
+  if kind == 'x' then
+    return {0, holder, ''}
   end
-  if holder ~= ARGV[9] or not K.H or not K.J then
-    return {11, 'HJ', holder}
+  if holder ~= A[6] then K.H = nil end
+  if lacks('H') then return need() end
+  local st = call('HGET', K.H, 'state')
+  local now = now_parts()
+  if (st and not gone(st)) or (not st and kind == 'w' and now - at < tonumber(A[7])) then
+    return {0, holder, st == 'active' and '1' or ''}
   end
-  if young then
-    return held()
+  if st == 'archived' then
+    mark(K.H, 'healed')
   end
-  local hstate = call('HGET', K.H, 'state')
-  if not gone(hstate) then
-    return held()
-  end
-  local m = hstate == 'archived' and not rec[6] and call('HMGET', K.L, 'fh', 'e')
-  if m and m[1] and m[2] then
-    -- The holder failed for good: the failure holds the key (OnFailure).
-    return {14, holder, hold_failed(K.L, m[1], false, K.J), '', 'f'}
-  end
-  if rec[5] and rec[5] ~= id then
-    return held() -- an orphan owed a follow-up: acquire or the follow-up settles it
-  end
-  call('DEL', K.L, K.J)
-  if rec[4] then
-    call('ZREM', K.W, fp) -- (counted under this type: the lock is this key's)
-  end
-  holder = false
-  rec, cool_end = {}, 0
-end
-if rec[4] and (not rec[5] or rec[5] == id) then
-  -- The key waits no more (MaxPending); but for the follow-up it owes,
-  -- which still waits while its holder runs again (a retry).
-  call('ZREM', K.W, fp)
-  call('HDEL', K.L, 'b')
-end
-if call('GET', K.F) == id then
-  call('DEL', K.F) -- the follow-up is running: no longer owed
-end
-if rec[3] == 'a' or (not holder and ARGV[7] == 'a') then
-  -- (The index of a caller-chosen ID stays, until the end of the lifetime
-  -- it was given: the task's retries must still find their key, or they
-  -- would meet it as arrivals.)
   call('DEL', K.L)
-  return {9, '', rec[3] == 'a' and '' or '1'}
+  holder = nil
 end
-if released then
-  call('DEL', K.X) -- (the key was free: it runs, as any task that takes it)
-end
-local new = not holder
 if not holder then
-  call('HSET', K.L, 'id', stored, 'c', now, 'ty', ARGV[11] or '')
-  if (ARGV[12] or '') ~= '' then
-    call('HSET', K.L, 'kf', ARGV[12])
+  new = '1'
+  if allow then
+    return {9, new}
   end
-  if ARGV[7] ~= 'x' then
-    call('HSET', K.L, 'rp', ARGV[7])
-  end
-  local cool = tonumber(ARGV[10] or '0')
-  if cool > 0 then
-    cool_end = now_ms + cool
-    call('HSET', K.L, 'cd', cool_end)
-  end
-  if (ARGV[13] or '') ~= '' then
-    call('HSET', K.L, 'fh', ARGV[13])
-  end
-  if (ARGV[14] or '') ~= '' then
-    call('HSET', K.L, 'pw', ARGV[14])
+  call('SET', K.L, id, 'PX', ttl)
+  if #A > 8 then
+    call('DEL', K.M)
+    call('HSET', K.M, unpack(A, 9))
+    call('PEXPIRE', K.M, ttl)
+    m, f = {id}, nil
   end
 end
-call('HSET', K.L, 'tok', ARGV[4], 'v', '1') -- the task runs: it is stored
--- A lock with a cooldown outlives a dead worker until the cooldown ends:
--- asynq runs the task again, and no other task may run before then.
-call('PEXPIRE', K.L, math.max(tonumber(ARGV[5]), cool_end - now_ms))
-if K.I then
-  call('SET', K.I, fp, 'PX', ARGV[5])
+if m[4] and (not f or f == id) then
+  call('ZREM', K.W, A[5]) -- the key waits no more (MaxPending), but for the follow-up it owes
+  call('HDEL', K.M, 'b')
 end
-return {1, rec[5] or '', new and '1' or '', cool_end > 0 and '1' or ''}
+if f == id then
+  call('HDEL', K.M, 'f') -- the follow-up runs: owed no more
+  f = nil
+end
+if allow then
+  call('DEL', K.L)
+  return {9, new}
+end
+if f and m[1] == id and m[2] == 'r' and string.find(flags, 'r', 1, true) then
+  if f ~= A[8] then K.G = nil end
+  if lacks('GSPR') then return need() end
+  local fst = call('HGET', K.G, 'state')
+  if waiting(fst) then
+    queue_now(K.G, f, fst, K.S, K.R, K.P)
+    call('SET', K.L, f, 'PX', ttl)
+    call('HSET', K.M, 'id', f, 'n', 0)
+    call('HDEL', K.M, 'f')
+    keep(K.L, K.M)
+    return {12, f}
+  end
+end
+lengthen(K.L, ttl)
+return {1, new}

@@ -1,0 +1,96 @@
+-- settle: an attempt whose mode acts at its end ended: hold the key for the
+-- retry, hand it to the follow-up it owes, cool it down, hold it after a
+-- final failure, or release it where asynq will not. Written before the
+-- handler's result reaches asynq, so no shutdown or deadline can lose it.
+--
+-- KEYS, by the role letters of ARGV[1]:
+--   L  the lock; M  the key's mode record                      always
+--   G  asynq record of the follow-up ARGV[7]; S, P, R  asynq's
+--      scheduled set, pending list, retry set                  when the mode record names one
+-- ARGV[1]  the roles of KEYS
+-- ARGV[2]  task ID
+-- ARGV[3]  how it ended: 'ok' (success), 'revoke', 'fail' (asynq archives it),
+--          'retry' (asynq runs it again)
+-- ARGV[4]  'retry': how long the key stays held for the retry at least;
+--          else the lock's lifetime for a follow-up it goes to (integer ms)
+-- ARGV[5]  'fail': the handler's error
+-- ARGV[6]  '1': release the lock after 'ok' and 'revoke' (the task's record
+--          does not name it, so asynq's scripts will not)
+-- ARGV[7]  the follow-up G belongs to ('' none)
+--
+-- Reply: {1, what[, followup]}  what: '' (asynq releases it, or a failure that
+--                               heals at the key's next enqueue), 'released',
+--                               'held' (for the retry), 'cooling', 'failed',
+--                               'follow' (now the follow-up's, which is queued)
+--        {0}                    the key is not the task's any more
+--        {11, lacking, '', f}   nothing done: call again with these keys
+-- @lib: lib.lua is spliced in here.
+roles(0)
+local A = ARGV
+local id, out = A[2], A[3]
+local holder, kind = holder_of(call('GET', K.L))
+if holder ~= id then
+  return {0}
+end
+local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw')
+local mine = m[1] == id
+local f = mine and m[2]
+local now, now_ms = now_parts()
+if f and f ~= A[7] then K.G = nil end
+if f and lacks(out == 'retry' and 'S' or 'GSPR') then
+  return {11, lacking, '', f}
+end
+if out == 'retry' then
+  if kind ~= 'c' then
+    lengthen(K.L, A[4])
+    if mine then lengthen(K.M, A[4]) end
+  end
+  if f then -- parked until the retry has run: the follow-up comes after it
+    local ms = tonumber(A[4])
+    call('ZADD', K.S, 'XX', now + (ms - ms % 1000) / 1000 + 1, f)
+  end
+  return {1, 'held'}
+end
+if f then
+  local fst = call('HGET', K.G, 'state')
+  if waiting(fst) then
+    queue_now(K.G, f, fst, K.S, K.R, K.P)
+    call('SET', K.L, f, 'PX', A[4])
+    call('HSET', K.M, 'id', f, 'n', 0)
+    call('HDEL', K.M, 'f', 'e')
+    keep(K.L, K.M)
+    return {1, 'follow', f}
+  end
+end
+if kind == 'c' then
+  return {1, 'cooling'} -- (it succeeded before, when asynq had given the attempt up)
+end
+local cd = mine and tonumber(m[3] or '0') or 0
+if out == 'ok' and cd > now_ms then
+  call('SET', K.L, '~c:' .. id, 'PX', cd - now_ms)
+  call('PEXPIRE', K.M, cd - now_ms)
+  return {1, 'cooling'}
+end
+if out == 'fail' and mine and m[4] then
+  -- OnFailure: held by the task that failed for good, with its error; a
+  -- period key's hold ends with its window at the latest.
+  local ms = tonumber(m[4])
+  local w_end = m[5] and tonumber(string.match(m[5], ':(%d+)$'))
+  if w_end and (ms < 0 or now_ms + ms > w_end) then
+    ms = math.max(w_end - now_ms, 1)
+  end
+  call('HSET', K.M, 'e', string.sub(A[5], 1, 1000))
+  if ms < 0 then
+    call('SET', K.L, '~f:' .. id)
+    call('PERSIST', K.M)
+  else
+    call('SET', K.L, '~f:' .. id, 'PX', ms)
+    call('PEXPIRE', K.M, ms)
+  end
+  return {1, 'failed'}
+end
+if A[6] == '1' and out ~= 'fail' then
+  call('DEL', K.L)
+  return {1, 'released'}
+end
+return {1, ''}

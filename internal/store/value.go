@@ -1,0 +1,78 @@
+package store
+
+import (
+	"strconv"
+	"strings"
+	"time"
+)
+
+// A lock is a string whose value names the task holding the key, as
+// asynq's own unique keys do; asynq's scripts compare it with the task's ID
+// and delete it when the task succeeds, is revoked or deleted, if the
+// task's record names the lock (its unique key). The other forms are held
+// on purpose past the task, or were taken before the task was stored, and
+// asynq's scripts leave them alone (the lib.lua's holder_of reads them):
+//
+//	<task ID>               held by the task (stored with the lock, or taking it as it starts)
+//	~w<unix seconds>:<ID>   held by a task enqueued through asynq's client, taken at that
+//	                        second before its task was stored (it heals only after the grace)
+//	~c:<ID>                 cooling: the task succeeded; held until the lock expires
+//	~f:<ID>                 failed: the task failed for good; held until the lock expires or
+//	                        someone releases it (OnFailure)
+//	~x:<ID>                 a Scheduler firing's: held until it expires, whatever its task does
+//
+// A caller-chosen task ID may therefore not begin with '~' (Reserved).
+
+// Hold is the kind of a lock's value.
+type Hold byte
+
+// Kinds of lock values.
+const (
+	HoldTask    Hold = 0   // held by its task
+	HoldWrap    Hold = 'w' // taken before its task was stored (asynq's client enqueues it)
+	HoldCooling Hold = 'c' // cooling after its task's success
+	HoldFailed  Hold = 'f' // held after its task failed for good
+	HoldFiring  Hold = 'x' // a Scheduler firing's, held until it expires
+)
+
+// Value is the lock value of a key held by task id.
+func Value(id string) string { return id }
+
+// WrapValue is the lock value of a key taken at at for task id, which
+// asynq's client stores next.
+func WrapValue(id string, at time.Time) string {
+	return "~w" + strconv.FormatInt(at.Unix(), 10) + ":" + id
+}
+
+// FiringValue is the lock value of a Scheduler firing's key.
+func FiringValue(id string) string { return "~x:" + id }
+
+// Parsed is a lock value read.
+type Parsed struct {
+	Holder string // the task the value names
+	Kind   Hold
+	At     time.Time // HoldWrap: when the key was taken
+}
+
+// ParseValue reads a lock value.
+func ParseValue(v string) Parsed {
+	if !strings.HasPrefix(v, "~") || len(v) < 3 {
+		return Parsed{Holder: v}
+	}
+	i := strings.IndexByte(v, ':')
+	if i < 2 {
+		return Parsed{Holder: v}
+	}
+	p := Parsed{Holder: v[i+1:], Kind: Hold(v[1])}
+	if p.Kind == HoldWrap {
+		sec, _ := strconv.ParseInt(v[2:i], 10, 64)
+		p.At = time.Unix(sec, 0)
+	}
+	return p
+}
+
+// HeldOnPurpose reports whether the value holds the key past its task:
+// cooling, failed or a firing's.
+func (p Parsed) HeldOnPurpose() bool {
+	return p.Kind == HoldCooling || p.Kind == HoldFailed || p.Kind == HoldFiring
+}
