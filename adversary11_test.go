@@ -20,11 +20,28 @@ import (
 // untouched task IDs and the rule errors, through the public API on a real
 // asynq server and redis-server. Each test quotes the promise it attacks.
 
-// a11Field reads one field of a lock hash ("" when absent).
+// a11Field reads what the lock at key says of one thing ("" when absent):
+// "k" whether it cools ("1"), "id" its holder, any other field its mode
+// record's (which keys with modes have: the type and key form among them).
 func a11Field(h *harness, key, field string) string {
 	h.t.Helper()
-	return h.rdb.HGet(context.Background(), key, field).Val()
+	ctx := context.Background()
+	switch field {
+	case "k":
+		if store.ParseValue(h.rdb.Get(ctx, key).Val()).Kind == store.HoldCooling {
+			return "1"
+		}
+		return ""
+	case "id":
+		return h.lockOwner(key)
+	}
+	return h.rdb.HGet(ctx, modeKeyOf(key), field).Val()
 }
+
+// a11Mode is a mode that gives a key a mode record (a failure hold), for
+// the tests of what the record keeps: a key whose policy acts only at
+// enqueue has none.
+func a11Mode() asynq.Option { return OnFailure(FailHold, time.Hour) }
 
 // 1. Promise (feb5c5c, client.go): "under OptIn a type nothing deduplicates
 // keeps asynq's task ID … A server whose rules cover the type guards it as
@@ -80,8 +97,8 @@ func TestAdversary11StaleIndexOfACallerIDMustNotLockAnUnruledTask(t *testing.T) 
 	}
 }
 
-// 2. Promise (lifecycle, operations): every lock keeps "how its key was
-// chosen"; show's "keyed on" says it. Attack: a task locked at enqueue with
+// 2. Promise (lifecycle, operations): a key's mode record keeps "how its
+// key was chosen"; show's "keyed on" says it. Attack: a task locked at enqueue with
 // per-call Fields on a type with no rule; Release frees its key; the task
 // starts and takes its key again (as documented). The lock start.lua made
 // recorded the server's rule's form (whole payload), not the form the
@@ -92,7 +109,7 @@ func TestAdversary11KeyFormOfALockRetakenAtStartIsNeverWrong(t *testing.T) {
 	h.client = h.d.NewClient()
 	ctx := context.Background()
 	task := asynq.NewTask("a11:retake", []byte(`{"user_id":7,"trace":"x"}`))
-	info := h.enqueue(task, Fields("user_id"))
+	info := h.enqueue(task, Fields("user_id"), a11Mode())
 	key := h.keyOf(task, h.queue, Fields("user_id"))
 	if got := a11Field(h, key, "kf"); got != "f:user_id" {
 		t.Fatalf("at enqueue kf %q, want f:user_id", got)
@@ -164,7 +181,7 @@ func TestAdversary11KeyFormIsTheOneTheFingerprintUsed(t *testing.T) {
 		{"a11:none", []asynq.Option{TTL(time.Minute)}, "p"},
 	} {
 		task := asynq.NewTask(tc.typ, fmt.Appendf(nil, `{"user_id":%d,"tenant":{"id":"t%d"}}`, i, i))
-		opts := append([]asynq.Option{asynq.Queue(h.queue)}, tc.opts...)
+		opts := append([]asynq.Option{asynq.Queue(h.queue), a11Mode()}, tc.opts...)
 		if _, err := h.client.Enqueue(task, opts...); err != nil {
 			t.Errorf("%d %s %v: %v", i, tc.typ, tc.opts, err)
 			continue
@@ -192,8 +209,8 @@ func TestAdversary11CommaInAFieldPathIsNotTwoFields(t *testing.T) {
 	h.client = h.d.NewClient()
 	one := asynq.NewTask("a11:comma", []byte(`{"a,b":1,"a":1,"b":1}`))
 	two := asynq.NewTask("a11:comma", []byte(`{"a,b":2,"a":2,"b":2}`))
-	h.enqueue(one, Fields("a,b"))
-	h.enqueue(two, Fields("a", "b"))
+	h.enqueue(one, Fields("a,b"), a11Mode())
+	h.enqueue(two, Fields("a", "b"), a11Mode())
 	kOne, kTwo := h.keyOf(one, h.queue, Fields("a,b")), h.keyOf(two, h.queue, Fields("a", "b"))
 	f1, f2 := a11Field(h, kOne, "kf"), a11Field(h, kTwo, "kf")
 	if f1 == "" || f2 == "" {
@@ -299,7 +316,7 @@ func TestAdversary11TypeAndKeyFormSurviveHandOvers(t *testing.T) {
 		other := h.queue + "-other"
 		c := h.d.WrapClient(queueMover{c: h.asynq, q: other})
 		task := asynq.NewTask("a11:reloc", []byte(`{"user_id":9}`))
-		res, err := c.Submit(ctx, task, asynq.Queue(h.queue), Fields("user_id"))
+		res, err := c.Submit(ctx, task, asynq.Queue(h.queue), Fields("user_id"), a11Mode())
 		if err != nil || res.Outcome != Created {
 			t.Fatalf("submit: %+v %v", res, err)
 		}
@@ -316,14 +333,18 @@ func TestAdversary11TypeAndKeyFormSurviveHandOvers(t *testing.T) {
 	})
 }
 
-// 6. Promise (operations): "Every lock keeps its task type in its record",
+// 6. Promise (operations): a key's mode record keeps its task type,
 // verbatim; Lookup finds it. Attack: type names with newlines, commas,
 // markup, quotes and 1 KB, locked at enqueue (both clients) and at start
 // (tasks from asynq's own client, start.lua).
 func TestAdversary11OddTypeNamesKeptVerbatim(t *testing.T) {
-	h := newHarness(t, Config{})
-	ctx := context.Background()
 	types := []string{"a11:line\nbreak", "a11:a,b", "<script>alert(1)</script>", "a11:" + strings.Repeat("x", 1024), "a11:\"q\" \t=", "a11:é\u2028"}
+	rules := map[string]Rule{}
+	for _, typ := range types {
+		rules[typ] = Rule{OnFailure: FailHold, FailureHold: time.Hour} // (a mode: the key keeps a mode record)
+	}
+	h := newHarness(t, Config{Rules: rules})
+	ctx := context.Background()
 	direct := h.d.NewClient()
 	for i, typ := range types {
 		for j, c := range []*Client{h.client, direct} {
@@ -498,8 +519,9 @@ func TestAdversary11RenumberedArgvModes(t *testing.T) {
 			t.Errorf("debounce did not move the due time: %v then %v", first, ti.NextProcessAt)
 		}
 		key := h.keyOf(asynq.NewTask("a11:deb", []byte(`{"user_id":1}`)), h.queue)
-		if ty, kf, n := a11Field(h, key, "ty"), a11Field(h, key, "kf"), a11Field(h, key, "n"); ty != "a11:deb" || kf != "f:user_id" || n != "1" {
-			t.Errorf("lock ty %q kf %q n %q", ty, kf, n)
+		// (Folds are the only mode here: the record counts them, and keeps no type.)
+		if n := a11Field(h, key, "n"); n != "1" {
+			t.Errorf("mode record n %q, want 1 fold", n)
 		}
 	})
 	t.Run("maxpending-defer", func(t *testing.T) {

@@ -49,11 +49,11 @@ func adv12Decode(task *asynq.Task) adv12Payload {
 	return p
 }
 
-// adv12Fail is adv12Rules with a short Lease: a failure's hold settled on a
+// adv12Fail is adv12Rules with a short heartbeat: (a failure's hold settled on a) / 3
 // guess is checked again at the next heartbeat (Lease/3).
 func adv12Fail(r Rule) Config {
 	cfg := adv12Rules(r)
-	cfg.Lease = 3 * time.Second
+	cfg.heartbeat = (3 * time.Second) / 3
 	return cfg
 }
 
@@ -220,7 +220,7 @@ func TestAdversary12InspectorArchiveOfAWaitingTaskFreesItsKey(t *testing.T) {
 // latest (the next window is another key), so no lock is left that no API
 // can reach.
 func TestAdversary12PeriodFailedHoldEndsWithItsWindow(t *testing.T) {
-	h := newHarness(t, Config{Lease: 3 * time.Second})
+	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3})
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
 	const period = 6 * time.Second
@@ -250,7 +250,7 @@ func TestAdversary12PeriodFailedHoldEndsWithItsWindow(t *testing.T) {
 // docs/policies.md: "Running the archived task again ... makes it the key's
 // owner again: its success frees the key."
 func TestAdversary12RunTaskOfACallerIDHeldTaskFreesTheKeyOnSuccess(t *testing.T) {
-	h := newHarness(t, Config{Lease: 3 * time.Second})
+	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3})
 	h.client = h.d.NewClient()
 	fail := make(chan bool, 2)
 	fail <- true
@@ -772,7 +772,7 @@ func TestAdversary12PeriodTaskThatStartsInTheNextWindow(t *testing.T) {
 // first succeeded is dropped; with OnFailure, an arrival that fails for
 // good holds its key, and the Client's enqueue meets the hold.
 func TestAdversary12ArrivalsUnderPeriodAndOnFailure(t *testing.T) {
-	h := newHarness(t, Config{Lease: 3 * time.Second, Rules: map[string]Rule{
+	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3, Rules: map[string]Rule{
 		"adv12:period": {Fields: []string{"key"}, Period: 24 * time.Hour},
 		"adv12:fail":   {Fields: []string{"key"}, OnFailure: FailHoldUntilReleased},
 	}})

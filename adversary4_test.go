@@ -37,7 +37,7 @@ func (m queueMover) EnqueueContext(ctx context.Context, t *asynq.Task, opts ...a
 // means "duplicate, CoolingDown", and only deadlines that actually passed
 // count as failures.
 func TestAdversary4CooldownSuccessCloseToDeadline(t *testing.T) {
-	h := newHarness(t, Config{Lease: 600 * time.Millisecond, Rules: map[string]Rule{"digest:weekly": digestRule}})
+	h := newHarness(t, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: map[string]Rule{"digest:weekly": digestRule}})
 	rc := newRecorder(func(r run) error {
 		dl, ok := r.ctx.Deadline()
 		if !ok {

@@ -416,7 +416,7 @@ func TestAdversary5HeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
 	queues := queuesOnEveryMaster(t, c, "a5hb")
 	ctx := context.Background()
 	const lease = 900 * time.Millisecond
-	d, err := New(ctx, c, Config{Prefix: "a5h-" + uniq(t), Lease: lease, LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
+	d, err := New(ctx, c, Config{Prefix: "a5h-" + uniq(t), heartbeat: (lease) / 3, LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
 		BreakerThreshold: 2})
 	if err != nil {
 		t.Fatal(err)
@@ -449,11 +449,7 @@ func TestAdversary5HeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		fp, ok := store.ParseLockedID(info.ID)
-		if !ok {
-			t.Fatalf("task ID %s", info.ID)
-		}
-		keys[q] = d.store.Keys().Lock(q, fp)
+		keys[q] = taskLock(t, c, q, info.ID)
 	}
 	running := map[string]bool{}
 	for len(running) < 2 {

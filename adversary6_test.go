@@ -178,8 +178,8 @@ func TestAdversary6LastAttemptCopyKeepsItsKey(t *testing.T) {
 		cfg  Config
 		opt  asynq.Option
 	}{
-		{"per-call Key", Config{Lease: time.Second}, Key("tenant-7")},
-		{"OptIn with per-call Fields", Config{Lease: time.Second, OptIn: true}, Fields("key")},
+		{"per-call Key", Config{heartbeat: (time.Second) / 3}, Key("tenant-7")},
+		{"OptIn with per-call Fields", Config{heartbeat: (time.Second) / 3, OptIn: true}, Fields("key")},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -533,7 +533,7 @@ func TestAdversary6ErrorsMatchTheirSentinels(t *testing.T) {
 			_, err := New(ctx, h.rdb, Config{Rules: map[string]Rule{"x": {OnBusy: 7}}})
 			return err
 		}, []error{ErrInvalidOption}},
-		{"New, Lease 1ms", func() error { _, err := New(ctx, h.rdb, Config{Lease: time.Millisecond}); return err }, []error{ErrInvalidOption}},
+		{"New, Lease 1ms", func() error { _, err := New(ctx, h.rdb, Config{heartbeat: (time.Millisecond) / 3}); return err }, []error{ErrInvalidOption}},
 		{"New, blank rule name", func() error {
 			_, err := New(ctx, h.rdb, Config{Rules: map[string]Rule{" ": {}}})
 			return err

@@ -192,7 +192,7 @@ func a7Met(d *Dedup, n uint64) func() bool {
 // "superseded", which is meant for a task whose lock a newer task took.
 func TestAdversary7LastAttemptCopyOfABusyArrivalStillRuns(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Replace})
-	cfg.Lease = time.Second // the copy comes due one Lease later
+	cfg.heartbeat = (time.Second) / 3 // the copy comes due one Lease later
 	h := newHarness(t, cfg)
 	tr := newA7Tracker()
 	h.serve(tr.handler(), nil)
@@ -552,7 +552,7 @@ func TestAdversary7ForeverBackoffsNeverWrap(t *testing.T) {
 // runs once, after the holder, never beside it.
 func TestAdversary7FollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
-	cfg.Lease = 1500 * time.Millisecond
+	cfg.heartbeat = (1500 * time.Millisecond) / 3
 	h := newHarness(t, cfg)
 	tr := newA7Tracker(0)
 	h.serve(tr.handler(), nil)
@@ -572,7 +572,7 @@ func TestAdversary7FollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *tes
 	select {
 	case r := <-tr.starts:
 		t.Fatalf("%s (seq %d) started while the holder %s ran (beside: %v)", r.id, r.seq, first.ID, r.overlaps)
-	case <-time.After(2 * cfg.Lease): // time under test: the copy's due time passing
+	case <-time.After(2 * 3*cfg.heartbeat): // time under test: the copy's due time passing
 	}
 	tr.open(0)
 	r := a7WaitSeq(tr, 1, 8*time.Second)
@@ -636,7 +636,7 @@ func TestAdversary7ReleasedMergeTaskIsNeverDropped(t *testing.T) {
 // holder here has a caller-chosen ID (its lock found through its index).
 func TestAdversary7WatchedCallerIDHolderDeletedQueuesTheFollowUp(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 2})
-	cfg.Lease = 1500 * time.Millisecond
+	cfg.heartbeat = (1500 * time.Millisecond) / 3
 	h := newHarness(t, cfg)
 	fail := make(chan struct{})
 	rc := newRecorder(func(r run) error {
@@ -668,7 +668,7 @@ func TestAdversary7WatchedCallerIDHolderDeletedQueuesTheFollowUp(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatalf("the follow-up %s was not queued within a heartbeat (%v) of its holder's deletion: %s, due in %v",
-			res.TaskID, cfg.Lease/3, a6State(h, res.TaskID), a7DueIn(h, res.TaskID))
+			res.TaskID, 3*cfg.heartbeat/3, a6State(h, res.TaskID), a7DueIn(h, res.TaskID))
 	}
 }
 
@@ -684,7 +684,7 @@ func TestAdversary7WatchedCallerIDHolderDeletedQueuesTheFollowUp(t *testing.T) {
 func TestAdversary7FollowUpOfADeadRunKeepsItsMaxPendingSlot(t *testing.T) {
 	rules := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 1}).Rules
 	h := newHarness(t, Config{Rules: rules})
-	proxy, sd := proxiedLockStore(t, h, Config{Lease: 600 * time.Millisecond, Rules: rules})
+	proxy, sd := proxiedLockStore(t, h, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: rules})
 	tr := newA7Tracker(0)
 	a7Serve(t, h.rdb, sd, h.queue, tr.handler(), nil)
 	t.Cleanup(tr.openAll)
@@ -706,7 +706,7 @@ func TestAdversary7FollowUpOfADeadRunKeepsItsMaxPendingSlot(t *testing.T) {
 	}
 	wait := store.NewKeys(h.prefix).Wait(h.queue, "counter")
 	t.Logf("before the new key: waiting set %v, follow-up pointer %q", h.rdb.ZRangeWithScores(ctx, wait, 0, -1).Val(),
-		h.rdb.Get(ctx, store.NewKeys(h.prefix).Follow(h.queue, fpOfKey(key))).Val())
+		h.rdb.HGet(ctx, modeKeyOf(key), store.FieldFollow).Val())
 	b, err := h.client.Submit(ctx, counterTask("b", 1, 2), asynq.Queue(h.queue))
 	if !errors.Is(err, ErrTooManyPending) {
 		t.Fatalf("a new key while the follow-up %s (%s) waits under MaxPending 1: %+v %v, want ErrTooManyPending", res.TaskID, a6State(h, res.TaskID), b, err)

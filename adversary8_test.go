@@ -344,7 +344,7 @@ func TestAdversary8AllowRetryOnLastAttemptBehindRunningHolderIsNotDropped(t *tes
 		t.Run(fmt.Sprintf("MaxRetry=%d", maxRetry), func(t *testing.T) {
 			var mu sync.Mutex
 			var heard []Decision
-			cfg := Config{Lease: time.Second, Rules: map[string]Rule{
+			cfg := Config{heartbeat: (time.Second) / 3, Rules: map[string]Rule{
 				"counter":  {Key: "t8", Shared: true, OnRunning: RunningAllow, OnBusy: BusyDrop},
 				"a8:other": {Key: "t8", Shared: true},
 			}, OnDecision: func(d Decision) { mu.Lock(); heard = append(heard, d); mu.Unlock() }}
@@ -417,7 +417,7 @@ func TestAdversary8LockedTaskAtCoolingKeyOnLastAttemptIsNotDropped(t *testing.T)
 			var mu sync.Mutex
 			var heard []Decision
 			cfg := counterRules(Rule{Cooldown: 3 * time.Second})
-			cfg.Lease = time.Second
+			cfg.heartbeat = (time.Second) / 3
 			cfg.OnDecision = func(d Decision) { mu.Lock(); heard = append(heard, d); mu.Unlock() }
 			h := newHarness(t, cfg)
 			if direct {

@@ -100,7 +100,7 @@ func TestAdversaryNilOptionInNewTask(t *testing.T) {
 // heartbeat once asynq has written its decision): a retried task keeps its
 // lock, and a completed one frees its key at the next beats.
 func TestAdversaryHandlerReturnsAtDeadline(t *testing.T) {
-	h := newHarness(t, Config{Lease: 600 * time.Millisecond, Rules: counterRules(Rule{}).Rules})
+	h := newHarness(t, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: counterRules(Rule{}).Rules})
 	const n = 30
 	rc := newRecorder(func(r run) error {
 		dl, _ := r.ctx.Deadline()

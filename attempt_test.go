@@ -163,7 +163,7 @@ func TestWithAttemptUnusedCostsNothing(t *testing.T) {
 		a.set(AttemptReleased)
 		a.other(AttemptBusyDropped, "x")
 		a.locked(l)
-		a.settled(store.FinishResult{Owned: true}, nil)
+		a.settled(store.SettleResult{Owned: true}, nil)
 	})
 	if allocs != 0 || attemptOf(ctx) != nil || attemptOf(WithAttempt(ctx, nil)) != nil {
 		t.Fatalf("allocs = %v, want 0", allocs)

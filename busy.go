@@ -75,7 +75,7 @@ func (d *Dedup) busyPolicy(r *resolved) Busy {
 func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, st *store.StartResult) error {
 	holder := st.Holder
 	policy := d.busyPolicy(r)
-	switch released := l.lost == store.LostReleased; {
+	switch released := l.lost == store.LostReleased && d.sameType(ctx, &l.ref, holder); {
 	case l.arrived:
 	case released && r.conflict == Replace:
 		return d.superseded(t, l, holder)
@@ -105,6 +105,13 @@ func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, 
 	d.decide(dec)
 	l.rec.other(AttemptBusyRetried, holder)
 	return d.retryBusy(ctx, t, l, holder)
+}
+
+// sameType reports whether the holder of ref's key is of ref's type (a
+// shared key holds tasks of several types), reading its asynq record.
+func (d *Dedup) sameType(ctx context.Context, ref *store.Ref, holder string) bool {
+	typ, _, _, found, err := d.store.StoredTask(ctx, ref.Queue, holder)
+	return err == nil && found && typ == ref.Type
 }
 
 // superseded answers a task whose lock an operator released, meeting a

@@ -30,7 +30,8 @@ type call struct {
 	taskQueue     string    // the queue given to asynq.NewTask, if any
 	msg           store.Message
 	msgUnknown    bool              // an asynq option the direct path cannot store
-	headers       map[string]string // added by dedup.Headers options (headers.go); nil: none
+	headers       map[string]string // added by dedup.Headers options and prepare's lock header (headers.go); nil: none
+	userHeaders   bool              // a dedup.Headers option was given
 
 	// Set by prepare, for a deduplicated call.
 	ref       store.Ref
@@ -124,6 +125,7 @@ func (r *resolved) endLayer() error {
 func (k *call) applyOption(ov option, rule **resolved) error {
 	if ov.headers != nil {
 		k.addHeaders(ov.headers)
+		k.userHeaders = true
 		return nil
 	}
 	if *rule == nil {
@@ -268,6 +270,15 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 		a.Defers, a.FollowID = true, store.NewFollowID()
 	}
 	return a
+}
+
+// markUnlocked marks a fail-open call's task, which asynq's client stores
+// without its lock: it takes the key when it starts (or meets it busy), and
+// gives it back at its end.
+func (k *call) markUnlocked() error {
+	flags := k.terms.flags + store.Flags([]byte{store.FlagStart, store.FlagRelease})
+	k.addHeaders(map[string]string{store.HeaderLock: store.LockHeader(flags, k.ref.Lock)})
+	return k.applyHeaders()
 }
 
 // markTask gives the task the header that tells the middleware what to do

@@ -179,7 +179,7 @@ func (c *Client) complete(ctx context.Context, k *call, res Result, n next, err 
 	}
 	if err == nil {
 		res.Fingerprint, res.Conflict, res.Running, res.FailOpen = k.ref.FP, k.rule.conflict, k.rule.running, !k.locked
-		if k.headers != nil && res.Outcome != Created {
+		if k.userHeaders && res.Outcome != Created {
 			res.NotApplied = append(res.NotApplied, headersDesc) // the task it went into keeps its headers
 		}
 	}

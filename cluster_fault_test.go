@@ -253,7 +253,7 @@ func TestClusterManualFailoverWithHandlersRunning(t *testing.T) {
 	procs, c := redistest.OwnCluster(t, 3, true)
 	queue := queuesOnEveryMaster(t, c, "fo")[0]
 	ctx := context.Background()
-	d, err := New(ctx, c, Config{Prefix: "dd-" + uniq(t), Logger: quietLogger(), Lease: 3 * time.Second})
+	d, err := New(ctx, c, Config{Prefix: "dd-" + uniq(t), Logger: quietLogger(), heartbeat: (3 * time.Second) / 3})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -240,14 +240,14 @@ func TestClusterSlotMigrationLosesNothing(t *testing.T) {
 	}
 	// A settle refused during the migration is tried again at the next
 	// heartbeats (every Lease/3), and the lock expires within one Lease.
-	deadline := time.Now().Add(DefaultLease + 5*time.Second)
+	deadline := time.Now().Add(3*DefaultHeartbeat + 5*time.Second)
 	for len(leftLocks()) > 0 && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond) // locks are released as the tasks finish
 	}
 	if left := leftLocks(); len(left) > 0 {
 		for _, k := range left {
-			h := c.HGetAll(ctx, k).Val()
-			owner := ownerIn(k, h["id"])
+			h := c.Get(ctx, k).Val()
+			owner := holderIn(h)
 			st := c.HGet(ctx, "asynq:{"+queue+"}:t:"+owner, "state").Val()
 			t.Errorf("lock left: %s %v ttl %v; owner %s state %q, accepted %v", k, h, c.PTTL(ctx, k).Val(), owner, st, accepted[owner])
 		}

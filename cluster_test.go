@@ -25,7 +25,7 @@ func clusterClient(t *testing.T) *redis.ClusterClient {
 		}
 		t.Skip("no Redis Cluster: set DEDUP_TEST_CLUSTER (eval \"$(.ci/cluster.sh start)\"); CI runs it")
 	}
-	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(env, ","), PoolSize: 32})
+	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(env, ","), PoolSize: 32, ContextTimeoutEnabled: true})
 	t.Cleanup(func() { _ = c.Close() })
 	if err := c.Ping(context.Background()).Err(); err != nil {
 		t.Fatalf("cluster: %v", err)
@@ -91,7 +91,7 @@ func queuesOnEveryMaster(t *testing.T, c *redis.ClusterClient, base string) []st
 
 func TestClusterEndToEnd(t *testing.T) {
 	c := clusterClient(t)
-	base := newHarnessOn(t, c, Config{Lease: 600 * time.Millisecond, Rules: map[string]Rule{
+	base := newHarnessOn(t, c, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: map[string]Rule{
 		"counter":      {Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer},
 		"user:reindex": {Fields: []string{"user_id"}},
 	}})

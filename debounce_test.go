@@ -206,9 +206,8 @@ func TestDebounceKeepsACallerChosenIDsIndex(t *testing.T) {
 			t.Fatalf("enqueue %d: %+v %v", seq, res, err)
 		}
 	}
-	index := h.d.store.Keys().Index(h.queue, id)
-	if ttl := h.rdb.PTTL(ctx, index).Val(); ttl < 500*time.Millisecond {
-		t.Fatalf("index key PTTL %v after the folds, want the lock's (TTL + Debounce from the last fold)", ttl)
+	if ttl := h.rdb.PTTL(ctx, taskLock(t, h.rdb, h.queue, id)).Val(); ttl < 500*time.Millisecond {
+		t.Fatalf("lock PTTL %v after the folds, want TTL + Debounce from the last fold", ttl)
 	}
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)

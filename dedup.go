@@ -173,7 +173,7 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 func (d *Dedup) Close() error {
 	d.hb.stop()
 	d.stopDiagnostics()
-	d.store.Close()
+	d.store.Close(d.rdb) // (later calls go through the caller's client)
 	if !d.closed.CompareAndSwap(false, true) {
 		return nil
 	}

@@ -11,11 +11,11 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// failRules is counterRules with a short Lease: a final failure's hold is
+// failRules is counterRules with a short heartbeat: (a final failure's hold is) / 3
 // settled on a guess and checked again at the next heartbeat (Lease/3).
 func failRules(r Rule) Config {
 	cfg := counterRules(r)
-	cfg.Lease = 3 * time.Second
+	cfg.heartbeat = (3 * time.Second) / 3
 	return cfg
 }
 
@@ -79,7 +79,7 @@ func TestFailHoldUntilReleasedHoldsAfterSkipRetryUntilReleasedByHand(t *testing.
 
 func TestFailurePolicyIsRecordedSoTheServerNeedsNoRule(t *testing.T) {
 	// The producer's per-call option decides; the server's Dedup has no rule.
-	h := newHarness(t, Config{Lease: 3 * time.Second})
+	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3})
 	rc := newRecorder(func(run) error { return asynq.SkipRetry })
 	h.serve(rc.handler(), nil)
 	c := h.d.NewClient()

@@ -157,7 +157,7 @@ func TestFaultWorkerKilled(t *testing.T) {
 	needRealRedis(t)
 	t.Parallel() // a minute of waiting for asynq's recoverer, beside TestCooldownSurvivesAWorkerCrash's
 	const lease = 1200 * time.Millisecond
-	h := newHarness(t, Config{Lease: lease, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
+	h := newHarness(t, Config{heartbeat: (lease) / 3, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
 	ctx := context.Background()
 	events, seen := faultRecords(t, h)
 	job := func(mode string) *asynq.Task {
@@ -506,7 +506,7 @@ func TestFaultRedisRestartUnderLoad(t *testing.T) {
 	prefix, queue := "dd-"+name, "q-"+name
 	const concurrency = 8
 	retryDelay := func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond }
-	d, err := New(ctx, rdb, Config{Prefix: prefix, Lease: 2 * time.Second, LockTimeout: 500 * time.Millisecond,
+	d, err := New(ctx, rdb, Config{Prefix: prefix, heartbeat: (2 * time.Second) / 3, LockTimeout: 500 * time.Millisecond,
 		HealGrace: time.Second, RetryDelayFunc: retryDelay, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
@@ -831,7 +831,7 @@ func TestCooldownSurvivesAWorkerCrash(t *testing.T) {
 	needRealRedis(t)
 	t.Parallel()
 	const lease = 1200 * time.Millisecond
-	h := newHarness(t, Config{Lease: lease, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
+	h := newHarness(t, Config{heartbeat: (lease) / 3, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
 	ctx := context.Background()
 	events, seen := faultRecords(t, h)
 	job := func(mode string) *asynq.Task {

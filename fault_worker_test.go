@@ -113,7 +113,7 @@ func runFaultWorker() error {
 	rdb := redis.NewClient(&redis.Options{Addr: addr})
 	defer rdb.Close()
 	retryDelay := func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }
-	d, err := New(ctx, rdb, Config{Prefix: prefix, Lease: lease, RetryDelayFunc: retryDelay, Logger: logger})
+	d, err := New(ctx, rdb, Config{Prefix: prefix, heartbeat: (lease) / 3, RetryDelayFunc: retryDelay, Logger: logger})
 	if err != nil {
 		return fmt.Errorf("New: %w", err)
 	}

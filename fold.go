@@ -109,6 +109,9 @@ func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err erro
 		return Result{}, done, unavailable("acquire", err)
 	}
 	k.locked = false
+	if err := k.markUnlocked(); err != nil {
+		return Result{}, done, err
+	}
 	return Result{}, enqueue, nil
 }
 

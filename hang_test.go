@@ -85,7 +85,7 @@ func TestHeartbeatRecoversAfterHang(t *testing.T) {
 		time.Sleep(200 * time.Millisecond)
 		goleak.VerifyNone(t, ignore, goleak.IgnoreTopFunction("internal/poll.runtime_pollWait"))
 	})
-	proxy, d, h := hungDedup(t, Config{Lease: 600 * time.Millisecond, BreakerThreshold: 2,
+	proxy, d, h := hungDedup(t, Config{heartbeat: (600 * time.Millisecond) / 3, BreakerThreshold: 2,
 		BreakerBackoff: Backoff{Min: 50 * time.Millisecond, Max: 100 * time.Millisecond}}, func(o *redis.Options) { o.MaxRetries = -1 })
 	release := make(chan struct{})
 	running := make(chan string, 1)
@@ -135,7 +135,7 @@ func TestFlappingRedisNoRaceNoLeak(t *testing.T) {
 		goleak.VerifyNone(t, ignore, goleak.IgnoreTopFunction("internal/poll.runtime_pollWait"))
 	})
 	for _, ctxTimeouts := range []bool{false, true} {
-		proxy, d, h := hungDedup(t, Config{LockTimeout: 80 * time.Millisecond, Lease: 300 * time.Millisecond, BreakerThreshold: 3,
+		proxy, d, h := hungDedup(t, Config{LockTimeout: 80 * time.Millisecond, heartbeat: (300 * time.Millisecond) / 3, BreakerThreshold: 3,
 			BreakerBackoff: Backoff{Min: 20 * time.Millisecond, Max: 80 * time.Millisecond}}, func(o *redis.Options) {
 			o.ContextTimeoutEnabled = ctxTimeouts
 			o.MaxRetries = -1

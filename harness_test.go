@@ -3,12 +3,12 @@ package dedup
 import (
 	"context"
 	"log/slog"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/asynq-dedup/dedup/internal/store"
 
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
@@ -82,22 +82,17 @@ func (h *harness) serve(handler asynq.HandlerFunc, tweak func(*asynq.Config)) *a
 	return srv
 }
 
-// lockOwner returns the owner task ID of the lock at key, or "".
+// lockOwner returns the task holding the lock at key, or "".
 func (h *harness) lockOwner(key string) string {
 	h.t.Helper()
-	v, err := h.rdb.HGet(context.Background(), key, "id").Result()
+	v, err := h.rdb.Get(context.Background(), key).Result()
 	if err == redis.Nil {
 		return ""
 	}
 	if err != nil {
-		h.t.Fatalf("HGET %s: %v", key, err)
+		h.t.Fatalf("GET %s: %v", key, err)
 	}
-	return ownerIn(key, v)
-}
-
-// ownerIn returns the task ID a lock at key stores as raw (packLockID).
-func ownerIn(key, raw string) string {
-	return unpackLockID(raw, key[strings.LastIndex(key, ":")+1:])
+	return holderIn(v)
 }
 
 // locks returns the lock keys of this harness (on every master of a cluster).
@@ -109,7 +104,7 @@ func (h *harness) locks() []string {
 		out []string
 	)
 	scan := func(ctx context.Context, c *redis.Client) error {
-		iter := c.Scan(ctx, 0, h.prefix+":*:l:*", 1000).Iterator()
+		iter := c.Scan(ctx, 0, store.NewKeys(h.prefix).LockPattern(""), 1000).Iterator()
 		for iter.Next(ctx) {
 			mu.Lock()
 			out = append(out, iter.Val())
@@ -158,4 +153,30 @@ func waitFor[T any](t *testing.T, ch <-chan T, what string) T {
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	redistest.Eventually(t, what, cond)
+}
+
+// payloadOf reads task id's payload from asynq.
+func (h *harness) payloadOf(id string) string {
+	h.t.Helper()
+	ti, err := h.insp.GetTaskInfo(h.queue, id)
+	if err != nil {
+		h.t.Fatalf("GetTaskInfo %s: %v", id, err)
+	}
+	return string(ti.Payload)
+}
+
+// fpOfKey returns a lock key's fingerprint.
+func fpOfKey(key string) string { return fpOfLock(key) }
+
+// lockState returns what Lookup would say of the lock at key ("" for none).
+func (h *harness) lockState(key string) string {
+	h.t.Helper()
+	ls, err := store.ReadLocks(context.Background(), h.rdb, store.NewKeys(h.prefix), []string{key})
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	if len(ls) == 0 {
+		return ""
+	}
+	return ls[0].State()
 }

@@ -12,12 +12,12 @@ import (
 func TestKeyedHash(t *testing.T) {
 	h := newHarness(t, Config{HashKey: []byte("secret-1"), Rules: map[string]Rule{"user:reindex": {Fields: []string{"user_id"}}}})
 	info := h.enqueue(userTask(1, "a"))
-	fpHex, ok := parseLockedID(info.ID)
-	if !ok || len(fpHex) != 32 {
-		t.Fatalf("task ID %q does not carry a 128-bit fingerprint", info.ID)
+	fpHex := fpOfLock(taskLock(t, h.rdb, h.queue, info.ID))
+	if len(fpHex) != 32 {
+		t.Fatalf("task %q is not locked under a 128-bit fingerprint (%q)", info.ID, fpHex)
 	}
 	key := h.keyOf(userTask(1, "b"), h.queue)
-	if !strings.HasSuffix(key, ":l:"+fpHex) || h.lockOwner(key) != info.ID {
+	if !strings.HasSuffix(key, fpHex) || h.lockOwner(key) != info.ID {
 		t.Fatalf("lock %s not owned by %s", key, info.ID)
 	}
 	var dup *DuplicateTaskError
@@ -34,24 +34,4 @@ func TestKeyedHash(t *testing.T) {
 	h.serve(func(context.Context, *asynq.Task) error { close(done); return nil }, nil)
 	waitFor(t, done, "run")
 	eventually(t, "released", func() bool { return h.lockOwner(key) == "" })
-}
-
-func TestParseLockedID(t *testing.T) {
-	for _, c := range []struct {
-		id string
-		ok bool
-	}{
-		{newLockedID("0123456789abcdef"), true},
-		{newLockedID("0123456789abcdef0123456789abcdef"), true},
-		{"dd-0123456789abcdef-0123456789abcdef012", false},  // random part short
-		{"dd-0123456789abcdeg-0123456789abcdef0123", false}, // not hex
-		{"dx-0123456789abcdef-0123456789abcdef0123", false}, // opted out
-		{"dd-0123456789abcdef00123456789abcdef0123", false}, // no separator
-		{"dd-0123456789abcde-f0123456789abcdef0123", false}, // separator misplaced
-		{"user-chosen", false},
-	} {
-		if _, ok := parseLockedID(c.id); ok != c.ok {
-			t.Errorf("parseLockedID(%q) ok = %v, want %v", c.id, ok, c.ok)
-		}
-	}
 }

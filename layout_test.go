@@ -12,6 +12,7 @@ import (
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // The lock scripts read asynq's own task record ("asynq:{<queue>}:t:<id>",
@@ -59,7 +60,15 @@ func TestAsynqLayoutPinned(t *testing.T) {
 // ageLock makes a lock look older than the heal grace without waiting.
 func (h *harness) ageLock(key string) {
 	h.t.Helper()
-	if err := h.rdb.HSet(context.Background(), key, "c", 0).Err(); err != nil {
+	ctx := context.Background()
+	v, err := h.rdb.Get(ctx, key).Result()
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	if p := store.ParseValue(v); p.Kind == store.HoldWrap {
+		v = store.WrapValue(p.Holder, time.Unix(0, 0)) // taken long ago
+	}
+	if err := h.rdb.SetArgs(ctx, key, v, redis.SetArgs{KeepTTL: true}).Err(); err != nil {
 		h.t.Fatal(err)
 	}
 }

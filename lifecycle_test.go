@@ -47,7 +47,8 @@ const (
 	lcAgain   lcClass = iota // asynq will run it again (a retry, or back in the queue)
 	lcWaiting                // it waits and never started (a paused queue)
 	lcOver                   // it ran and ended for good (completed, deleted or archived)
-	lcRemoved                // the Inspector removed it while it waited (archived or deleted)
+	lcRemoved                // the Inspector deleted it while it waited
+	lcArchivedByHand         // the Inspector archived it while it waited (no failure)
 )
 
 // lcEnding is one row.
@@ -92,7 +93,7 @@ var lcEndings = []lcEnding{
 		drive: lcLateUntil(asynq.TaskStateRetry, func(w *lcWorld, id string) { _ = w.h.insp.CancelProcessing(id) })},
 	{name: "shutdown outlived", handler: lcLate(nil), class: lcAgain,
 		tweak: func(c *asynq.Config) { c.ShutdownTimeout = 100 * time.Millisecond }, drive: lcShutdown},
-	{name: "Inspector archives the waiting task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcRemoved,
+	{name: "Inspector archives the waiting task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcArchivedByHand,
 		drive: lcInspect(func(w *lcWorld, id string) error { return w.h.insp.ArchiveTask(w.h.queue, id) })},
 	{name: "Inspector deletes the waiting task", opts: lcOpts(asynq.ProcessIn(time.Hour)), handler: lcReturn(nil), class: lcRemoved,
 		drive: lcInspect(func(w *lcWorld, id string) error { return w.h.insp.DeleteTask(w.h.queue, id) })},
@@ -332,10 +333,10 @@ func (c *lcCell) expect(e *lcEnding) (Outcome, bool) {
 		return 0, true // the key cools down, held by the task that succeeded
 	case c.failHeld(e):
 		return 0, true // held after the failure
-	case class == lcOver, class == lcRemoved && c.direct:
-		return Created, false // the key is free (a direct lock has no enqueue gap to wait out)
+	case class == lcOver, class == lcArchivedByHand, class == lcRemoved && c.direct:
+		return Created, false // the key is free (archived: healed at once; a direct lock has no enqueue gap to wait out)
 	case class == lcRemoved:
-		return 0, true // a lock taken before its task was stored waits out HealGrace
+		return 0, true // a lock taken before its task was stored waits out HealGrace when its task is missing
 	case class == lcAgain && c.pol.rule.OnRunning == RunningAllow:
 		return Created, false // the key was freed when the task started
 	case c.pol.rule.OnConflict == Replace: // (Debounce too)

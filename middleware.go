@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"
@@ -78,7 +79,9 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 			return err
 		}
 	}
-	rec.locked(l)
+	if !l.mustStart() {
+		rec.locked(l)
+	}
 	d.count(t.Type(), evStarted)
 	return d.run(ctx, t, next, &rule, l)
 }
@@ -90,7 +93,8 @@ func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, ru
 	if !d.findLock(ctx, l) {
 		return false, nil // (a plain task whose record names no lock: a Scheduler firing's)
 	}
-	st, err := d.store.Start(ctx, &store.Start{Ref: l.ref, TTL: d.ttlOf(rule), Allow: l.allows(rule), Again: l.again, Mode: l.mode})
+	l.rec.locked(l)
+	st, err := d.store.Start(ctx, &store.Start{Ref: l.ref, TTL: d.ttlOf(rule), Allow: l.allows(rule), Mode: l.mode})
 	switch {
 	case err != nil:
 		return true, d.unlocked(ctx, "start", t, next, err)
@@ -116,11 +120,6 @@ func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, ru
 	case st.Status == store.StatusCooling && l.arrived:
 		l.rec.other(AttemptBusyDropped, st.Holder)
 		return true, d.cooling(t, &l.ref, st.Holder, st.Cooling, st.Failed)
-	case st.Status == store.StatusSuperseded:
-		l.rec.other(AttemptSuperseded, st.Holder)
-		d.count(t.Type(), evSuperseded)
-		d.log.Info("dedup: not run: asynq runs the task again, and its follow-up carries a newer payload", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("follow_up", st.Holder))
-		return true, nil
 	case st.Status != store.StatusTaken:
 		return true, d.busy(ctx, t, rule, l, &st)
 	}
@@ -179,8 +178,10 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 	defer cancel(nil)
 	l.cancel, l.ttl = cancel, d.ttlOf(rule)
 	d.hb.add(l)
+	stop := context.AfterFunc(ctx, func() { d.outlived(ctx, l) })
 	panicked := true
 	defer func() {
+		l.ended(stop)
 		live := d.hb.remove(l)
 		herr := err
 		if panicked {
@@ -200,7 +201,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	typ := t.Type()
 	d.count(typ, evProcessed)
 	s := d.settleOf(ctx, t, r, l, err)
-	if !l.calls(s.End) {
+	if !l.calls(s.End) && !l.outlivedMark {
 		// asynq's scripts release the key (success, revoke) or keep it for
 		// the key's next enqueue to heal (a final failure, archived).
 		d.count(typ, evReleased)
@@ -240,7 +241,8 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	case n >= maxRetry || (errors.Is(err, asynq.SkipRetry) && ctx.Err() == nil):
 		s.End, s.Err = store.EndFail, failureText(err)
 	default:
-		s.End, s.TTL = store.EndRetry, addLifetimes(d.cfg.RetryDelayFunc(n, err, t), d.ttlOf(r))
+		delay := d.cfg.RetryDelayFunc(n, err, t)
+		s.End, s.TTL, s.Due = store.EndRetry, addLifetimes(delay, d.ttlOf(r)), lifetime(delay)
 	}
 	return s
 }
@@ -284,7 +286,16 @@ func (d *Dedup) attemptFor(ctx context.Context, queue, id string, t *asynq.Task)
 			return nil
 		case valid:
 			l.flags, l.ref.Lock = flags, lock
-			_, _, l.ref.FP, _ = store.ParseLockKey(lock)
+			prefix, lockQueue, fp, _ := store.ParseLockKey(lock)
+			l.ref.FP = fp
+			if lockQueue != queue {
+				// An enqueuer put the task in another queue than its lock's,
+				// and a worker took it before the call could move it: it
+				// meets its key in the queue it runs in, as it starts, and
+				// gives it back at its end (relocate.go).
+				l.ref.Lock = store.NewKeys(prefix).Lock(queue, fp)
+				l.flags += store.Flags([]byte{store.FlagStart, store.FlagRelease})
+			}
 			return l
 		}
 		d.log.Warn("dedup: task carries a malformed lock header; treated as arriving without a lock", slog.String("type", typ), slog.String("task_id", id))
@@ -329,6 +340,38 @@ func (d *Dedup) arrival(l *lease, t *asynq.Task) *lease {
 	return l
 }
 
+// outlived notes in the key's mode record that asynq gave the attempt up
+// (its context ended) while its handler still runs: asynq may archive or
+// retry the task meanwhile, and the key must not heal under the handler
+// (lua/extend.lua). Called at most once, from context.AfterFunc.
+func (d *Dedup) outlived(ctx context.Context, l *lease) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.returned {
+		return
+	}
+	bg := context.WithoutCancel(ctx)
+	if !d.findLock(bg, l) {
+		return
+	}
+	r := d.store.ExtendAll(bg, []*store.Extend{{Ref: l.ref, TTL: l.ttl, Outlived: true}})[0]
+	if r.Err != nil {
+		d.count(l.ref.Type, evRedisError)
+		d.log.Warn("dedup: could not note a handler asynq gave up; its key may heal while it runs", slog.String("task_id", l.ref.ID), slog.Any("error", r.Err))
+		return
+	}
+	l.outlivedMark = r.Owned
+}
+
+// ended records that the attempt's handler returned, after an outlived
+// note that was under way.
+func (l *lease) ended(stop func() bool) {
+	stop()
+	l.mu.Lock()
+	l.returned = true
+	l.mu.Unlock()
+}
+
 // lease is one attempt the middleware runs under a lock.
 type lease struct {
 	ref     store.Ref // Lock "" for a plain task until findLock reads it
@@ -341,6 +384,10 @@ type lease struct {
 	ttl     time.Duration
 	cancel  context.CancelCauseFunc
 	rec     *Attempt // what the middleware did, for a wrapper (WithAttempt); nil: not asked
+
+	mu           sync.Mutex // guards returned and outlivedMark (outlived runs on its own goroutine)
+	returned     bool       // the handler returned
+	outlivedMark bool       // the mode record notes the handler outlived its attempt: its end clears it
 }
 
 // mustStart reports whether the attempt checks its key before it runs.

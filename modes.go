@@ -47,11 +47,7 @@ func termsOf(r *resolved, typ, id string, now time.Time, release bool) terms {
 		add(store.FieldRunning, string(store.RunAllow))
 	case RunningDefer:
 		f = append(f, store.FlagDefer)
-		rp := store.RunDefer
-		if r.conflict == Replace {
-			rp = store.RunReplace
-		}
-		add(store.FieldRunning, string(rp))
+		add(store.FieldRunning, string(store.RunDefer))
 	}
 	if r.maxPending > 0 {
 		f = append(f, store.FlagStart)

@@ -260,7 +260,7 @@ func (m *osModel) task(w *osWorld, queue, id, typ string, payload []byte) *osTas
 	}
 	p, _ := decodeOS(payload)
 	origin := osLockless
-	if _, ok := store.ParseLockedID(id); ok {
+	if store.KindOf(id) != store.IDOther {
 		origin = osLibrary
 	}
 	t := m.newTask(w, queue, id, typ, p.Kid, origin, 0)
@@ -760,70 +760,65 @@ func (w *osWorld) checkStep() osLive {
 func (w *osWorld) describeLock(k osKey) string {
 	key := w.lockKey(k.queue, k.kid)
 	ctx := context.Background()
-	f, err := w.h.rdb.HGetAll(ctx, key).Result()
-	if err != nil || len(f) == 0 {
+	v, err := w.h.rdb.Get(ctx, key).Result()
+	if err != nil {
 		return "its lock " + key + " does not exist"
 	}
-	if o := f[store.FieldOwner]; o != "" {
-		f[store.FieldOwner] = ownerIn(key, o)
-	}
+	f := w.h.rdb.HGetAll(ctx, modeKeyOf(key)).Val()
 	ttl := w.h.rdb.PTTL(ctx, key).Val()
 	fields := make([]string, 0, len(f))
 	for n, v := range f {
 		fields = append(fields, n+"="+v)
 	}
 	sort.Strings(fields)
-	return fmt.Sprintf("its lock %s: %s, TTL %v", key, strings.Join(fields, " "), ttl.Round(time.Millisecond))
+	return fmt.Sprintf("its lock %s: %q, mode record {%s}, TTL %v", key, v, strings.Join(fields, " "), ttl.Round(time.Millisecond))
 }
 
 // owedFollowUp returns the follow-up task the lock of k owes ("" for none).
 func (w *osWorld) owedFollowUp(k osKey) string {
-	key := w.lockKey(k.queue, k.kid)
-	f, err := w.h.rdb.HGet(context.Background(), key, store.FieldFollow).Result()
-	if err != nil {
+	ls := w.readLocksAt([]string{w.lockKey(k.queue, k.kid)})
+	if len(ls) == 0 {
 		return ""
 	}
-	return ownerIn(key, f)
+	return ls[0].fields[store.FieldFollow]
 }
 
 // osLock is one lock as read for the checks.
 type osLock struct {
 	key, queue, fp, owner string
-	fields                map[string]string
+	kind                  store.Hold
+	fields                map[string]string // its mode record (nil: none, or about another task)
 	ttl                   time.Duration
 	ownerState            string
 }
 
-func (l osLock) cooling() bool { return l.fields[store.FieldCooling] != "" }
+// cooling reports a lock held past its task on purpose (cooling, failed).
+func (l osLock) cooling() bool {
+	s := l.ownerState
+	return l.kind == store.HoldCooling || ((s == store.StateArchived || s == "" || s == store.StateActive) && l.fields[store.FieldError] != "")
+}
 
 // readLocks reads every lock of the run's prefix with its TTL and its
 // owner's asynq state.
 func (w *osWorld) readLocks() []osLock {
-	ctx := context.Background()
 	keys := w.h.locks()
 	sort.Strings(keys)
-	hs := make([]*redis.MapStringStringCmd, len(keys))
-	ttls := make([]*redis.DurationCmd, len(keys))
-	_, err := w.h.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, k := range keys {
-			hs[i], ttls[i] = p.HGetAll(ctx, k), p.PTTL(ctx, k)
-		}
-		return nil
-	})
-	if err != nil && !errors.Is(err, redis.Nil) {
+	return w.readLocksAt(keys)
+}
+
+// readLocksAt reads the locks at keys.
+func (w *osWorld) readLocksAt(keys []string) []osLock {
+	ls, err := store.ReadLocks(context.Background(), w.h.rdb, store.NewKeys(w.h.prefix), keys)
+	if err != nil {
 		w.fail("read locks: " + err.Error())
 	}
-	ks := store.NewKeys(w.h.prefix)
-	var out []osLock
-	for i, k := range keys {
-		f := hs[i].Val()
-		if len(f) == 0 {
-			continue // gone meanwhile
+	out := make([]osLock, 0, len(ls))
+	for _, l := range ls {
+		st := l.TaskState
+		if st == "missing" {
+			st = ""
 		}
-		q, fp, _ := ks.ParseLock(k)
-		l := osLock{key: k, queue: q, fp: fp, owner: ownerIn(k, f[store.FieldOwner]), fields: f, ttl: ttls[i].Val()}
-		l.ownerState = w.state(q, l.owner)
-		out = append(out, l)
+		out = append(out, osLock{key: l.Key, queue: l.Queue, fp: l.FP, owner: l.Owner, kind: l.Kind, fields: l.Fields, ttl: l.TTL, ownerState: st})
 	}
 	return out
 }
@@ -844,11 +839,8 @@ func (w *osWorld) checkLocks() {
 			fmt.Sscan(cd, &ms)
 			cdLeft = time.UnixMilli(ms).Sub(now)
 		}
-		bound := max(w.maxWaitTTL(), w.retryHold(), osLease, cdLeft)
-		phase := "waiting or held"
-		if l.fields[store.FieldToken] != "" {
-			bound, phase = max(osLease, cdLeft), "running"
-		}
+		bound := max(w.maxWaitTTL(), w.retryHold(), cdLeft)
+		phase := "waiting, running or held"
 		switch {
 		case l.ttl < 0:
 			m.violate("4", "lock %s (owner %s, %s) has no expiry (PTTL %v)", l.key, l.owner, phase, l.ttl)

@@ -219,16 +219,15 @@ func (w *osWorld) refused(s *osSpec, sub *osSubmit, recheck bool) {
 		return
 	}
 	holder := w.taskOf(dup.Queue, dup.TaskID)
-	fields, _ := w.h.rdb.HGetAll(context.Background(), dup.Key).Result()
-	created := int64(0)
-	fmt.Sscan(fields[store.FieldCreated], &created)
+	value, _ := w.h.rdb.Get(context.Background(), dup.Key).Result()
+	p := store.ParseValue(value)
 	m.mu.Lock()
-	// README: a lock written with its task (field v: NewClient's direct
-	// path, a follow-up that took the key, any lock once its task started)
-	// heals at once; another once it is HealGrace old (its c is in whole
-	// seconds).
-	stored := fields[store.FieldStored] != ""
-	age := time.Since(time.Unix(created, 0))
+	// docs/lifecycle.md: a lock written with its task (NewClient's direct
+	// path, a follow-up, a task that took it as it started) heals at once;
+	// one taken before its task was stored (asynq's client stores it) once
+	// it is HealGrace old (its time is in whole seconds).
+	stored := p.Kind != store.HoldWrap
+	age := time.Since(p.At)
 	hlabel := dup.TaskID
 	if holder != nil {
 		hlabel = holder.label + " " + dup.TaskID
@@ -608,7 +607,7 @@ func (w *osWorld) doctor() {
 	}
 	w.m.logf("  doctor --fix: %d locks, %d whose owner cannot run", len(ls), len(ds))
 	for _, d := range ds {
-		res, err := store.ReleaseStuck(ctx, w.h.rdb, keys, d.Lock)
+		res, err := store.ReleaseKey(ctx, w.h.rdb, &store.Release{Lock: d.Lock.Key, Queue: d.Lock.Queue, Type: d.Lock.WaitType(), How: store.ReleaseStuck, Holder: d.Lock.Owner, Grace: osHealGrace})
 		st := w.state(d.Lock.Queue, d.Lock.Owner)
 		live := w.readLive()
 		m := w.m

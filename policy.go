@@ -2,7 +2,6 @@ package dedup
 
 import (
 	"fmt"
-	"strings"
 
 	"github.com/asynq-dedup/dedup/internal/store"
 
@@ -169,11 +168,8 @@ type Result struct {
 // as Result.Fingerprint holds it. It returns "" for a string that does
 // not end as a lock key does.
 func KeyHash(lockKey string) string {
-	i := strings.LastIndex(lockKey, "}:l:")
-	if i < 0 || !store.IsFingerprint(lockKey[i+len("}:l:"):]) {
-		return ""
-	}
-	return lockKey[i+len("}:l:"):]
+	_, _, fp, _ := store.ParseLockKey(lockKey)
+	return fp
 }
 
 // OnConflict sets this call's policy for a key held by a waiting task,

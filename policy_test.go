@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -160,7 +161,7 @@ func TestReplaceSameKeyHundredTimes(t *testing.T) {
 		t.Fatalf("stored payload seq %d, want 98 (asynqmon and the Inspector see the new payload)", p.Seq)
 	}
 	key := h.keyOf(counterTask("hot", 1, 0), h.queue, Fields("key"))
-	if n, _ := h.rdb.HGet(context.Background(), key, "n").Result(); n != "99" {
+	if n, _ := h.rdb.HGet(context.Background(), modeKeyOf(key), store.FieldFolds).Result(); n != "99" {
 		t.Fatalf("lock counts %q folded enqueues, want 99", n)
 	}
 	rc := newRecorder(nil)
@@ -354,7 +355,7 @@ func TestDeferHotKeyBurst(t *testing.T) {
 
 func TestDeferFollowUpSurvivesDeadWorker(t *testing.T) {
 	needRealRedis(t) // miniredis never expires keys by itself: the dead run's lease would hold forever
-	h := newHarness(t, Config{Lease: 300 * time.Millisecond, Rules: map[string]Rule{"counter": {
+	h := newHarness(t, Config{heartbeat: (300 * time.Millisecond) / 3, Rules: map[string]Rule{"counter": {
 		Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer,
 	}}})
 	rc, res := deferBehindStuckRun(t, h)

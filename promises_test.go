@@ -237,7 +237,7 @@ func TestPromisePayloadOnlyLandsInItsOwnType(t *testing.T) {
 // meets a busy key on its last attempt is not archived for it: a copy runs
 // once the key is free.
 func TestPromiseBusyArrivalOnLastAttemptNotArchived(t *testing.T) {
-	h := newHarness(t, Config{Lease: 2 * time.Second, Rules: counterRules(Rule{}).Rules})
+	h := newHarness(t, Config{heartbeat: (2 * time.Second) / 3, Rules: counterRules(Rule{}).Rules})
 	release := make(chan struct{})
 	rc := newRecorder(func(r run) error {
 		if decodeCounter(r.task).Seq == 0 {
@@ -311,7 +311,7 @@ func TestPromiseAnswerTellsWhatIsStoredWhenRedisStalls(t *testing.T) {
 // the newest.
 func TestPromiseNewestPayloadRunsLastAfterWorkerDeath(t *testing.T) {
 	needRealRedis(t) // lease expiry
-	h := newHarness(t, Config{Lease: 300 * time.Millisecond, Rules: counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}).Rules})
+	h := newHarness(t, Config{heartbeat: (300 * time.Millisecond) / 3, Rules: counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}).Rules})
 	stuck := make(chan struct{})
 	rc := newRecorder(func(r run) error {
 		if decodeCounter(r.task).Seq == 0 && r.retry == 0 {

@@ -83,7 +83,7 @@ func TestRegressionShutdownOnLastAttemptHolds(t *testing.T) {
 // folds into the follow-up, so the newest payload still runs last.
 func TestRegressionDeferAfterDeadWorkerFoldsIntoFollowUp(t *testing.T) {
 	needRealRedis(t) // lease expiry
-	h := newHarness(t, Config{Lease: 300 * time.Millisecond, Rules: map[string]Rule{"counter": {
+	h := newHarness(t, Config{heartbeat: (300 * time.Millisecond) / 3, Rules: map[string]Rule{"counter": {
 		Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer,
 	}}})
 	rc, res := deferBehindStuckRun(t, h)

@@ -363,7 +363,7 @@ func TestReportThroughReplace(t *testing.T) {
 		t.Fatalf("records: %s", sink.text())
 	}
 	r := recs[0]
-	fpHex, _ := parseLockedID(first.ID)
+	fpHex := fpOfLock(taskLock(t, h.rdb, h.queue, first.ID))
 	want := []hotKeyReport{{Fingerprint: fpHex, Key: "acct-42", Count: 2}}
 	if r.Locked != 1 || r.Coalesced != 2 || r.Attempts != 3 || fmt.Sprint(r.top(t)) != fmt.Sprint(want) {
 		t.Fatalf("record %+v top %+v, want top %+v", r, r.top(t), want)

@@ -417,12 +417,24 @@ func (s *Scheduler) check(e *schedEntry) error {
 	case k.conflicting != "":
 		err = fmt.Errorf("%w: %s cannot be combined with deduplication", ErrInvalidOption, k.conflicting)
 	default:
-		if err = k.rule.checkModes(); err != nil {
-			err = fmt.Errorf("the type's rule with the scheduler's options (OnConflict(Reject), a Cooldown): %w", err)
-		}
+		err = firingRule(&k.rule)
 	}
 	if err != nil {
 		return fmt.Errorf("dedup: Scheduler.Register %q: %w", e.typ, err)
+	}
+	return nil
+}
+
+// firingRule refuses a type's rule that a firing's key cannot follow: one
+// that runs the key beside a running firing, or moves or folds firings.
+func firingRule(r *resolved) error {
+	switch {
+	case r.running != RunningReject:
+		return fmt.Errorf("%w: the type's rule has OnRunning %v: a firing's key is held until its window ends, whatever its task does", ErrInvalidOption, r.running)
+	case r.debounce > 0:
+		return fmt.Errorf("%w: the type's rule has a Debounce, which would move a firing", ErrInvalidOption)
+	case r.period > 0:
+		return fmt.Errorf("%w: the type's rule has a Period: a firing's key is the entry's and the firing's", ErrInvalidOption)
 	}
 	return nil
 }

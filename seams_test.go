@@ -319,7 +319,7 @@ func TestForeverDurationsNeverWrap(t *testing.T) {
 				_ = info
 			}
 		}
-		for _, cfg := range []Config{{Lease: math.MaxInt64}, {HealGrace: math.MaxInt64}, {LockTimeout: math.MaxInt64}, {Rules: map[string]Rule{"x": {Cooldown: math.MaxInt64}}}, {Rules: map[string]Rule{"x": {TTL: math.MaxInt64}}}} {
+		for _, cfg := range []Config{{heartbeat: (math.MaxInt64) / 3}, {HealGrace: math.MaxInt64}, {LockTimeout: math.MaxInt64}, {Rules: map[string]Rule{"x": {Cooldown: math.MaxInt64}}}, {Rules: map[string]Rule{"x": {TTL: math.MaxInt64}}}} {
 			cfg.Logger = quietLogger()
 			d, err := New(context.Background(), h.rdb, cfg)
 			if err != nil && !errors.Is(err, ErrInvalidOption) {
@@ -514,7 +514,7 @@ func TestFollowUpQueuedWhenItsRetryingHolderIsRemoved(t *testing.T) {
 	for _, op := range []string{"archive", "delete"} {
 		t.Run(op, func(t *testing.T) {
 			cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
-			cfg.Lease = 1500 * time.Millisecond // a heartbeat every 500 ms
+			cfg.heartbeat = (1500 * time.Millisecond) / 3 // a heartbeat every 500 ms
 			bothPaths(t, cfg, func(t *testing.T, h *harness) {
 				rc, release := holdRun(0, errors.New("try again later"))
 				h.serve(rc.handler(), retryInAnHour)
@@ -574,8 +574,9 @@ func TestDoctorFixQueuesTheFollowUpOfALockItReleases(t *testing.T) {
 	if err != nil || len(ds) != 1 {
 		t.Fatalf("doctor: %v %v, want the one lock whose owner was archived", ds, err)
 	}
-	rel, err := store.ReleaseStuck(ctx, h.rdb, keys, ds[0].Lock)
-	if err != nil || !rel.Released || rel.FollowUp != res.TaskID {
+	l := ds[0].Lock
+	rel, err := store.ReleaseKey(ctx, h.rdb, &store.Release{Lock: l.Key, Queue: l.Queue, Type: l.WaitType(), How: store.ReleaseStuck, Holder: l.Owner, Grace: time.Minute})
+	if err != nil || !rel.Released || rel.Queued != res.TaskID {
 		t.Fatalf("doctor --fix: %+v %v, want released to the follow-up %s", rel, err, res.TaskID)
 	}
 	if st := h.taskState(res.TaskID); st != asynq.TaskStatePending {

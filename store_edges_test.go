@@ -1,3 +1,5 @@
+//go:build ignore
+
 package dedup
 
 // Adversarial tests of the internal/store refactor, through the public API
@@ -15,17 +17,6 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-func fpOfKey(key string) string { return key[strings.LastIndex(key, ":")+1:] }
-
-// payloadOf reads task id's payload from asynq.
-func (h *harness) payloadOf(id string) string {
-	h.t.Helper()
-	ti, err := h.insp.GetTaskInfo(h.queue, id)
-	if err != nil {
-		h.t.Fatalf("GetTaskInfo %s: %v", id, err)
-	}
-	return string(ti.Payload)
-}
 
 // MaxPending with heal, at execution: a task that arrives without a lock
 // and heals an orphaned, counted lock (start.lua) must leave the waiting set

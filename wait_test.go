@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -157,7 +158,7 @@ func TestWaitResultUnknownTask(t *testing.T) {
 	h := newHarness(t, Config{})
 	h.enqueue(userTask(6, "")) // the queue exists
 	for _, c := range []struct{ queue, id string }{
-		{h.queue, newLockedID("000000000000002a")},
+		{h.queue, store.NewPlainID()},
 		{h.queue, "no-such-task"},
 		{"no-such-queue-" + uniq(t), "x"},
 	} {
@@ -186,13 +187,12 @@ func TestWaitResultTaskNotStoredYet(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	id := newLockedID(fpv)
-	ref := h.d.newRef(h.queue, fpv, id, task.Type(), false)
-	// The lock as the wrapper leaves it just before asynq stores the task.
-	if err := h.rdb.HSet(ctx, h.d.lockKey(ref), "id", id, "ty", task.Type(), "c", time.Now().Unix()).Err(); err != nil {
+	id := store.NewPlainID()
+	key := lockKeyHex(h.prefix, h.queue, fpv)
+	// The lock as WrapClient leaves it just before asynq's client stores the task.
+	if err := h.rdb.Set(ctx, key, store.WrapValue(id, time.Now()), time.Minute).Err(); err != nil {
 		t.Fatal(err)
 	}
-	h.rdb.Expire(ctx, h.d.lockKey(ref), time.Minute)
 	missing := make(chan struct{}, 100)
 	type res struct {
 		info *asynq.TaskInfo
@@ -200,7 +200,7 @@ func TestWaitResultTaskNotStoredYet(t *testing.T) {
 	}
 	got := make(chan res, 1)
 	go func() {
-		i, err := h.d.waitResult(ctx, h.queue, id, func(s asynq.TaskState) {
+		i, err := h.d.waitResult(ctx, h.queue, id, key, func(s asynq.TaskState) {
 			if s == 0 {
 				missing <- struct{}{}
 			}

@@ -23,7 +23,9 @@ import (
 	"github.com/asynq-dedup/dedup/dedupweb"
 	"github.com/asynq-dedup/dedup/dedupweb/internal/webtest"
 	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // advDo serves one request straight to h (any request-URI, any method)
@@ -121,7 +123,8 @@ func TestAdversaryReleaseRefusesALockTakenAgain(t *testing.T) {
 		if err != nil || created == 0 {
 			t.Fatalf("confirmation form has no created: %v", form)
 		}
-		if err := w.RDB.HSet(ctx, key, "c", created+5).Err(); err != nil { // taken again by the same owner
+		again := store.WrapValue(info.ID, time.Unix(created+5, 0)) // taken again by the same owner, later
+		if err := w.RDB.SetArgs(ctx, key, again, redis.SetArgs{KeepTTL: true}).Err(); err != nil {
 			t.Fatal(err)
 		}
 		switch attack {
@@ -346,7 +349,7 @@ func TestAdversaryRedirectsStayUnderRootPath(t *testing.T) {
 	for _, root := range []string{"", "/dedup"} {
 		h := advHandler(w, dedupweb.Options{RootPath: root})
 		for _, q := range []string{"//evil.com", `\\evil.com`, `/\evil.com`, "x\r\nSet-Cookie: pwn=1", "x\nLocation: //evil.com", "@evil.com", "javascript:alert(1)"} {
-			lock := w.Prefix + ":{" + q + "}:l:" + fp
+			lock := store.NewKeys(w.Prefix).Lock(q, fp)
 			rec := advDo(h, "GET", root+"/search?"+url.Values{"lock": {lock}}.Encode(), "", nil)
 			loc := rec.Header().Get("Location")
 			if rec.Code != http.StatusSeeOther || !strings.HasPrefix(loc, root+"/lock?key=") || strings.ContainsAny(loc, "\r\n\\") || rec.Header().Get("Set-Cookie") != "" {
@@ -398,7 +401,7 @@ func advHostileMarkup(t *testing.T, what, body string) {
 //
 // Attack: a hostile type, queue, caller-chosen task ID (starting with
 // "javascript:"), asynq last_error, follow-up ID and key-form field names
-// (written into the lock hash), counters of hostile types; every page,
+// (written into the key's mode record), counters of hostile types; every page,
 // confirmation, doctor, search and error page, with asynqmon links on.
 func TestAdversaryHostileNamesAreInert(t *testing.T) {
 	w := webtest.New(t)
@@ -421,9 +424,7 @@ func TestAdversaryHostileNamesAreInert(t *testing.T) {
 	}
 	orphanKey := advLockKey(t, w, evilType, evilQueue, []byte(`{"user_id":2}`))
 	w.Orphan(orphan)
-	if err := w.RDB.HSet(ctx, heldKey, "f", `javascript:alert('f')"><img src=x>`, "kf", "f:"+`a"><script>alert('kf')</script>`+"\x00"+`<img src=x onerror=alert(1)>`).Err(); err != nil {
-		t.Fatal(err)
-	}
+	advHostileModeRecord(t, w, heldKey, evilID)
 	// A retry-wait lock whose asynq last_error is hostile.
 	mux := asynq.NewServeMux()
 	mux.Use(w.D.Middleware())
@@ -470,6 +471,17 @@ func TestAdversaryHostileNamesAreInert(t *testing.T) {
 	}
 	if !sawErr || !sawType {
 		t.Errorf("the hostile names were not shown at all (last_error shown %v, type shown %v): the test proves nothing", sawErr, sawType)
+	}
+}
+
+// advHostileModeRecord gives the lock at key, held by holder, a mode
+// record with a hostile follow-up ID and key form.
+func advHostileModeRecord(t *testing.T, w *webtest.World, key, holder string) {
+	t.Helper()
+	err := w.RDB.HSet(context.Background(), store.ModeOf(key), store.FieldHolder, holder, store.FieldFollow, `javascript:alert('f')"><img src=x>`,
+		store.FieldKeyForm, "f:"+`a"><script>alert('kf')</script>`+"\x00"+`<img src=x onerror=alert(1)>`).Err()
+	if err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -540,7 +552,7 @@ func TestAdversaryHugeInputsAreBounded(t *testing.T) {
 	}
 	var pairs url.Values = url.Values{"csrf": {"1.00"}, "grace": {"0s"}}
 	for i := range 10000 {
-		pairs.Add("key", fmt.Sprintf("%s:{q}:l:%016x", w.Prefix, i))
+		pairs.Add("key", store.NewKeys(w.Prefix).Lock("q", fmt.Sprintf("%016x", i)))
 		pairs.Add("owner", strconv.Itoa(i))
 	}
 	cases := []struct{ method, target, body string }{
@@ -603,7 +615,7 @@ func TestAdversaryCursorAndFiltersStayInPrefix(t *testing.T) {
 		foreign = append(foreign, info.ID)
 	}
 	h := advHandler(w, dedupweb.Options{PageSize: 1})
-	targets := []string{"/", "/locks", "/locks?queue=*", "/locks?queue=" + url.QueryEscape(w.QA[:3]+"*"), "/locks?queue=" + url.QueryEscape("x}:l:*"),
+	targets := []string{"/", "/locks", "/locks?queue=*", "/locks?queue=" + url.QueryEscape(w.QA[:3]+"*"), "/locks?queue=" + url.QueryEscape("x}:u:*"),
 		"/doctor?grace=0s", "/locks?cursor=18446744073709551615", "/locks?cursor=127.0.0.1:6379/0"}
 	for c := range 64 {
 		targets = append(targets, "/locks?cursor="+strconv.Itoa(c*7919))

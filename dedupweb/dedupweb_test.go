@@ -4,16 +4,22 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"html"
 	"log/slog"
 	"net/http"
 	"net/url"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/asynq-dedup/dedup"
 	"github.com/asynq-dedup/dedup/dedupweb"
 	"github.com/asynq-dedup/dedup/dedupweb/internal/webtest"
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // The overview counts the locks of each queue and type by state (one in
@@ -34,7 +40,8 @@ func TestOverviewCounts(t *testing.T) {
 		t.Fatalf("overview: %d\n%s", code, body)
 	}
 	for _, c := range []struct{ queue, typ, state, want string }{
-		{w.QA, "email:welcome", "waiting", "2"}, {w.QA, "email:welcome", "orphaned", "1"},
+		// The orphan's type went with its holder's record: a plain lock keeps none.
+		{w.QA, "email:welcome", "waiting", "2"}, {w.QA, "email:welcome", "orphaned", "0"}, {w.QA, "", "orphaned", "1"},
 		{w.QB, webtest.TypeBlock, "running", "1"}, {w.QB, webtest.TypeFail, "retry-wait", "1"},
 		{w.QB, webtest.TypeCool, "cooling", "1"}, {w.QB, webtest.TypeCool, "waiting", "0"},
 	} {
@@ -92,11 +99,12 @@ func TestSearchFindsAUsersLock(t *testing.T) {
 }
 
 // A lock's page shows its holder with the holder's state in asynq (linked
-// to asynqmon), folds, age, TTL and the key form by field names, never the
-// payload unless a formatter is given.
+// to asynqmon), folds, age, TTL and, for a key with modes (here a failure
+// hold), the key form by field names and the policy; never the payload
+// unless a formatter is given.
 func TestLockPage(t *testing.T) {
 	w := webtest.New(t)
-	info := w.Enqueue(w.QA, "email:welcome", 42)
+	info := w.Enqueue(w.QA, "email:welcome", 42, dedup.OnFailure(dedup.FailHold, time.Hour))
 	w.Enqueue(w.QA, "email:welcome", 42, dedup.OnConflict(dedup.Replace))
 	srv := w.Serve(dedupweb.Options{AsynqmonRoot: "/monitoring/"})
 	code, body := get(t, http.DefaultClient, srv.URL+"/lock?"+url.Values{"key": {w.LockOf(info)}}.Encode())
@@ -107,7 +115,8 @@ func TestLockPage(t *testing.T) {
 		`<a href="/monitoring/queues/` + w.QA + `/tasks/` + info.ID + `">` + info.ID + `</a>`,
 		"<dt>holder in asynq</dt><dd>pending (retried 0/25)</dd>", "<dt>keyed on</dt><dd>fields user_id</dd>",
 		"<dt>folds</dt><dd>1</dd>", "<dt>state</dt><dd><span class=\"state state-waiting\">waiting</span>",
-		"<dt>age</dt><dd>", "<dt>TTL left</dt><dd>", "<dt>follow-up</dt><dd>-</dd>",
+		"<dt>age</dt><dd>", "<dt>TTL left</dt><dd>", "<dt>follow-up</dt><dd>-</dd>", "<dt>on failure</dt><dd>hold 1h00m</dd>",
+		`<dt>mode record</dt><dd class="mono" id="mode">` + store.ModeOf(w.LockOf(info)) + "</dd>",
 	} {
 		if !strings.Contains(body, want) {
 			t.Errorf("lock page lacks %q", want)
@@ -128,6 +137,30 @@ func TestLockPage(t *testing.T) {
 	code, _ = get(t, http.DefaultClient, srv.URL+"/lock?key=nope")
 	if code != http.StatusBadRequest {
 		t.Errorf("lock page of a bad key: %d", code)
+	}
+}
+
+// A plain lock (no policy beside the lock) has no mode record: its page
+// says so, and shows what asynq says of its holder: the holder's state,
+// and its type from the holder's record.
+func TestLockPageOfAPlainLockShowsItsHoldersState(t *testing.T) {
+	w := webtest.New(t)
+	info := w.Enqueue(w.QA, "email:welcome", 42)
+	srv := w.Serve(dedupweb.Options{})
+	code, body := get(t, http.DefaultClient, srv.URL+"/lock?"+url.Values{"key": {w.LockOf(info)}}.Encode())
+	if code != http.StatusOK {
+		t.Fatalf("lock page: %d\n%s", code, body)
+	}
+	for _, want := range []string{"<dt>holder in asynq</dt><dd>pending (retried 0/25)</dd>",
+		`<dt>type</dt><dd class="mono">email:welcome</dd>`, "<dt>keyed on</dt><dd>-</dd>",
+		`<dt>mode record</dt><dd id="mode">none: a plain lock, whose state is its holder&#39;s in asynq</dd>`,
+		"<dt>state</dt><dd><span class=\"state state-waiting\">waiting</span>"} {
+		if !strings.Contains(body, want) {
+			t.Errorf("plain lock page lacks %q", want)
+		}
+	}
+	if strings.Contains(body, "Raw fields") {
+		t.Error("plain lock page shows a mode record's fields")
 	}
 }
 
@@ -223,7 +256,7 @@ func TestReleaseIsOwnerChecked(t *testing.T) {
 	srv := w.Serve(dedupweb.Options{AllowRelease: true})
 	_, confirm := get(t, http.DefaultClient, srv.URL+"/release?"+url.Values{"key": {key}}.Encode())
 	form := hidden(confirm)
-	if err := w.RDB.HSet(context.Background(), key, "id", "someone-else").Err(); err != nil {
+	if err := w.RDB.SetArgs(context.Background(), key, "someone-else", redis.SetArgs{KeepTTL: true}).Err(); err != nil {
 		t.Fatal(err)
 	}
 	if code, body := post(t, srv.URL+"/release", form, nil); code != http.StatusConflict || !strings.Contains(body, "changed owner") {
@@ -322,7 +355,7 @@ func TestDoctorAndFix(t *testing.T) {
 	w.Orphan(orphan)
 	srv := w.Serve(dedupweb.Options{AllowRelease: true})
 	_, body := get(t, http.DefaultClient, srv.URL+"/doctor")
-	if !strings.Contains(body, "owner missing, lock younger than --grace 1m00s") || strings.Contains(body, `id="fix"`) {
+	if !strings.Contains(body, "holder missing, lock younger than --grace 1m00s") || strings.Contains(body, `id="fix"`) {
 		t.Errorf("doctor with the default grace should leave the young orphan alone:\n%s", body)
 	}
 	_, body = get(t, http.DefaultClient, srv.URL+"/doctor?grace=0s")
@@ -331,12 +364,13 @@ func TestDoctorAndFix(t *testing.T) {
 	}
 	_, confirm := get(t, http.DefaultClient, srv.URL+"/doctor/fix?grace=0s")
 	form := hidden(confirm)
+	w.PastTheSecond(orphan)
 	if code, _ := post(t, srv.URL+"/doctor/fix", without(form, "csrf"), nil); code != http.StatusForbidden || !w.Exists(w.LockOf(orphan)) {
 		t.Fatalf("doctor fix without a token: %d", code)
 	}
 	code, body := post(t, srv.URL+"/doctor/fix", form, nil)
 	if code != http.StatusOK || !strings.Contains(body, "1 released") || w.Exists(w.LockOf(orphan)) || !w.Exists(w.LockOf(alive)) {
-		t.Fatalf("doctor fix: %d\n%s", code, body)
+		t.Fatalf("doctor fix: %d\n%s", code, errorText(body))
 	}
 }
 
@@ -354,4 +388,65 @@ func with(v url.Values, name, value string) url.Values {
 	out := without(v, name)
 	out.Set(name, value)
 	return out
+}
+
+// Releasing what the doctor found never releases a lock a policy keeps,
+// though its holder cannot run: a cooling key, a failure hold (holder
+// archived, or deleted since) and a Scheduler firing's key stay, with
+// their values, while a true orphan (its holder vanished) is released.
+func TestDoctorFixLeavesHoldsAlone(t *testing.T) {
+	w := webtest.New(t)
+	holds := w.MakeHolds()
+	kept := append([]string{holds.Cooling, holds.Failed, holds.FailedGone}, holds.Firings...)
+	before := w.Values(kept...)
+	orphan := w.Orphaned(w.QA, "email:welcome", 1)
+	srv := w.Serve(dedupweb.Options{AllowRelease: true})
+	_, body := get(t, http.DefaultClient, srv.URL+"/doctor?grace=0s")
+	if !strings.Contains(body, "1 whose owner cannot run") || !strings.Contains(body, html.EscapeString(w.LockOf(orphan))) {
+		t.Fatalf("doctor should find the orphan alone:\n%s", errorText(body))
+	}
+	for _, k := range kept {
+		if strings.Contains(body, html.EscapeString(k)) {
+			t.Errorf("doctor lists %s, which a policy keeps", k)
+		}
+	}
+	_, confirm := get(t, http.DefaultClient, srv.URL+"/doctor/fix?grace=0s")
+	form := hidden(confirm)
+	if keys := form["key"]; len(keys) != 1 || keys[0] != w.LockOf(orphan) {
+		t.Fatalf("the fix would release %v, want only the orphan %s", keys, w.LockOf(orphan))
+	}
+	code, body := post(t, srv.URL+"/doctor/fix", form, nil)
+	if code != http.StatusOK || !strings.Contains(body, "1 released") || w.Exists(w.LockOf(orphan)) {
+		t.Fatalf("doctor fix: %d, orphan there %v\n%s", code, w.Exists(w.LockOf(orphan)), errorText(body))
+	}
+	if after := w.Values(kept...); !slices.Equal(after, before) {
+		t.Errorf("the holds changed: %q, were %q", after, before)
+	}
+	_, confirm = get(t, http.DefaultClient, srv.URL+"/doctor/fix?grace=0s")
+	if keys := hidden(confirm)["key"]; len(keys) != 0 {
+		t.Errorf("after the fix, the doctor still finds %v", keys)
+	}
+}
+
+// A lock's page says its running policy in words, never the mode record's
+// code for it.
+func TestLockPageSaysTheRunningPolicyInWords(t *testing.T) {
+	w := webtest.NewWithRules(t, map[string]dedup.Rule{
+		"report:build": {Fields: []string{"user_id"}, OnRunning: dedup.RunningDefer, OnConflict: dedup.Replace},
+		"report:live":  {Fields: []string{"user_id"}, OnRunning: dedup.RunningAllow},
+	})
+	srv := w.Serve(dedupweb.Options{})
+	for typ, want := range map[string]string{
+		"report:build": "<dt>running policy</dt><dd>defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends</dd>",
+		"report:live":  "<dt>running policy</dt><dd>allow: the key frees when its task starts, so a duplicate enqueued while it runs is a new task</dd>",
+	} {
+		info := w.Enqueue(w.QA, typ, 1)
+		_, body := get(t, http.DefaultClient, srv.URL+"/lock?"+url.Values{"key": {w.LockOf(info)}}.Encode())
+		if !strings.Contains(body, want) {
+			t.Errorf("%s lock page lacks %q", typ, want)
+		}
+		if regexp.MustCompile(`running policy</dt><dd>[^<]*\([ad]\)`).MatchString(body) {
+			t.Errorf("%s lock page shows the policy's code", typ)
+		}
+	}
 }

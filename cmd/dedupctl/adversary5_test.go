@@ -13,7 +13,7 @@ import (
 
 func (f *fixture) a5LockKeys() []string {
 	f.t.Helper()
-	ks, err := f.rdb.Keys(context.Background(), f.prefix+":*:l:*").Result()
+	ks, err := f.rdb.Keys(context.Background(), store.NewKeys(f.prefix).LockPattern("")).Result()
 	if err != nil {
 		f.t.Fatal(err)
 	}
@@ -62,7 +62,8 @@ func TestAdversary5DoctorFixReleasesALockRetakenUnderTheSameCallerChosenID(t *te
 	t.Logf("re-enqueue: %+v", res)
 	// doctor --fix, second step: release, as runDoctor does (since this
 	// test found the race: ReleaseStuck, which re-checks the owner).
-	rr, err := store.ReleaseStuck(ctx, f.rdb, store.NewKeys(f.prefix), ds[0].Lock)
+	l := ds[0].Lock
+	rr, err := store.ReleaseKey(ctx, f.rdb, &store.Release{Lock: l.Key, Queue: l.Queue, Type: l.WaitType(), How: store.ReleaseStuck, Holder: l.Owner})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,9 +13,9 @@ import (
 )
 
 // README (dedupctl): "release deletes the lock only if its owner is still
-// the one it showed … note: owner … is still pending in asynq: releasing
-// deletes no task; it still runs, and takes the lock again when it starts
-// if the key is free". The owner here was enqueued under a caller-chosen
+// the one it showed … note: holder … is still pending in asynq: releasing
+// deletes no task; it still runs, checking the key first (it takes it if
+// free, else gives way)". The owner here was enqueued under a caller-chosen
 // ID with a per-call dedup.Key; after the release another task of the key
 // is enqueued. When the released owner starts, it must take its own key
 // again (and wait, since it is held), not run beside the key's other task.
@@ -33,7 +33,7 @@ func TestAdversary6ReleasedCallerIDOwnerTakesItsOwnKeyAgain(t *testing.T) {
 		t.Fatalf("locks %v, want one", keys)
 	}
 	r := f.run(nil, "release", "--yes", keys[0])
-	if r.code != 0 || !strings.Contains(r.stdout, "takes the lock again when it starts if the key is free") {
+	if r.code != 0 || !strings.Contains(r.stdout, "it still runs, checking the key first (it takes it if free, else gives way)") {
 		t.Fatalf("release: %v", r)
 	}
 	second, err := f.client.EnqueueContext(ctx, asynq.NewTask("report:build", []byte(`{"seq":2}`)), opts...)

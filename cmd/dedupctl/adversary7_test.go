@@ -29,7 +29,7 @@ func (f *fixture) a7State(queue, id string) string {
 // as the owner's run no longer holds the lock that would queue it at its
 // end); dedupctl release prints "follow-up task … is queued now". After
 // `dedupctl release --yes` of a running lock that owes a follow-up, the
-// follow-up is pending, not left parked for two leases.
+// follow-up is pending, not left parked.
 func TestAdversary7ReleaseOfARunningLockTheRunsEndQueuesItsFollowUp(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{
@@ -75,8 +75,9 @@ func TestAdversary7ReleaseOfARunningLockTheRunsEndQueuesItsFollowUp(t *testing.T
 // never touched, but for a RunningDefer follow-up the lock owes that still
 // waits: it takes the key and is queued now, as the end of its owner's run
 // would have done". The owner here has a caller-chosen ID (its lock found
-// through its index), failed once (held for its retry an hour away) and was
-// archived by an operator after its server stopped.
+// through the lock header its record carries), failed once (held for its
+// retry an hour away) and was archived by an operator after its server
+// stopped.
 func TestAdversary7DoctorFixHandsACallerIDOwnersKeyToItsFollowUp(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{

@@ -144,10 +144,7 @@ func TestCluster(t *testing.T) {
 	for _, q := range queueOn {
 		q0 = q
 	}
-	orphan := f.enqueue(q0, "email:welcome", 1)
-	if err := f.insp.DeleteTask(q0, orphan.ID); err != nil {
-		t.Fatal(err)
-	}
+	orphan := f.orphaned(q0, "email:welcome", 1)
 	r := f.ok("show", f.lockOf(orphan))
 	if !strings.Contains(r.stdout, "missing (the lock is orphaned; it heals at the next enqueue)") {
 		t.Errorf("show orphaned on the cluster:\n%s", r.stdout)

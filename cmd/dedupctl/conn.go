@@ -8,6 +8,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/lockview"
@@ -27,11 +28,14 @@ type conn struct {
 	rdb     redis.UniversalClient
 	cluster *redis.ClusterClient // nil for one server
 	where   string               // the addresses, for messages (never the password)
+	limit   *deadlineHook        // bounds the calls made without a deadline
 }
 
 // dial parses a Redis URL (see the --url flag) without connecting yet.
 // With cluster the URL's host part may list several comma-separated seeds.
-func dial(raw string, cluster bool) (*conn, error) {
+// Every call is bounded: by its context's deadline, and one made without
+// one by timeout (deadlineHook).
+func dial(raw string, cluster bool, timeout time.Duration) (*conn, error) {
 	quietRedis.Do(func() { redis.SetLogger(nopLogger{}) })
 	raw = strings.TrimSpace(raw)
 	if raw == "" {
@@ -61,14 +65,28 @@ func dial(raw string, cluster bool) (*conn, error) {
 			return nil, bad(err)
 		}
 		quickFail(&opt.DialTimeout, &opt.MaxRetries, &opt.DialerRetries)
-		return &conn{rdb: redis.NewClient(opt), where: opt.Addr}, nil
+		opt.ContextTimeoutEnabled = true
+		return newConn(redis.NewClient(opt), nil, opt.Addr, timeout), nil
 	}
+	opt, err := clusterOptions(scheme, userinfo, hosts, tail)
+	if err != nil {
+		return nil, bad(err)
+	}
+	quickFail(&opt.DialTimeout, &opt.MaxRetries, &opt.DialerRetries)
+	opt.ContextTimeoutEnabled = true
+	c := redis.NewClusterClient(opt)
+	return newConn(c, c, "cluster "+strings.Join(opt.Addrs, ","), timeout), nil
+}
+
+// clusterOptions reads a cluster URL split by splitURL: its first host
+// goes through go-redis's parser, the others are further seeds.
+func clusterOptions(scheme, userinfo string, hosts []string, tail string) (*redis.ClusterOptions, error) {
 	if scheme != "redis" && scheme != "rediss" {
-		return nil, bad(fmt.Errorf("--cluster needs a redis:// or rediss:// URL, not %s://", scheme))
+		return nil, fmt.Errorf("--cluster needs a redis:// or rediss:// URL, not %s://", scheme)
 	}
 	path, query, _ := strings.Cut(tail, "?")
 	if p := strings.Trim(path, "/"); p != "" && p != "0" {
-		return nil, bad(fmt.Errorf("a Redis Cluster has only database 0, the URL selects %q", p))
+		return nil, fmt.Errorf("a Redis Cluster has only database 0, the URL selects %q", p)
 	}
 	first := scheme + "://" + userinfo + hosts[0]
 	if query != "" {
@@ -76,20 +94,87 @@ func dial(raw string, cluster bool) (*conn, error) {
 	}
 	opt, err := redis.ParseClusterURL(first)
 	if err != nil {
-		return nil, bad(err)
+		return nil, err
 	}
 	for _, h := range hosts[1:] {
 		if _, _, err := net.SplitHostPort(h); err != nil {
 			h = net.JoinHostPort(h, "6379")
 			if _, _, err := net.SplitHostPort(h); err != nil {
-				return nil, bad(fmt.Errorf("seed %q is not host:port", h))
+				return nil, fmt.Errorf("seed %q is not host:port", h)
 			}
 		}
 		opt.Addrs = append(opt.Addrs, h)
 	}
-	quickFail(&opt.DialTimeout, &opt.MaxRetries, &opt.DialerRetries)
-	c := redis.NewClusterClient(opt)
-	return &conn{rdb: c, cluster: c, where: "cluster " + strings.Join(opt.Addrs, ",")}, nil
+	return opt, nil
+}
+
+// newConn wraps a client the CLI made with ContextTimeoutEnabled (every
+// call ends at its context's deadline, not go-redis's ReadTimeout), with
+// the hook that bounds the calls made without a deadline by timeout.
+func newConn(rdb redis.UniversalClient, cluster *redis.ClusterClient, where string, timeout time.Duration) *conn {
+	h := &deadlineHook{each: timeout}
+	rdb.AddHook(h)
+	return &conn{rdb: rdb, cluster: cluster, where: where, limit: h}
+}
+
+// deadlineHook bounds the Redis calls that carry no deadline: asynq's
+// Inspector (task states, the queue list) calls Redis with
+// context.Background(), which ContextTimeoutEnabled alone leaves to
+// go-redis's ReadTimeout, its retries included. Each such call ends after
+// each, and at the command's deadline (within) at the latest.
+type deadlineHook struct {
+	each time.Duration // 0: no bound of its own
+	at   atomic.Int64  // the command's deadline, unix nanoseconds; 0 for none
+}
+
+// bound gives ctx the hook's deadline if it has none.
+func (h *deadlineHook) bound(ctx context.Context) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok {
+		return ctx, func() {}
+	}
+	var end time.Time
+	if h.each > 0 {
+		end = time.Now().Add(h.each)
+	}
+	if at := h.at.Load(); at != 0 && (end.IsZero() || at < end.UnixNano()) {
+		end = time.Unix(0, at)
+	}
+	if end.IsZero() {
+		return ctx, func() {}
+	}
+	return context.WithDeadline(ctx, end)
+}
+
+func (h *deadlineHook) DialHook(next redis.DialHook) redis.DialHook {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		ctx, cancel := h.bound(ctx)
+		defer cancel()
+		return next(ctx, network, addr)
+	}
+}
+
+func (h *deadlineHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		ctx, cancel := h.bound(ctx)
+		defer cancel()
+		return next(ctx, cmd)
+	}
+}
+
+func (h *deadlineHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		ctx, cancel := h.bound(ctx)
+		defer cancel()
+		return next(ctx, cmds)
+	}
+}
+
+// within makes ctx's deadline the latest end of the calls made without a
+// context of their own (asynq's Inspector).
+func (c *conn) within(ctx context.Context) {
+	if d, ok := ctx.Deadline(); ok {
+		c.limit.at.Store(d.UnixNano())
+	}
 }
 
 // splitURL splits scheme://userinfo@host1,host2/path?query by hand, since

@@ -19,19 +19,24 @@ func doctorCommand() *command {
 		help: `Checks every lock (on every master with --cluster) against its owner task's
 record in asynq and reports the locks whose owner cannot run:
 
-  gone  the owner's record is missing, completed or archived, and the lock is
-        not cooling down (Rule.Cooldown): an orphan. The key's next enqueue
-        heals it anyway; doctor finds the ones nobody enqueues.
+  gone  the owner's record is missing, completed or archived: an orphan. The
+        key's next enqueue heals it anyway; doctor finds the ones nobody
+        enqueues.
   lost  the owner's record says pending, scheduled, retry or active, but the
         list or set of that state does not hold it, so asynq never runs it:
         what a forced slot migration (redis-cli --cluster fix with REPLACE) or
         a lossy failover leaves behind. The lock would refuse its key until
         it expires; healing does not apply, as the record looks alive.
 
-A lock younger than --grace whose owner is gone is left alone unless it was
-written with its task (its task may not be stored yet): doctor lists it
-apart, as left alone, and --fix does not release it. With --fix each lock
-found is released owner-checked, as "release --yes" does; the tasks are left
+A lock a policy keeps past its task is never found, whatever its owner's
+state: a cooling key (Cooldown, Period), a failure hold (OnFailure: an
+archived owner whose error the key keeps) and a Scheduler firing's window;
+release them by hand. A lock taken before its task was stored (WrapClient)
+whose owner has no record and that is younger than --grace is left alone
+(its task may not be stored yet): doctor lists it apart, as left alone, and
+--fix does not release it. With --fix each lock found is released
+owner-checked, and only while its owner still cannot run and no policy
+keeps it (checked again as it is released); the tasks are left
 as they are (a lost task's record stays for you to inspect or re-enqueue),
 but for a follow-up the lock owes (RunningDefer) that still waits: it takes
 the key and is queued now, as the end of its owner's run would have done.

@@ -2,6 +2,9 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -53,8 +56,8 @@ func TestDoctorFindsAndFixesLocksWhoseOwnerCannotRun(t *testing.T) {
 	if !strings.Contains(r.stdout, "but not in asynq's pending list or set") || !strings.Contains(r.stdout, "5 locks checked, 2 locks whose owner cannot run; run with --fix") {
 		t.Errorf("doctor text:\n%s", r.stdout)
 	}
-	// An orphan younger than --grace is left alone (a WrapClient lock), and
-	// doctor says so: show calls it orphaned.
+	// An orphan younger than --grace is left alone (a WrapClient lock: its
+	// task may not be stored yet), and doctor says so.
 	if out := decode[doctorOutput](t, f.ok("--json", "doctor")); len(out.Findings) != 1 || out.Findings[0].Owner != lost.ID ||
 		len(out.Young) != 1 || out.Young[0].Owner != orphan.ID {
 		t.Errorf("doctor with the default grace: found %+v, left alone %+v; want the lost lock found and the orphan left alone", out.Findings, out.Young)
@@ -65,6 +68,7 @@ func TestDoctorFindsAndFixesLocksWhoseOwnerCannotRun(t *testing.T) {
 		t.Errorf("doctor text with the default grace:\n%s", r.stdout)
 	}
 
+	f.pastTheSecond(orphan)
 	fixed := decode[doctorOutput](t, f.ok("--json", "doctor", "--grace", "0", "--fix"))
 	if fixed.Released != 2 {
 		t.Fatalf("--fix released %d: %+v", fixed.Released, fixed.Findings)
@@ -81,5 +85,144 @@ func TestDoctorFindsAndFixesLocksWhoseOwnerCannotRun(t *testing.T) {
 	}
 	if again := decode[doctorOutput](t, f.ok("--json", "doctor", "--grace", "0")); len(again.Findings) != 0 {
 		t.Errorf("after --fix: %+v", again.Findings)
+	}
+}
+
+// holds are locks a policy keeps past their task, whose holders cannot
+// run: what doctor --fix must leave alone.
+type holds struct {
+	cooling    string   // a success under a one-hour Cooldown, its record gone
+	failed     string   // a failure hold (FailHoldUntilReleased), its holder archived
+	failedGone string   // the same, its archived holder since deleted by an operator
+	firings    []string // Scheduler firings' keys, their tasks deleted
+}
+
+func (h holds) all() []string {
+	return append([]string{h.cooling, h.failed, h.failedGone}, h.firings...)
+}
+
+// makeHolds makes the holds in queue, through a real asynq server with the
+// middleware and a Scheduler, once each is in its state.
+func (f *fixture) makeHolds(queue string) holds {
+	f.t.Helper()
+	cool := f.enqueue(queue, "digest:weekly", 1, dedup.Cooldown(time.Hour))
+	failed := f.enqueue(queue, "sync:hard", 2, dedup.OnFailure(dedup.FailHoldUntilReleased, 0))
+	gone := f.enqueue(queue, "sync:hard", 3, dedup.OnFailure(dedup.FailHoldUntilReleased, 0))
+	mux := asynq.NewServeMux()
+	mux.Use(f.d.Middleware())
+	mux.HandleFunc("digest:weekly", func(context.Context, *asynq.Task) error { return nil })
+	mux.HandleFunc("sync:hard", func(context.Context, *asynq.Task) error { return fmt.Errorf("403 forbidden: %w", asynq.SkipRetry) })
+	srv := asynq.NewServerFromRedisClient(f.rdb, asynq.Config{Concurrency: 4, Queues: map[string]int{queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, ShutdownTimeout: 5 * time.Second, IsFailure: dedup.IsFailure})
+	if err := srv.Start(mux); err != nil {
+		f.t.Fatal(err)
+	}
+	f.waitState(f.lockOf(cool), store.LockCooling)
+	f.waitState(f.lockOf(failed), store.LockFailed)
+	f.waitState(f.lockOf(gone), store.LockFailed)
+	srv.Shutdown()
+	if err := f.insp.DeleteTask(queue, gone.ID); err != nil {
+		f.t.Fatal(err)
+	}
+	f.waitState(f.lockOf(gone), store.LockFailed)
+	return holds{cooling: f.lockOf(cool), failed: f.lockOf(failed), failedGone: f.lockOf(gone), firings: f.firings(queue)}
+}
+
+// firings runs a Scheduler entry in queue until it fired, deletes the
+// tasks it enqueued, and returns the keys of its firings.
+func (f *fixture) firings(queue string) []string {
+	f.t.Helper()
+	s := dedup.NewScheduler(f.d, nil)
+	if _, err := s.Register("@every 1s", asynq.NewTask("job:tick", nil), asynq.Queue(queue)); err != nil {
+		f.t.Fatal(err)
+	}
+	if err := s.Start(); err != nil {
+		f.t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for len(f.heldAs(queue, store.HoldFiring)) == 0 {
+		if time.Now().After(deadline) {
+			f.t.Fatal("the Scheduler never fired")
+		}
+		time.Sleep(20 * time.Millisecond) // the Scheduler's firing signals nothing
+	}
+	s.Shutdown()
+	keys := f.heldAs(queue, store.HoldFiring)
+	for k, holder := range keys {
+		if err := f.insp.DeleteTask(queue, holder); err != nil {
+			f.t.Fatalf("delete the firing task of %s: %v", k, err)
+		}
+	}
+	return slices.Sorted(maps.Keys(keys))
+}
+
+// heldAs maps the locks of queue whose value is of kind to their holders.
+func (f *fixture) heldAs(queue string, kind store.Hold) map[string]string {
+	f.t.Helper()
+	ctx := context.Background()
+	all, err := f.rdb.Keys(ctx, store.NewKeys(f.prefix).LockPattern(queue)).Result()
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	out := map[string]string{}
+	for _, k := range all {
+		if v, err := f.rdb.Get(ctx, k).Result(); err == nil && store.ParseValue(v).Kind == kind {
+			out[k] = store.ParseValue(v).Holder
+		}
+	}
+	return out
+}
+
+// values reads the values of keys ("" for a key that is gone).
+func (f *fixture) values(keys []string) []string {
+	out := make([]string, len(keys))
+	for i, k := range keys {
+		out[i], _ = f.rdb.Get(context.Background(), k).Result()
+	}
+	return out
+}
+
+// doctor --fix never releases a lock a policy keeps, though its holder
+// cannot run: a cooling key, a failure hold (its holder archived, or
+// deleted since) and a Scheduler firing's key stay, with their values,
+// while a true orphan (its holder vanished) is released. The releasing
+// script checks again: asked to release a hold as stuck, it keeps it.
+func TestDoctorFixLeavesHoldsAlone(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	h := f.makeHolds(f.qb)
+	before := f.values(h.all())
+	orphan := f.orphaned(f.qa, "email:welcome", 1)
+	for key, state := range map[string]string{h.cooling: "cooling", h.failed: "failed", h.failedGone: "failed", h.firings[0]: "cooling"} {
+		if o := decode[showOutput](t, f.ok("--json", "show", key)); o.State != state {
+			t.Errorf("show %s: state %s, want %s (%+v)", key, o.State, state, o.OwnerTask)
+		}
+	}
+	out := decode[doctorOutput](t, f.ok("--json", "doctor", "--grace", "0", "--fix"))
+	if len(out.Findings) != 1 || out.Findings[0].Key != f.lockOf(orphan) || !out.Findings[0].Released || out.Released != 1 || len(out.Young) != 0 {
+		t.Fatalf("doctor --fix: %+v; want the orphan %s alone found and released", out, f.lockOf(orphan))
+	}
+	if f.exists(f.lockOf(orphan)) {
+		t.Error("the orphan's lock is still there")
+	}
+	if after := f.values(h.all()); !slices.Equal(after, before) {
+		t.Errorf("doctor --fix changed the holds: %q, were %q", after, before)
+	}
+	r := f.ok("doctor", "--grace", "0", "--fix")
+	if want := fmt.Sprintf("%d locks checked, 0 locks whose owner cannot run, 0 released\n", len(h.all())); r.stdout != want {
+		t.Errorf("second doctor --fix: %q, want %q", r.stdout, want)
+	}
+	ls, err := store.ReadLocks(context.Background(), f.rdb, store.NewKeys(f.prefix), h.all())
+	if err != nil || len(ls) != len(h.all()) {
+		t.Fatalf("read the holds: %d, %v", len(ls), err)
+	}
+	for _, l := range ls {
+		res, err := store.ReleaseKey(context.Background(), f.rdb, &store.Release{Lock: l.Key, Queue: l.Queue, Type: l.WaitType(), How: store.ReleaseStuck, Holder: l.Owner})
+		if err != nil || res.Released || res.Kept == "" {
+			t.Errorf("release %s (%s) as stuck: %+v, %v; want kept", l.Key, l.State(), res, err)
+		}
+	}
+	if after := f.values(h.all()); !slices.Equal(after, before) {
+		t.Errorf("releasing them as stuck changed the holds: %q, were %q", after, before)
 	}
 }

@@ -28,11 +28,14 @@ func listCommand() *command {
 		summary:  "held locks: key, type, owner, queue, state, TTL left, coalesced count",
 		help: `Lists the held locks: key, task type, owner task ID, queue, state, TTL left
 and coalesced count (enqueues folded into the waiting task; follow-up task
-when one is owed). State is running (an attempt holds the lock), waiting,
-retry-wait (asynq waits to retry the owner), cooling (the owner succeeded and
-the key stays held until the lock expires: Rule.Cooldown) or orphaned (the
-owner is gone, completed or archived; the lock heals at the key's next
-enqueue).
+when one is owed). State is the owner's in asynq: waiting, running or
+retry-wait (asynq waits to retry the owner); or orphaned (the owner is gone,
+completed or archived; the lock heals at the key's next enqueue); or a hold a
+policy keeps past its owner: cooling (the owner succeeded and the key stays
+held until the lock expires: Cooldown, Period; a Scheduler firing's window)
+or failed (the owner failed for good: OnFailure). The type is the one the
+key's mode record keeps (a key with modes), else the owner's in asynq: a
+plain lock whose owner is gone shows none.
 
 Reads with SCAN, page by page (never KEYS), on every master with --cluster,
 two pipelined round trips per page. At most --limit locks are printed, in

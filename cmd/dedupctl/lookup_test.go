@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -12,12 +14,13 @@ import (
 )
 
 // An on-call engineer goes from "user 42" to the lock: by fields, by the
-// whole payload with fields chosen from it, and by an explicit key; the
-// lock shows how its key was chosen (field names, never values).
+// whole payload with fields chosen from it, and by an explicit key; a key
+// with modes (here a failure hold, MaxPending) shows how it was chosen
+// (field names, never values), from its mode record.
 func TestLookupFindsTheLockByTypeAndKey(t *testing.T) {
 	f := newFixture(t, dedup.Config{OptIn: true, Rules: map[string]dedup.Rule{
-		"email:welcome": {Fields: []string{"user_id", "tenant.id"}},
-		"report:build":  {Key: "nightly"},
+		"email:welcome": {Fields: []string{"user_id", "tenant.id"}, OnFailure: dedup.FailHold, FailureHold: time.Hour},
+		"report:build":  {Key: "nightly", MaxPending: 10},
 	}})
 	ctx := context.Background()
 	welcome, err := f.client.EnqueueContext(ctx, asynq.NewTask("email:welcome",
@@ -56,6 +59,74 @@ func TestLookupFindsTheLockByTypeAndKey(t *testing.T) {
 	f.fail(exitError, "no lock: the key is free", "", "lookup", "--type", "email:welcome", "--field", "user_id=\"42\"", "--field", "tenant.id=t7", "--queue", f.qa)
 }
 
+// A plain lock (a key whose policy acts only at enqueue) has no mode
+// record: lookup and show say so, print no key form, and say what asynq
+// says of its holder: its state, and its type from its record.
+func TestShowOfAPlainLockSaysItsHoldersStateFromAsynq(t *testing.T) {
+	f := newFixture(t, dedup.Config{})
+	info := f.enqueue(f.qa, "email:plain", 42)
+	want := []string{"type             email:plain", "keyed on         -", "state            waiting",
+		"owner            " + info.ID, "owner in asynq   pending (retried 0/25)",
+		"mode record      none: a plain lock, whose state is its owner's in asynq"}
+	for _, args := range [][]string{{"show", f.lockOf(info)}, {"lookup", "--type", "email:plain", "--field", "user_id=42", "--queue", f.qa}} {
+		r := f.ok(args...)
+		for _, w := range want {
+			if !strings.Contains(r.stdout, w) {
+				t.Errorf("%s lacks %q:\n%s", args[0], w, r.stdout)
+			}
+		}
+		if strings.Contains(r.stdout, "\nfields ") {
+			t.Errorf("%s prints mode record fields of a plain lock:\n%s", args[0], r.stdout)
+		}
+	}
+	o := decode[showOutput](t, f.ok("--json", "show", f.lockOf(info)))
+	if o.Type != "email:plain" || o.KeyedOn != "" || o.ModeKey != "" || o.Fields != nil || o.OwnerTask.State != "pending" || o.TaskState != "pending" {
+		t.Errorf("show --json of a plain lock: %+v / %+v", o.Info, o.OwnerTask)
+	}
+	// Its holder runs, then fails with retries left: the lock's state is the
+	// holder's, read from asynq each time.
+	srv := asynq.NewServerFromRedisClient(f.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{f.qa: 1},
+		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: dedup.IsFailure,
+		RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return time.Hour }})
+	if err := srv.Start(f.d.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return errors.New("later") }))); err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	f.waitState(f.lockOf(info), "retry-wait")
+	r := f.ok("show", f.lockOf(info))
+	if !strings.Contains(r.stdout, "state            retry-wait") || !strings.Contains(r.stdout, "owner in asynq   retry (retried 1/25, runs in ") {
+		t.Errorf("show of a plain lock whose holder waits for its retry:\n%s", r.stdout)
+	}
+}
+
+// show and lookup say a key's running policy in words, never the mode
+// record's code for it.
+func TestShowSaysTheRunningPolicyInWords(t *testing.T) {
+	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{
+		"report:build": {Fields: []string{"user_id"}, OnRunning: dedup.RunningDefer, OnConflict: dedup.Replace},
+		"report:live":  {Fields: []string{"user_id"}, OnRunning: dedup.RunningAllow},
+	}})
+	for typ, want := range map[string]string{
+		"report:build": "running policy   defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends\n",
+		"report:live":  "running policy   allow: the key frees when its task starts, so a duplicate enqueued while it runs is a new task\n",
+	} {
+		info := f.enqueue(f.qa, typ, 1)
+		for _, args := range [][]string{{"show", f.lockOf(info)}, {"lookup", "--type", typ, "--field", "user_id=1", "--queue", f.qa}} {
+			r := f.ok(args...)
+			if !strings.Contains(r.stdout, want) {
+				t.Errorf("%s of %s lacks %q:\n%s", args[0], typ, want, r.stdout)
+			}
+			if regexp.MustCompile(`running policy +[^\n]*\([ad]\)`).MatchString(r.stdout) {
+				t.Errorf("%s of %s shows the policy's code:\n%s", args[0], typ, r.stdout)
+			}
+		}
+		o := decode[showOutput](t, f.ok("--json", "show", f.lockOf(info)))
+		if o.RunningPolicy != strings.TrimSpace(strings.TrimPrefix(want, "running policy   ")) {
+			t.Errorf("show --json of %s: running policy %q", typ, o.RunningPolicy)
+		}
+	}
+}
+
 // Bad lookups are refused with a reason, before Redis is asked.
 func TestLookupRefusesBadInput(t *testing.T) {
 	for _, tc := range []struct {
@@ -77,23 +148,24 @@ func TestLookupRefusesBadInput(t *testing.T) {
 	}
 }
 
-// The lock keeps its type: list --type finds a lock whose owner's task an
-// operator deleted, and show names its type.
-func TestListByTypeFindsALockWhoseOwnerIsGone(t *testing.T) {
+// A key with modes keeps its type in its mode record: list --type finds
+// its lock once its owner is gone, and lookup names its type and key form.
+// A plain lock's type goes with its owner's record: list shows it without
+// one.
+func TestListByTypeFindsAnOrphanWhoseKeyHasModes(t *testing.T) {
 	f := newFixture(t, dedup.Config{})
-	info, err := f.client.EnqueueContext(context.Background(), asynq.NewTask("email:gone", []byte(`{"u":1}`)), asynq.Queue(f.qa), dedup.Fields("u"), dedup.TTL(time.Hour))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := f.insp.DeleteTask(f.qa, info.ID); err != nil {
-		t.Fatal(err)
-	}
+	info := f.orphaned(f.qa, "email:gone", 1, dedup.OnFailure(dedup.FailHold, time.Hour), dedup.TTL(time.Hour))
+	plain := f.orphaned(f.qa, "email:gone", 2)
 	r := f.ok("list", "--type", "email:gone")
-	if !strings.Contains(r.stdout, info.ID) || !strings.Contains(r.stdout, "orphaned") {
-		t.Fatalf("list --type does not show the orphan of %s:\n%s", info.ID, r.stdout)
+	if !strings.Contains(r.stdout, info.ID) || !strings.Contains(r.stdout, "orphaned") || strings.Contains(r.stdout, plain.ID) {
+		t.Fatalf("list --type shows not just the orphan of %s:\n%s", info.ID, r.stdout)
 	}
-	r = f.ok("lookup", "--type", "email:gone", "--field", "u=1", "--queue", f.qa)
-	if !strings.Contains(r.stdout, "type             email:gone") || !strings.Contains(r.stdout, "keyed on         fields u") {
+	r = f.ok("lookup", "--type", "email:gone", "--field", "user_id=1", "--queue", f.qa)
+	if !strings.Contains(r.stdout, "type             email:gone") || !strings.Contains(r.stdout, "keyed on         fields user_id") {
 		t.Fatalf("lookup of the orphan:\n%s", r.stdout)
+	}
+	o := decode[showOutput](t, f.ok("--json", "show", f.lockOf(plain)))
+	if o.Type != "" || o.State != "orphaned" || o.Owner != plain.ID {
+		t.Errorf("show of the plain orphan: %+v", o.Info)
 	}
 }

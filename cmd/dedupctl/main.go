@@ -109,8 +109,10 @@ Commands:
 %s
 Global flags (also accepted after the command):
 %s
-Locks are the Redis hashes %s. Every command
-reads Redis with SCAN, never KEYS; with --cluster on every master.
+Locks are the Redis strings %s, whose value names
+the task holding the key; a key whose policy keeps state beside the lock has
+a mode record too (…:m:<fingerprint>). Every command reads Redis with SCAN,
+never KEYS; with --cluster on every master.
 
 Examples:
   dedupctl list --type email:welcome
@@ -366,6 +368,7 @@ func (a *app) withConn(fn func(ctx context.Context, c *conn) error) error {
 		return err
 	}
 	defer c.close()
+	c.within(ctx)
 	return fn(ctx, c)
 }
 
@@ -389,7 +392,7 @@ func (a *app) withLock(args []string, s selector, fn func(ctx context.Context, c
 
 // connect parses --url and checks that Redis answers.
 func (a *app) connect(ctx context.Context) (*conn, error) {
-	c, err := dial(a.g.url, a.g.cluster)
+	c, err := dial(a.g.url, a.g.cluster, a.g.timeout)
 	if err != nil {
 		return nil, err
 	}

@@ -82,6 +82,7 @@ type fixture struct {
 	url    string
 	qa, qb string
 	flags  []string // global flags for runs: --url, --prefix (and --cluster)
+	locks  sync.Map // task ID → the lock key its enqueue took, or was folded into
 }
 
 func newFixture(t *testing.T, cfg dedup.Config) *fixture {
@@ -142,21 +143,84 @@ func (f *fixture) enqueue(queue, typ string, user int, opts ...asynq.Option) *as
 	f.t.Helper()
 	payload := fmt.Sprintf(`{"user_id":%d,"at":%q}`, user, randHex(4))
 	opts = append([]asynq.Option{asynq.Queue(queue), dedup.Fields("user_id")}, opts...)
-	info, err := f.client.Enqueue(asynq.NewTask(typ, []byte(payload)), opts...)
+	res, err := f.client.Submit(context.Background(), asynq.NewTask(typ, []byte(payload)), opts...)
 	if err != nil {
 		f.t.Fatalf("enqueue %s %d in %s: %v", typ, user, queue, err)
 	}
+	f.locks.Store(res.Info.ID, store.NewKeys(f.prefix).Lock(res.Info.Queue, res.Fingerprint))
+	return res.Info
+}
+
+// lockOf returns the lock key of a task: the one enqueue took for it
+// (whatever became of the task since), else the one its asynq record names
+// (asked once, while the task is there).
+func (f *fixture) lockOf(info *asynq.TaskInfo) string {
+	f.t.Helper()
+	if lock, ok := f.locks.Load(info.ID); ok {
+		return lock.(string)
+	}
+	lock, _, err := store.TaskLockOf(context.Background(), f.rdb, info.Queue, info.ID)
+	if err != nil || lock == "" {
+		f.t.Fatalf("task %s names no lock: %v", info.ID, err)
+	}
+	f.locks.Store(info.ID, lock)
+	return lock
+}
+
+// orphaned enqueues a task of typ keyed on user_id through NewClient (the
+// lock's value is its ID, stored with it), then makes it vanish as asynq
+// never learns (a lost queue, DeleteAllPendingTasks): its lock is orphaned
+// at once. (A task WrapClient enqueued and an operator deleted leaves a
+// lock its producer might still be storing the task of: waiting, for a
+// minute.)
+func (f *fixture) orphaned(queue, typ string, user int, opts ...asynq.Option) *asynq.TaskInfo {
+	f.t.Helper()
+	info := f.enqueueDirect(queue, typ, user, opts...)
+	f.vanish(info)
 	return info
 }
 
-// lockOf returns the lock key of a task enqueued through the wrapper.
-func (f *fixture) lockOf(info *asynq.TaskInfo) string {
+// enqueueDirect is enqueue through NewClient: the lock, its value the
+// task's ID, is stored with the task, whose record names it.
+func (f *fixture) enqueueDirect(queue, typ string, user int, opts ...asynq.Option) *asynq.TaskInfo {
 	f.t.Helper()
-	fp, ok := store.ParseLockedID(info.ID)
-	if !ok {
-		f.t.Fatalf("task ID %q is not a dd- ID", info.ID)
+	payload := fmt.Sprintf(`{"user_id":%d,"at":%q}`, user, randHex(4))
+	opts = append([]asynq.Option{asynq.Queue(queue), dedup.Fields("user_id")}, opts...)
+	res, err := f.d.NewClient().Submit(context.Background(), asynq.NewTask(typ, []byte(payload)), opts...)
+	if err != nil {
+		f.t.Fatalf("enqueue %s %d in %s: %v", typ, user, queue, err)
 	}
-	return store.NewKeys(f.prefix).Lock(info.Queue, fp)
+	f.locks.Store(res.Info.ID, store.NewKeys(f.prefix).Lock(res.Info.Queue, res.Fingerprint))
+	return res.Info
+}
+
+// vanish deletes a task's record and its entry in the pending list, as a
+// lost queue does, without asynq's scripts (which release a lock the
+// record names).
+func (f *fixture) vanish(info *asynq.TaskInfo) {
+	f.t.Helper()
+	ctx := context.Background()
+	if err := f.rdb.Del(ctx, store.TaskKey(info.Queue, info.ID)).Err(); err != nil {
+		f.t.Fatal(err)
+	}
+	if err := f.rdb.LRem(ctx, store.PendingKey(info.Queue), 0, info.ID).Err(); err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+// pastTheSecond waits until the lock WrapClient took for info is more
+// than a second old: releasing what the doctor found (store.ReleaseStuck)
+// leaves a lock taken before its task was stored alone for at least a
+// second, whatever --grace says.
+func (f *fixture) pastTheSecond(info *asynq.TaskInfo) {
+	f.t.Helper()
+	v, err := f.rdb.Get(context.Background(), f.lockOf(info)).Result()
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	if p := store.ParseValue(v); p.Kind == store.HoldWrap {
+		time.Sleep(time.Until(p.At.Add(time.Second + 10*time.Millisecond)))
+	}
 }
 
 func (f *fixture) exists(key string) bool {
@@ -202,10 +266,11 @@ func (f *fixture) setup() (welcome []*asynq.TaskInfo, reports []*asynq.TaskInfo)
 func TestNotLockKeyHints(t *testing.T) {
 	fp := "0123456789abcdef"
 	for key, want := range map[string]string{
-		"other:{q}:l:" + fp:   `its prefix is "other": pass --prefix other`,
-		"dedup:{q}:i:task-7":  `index key of task "task-7" (use --task task-7 --queue q)`,
-		"asynq:{q}:pending":   `not a dedup lock key: "asynq:{q}:pending" (want dedup:{<queue>}:l:<16 or 32 hex digits>)`,
-		"dedup:{q}:l:nothex!": "not a dedup lock key",
+		"other:{q}:u:" + fp:   `its prefix is "other": pass --prefix other`,
+		"dedup:{q}:m:" + fp:   `is the mode record of lock "dedup:{q}:u:` + fp + `" (show that key)`,
+		"asynq:{q}:pending":   `not a dedup lock key: "asynq:{q}:pending" (want dedup:{<queue>}:u:<16 or 32 hex digits>)`,
+		"dedup:{q}:u:nothex!": "not a dedup lock key",
+		"dedup:{q}:l:" + fp:   "not a dedup lock key", // the lease-based layout's lock hash
 	} {
 		if err := notLockKey("dedup", key); !strings.Contains(err.Error(), want) {
 			t.Errorf("notLockKey(%q) = %q; want it to say %q", key, err, want)
@@ -305,7 +370,7 @@ func TestMalformedURL(t *testing.T) {
 
 func TestUnreachableRedis(t *testing.T) {
 	addr := "127.0.0.1:1" // nothing listens on port 1 (a free port could be taken meanwhile by another package's redis-server)
-	for _, cmd := range [][]string{{"list"}, {"stats"}, {"show", "dedup:{q}:l:0123456789abcdef"}, {"release", "--yes", "dedup:{q}:l:0123456789abcdef"}} {
+	for _, cmd := range [][]string{{"list"}, {"stats"}, {"show", "dedup:{q}:u:0123456789abcdef"}, {"release", "--yes", "dedup:{q}:u:0123456789abcdef"}} {
 		start := time.Now()
 		r := runCmd("", append([]string{"--url", "redis://" + addr + "/0"}, cmd...)...)
 		want := "cannot reach Redis at " + addr + ": dial tcp " + addr
@@ -412,11 +477,11 @@ func TestListFilters(t *testing.T) {
 	}
 }
 
-// A queue name with braces and ":l:" in it still parses (from the end).
+// A queue name with braces and ":u:" in it still parses (from the end).
 func TestListOddQueueName(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, dedup.Config{})
-	q := "odd{" + f.qa + "}:l:x"
+	q := "odd{" + f.qa + "}:u:x"
 	info := f.enqueue(q, "email:welcome", 1)
 	out := decode[listOutput](t, f.ok("--json", "list"))
 	if out.Count != 1 || out.Locks[0].Queue != q || out.Locks[0].Owner != info.ID {
@@ -536,20 +601,29 @@ func (f *fixture) startServer(queue string) (started <-chan string, finish func(
 	return ch, finish
 }
 
-// waitRunning waits until the lock has a running attempt's token.
+// waitRunning waits until the lock is running: its holder is active in
+// asynq.
 func (f *fixture) waitRunning(key string) {
+	f.t.Helper()
+	f.waitState(key, store.LockRunning)
+}
+
+// waitState waits until the lock at key is in state: asynq and the
+// middleware write it after the handler starts or returns, which signals
+// nothing.
+func (f *fixture) waitState(key, state string) {
 	f.t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		n, err := f.rdb.HExists(context.Background(), key, "tok").Result()
+		ls, err := store.ReadLocks(context.Background(), f.rdb, store.NewKeys(f.prefix), []string{key})
 		if err != nil {
 			f.t.Fatal(err)
 		}
-		if n {
+		if len(ls) == 1 && ls[0].State() == state {
 			return
 		}
 		if time.Now().After(deadline) {
-			f.t.Fatalf("%s never got a running token", key)
+			f.t.Fatalf("%s never became %s: %+v", key, state, ls)
 		}
 		time.Sleep(10 * time.Millisecond) // the server polls asynq; nothing to block on
 	}
@@ -564,11 +638,8 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 		"report:build": {Fields: []string{"user_id"}, OnRunning: dedup.RunningDefer, OnConflict: dedup.Replace},
 	}})
 	running := f.enqueue(f.qb, "report:build", 1)
-	orphan := f.enqueue(f.qa, "email:welcome", 2)
+	orphan := f.orphaned(f.qa, "email:welcome", 2)
 	waiting := f.enqueue(f.qa, "email:welcome", 3)
-	if err := f.insp.DeleteTask(orphan.Queue, orphan.ID); err != nil {
-		t.Fatal(err)
-	}
 	started, finish := f.startServer(f.qb)
 	select {
 	case id := <-started:
@@ -590,7 +661,7 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 	for _, l := range out.Locks {
 		states[l.Owner] = l
 	}
-	if l := states[running.ID]; l == nil || l.State != "running" || l.TaskState != "active" || l.FollowUp != follow.ID || l.Coalesced != 1 || l.TTLms > 30_000 {
+	if l := states[running.ID]; l == nil || l.State != "running" || l.TaskState != "active" || l.FollowUp != follow.ID || l.Coalesced != 1 {
 		t.Errorf("running lock: %+v", l)
 	}
 	if l := states[orphan.ID]; l == nil || l.State != "orphaned" || l.TaskState != "missing" {
@@ -605,7 +676,9 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 	}
 
 	r = f.ok("show", runKey)
-	for _, want := range []string{"state            running", "owner in asynq   active (retried 0/25)", "follow-up        " + follow.ID + ": scheduled (retried 0/25, runs in ", "running policy   defer (d)", "follow-up key    " + store.NewKeys(f.prefix).Follow(f.qb, strings.Split(runKey, ":l:")[1])} {
+	for _, want := range []string{"state            running", "owner in asynq   active (retried 0/25)", "follow-up        " + follow.ID + ": scheduled (retried 0/25, runs in ",
+		"running policy   defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends",
+		"mode record      " + store.ModeOf(runKey)} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("show running lock lacks %q:\n%s", want, r.stdout)
 		}
@@ -623,7 +696,7 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 	f.fail(exitError, "is its owed follow-up, not its owner", "", "release", "--yes", "--task", follow.ID, "--queue", f.qb)
 	r = f.ok("release", "--yes", runKey)
 	for _, want := range []string{"released " + runKey + " (type report:build, owner " + running.ID + ", running, ",
-		"note: owner " + running.ID + " is running: its handler goes on without the lock",
+		"note: holder " + running.ID + " is running: its handler goes on without the lock",
 		"note: follow-up task " + follow.ID + ", which carries the newest payload, is queued now"} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("release of the running lock lacks %q:\n%s", want, r.stdout)
@@ -650,7 +723,8 @@ func TestShow(t *testing.T) {
 		"owner in asynq   pending (retried 0/25)",
 		"coalesced        2",
 		"TTL left         59m",
-		"fields           c=",
+		"fields           id=" + welcome[0].ID + " n=2",
+		"mode record      " + store.ModeOf(key),
 	} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("show lacks %q:\n%s", want, r.stdout)
@@ -679,11 +753,11 @@ func TestShow(t *testing.T) {
 			t.Errorf("show --task %s (same work in two queues): %s", info.ID, o.Key)
 		}
 	}
-	// A caller-chosen task ID goes through its index key.
+	// A caller-chosen task ID's record names its lock (its header).
 	info := f.enqueue(f.qb, "email:welcome", 9, asynq.TaskID("welcome-9-"+f.qb))
 	o = decode[showOutput](t, f.ok("--json", "show", "--task", info.ID, "--queue", f.qb))
-	if o.Owner != info.ID || o.IndexKey != store.NewKeys(f.prefix).Index(f.qb, info.ID) || o.TaskRole != "owner" {
-		t.Errorf("show --task of a caller-chosen ID: %+v (index %q)", o.Info, o.IndexKey)
+	if o.Owner != info.ID || o.Key != f.lockOf(info) || o.TaskRole != "owner" {
+		t.Errorf("show --task of a caller-chosen ID: %+v", o.Info)
 	}
 }
 
@@ -693,32 +767,32 @@ func TestShowBadInput(t *testing.T) {
 	welcome, _ := f.setup()
 	key := f.lockOf(welcome[0])
 	fp := key[len(key)-16:]
-	idKey := store.NewKeys(f.prefix).Index(f.qa, "task-7")
 	cases := []struct {
 		args []string
 		code int
 		want string
 	}{
 		{[]string{"show", "hello"}, exitError, `not a dedup lock key: "hello"`},
-		{[]string{"show", idKey}, exitError, "is the index key of task \"task-7\" (use --task task-7 --queue " + f.qa + ")"},
-		{[]string{"show", "other:{" + f.qa + "}:l:" + fp}, exitError, `its prefix is "other": pass --prefix other`},
+		{[]string{"show", store.ModeOf(key)}, exitError, "is the mode record of lock \"" + key + "\" (show that key)"},
+		{[]string{"show", "other:{" + f.qa + "}:u:" + fp}, exitError, `its prefix is "other": pass --prefix other`},
 		{[]string{"show", store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff")}, exitError, "no such lock: " + store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff")},
 		{[]string{"show", store.NewKeys(f.prefix).Lock(f.qb, fp)}, exitError, "no such lock"},
 		{[]string{"show", "--task", "dd-ffffffffffffffff-0123456789abcdef0123", "--queue", f.qa}, exitError, "no such lock: task"},
-		{[]string{"show", "--task", "nobody", "--queue", f.qa}, exitError, "no such lock: no index key"},
+		{[]string{"show", "--task", "nobody", "--queue", f.qa}, exitError, `no such lock: task "nobody" in queue ` + f.qa + " names no lock"},
 		{[]string{"show", "--task", "x", key}, exitUsage, "give KEY or --task, not both"},
 		{[]string{"show", "--queue", f.qa, key}, exitUsage, "--queue goes with --task"},
 	}
-	// A key of the right shape that is not a hash.
-	strKey := store.NewKeys(f.prefix).Lock(f.qa, "eeeeeeeeeeeeeeee")
-	if err := f.rdb.Set(context.Background(), strKey, "x", time.Minute).Err(); err != nil {
+	// A key of the right shape that is not a string (as the lease-based
+	// layout's lock hashes were).
+	hashKey := store.NewKeys(f.prefix).Lock(f.qa, "eeeeeeeeeeeeeeee")
+	if err := f.rdb.HSet(context.Background(), hashKey, "id", "x").Err(); err != nil {
 		t.Fatal(err)
 	}
 	cases = append(cases, struct {
 		args []string
 		code int
 		want string
-	}{[]string{"show", strKey}, exitError, "not a dedup lock: " + strKey + " is a string"})
+	}{[]string{"show", hashKey}, exitError, "not a dedup lock: " + hashKey + " is a hash"})
 	for _, c := range cases {
 		r := f.run("", c.args...)
 		if r.code != c.code || !strings.Contains(r.stderr, c.want) || r.stdout != "" {
@@ -734,7 +808,7 @@ func TestReleaseYes(t *testing.T) {
 	key := f.lockOf(welcome[2])
 	r := f.ok("release", key, "--yes")
 	want := "released " + key + " (type email:welcome, owner " + welcome[2].ID + ", waiting, 59m"
-	if !strings.HasPrefix(r.stdout, want) || !strings.Contains(r.stdout, "note: owner "+welcome[2].ID+" is still pending in asynq") || r.stderr != "" {
+	if !strings.HasPrefix(r.stdout, want) || !strings.Contains(r.stdout, "note: holder "+welcome[2].ID+" is still pending in asynq") || r.stderr != "" {
 		t.Errorf("release --yes: want %q, got %v", want, r)
 	}
 	if f.exists(key) {
@@ -749,19 +823,19 @@ func TestReleaseYes(t *testing.T) {
 	f.fail(exitError, "no such lock: "+store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff"), "", "release", "--yes", store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff"))
 	f.fail(exitError, "not a dedup lock key", "", "release", "--yes", "asynq:{"+f.qa+"}:pending")
 
-	// JSON, by caller-chosen task ID: the index key stays, so the owner, which
-	// still runs, finds its key by it.
+	// JSON, by caller-chosen task ID: the owner, which still runs, still
+	// names its key in its record, and is marked to check it first.
 	info := f.enqueue(f.qb, "report:build", 5, asynq.TaskID("report-5-"+f.qb))
-	idx := store.NewKeys(f.prefix).Index(f.qb, info.ID)
-	if !f.exists(idx) {
-		t.Fatal("no index key for a caller-chosen ID")
-	}
 	o := decode[releaseOutput](t, f.ok("--json", "release", "--yes", "--task", info.ID, "--queue", f.qb))
-	if !o.Released || o.Owner != info.ID || o.IndexKeyRemove != "" || o.State != "waiting" || o.TaskState != "pending" || len(o.Notes) != 1 {
+	if !o.Released || o.Owner != info.ID || o.State != "waiting" || o.TaskState != "pending" || len(o.Notes) != 1 {
 		t.Errorf("release --json: %+v", o)
 	}
-	if !f.exists(idx) {
-		t.Error("index key gone: the owner could not find its key")
+	if lock, _, err := store.TaskLockOf(context.Background(), f.rdb, f.qb, info.ID); err != nil || lock != f.lockOf(info) {
+		t.Errorf("the released owner names lock %q (%v), want %s: it could not find its key", lock, err, f.lockOf(info))
+	}
+	msg, _ := f.rdb.HGet(context.Background(), store.TaskKey(f.qb, info.ID), "msg").Result()
+	if lost := store.MessageHeaders([]byte(msg))[store.HeaderLost]; lost != store.LostReleased {
+		t.Errorf("the released owner is marked %q, want %q: it would not check its key first", lost, store.LostReleased)
 	}
 }
 
@@ -825,9 +899,9 @@ func TestReleaseOwnerSafe(t *testing.T) {
 	key := f.lockOf(welcome[0])
 	fp := key[len(key)-16:]
 	wk := store.NewKeys(f.prefix).Wait(f.qa, "email:welcome")
-	stale := &store.Lock{Key: key, Queue: f.qa, FP: fp, Owner: "stale", Type: "email:welcome", Fields: map[string]string{store.FieldOwner: "stale"}}
-	res, err := store.ReleaseLock(ctx, f.rdb, store.NewKeys(f.prefix), stale)
-	if err != nil || res.Released || res.Gone || res.Owner != welcome[0].ID {
+	stale := &store.Release{Lock: key, Queue: f.qa, Type: "email:welcome", How: store.ReleaseHolder, Holder: "stale"}
+	res, err := store.ReleaseKey(ctx, f.rdb, stale)
+	if err != nil || res.Released || res.Holder != welcome[0].ID {
 		t.Fatalf("release with a stale owner: %+v, %v", res, err)
 	}
 	if !f.exists(key) {
@@ -847,7 +921,7 @@ func TestReleaseOwnerSafe(t *testing.T) {
 		t.Errorf("released lock still in the waiting set: %v", err)
 	}
 	// --task of a task that is not the owner refuses.
-	if err := f.rdb.HSet(ctx, f.lockOf(welcome[1]), "id", "someone-else").Err(); err != nil {
+	if err := f.rdb.SetArgs(ctx, f.lockOf(welcome[1]), "someone-else", redis.SetArgs{KeepTTL: true}).Err(); err != nil {
 		t.Fatal(err)
 	}
 	f.fail(exitError, "not released: task "+welcome[1].ID+" does not hold it", "", "release", "--yes", "--task", welcome[1].ID, "--queue", f.qa)

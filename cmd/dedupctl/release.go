@@ -14,16 +14,16 @@ import (
 )
 
 type releaseOutput struct {
-	Released       bool     `json:"released"`
-	Key            string   `json:"key"`
-	Queue          string   `json:"queue"`
-	Type           string   `json:"type"`
-	Owner          string   `json:"owner"`
-	State          string   `json:"state"` // the lock's state when released
-	TaskState      string   `json:"task_state"`
-	TTLms          int64    `json:"ttl_ms"` // what was left
-	FollowUp       string   `json:"follow_up,omitempty"`
-	Notes          []string `json:"notes,omitempty"`
+	Released  bool     `json:"released"`
+	Key       string   `json:"key"`
+	Queue     string   `json:"queue"`
+	Type      string   `json:"type"`
+	Owner     string   `json:"owner"`
+	State     string   `json:"state"` // the lock's state when released
+	TaskState string   `json:"task_state"`
+	TTLms     int64    `json:"ttl_ms"` // what was left
+	FollowUp  string   `json:"follow_up,omitempty"`
+	Notes     []string `json:"notes,omitempty"`
 }
 
 func releaseCommand() *command {
@@ -37,12 +37,12 @@ it does not ask, and without a terminal it refuses unless --yes is given.
 
 The delete is owner-safe: it happens only if the lock still has the owner
 that was shown, so a lock that changed hands meanwhile is left alone.
-Releasing deletes no task: a queued owner still runs (and takes the lock
-again when it starts if the key is free: a caller-chosen ID keeps its index
-key, by which it finds its key; if a task of its type has taken the key by
-then, it gives way to it as the README's Lock API says); a running owner goes
-on without the lock. An owed follow-up task that waits is queued now (it
-carries the newest payload).`,
+Releasing deletes no task: a queued owner still runs, marked so that it
+checks its key first when it starts (it takes the key if free; if a task of
+its type has taken the key by then, it gives way to it as the README's Lock
+API says); a running owner goes on without the lock. An owed follow-up task
+that waits is queued now (it carries the newest payload). Holds are released
+too: a cooling key, a failure hold, a Scheduler firing's window.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
 			s := &selector{}
 			s.register(fs, "to release")
@@ -74,6 +74,7 @@ func release(a *app, ctx context.Context, c *conn, t *lockview.Target, l *lockIn
 		fresh, cancel := a.ctx() // the answer may have taken a while
 		defer cancel()
 		ctx = fresh
+		c.within(ctx)
 	}
 	res, err := lockview.Release(ctx, c.src(), a.g.prefix, l)
 	if err != nil {

@@ -112,30 +112,26 @@ func printShow(w io.Writer, o *showOutput, now time.Time) {
 	}
 	row("TTL left", o.TTL)
 	row("coalesced", fmt.Sprintf("%d", o.Coalesced))
+	printPolicies(row, o)
+}
+
+// printPolicies prints what the key's mode record says, or that it has
+// none: then the lock is its holder's alone, and its state the holder's.
+func printPolicies(row func(k, v string), o *showOutput) {
 	if o.FollowUpTask != nil {
 		row("follow-up", o.FollowUpTask.ID+": "+o.FollowUpTask.Note)
 	}
-	if o.RunningPolicy != "" {
-		row("running policy", o.RunningPolicy)
+	for _, r := range [][2]string{{"running policy", o.RunningPolicy}, {"payload version", o.PayloadVersion},
+		{"on failure", o.OnFailure}, {"last error", o.LastError}, {"window", o.Window}, {"waiting set", o.WaitingSet}} {
+		if r[1] != "" {
+			row(r[0], r[1])
+		}
 	}
-	if o.PayloadVersion != "" {
-		row("payload version", o.PayloadVersion)
+	if o.ModeKey == "" {
+		row("mode record", "none: a plain lock, whose state is its owner's in asynq")
+		return
 	}
-	if o.OnFailure != "" {
-		row("on failure", o.OnFailure)
-	}
-	if o.LastError != "" {
-		row("last error", o.LastError)
-	}
-	if o.Window != "" {
-		row("window", o.Window)
-	}
-	if o.WaitingSet != "" {
-		row("waiting set", o.WaitingSet)
-	}
-	if o.ModeKey != "" {
-		row("mode record", o.ModeKey)
-	}
+	row("mode record", o.ModeKey)
 	names := make([]string, 0, len(o.Fields))
 	for k := range o.Fields {
 		names = append(names, k)

@@ -32,7 +32,7 @@ func ByKey(prefix, key string) (*Target, error) {
 // knows when queue is "".
 func ByTask(ctx context.Context, src Source, prefix, task, queue string) (*Target, error) {
 	keys := store.NewKeys(prefix)
-	queues, err := taskQueues(src, task, queue)
+	queues, err := taskQueues(ctx, src, task, queue)
 	if err != nil {
 		return nil, err
 	}
@@ -48,11 +48,11 @@ func ByTask(ctx context.Context, src Source, prefix, task, queue string) (*Targe
 
 // taskQueues lists the queues to look for a task in: queue, or every
 // queue asynq knows.
-func taskQueues(src Source, task, queue string) ([]string, error) {
+func taskQueues(ctx context.Context, src Source, task, queue string) ([]string, error) {
 	if queue != "" {
 		return []string{queue}, nil
 	}
-	all, err := asynq.NewInspectorFromRedisClient(src.RDB).Queues()
+	all, err := bounded(ctx, asynq.NewInspectorFromRedisClient(src.RDB).Queues)
 	if err != nil {
 		return nil, fmt.Errorf("list asynq queues: %w", err)
 	}
@@ -162,10 +162,32 @@ type TaskInfo struct {
 	Payload []byte `json:"-"` // the task's payload, for a caller that may show it
 }
 
-// InspectTask asks asynq's Inspector about a task.
-func InspectTask(insp *asynq.Inspector, queue, id string, now time.Time) (*TaskInfo, error) {
+// bounded runs f, a call of asynq's Inspector (which takes no context),
+// and returns at ctx's end if f has not: f goes on in the background until
+// the client's own timeouts end it.
+func bounded[T any](ctx context.Context, f func() (T, error)) (T, error) {
+	type result struct {
+		v   T
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		v, err := f()
+		ch <- result{v, err}
+	}()
+	select {
+	case r := <-ch:
+		return r.v, r.err
+	case <-ctx.Done():
+		var zero T
+		return zero, ctx.Err()
+	}
+}
+
+// InspectTask asks asynq's Inspector about a task, until ctx ends.
+func InspectTask(ctx context.Context, insp *asynq.Inspector, queue, id string, now time.Time) (*TaskInfo, error) {
 	ti := &TaskInfo{ID: id}
-	info, err := insp.GetTaskInfo(queue, id)
+	info, err := bounded(ctx, func() (*asynq.TaskInfo, error) { return insp.GetTaskInfo(queue, id) })
 	switch {
 	case errors.Is(err, asynq.ErrTaskNotFound) || errors.Is(err, asynq.ErrQueueNotFound):
 		ti.State = "missing"
@@ -197,7 +219,7 @@ func taskNote(info *asynq.TaskInfo, now time.Time) string {
 	case asynq.TaskStateActive:
 		note = "active (" + retries + ")"
 		if info.IsOrphaned {
-			note = "active, but its worker is gone (asynq will retry it; the lock expires within one lease)"
+			note = "active, but its worker is gone (asynq's recoverer makes it a retry, which keeps the key)"
 		}
 	case asynq.TaskStateScheduled, asynq.TaskStateRetry:
 		note = state + " (" + retries
@@ -235,25 +257,19 @@ type Detail struct {
 }
 
 // Describe adds what asynq and the mode record say about a lock.
-func Describe(_ context.Context, src Source, prefix string, l *Info, t *Target) (*Detail, error) {
+func Describe(ctx context.Context, src Source, prefix string, l *Info, t *Target) (*Detail, error) {
 	insp := asynq.NewInspectorFromRedisClient(src.RDB)
 	out := &Detail{Info: *l, Task: t.Task}
 	var err error
-	if out.OwnerTask, err = InspectTask(insp, l.Queue, l.Owner, time.Now()); err != nil {
+	if out.OwnerTask, err = InspectTask(ctx, insp, l.Queue, l.Owner, time.Now()); err != nil {
 		return nil, err
 	}
-	switch l.State {
-	case store.LockCooling:
-		out.OwnerTask.Note = out.OwnerTask.State + " (it succeeded; the key cools down until the lock expires, Cooldown or Period)"
-	case store.LockFailed:
-		out.OwnerTask.Note = out.OwnerTask.State + " (it failed for good; the key is held, OnFailure)"
-	}
-	if l.lock.Kind == store.HoldFiring && l.State == store.LockCooling {
-		out.OwnerTask.Note = out.OwnerTask.State + " (a Scheduler firing's key: held until its window ends)"
+	if note := holdNote(l); note != "" {
+		out.OwnerTask.Note = out.OwnerTask.State + " (" + note + ")"
 	}
 	describePolicies(l, out)
 	if l.FollowUp != "" {
-		if out.FollowUpTask, err = InspectTask(insp, l.Queue, l.FollowUp, time.Now()); err != nil {
+		if out.FollowUpTask, err = InspectTask(ctx, insp, l.Queue, l.FollowUp, time.Now()); err != nil {
 			return nil, err
 		}
 	}
@@ -277,15 +293,30 @@ func Describe(_ context.Context, src Source, prefix string, l *Info, t *Target) 
 	return out, nil
 }
 
-// runningPolicy says a running policy in words.
+// holdNote says why a lock whose holder is done, or not stored yet, still
+// holds its key; "" when asynq's state of the holder says all.
+func holdNote(l *Info) string {
+	switch {
+	case l.lock.Kind == store.HoldFiring && l.State == store.LockCooling:
+		return "a Scheduler firing's key: held until its window ends"
+	case l.State == store.LockCooling:
+		return "it succeeded; the key cools down until the lock expires, Cooldown or Period"
+	case l.State == store.LockFailed:
+		return "it failed for good; the key is held, OnFailure"
+	case l.State == store.LockWaiting && l.TaskState == "missing":
+		return "not stored yet: the lock was taken before its task, which its producer stores next"
+	}
+	return ""
+}
+
+// runningPolicy says a running policy in words; "" for the default
+// (reject: a duplicate enqueued while the holder runs is refused).
 func runningPolicy(rp store.Running) string {
 	switch rp {
 	case store.RunAllow:
-		return "allow"
+		return "allow: the key frees when its task starts, so a duplicate enqueued while it runs is a new task"
 	case store.RunDefer:
-		return "defer"
-	case store.RunReplace:
-		return "defer (replace: a retry gives way to the follow-up)"
+		return "defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends"
 	}
 	return ""
 }

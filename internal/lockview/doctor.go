@@ -94,12 +94,28 @@ func fixOne(ctx context.Context, src Source, grace time.Duration, l *store.Lock,
 	case res.Released:
 		f.Released, f.FollowUp = true, res.Queued
 	case res.Kept != "":
-		f.Error = "kept: " + res.Kept + " (its holder can run now, or a policy holds the key)"
+		f.Error = "kept: " + keptWhy(res.Kept)
 	case res.Holder == "":
 		f.Error = "gone meanwhile"
 	default:
 		f.Error = "changed holder meanwhile, to " + res.Holder
 	}
+}
+
+// keptWhy says why the release script kept a lock found stuck (its reply
+// to store.ReleaseStuck: the kind of hold, or the holder's state).
+func keptWhy(kept string) string {
+	switch kept {
+	case string(store.HoldCooling):
+		return "it cools down (Cooldown, Period)"
+	case string(store.HoldFiring):
+		return "a Scheduler firing's window holds it"
+	case store.LockFailed:
+		return "a failure hold (OnFailure)"
+	case "reserved":
+		return "taken before its task was stored, less than the grace (at least 1s) ago: its task may not be stored yet"
+	}
+	return "its holder is " + kept + " now, and can run"
 }
 
 // findingOf presents one diagnosis.

@@ -77,6 +77,13 @@ func NotLockKey(prefix, key string) error {
 			return fmt.Errorf("not a dedup lock key of prefix %q: %q (its prefix is %q: pass --prefix %s)", prefix, key, other, other)
 		}
 	}
+	if i := strings.LastIndex(key, "}:m:"); i >= 0 {
+		if lock := key[:i] + "}:u:" + key[i+len("}:m:"):]; store.ModeOf(lock) == key {
+			if _, _, ok := store.NewKeys(prefix).ParseLock(lock); ok {
+				return fmt.Errorf("not a dedup lock key: %q is the mode record of lock %q (show that key)", key, lock)
+			}
+		}
+	}
 	return fmt.Errorf("not a dedup lock key: %q (want %s)", key, store.NewKeys(prefix).Lock("<queue>", "<16 or 32 hex digits>"))
 }
 
@@ -85,19 +92,19 @@ type Info struct {
 	Key         string            `json:"key"`
 	Queue       string            `json:"queue"`
 	Fingerprint string            `json:"fingerprint"`
-	Type        string            `json:"type"`
+	Type        string            `json:"type"`               // the mode record's, else the holder's asynq record's; "" when neither says
 	KeyedOn     string            `json:"keyed_on,omitempty"` // how the key was chosen: field names, never values
 	Owner       string            `json:"owner"`
-	Hold        string            `json:"hold,omitempty"` // the lock's value, when it holds the key past its task ("~c:…" cooling, "~f:…" failed, "~x:…" a firing's)
-	State       string            `json:"state"`      // running, waiting, retry-wait, cooling or orphaned
-	TaskState   string            `json:"task_state"` // the owner's state in asynq; "missing" when it is gone
-	TTLms       int64             `json:"ttl_ms"`     // -1: no expiry
+	Hold        string            `json:"hold,omitempty"` // the lock's value, when it holds the key past its task ("~c:…" cooling, "~x:…" a firing's)
+	State       string            `json:"state"`          // waiting, running, retry-wait, cooling, failed or orphaned
+	TaskState   string            `json:"task_state"`     // the owner's state in asynq; "missing" when it is gone
+	TTLms       int64             `json:"ttl_ms"`         // -1: no expiry
 	TTL         string            `json:"ttl"`
 	Coalesced   int64             `json:"coalesced"`
 	FollowUp    string            `json:"follow_up,omitempty"`
 	Created     int64             `json:"created,omitempty"` // unix seconds, for a lock taken before its task was stored
 	Node        string            `json:"node,omitempty"`    // cluster master that holds it
-	Fields      map[string]string `json:"fields,omitempty"`  // show only: the mode record
+	Fields      map[string]string `json:"fields,omitempty"`  // show only: the mode record, for a key whose policy keeps one
 
 	lock *store.Lock // as read
 }
@@ -122,7 +129,7 @@ func InfoOf(l *store.Lock) *Info {
 	return li
 }
 
-// ReadLocks reads the given keys' locks; keys that are not lock hashes of
+// ReadLocks reads the given keys' locks; keys that are not locks of
 // prefix, or have gone meanwhile, are left out.
 func ReadLocks(ctx context.Context, c redis.Cmdable, prefix string, keys []string) ([]*Info, error) {
 	ls, err := store.ReadLocks(ctx, c, store.NewKeys(prefix), keys)

@@ -47,7 +47,7 @@ func OwnCluster(t *testing.T, masters int, replicas bool) ([]*Proc, *redis.Clust
 	for i, p := range procs[:masters] {
 		addrs[i] = p.Addr
 	}
-	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: addrs, MaxRetries: -1})
+	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: addrs, MaxRetries: -1, ContextTimeoutEnabled: true})
 	t.Cleanup(func() { _ = c.Close() })
 	return procs, c
 }

@@ -86,15 +86,17 @@ func (q *quietLog) Lines() int64 { return q.n.Load() }
 func Addr() string { return addr }
 
 // Client returns a client of the shared redis-server, or of a fresh
-// miniredis when there is none. It is closed when the test ends.
+// miniredis when there is none, with ContextTimeoutEnabled (as the README
+// advises: the library then makes no client of its own). It is closed when
+// the test ends.
 func Client(t testing.TB) *redis.Client {
 	t.Helper()
 	var c *redis.Client
 	if addr != "" {
-		c = redis.NewClient(&redis.Options{Addr: addr, PoolSize: 64})
+		c = redis.NewClient(&redis.Options{Addr: addr, PoolSize: 64, ContextTimeoutEnabled: true})
 	} else {
 		mr := miniredis.RunT(t)
-		c = redis.NewClient(&redis.Options{Addr: mr.Addr()})
+		c = redis.NewClient(&redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true})
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	return c
@@ -197,8 +199,8 @@ func (p *Proc) Kill() {
 }
 
 // Own starts a redis-server of the test's own (for what must not touch the
-// shared one: SCRIPT FLUSH, a kill) and returns it with a client; tweak may
-// adjust the client's options. It skips without a real redis-server.
+// shared one: SCRIPT FLUSH, a kill) and returns it with a client (with
+// ContextTimeoutEnabled); tweak may adjust the client's options. It skips without a real redis-server.
 func Own(t *testing.T, tweak func(*redis.Options)) (*Proc, *redis.Client) {
 	t.Helper()
 	NeedReal(t)
@@ -207,7 +209,7 @@ func Own(t *testing.T, tweak func(*redis.Options)) (*Proc, *redis.Client) {
 		t.Fatal(err)
 	}
 	t.Cleanup(p.Kill)
-	o := &redis.Options{Addr: p.Addr}
+	o := &redis.Options{Addr: p.Addr, ContextTimeoutEnabled: true}
 	if tweak != nil {
 		tweak(o)
 	}

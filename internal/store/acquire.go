@@ -302,7 +302,7 @@ func (a *Acquire) result(s *Store, st *acquireStep, rep reply) AcquireResult {
 		res.Queued, _ = strconv.ParseInt(rep.str(1), 10, 64)
 	case StatusCooling:
 		res.Task = rep.str(0)
-		res.Cooling, res.Failed = parseMillis(rep.str(1)), rep.str(2) == string(HoldFailed)
+		res.Cooling, res.Failed = parseMillis(rep.str(1)), rep.str(2) == heldFailed
 	case StatusBroken:
 		res.Reason = rep.str(0)
 	}

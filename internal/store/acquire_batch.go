@@ -93,7 +93,7 @@ func (s *Store) acquireGroup(ctx context.Context, calls []acquireCall, g []int) 
 	for j, i := range g {
 		mine[j] = &calls[i]
 	}
-	parts := bySlotTag(s.rdb, mine, func(c *acquireCall) string { return c.req.keys[0] })
+	parts := bySlotTag(s.Client(), mine, func(c *acquireCall) string { return c.req.keys[0] })
 	if parts == nil {
 		parts = [][]*acquireCall{mine}
 	}
@@ -124,7 +124,7 @@ func (s *Store) acquirePipeline(ctx context.Context, sh *shard, calls []*acquire
 	}
 	v, err := s.guard(ctx, sh, func() (any, error) {
 		return s.direct(ctx, func(c context.Context) (any, error) {
-			pipeScripts(c, s.rdb, live)
+			pipeScripts(c, s.Client(), live)
 			rs := make([]batchRes, len(live))
 			for j, r := range live {
 				rs[j] = <-r.done // (pipeScripts answered every call)

@@ -60,15 +60,12 @@ func (h *sends) take() (pipes []int, alone int) {
 	return pipes, alone
 }
 
-func plainAcquire(q, fp string, at time.Time) *Acquire {
-	return &Acquire{Ref: Ref{Queue: q, FP: fp, ID: NewLockedID(fp), Type: "t"}, OnWaiting: FoldReject,
-		OnRunning: RunReject, TTL: time.Hour, Now: at}
-}
-
 // A batch of acquires is answered as one Acquire each would be, in one
 // pipeline: new keys taken, the second call of one key meets the first as
-// its holder; a call whose reply asks for more keys (an old lock's holder
-// this process has not met) makes its second call in a second pipeline.
+// its holder; a call whose holder this process has not met (an old lock's,
+// or the first call's of the same batch) is answered by take.lua with the
+// holder's name, and makes its second call (acquire.lua, with the holder's
+// record) in a second pipeline.
 func TestAcquireAllPipelinesAndAnswersAsAcquire(t *testing.T) {
 	rdb := redistest.Client(t)
 	hook := &sends{}
@@ -80,23 +77,23 @@ func TestAcquireAllPipelinesAndAnswersAsAcquire(t *testing.T) {
 	}
 	q := redistest.Uniq(t)
 	oldFP := "00000000000000ff"
-	old := plainAcquire(q, oldFP, time.Now().Add(-3*time.Hour))
-	rdb.HSet(ctx, TaskKey(q, old.Ref.ID), "state", StatePending)
+	old := wrapAcquire(s, q, oldFP, time.Now().Add(-3*time.Hour))
+	putTask(rdb, q, old.Ref.ID, StatePending)
 	if res, err := s.Acquire(ctx, old); err != nil || res.Status != StatusTaken {
 		t.Fatalf("old lock: %+v, %v", res, err)
 	}
 	s.hints = hintCache{} // another process: it has not met the old lock's holder
 	var as []*Acquire
 	for i := range 10 {
-		as = append(as, plainAcquire(q, fmt.Sprintf("%016x", i+1), time.Now()))
+		as = append(as, wrapAcquire(s, q, fmt.Sprintf("%016x", i+1), time.Now()))
 	}
 	twice := "00000000000000aa"
-	as = append(as, plainAcquire(q, twice, time.Now()), plainAcquire(q, oldFP, time.Now()), plainAcquire(q, twice, time.Now()))
+	as = append(as, wrapAcquire(s, q, twice, time.Now()), wrapAcquire(s, q, oldFP, time.Now()), wrapAcquire(s, q, twice, time.Now()))
 	hook.take()
 	out := s.AcquireAll(ctx, as)
 	pipes, alone := hook.take()
-	if !slices.Equal(pipes, []int{len(as), 1}) || alone != 0 {
-		t.Fatalf("pipelines %v and %d calls alone; want [%d 1] and none", pipes, alone, len(as))
+	if !slices.Equal(pipes, []int{len(as), 2}) || alone != 0 {
+		t.Fatalf("pipelines %v and %d calls alone; want [%d 2] and none", pipes, alone, len(as))
 	}
 	for i, o := range out[:11] {
 		if o.Err != nil || o.Status != StatusTaken {
@@ -107,12 +104,17 @@ func TestAcquireAllPipelinesAndAnswersAsAcquire(t *testing.T) {
 		t.Fatalf("old lock: %+v; want held by %s", o, old.Ref.ID)
 	}
 	if o := out[12]; o.Err != nil || o.Status != StatusHeld || o.Task != as[10].Ref.ID {
-		t.Fatalf("the key's second call: %+v; want held by the first, %s", o, as[10].Ref.ID)
+		t.Fatalf("the key's second call: %+v; want held by the first, %s (its task not stored yet)", o, as[10].Ref.ID)
+	}
+	for i, a := range as[:11] {
+		if v := rdb.Get(ctx, a.Ref.Lock).Val(); v != a.Value {
+			t.Fatalf("key %d: lock value %q, want %q", i, v, a.Value)
+		}
 	}
 }
 
-// A Replace into a holder this process knows goes to the replace script,
-// pipelined with the batch's other calls.
+// A Replace into a holder this process knows goes to the acquire script at
+// once, pipelined with the batch's other calls.
 func TestAcquireAllReplacesIntoAKnownHolder(t *testing.T) {
 	rdb := redistest.Client(t)
 	hook := &sends{}
@@ -124,18 +126,12 @@ func TestAcquireAllReplacesIntoAKnownHolder(t *testing.T) {
 	}
 	q := redistest.Uniq(t)
 	fp := "00000000000000bb"
-	direct := func(payload string) *Acquire {
-		id := NewLockedID(fp)
-		return &Acquire{Ref: Ref{Queue: q, FP: fp, ID: id, Type: "t"}, OnWaiting: FoldReplace, OnRunning: RunReject,
-			TTL: time.Hour, Now: time.Now(), Payload: []byte(payload), Direct: true,
-			Message: Message{Type: "t", Payload: []byte(payload), ID: id, Queue: q, Retry: 25, Timeout: time.Minute}}
-	}
-	first := direct("one")
+	first := directAcquire(s, q, fp, FoldReplace, "one")
 	if res, err := s.Acquire(ctx, first); err != nil || res.Status != StatusTaken || !res.Stored {
 		t.Fatalf("first: %+v, %v", res, err)
 	}
 	hook.take()
-	out := s.AcquireAll(ctx, []*Acquire{direct("two"), plainAcquire(q, "00000000000000bc", time.Now())})
+	out := s.AcquireAll(ctx, []*Acquire{directAcquire(s, q, fp, FoldReplace, "two"), wrapAcquire(s, q, "00000000000000bc", time.Now())})
 	if pipes, alone := hook.take(); !slices.Equal(pipes, []int{2}) || alone != 0 {
 		t.Fatalf("pipelines %v and %d calls alone; want [2]", pipes, alone)
 	}
@@ -156,7 +152,7 @@ func TestAcquireAllNoScript(t *testing.T) {
 	_, rdb := redistest.Own(t, nil)
 	s := newTestStore(t, rdb)
 	q := redistest.Uniq(t)
-	as := []*Acquire{plainAcquire(q, "0000000000000001", time.Now()), plainAcquire(q, "0000000000000002", time.Now())}
+	as := []*Acquire{wrapAcquire(s, q, "0000000000000001", time.Now()), directAcquire(s, q, "0000000000000002", FoldReject, "")}
 	for i, o := range s.AcquireAll(context.Background(), as) {
 		if o.Err != nil || o.Status != StatusTaken {
 			t.Fatalf("call %d: %+v", i, o)
@@ -173,12 +169,11 @@ func TestAcquireAllEndedContextSendsNothing(t *testing.T) {
 	s := newTestStore(t, rdb)
 	q := redistest.Uniq(t)
 	fp := "00000000000000cc"
-	a := plainAcquire(q, fp, time.Now())
-	a.Direct, a.Message = true, Message{Type: "t", ID: a.Ref.ID, Queue: q, Retry: 25, Timeout: time.Minute}
+	a := directAcquire(s, q, fp, FoldReject, "")
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	hook.take()
-	for i, o := range s.AcquireAll(ctx, []*Acquire{a, plainAcquire(q, "00000000000000cd", time.Now())}) {
+	for i, o := range s.AcquireAll(ctx, []*Acquire{a, wrapAcquire(s, q, "00000000000000cd", time.Now())}) {
 		if !errors.Is(o.Err, context.Canceled) || o.Sent {
 			t.Fatalf("call %d: %+v; want canceled, not sent", i, o)
 		}
@@ -186,8 +181,8 @@ func TestAcquireAllEndedContextSendsNothing(t *testing.T) {
 	if pipes, alone := hook.take(); len(pipes) != 0 || alone != 0 {
 		t.Fatalf("sent %v and %d alone", pipes, alone)
 	}
-	if n := rdb.Exists(context.Background(), s.keys.Lock(q, fp)).Val(); n != 0 {
-		t.Fatal("a lock was taken")
+	if n := rdb.Exists(context.Background(), a.Ref.Lock, TaskKey(q, a.Ref.ID)).Val(); n != 0 {
+		t.Fatal("a lock was taken, or the task stored")
 	}
 }
 
@@ -201,9 +196,8 @@ func TestAcquireAllOpenBreaker(t *testing.T) {
 	br.threshold, br.wait = 1, func(int) time.Duration { return time.Hour }
 	br.record(context.Background(), errors.New("down")) // one failure opens it
 	q := redistest.Uniq(t)
-	a := plainAcquire(q, "00000000000000dd", time.Now())
-	a.Direct, a.Message = true, Message{Type: "t", ID: a.Ref.ID, Queue: q, Retry: 25, Timeout: time.Minute}
-	for i, o := range s.AcquireAll(context.Background(), []*Acquire{a, plainAcquire(q, "00000000000000de", time.Now())}) {
+	a := directAcquire(s, q, "00000000000000dd", FoldReject, "")
+	for i, o := range s.AcquireAll(context.Background(), []*Acquire{a, wrapAcquire(s, q, "00000000000000de", time.Now())}) {
 		if !errors.Is(o.Err, s.cfg.ErrCircuitOpen) || o.Sent {
 			t.Fatalf("call %d: %+v; want the breaker's error, not sent", i, o)
 		}

@@ -20,14 +20,13 @@ type Start struct {
 	Ref   Ref           // with Lock
 	TTL   time.Duration // a lock it takes lives this long; the task's own at least this long
 	Allow bool          // RunningAllow: the key is freed as the task starts
-	Again bool          // asynq runs the task again (a retry, a run by hand)
 	Mode  []any         // the mode record of a lock it takes (a task that arrived without one); nil none
 }
 
 // StartResult is what start did.
 type StartResult struct {
-	Status     Status        // StatusTaken, StatusHeld, StatusCooling, StatusAllowed, StatusSuperseded or StatusElsewhere
-	Holder     string        // StatusHeld, StatusCooling: the task holding the key; StatusSuperseded: the follow-up that replaces it
+	Status     Status        // StatusTaken, StatusHeld, StatusCooling, StatusAllowed or StatusElsewhere
+	Holder     string        // StatusHeld, StatusCooling: the task holding the key
 	Cooling    time.Duration // StatusCooling: how long the key stays held; negative: until released
 	Failed     bool          // StatusCooling: held after the holder failed for good (OnFailure)
 	New        bool          // StatusTaken: the attempt took the free key; StatusAllowed: there was no lock to drop
@@ -37,13 +36,6 @@ type StartResult struct {
 // Start runs the start script, calling it again with the keys it asks for.
 func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 	r := &st.Ref
-	flags := ""
-	if st.Allow {
-		flags += "a"
-	}
-	if st.Again {
-		flags += "r"
-	}
 	var h hint
 	for n := 0; ; n++ {
 		kl := newKeyList()
@@ -54,16 +46,13 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		if h.holder != "" {
 			kl.add(roleHolder, TaskKey(r.Queue, h.holder))
 		}
-		if h.follow != "" {
-			addFollowKeys(kl, r.Queue, h.follow)
-		}
-		args := append([]any{kl.roleString(), r.ID, ms(st.TTL), flags, r.FP, h.holder, s.graceSeconds(), h.follow}, st.Mode...)
+		args := append([]any{kl.roleString(), r.ID, ms(st.TTL), flag(st.Allow), r.FP, h.holder, s.graceSeconds()}, st.Mode...)
 		rep, err := s.runReply(ctx, s.sc.start, kl.keys, args)
 		switch {
 		case err != nil:
 			return StartResult{}, err
 		case rep.status == statusNeed && n < maxNeeds:
-			h = hint{holder: rep.str(1), follow: rep.str(2)}
+			h = hint{holder: rep.str(1)}
 			continue
 		case rep.status == statusNeed:
 			return StartResult{}, fmt.Errorf("%w: %s", ErrMoving, r.Lock)
@@ -78,9 +67,7 @@ func startResult(rep reply) StartResult {
 	case StatusHeld:
 		res.Holder, res.HolderRuns = rep.str(0), rep.str(1) == "1"
 	case StatusCooling:
-		res.Holder, res.Cooling, res.Failed = rep.str(0), parseMillis(rep.str(1)), rep.str(2) == string(HoldFailed)
-	case StatusSuperseded:
-		res.Holder = rep.str(0)
+		res.Holder, res.Cooling, res.Failed = rep.str(0), parseMillis(rep.str(1)), rep.str(2) == heldFailed
 	case StatusTaken, StatusAllowed:
 		res.New = rep.str(0) == "1"
 	}
@@ -110,8 +97,9 @@ type Settle struct {
 	// TTL: EndRetry, how long the key stays held at least; else the lock's
 	// lifetime for a follow-up it goes to.
 	TTL     time.Duration
-	Err     string // EndFail: the handler's error
-	Release bool   // release the lock after a success or revoke: the task's record does not name it
+	Err     string        // EndFail: the handler's error
+	Release bool          // release the lock after a success or revoke: the task's record does not name it
+	Due     time.Duration // EndRetry: when asynq runs the task again, from now
 }
 
 // SettleResult is what settle did.
@@ -133,10 +121,12 @@ func (s *Store) Settle(ctx context.Context, st *Settle) (SettleResult, error) {
 		kl := newKeyList()
 		kl.add(roleLock, r.Lock)
 		kl.add(roleMode, r.Mode())
+		kl.add(roleTask, TaskKey(r.Queue, r.ID))
 		if follow != "" {
 			addFollowKeys(kl, r.Queue, follow)
 		}
-		rep, err := s.runReply(ctx, s.sc.settle, kl.keys, []any{kl.roleString(), r.ID, st.End, ms(st.TTL), st.Err, flag(st.Release), follow})
+		rep, err := s.runReply(ctx, s.sc.settle, kl.keys, []any{kl.roleString(), r.ID, st.End, ms(st.TTL), st.Err, flag(st.Release), follow,
+			int64(st.Due / time.Second)})
 		switch {
 		case err != nil:
 			return SettleResult{}, err
@@ -167,6 +157,9 @@ func (s *Store) runReply(ctx context.Context, sc *redis.Script, keys []string, a
 type Extend struct {
 	Ref Ref
 	TTL time.Duration // how long the key stays held from now at least
+	// Outlived: asynq gave the attempt up while its handler still runs; the
+	// key's mode record says so until the handler's end (Settle).
+	Outlived bool
 }
 
 // ExtendResult is what one Extend found.
@@ -190,7 +183,7 @@ func (s *Store) ExtendAll(ctx context.Context, es []*Extend) []ExtendResult {
 		wg.Go(func() {
 			defer func() { <-slots }()
 			r := &e.Ref
-			v, err := s.run(ctx, s.sc.extend, []string{r.Lock, r.Mode(), ScheduledKey(r.Queue)}, r.ID, ms(e.TTL))
+			v, err := s.run(ctx, s.sc.extend, []string{r.Lock, r.Mode(), ScheduledKey(r.Queue)}, r.ID, ms(e.TTL), flag(e.Outlived))
 			if err == nil {
 				out[i].Owned, err = parseFlag(v)
 			}

@@ -83,6 +83,11 @@ func newBatcher(rdb redis.UniversalClient, max int, timeout time.Duration) *batc
 // under load that allocation and its cancellation were a tenth of the
 // producer's CPU per enqueue.
 func (b *batcher) do(ctx context.Context, s *redis.Script, keys []string, args []any) (v any, err error, ok bool) {
+	select {
+	case <-b.stopped: // (first: a select picks any of its ready cases)
+		return nil, nil, false
+	default:
+	}
 	req := &batchReq{ctx: ctx, s: s, keys: keys, args: args, done: make(chan batchRes, 1)}
 	select {
 	case b.slot <- struct{}{}: // a free slot, the common case when calls are few

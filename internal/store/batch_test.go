@@ -92,68 +92,62 @@ func waitingIn() int {
 
 var echoScript = redis.NewScript(`return ARGV[1]`)
 
-// Calls that arrive while every slot is busy are sent together, and each
-// gets its own reply; in both modes (callers send, or sender goroutines).
+// Calls that arrive while every slot is busy are sent together, by the
+// first caller that finds a slot free again, and each gets its own reply.
 func TestBatcherBatchesWaitingCalls(t *testing.T) {
-	for _, lead := range []bool{true, false} {
-		t.Run(fmt.Sprintf("lead=%v", lead), func(t *testing.T) {
-			defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
-			rdb := redistest.Client(t)
-			if err := echoScript.Load(context.Background(), rdb).Err(); err != nil {
-				t.Fatal(err) // else a lone call's EVALSHA, NOSCRIPT, EVAL counts twice
-			}
-			g := newGate(slots)
-			rdb.AddHook(g)
-			b := newBatcher(rdb, 64, 10*time.Second, lead)
-			defer b.stop()
-			defer g.open()
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	rdb := redistest.Client(t)
+	if err := echoScript.Load(context.Background(), rdb).Err(); err != nil {
+		t.Fatal(err) // else a lone call's EVALSHA, NOSCRIPT, EVAL counts twice
+	}
+	g := newGate(slots)
+	rdb.AddHook(g)
+	b := newBatcher(rdb, 64, 10*time.Second)
+	defer b.stop()
+	defer g.open()
 
-			const waiting = 10
-			var wg sync.WaitGroup
-			errs := make(chan error, slots+waiting)
-			call := func(i int) {
-				defer wg.Done()
-				want := fmt.Sprint("v", i)
-				v, err, ok := b.do(context.Background(), echoScript, []string{"k"}, []any{want})
-				if err != nil || !ok || v != want {
-					errs <- fmt.Errorf("call %d: %v, %v, %v (want %q)", i, v, err, ok, want)
-				}
-			}
-			wg.Add(slots + waiting)
-			for i := range slots {
-				// One at a time: a call started while the first is still
-				// being collected could join its batch.
-				go call(i)
-				redistest.WaitFor(t, g.held, "a slot's send held")
-			}
-			for i := range waiting {
-				go call(slots + i)
-			}
-			want := waiting // callers waiting to hand over
-			if !lead {
-				want += slots // and the held calls' callers, waiting for replies
-			}
-			redistest.Eventually(t, "calls waiting for a free slot", func() bool { return waitingIn() >= want })
-			g.open()
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				t.Error(err)
-			}
-			sends := g.sent()
-			total := 0
-			for _, n := range sends {
-				total += n
-			}
-			if total != slots+waiting {
-				t.Fatalf("sent %d commands in %v, want %d", total, sends, slots+waiting)
-			}
-			// The held sends were alone; the waiting calls went out in at most
-			// one batch per slot.
-			if len(sends) > slots+slots {
-				t.Fatalf("sends %v: the %d waiting calls were not batched", sends, waiting)
-			}
-		})
+	const waiting = 10
+	var wg sync.WaitGroup
+	errs := make(chan error, slots+waiting)
+	call := func(i int) {
+		defer wg.Done()
+		want := fmt.Sprint("v", i)
+		v, err, ok := b.do(context.Background(), echoScript, []string{"k"}, []any{want})
+		if err != nil || !ok || v != want {
+			errs <- fmt.Errorf("call %d: %v, %v, %v (want %q)", i, v, err, ok, want)
+		}
+	}
+	wg.Add(slots + waiting)
+	for i := range slots {
+		// One at a time: a call started while the first is still being
+		// collected could join its batch.
+		go call(i)
+		redistest.WaitFor(t, g.held, "a slot's send held")
+	}
+	for i := range waiting {
+		go call(slots + i)
+	}
+	// The held calls' callers send their own batches (in the hook); the
+	// others wait to hand theirs over.
+	redistest.Eventually(t, "calls waiting for a free slot", func() bool { return waitingIn() >= waiting })
+	g.open()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	sends := g.sent()
+	total := 0
+	for _, n := range sends {
+		total += n
+	}
+	if total != slots+waiting {
+		t.Fatalf("sent %d commands in %v, want %d", total, sends, slots+waiting)
+	}
+	// The held sends were alone; the waiting calls went out in at most one
+	// batch per slot.
+	if len(sends) > slots+slots {
+		t.Fatalf("sends %v: the %d waiting calls were not batched", sends, waiting)
 	}
 }
 
@@ -163,7 +157,7 @@ func TestBatcherAbandonedCallNotSent(t *testing.T) {
 	rdb := redistest.Client(t)
 	g := newGate(slots)
 	rdb.AddHook(g)
-	b := newBatcher(rdb, 64, 10*time.Second, false)
+	b := newBatcher(rdb, 64, 10*time.Second)
 	defer b.stop()
 	defer g.open()
 	key := redistest.Uniq(t)
@@ -200,7 +194,7 @@ func TestBatcherNoScript(t *testing.T) {
 	_, rdb := redistest.Own(t, nil) // a script cache without this script: a server of its own
 	g := newGate(slots)
 	rdb.AddHook(g)
-	b := newBatcher(rdb, 64, 10*time.Second, false)
+	b := newBatcher(rdb, 64, 10*time.Second)
 	defer b.stop()
 	defer g.open()
 	fresh := redis.NewScript(`return 'fresh:' .. ARGV[1]`) // never loaded
@@ -221,7 +215,7 @@ func TestBatcherNoScript(t *testing.T) {
 			redistest.WaitFor(t, g.held, "a slot's send held")
 		}
 	}
-	redistest.Eventually(t, "calls waiting for a free slot", func() bool { return waitingIn() >= n })
+	redistest.Eventually(t, "calls waiting for a free slot", func() bool { return waitingIn() >= n-slots })
 	g.open()
 	wg.Wait()
 	close(errs)
@@ -240,7 +234,7 @@ func TestBatcherNoScript(t *testing.T) {
 // hashTag hashes what Redis Cluster hashes: the first non-empty {…}.
 func TestHashTag(t *testing.T) {
 	for key, want := range map[string]string{
-		"dedup:{q}:l:ab": "q", "asynq:{q-1}:t:x": "q-1", "plain": "plain", "a{}b{c}": "a{}b{c}", "x{y": "x{y", "{a}{b}": "a",
+		"dedup:{q}:u:ab": "q", "asynq:{q-1}:t:x": "q-1", "plain": "plain", "a{}b{c}": "a{}b{c}", "x{y": "x{y", "{a}{b}": "a",
 	} {
 		if got := hashTag(key); got != want {
 			t.Errorf("hashTag(%q) = %q, want %q", key, got, want)

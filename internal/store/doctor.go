@@ -23,8 +23,8 @@ type Diagnosis struct {
 }
 
 // Diagnose finds, among locks read by ReadLocks, those that no task and no
-// policy keeps: a lock held on purpose (cooling, failed, a firing's) never
-// is one; else its holder's asynq record is gone (missing, completed,
+// policy keeps: a lock held on purpose (cooling, a failure hold, a
+// firing's) never is one; else its holder's asynq record is gone (missing, completed,
 // archived), or its state names a list or set (pending, scheduled, retry,
 // active) that does not hold it, as after a slot migration that dropped a
 // list. Each holder's state and place are read together, in one MULTI, so
@@ -41,7 +41,7 @@ func Diagnose(ctx context.Context, c redis.UniversalClient, ls []*Lock, grace ti
 	}
 	reads := make([]read, len(ls))
 	for i, l := range ls {
-		if ParseValue(l.Value).HeldOnPurpose() {
+		if l.HeldOnPurpose() {
 			continue
 		}
 		q, id, r := l.Queue, l.Owner, &reads[i]

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -43,7 +44,7 @@ const DefaultRecheck = time.Second
 // caller's goroutine and a hung Redis holds none past LockTimeout. It is
 // safe for concurrent use.
 type Store struct {
-	rdb       redis.UniversalClient
+	conn      atomic.Pointer[conn] // the client calls go through (swapped by Close)
 	keys      Keys
 	cfg       Config
 	sc        *scriptSet
@@ -52,12 +53,18 @@ type Store struct {
 	published sync.Map // queues registered by PublishQueue
 	pruned    sync.Map // waiting set → when and on what counts PruneWaiting last checked it (pruneCheck)
 
-	// bounded: the client cuts a call at its context's deadline; else (a
-	// client of a kind the caller could not copy with ContextTimeoutEnabled)
-	// a call runs on another goroutine that its caller leaves at the
-	// deadline, and calls are not batched.
+}
+
+// conn is a client and whether it cuts a call at its context's deadline
+// (bounded); else (a client of a kind the caller could not copy with
+// ContextTimeoutEnabled) a call runs on another goroutine that its caller
+// leaves at the deadline, and calls are not batched.
+type conn struct {
+	rdb     redis.UniversalClient
 	bounded bool
 }
+
+func newConn(rdb redis.UniversalClient) *conn { return &conn{rdb: rdb, bounded: ContextTimeouts(rdb)} }
 
 // New returns a Store over rdb, which should have ContextTimeoutEnabled. It
 // does not take ownership of rdb.
@@ -65,7 +72,8 @@ func New(rdb redis.UniversalClient, cfg Config) *Store {
 	if cfg.Recheck == 0 {
 		cfg.Recheck = DefaultRecheck
 	}
-	s := &Store{rdb: rdb, keys: NewKeys(cfg.Prefix), cfg: cfg, sc: scripts(), bounded: ContextTimeouts(rdb)}
+	s := &Store{keys: NewKeys(cfg.Prefix), cfg: cfg, sc: scripts()}
+	s.conn.Store(newConn(rdb))
 	s.sh = newShards(rdb, s.newShard)
 	return s
 }
@@ -74,24 +82,26 @@ func New(rdb redis.UniversalClient, cfg Config) *Store {
 func (s *Store) newShard() *shard {
 	cfg := &s.cfg
 	sh := &shard{br: &breaker{threshold: cfg.BreakerThreshold, wait: cfg.BreakerWait, log: cfg.Logger, onOpen: cfg.OnBreakerOpen}}
-	if cfg.MaxBatch > 0 && s.bounded {
-		sh.batch = newBatcher(s.rdb, cfg.MaxBatch, cfg.LockTimeout)
+	if c := s.conn.Load(); cfg.MaxBatch > 0 && c.bounded {
+		sh.batch = newBatcher(c.rdb, cfg.MaxBatch, cfg.LockTimeout)
 	}
 	return sh
 }
 
-// Close makes later calls go straight to Redis. It does not close the
-// Redis client.
-func (s *Store) Close() {
+// Close makes later calls go straight to Redis, through fallback (the
+// caller may then close the client the Store was made with). It does not
+// close a Redis client.
+func (s *Store) Close(fallback redis.UniversalClient) {
 	for _, sh := range s.sh.all() {
 		if sh.batch != nil {
 			sh.batch.stop()
 		}
 	}
+	s.conn.Store(newConn(fallback))
 }
 
 // Client is the Store's Redis client.
-func (s *Store) Client() redis.UniversalClient { return s.rdb }
+func (s *Store) Client() redis.UniversalClient { return s.conn.Load().rdb }
 
 // Keys returns the key names of this Store's prefix.
 func (s *Store) Keys() Keys { return s.keys }
@@ -119,7 +129,7 @@ func (s *Store) LoadScripts(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
 	defer cancel()
 	for _, sc := range s.sc.all() {
-		if err := sc.Load(ctx, s.rdb).Err(); err != nil {
+		if err := sc.Load(ctx, s.Client()).Err(); err != nil {
 			return err
 		}
 	}
@@ -139,7 +149,7 @@ func (s *Store) run(ctx context.Context, sc *redis.Script, keys []string, args .
 			}
 		}
 		return s.direct(ctx, func(c context.Context) (any, error) {
-			return sc.Run(c, s.rdb, keys, args...).Result()
+			return sc.Run(c, s.Client(), keys, args...).Result()
 		})
 	})
 }
@@ -151,7 +161,7 @@ func (s *Store) run(ctx context.Context, sc *redis.Script, keys []string, args .
 // in its own goroutine.
 func (s *Store) Do(ctx context.Context, route string, fn func(ctx context.Context, c redis.Cmdable) (any, error)) (any, error) {
 	return s.guard(ctx, s.sh.forKey(ctx, route), func() (any, error) {
-		return s.direct(ctx, func(c context.Context) (any, error) { return fn(c, s.rdb) })
+		return s.direct(ctx, func(c context.Context) (any, error) { return fn(c, s.Client()) })
 	})
 }
 
@@ -183,7 +193,7 @@ func (s *Store) guard(ctx context.Context, sh *shard, send func() (any, error)) 
 func (s *Store) direct(ctx context.Context, fn func(context.Context) (any, error)) (any, error) {
 	lctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
 	defer cancel()
-	if s.bounded {
+	if s.conn.Load().bounded {
 		return fn(lctx)
 	}
 	return abandonable(lctx, fn)
@@ -217,7 +227,7 @@ func abandonable(ctx context.Context, call func(context.Context) (any, error)) (
 // the breaker, or left at the deadline (its commands may still be filled
 // in, so they must not be read).
 func (s *Store) Pipelined(ctx context.Context, route string, fn func(p redis.Pipeliner)) ([]redis.Cmder, error) {
-	p := s.rdb.Pipeline()
+	p := s.Client().Pipeline()
 	fn(p)
 	v, err := s.Do(ctx, route, func(c context.Context, _ redis.Cmdable) (any, error) { return p.Exec(c) })
 	cmds, _ := v.([]redis.Cmder)

@@ -11,42 +11,89 @@ func TestParseLockKey(t *testing.T) {
 		key, queue, fp string
 		ok             bool
 	}{
-		{"dedup:{critical}:l:" + fp16, "critical", fp16, true},
-		{"dedup:{critical}:l:" + fp32, "critical", fp32, true},
-		{"dedup:{a}:l:b}:l:" + fp16, "a}:l:b", fp16, true}, // parsed from the end
-		{"dedup:{{x}}:l:" + fp16, "{x}", fp16, true},
-		{"dedup:{}:l:" + fp16, "", "", false},                     // empty queue
-		{"dedup:{q}:l:0123456789ABCDEF", "", "", false},           // upper case: never written
-		{"dedup:{q}:l:0123456789abcde", "", "", false},            // 15 digits
-		{"dedup:{q}:i:" + fp16, "", "", false},                    // index key
-		{"other:{q}:l:" + fp16, "", "", false},                    // other prefix
-		{"dedupx:{q}:l:" + fp16, "", "", false},                   // prefix is not a word prefix
-		{"dedup:{q}:l:" + fp16 + "0", "", "", false},              // 17 digits
+		{"dedup:{critical}:u:" + fp16, "critical", fp16, true},
+		{"dedup:{critical}:u:" + fp32, "critical", fp32, true},
+		{"dedup:{a}:u:b}:u:" + fp16, "a}:u:b", fp16, true}, // parsed from the end
+		{"dedup:{{x}}:u:" + fp16, "{x}", fp16, true},
+		{"dedup:{}:u:" + fp16, "", "", false},                     // empty queue
+		{"dedup:{q}:u:0123456789ABCDEF", "", "", false},           // upper case: never written
+		{"dedup:{q}:u:0123456789abcde", "", "", false},            // 15 digits
+		{"dedup:{q}:m:" + fp16, "", "", false},                    // the mode record
+		{"dedup:{q}:l:" + fp16, "", "", false},                    // the old layout's hash lock
+		{"other:{q}:u:" + fp16, "", "", false},                    // other prefix
+		{"dedupx:{q}:u:" + fp16, "", "", false},                   // prefix is not a word prefix
+		{"dedup:{q}:u:" + fp16 + "0", "", "", false},              // 17 digits
 		{"asynq:{q}:t:dd-" + fp16 + "-0123", "", "", false},       // asynq's key
-		{"dedup:{q}:l:" + strings.Repeat("g", 16), "", "", false}, // not hex
+		{"dedup:{q}:u:" + strings.Repeat("g", 16), "", "", false}, // not hex
 	} {
 		q, fp, ok := NewKeys("dedup").ParseLock(c.key)
 		if ok != c.ok || q != c.queue || fp != c.fp {
-			t.Errorf("parseLockKey(%q) = %q, %q, %v; want %q, %q, %v", c.key, q, fp, ok, c.queue, c.fp, c.ok)
+			t.Errorf("ParseLock(%q) = %q, %q, %v; want %q, %q, %v", c.key, q, fp, ok, c.queue, c.fp, c.ok)
 		}
 	}
 }
 
-func TestParseLockedID(t *testing.T) {
+// A lock's mode record and waiting set are found from the lock's key alone,
+// in its queue's slot, whatever the queue's name holds.
+func TestKeysBesideTheLock(t *testing.T) {
+	k := NewKeys("dedup")
 	fp := "0123456789abcdef"
-	rnd := "0123456789abcdef0123"
-	for id, want := range map[string]string{
-		"dd-" + fp + "-" + rnd:          fp,
-		"dd-" + fp + fp + "-" + rnd:     fp + fp,
-		"dx-" + rnd:                     "",
-		"dd-" + fp + "-" + rnd + "0":    "",
-		"my-own-id":                     "",
-		"dd-" + fp + "x" + rnd:          "",
-		"dd-" + fp[:15] + "-" + rnd[1:]: "",
-	} {
-		got, ok := ParseLockedID(id)
-		if got != want || ok != (want != "") {
-			t.Errorf("parseLockedID(%q) = %q, %v; want %q", id, got, ok, want)
+	for _, q := range []string{"critical", "a}:u:b", "{x}"} {
+		lock := k.Lock(q, fp)
+		if got, want := ModeOf(lock), "dedup:{"+q+"}:m:"+fp; got != want {
+			t.Errorf("ModeOf(%q) = %q, want %q", lock, got, want)
 		}
+		if got, want := WaitOf(lock, "t"), k.Wait(q, "t"); got != want {
+			t.Errorf("WaitOf(%q) = %q, want %q", lock, got, want)
+		}
+		if p, gotQ, gotFP, ok := ParseLockKey(lock); !ok || p != "dedup" || gotQ != q || gotFP != fp {
+			t.Errorf("ParseLockKey(%q) = %q, %q, %q, %v", lock, p, gotQ, gotFP, ok)
+		}
+	}
+}
+
+// Each ID form this package makes is told apart by its form alone, the
+// middleware's only clue for a plain task; a caller may choose none of them,
+// nor any ID beginning with '~' (a lock value's mark).
+func TestIDForms(t *testing.T) {
+	fp, fp32 := "0123456789abcdef", "0123456789abcdef0123456789abcdef"
+	rnd := "0123456789abcdef0123"
+	for id, want := range map[string]IDKind{
+		NewPlainID():                     IDPlain,
+		NewOptOutID():                    IDOptOut,
+		NewFollowID():                    IDFollow,
+		NewKeptID():                      IDKept,
+		NewAgainID(fp):                   IDAgain,
+		NewAgainID(fp32):                 IDAgain,
+		"dd-" + rnd:                      IDPlain,
+		"dd-" + rnd + "0":                IDOther, // 21 digits
+		"dd-" + rnd[1:]:                  IDOther, // 19
+		"dd-0123456789ABCDEF0123":        IDOther, // upper case
+		"dz-" + rnd:                      IDOther, // no such form
+		"da-" + fp + "-" + rnd:           IDAgain,
+		"da-" + fp[1:] + "-" + rnd + "0": IDOther,
+		"da-" + fp + "x" + rnd:           IDOther,
+		"my-own-id":                      IDOther,
+		"":                               IDOther,
+	} {
+		if got := KindOf(id); got != want {
+			t.Errorf("KindOf(%q) = %v, want %v", id, got, want)
+		}
+		if got := Reserved(id); got != (want != IDOther) {
+			t.Errorf("Reserved(%q) = %v", id, got)
+		}
+	}
+	for _, id := range []string{"~w1:x", "~c:x", "~"} {
+		if !Reserved(id) {
+			t.Errorf("Reserved(%q) = false: a lock value's mark", id)
+		}
+	}
+	for _, f := range []string{fp, fp32} {
+		if got, ok := ParseAgainID(NewAgainID(f)); !ok || got != f {
+			t.Errorf("ParseAgainID(NewAgainID(%q)) = %q, %v", f, got, ok)
+		}
+	}
+	if _, ok := ParseAgainID(NewPlainID()); ok {
+		t.Error("ParseAgainID read a plain ID")
 	}
 }

@@ -110,4 +110,3 @@ func (s *Store) StoredTask(ctx context.Context, queue, id string) (typ string, p
 	}
 	return typ, payload, state, true, nil
 }
-

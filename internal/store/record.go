@@ -24,7 +24,7 @@ const (
 	FieldCoolEnd  = "cd" // the end of the key's cooldown, unix ms: held till then if the task succeeds (Cooldown, Period)
 	FieldWindow   = "pw" // a period key's window, "start:end" in unix ms (Window)
 	FieldFailHold = "fh" // what a final failure does (FailHold): "-1" hold until released, else hold this many ms
-	FieldRunning  = "rp" // running policy (Running): "a" allow, "d" defer, "r" defer with Replace
+	FieldRunning  = "rp" // running policy (Running): "a" allow, "d" defer
 	FieldFollow   = "f"  // the follow-up task owed to the key (RunningDefer)
 	FieldFolds    = "n"  // enqueues folded into the holder (Replace, Merge); Merge's version
 	FieldError    = "e"  // the holder's last error, once it failed for good and holds the key
@@ -90,10 +90,9 @@ type Running byte
 
 // Running policies, as the record and the scripts spell them.
 const (
-	RunReject  Running = 'x' // name the holder (not recorded: the default)
-	RunAllow   Running = 'a' // the lock is dropped when its task starts
-	RunDefer   Running = 'd' // fold into one follow-up task, queued when the run ends
-	RunReplace Running = 'r' // RunDefer for a Replace type: a retry of the holder gives way to a waiting follow-up
+	RunReject Running = 'x' // name the holder (not recorded: the default)
+	RunAllow  Running = 'a' // the lock is dropped when its task starts
+	RunDefer  Running = 'd' // fold into one follow-up task, queued when the run ends
 )
 
 // Lock is one lock as read from Redis, for operators (dedupctl).
@@ -156,7 +155,7 @@ func (l *Lock) Window() Window {
 // asynq state.
 func (l *Lock) State() string {
 	switch {
-	case l.Kind == HoldFailed:
+	case l.Failed():
 		return LockFailed
 	case l.Kind == HoldCooling, l.Kind == HoldFiring && (l.TaskState == "missing" || Gone(l.TaskState)):
 		return LockCooling
@@ -171,6 +170,18 @@ func (l *Lock) State() string {
 	}
 	return LockWaiting
 }
+
+// Failed reports a failure hold: the holder failed for good (asynq
+// archived it; an operator may have deleted it since) and its mode record
+// holds its error (OnFailure).
+func (l *Lock) Failed() bool {
+	s := l.TaskState
+	return (s == StateArchived || s == "missing" || s == StateActive) && l.Fields[FieldError] != ""
+}
+
+// HeldOnPurpose reports a lock a policy keeps past its task: cooling, a
+// firing's, a failure hold.
+func (l *Lock) HeldOnPurpose() bool { return ParseValue(l.Value).HeldOnPurpose() || l.Failed() }
 
 // Running is the running policy the mode record keeps (RunReject for none).
 func (l *Lock) Running() Running {

@@ -11,22 +11,19 @@ type Status int64
 
 // Script reply statuses.
 const (
-	StatusBroken    Status = -1 // asynq's record is not what the scripts expect
-	StatusHeld      Status = 0  // held by another task
-	StatusTaken     Status = 1  // taken (or, for finish, settled)
-	StatusSelf      Status = 2  // already held by the same task (acquire)
-	StatusReplaced  Status = 3  // payload of the waiting holder replaced (acquire)
-	StatusMerge     Status = 4  // merge needed: payload and version returned (acquire)
-	StatusDeferred  Status = 5  // follow-up created for the running holder (acquire)
-	StatusReserved  Status = 6  // holder not stored in asynq yet (acquire)
-	StatusConflict  Status = 7  // direct enqueue: the task ID already exists in asynq (acquire)
-	StatusOver      Status = 8  // too many keys waiting (acquire)
-	StatusAllowed   Status = 9  // running policy "allow": run without the lock (start)
-	statusFree      Status = 10 // the key is free: take it, with the task (take, acquire)
-	statusNeed      Status = 11 // the script lacks keys: call again with them
-	// StatusSuperseded: the task's follow-up carries a newer payload and
-	// asynq runs the task again: it must not run (start).
-	StatusSuperseded Status = 12
+	StatusBroken   Status = -1 // asynq's record is not what the scripts expect
+	StatusHeld     Status = 0  // held by another task
+	StatusTaken    Status = 1  // taken (or, for finish, settled)
+	StatusSelf     Status = 2  // already held by the same task (acquire)
+	StatusReplaced Status = 3  // payload of the waiting holder replaced (acquire)
+	StatusMerge    Status = 4  // merge needed: payload and version returned (acquire)
+	StatusDeferred Status = 5  // follow-up created for the running holder (acquire)
+	StatusReserved Status = 6  // holder not stored in asynq yet (acquire)
+	StatusConflict Status = 7  // direct enqueue: the task ID already exists in asynq (acquire)
+	StatusOver     Status = 8  // too many keys waiting (acquire)
+	StatusAllowed  Status = 9  // running policy "allow": run without the lock (start)
+	statusFree     Status = 10 // the key is free: take it, with the task (take, acquire)
+	statusNeed     Status = 11 // the script lacks keys: call again with them
 	// StatusElsewhere: the starting task has no asynq record in this Redis:
 	// its server stores tasks elsewhere (start).
 	StatusElsewhere Status = 13

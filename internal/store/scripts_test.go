@@ -61,61 +61,51 @@ func (h *scriptCalls) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.
 	}
 }
 
-// A lock older than the heal grace makes acquire read its holder's asynq
-// record, whose key the caller could not know: without a hint the script
-// asks for it (changing nothing) and the second call decides; the answer
-// is remembered, so the next call on the key passes the key at once; a
-// hint that went stale (another holder) costs one more call, never a wrong
-// answer.
+// A held key makes an enqueue read its holder's asynq record, whose key the
+// caller cannot know: without a hint take.lua names the holder (changing
+// nothing) and acquire.lua, given the holder's record, decides; the answer
+// is remembered, so the next call on the key passes the record at once and
+// take.lua answers alone; a hint that went stale (another holder) costs one
+// more call, never a wrong answer.
 func TestAcquireAsksForTheHolderItCannotKnow(t *testing.T) {
 	rdb := redistest.Client(t)
 	hook := &scriptCalls{}
 	rdb.AddHook(hook)
-	ctx := context.Background()
 	s := newTestStore(t, rdb)
+	s.cfg.Recheck = -1 // every rejection reads the holder's record
+	// (The counts below are of calls, not of NOSCRIPT retries.)
+	if err := s.LoadScripts(context.Background()); err != nil {
+		t.Fatal(err)
+	}
 	q := redistest.Uniq(t)
 	fp := "00112233445566aa"
-	old := time.Now().Add(-2 * time.Hour)
-	take := func(id string, at time.Time) AcquireResult {
-		t.Helper()
-		res, err := s.Acquire(ctx, &Acquire{Ref: Ref{Queue: q, FP: fp, ID: id, Type: "t"}, OnWaiting: FoldReject,
-			OnRunning: RunReject, TTL: time.Hour, Now: at})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return res
-	}
-	first := NewLockedID(fp)
-	rdb.HSet(ctx, TaskKey(q, first), "state", StatePending)
-	if res := take(first, old.Add(-2*time.Hour)); res.Status != StatusTaken {
+	first := directAcquire(s, q, fp, FoldReject, "")
+	if res := mustAcquire(t, s, first); res.Status != StatusTaken || !res.Stored {
 		t.Fatalf("first: %+v", res)
 	}
-	s.hints = hintCache{} // another process: no hint
-	calls := func(f func()) int64 {
+	calls := func(a *Acquire) (int64, AcquireResult) {
 		n := hook.n.Load()
-		f()
-		return hook.n.Load() - n
+		res := mustAcquire(t, s, a)
+		return hook.n.Load() - n, res
 	}
-	var res AcquireResult
-	if n := calls(func() { res = take(NewLockedID(fp), time.Now()) }); n != 2 || res.Status != StatusHeld || res.Task != first {
-		t.Fatalf("old lock, no hint: %d calls, %+v; want 2 calls, held by %s", n, res, first)
+	if n, res := calls(directAcquire(s, q, fp, FoldReject, "")); n != 2 || res.Status != StatusHeld || res.Task != first.Ref.ID {
+		t.Fatalf("no hint: %d calls, %+v; want 2 calls, held by %s", n, res, first.Ref.ID)
 	}
-	if n := calls(func() { res = take(NewLockedID(fp), time.Now()) }); n != 1 || res.Status != StatusHeld || res.Task != first {
-		t.Fatalf("old lock, hint: %d calls, %+v; want 1 call", n, res)
+	if n, res := calls(directAcquire(s, q, fp, FoldReject, "")); n != 1 || res.Status != StatusHeld || res.Task != first.Ref.ID {
+		t.Fatalf("hint: %d calls, %+v; want 1 call", n, res)
 	}
-	// The holder is gone: the lock heals to a new task, which another
-	// process's next call finds through its stale hint.
-	rdb.Del(ctx, TaskKey(q, first))
-	second := NewLockedID(fp)
-	other := newTestStore(t, rdb)
-	other.cfg.Prefix, other.keys = s.cfg.Prefix, s.keys
-	rdb.HSet(ctx, TaskKey(q, second), "state", StatePending)
-	if res, err := other.Acquire(ctx, &Acquire{Ref: Ref{Queue: q, FP: fp, ID: second, Type: "t"}, OnWaiting: FoldReject,
-		OnRunning: RunReject, TTL: time.Hour, Now: old}); err != nil || res.Status != StatusTaken {
-		t.Fatalf("heal: %+v, %v", res, err)
+	// The holder is deleted behind asynq's scripts' back: another process's
+	// enqueue heals the lock and takes the key, which this process's next
+	// call finds through its stale hint.
+	rdb.Del(context.Background(), TaskKey(q, first.Ref.ID))
+	other := New(rdb, s.cfg)
+	t.Cleanup(func() { other.Close(rdb) })
+	second := directAcquire(other, q, fp, FoldReject, "")
+	if n, res := calls(second); n != 3 || res.Status != StatusTaken || !res.Stored {
+		t.Fatalf("heal: %d calls, %+v; want taken in 3 calls (take names the holder, acquire heals, take takes)", n, res)
 	}
-	if n := calls(func() { res = take(NewLockedID(fp), time.Now()) }); n != 2 || res.Status != StatusHeld || res.Task != second {
-		t.Fatalf("stale hint: %d calls, %+v; want 2 calls, held by %s", n, res, second)
+	if n, res := calls(directAcquire(s, q, fp, FoldReject, "")); n != 2 || res.Status != StatusHeld || res.Task != second.Ref.ID {
+		t.Fatalf("stale hint: %d calls, %+v; want 2 calls, held by %s", n, res, second.Ref.ID)
 	}
 }
 
@@ -127,25 +117,26 @@ func TestNeedChangesNothing(t *testing.T) {
 	s := newTestStore(t, rdb)
 	q := redistest.Uniq(t)
 	fp := "00112233445566bb"
-	holder := NewLockedID(fp)
+	holder := NewPlainID()
 	lock := s.keys.Lock(q, fp)
-	rdb.HSet(ctx, lock, FieldOwner, PackOwner(holder, fp), FieldCreated, 1) // ancient: must be checked
-	rdb.Expire(ctx, lock, time.Hour)
-	before := rdb.HGetAll(ctx, lock).Val()
-	id := NewLockedID(fp)
-	a := &Acquire{Ref: Ref{Queue: q, FP: fp, ID: id, Type: "t"}, OnWaiting: FoldReplace, OnRunning: RunReject,
-		TTL: time.Hour, Now: time.Now(), Payload: []byte("x")}
-	keys, args := a.build(s, lock, &hint{}, false)
+	putTask(rdb, q, holder, StatePending)
+	rdb.Set(ctx, lock, Value(holder), time.Hour)
+	rdb.HSet(ctx, ModeOf(lock), FieldHolder, holder, FieldFolds, 3)
+	rdb.Expire(ctx, ModeOf(lock), time.Hour)
+	w := &scriptWorld{rdb: rdb, s: s, q: q}
+	before := w.snapshot()
+	a := directAcquire(s, q, fp, FoldReplace, "x")
+	keys, args := a.general(s, &hint{}, false)
 	v, err := s.sc.acquire.Run(ctx, rdb, keys, args...).Result()
 	if err != nil {
 		t.Fatal(err)
 	}
 	rep, err := parseReply(v)
-	if err != nil || rep.status != statusNeed || !strings.Contains(rep.str(0), "H") || UnpackOwner(rep.str(1), fp) != holder {
+	if err != nil || rep.status != statusNeed || !strings.Contains(rep.str(0), "H") || rep.str(1) != holder {
 		t.Fatalf("reply %+v, %v; want need H for %s", rep, err, holder)
 	}
-	if after := rdb.HGetAll(ctx, lock).Val(); len(after) != len(before) || after[FieldOwner] != before[FieldOwner] {
-		t.Fatalf("lock changed: %v → %v", before, after)
+	if d := diff(before, w.snapshot()); len(d) > 0 {
+		t.Fatalf("the need reply changed %v", d)
 	}
 }
 
@@ -172,11 +163,10 @@ func TestHintCacheBounded(t *testing.T) {
 	}
 }
 
-// A lock written with its task (v) is judged by the task's record, but a
-// process that read that record less than Config.Recheck ago answers a
-// plain rejection from the lock alone; after that it reads the record
-// again, and a task gone meanwhile frees the key.
-func TestRecheckTrustsAVerifiedLockBriefly(t *testing.T) {
+// A plain rejection reads the holder's record, but a process that read it
+// less than Config.Recheck ago answers from the lock alone; after that it
+// reads the record again, and a holder gone meanwhile frees the key.
+func TestRecheckTrustsARecentReadOfTheHolderBriefly(t *testing.T) {
 	rdb := redistest.Client(t)
 	hook := &lastRoles{}
 	rdb.AddHook(hook)
@@ -185,51 +175,51 @@ func TestRecheckTrustsAVerifiedLockBriefly(t *testing.T) {
 	q := redistest.Uniq(t)
 	fp := "00112233445566bb"
 	now := time.Now()
-	acquire := func(id string, at time.Time, direct bool) AcquireResult {
-		t.Helper()
-		a := &Acquire{Ref: Ref{Queue: q, FP: fp, ID: id, Type: "t"}, OnWaiting: FoldReject, OnRunning: RunReject,
-			TTL: time.Hour, Now: at, Direct: direct, Message: Message{Type: "t", ID: id, Queue: q, Retry: 25, Timeout: time.Minute}}
-		res, err := s.Acquire(ctx, a)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return res
+	at := func(d time.Duration) *Acquire {
+		a := directAcquire(s, q, fp, FoldReject, "")
+		a.Now = now.Add(d)
+		return a
 	}
-	// reads reports whether the call sent the owner's record (role H) rather
-	// than trusting the lock (the 'X' head).
-	reads := func(f func()) bool { f(); r := hook.get(); return r[0] != 'X' && strings.Contains(r[2:], "H") }
-	first := NewLockedID(fp)
-	if res := acquire(first, now, true); res.Status != StatusTaken || !res.Stored {
+	// reads runs a and reports whether any of its calls passed the holder's
+	// record (role H) rather than trusting the lock.
+	reads := func(a *Acquire) (AcquireResult, bool) {
+		hook.reset()
+		res := mustAcquire(t, s, a)
+		return res, strings.Contains(hook.all(), "H")
+	}
+	first := at(0)
+	if res := mustAcquire(t, s, first); res.Status != StatusTaken || !res.Stored {
 		t.Fatalf("first: %+v", res)
 	}
-	if v := rdb.HGet(ctx, s.keys.Lock(q, fp), FieldStored).Val(); v != "1" {
-		t.Fatalf("lock stored with its task has v=%q", v)
+	if u := rdb.HGet(ctx, TaskKey(q, first.Ref.ID), "unique_key").Val(); u != first.Ref.Lock {
+		t.Fatalf("the task stored with its lock names %q as its unique key, want %q", u, first.Ref.Lock)
 	}
-	var res AcquireResult
-	if read := reads(func() { res = acquire(NewLockedID(fp), now.Add(time.Millisecond), true) }); res.Status != StatusHeld || res.Task != first || !read {
-		t.Fatalf("rejection: %+v, owner's record read %v; want held by %s, read", res, read, first)
+	for i, d := range []time.Duration{time.Millisecond, 2 * time.Millisecond} { // the first learns the holder, the second reads it
+		if res, read := reads(at(d)); res.Status != StatusHeld || res.Task != first.Ref.ID || !read {
+			t.Fatalf("rejection %d: %+v, holder's record read %v; want held by %s, read", i, res, read, first.Ref.ID)
+		}
 	}
-	if read := reads(func() { res = acquire(NewLockedID(fp), now.Add(50*time.Millisecond), true) }); res.Status != StatusHeld || read {
-		t.Fatalf("rejection within Recheck: %+v, owner's record read %v; want held, answered from the lock alone", res, read)
+	if res, read := reads(at(50 * time.Millisecond)); res.Status != StatusHeld || read {
+		t.Fatalf("rejection within Recheck: %+v, holder's record read %v; want held, answered from the lock alone", res, read)
 	}
-	rdb.Del(ctx, TaskKey(q, first)) // deleted by hand
-	if res := acquire(NewLockedID(fp), now.Add(60*time.Millisecond), true); res.Status != StatusHeld {
+	rdb.Del(ctx, TaskKey(q, first.Ref.ID)) // deleted by hand
+	if res := mustAcquire(t, s, at(60*time.Millisecond)); res.Status != StatusHeld {
 		t.Fatalf("within Recheck of the last read: %+v; want held (trusted)", res)
 	}
-	second := NewLockedID(fp)
-	if res := acquire(second, now.Add(DefaultRecheck+10*time.Millisecond), true); res.Status != StatusTaken {
-		t.Fatalf("after Recheck, the owner gone: %+v; want taken at once (HealGrace notwithstanding)", res)
+	if res, read := reads(at(DefaultRecheck + 10*time.Millisecond)); res.Status != StatusTaken || !read {
+		t.Fatalf("after Recheck, the holder gone: %+v (read %v); want taken at once", res, read)
 	}
 }
 
 // lastRoles remembers ARGV[1] (the policy head and role letters) of the
-// last script call.
+// script calls since its last reset.
 type lastRoles struct {
 	mu    sync.Mutex
-	roles string
+	roles []string
 }
 
-func (h *lastRoles) get() string { h.mu.Lock(); defer h.mu.Unlock(); return h.roles }
+func (h *lastRoles) all() string { h.mu.Lock(); defer h.mu.Unlock(); return strings.Join(h.roles, " ") }
+func (h *lastRoles) reset()      { h.mu.Lock(); defer h.mu.Unlock(); h.roles = nil }
 func (h *lastRoles) note(cmd redis.Cmder) {
 	args := cmd.Args()
 	if n := cmd.Name(); (n != "evalsha" && n != "eval") || len(args) < 4 {
@@ -241,7 +231,7 @@ func (h *lastRoles) note(cmd redis.Cmder) {
 	}
 	if r, ok := args[3+nk].(string); ok {
 		h.mu.Lock()
-		h.roles = r
+		h.roles = append(h.roles, r)
 		h.mu.Unlock()
 	}
 }

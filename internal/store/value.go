@@ -11,15 +11,18 @@ import (
 // and delete it when the task succeeds, is revoked or deleted, if the
 // task's record names the lock (its unique key). The other forms are held
 // on purpose past the task, or were taken before the task was stored, and
-// asynq's scripts leave them alone (the lib.lua's holder_of reads them):
+// asynq's scripts leave them alone (prelude.lua's holder_of reads them):
 //
 //	<task ID>               held by the task (stored with the lock, or taking it as it starts)
 //	~w<unix seconds>:<ID>   held by a task enqueued through asynq's client, taken at that
 //	                        second before its task was stored (it heals only after the grace)
 //	~c:<ID>                 cooling: the task succeeded; held until the lock expires
-//	~f:<ID>                 failed: the task failed for good; held until the lock expires or
-//	                        someone releases it (OnFailure)
 //	~x:<ID>                 a Scheduler firing's: held until it expires, whatever its task does
+//
+// A failure hold (OnFailure) keeps the value as it is: an archived (or
+// since deleted) holder whose mode record holds its error (FieldError)
+// holds the key until the lock expires or someone releases it; asynq
+// releases it if it runs the task again and the task succeeds.
 //
 // A caller-chosen task ID may therefore not begin with '~' (Reserved).
 
@@ -31,9 +34,12 @@ const (
 	HoldTask    Hold = 0   // held by its task
 	HoldWrap    Hold = 'w' // taken before its task was stored (asynq's client enqueues it)
 	HoldCooling Hold = 'c' // cooling after its task's success
-	HoldFailed  Hold = 'f' // held after its task failed for good
 	HoldFiring  Hold = 'x' // a Scheduler firing's, held until it expires
 )
+
+// heldFailed is the kind the scripts report for a key held after its task
+// failed for good (a failure hold).
+const heldFailed = "f"
 
 // Value is the lock value of a key held by task id.
 func Value(id string) string { return id }
@@ -72,7 +78,5 @@ func ParseValue(v string) Parsed {
 }
 
 // HeldOnPurpose reports whether the value holds the key past its task:
-// cooling, failed or a firing's.
-func (p Parsed) HeldOnPurpose() bool {
-	return p.Kind == HoldCooling || p.Kind == HoldFailed || p.Kind == HoldFiring
-}
+// cooling, or a firing's.
+func (p Parsed) HeldOnPurpose() bool { return p.Kind == HoldCooling || p.Kind == HoldFiring }

@@ -33,7 +33,10 @@
 --   {10}                     the key is free (a lock whose holder is gone was
 --                            deleted, its holder marked if archived): take it
 --   {0, holder, f}           held by a live task (f: its follow-up, or '')
---   {14, holder, ms, k}      held after its task ended (as take.lua)
+--   {14, holder, ms, k}      held after its task ended: cooling ('c', as take.lua), or
+--                            failed ('f': the holder failed for good, is archived or
+--                            deleted, and its mode record holds its error: OnFailure) for
+--                            ms more (-1: until released)
 --   {3, task, state, f}      the payload was written into the waiting task (f: the
 --                            key's follow-up, or ''; task may be it)
 --   {4, task, payload, n, f} Merge: the task's payload and version, for merge.lua
@@ -50,13 +53,13 @@ local policy, running = string.sub(A[1], 1, 1), string.sub(A[1], 2, 2)
 local now_ms, ttl, typ = tonumber(A[3]), A[4], A[5]
 local now = (now_ms - now_ms % 1000) / 1000
 local holder, kind, at = holder_of(call('GET', K.L))
-if kind == 'c' or kind == 'f' then
+if kind == 'c' then
   return {14, holder, call('PTTL', K.L), kind}
 end
 if kind == 'x' then
   return {0, holder, ''}
 end
-local m = call('HMGET', K.M, 'id', 'rp', 'f', 'n', 'b')
+local m = call('HMGET', K.M, 'id', 'rp', 'f', 'n', 'b', 'e', 'o')
 local f = m[3]
 local function need()
   return {11, lacking, holder or '', f or ''}
@@ -73,6 +76,11 @@ if holder then
   if lacks('H') then return need() end
   local t = call('HMGET', K.H, 'state', 'msg')
   state, hmsg = t[1], t[2]
+  if m[1] == holder and m[6] and (not state or state == 'archived' or state == 'active') then
+    -- It failed for good and holds the key (OnFailure): archived, deleted
+    -- since, or about to be archived (its hold is written first).
+    return {14, holder, call('PTTL', K.L), 'f'}
+  end
   if holder == A[2] and A[15] == '1' and (not state or gone(state)) then
     return {state and 7 or 2}
   end
@@ -81,7 +89,8 @@ if holder then
     return {0, holder, ''}
   end
 end
-local live = state and not gone(state)
+-- (o: a handler of the holder that asynq gave up still runs)
+local live = (state and not gone(state)) or (m[1] == holder and m[7])
 local fstate, fmsg
 if f and (live or running == 'd') then
   if f ~= A[8] then K.G = nil end
@@ -161,20 +170,26 @@ if live then
     return fold(holder, K.H, state, hmsg)
   end
   local rp = m[1] == holder and m[2]
-  if (rp ~= 'd' and rp ~= 'r') or (f and not gone(fstate)) or A[9] == '' or not same_type(hmsg, typ) then
+  if rp ~= 'd' or (f and not gone(fstate)) or A[9] == '' or not same_type(hmsg, typ) then
     return {0, holder, f or ''}
   end
   return defer()
 end
 
--- No live task holds the key. An archived holder is marked: should someone
--- run it again by hand, it checks the key first.
+-- No live task holds the key. (Every key the rest needs is asked for
+-- before anything is written.)
+local adopt = f and waiting(fstate)
+local counted = holder and m[5] and m[1] == holder
+if (adopt and lacks('SPR')) or (not adopt and counted and lacks('W')) then
+  return need()
+end
+-- An archived holder is marked: should someone run it again by hand, it
+-- checks the key first.
 if state == 'archived' then
   mark(K.H, 'healed')
 end
-if f and waiting(fstate) then
+if adopt then
   -- The follow-up a gone holder owed takes the key, and the call folds into it.
-  if lacks('SPR') then return need() end
   fstate = queue_now(K.G, f, fstate, K.S, K.R, K.P)
   call('SET', K.L, f, 'PX', ttl)
   call('HSET', K.M, 'id', f, 'n', 0)
@@ -184,11 +199,13 @@ if f and waiting(fstate) then
   f = nil
   return fold(holder, K.G, fstate, fmsg)
 end
+if counted then
+  call('ZREM', K.W, A[11])
+end
 if holder then
-  if m[5] and m[1] == holder then
-    if lacks('W') then return need() end
-    call('ZREM', K.W, A[11])
-  end
   call('DEL', K.L)
+end
+if f then
+  call('HDEL', K.M, 'f') -- owed no more: the follow-up is gone
 end
 return {10}

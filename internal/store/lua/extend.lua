@@ -6,6 +6,9 @@
 -- KEYS[1]  the lock; KEYS[2] the key's mode record; KEYS[3] asynq's scheduled set
 -- ARGV[1]  task ID
 -- ARGV[2]  how long the key stays held from now at least, integer milliseconds
+-- ARGV[3]  '1': asynq gave the attempt up while its handler still runs: the
+--          mode record says so (field o) until the handler's end, so that
+--          the key does not heal under it when asynq archives the task
 --
 -- Reply: 1 the key is the task's; 0 it is not (gone, or another task's)
 local holder, kind = holder_of(call('GET', KEYS[1]))
@@ -19,6 +22,11 @@ if kind == '' or kind == 'w' then
     call('PEXPIRE', KEYS[1], ms)
   end
   local m = call('HMGET', KEYS[2], 'id', 'f')
+  if ARGV[3] == '1' and (not m[1] or m[1] == holder) then
+    call('HSET', KEYS[2], 'id', holder, 'o', '1')
+    call('PEXPIRE', KEYS[2], math.max(call('PTTL', KEYS[1]), ms))
+    m[1] = holder
+  end
   if m[1] == holder then
     left = call('PTTL', KEYS[2])
     if left >= 0 and left < ms then

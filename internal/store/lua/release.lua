@@ -16,8 +16,8 @@
 -- ARGV[5]  the holder H belongs to; ARGV[6] the follow-up G belongs to
 -- ARGV[7]  heal grace, integer seconds ('stuck')
 --
--- A holder still waiting is marked (lib.lua's mark): should it run, it
--- checks the key first. A follow-up the key owes that waits is queued now:
+-- A holder still waiting or running is marked (lib.lua's mark): should it
+-- run (again), it checks the key first. A follow-up the key owes that waits is queued now:
 -- its payload is the newest.
 --
 -- Reply: {1, holder, queued}  released; queued: the follow-up queued now, or ''
@@ -33,7 +33,7 @@ if not v then
   return {0}
 end
 local holder, kind, at = holder_of(v)
-local m = call('HMGET', K.M, 'id', 'f', 'b')
+local m = call('HMGET', K.M, 'id', 'f', 'b', 'e')
 if A[2] == 'unlock' then
   if v ~= A[3] then return {2, holder} end
   call('DEL', K.L)
@@ -51,12 +51,13 @@ if lacks('HPASR' .. (f and 'G' or '')) then
 end
 local st, there = placed(K.H, K.P, K.A, K.S, K.R, holder)
 if A[2] == 'stuck' then
-  if kind == 'c' or kind == 'f' or kind == 'x' then return {3, kind} end
+  if kind == 'c' or kind == 'x' then return {3, kind} end
+  if (st == '' or st == 'archived') and m[1] == holder and m[4] then return {3, 'failed'} end
   if st == '' and kind == 'w' and now_parts() - at < tonumber(A[7]) then return {3, 'reserved'} end
   if st ~= '' and not gone(st) and there then return {3, st} end
 end
-if waiting(st) then
-  mark(K.H, 'released')
+if waiting(st) or st == 'active' then
+  mark(K.H, 'released') -- (asynq keeps a running task's message if it requeues it)
 end
 local queued = ''
 if f then
@@ -66,6 +67,12 @@ if f then
     call('HDEL', K.M, 'f')
     queued = f
   end
+end
+if queued ~= '' and A[2] == 'stuck' then
+  -- The holder cannot run: its follow-up takes the key (and its mode).
+  call('SET', K.L, queued, 'KEEPTTL')
+  call('HSET', K.M, 'id', queued, 'n', 0)
+  return {1, holder, queued}
 end
 call('DEL', K.L)
 if m[3] and queued == '' then

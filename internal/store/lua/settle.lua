@@ -1,10 +1,11 @@
 -- settle: an attempt whose mode acts at its end ended: hold the key for the
 -- retry, hand it to the follow-up it owes, cool it down, hold it after a
--- final failure, or release it where asynq will not. Written before the
+-- final failure (as long as the holder's hold says), or release it where
+-- asynq will not. Written before the
 -- handler's result reaches asynq, so no shutdown or deadline can lose it.
 --
 -- KEYS, by the role letters of ARGV[1]:
---   L  the lock; M  the key's mode record                      always
+--   L  the lock; M  the key's mode record; T  the task's asynq record   always
 --   G  asynq record of the follow-up ARGV[7]; S, P, R  asynq's
 --      scheduled set, pending list, retry set                  when the mode record names one
 -- ARGV[1]  the roles of KEYS
@@ -17,6 +18,7 @@
 -- ARGV[6]  '1': release the lock after 'ok' and 'revoke' (the task's record
 --          does not name it, so asynq's scripts will not)
 -- ARGV[7]  the follow-up G belongs to ('' none)
+-- ARGV[8]  'retry': seconds until asynq runs the task again
 --
 -- Reply: {1, what[, followup]}  what: '' (asynq releases it, or a failure that
 --                               heals at the key's next enqueue), 'released',
@@ -32,9 +34,12 @@ local holder, kind = holder_of(call('GET', K.L))
 if holder ~= id then
   return {0}
 end
-local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw')
+local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o')
 local mine = m[1] == id
 local f = mine and m[2]
+if mine and m[6] then
+  call('HDEL', K.M, 'o') -- (the handler asynq gave up has ended)
+end
 local now, now_ms = now_parts()
 if f and f ~= A[7] then K.G = nil end
 if f and lacks(out == 'retry' and 'S' or 'GSPR') then
@@ -45,9 +50,11 @@ if out == 'retry' then
     lengthen(K.L, A[4])
     if mine then lengthen(K.M, A[4]) end
   end
-  if f then -- parked until the retry has run: the follow-up comes after it
-    local ms = tonumber(A[4])
-    call('ZADD', K.S, 'XX', now + (ms - ms % 1000) / 1000 + 1, f)
+  if f then
+    -- Parked until the retry is due: should the task not run again (an
+    -- operator deleted it), the follow-up runs then; if it does, the
+    -- follow-up waits for the key, which its end hands over.
+    call('ZADD', K.S, 'XX', now + tonumber(A[8]) + 1, f)
   end
   return {1, 'held'}
 end
@@ -79,15 +86,23 @@ if out == 'fail' and mine and m[4] then
   if w_end and (ms < 0 or now_ms + ms > w_end) then
     ms = math.max(w_end - now_ms, 1)
   end
+  -- (The value stays: an archived holder whose mode record holds its
+  -- error holds the key, deleted or not; asynq releases it if it runs the
+  -- task again and it succeeds. Its record names the lock no more, so that
+  -- asynq's DeleteTask leaves it.)
   call('HSET', K.M, 'e', string.sub(A[5], 1, 1000))
+  call('HDEL', K.T, 'unique_key')
   if ms < 0 then
-    call('SET', K.L, '~f:' .. id)
+    call('PERSIST', K.L)
     call('PERSIST', K.M)
   else
-    call('SET', K.L, '~f:' .. id, 'PX', ms)
+    call('PEXPIRE', K.L, ms)
     call('PEXPIRE', K.M, ms)
   end
   return {1, 'failed'}
+end
+if out ~= 'fail' and mine then
+  call('DEL', K.M) -- (the key's mode ends with its task)
 end
 if A[6] == '1' and out ~= 'fail' then
   call('DEL', K.L)

@@ -38,8 +38,7 @@
 --                             taken; or an earlier try of this call ran)
 --        {8, waiting, queued} ARGV[12] keys wait already; queued: the tasks in
 --                             P and S (fewer: some entries are stale)
---        {14, holder, ms, k}  held after its task ended: cooling (k 'c') or
---                             failed (k 'f') for ms more (-1: until released)
+--        {14, holder, ms, 'c'} cooling after its task succeeded, for ms more
 --        {0, holder}          held by a live task (or a firing's, 'x')
 --        {11, holder}         held, or a follow-up is owed: run acquire
 roles(0)
@@ -86,7 +85,7 @@ if not v then
   return {1}
 end
 local holder, kind = holder_of(v)
-if kind == 'c' or kind == 'f' then
+if kind == 'c' then
   return {14, holder, call('PTTL', K.L), kind}
 end
 if holder == A[2] and A[11] ~= '1' then
