@@ -251,7 +251,12 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 		MaxPending: r.maxPending, Caller: k.callerID != ""}
 	switch {
 	case r.firing > 0: // a Scheduler firing: held until it expires, whatever its task does
-		a.Value, a.TTL, a.MaxPending = store.FiringValue(k.ref.ID), r.firing, 0
+		a.Value, a.TTL = store.FiringValue(k.ref.ID), r.firing
+		if r.maxPending > 0 { // (counted while it waits: it leaves the waiting set as it starts)
+			k.terms = terms{flags: store.Flags([]byte{store.FlagStart}), mode: []any{store.FieldHolder, k.ref.ID,
+				store.FieldType, k.typ, store.FieldKeyForm, keyForm(r), store.FieldBounded, k.typ}}
+			a.Mode = k.terms.mode
+		}
 		return a
 	case direct:
 		a.Value, a.Unique = store.Value(k.ref.ID), true
@@ -286,7 +291,7 @@ func (k *call) markUnlocked() error {
 // stores), and drops any of this package's headers it carried (a task a
 // handler enqueues again).
 func (k *call) markTask() error {
-	if k.terms.flags != "" || (k.callerID != "" && k.rule.firing == 0) {
+	if k.terms.flags != "" || k.callerID != "" {
 		k.addHeaders(map[string]string{store.HeaderLock: store.LockHeader(k.terms.flags, k.ref.Lock)})
 	}
 	return k.applyHeaders()

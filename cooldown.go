@@ -45,7 +45,7 @@ func Cooldown(d time.Duration) asynq.Option {
 // take, whatever its task does (the key only has to outlive its window),
 // and its middleware makes no Redis call.
 func firingHold(hold time.Duration) asynq.Option {
-	return option{desc: "dedup.firingHold()", apply: func(r *resolved) error {
+	return option{desc: fmt.Sprintf("dedup.firingHold(%v)", hold), apply: func(r *resolved) error {
 		r.firing = lifetime(hold)
 		return nil
 	}}

@@ -37,6 +37,7 @@ type Dedup struct {
 	hb              *heartbeater
 	stats           metrics
 	warnedElsewhere atomic.Bool // the middleware met a task stored in another Redis (logged once)
+	here            sync.Map    // queues whose tasks the middleware found stored in the Dedup's Redis
 
 	// queues remembers, per task type, the queue its tasks landed in when the
 	// call named none (a queue set in asynq.NewTask is invisible before the

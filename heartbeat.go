@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/redis/go-redis/v9"
 )
 
 // DefaultHeartbeat is how often the heartbeat looks at the running
@@ -28,6 +29,7 @@ type heartbeater struct {
 
 	mu      sync.Mutex
 	entries map[*lease]*beat
+	watches map[string]watch // by lock key
 	started bool
 	quit    chan struct{}
 	done    chan struct{}
@@ -40,7 +42,7 @@ type beat struct {
 }
 
 func newHeartbeater(d *Dedup, interval time.Duration) *heartbeater {
-	return &heartbeater{d: d, interval: interval, entries: map[*lease]*beat{}, quit: make(chan struct{}), done: make(chan struct{})}
+	return &heartbeater{d: d, interval: interval, entries: map[*lease]*beat{}, watches: map[string]watch{}, quit: make(chan struct{}), done: make(chan struct{})}
 }
 
 // run starts the loop once; later calls do nothing.
@@ -101,6 +103,7 @@ func (h *heartbeater) loop() {
 			return
 		case now := <-t.C:
 			h.beat(now)
+			h.checkWatches(now)
 		}
 	}
 }
@@ -175,4 +178,63 @@ func (h *heartbeater) lost(l *lease) {
 	if d.cfg.CancelOnLockLoss {
 		l.cancel(ErrLockLost)
 	}
+}
+
+// A watch is a key held for its task's retry that owes a follow-up
+// (RunningDefer): should an operator delete or archive the waiting task,
+// the follow-up, which carries the newest payload, is queued at the next
+// heartbeat rather than when its parking time ends. A watch lives in this
+// process only, until the retry is due.
+type watch struct {
+	ref    store.Ref // the task waiting for its retry, and its lock
+	follow string
+	until  time.Time
+}
+
+// watchRetryMargin is how long past a retry's due time its watch is kept.
+const watchRetryMargin = 5 * time.Second
+
+// watch watches the key of ref, held for ref's retry, which owes follow.
+func (h *heartbeater) watch(ref store.Ref, follow string, due time.Duration) {
+	h.mu.Lock()
+	h.watches[ref.Lock] = watch{ref: ref, follow: follow, until: time.Now().Add(due + watchRetryMargin)}
+	h.mu.Unlock()
+}
+
+// checkWatches queues the follow-ups of watched keys whose task cannot run
+// any more (lockview's doctor --fix semantics: store.ReleaseStuck), and
+// drops the watches that are done.
+func (h *heartbeater) checkWatches(now time.Time) {
+	h.mu.Lock()
+	ws := make([]watch, 0, len(h.watches))
+	for _, w := range h.watches {
+		ws = append(ws, w)
+	}
+	h.mu.Unlock()
+	for _, w := range ws {
+		if !h.checkWatch(w, now) {
+			h.mu.Lock()
+			delete(h.watches, w.ref.Lock)
+			h.mu.Unlock()
+		}
+	}
+}
+
+// checkWatch checks one watch and reports whether to keep it.
+func (h *heartbeater) checkWatch(w watch, now time.Time) bool {
+	d := h.d
+	// (No grace: the task was stored, it ran.)
+	rel := &store.Release{Lock: w.ref.Lock, Queue: w.ref.Queue, Type: w.ref.Type, How: store.ReleaseStuck, Holder: w.ref.ID}
+	v, err := d.store.Do(context.Background(), w.ref.Lock, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return store.ReleaseKey(c, rdb, rel)
+	})
+	res, _ := v.(store.ReleaseResult)
+	switch {
+	case err != nil:
+		return now.Before(w.until) // tried again at the next beat
+	case res.Released:
+		d.log.Info("dedup: a task waiting for its retry is gone: the follow-up it owed is queued", slog.String("task_id", w.ref.ID), slog.String("follow_up", res.Queued))
+		return false
+	}
+	return res.Kept != "" && store.Waiting(res.Kept) && now.Before(w.until)
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // errPanicked stands for a handler that panicked while its lock's fate is
@@ -73,6 +74,10 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return next.ProcessTask(ctx, t)
 	}
 	l.rec = rec
+	if !d.storedHere(ctx, queue, id) {
+		rec.set(AttemptRefused)
+		return d.elsewhere(t, id)
+	}
 	rule := d.ruleFor(t.Type())
 	if l.mustStart() {
 		if done, err := d.start(ctx, t, next, &rule, l); done {
@@ -124,6 +129,28 @@ func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, ru
 		return true, d.busy(ctx, t, rule, l, &st)
 	}
 	return false, nil
+}
+
+// storedHere reports whether asynq stores queue's tasks in the Dedup's
+// Redis, where their locks are: checked once per queue, with the first
+// locked task the middleware runs from it (whose record exists while it
+// runs). A Redis error answers yes: the check waits for the next task.
+func (d *Dedup) storedHere(ctx context.Context, queue, id string) bool {
+	if _, ok := d.here.Load(queue); ok {
+		return true
+	}
+	key := store.TaskKey(queue, id)
+	v, err := d.store.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return rdb.Exists(c, key).Result()
+	})
+	switch n, _ := v.(int64); {
+	case err != nil:
+		return true
+	case n == 1:
+		d.here.Store(queue, true)
+		return true
+	}
+	return false
 }
 
 // findLock learns the lock key of a plain task (its record's unique key),
@@ -214,7 +241,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	}
 	s.Ref = l.ref
 	res, serr := d.store.Settle(context.WithoutCancel(ctx), s)
-	d.report(typ, l, res, serr, live)
+	d.report(typ, l, res, serr, live, s.Due)
 	l.rec.settled(res, serr)
 }
 
@@ -229,12 +256,18 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	maxRetry, _ := asynq.GetMaxRetry(ctx)
 	if cerr := ctx.Err(); cerr != nil {
 		err = cerr
-		if n >= maxRetry {
-			return &store.Settle{End: store.EndFail, Err: failureText(err)}
+		if n >= maxRetry && errors.Is(cerr, context.DeadlineExceeded) {
+			return &store.Settle{End: store.EndFail, Err: failureText(err)} // archived by asynq's rule
 		}
 	}
 	s := &store.Settle{End: store.EndSuccess, TTL: d.ttlOf(r), Release: l.flags.Has(store.FlagRelease)}
 	switch {
+	case errors.Is(err, context.Canceled) && ctx.Err() != nil:
+		// Cancelled (a shutdown that requeues the task, CancelProcessing, a
+		// lost lease): asynq runs it again, or archives it without the
+		// task having failed; the key is held for it either way.
+		delay := d.cfg.RetryDelayFunc(n, err, t)
+		s.End, s.TTL, s.Due = store.EndRetry, addLifetimes(delay, d.ttlOf(r)), lifetime(delay)
 	case err == nil:
 	case errors.Is(err, asynq.RevokeTask) && ctx.Err() == nil:
 		s.End = store.EndRevoke
@@ -248,7 +281,7 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 }
 
 // report counts and logs how an attempt's key was settled.
-func (d *Dedup) report(typ string, l *lease, res store.SettleResult, err error, live bool) {
+func (d *Dedup) report(typ string, l *lease, res store.SettleResult, err error, live bool, due time.Duration) {
 	id := l.ref.ID
 	switch {
 	case err != nil:
@@ -265,6 +298,9 @@ func (d *Dedup) report(typ string, l *lease, res store.SettleResult, err error, 
 		d.count(typ, evFailureHeld)
 	case res.Held:
 		d.count(typ, evHeld)
+		if res.Follow != "" {
+			d.hb.watch(l.ref, res.Follow, due) // queued should the task not run again
+		}
 	default:
 		d.count(typ, evReleased)
 		if res.Follow != "" {

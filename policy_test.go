@@ -353,26 +353,6 @@ func TestDeferHotKeyBurst(t *testing.T) {
 	t.Logf("%d enqueues, %d processed, %d follow-ups created", n, processed.Load(), deferred)
 }
 
-func TestDeferFollowUpSurvivesDeadWorker(t *testing.T) {
-	needRealRedis(t) // miniredis never expires keys by itself: the dead run's lease would hold forever
-	h := newHarness(t, Config{heartbeat: (300 * time.Millisecond) / 3, Rules: map[string]Rule{"counter": {
-		Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer,
-	}}})
-	rc, res := deferBehindStuckRun(t, h)
-	if res2, err := h.client.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue)); err != nil || res2.Outcome != Replaced || res2.TaskID != res.TaskID {
-		t.Fatalf("second enqueue while running: %+v, %v (want replaced into the follow-up)", res2, err)
-	}
-	ti, err := h.insp.GetTaskInfo(h.queue, res.TaskID)
-	if err != nil || ti.State != asynq.TaskStateScheduled {
-		t.Fatalf("follow-up %+v, %v: want a parked (scheduled) task", ti, err)
-	}
-	h.d.hb.stop() // the worker dies: no more heartbeats, no settle
-	r := waitFor(t, rc.runs, "follow-up runs by itself")
-	if r.id != res.TaskID || decodeCounter(r.task).Seq != 2 {
-		t.Fatalf("ran %s seq %d, want the follow-up %s with seq 2", r.id, decodeCounter(r.task).Seq, res.TaskID)
-	}
-}
-
 func TestRunningAllow(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}, OnRunning: RunningAllow}}})
 	release := make(chan struct{})
@@ -478,29 +458,6 @@ func TestDeferFollowUpOwedAfterFailure(t *testing.T) {
 			eventually(t, "locks released", func() bool { return len(h.locks()) == 0 })
 		})
 	}
-}
-
-// deferBehindStuckRun starts a run of key "k" (seq 0) that never ends until
-// the test does, and enqueues seq 1 behind it: the returned Result is the
-// follow-up it created. Later runs are reported on rc.
-func deferBehindStuckRun(t *testing.T, h *harness) (*recorder, Result) {
-	t.Helper()
-	stuck := make(chan struct{})
-	rc := newRecorder(func(r run) error {
-		if decodeCounter(r.task).Seq == 0 {
-			<-stuck // the first run never ends: its worker is "dead"
-		}
-		return nil
-	})
-	h.serve(rc.handler(), nil)
-	t.Cleanup(func() { close(stuck) }) // before the server's shutdown, which waits for handlers
-	h.enqueue(counterTask("k", 1, 0))
-	waitFor(t, rc.runs, "first run")
-	res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
-	if err != nil || res.Outcome != Deferred {
-		t.Fatalf("%+v, %v", res, err)
-	}
-	return rc, res
 }
 
 // OnDecision hears every duplicate, fold and busy arrival, with the task

@@ -305,48 +305,6 @@ func TestPromiseAnswerTellsWhatIsStoredWhenRedisStalls(t *testing.T) {
 	}
 }
 
-// Replace with RunningDefer: the holder's worker dies, the follow-up (the
-// newest payload) runs, and asynq then runs the holder again (its
-// recoverer, or a retry): the holder's older payload must not run after
-// the newest.
-func TestPromiseNewestPayloadRunsLastAfterWorkerDeath(t *testing.T) {
-	needRealRedis(t) // lease expiry
-	h := newHarness(t, Config{heartbeat: (300 * time.Millisecond) / 3, Rules: counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}).Rules})
-	stuck := make(chan struct{})
-	rc := newRecorder(func(r run) error {
-		if decodeCounter(r.task).Seq == 0 && r.retry == 0 {
-			<-stuck // the first attempt's worker is "dead"
-			return errors.New("the attempt asynq recovers")
-		}
-		return nil
-	})
-	h.serve(rc.handler(), nil)
-	holder := h.enqueue(counterTask("k", 1, 0))
-	waitFor(t, rc.runs, "holder runs")
-	res, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue))
-	if err != nil || res.Outcome != Deferred {
-		t.Fatalf("%+v, %v, want a follow-up", res, err)
-	}
-	h.d.hb.stop() // the worker dies: its lock lapses, the follow-up comes due by itself
-	r := waitFor(t, rc.runs, "the follow-up")
-	if r.id != res.TaskID || decodeCounter(r.task).Seq != 1 {
-		t.Fatalf("ran %s seq %d, want the follow-up %s", r.id, decodeCounter(r.task).Seq, res.TaskID)
-	}
-	close(stuck) // asynq now runs the holder again, after the newest payload
-	eventually(t, "the holder is done", func() bool {
-		st := h.taskState(holder.ID)
-		return st == 0 || st == asynq.TaskStateCompleted
-	})
-	select {
-	case r := <-rc.runs:
-		t.Fatalf("ran %s seq %d after the newest payload", r.id, decodeCounter(r.task).Seq)
-	default:
-	}
-	if s := h.d.Stats(); s.Superseded != 1 {
-		t.Fatalf("Superseded = %d, want 1", s.Superseded)
-	}
-}
-
 // WrapClient over an asynq client on another Redis: the lock's owner checks
 // would find no task there and heal live locks after HealGrace. The first
 // accepted enqueue finds out and every later deduplicated call is refused,

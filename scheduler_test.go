@@ -458,14 +458,14 @@ func TestSchedulerHoldsAFiringsKeyPastItsSuccess(t *testing.T) {
 	for _, o := range opts.Load().([]asynq.Option) {
 		descs = append(descs, o.String())
 	}
-	if !slices.Contains(descs, "dedup.OnFailure(FailHold, 4s)") {
-		t.Fatalf("firing options %v hold nothing after a failure", descs)
-	}
-	if !slices.Contains(descs, "dedup.Cooldown(4s)") { // next firing 1 s later, + MaxSkew
-		t.Errorf("the firing's options %v hold the key otherwise than for 4s", descs)
+	if !slices.Contains(descs, "dedup.firingHold(4s)") { // next firing 1 s later, + MaxSkew
+		t.Fatalf("firing options %v do not hold the key for 4s", descs)
 	}
 	key := h.keyOf(asynq.NewTask(schedType, nil), h.queue, Key(fmt.Sprintf("%s@%d", id, at.Unix())))
-	eventually(t, "the succeeded firing's key cools down", func() bool { return h.rdb.HGet(context.Background(), key, "k").Val() == "1" })
+	eventually(t, "the succeeded firing's task is done", func() bool { st := h.taskState(task.ResultWriter().TaskID()); return st == 0 || st == asynq.TaskStateCompleted })
+	if v := h.rdb.Get(context.Background(), key).Val(); !strings.HasPrefix(v, "~x:") {
+		t.Fatalf("the succeeded firing's key: %q, want held until its window ends", v)
+	}
 	left := h.rdb.PTTL(context.Background(), key).Val()
 	if left <= 0 || left > 4*time.Second {
 		t.Errorf("the key of firing %s is held %v more, want up to 4s", at.Format(time.TimeOnly), left)

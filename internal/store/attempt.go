@@ -109,7 +109,7 @@ type SettleResult struct {
 	Held     bool   // held for the retry
 	Cooling  bool   // cooling down (Cooldown, Period)
 	Failed   bool   // held after the final failure (OnFailure)
-	Follow   string // the follow-up the key went to, now queued; "" none
+	Follow   string // the follow-up the key went to, now queued; Held: the follow-up the key owes; "" none
 }
 
 // Settle runs the settle script, calling it again with the keys it asks

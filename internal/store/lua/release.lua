@@ -15,13 +15,16 @@
 -- ARGV[3]  the holder (the value, for 'unlock'); ARGV[4] the key's fingerprint
 -- ARGV[5]  the holder H belongs to; ARGV[6] the follow-up G belongs to
 -- ARGV[7]  heal grace, integer seconds ('stuck')
+-- With 'stuck', a key whose lock is gone with its holder ARGV[3] (asynq's
+-- DeleteTask) but whose mode record names a follow-up it owed still queues
+-- that follow-up.
 --
 -- A holder still waiting or running is marked (lib.lua's mark): should it
 -- run (again), it checks the key first. A follow-up the key owes that waits is queued now:
 -- its payload is the newest.
 --
 -- Reply: {1, holder, queued}  released; queued: the follow-up queued now, or ''
---        {0}                  no lock
+--        {0}                  no lock (and, with 'stuck', no follow-up owed)
 --        {2, holder}          held by another task (or value)
 --        {3, why}             'stuck': kept (why: the holder's state, or the kind of hold)
 --        {11, lacking, holder, f}  nothing done: call again with these keys
@@ -29,11 +32,14 @@
 roles(0)
 local A = ARGV
 local v = call('GET', K.L)
-if not v then
-  return {0}
-end
 local holder, kind, at = holder_of(v)
 local m = call('HMGET', K.M, 'id', 'f', 'b', 'e')
+if not v then
+  -- No lock: asynq deleted it with its holder. With 'stuck' a follow-up the
+  -- holder owed, which still waits, is queued now (the key is free for it).
+  if A[2] ~= 'stuck' or m[1] ~= A[3] or not m[2] then return {0} end
+  holder = A[3]
+end
 if A[2] == 'unlock' then
   if v ~= A[3] then return {2, holder} end
   call('DEL', K.L)
@@ -68,7 +74,7 @@ if f then
     queued = f
   end
 end
-if queued ~= '' and A[2] == 'stuck' then
+if queued ~= '' and A[2] == 'stuck' and v then
   -- The holder cannot run: its follow-up takes the key (and its mode).
   call('SET', K.L, queued, 'KEEPTTL')
   call('HSET', K.M, 'id', queued, 'n', 0)

@@ -22,8 +22,9 @@
 --
 -- Reply: {1, what[, followup]}  what: '' (asynq releases it, or a failure that
 --                               heals at the key's next enqueue), 'released',
---                               'held' (for the retry), 'cooling', 'failed',
---                               'follow' (now the follow-up's, which is queued)
+--                               'held' (for the retry; with the follow-up it
+--                               owes), 'cooling', 'failed', 'follow' (now the
+--                               follow-up's, which is queued)
 --        {0}                    the key is not the task's any more
 --        {11, lacking, '', f}   nothing done: call again with these keys
 -- @lib: lib.lua is spliced in here.
@@ -56,7 +57,7 @@ if out == 'retry' then
     -- follow-up waits for the key, which its end hands over.
     call('ZADD', K.S, 'XX', now + tonumber(A[8]) + 1, f)
   end
-  return {1, 'held'}
+  return {1, 'held', f or ''}
 end
 if f then
   local fst = call('HGET', K.G, 'state')

@@ -51,6 +51,7 @@ elseif holder then
   if holder ~= A[6] then K.H = nil end
   if lacks('H') then return {11, lacking, holder} end
   local st = call('HGET', K.H, 'state')
+  if st and not belongs(K.H, holder, K.L) then st = 'completed' end -- (another key's task now: gone)
   local now = now_parts()
   if (st and not gone(st)) or (not st and kind == 'w' and now - at < tonumber(A[7])) or (m[1] == holder and m[5]) then
     return {0, holder, (st == 'active' or m[5]) and '1' or ''}

@@ -91,7 +91,13 @@ end
 if holder == A[2] and A[11] ~= '1' then
   return {2}
 end
-if kind == 'x' or (holder == A[9] and A[10] == '1') then
+if kind == 'x' then
+  return {0, holder}
+end
+if not string.match(holder, '^d[dfka]%-') then
+  return {11, holder} -- a caller's ID, which a task of another key may have now: acquire checks
+end
+if holder == A[9] and A[10] == '1' then
   return {0, holder}
 end
 if holder == A[9] and K.H then
