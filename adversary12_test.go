@@ -12,6 +12,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -232,7 +233,7 @@ func TestAdversary12PeriodFailedHoldEndsWithItsWindow(t *testing.T) {
 	}
 	eventually(t, "held after the failure, until its window ends", func() bool {
 		for _, k := range h.locks() {
-			if h.rdb.HGet(context.Background(), k, "k").Val() == "f" {
+			if h.lockState(k) == store.LockFailed {
 				ttl := h.rdb.PTTL(context.Background(), k).Val()
 				return ttl > 0 && ttl <= period
 			}

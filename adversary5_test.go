@@ -251,8 +251,8 @@ func TestAdversary5WrapClientRetriedEnqueueEndingInRefusalKeepsLock(t *testing.T
 	ctx := context.Background()
 	prefix := "a5w-" + uniq(t)
 	q := "a5w-" + uniq(t)
-	proxy := newLossProxy(t, redistest.Addr(), func(b []byte) bool { // asynq's enqueue script, not the library's
-		return bytes.Contains(bytes.ToLower(b), []byte("eval")) && bytes.Contains(b, []byte("asynq:{"+q+"}:t:")) && !bytes.Contains(b, []byte(prefix))
+	proxy := newLossProxy(t, redistest.Addr(), func(b []byte) bool { // asynq's enqueue script (WrapClient's lock script names no pending list)
+		return bytes.Contains(bytes.ToLower(b), []byte("eval")) && bytes.Contains(b, []byte("asynq:{"+q+"}:pending"))
 	})
 	rdb := redis.NewClient(&redis.Options{Addr: proxy.addr(), Protocol: 2, DisableIdentity: true})
 	t.Cleanup(func() { _ = rdb.Close() })
@@ -287,7 +287,7 @@ func TestAdversary5WrapClientRetriedEnqueueEndingInRefusalKeepsLock(t *testing.T
 		t.Skipf("asynq's script did not store the task (err %v): no case", err)
 	}
 	proxy.loading.Store(0) // the node serves again
-	locks, _ := newRDB(t).Keys(ctx, prefix+":*:l:*").Result()
+	locks, _ := newRDB(t).Keys(ctx, store.NewKeys(prefix).LockPattern("")).Result()
 	t.Logf("after the first enqueue: %d stored, locks %v (one is the warm-up task's)", n, locks)
 	if len(locks) < 2 {
 		t.Errorf("the stored task's lock was given back: its key is unguarded while the task waits")

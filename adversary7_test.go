@@ -572,7 +572,7 @@ func TestAdversary7FollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *tes
 	select {
 	case r := <-tr.starts:
 		t.Fatalf("%s (seq %d) started while the holder %s ran (beside: %v)", r.id, r.seq, first.ID, r.overlaps)
-	case <-time.After(2 * 3*cfg.heartbeat): // time under test: the copy's due time passing
+	case <-time.After(2 * 3 * cfg.heartbeat): // time under test: the copy's due time passing
 	}
 	tr.open(0)
 	r := a7WaitSeq(tr, 1, 8*time.Second)
@@ -672,47 +672,6 @@ func TestAdversary7WatchedCallerIDHolderDeletedQueuesTheFollowUp(t *testing.T) {
 	}
 }
 
-// ---- 12. waiting.go / prune.lua: a follow-up whose run died ----
-
-// README (Bounded pending keys): "A RunningDefer follow-up counts from when
-// it is made until it starts"; "when the bound is hit, the entries whose
-// task cannot run are dropped"; (RunningDefer) "If the worker dies, the
-// heartbeat stops, the follow-up comes due by itself within two leases and
-// runs". After the run's lock lapsed (its server lost Redis: "the lock
-// expires within one lease"), the follow-up still waits and will run: it
-// must keep its MaxPending slot, so no second key is admitted beside it.
-func TestAdversary7FollowUpOfADeadRunKeepsItsMaxPendingSlot(t *testing.T) {
-	rules := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 1}).Rules
-	h := newHarness(t, Config{Rules: rules})
-	proxy, sd := proxiedLockStore(t, h, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: rules})
-	tr := newA7Tracker(0)
-	a7Serve(t, h.rdb, sd, h.queue, tr.handler(), nil)
-	t.Cleanup(tr.openAll)
-	ctx := context.Background()
-	h.enqueue(counterTask("a", 1, 0))
-	waitFor(t, tr.starts, "a runs")
-	res, err := h.client.Submit(ctx, counterTask("a", 1, 1), asynq.Queue(h.queue))
-	if err != nil || res.Outcome != Deferred {
-		t.Fatalf("update while running: %+v %v, want Deferred", res, err)
-	}
-	if err := h.insp.PauseQueue(h.queue); err != nil { // the follow-up waits until the test looks
-		t.Fatal(err)
-	}
-	proxy.close() // the running server's heartbeats fail: its lock lapses
-	key := h.keyOf(counterTask("a", 1, 0), h.queue)
-	eventually(t, "the dead run's lock lapses", func() bool { return h.rdb.Exists(ctx, key).Val() == 0 })
-	if st := h.taskState(res.TaskID); st != asynq.TaskStateScheduled && st != asynq.TaskStatePending {
-		t.Fatalf("follow-up %s is %v, want it waiting", res.TaskID, st)
-	}
-	wait := store.NewKeys(h.prefix).Wait(h.queue, "counter")
-	t.Logf("before the new key: waiting set %v, follow-up pointer %q", h.rdb.ZRangeWithScores(ctx, wait, 0, -1).Val(),
-		h.rdb.HGet(ctx, modeKeyOf(key), store.FieldFollow).Val())
-	b, err := h.client.Submit(ctx, counterTask("b", 1, 2), asynq.Queue(h.queue))
-	if !errors.Is(err, ErrTooManyPending) {
-		t.Fatalf("a new key while the follow-up %s (%s) waits under MaxPending 1: %+v %v, want ErrTooManyPending", res.TaskID, a6State(h, res.TaskID), b, err)
-	}
-}
-
 // ---- 13. acquire / exec: a definitive refusal on the direct path ----
 
 // README (Failure modes): "Redis refuses the call before running it, for a
@@ -788,47 +747,46 @@ func TestAdversary7SkippedCallerIDOnAServerOfAnotherPrefixRunsUnguarded(t *testi
 
 // ---- 15. acquire.lua / call.go: the package's own ID forms ----
 
-// README (lifecycle): "IDs of the library's own forms (dd-<fingerprint>-…,
-// da-…, dx-…) are refused with ErrInvalidOption, but for dd-<fingerprint>-…
-// of the call's own key"; Caveats: "Input asynq's client would refuse …
-// gets ErrInvalidOption before any lock is taken". Whether given to the
-// call or to asynq.NewTask, on both paths; with Skip() the dx- form is the
-// opted-out form and passes.
+// IDs of the library's own forms (dd-, dx-, df-, dk- and 20 hex digits;
+// da-<fingerprint>-…; a leading '~') are what the middleware reads a task's
+// lock from, so a caller may not choose one: ErrInvalidOption before any
+// lock is taken or task stored, whether given to the call or to
+// asynq.NewTask, on both paths, with Skip() too. Any other ID is the
+// caller's, even one that resembles an old form.
 func TestAdversary7OwnIDFormsAreRefusedBeforeAnyLock(t *testing.T) {
 	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		task := counterTask("k", 1, 0)
 		fp := fpOfKey(h.keyOf(task, h.queue))
-		otherFP := fpOfKey(h.keyOf(counterTask("zz", 1, 0), h.queue))
 		rnd := "0123456789abcdef0123"
-		for _, id := range []string{"dd-" + otherFP + "-" + rnd, "da-" + fp + "-" + rnd, "dx-" + rnd} {
+		for _, id := range []string{"dd-" + rnd, "dx-" + rnd, "df-" + rnd, "dk-" + rnd, "da-" + fp + "-" + rnd, "~w1:x"} {
 			for _, viaNewTask := range []bool{false, true} {
-				tk, opts := task, []asynq.Option{asynq.Queue(h.queue)}
-				if viaNewTask {
-					tk = asynq.NewTask(task.Type(), task.Payload(), asynq.TaskID(id))
-				} else {
-					opts = append(opts, asynq.TaskID(id))
-				}
-				if _, err := h.client.Submit(ctx, tk, opts...); !errors.Is(err, ErrInvalidOption) {
-					t.Errorf("caller ID %q (NewTask %v): %v, want ErrInvalidOption", id, viaNewTask, err)
-				}
-				if ls := h.locks(); len(ls) != 0 {
-					t.Fatalf("caller ID %q (NewTask %v): locks taken: %v", id, viaNewTask, ls)
+				for _, skip := range []bool{false, true} {
+					tk, opts := task, []asynq.Option{asynq.Queue(h.queue)}
+					if viaNewTask {
+						tk = asynq.NewTask(task.Type(), task.Payload(), asynq.TaskID(id))
+					} else {
+						opts = append(opts, asynq.TaskID(id))
+					}
+					if skip {
+						opts = append(opts, Skip())
+					}
+					if _, err := h.client.Submit(ctx, tk, opts...); !errors.Is(err, ErrInvalidOption) {
+						t.Errorf("caller ID %q (NewTask %v, Skip %v): %v, want ErrInvalidOption", id, viaNewTask, skip, err)
+					}
+					if ls := h.locks(); len(ls) != 0 {
+						t.Fatalf("caller ID %q (NewTask %v, Skip %v): locks taken: %v", id, viaNewTask, skip, ls)
+					}
 				}
 			}
 		}
-		for _, id := range []string{"dd-" + otherFP + "-" + rnd, "da-" + fp + "-" + rnd} {
-			if _, err := h.client.Submit(ctx, task, asynq.Queue(h.queue), asynq.TaskID(id), Skip()); !errors.Is(err, ErrInvalidOption) {
-				t.Errorf("caller ID %q with Skip(): %v, want ErrInvalidOption", id, err)
-			}
-		}
-		if _, err := h.client.Submit(ctx, task, asynq.Queue(h.queue), asynq.TaskID("dx-"+rnd), Skip()); err != nil {
-			t.Errorf("the opted-out form with Skip(): %v", err)
+		if n := h.queueSize(h.queue); n != 0 {
+			t.Fatalf("%d tasks stored for refused calls", n)
 		}
 		own := "dd-" + fp + "-" + rnd
 		res, err := h.client.Submit(ctx, task, asynq.Queue(h.queue), asynq.TaskID(own))
 		if err != nil || res.TaskID != own {
-			t.Fatalf("an ID of the call's own key: %+v %v, want it honoured", res, err)
+			t.Fatalf("an ID of no form of the library's: %+v %v, want it honoured", res, err)
 		}
 		if dup := h.duplicateOf(counterTask("k", 1, 1)); dup.TaskID != own {
 			t.Fatalf("the key is held by %s, want %s", dup.TaskID, own)

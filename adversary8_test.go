@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -185,9 +186,10 @@ func TestAdversary8FastPathHeldWhileRunningAndAcrossRetry(t *testing.T) {
 	}
 }
 
-// 2. README (lock lifecycle): release on SkipRetry and on exhausted
-// retries; a per-call Cooldown keeps the key after success — all on the
-// fast path (NewClient, a lock holding nothing else, or a cd field).
+// 2. README (lock lifecycle): a key is free again after SkipRetry and
+// exhausted retries (healed at its next enqueue) and after a revoke; a
+// per-call Cooldown keeps the key after success — all on the fast path
+// (NewClient, a lock holding nothing else, or a cd field).
 func TestAdversary8FastPathEndings(t *testing.T) {
 	cases := []struct {
 		name    string
@@ -217,7 +219,12 @@ func TestAdversary8FastPathEndings(t *testing.T) {
 				}
 				return
 			}
-			eventually(t, "the lock is released", func() bool { return a8State(t, h, counterTask("k", 1, 1)) == "" })
+			// asynq's archive keeps the key named in the task's record: it
+			// is orphaned, and the key's next enqueue heals it.
+			eventually(t, "the lock is released or orphaned", func() bool {
+				s := a8State(t, h, counterTask("k", 1, 1))
+				return s == "" || c.result != asynq.RevokeTask && s == store.LockOrphaned+":"+a.ID
+			})
 			if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue)); err != nil {
 				t.Fatalf("enqueue after the end: %v", err)
 			}
@@ -397,49 +404,6 @@ func TestAdversary8AllowRetryOnLastAttemptBehindRunningHolderIsNotDropped(t *tes
 			}
 			if o := tr.overlapsSeen(); len(o) > 0 {
 				t.Fatalf("overlaps: %v", o)
-			}
-		})
-	}
-}
-
-// 8. README (Cooldown): "a task locked at enqueue that meets one (its own
-// lock lapsed while it waited, or a RunningAllow retry) is busy as under a
-// held key, retried until the cooldown ends, never dropped". Here on its
-// last attempt (MaxRetry 0): its copy must not be dropped at the cooling
-// key either.
-func TestAdversary8LockedTaskAtCoolingKeyOnLastAttemptIsNotDropped(t *testing.T) {
-	for _, c := range []struct {
-		direct   bool
-		maxRetry int
-	}{{false, 0}, {true, 0}, {true, 5}} {
-		direct := c.direct
-		t.Run(fmt.Sprintf("direct=%v,MaxRetry=%d", c.direct, c.maxRetry), func(t *testing.T) {
-			var mu sync.Mutex
-			var heard []Decision
-			cfg := counterRules(Rule{Cooldown: 3 * time.Second})
-			cfg.heartbeat = (time.Second) / 3
-			cfg.OnDecision = func(d Decision) { mu.Lock(); heard = append(heard, d); mu.Unlock() }
-			h := newHarness(t, cfg)
-			if direct {
-				h.client = h.d.NewClient()
-			}
-			tr := newA8Tracker(nil)
-			// A waits with a lock that lapses (per-call TTL) before any worker.
-			a := h.enqueue(counterTask("k", 1, 1), asynq.MaxRetry(c.maxRetry), TTL(200*time.Millisecond))
-			eventually(t, "A's lock lapses", func() bool { return a8State(t, h, counterTask("k", 1, 1)) == "" })
-			b := h.enqueue(counterTask("k", 1, 2))
-			h.serve(tr.handler(), func(c *asynq.Config) { c.Concurrency = 1 })
-			if r := a8Until(tr.starts, 2, 10*time.Second); r == nil || r.id != b.ID {
-				t.Fatalf("B never ran: %+v", r)
-			}
-			eventually(t, "the key cools after B", func() bool { return a8State(t, h, counterTask("k", 1, 1)) == "cooling:"+b.ID })
-			// A (locked at enqueue, last attempt) must run once the cooldown ends.
-			if r := a8Until(tr.starts, 1, 8*time.Second); r == nil {
-				s := h.d.Stats()
-				mu.Lock()
-				defer mu.Unlock()
-				t.Fatalf("A %s (seq 1, locked at enqueue, MaxRetry %d) never ran after the cooldown ended: busy %d; decisions %+v; want it retried until the cooldown ends, never dropped",
-					a.ID, c.maxRetry, s.Busy, heard)
 			}
 		})
 	}

@@ -320,4 +320,3 @@ func enqueueError(typ string, err error) error {
 	}
 	return fmt.Errorf("%w: enqueue %q: %w", ErrUnavailable, typ, err)
 }
-

@@ -231,7 +231,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	var keys []string
 	var mu sync.Mutex
 	_ = c.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
-		ks, _ := m.Keys(ctx, d.cfg.Prefix+":*:l:*").Result()
+		ks, _ := m.Keys(ctx, store.NewKeys(d.cfg.Prefix).LockPattern("")).Result()
 		mu.Lock()
 		keys = append(keys, ks...)
 		mu.Unlock()

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -230,7 +231,7 @@ func TestClusterSlotMigrationLosesNothing(t *testing.T) {
 			out []string
 		)
 		_ = c.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
-			keys, _ := m.Keys(ctx, d.cfg.Prefix+":*:l:*").Result()
+			keys, _ := m.Keys(ctx, store.NewKeys(d.cfg.Prefix).LockPattern("")).Result()
 			mu.Lock()
 			out = append(out, keys...)
 			mu.Unlock()

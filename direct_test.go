@@ -3,11 +3,15 @@ package dedup
 import (
 	"context"
 	"fmt"
+	"maps"
 	"reflect"
+	"slices"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"google.golang.org/protobuf/encoding/protowire"
 )
@@ -90,6 +94,20 @@ func TestDirectEnqueueMatchesAsynq(t *testing.T) {
 			tf, of := decodeFields(t, []byte(th["msg"])), decodeFields(t, []byte(oh["msg"]))
 			delete(tf, 3) // the IDs differ by design
 			delete(of, 3)
+			// By design too: the lock is the task's unique key (as
+			// asynq.Unique's), and a caller-chosen ID carries the lock's
+			// name in a header (the middleware cannot read it from the ID).
+			lock := h.keyOf(task, h.queue)
+			var u []byte
+			if len(of[10]) == 1 {
+				u, _ = protowire.ConsumeBytes([]byte(of[10][0]))
+			}
+			if string(u) != lock || oh["unique_key"] != lock {
+				t.Fatalf("unique key %q, record %q; want the lock %q", u, oh["unique_key"], lock)
+			}
+			delete(of, 10)
+			delete(oh, "unique_key")
+			of[15] = slices.DeleteFunc(of[15], func(e string) bool { return strings.Contains(e, "\n\x05dedup\x12") })
 			if !reflect.DeepEqual(tf, of) {
 				t.Fatalf("message fields differ:\nasynq %v\nours  %v", tf, of)
 			}
@@ -102,12 +120,15 @@ func TestDirectEnqueueMatchesAsynq(t *testing.T) {
 			}
 			want, _ := h.insp.GetTaskInfo(h.queue, theirs.ID)
 			ti.ID, want.ID = "", ""
+			delete(ti.Headers, store.HeaderLock)
 			ti.NextProcessAt, want.NextProcessAt = time.Time{}, time.Time{}
 			if !reflect.DeepEqual(ti, want) {
 				t.Fatalf("Inspector sees\nasynq %+v\nours  %+v", want, ti)
 			}
 			o, th2 := *ours, *theirs
 			o.ID, th2.ID = "", ""
+			o.Headers = maps.Clone(o.Headers)
+			delete(o.Headers, store.HeaderLock)
 			o.NextProcessAt, th2.NextProcessAt = time.Time{}, time.Time{}
 			if !reflect.DeepEqual(o, th2) {
 				t.Fatalf("returned TaskInfo\nasynq %+v\nours  %+v", theirs, ours)

@@ -44,11 +44,11 @@ var lcPolicies = []lcPolicy{
 type lcClass int
 
 const (
-	lcAgain   lcClass = iota // asynq will run it again (a retry, or back in the queue)
-	lcWaiting                // it waits and never started (a paused queue)
-	lcOver                   // it ran and ended for good (completed, deleted or archived)
-	lcRemoved                // the Inspector deleted it while it waited
-	lcArchivedByHand         // the Inspector archived it while it waited (no failure)
+	lcAgain          lcClass = iota // asynq will run it again (a retry, or back in the queue)
+	lcWaiting                       // it waits and never started (a paused queue)
+	lcOver                          // it ran and ended for good (completed, deleted or archived)
+	lcRemoved                       // the Inspector deleted it while it waited
+	lcArchivedByHand                // the Inspector archived it while it waited (no failure)
 )
 
 // lcEnding is one row.

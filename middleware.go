@@ -228,7 +228,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	typ := t.Type()
 	d.count(typ, evProcessed)
 	s := d.settleOf(ctx, t, r, l, err)
-	if !l.calls(s.End) && !l.outlivedMark {
+	if !l.calls(s) && !l.outlivedMark {
 		// asynq's scripts release the key (success, revoke) or keep it for
 		// the key's next enqueue to heal (a final failure, archived).
 		d.count(typ, evReleased)
@@ -260,7 +260,7 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 			return &store.Settle{End: store.EndFail, Err: failureText(err)} // archived by asynq's rule
 		}
 	}
-	s := &store.Settle{End: store.EndSuccess, TTL: d.ttlOf(r), Release: l.flags.Has(store.FlagRelease)}
+	s := &store.Settle{End: store.EndSuccess, TTL: d.ttlOf(r), Release: l.flags.Has(store.FlagRelease) && !d.nearDeadline(ctx)}
 	switch {
 	case errors.Is(err, context.Canceled) && ctx.Err() != nil:
 		// Cancelled (a shutdown that requeues the task, CancelProcessing, a
@@ -278,6 +278,16 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 		s.End, s.TTL, s.Due = store.EndRetry, addLifetimes(delay, d.ttlOf(r)), lifetime(delay)
 	}
 	return s
+}
+
+// nearDeadline reports whether the attempt's deadline comes before a
+// settle call could finish: asynq may then take the attempt as given up and
+// retry it whatever the handler returned, so a release at its success is
+// left to the key's next enqueue, which frees the key once asynq's record
+// of the task says it is done.
+func (d *Dedup) nearDeadline(ctx context.Context) bool {
+	dl, ok := ctx.Deadline()
+	return ok && time.Until(dl) < d.cfg.LockTimeout
 }
 
 // report counts and logs how an attempt's key was settled.
@@ -442,13 +452,13 @@ func (l *lease) allows(r *resolved) bool {
 // calls reports whether an attempt that ended so settles its key with a
 // Redis call: only where the task's policy acts at that end, or for a
 // retry (the key is held for it).
-func (l *lease) calls(end string) bool {
+func (l *lease) calls(s *store.Settle) bool {
 	f := l.flags
-	switch end {
+	switch s.End {
 	case store.EndSuccess:
-		return f.Has(store.FlagCool) || f.Has(store.FlagDefer) || f.Has(store.FlagRelease)
+		return f.Has(store.FlagCool) || f.Has(store.FlagDefer) || s.Release
 	case store.EndRevoke:
-		return f.Has(store.FlagDefer) || f.Has(store.FlagRelease)
+		return f.Has(store.FlagDefer) || s.Release
 	case store.EndFail:
 		return f.Has(store.FlagFail) || f.Has(store.FlagDefer)
 	}

@@ -157,6 +157,17 @@ type osRun struct {
 
 func (r *osRun) live() bool { return !r.ended && r.ctx.Err() == nil }
 
+// zombieRuns reports whether a handler of t that asynq gave up still runs;
+// m.mu is held.
+func (m *osModel) zombieRuns(t *osTask) bool {
+	for _, r := range m.runs {
+		if r.task == t && r.zombie && !r.ended {
+			return true
+		}
+	}
+	return false
+}
+
 // osCall marks one middleware call, so the outer wrapper learns whether
 // the handler ran.
 type osCall struct{ run *osRun }
@@ -260,7 +271,7 @@ func (m *osModel) task(w *osWorld, queue, id, typ string, payload []byte) *osTas
 	}
 	p, _ := decodeOS(payload)
 	origin := osLockless
-	if store.KindOf(id) != store.IDOther {
+	if k := store.KindOf(id); k != store.IDOther && k != store.IDAgain {
 		origin = osLibrary
 	}
 	t := m.newTask(w, queue, id, typ, p.Kid, origin, 0)
@@ -454,7 +465,7 @@ func (w *osWorld) runEnds(r *osRun, end osEnd) {
 // that task the merge units task carried; m.mu is held.
 func (m *osModel) foldedBusy(task *osTask, ds []osDecision) *osTask {
 	for _, d := range ds {
-		if d.Event != eventNames[evBusy] || d.Dropped || d.Type != task.typ || task.kid == "" || !strings.Contains(d.Key, ":l:"+task.kid) {
+		if d.Event != eventNames[evBusy] || d.Dropped || d.Type != task.typ || task.kid == "" || !strings.Contains(d.Key, "}:u:"+task.kid) {
 			continue
 		}
 		into := m.tasks[d.Queue+"/"+d.TaskID]

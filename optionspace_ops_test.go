@@ -232,6 +232,13 @@ func (w *osWorld) refused(s *osSpec, sub *osSubmit, recheck bool) {
 	if holder != nil {
 		hlabel = holder.label + " " + dup.TaskID
 	}
+	if holder != nil && m.zombieRuns(holder) {
+		// docs/lifecycle.md: a handler asynq gave up that still runs keeps
+		// its task's key, whatever asynq's record says.
+		m.log = append(m.log, fmt.Sprintf("  · refused by %s, whose task is %s, while a given-up handler of it still runs: allowed", hlabel, orMissing(st)))
+		m.mu.Unlock()
+		return
+	}
 	if !stored && age < osHealGrace+time.Second {
 		m.log = append(m.log, fmt.Sprintf("  · refused by %s, whose task is %s, with a lock not written with its task and %v old (under HealGrace): allowed", hlabel, orMissing(st), age.Round(time.Millisecond)))
 		m.mu.Unlock()

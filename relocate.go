@@ -2,8 +2,8 @@ package dedup
 
 import (
 	"context"
-	"maps"
 	"log/slog"
+	"maps"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"

@@ -462,7 +462,10 @@ func TestSchedulerHoldsAFiringsKeyPastItsSuccess(t *testing.T) {
 		t.Fatalf("firing options %v do not hold the key for 4s", descs)
 	}
 	key := h.keyOf(asynq.NewTask(schedType, nil), h.queue, Key(fmt.Sprintf("%s@%d", id, at.Unix())))
-	eventually(t, "the succeeded firing's task is done", func() bool { st := h.taskState(task.ResultWriter().TaskID()); return st == 0 || st == asynq.TaskStateCompleted })
+	eventually(t, "the succeeded firing's task is done", func() bool {
+		st := h.taskState(task.ResultWriter().TaskID())
+		return st == 0 || st == asynq.TaskStateCompleted
+	})
 	if v := h.rdb.Get(context.Background(), key).Val(); !strings.HasPrefix(v, "~x:") {
 		t.Fatalf("the succeeded firing's key: %q, want held until its window ends", v)
 	}

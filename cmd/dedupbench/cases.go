@@ -35,7 +35,8 @@ type env struct {
 	dc    *dedup.Client
 	insp  *asynq.Inspector
 	de2e  *dedup.Dedup  // a second Dedup for the end-to-end servers (its heartbeat runs)
-	poll  *redis.Client // uncounted client for polling queue lengths
+	poll  *redis.Client // client for polling queue lengths and INFO, counted apart (pcnt)
+	pcnt  *counter
 	runID string
 	seq   atomic.Int64 // monotonic: distinct user_ids and trace_ids
 	nq    atomic.Int64

@@ -42,15 +42,17 @@ type drainVariant struct {
 	name, title, typ string
 	viaDedup         bool // enqueued by the Dedup's client (else asynq's own: the execution guard keys them)
 	middleware       bool
+	unique           bool // enqueued with asynq.Unique (asynq's own lock, released by asynq's done script)
 }
 
 var drainVariants = []drainVariant{
-	{"plain", "plain asynq server", typeDrainPlain, false, false},
-	{"reject", "middleware, Reject", typeDrainReject, true, true},
-	{"guard", "middleware, guard", typeDrainReject, false, true},
-	{"replace", "middleware, Replace", typeDrainReplace, true, true},
-	{"defer", "middleware, Defer", typeDrainDefer, true, true},
-	{"cooldown", "middleware, Cooldown", typeDrainCooldown, true, true},
+	{"plain", "plain asynq server", typeDrainPlain, false, false, false},
+	{"unique", "asynq.Unique, plain", typeDrainPlain, false, false, true},
+	{"reject", "middleware, Reject", typeDrainReject, true, true, false},
+	{"guard", "middleware, guard", typeDrainReject, false, true, false},
+	{"replace", "middleware, Replace", typeDrainReplace, true, true, false},
+	{"defer", "middleware, Defer", typeDrainDefer, true, true, false},
+	{"cooldown", "middleware, Cooldown", typeDrainCooldown, true, true, false},
 }
 
 // drainResult is one drain.
@@ -59,6 +61,7 @@ type drainResult struct {
 	drain     time.Duration
 	redisCPU  time.Duration // Redis main thread, over the drain; 0 if unread
 	cnt       counts        // through the shared client, over the drain
+	lib       int64         // the library's own commands (its own client's), over the drain; -1 if unread
 	processed int64
 	errs      int64
 	samples   []string
@@ -105,7 +108,8 @@ func (e *env) runDrain(ctx context.Context, v drainVariant) (*drainResult, error
 // and the shared client's counts on both ends.
 func (e *env) timeDrain(ctx context.Context, q string, srv *asynq.Server, h asynq.Handler, r *drainResult) error {
 	cpu0, cerr := redisCPU(ctx, e.poll)
-	c0 := e.cnt.snapshot()
+	tot0, terr := redisCommands(ctx, e.poll)
+	c0, p0 := e.cnt.snapshot(), e.pcnt.snapshot()
 	t0 := time.Now()
 	if err := srv.Start(h); err != nil {
 		return fmt.Errorf("start server: %w", err)
@@ -119,6 +123,13 @@ func (e *env) timeDrain(ctx context.Context, q string, srv *asynq.Server, h asyn
 	if cpu1, err := redisCPU(ctx, e.poll); err == nil && cerr == nil {
 		r.redisCPU = cpu1 - cpu0
 	}
+	// Redis counts every client's commands; the shared client's (asynq's,
+	// and the library's when it uses that client) and the poll client's are
+	// counted here: the rest are the library's own client's.
+	r.lib = -1
+	if tot1, err := redisCommands(ctx, e.poll); err == nil && terr == nil {
+		r.lib = (tot1 - tot0) - r.cnt.cmds - e.pcnt.snapshot().sub(p0).cmds
+	}
 	return nil
 }
 
@@ -128,9 +139,12 @@ func (e *env) fillDrain(ctx context.Context, q string, v drainVariant, r *drainR
 	return fanOut(ctx, r.tasks, e.cfg.e2eProducers, func(i int64) error {
 		task := asynq.NewTask(v.typ, payload(e.cfg.payload, e.seq.Add(1), traceOf(i)))
 		var err error
-		if v.viaDedup {
+		switch {
+		case v.viaDedup:
 			_, err = e.dc.EnqueueContext(ctx, task, asynq.Queue(q))
-		} else {
+		case v.unique:
+			_, err = e.ac.EnqueueContext(ctx, task, asynq.Queue(q), asynq.Unique(time.Hour))
+		default:
 			_, err = e.ac.EnqueueContext(ctx, task, asynq.Queue(q))
 		}
 		if err != nil {
@@ -196,6 +210,7 @@ type drainSummary struct {
 	ScriptsPerTask  float64   `json:"scripts_per_task"`
 	CmdsPerTask     float64   `json:"cmds_per_task"`
 	RttsPerTask     float64   `json:"round_trips_per_task"`
+	LibPerTask      *float64  `json:"library_cmds_per_task,omitempty"` // the library's own client's commands; nil unread
 	Errors          int64     `json:"errors"`
 	ErrorSamples    []string  `json:"error_samples,omitempty"`
 }
@@ -204,8 +219,11 @@ type drainSummary struct {
 // server's, for the ratios round by round.
 func summarizeDrain(v drainVariant, rs, plain []*drainResult) drainSummary {
 	s := drainSummary{Variant: v.name, Title: v.title}
-	var tps, cpu, scripts, cmds, rtts []float64
+	var tps, cpu, scripts, cmds, rtts, lib []float64
 	for i, r := range rs {
+		if r.lib >= 0 {
+			lib = append(lib, r.perTask(r.lib))
+		}
 		tps = append(tps, r.perSec())
 		cpu = append(cpu, r.redisUsPerTask())
 		scripts = append(scripts, r.scriptsPerTask())
@@ -225,6 +243,9 @@ func summarizeDrain(v drainVariant, rs, plain []*drainResult) drainSummary {
 	}
 	s.TasksPerSec, s.RedisUsPerTask = median(tps), median(cpu)
 	s.ScriptsPerTask, s.CmdsPerTask, s.RttsPerTask = median(scripts), median(cmds), median(rtts)
+	if len(lib) > 0 {
+		s.LibPerTask = ptr(median(lib))
+	}
 	if len(s.RatioRounds) > 0 {
 		s.Ratio = ptr(median(s.RatioRounds))
 	}
@@ -252,14 +273,19 @@ func (rep *report) summarizeDrains(cfg config, runs map[string][]*drainResult) {
 func (rep *report) writeDrain(w io.Writer, cfg config) (errs []string) {
 	fmt.Fprintf(w, "\nworker side: %s unique tasks enqueued first, then one asynq server (Concurrency %d, handler %s, TaskCheckInterval %v)\n"+
 		"works them off; tasks/s and Redis main-thread CPU per task over the drain, ratios to the plain server's in the same round\n"+
-		"(medians of %d rounds, range min–max); per task through the shared client: script calls (asynq's own included), commands, round trips\n",
+		"(medians of %d rounds, range min–max); per task through the shared client: script calls (asynq's own included), commands, round trips;\n"+
+		"lib: the library's own client's commands per task (Redis's count less the counted clients'; 0 when the library uses the shared client)\n",
 		commas(int64(cfg.drainTasks)), cfg.drainWorkers, workDesc(cfg.drainWork), cfg.e2eCheck, rep.Meta.Rounds)
-	fmt.Fprintf(w, "  %-22s %8s %5s %-12s %9s %9s %-12s %8s %8s %8s\n", "", "tasks/s", "ratio", " (range)", "rds µs", "rds ratio", " (range)", "scripts", "cmds", "rtts")
+	fmt.Fprintf(w, "  %-22s %8s %5s %-12s %9s %9s %-12s %8s %8s %8s %6s\n", "", "tasks/s", "ratio", " (range)", "rds µs", "rds ratio", " (range)", "scripts", "cmds", "rtts", "lib")
 	for _, s := range rep.Drain {
 		ratio, rng := fmtRounds(s.Ratio, s.RatioRounds)
 		cr, crng := fmtRounds(s.RCPURatio, s.RCPURatioRounds)
-		fmt.Fprintf(w, "  %-22s %8s %5s %-12s %9.1f %9s %-12s %8.2f %8.2f %8.2f\n", s.Title, commas(int64(s.TasksPerSec)), ratio, rng,
-			s.RedisUsPerTask, cr, crng, s.ScriptsPerTask, s.CmdsPerTask, s.RttsPerTask)
+		lib := "-"
+		if s.LibPerTask != nil {
+			lib = fmt.Sprintf("%.3f", *s.LibPerTask)
+		}
+		fmt.Fprintf(w, "  %-22s %8s %5s %-12s %9.1f %9s %-12s %8.2f %8.2f %8.2f %6s\n", s.Title, commas(int64(s.TasksPerSec)), ratio, rng,
+			s.RedisUsPerTask, cr, crng, s.ScriptsPerTask, s.CmdsPerTask, s.RttsPerTask, lib)
 		for _, e := range s.ErrorSamples {
 			errs = append(errs, fmt.Sprintf("drain %s: %s", s.Title, e))
 		}

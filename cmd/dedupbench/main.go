@@ -349,10 +349,11 @@ func newEnv(ctx context.Context, cfg config, opts *redis.Options) (*env, error) 
 	pollOpts := *opts
 	pollOpts.PoolSize = 2
 
-	e := &env{cfg: cfg, cnt: &counter{}, runID: randomHex(4)}
+	e := &env{cfg: cfg, cnt: &counter{}, pcnt: &counter{}, runID: randomHex(4)}
 	e.rdb = redis.NewClient(opts)
 	e.rdb.AddHook(e.cnt)
 	e.poll = redis.NewClient(&pollOpts)
+	e.poll.AddHook(e.pcnt)
 	if err := e.rdb.Ping(ctx).Err(); err != nil {
 		e.close()
 		return nil, fmt.Errorf("redis at %s: %w", opts.Addr, err)

@@ -250,6 +250,28 @@ func countMatching(ctx context.Context, rdb redis.Cmdable, pattern string) (int,
 // redisCPU is the CPU time Redis's main thread has used (INFO cpu), the
 // thread that runs every command and script. It falls back to the whole
 // process's time on versions without the per-thread fields.
+// redisCommands is the number of commands Redis has run (INFO
+// commandstats, summed), every client's.
+func redisCommands(ctx context.Context, rdb *redis.Client) (int64, error) {
+	s, err := rdb.Info(ctx, "commandstats").Result()
+	if err != nil {
+		return 0, err
+	}
+	var n int64
+	sc := bufio.NewScanner(strings.NewReader(s))
+	for sc.Scan() {
+		_, rest, ok := strings.Cut(sc.Text(), ":calls=")
+		if !ok {
+			continue
+		}
+		num, _, _ := strings.Cut(rest, ",")
+		if c, err := strconv.ParseInt(num, 10, 64); err == nil {
+			n += c
+		}
+	}
+	return n, nil
+}
+
 func redisCPU(ctx context.Context, rdb *redis.Client) (time.Duration, error) {
 	s, err := rdb.Info(ctx, "cpu").Result()
 	if err != nil {

@@ -110,8 +110,8 @@ func TestAdversary11DoctorExplainsEveryOrphanAndFixesNoYoungOne(t *testing.T) {
 	if err := f.insp.DeleteTask(f.qa, young.ID); err != nil {
 		t.Fatal(err)
 	}
-	if r := f.ok("show", f.lockOf(young)); !strings.Contains(r.stdout, "state            waiting") ||
-		!strings.Contains(r.stdout, "owner in asynq   missing (not stored yet: the lock was taken before its task") {
+	if r := f.ok("show", f.lockOf(young)); !strings.Contains(r.stdout, "state            orphaned") ||
+		!strings.Contains(r.stdout, "missing (or not stored yet: the lock was taken before its task") {
 		t.Fatalf("show %s:\n%s", young.ID, r.stdout)
 	}
 	if r := f.ok("show", f.lockOf(old)); !strings.Contains(r.stdout, "state            orphaned") {

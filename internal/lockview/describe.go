@@ -303,8 +303,8 @@ func holdNote(l *Info) string {
 		return "it succeeded; the key cools down until the lock expires, Cooldown or Period"
 	case l.State == store.LockFailed:
 		return "it failed for good; the key is held, OnFailure"
-	case l.State == store.LockWaiting && l.TaskState == "missing":
-		return "not stored yet: the lock was taken before its task, which its producer stores next"
+	case l.lock.Kind == store.HoldWrap && l.TaskState == "missing":
+		return "or not stored yet: the lock was taken before its task, which its producer stores next; it heals once older than the heal grace"
 	}
 	return ""
 }

@@ -264,9 +264,14 @@ func (a *Acquire) result(s *Store, st *acquireStep, rep reply) AcquireResult {
 	switch rep.status {
 	case StatusTaken:
 		res.Stored = st.sends
-		if a.OnWaiting != FoldReject || a.Defers {
-			s.remember(lock, &st.h, a.Ref.ID, "", 0) // folds come back to the keys they took
+		// The key's next enqueue, often this process's own (the same work
+		// asked for again), then names its holder at once; a task this call
+		// stored is live as of now.
+		checked := int64(0)
+		if res.Stored {
+			checked = a.Now.UnixNano()
 		}
+		s.remember(lock, &st.h, a.Ref.ID, "", checked)
 	case StatusHeld:
 		res.Task = rep.str(0)
 		f := rep.str(1)

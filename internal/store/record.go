@@ -163,8 +163,6 @@ func (l *Lock) State() string {
 		return LockRunning
 	case l.TaskState == StateRetry:
 		return LockRetryWait
-	case l.Kind == HoldWrap && l.TaskState == "missing" && time.Since(time.Unix(l.Taken, 0)) < time.Minute:
-		return LockWaiting // (its producer stores the task next)
 	case l.TaskState == "missing" || Gone(l.TaskState):
 		return LockOrphaned
 	}

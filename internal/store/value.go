@@ -16,6 +16,8 @@ import (
 //	<task ID>               held by the task (stored with the lock, or taking it as it starts)
 //	~w<unix seconds>:<ID>   held by a task enqueued through asynq's client, taken at that
 //	                        second before its task was stored (it heals only after the grace)
+//	~a:<ID>                 taken as the task started, its record naming no lock (a task that
+//	                        arrived without one): the task's end releases it
 //	~c:<ID>                 cooling: the task succeeded; held until the lock expires
 //	~x:<ID>                 a Scheduler firing's: held until it expires, whatever its task does
 //
@@ -33,6 +35,7 @@ type Hold byte
 const (
 	HoldTask    Hold = 0   // held by its task
 	HoldWrap    Hold = 'w' // taken before its task was stored (asynq's client enqueues it)
+	HoldStart   Hold = 'a' // taken as its task started
 	HoldCooling Hold = 'c' // cooling after its task's success
 	HoldFiring  Hold = 'x' // a Scheduler firing's, held until it expires
 )
@@ -49,6 +52,10 @@ func Value(id string) string { return id }
 func WrapValue(id string, at time.Time) string {
 	return "~w" + strconv.FormatInt(at.Unix(), 10) + ":" + id
 }
+
+// StartValue is the lock value of a key task id takes as it starts, its
+// record naming no lock.
+func StartValue(id string) string { return "~a:" + id }
 
 // FiringValue is the lock value of a Scheduler firing's key.
 func FiringValue(id string) string { return "~x:" + id }

@@ -76,7 +76,7 @@ if holder then
   if lacks('H') then return need() end
   local t = call('HMGET', K.H, 'state', 'msg')
   state, hmsg = t[1], t[2]
-  if state and not belongs(K.H, holder, K.L) then
+  if state and not belongs(K.H, holder, kind, K.L) then
     state, hmsg = 'completed', nil -- its caller-chosen ID names another key's task now: gone
   end
   if m[1] == holder and m[6] and (not state or state == 'archived' or state == 'active') then

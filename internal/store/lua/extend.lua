@@ -15,7 +15,7 @@ local holder, kind = holder_of(call('GET', KEYS[1]))
 if holder ~= ARGV[1] then
   return 0
 end
-if kind == '' or kind == 'w' then
+if kind ~= 'c' and kind ~= 'x' then
   local ms = tonumber(ARGV[2])
   local left = call('PTTL', KEYS[1])
   if left >= 0 and left < ms then

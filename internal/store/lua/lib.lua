@@ -191,10 +191,11 @@ local function mark(rec, reason)
 end
 
 -- belongs reports whether the stored task rec is the holder the lock at lock
--- names: an ID this library made is never used twice, but a caller's may be,
--- by a task of another key once the first is gone.
-local function belongs(rec, holder, lock)
-  if string.match(holder, '^d[dfka]%-') then return true end
+-- names (kind: the value's): an ID this library made is never used twice,
+-- but a caller's may be, by a task of another key once the first is gone.
+-- (A lock taken as its task started is that task's: its record names none.)
+local function belongs(rec, holder, kind, lock)
+  if kind == 'a' or string.match(holder, '^d[dfka]%-') then return true end
   local t = call('HMGET', rec, 'unique_key', 'msg')
   if t[1] then return t[1] == lock end
   return not t[2] or string.find(t[2], lock, 1, true) ~= nil

@@ -14,9 +14,9 @@ end
 
 -- holder_of splits a lock's value (false: no lock; value.go owns the
 -- grammar): the task that holds the key, the kind of hold ('' held by its
--- task; 'w' taken at `at`, unix seconds, before its task was stored; 'c'
--- cooling after its success; 'x' a Scheduler firing's, held until it
--- expires), and at.
+-- task; 'w' taken at `at`, unix seconds, before its task was stored; 'a'
+-- taken as its task started; 'c' cooling after its success; 'x' a
+-- Scheduler firing's, held until it expires), and at.
 local function holder_of(v)
   if not v then return nil, '' end
   local i = string.byte(v, 1) == 126 and string.find(v, ':', 2, true)

@@ -51,7 +51,7 @@ elseif holder then
   if holder ~= A[6] then K.H = nil end
   if lacks('H') then return {11, lacking, holder} end
   local st = call('HGET', K.H, 'state')
-  if st and not belongs(K.H, holder, K.L) then st = 'completed' end -- (another key's task now: gone)
+  if st and not belongs(K.H, holder, kind, K.L) then st = 'completed' end -- (another key's task now: gone)
   local now = now_parts()
   if (st and not gone(st)) or (not st and kind == 'w' and now - at < tonumber(A[7])) or (m[1] == holder and m[5]) then
     return {0, holder, (st == 'active' or m[5]) and '1' or ''}
@@ -70,7 +70,9 @@ if not holder then
   if allow then
     return {9, new}
   end
-  call('SET', K.L, id, 'PX', ttl)
+  -- Its own ID, where its record names the lock (asynq releases it), else
+  -- '~a:': the task's end releases it.
+  call('SET', K.L, call('HGET', K.T, 'unique_key') == K.L and id or '~a:' .. id, 'PX', ttl)
   if #A > 7 then
     call('DEL', K.M)
     call('HSET', K.M, unpack(A, 8))
