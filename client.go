@@ -80,19 +80,28 @@ func (c *Client) Close() error {
 	return nil
 }
 
-// Ping checks that the Dedup's Redis answers (bounded by
-// Config.LockTimeout) and, if the wrapped Enqueuer has a Ping() error
-// method (an *asynq.Client, say), that it does too.
+// Ping checks that the Dedup's Redis answers and, if the wrapped Enqueuer
+// has a Ping() error method (an *asynq.Client, say), that it does too; in
+// all at most Config.LockTimeout. (A wrapped Ping still under way then goes
+// on by itself; NewClient's asynq client uses the Redis pinged first.)
 func (c *Client) Ping() error {
 	ctx, cancel := context.WithTimeout(context.Background(), c.d.cfg.LockTimeout)
 	defer cancel()
 	if err := c.d.store.Client().Ping(ctx).Err(); err != nil {
 		return unavailable("ping", err)
 	}
-	if p, ok := c.next.(interface{ Ping() error }); ok {
-		return p.Ping()
+	p, ok := c.next.(interface{ Ping() error })
+	if !ok || c.ownNext {
+		return nil
 	}
-	return nil
+	done := make(chan error, 1)
+	go func() { done <- p.Ping() }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return unavailable("ping", ctx.Err())
+	}
 }
 
 // Enqueue is EnqueueContext with context.Background().

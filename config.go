@@ -41,7 +41,9 @@ type Config struct {
 
 	// LockTimeout bounds each Redis call the library makes (enqueue,
 	// middleware, Lookup, Release, Ping, the flusher), so a slow Redis
-	// cannot hang it. Default DefaultLockTimeout (1 s). It holds whatever the
+	// cannot hang it; an enqueue whose call may have stored its task asks
+	// once more whether it did (ErrOutcomeUnknown), so it may take twice
+	// as long. Default DefaultLockTimeout (1 s). It holds whatever the
 	// client's options: a client without go-redis's
 	// Options.ContextTimeoutEnabled is copied into one more client (one more
 	// connection pool) with it set, which the library uses for its own

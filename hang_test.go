@@ -266,3 +266,43 @@ func copyChunks(dst, src net.Conn, before func([]byte), after func()) {
 		}
 	}
 }
+
+// Every call the library makes is bounded by LockTimeout, with the go-redis
+// client's default options (no ContextTimeoutEnabled, ReadTimeout 3 s):
+// Lookup, Release and Ping of both kinds of Client return ErrUnavailable
+// within LockTimeout while Redis hangs. (An enqueue whose call carried its
+// task asks once more whether it was stored: two calls.)
+func TestLookupReleaseAndPingAreBoundedByLockTimeoutWhileRedisHangs(t *testing.T) {
+	const lockTimeout = 400 * time.Millisecond
+	proxy, d, h := hungDedup(t, Config{LockTimeout: lockTimeout, BreakerThreshold: -1}, nil)
+	t.Cleanup(func() { _ = d.Close() })
+	task := userTask(1, "")
+	if _, err := d.NewClient().Enqueue(task, asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	wrapped := asynq.NewClientFromRedisClient(d.rdb) // its Redis hangs too
+	proxy.stall()
+	t.Cleanup(proxy.resume)
+	ctx := context.Background()
+	calls := map[string]int{"Enqueue (NewClient)": 2}
+	for name, call := range map[string]func() error{
+		"Lookup": func() error { _, _, err := d.Lookup(ctx, task, asynq.Queue(h.queue)); return err },
+		"Release": func() error {
+			_, err := d.Release(ctx, task, "", asynq.Queue(h.queue))
+			return err
+		},
+		"NewClient().Ping":    func() error { return d.NewClient().Ping() },
+		"WrapClient().Ping":   func() error { return d.WrapClient(wrapped).Ping() },
+		"Enqueue (NewClient)": func() error { _, err := d.NewClient().Enqueue(userTask(2, ""), asynq.Queue(h.queue)); return err },
+	} {
+		start := time.Now()
+		err := call()
+		took := time.Since(start)
+		if !errors.Is(err, ErrUnavailable) {
+			t.Errorf("%s while Redis hangs: %v, want ErrUnavailable", name, err)
+		}
+		if took > time.Duration(max(calls[name], 1))*lockTimeout+300*time.Millisecond {
+			t.Errorf("%s took %v while Redis hangs, LockTimeout %v", name, took.Round(time.Millisecond), lockTimeout)
+		}
+	}
+}

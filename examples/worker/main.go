@@ -182,9 +182,14 @@ func (e *env) finish(ctx context.Context, r *report, c *checks, waitErr error, t
 	// A fresh context: ctx may be cancelled (Ctrl-C) and we still want to count.
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
-	// Key layout dedup uses for locks: <prefix>:{<queue>}:l:<fingerprint>.
-	var lockErr, taskErr error
-	r.LocksLeft, lockErr = countKeys(cctx, e.rdb, dedup.DefaultPrefix+":{"+e.queue+"}:l:*")
+	// Key layout dedup uses (docs/cluster.md): the lock <prefix>:{<queue>}:u:<fingerprint>,
+	// and a mode record <prefix>:{<queue>}:m:<fingerprint> for the keys whose policy needs one.
+	var lockErr, modeErr, taskErr error
+	var modes int
+	r.LocksLeft, lockErr = countKeys(cctx, e.rdb, dedup.DefaultPrefix+":{"+e.queue+"}:u:*")
+	modes, modeErr = countKeys(cctx, e.rdb, dedup.DefaultPrefix+":{"+e.queue+"}:m:*")
+	r.LocksLeft += modes
+	lockErr = errors.Join(lockErr, modeErr)
 	// asynq deletes a task's record once it succeeds (no Retention here), so
 	// a record left over is a task that never ran, such as a lost follow-up.
 	r.TasksLeft, taskErr = countKeys(cctx, e.rdb, "asynq:{"+e.queue+"}:t:*")
