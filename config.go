@@ -197,9 +197,8 @@ type Rule struct {
 	MergeFunc MergeFunc
 
 	// OnRunning: what an enqueue does when the key's task is running.
-	// Default RunningReject. Recorded in the lock, so the server needs no
-	// matching configuration; but a RunningAllow lock goes when its task
-	// starts, so a retry of that task takes a lock by the server's rule.
+	// Default RunningReject. Recorded with the key (and RunningAllow in the
+	// task's header), so the server needs no matching configuration.
 	OnRunning Running
 
 	// OnBusy: what the server's middleware does with a task of this type

@@ -164,8 +164,9 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 	}
 }
 
-// Close stops the heartbeat. Call it after asynq.Server.Shutdown: handlers
-// still running afterwards keep their locks only until their lease runs out.
+// Close stops the heartbeat. Call it after asynq.Server.Shutdown: the locks
+// of handlers still running afterwards are no longer extended, and last
+// their TTL.
 // It also stops the hot-key reporter (logging its last window) and the stats
 // flusher (flushing one last time). It does not close the Redis client,
 // unless NewFromRedisConnOpt made it.

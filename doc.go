@@ -16,11 +16,13 @@
 // (throttle); a Debounce delays a task and pushes its due time back with
 // every payload folded into it, so a burst runs once, after it ends.
 //
-// The server middleware (Dedup.Middleware) renews the lock on a short lease
-// while the handler runs, holds it across retries, and releases it when the
-// task succeeds, is revoked or fails for good. Every renewal and release is
-// checked against the task ID and a per-attempt token, so a leftover handler
-// of an earlier attempt can never extend or free the lock of a later one.
+// The lock of a task NewClient stores is its asynq UniqueKey: asynq's own
+// scripts release it when the task succeeds, is revoked or is deleted, and
+// keep it across retries, so the key's state is asynq's record of its
+// holder, and a key whose holder is gone or archived heals at its next
+// enqueue. The server middleware (Dedup.Middleware) makes no Redis call for
+// such a task unless its policy acts at start or end (a cooldown, a failure
+// hold, a follow-up), and extends the lock of a handler that runs long.
 // Tasks that reach the server without a lock (asynq.Scheduler, other
 // services) take one when they start.
 //

@@ -24,9 +24,9 @@ import (
 // again.
 //
 // One case holds nothing: a worker killed during the task's last attempt.
-// Its lock lasts one Lease after the last heartbeat, while asynq's
-// recoverer archives the task up to a minute later; by then the key is
-// free.
+// asynq's recoverer archives the task without running any middleware, so
+// no hold is written: the key is held until then, and heals at its next
+// enqueue after.
 type Failure int
 
 const (

@@ -131,14 +131,10 @@ func (h *heartbeater) beat(now time.Time) {
 		return
 	}
 	ctx := context.Background()
-	es := make([]*store.Extend, 0, len(ls))
-	keyed := ls[:0]
-	for _, l := range ls {
-		if !d.findLock(ctx, l) {
-			continue // (a plain task whose record names no lock)
-		}
-		es = append(es, &store.Extend{Ref: l.ref, TTL: l.ttl})
-		keyed = append(keyed, l)
+	keyed := h.keyed(ctx, ls)
+	es := make([]*store.Extend, len(keyed))
+	for i, l := range keyed {
+		es[i] = &store.Extend{Ref: l.ref, TTL: l.ttl}
 	}
 	for i, r := range d.store.ExtendAll(ctx, es) {
 		switch {
@@ -152,6 +148,40 @@ func (h *heartbeater) beat(now time.Time) {
 		}
 	}
 }
+
+// keyed returns the attempts of ls whose lock is known, reading a plain
+// task's from its record the first time (as many at once as ExtendAll
+// extends). One whose record could not be read is tried again at the next
+// beat; one whose record names no lock has none to extend.
+func (h *heartbeater) keyed(ctx context.Context, ls []*lease) []*lease {
+	found := make([]bool, len(ls))
+	var wg sync.WaitGroup
+	slots := make(chan struct{}, lookupConcurrency)
+	for i, l := range ls {
+		slots <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-slots }()
+			ok, err := h.d.lockOf(ctx, l)
+			if err != nil {
+				h.d.count(l.ref.Type, evRedisError)
+				h.d.log.Warn("dedup: heartbeat could not read a task's lock", slog.String("task_id", l.ref.ID), slog.Any("error", err))
+				h.again(l)
+			}
+			found[i] = ok
+		})
+	}
+	wg.Wait()
+	out := ls[:0]
+	for i, l := range ls {
+		if found[i] {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// lookupConcurrency bounds the lock reads one beat makes at once.
+const lookupConcurrency = 16
 
 // again makes a failed extension due at the next beat.
 func (h *heartbeater) again(l *lease) {

@@ -1,5 +1,3 @@
-//go:build ignore
-
 package dedup
 
 import (
@@ -19,53 +17,59 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// roundTripHook counts what a go-redis client sends, one round trip per
-// single command or pipeline, and singles out calls of the extend script
-// (the heartbeat's lock renewals). A call is counted once its replies are in,
-// all its counts at once, so a snapshot never sees half a call. The
-// handshake go-redis makes on a new connection (HELLO, CLIENT SETINFO) is in
-// no count.
-type roundTripHook struct {
-	full atomic.Int64 // extends per heartbeat round that make it "full"
-
-	mu sync.Mutex
-	c  rtCounts
+// extendHook counts what a go-redis client sends: round trips (a command
+// sent alone, or a pipeline), and among them the calls of the extend
+// script (the heartbeat's), with what each found, by task. A call is
+// counted once its reply is in. go-redis's connection set-up (HELLO,
+// CLIENT SETINFO) is in no count.
+type extendHook struct {
+	mu    sync.Mutex
+	c     extendCounts
+	tasks map[string]*extended // by task ID
+	// want: once every one of want tasks has had at least rounds
+	// extensions that found its key its own, done is closed.
+	want, rounds int
+	reached      int
+	done         chan struct{}
 }
 
-// rtCounts is what a roundTripHook counted.
-type rtCounts struct {
-	singles         int64 // single commands: one round trip each
-	singleExtends   int64 // of which extend calls
-	pipelines       int64 // pipelines: one round trip each
-	pipelinedCmds   int64 // commands in them
-	extendPipelines int64 // pipelines carrying extends
-	extendCmds      int64 // extends in them
-	mixedPipelines  int64 // pipelines carrying extends and other commands
-	fullPipelines   int64 // pipelines carrying exactly full extends and nothing else
+// extendCounts is what an extendHook counted.
+type extendCounts struct {
+	trips       int64 // round trips
+	cmds        int64 // commands in them
+	scripts     int64 // script calls (EVALSHA, EVAL) of any kind
+	extends     int64 // extend calls answered
+	extendTrips int64 // round trips carrying extends
+	lost        int64 // extends that found the key not its task's
+	lookups     int64 // reads of a task's lock from its record answered (HGET unique_key: findLock)
+	lookupTrips int64 // round trips carrying them
 }
 
-func (h *roundTripHook) snapshot() rtCounts {
+// extended is what the extends of one task found.
+type extended struct {
+	first time.Time // when its first extend was sent
+	owned int       // extends that found the key its task's
+}
+
+func newExtendHook(want, rounds int) *extendHook {
+	return &extendHook{tasks: map[string]*extended{}, want: want, rounds: rounds, done: make(chan struct{})}
+}
+
+func (h *extendHook) snapshot() extendCounts {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.c
 }
 
-func (c rtCounts) sub(o rtCounts) rtCounts {
-	return rtCounts{c.singles - o.singles, c.singleExtends - o.singleExtends, c.pipelines - o.pipelines,
-		c.pipelinedCmds - o.pipelinedCmds, c.extendPipelines - o.extendPipelines, c.extendCmds - o.extendCmds,
-		c.mixedPipelines - o.mixedPipelines, c.fullPipelines - o.fullPipelines}
-}
-
-func (c rtCounts) roundTrips() int64 { return c.singles + c.pipelines }
-func (c rtCounts) commands() int64   { return c.singles + c.pipelinedCmds }
-
-// isHandshake reports whether cmd is part of go-redis's connection set-up.
-func isHandshake(cmd redis.Cmder) bool {
-	switch cmd.Name() {
-	case "hello", "auth", "client", "select", "readonly":
-		return true
+// extendedTasks returns a copy of what the extends found, by task.
+func (h *extendHook) extendedTasks() map[string]extended {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out := make(map[string]extended, len(h.tasks))
+	for id, e := range h.tasks {
+		out[id] = *e
 	}
-	return false
+	return out
 }
 
 // isExtend reports whether cmd runs the extend script (EVALSHA, or EVAL
@@ -86,55 +90,88 @@ func isExtend(cmd redis.Cmder) bool {
 	return false
 }
 
-func (h *roundTripHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func isHandshake(cmd redis.Cmder) bool {
+	switch cmd.Name() {
+	case "hello", "auth", "client", "select", "readonly":
+		return true
+	}
+	return false
+}
 
-func (h *roundTripHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+func (h *extendHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *extendHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
+		sent := time.Now()
 		err := next(ctx, cmd)
-		if isHandshake(cmd) {
-			return err
-		}
-		h.mu.Lock()
-		h.c.singles++
-		if isExtend(cmd) {
-			h.c.singleExtends++
-		}
-		h.mu.Unlock()
+		h.note(sent, []redis.Cmder{cmd})
 		return err
 	}
 }
 
-func (h *roundTripHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+func (h *extendHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
+		sent := time.Now()
 		err := next(ctx, cmds)
-		var ext, hs int64
-		for _, c := range cmds {
-			switch {
-			case isExtend(c):
-				ext++
-			case isHandshake(c):
-				hs++
-			}
-		}
-		if hs == int64(len(cmds)) {
-			return err
-		}
-		full := h.full.Load()
-		h.mu.Lock()
-		defer h.mu.Unlock()
-		h.c.pipelines++
-		h.c.pipelinedCmds += int64(len(cmds))
-		if ext > 0 {
-			h.c.extendPipelines++
-			h.c.extendCmds += ext
-			if ext != int64(len(cmds)) {
-				h.c.mixedPipelines++
-			}
-			if ext == int64(len(cmds)) && ext == full {
-				h.c.fullPipelines++
-			}
-		}
+		h.note(sent, cmds)
 		return err
+	}
+}
+
+// note counts one round trip, sent at sent.
+func (h *extendHook) note(sent time.Time, cmds []redis.Cmder) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var n, ext, look int64
+	for _, c := range cmds {
+		if isHandshake(c) {
+			continue
+		}
+		n++
+		if a := c.Args(); c.Name() == "hget" && len(a) == 3 && a[2] == "unique_key" && c.Err() == nil {
+			look++
+		}
+		if name := c.Name(); name == "evalsha" || name == "eval" {
+			h.c.scripts++
+		}
+		if isExtend(c) && c.Err() == nil { // (a NOSCRIPT is sent again, with EVAL)
+			ext++
+			h.extendOf(sent, c)
+		}
+	}
+	if n == 0 {
+		return
+	}
+	h.c.trips++
+	h.c.cmds += n
+	if ext > 0 {
+		h.c.extendTrips++
+		h.c.extends += ext
+	}
+	if look > 0 {
+		h.c.lookupTrips++
+		h.c.lookups += look
+	}
+}
+
+// extendOf records one extend's answer (ARGV[1] is its task's ID).
+func (h *extendHook) extendOf(sent time.Time, c redis.Cmder) {
+	id := fmt.Sprint(c.Args()[6])
+	e := h.tasks[id]
+	if e == nil {
+		e = &extended{first: sent}
+		h.tasks[id] = e
+	}
+	if v, _ := c.(*redis.Cmd).Int64(); v != 1 {
+		h.c.lost++
+		return
+	}
+	e.owned++
+	if e.owned == h.rounds {
+		h.reached++
+		if h.reached == h.want {
+			close(h.done)
+		}
 	}
 }
 
@@ -145,10 +182,12 @@ type goroutineCensus struct {
 	asynqTask int // asynq's per-task goroutine that waits for the handler's result
 	dedupBG   int // other goroutines running this package's code (not tests)
 	heartbeat int // heartbeat loops, among dedupBG
+	extenders int // the heartbeat's extend calls in flight (internal/store's ExtendAll)
 }
 
-// rest is every goroutine that is neither a handler nor asynq's per-task one.
-func (g goroutineCensus) rest() int { return g.total - g.handlers - g.asynqTask }
+// rest is every goroutine that is neither a handler, nor asynq's per-task
+// one, nor an extend call in flight.
+func (g goroutineCensus) rest() int { return g.total - g.handlers - g.asynqTask - g.extenders }
 
 func takeGoroutineCensus() goroutineCensus {
 	buf := make([]byte, 1<<20)
@@ -171,6 +210,8 @@ func takeGoroutineCensus() goroutineCensus {
 			g.handlers++
 		case strings.Contains(st, "hibiken/asynq.(*processor).exec.func"):
 			g.asynqTask++
+		case strings.Contains(st, "dedup/internal/store.(*Store).ExtendAll"):
+			g.extenders++
 		case strings.Contains(st, "testing.tRunner") || strings.Contains(st, "testing.(*M)"):
 		case strings.Contains(st, "github.com/asynq-dedup/dedup."):
 			g.dedupBG++
@@ -182,91 +223,126 @@ func takeGoroutineCensus() goroutineCensus {
 	return g
 }
 
+// Heartbeat timing for TestHeartbeat1000Handlers: a handler's key is first
+// extended once it has run hbInterval, then each hbTTL/2.
+const (
+	hbInterval = 100 * time.Millisecond
+	hbTTL      = 3 * time.Second // above the time 1,000 tasks may wait to start (under -race)
+	hbRounds   = 3               // extensions per handler observed: the last one past the lock's first TTL
+)
+
 // TestHeartbeat1000Handlers runs 1,000 handlers at once in one asynq server
-// with the middleware, and checks on behaviour (never on speed) that their
-// locks are renewed by one pipelined round trip per heartbeat, never by
-// per-handler commands, and that the heartbeat adds a constant number of
-// goroutines however many handlers run.
+// with the middleware, and checks on behaviour (never on speed) that the
+// heartbeat extends every one of their locks, and only once its handler
+// has run one heartbeat interval, again each half TTL, from one goroutine,
+// in batched calls, and that no lock is lost though each outlives the TTL
+// it was taken with.
 func TestHeartbeat1000Handlers(t *testing.T) {
 	needRealRedis(t) // miniredis serves each connection with goroutines of its own, which would blur the census
-	const (
-		few   = 10
-		n     = 1000
-		lease = 900 * time.Millisecond // heartbeat every 300 ms
-		beats = 5                      // heartbeat rounds observed with all n running
-	)
-	interval := lease / 3
-	// The Dedup gets a client of its own, so the hook sees its traffic only;
-	// the asynq server uses another (same redis-server).
+	const few, n = 10, 1000
+	// The Dedup gets a client of its own, so that the hook sees its calls
+	// only; the asynq server and the test's reads use another.
 	dedupRDB := newRDB(t)
-	hook := &roundTripHook{}
+	hook := newExtendHook(n, hbRounds)
 	dedupRDB.AddHook(hook)
-	h := newHarnessOn(t, dedupRDB, Config{heartbeat: (lease) / 3})
+	h := newHarnessOn(t, dedupRDB, Config{heartbeat: hbInterval, TTL: hbTTL})
+	h.client = h.d.NewClient() // plain tasks: the middleware makes no call of its own at start or end
 	h.rdb = newRDB(t)
 
+	var starts sync.Map // task ID → when its handler started
 	started := make(chan struct{}, n)
 	release := make(chan struct{})
 	h.serve(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		starts.Store(id, time.Now())
 		started <- struct{}{}
 		<-release
 		return nil
 	}, func(c *asynq.Config) { c.Concurrency = n })
-	released := false
-	defer func() {
-		if !released {
-			close(release) // let the server shut down on failure
-		}
-	}()
-	enqueue := func(from, to int) {
-		var wg sync.WaitGroup
-		errs := make(chan error, to-from)
-		next := atomic.Int64{}
-		next.Store(int64(from))
-		for range 8 {
-			wg.Go(func() {
-				for i := int(next.Add(1) - 1); i < to; i = int(next.Add(1) - 1) {
-					if _, err := h.client.EnqueueContext(context.Background(), userTask(i, ""), asynq.Queue(h.queue)); err != nil {
-						errs <- err
-						return
-					}
-				}
-			})
-		}
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			t.Fatalf("enqueue: %v", err)
-		}
-		for range to - from {
-			waitFor(t, started, "handlers running")
-		}
+	var once sync.Once
+	stop := func() { once.Do(func() { close(release) }) }
+	defer stop() // let the server shut down on failure
+
+	t0 := time.Now()
+	ids := hbEnqueue(t, h, started, 0, few)
+	atFew := takeGoroutineCensus()
+	ids = append(ids, hbEnqueue(t, h, started, few, n)...)
+	hbCensus(t, atFew, few, n)
+	t.Logf("%d handlers running %v after the first enqueue", n, time.Since(t0).Round(time.Millisecond))
+
+	from := hook.snapshot()
+	waitFor(t, hook.done, fmt.Sprintf("every lock extended %d times", hbRounds))
+	elapsed := time.Since(t0)
+	if elapsed < hbTTL {
+		t.Fatalf("every lock extended %d times within %v, under the TTL %v: more often than each half TTL", hbRounds, elapsed, hbTTL)
+	}
+	hbCheckExtends(t, hook, &starts, ids, hook.snapshot().sub(from))
+	hbCheckLocks(t, h, ids)
+	if s := h.d.Stats(); s.LockLost != 0 {
+		t.Errorf("LockLost = %d", s.LockLost)
 	}
 
-	// Goroutines with few handlers running, then with n.
-	enqueue(0, few)
-	atFew := takeGoroutineCensus()
-	enqueue(few, n)
-	var atN goroutineCensus
+	stop()
+	eventually(t, "all handlers settled", func() bool { return h.d.Stats().Processed == n })
+	eventually(t, "all locks released", func() bool { return len(h.locks()) == 0 })
+}
+
+func (c extendCounts) sub(o extendCounts) extendCounts {
+	return extendCounts{c.trips - o.trips, c.cmds - o.cmds, c.scripts - o.scripts, c.extends - o.extends,
+		c.extendTrips - o.extendTrips, c.lost - o.lost, c.lookups - o.lookups, c.lookupTrips - o.lookupTrips}
+}
+
+// hbEnqueue enqueues tasks from to to (from 8 goroutines) and waits until
+// their handlers run; it returns their IDs.
+func hbEnqueue(t *testing.T, h *harness, started <-chan struct{}, from, to int) []string {
+	t.Helper()
+	ids := make([]string, to-from)
+	errs := make([]error, to-from)
+	var wg sync.WaitGroup
+	var next atomic.Int64
+	for range 8 {
+		wg.Go(func() {
+			for i := int(next.Add(1) - 1); i < len(ids); i = int(next.Add(1) - 1) {
+				info, err := h.client.EnqueueContext(context.Background(), userTask(from+i, ""), asynq.Queue(h.queue))
+				if errs[i] = err; err == nil {
+					ids[i] = info.ID
+				}
+			}
+		})
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			t.Fatalf("enqueue: %v", err)
+		}
+	}
+	for range ids {
+		waitFor(t, started, "handlers running")
+	}
+	return ids
+}
+
+// hbCensus checks that n handlers running cost the heartbeat no more
+// goroutines than few did: one loop, whatever the count.
+func hbCensus(t *testing.T, atFew goroutineCensus, few, n int) {
+	t.Helper()
 	// Transient goroutines (asynq's periodic work) come and go: poll until
-	// the census settles, with a deadline. A per-handler heartbeat never
+	// the census settles, with a deadline. A heartbeat per handler never
 	// would: it keeps n-few more goroutines for as long as the handlers run.
 	const slack = 20
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	var atN goroutineCensus
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		atN = takeGoroutineCensus()
 		if (atN.rest()-atFew.rest() <= slack && atN.dedupBG == atFew.dedupBG) || time.Now().After(deadline) {
 			break
 		}
-		time.Sleep(50 * time.Millisecond)
 	}
-	t.Logf("goroutines with %d handlers: %d (%d in handlers, %d asynq per-task, %d dedup background of which %d heartbeat, %d other)",
-		few, atFew.total, atFew.handlers, atFew.asynqTask, atFew.dedupBG, atFew.heartbeat, atFew.rest()-atFew.dedupBG)
-	t.Logf("goroutines with %d handlers: %d (%d in handlers, %d asynq per-task, %d dedup background of which %d heartbeat, %d other); %.2f more per extra handler",
-		n, atN.total, atN.handlers, atN.asynqTask, atN.dedupBG, atN.heartbeat, atN.rest()-atN.dedupBG, float64(atN.total-atFew.total)/float64(n-few))
 	for _, c := range []struct {
 		running int
 		g       goroutineCensus
 	}{{few, atFew}, {n, atN}} {
+		t.Logf("goroutines with %d handlers: %d (%d in handlers, %d asynq per-task, %d dedup background of which %d heartbeat, %d extends in flight, %d other)",
+			c.running, c.g.total, c.g.handlers, c.g.asynqTask, c.g.dedupBG, c.g.heartbeat, c.g.extenders, c.g.rest()-c.g.dedupBG)
 		if c.g.handlers != c.running {
 			t.Fatalf("census found %d handlers in the middleware, want %d", c.g.handlers, c.running)
 		}
@@ -278,187 +354,294 @@ func TestHeartbeat1000Handlers(t *testing.T) {
 		t.Errorf("this package runs %d background goroutines with %d handlers, %d with %d: want a constant number", atN.dedupBG, n, atFew.dedupBG, few)
 	}
 	if grow := atN.rest() - atFew.rest(); grow > slack {
-		t.Errorf("%d more goroutines (beyond the handlers' own and asynq's per-task ones) with %d handlers than with %d: want O(1)", grow, n, few)
+		t.Errorf("%d more goroutines (beyond the handlers' own, asynq's per-task ones and extends in flight) with %d handlers than with %d: want O(1)", grow, n, few)
 	}
+}
 
-	// Round trips over a few heartbeats with all n running. The first full
-	// round shows every lease registered; then count beats more.
-	hook.full.Store(n)
-	waitRounds := func(k int64, what string) {
-		t.Helper()
-		deadline := time.Now().Add(10 * time.Second)
-		for hook.snapshot().fullPipelines < k {
-			if time.Now().After(deadline) {
-				c := hook.snapshot()
-				t.Fatalf("timed out waiting for %s (a pipeline of exactly %d extends): so far %d extends in %d pipelines, %d single extends",
-					what, n, c.extendCmds, c.extendPipelines, c.singleExtends)
-			}
-			time.Sleep(5 * time.Millisecond)
+// hbCheckExtends checks what the extends of the tasks ids did: each task's
+// first only once its handler had run one interval, all batched, none
+// finding its key lost, and no more than the rounds the wait asked for
+// (plus those under way): not one per beat.
+func hbCheckExtends(t *testing.T, hook *extendHook, starts *sync.Map, ids []string, win extendCounts) {
+	t.Helper()
+	tasks := hook.extendedTasks()
+	early := time.Duration(1<<63 - 1)
+	for _, id := range ids {
+		v, ok := starts.Load(id)
+		e, extended := tasks[id]
+		if !ok || !extended {
+			t.Fatalf("task %s: started %v, extended %v", id, ok, extended)
 		}
+		early = min(early, e.first.Sub(v.(time.Time)))
 	}
-	waitRounds(1, "a heartbeat renewing all locks")
-	from, t0 := hook.snapshot(), time.Now()
-	waitRounds(from.fullPipelines+beats, fmt.Sprintf("%d more heartbeats", beats))
-	win, elapsed := hook.snapshot().sub(from), time.Since(t0)
-	rounds := win.fullPipelines
-	t.Logf("%d heartbeat rounds in %v (interval %v): %d round trips, %d commands (%d extends in %d pipelines, %d single extends); %.1f round trips and %.0f commands per round",
-		rounds, elapsed.Round(time.Millisecond), interval, win.roundTrips(), win.commands(), win.extendCmds, win.extendPipelines, win.singleExtends,
-		float64(win.roundTrips())/float64(rounds), float64(win.commands())/float64(rounds))
-	if win.singleExtends != 0 {
-		t.Errorf("%d extends sent as single commands, want every renewal in the heartbeat's pipeline", win.singleExtends)
+	total := hook.snapshot()
+	t.Logf("extends: %d in %d round trips (%.1f a trip), %d finding the key lost; the earliest first extension %v after its handler started (interval %v); "+
+		"%d lookups of a task's lock (its record's unique_key, once per attempt) in %d round trips; over the wait: %d round trips, %d commands, %d extends",
+		total.extends, total.extendTrips, float64(total.extends)/float64(total.extendTrips), total.lost, early.Round(time.Millisecond), hbInterval,
+		total.lookups, total.lookupTrips, win.trips, win.cmds, win.extends)
+	if n := int64(len(ids)); total.lookups != n {
+		t.Errorf("%d lookups of the locks of %d plain tasks: want one each (the lease keeps it)", total.lookups, n)
 	}
-	if win.extendPipelines != rounds || win.mixedPipelines != 0 {
-		t.Errorf("%d pipelines carried extends (%d mixed with other commands) in %d heartbeat rounds: want one pipeline of %d extends per round", win.extendPipelines, win.mixedPipelines, rounds, n)
+	if slack := hbInterval / 5; early < hbInterval-slack {
+		t.Errorf("a lock was first extended %v after its handler started: want one heartbeat interval (%v)", early, hbInterval)
 	}
-	if win.extendCmds != rounds*n {
-		t.Errorf("%d extends in %d rounds, want %d each", win.extendCmds, rounds, n)
+	if total.lost != 0 {
+		t.Errorf("%d extends found the key no longer its task's", total.lost)
 	}
-	if win.roundTrips() != rounds {
-		t.Errorf("%d round trips on the Dedup's client in %d heartbeat rounds: with every handler waiting, the heartbeat's pipeline should be all", win.roundTrips(), rounds)
+	if n := int64(len(ids)); total.extends > n*(hbRounds+1) {
+		t.Errorf("%d extends for %d handlers in %d rounds: extended more often than each half TTL", total.extends, n, hbRounds)
 	}
-	if limit := int64(elapsed/interval) + 2; rounds > limit {
-		t.Errorf("%d heartbeat rounds in %v, more than one per %v", rounds, elapsed, interval)
+	if total.extendTrips*2 > total.extends {
+		t.Errorf("%d extends in %d round trips: want them batched (at least 2 a trip on average)", total.extends, total.extendTrips)
 	}
-	if total := hook.snapshot().singleExtends; total != 0 {
-		t.Errorf("%d single extend commands over the whole test", total)
+	if win.scripts != win.extends {
+		t.Errorf("%d script calls while the handlers ran, %d of them extends: plain tasks make no other", win.scripts, win.extends)
 	}
+}
 
-	// The heartbeat kept every lock: each is still its task's.
+// hbCheckLocks checks that each task's lock is still its own, and lives.
+func hbCheckLocks(t *testing.T, h *harness, ids []string) {
+	t.Helper()
 	ctx := context.Background()
-	cmds := make([]*redis.StringCmd, n)
+	vals := make([]*redis.StringCmd, len(ids))
+	ttls := make([]*redis.DurationCmd, len(ids))
 	if _, err := h.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i := range n {
-			cmds[i] = p.HGet(ctx, h.keyOf(userTask(i, ""), h.queue), "tok")
+		for i, id := range ids {
+			lock := taskLock(t, h.rdb, h.queue, id)
+			vals[i], ttls[i] = p.Get(ctx, lock), p.PTTL(ctx, lock)
 		}
 		return nil
 	}); err != nil {
 		t.Fatalf("reading locks: %v", err)
 	}
-	for i, c := range cmds {
-		if c.Val() == "" {
-			t.Fatalf("lock %d is not held by its running task after %d leases: %v", i, int(elapsed/lease)+1, c.Err())
+	for i, id := range ids {
+		if v, d := vals[i].Val(), ttls[i].Val(); v != id || d <= 0 {
+			t.Fatalf("task %s's lock: value %q, PTTL %v, after running past its TTL %v", id, v, d, hbTTL)
 		}
 	}
-	if s := h.d.Stats(); s.LockLost != 0 {
-		t.Errorf("LockLost = %d", s.LockLost)
-	}
-
-	close(release)
-	released = true
-	eventually(t, "all handlers settled", func() bool { return h.d.Stats().Processed == n })
-	eventually(t, "all locks released", func() bool { return len(h.locks()) == 0 })
 }
 
-// BenchmarkHeartbeat measures one heartbeat round for 1,000 running locks:
-// the library's heartbeat (one goroutine, one pipeline) against a goroutine
-// per lock, each calling extend once per round, with auto-pipelining off
-// (one round trip per call: the design the heartbeat replaced) and on (the
-// default Config.MaxBatch). It reports ns/round, round trips and commands
-// per round, counted with a hook on the Dedup's client.
+// BenchmarkHeartbeat measures one heartbeat round that extends 1,000
+// running locks (lua/extend.lua, from ExtendAll's bounded fan-out):
+// batched (auto-pipelining, the default Config.MaxBatch) and unbatched (a
+// round trip per lock). ns/op is per round; it reports the round trips and
+// extends of a round too, counted with a hook on the Dedup's client.
 func BenchmarkHeartbeat(b *testing.B) {
-	const n = 1000
-	ctx := context.Background()
-	setup := func(b *testing.B, cfg Config) (*Dedup, *roundTripHook, []*lease) {
-		rdb := newRDB(b)
-		hook := &roundTripHook{}
-		rdb.AddHook(hook)
-		cfg.Prefix = "bench-" + uniq(b)
-		cfg.Logger = quietLogger()
-		d, err := New(ctx, rdb, cfg)
-		if err != nil {
-			b.Fatal(err)
-		}
-		b.Cleanup(func() { _ = d.Close() })
-		queue := "q-" + uniq(b)
-		ls := make([]*lease, n)
-		keys := make([]string, 0, n)
-		for i := range ls {
-			fp := newToken() // 16 random hex digits, as a fingerprint
-			id := newLockedID(fp)
-			ref := d.newRef(queue, fp, id, "bench:task", false)
-			tok := newToken()
-			if st, holder, err := d.start(ctx, ref, tok, RunningReject); err != nil || st != store.StatusTaken {
-				b.Fatalf("start: %d %q %v", st, holder, err)
-			}
-			ls[i] = &lease{ref: *ref, token: tok, cancel: func(error) {}}
-			keys = append(keys, d.lockKey(ref))
-		}
-		b.Cleanup(func() { _ = rdb.Del(context.Background(), keys...).Err() })
-		return d, hook, ls
-	}
-	report := func(b *testing.B, hook *roundTripHook, from rtCounts) {
-		c := hook.snapshot().sub(from)
-		b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N), "ns/round")
-		b.ReportMetric(float64(c.roundTrips())/float64(b.N), "roundtrips/round")
-		b.ReportMetric(float64(c.commands())/float64(b.N), "cmds/round")
-	}
-
-	b.Run("pipelined", func(b *testing.B) {
-		d, hook, ls := setup(b, Config{})
-		for _, l := range ls {
-			d.hb.add(l)
-		}
-		d.hb.beat() // warm-up, untimed
-		from := hook.snapshot()
-		b.ResetTimer()
-		for b.Loop() {
-			d.hb.beat()
-		}
-		b.StopTimer()
-		report(b, hook, from)
-		if s := d.Stats(); s.LockLost != 0 || s.RedisErrors != 0 {
-			b.Fatalf("stats %+v", s)
-		}
-	})
-
-	perGoroutine := func(cfg Config) func(*testing.B) {
-		return func(b *testing.B) {
-			d, hook, ls := setup(b, cfg)
-			// A goroutine per running lock, as a per-handler heartbeat has;
-			// each renews its lock once per round.
-			var (
-				wg     sync.WaitGroup
-				failed atomic.Int64
-			)
-			ticks := make([]chan struct{}, n)
-			quit := make(chan struct{})
-			defer close(quit)
-			for i, l := range ls {
-				ticks[i] = make(chan struct{}, 1)
-				go func() {
-					for {
-						select {
-						case <-quit:
-							return
-						case <-ticks[i]:
-						}
-						if ok, err := d.extend(ctx, &l.ref, l.token, 3*d.cfg.heartbeat); err != nil || !ok {
-							failed.Add(1)
-						}
-						wg.Done()
-					}
-				}()
-			}
+	for _, c := range []struct {
+		name     string
+		maxBatch int
+	}{{"batched", 0}, {"unbatched", -1}} {
+		b.Run(c.name, func(b *testing.B) {
+			d, hook, base := hbBenchLeases(b, Config{MaxBatch: c.maxBatch}, 1000)
+			now := base
 			round := func() {
-				wg.Add(n)
-				for _, c := range ticks {
-					c <- struct{}{}
-				}
-				wg.Wait()
+				now = now.Add(time.Hour) // every lease due again (TTL one hour: each half hour)
+				d.hb.beat(now)
 			}
 			round() // warm-up, untimed: fills the connection pool
 			from := hook.snapshot()
-			b.ResetTimer()
 			for b.Loop() {
 				round()
 			}
-			b.StopTimer()
-			report(b, hook, from)
-			if f := failed.Load(); f != 0 {
-				b.Fatalf("%d renewals failed", f)
+			c := hook.snapshot().sub(from)
+			b.ReportMetric(float64(c.trips)/float64(b.N), "roundtrips/round")
+			b.ReportMetric(float64(c.extends)/float64(b.N), "extends/round")
+			if s := d.Stats(); s.LockLost != 0 || s.RedisErrors != 0 || c.lost != 0 {
+				b.Fatalf("stats %+v, %d extends found the key lost", s, c.lost)
 			}
+		})
+	}
+}
+
+// hbBenchLeases gives a Dedup n running attempts of tasks NewClient
+// stored, registered with its heartbeat (whose loop does not run: the
+// benchmark beats by hand) as started at base, with a hook on its client.
+func hbBenchLeases(b *testing.B, cfg Config, n int) (*Dedup, *extendHook, time.Time) {
+	rdb := newRDB(b)
+	hook := newExtendHook(-1, 0)
+	rdb.AddHook(hook)
+	cfg.Prefix, cfg.Logger = "bench-"+uniq(b), quietLogger()
+	ctx := context.Background()
+	d, err := New(ctx, rdb, cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = d.Close() })
+	queue := "q-" + uniq(b)
+	insp := asynq.NewInspectorFromRedisClient(rdb)
+	b.Cleanup(func() { _ = insp.DeleteQueue(queue, true) })
+	base := time.Now()
+	c := d.NewClient()
+	for i := range n {
+		info, err := c.EnqueueContext(ctx, userTask(i, ""), asynq.Queue(queue))
+		if err != nil {
+			b.Fatal(err)
+		}
+		lock := taskLock(b, rdb, queue, info.ID)
+		l := &lease{ref: store.Ref{Queue: queue, ID: info.ID, Type: "user:reindex", Lock: lock, FP: fpOfLock(lock)},
+			kind: store.IDPlain, ttl: time.Hour, cancel: func(error) {}}
+		d.hb.add(l)
+		d.hb.entries[l].since = base
+	}
+	b.Cleanup(func() { _ = rdb.Del(context.Background(), hbLockKeys(d, queue)...).Err() })
+	return d, hook, base
+}
+
+// hbLockKeys lists the locks of queue the heartbeat of d extends.
+func hbLockKeys(d *Dedup, queue string) []string {
+	d.hb.mu.Lock()
+	defer d.hb.mu.Unlock()
+	var out []string
+	for l := range d.hb.entries {
+		if l.ref.Queue == queue {
+			out = append(out, l.ref.Lock)
 		}
 	}
-	b.Run("per-goroutine", perGoroutine(Config{MaxBatch: -1}))
-	b.Run("per-goroutine-autobatch", perGoroutine(Config{}))
+	return out
+}
+
+// BenchmarkMiddlewarePerTask measures what the middleware costs per task
+// a worker runs (a handler that returns at once), by the Redis calls the
+// Dedup's own client makes: none for a plain task NewClient stored, one at
+// success for a Cooldown's, a start and an end for a task that arrived
+// without a lock. ns/op is per task; it reports scripts/task and
+// cmds/task too.
+func BenchmarkMiddlewarePerTask(b *testing.B) {
+	needRealRedis(b)
+	for _, c := range []struct {
+		name    string
+		scripts float64 // per task, as docs/lifecycle.md promises
+		enqueue func(w *hbWorker, i int) error
+	}{
+		{"plain", 0, func(w *hbWorker, i int) error {
+			_, err := w.client.Enqueue(userTask(i, ""), asynq.Queue(w.queue))
+			return err
+		}},
+		{"cooldown", 1, func(w *hbWorker, i int) error {
+			_, err := w.client.Enqueue(userTask(i, ""), asynq.Queue(w.queue), Cooldown(time.Hour))
+			return err
+		}},
+		{"arrived-without-lock", 2, func(w *hbWorker, i int) error {
+			_, err := w.asynq.Enqueue(userTask(i, ""), asynq.Queue(w.queue))
+			return err
+		}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			got := hbBenchWorker(b, c.enqueue)
+			if got != c.scripts {
+				b.Errorf("%.2f scripts per task, want %v", got, c.scripts)
+			}
+		})
+	}
+}
+
+// hbWorker is a Dedup with a hook on its own client, NewClient and asynq's
+// client (on another client), and a queue.
+type hbWorker struct {
+	d      *Dedup
+	hook   *extendHook
+	srvRDB redis.UniversalClient
+	client *Client
+	asynq  *asynq.Client
+	queue  string
+}
+
+// hbBenchWorker enqueues b.N tasks with enqueue, then times a server with
+// the middleware (8 workers, a handler that returns at once) running them
+// all, and returns the scripts the Dedup's client called per task.
+func hbBenchWorker(b *testing.B, enqueue func(w *hbWorker, i int) error) float64 {
+	rdb := newRDB(b)
+	w := &hbWorker{hook: newExtendHook(-1, 0), srvRDB: newRDB(b), queue: "q-" + uniq(b)}
+	rdb.AddHook(w.hook)
+	d, err := New(context.Background(), rdb, Config{Prefix: "bench-" + uniq(b), Logger: quietLogger()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = d.Close() })
+	w.d, w.client, w.asynq = d, d.NewClient(), asynq.NewClientFromRedisClient(w.srvRDB)
+	insp := asynq.NewInspectorFromRedisClient(w.srvRDB)
+	b.Cleanup(func() { _ = insp.DeleteQueue(w.queue, true) })
+	for i := range b.N {
+		if err := enqueue(w, i); err != nil {
+			b.Fatal(err)
+		}
+	}
+	from := w.hook.snapshot()
+	b.ResetTimer()
+	srv := asynq.NewServerFromRedisClient(w.srvRDB, asynq.Config{Concurrency: 8, Queues: map[string]int{w.queue: 1},
+		TaskCheckInterval: 10 * time.Millisecond, LogLevel: asynq.FatalLevel})
+	if err := srv.Start(d.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }))); err != nil {
+		b.Fatal(err)
+	}
+	defer srv.Shutdown()
+	// asynq counts a task processed in the script that marks it done,
+	// after the middleware's last call: no signal but its counter.
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(time.Millisecond) {
+		if n, _ := w.srvRDB.Get(context.Background(), store.ProcessedKey(w.queue)).Int(); n >= b.N {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("%d tasks not processed within a minute", b.N)
+		}
+	}
+	b.StopTimer()
+	c := w.hook.snapshot().sub(from)
+	b.ReportMetric(float64(c.scripts)/float64(b.N), "scripts/task")
+	b.ReportMetric(float64(c.cmds)/float64(b.N), "cmds/task")
+	return float64(c.scripts) / float64(b.N)
+}
+
+// lookupFailer fails each HGET of a task's unique_key while armed, as a
+// Redis error would.
+type lookupFailer struct{ armed atomic.Bool }
+
+func (f *lookupFailer) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (f *lookupFailer) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if a := cmd.Args(); f.armed.Load() && cmd.Name() == "hget" && len(a) == 3 && a[2] == "unique_key" {
+			err := fmt.Errorf("injected: connection reset")
+			cmd.SetErr(err)
+			return err
+		}
+		return next(ctx, cmd)
+	}
+}
+func (f *lookupFailer) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// A beat that cannot read a running plain task's lock from its record (a
+// Redis error, the breaker open) must try again at the next beat, as it
+// does when the extension itself fails (heartbeater.again): else the lock
+// goes unextended for half its TTL, and one whose task waited long in its
+// queue expires under the running handler.
+func TestHeartbeatRetriesAFailedLockLookup(t *testing.T) {
+	rdb := newRDB(t)
+	fail, hook := &lookupFailer{}, newExtendHook(-1, 0)
+	rdb.AddHook(hook)
+	rdb.AddHook(fail)
+	h := newHarnessOn(t, rdb, Config{})
+	h.client = h.d.NewClient()
+	info := h.enqueue(userTask(1, ""))
+	// Its attempt runs, as the middleware registers a plain task's: the
+	// lease learns the lock at its first beat (findLock). The heartbeat's
+	// loop does not run (no Middleware): the test beats by hand.
+	l := &lease{ref: store.Ref{Queue: h.queue, ID: info.ID, Type: "user:reindex"}, kind: store.IDPlain, ttl: h.d.ttlOf(&resolved{}), cancel: func(error) {}}
+	hb, base := h.d.hb, time.Now()
+	hb.add(l)
+	hb.mu.Lock()
+	hb.entries[l].since = base
+	hb.mu.Unlock()
+
+	fail.armed.Store(true)
+	hb.beat(base.Add(hb.interval)) // due: the lookup fails
+	fail.armed.Store(false)
+	if c := hook.snapshot(); c.extends != 0 || c.lookups != 0 {
+		t.Fatalf("the failed beat: %d extends, %d lookups answered", c.extends, c.lookups)
+	}
+	hb.beat(base.Add(2 * hb.interval)) // the next beat
+	if c := hook.snapshot(); c.extends != 1 {
+		t.Errorf("the beat after a failed lookup of a running task's lock made %d extends, %d lookups: its extension waits half the TTL (%v), not the next beat (%v)",
+			c.extends, c.lookups, l.ttl/2, hb.interval)
+	}
 }

@@ -95,7 +95,10 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 // runs (mustStart); done reports that the attempt is answered (err), else
 // it runs.
 func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, rule *resolved, l *lease) (done bool, err error) {
-	if !d.findLock(ctx, l) {
+	switch found, err := d.lockOf(ctx, l); {
+	case err != nil:
+		return true, d.unlocked(ctx, "start", t, next, err)
+	case !found:
 		return false, nil // (a plain task whose record names no lock: a Scheduler firing's)
 	}
 	l.rec.locked(l)
@@ -154,18 +157,28 @@ func (d *Dedup) storedHere(ctx context.Context, queue, id string) bool {
 }
 
 // findLock learns the lock key of a plain task (its record's unique key),
-// reporting false when it names none.
+// reporting false when it names none or cannot be read.
 func (d *Dedup) findLock(ctx context.Context, l *lease) bool {
+	found, _ := d.lockOf(ctx, l)
+	return found
+}
+
+// lockOf is findLock with the read's error. It may run on the heartbeat's
+// goroutine and the attempt's at once: refMu orders them (the lock, once
+// known, never changes).
+func (d *Dedup) lockOf(ctx context.Context, l *lease) (bool, error) {
+	l.refMu.Lock()
+	defer l.refMu.Unlock()
 	if l.ref.Lock != "" {
-		return true
+		return true, nil
 	}
 	lock, err := d.store.LockOf(ctx, l.ref.Queue, l.ref.ID)
 	if err != nil || lock == "" {
-		return false
+		return false, err
 	}
 	l.ref.Lock = lock
 	_, _, l.ref.FP, _ = store.ParseLockKey(lock)
-	return true
+	return true, nil
 }
 
 // runAllowed runs an attempt of a RunningAllow type, which holds no lock
@@ -431,6 +444,7 @@ type lease struct {
 	cancel  context.CancelCauseFunc
 	rec     *Attempt // what the middleware did, for a wrapper (WithAttempt); nil: not asked
 
+	refMu        sync.Mutex // orders lockOf's write of ref.Lock and ref.FP
 	mu           sync.Mutex // guards returned and outlivedMark (outlived runs on its own goroutine)
 	returned     bool       // the handler returned
 	outlivedMark bool       // the mode record notes the handler outlived its attempt: its end clears it

@@ -64,8 +64,9 @@ const (
 	// takes the lock and is queued when the run ends — whether it succeeds or
 	// fails for good; after a failure with retries left, the follow-up waits
 	// for the retry. The follow-up is stored in asynq at once (parked in the
-	// scheduled set, kept there by the heartbeat), so a worker crash cannot
-	// lose it: it then comes due by itself within two leases.
+	// scheduled set until the run ends), so a worker crash cannot lose it:
+	// it runs after the crashed task's retry, or when its parking time
+	// (the key's TTL) passes.
 	RunningDefer
 )
 

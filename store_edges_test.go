@@ -1,426 +1,368 @@
-//go:build ignore
-
 package dedup
 
-// Adversarial tests of the internal/store refactor, through the public API
-// where possible (scripts run in the checked build: DEDUP_CHECK_SCRIPT_KEYS=1).
+// Edges of the lock scripts (take, acquire, merge, start, settle), through
+// the public API: a waiting slot an arrival frees, a caller-chosen ID
+// reused, a follow-up whose holder or which itself vanished, hints that
+// went stale. Scripts run in the checked build (DEDUP_CHECK_SCRIPT_KEYS=1):
+// a key a script touches without being given it fails the call.
 
 import (
 	"context"
 	"errors"
-	"strings"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
-	"github.com/redis/go-redis/v9"
 )
 
-
-// MaxPending with heal, at execution: a task that arrives without a lock
-// and heals an orphaned, counted lock (start.lua) must leave the waiting set
-// as acquire's heal does. The key is running now, not waiting.
-func TestStartHealFreesWaitingSlot(t *testing.T) {
-	h := newHarness(t, Config{Rules: map[string]Rule{"bounded": {Fields: []string{"k"}, MaxPending: 1}}})
-	ctx := context.Background()
-	t1 := asynq.NewTask("bounded", []byte(`{"k":1}`))
-	first := h.enqueue(t1)
-	key := h.keyOf(t1, h.queue)
-	wait := store.NewKeys(h.prefix).Wait(h.queue, "bounded")
-	if n := h.rdb.ZCard(ctx, wait).Val(); n != 1 {
-		t.Fatalf("precondition: waiting set holds %d", n)
-	}
-	// The owner vanishes (deleted by an operator); its lock is old.
-	if err := h.insp.DeleteTask(h.queue, first.ID); err != nil {
-		t.Fatal(err)
-	}
-	h.ageLock(key)
-	// The same work arrives without a lock (asynq.Scheduler) and starts:
-	// the execution-time guard heals the orphan and runs.
-	sched := "sched-" + uniq(t)
-	if _, err := h.asynq.Enqueue(t1, asynq.Queue(h.queue), asynq.TaskID(sched)); err != nil {
-		t.Fatal(err)
-	}
-	ref := h.d.newRef(h.queue, fpOfKey(key), sched, "bounded", false)
-	st, _, err := h.d.start(ctx, ref, newToken(), RunningReject)
-	if err != nil || st != store.StatusTaken {
-		t.Fatalf("start: %v %v", st, err)
-	}
-	if n := h.rdb.ZCard(ctx, wait).Val(); n != 0 {
-		t.Errorf("after the guard healed the orphan and started, the waiting set still counts %d key(s): %v", n, h.rdb.ZRange(ctx, wait, 0, -1).Val())
-	}
-	// Nothing waits: a new key must be accepted.
-	if _, err := h.client.Enqueue(asynq.NewTask("bounded", []byte(`{"k":2}`)), asynq.Queue(h.queue)); err != nil {
-		t.Errorf("new key refused although no key waits (the healed orphan is still counted): %v", err)
-	}
-}
-
-// Stale hint on the direct path with a caller-chosen ID: the holder the
-// hint names has finished (completed, kept by Retention) and the caller
-// enqueues its ID again. Without a hint the direct path answers
-// ErrTaskIDConflict and locks nothing; with the stale hint it must answer
-// the same — not "Created" for a task that was never enqueued, with a lock
-// held for a completed task.
-func TestStaleHintCallerIDReuseConflicts(t *testing.T) {
-	rules := map[string]Rule{"job": {Fields: []string{"k"}}}
-	h := newHarness(t, Config{Rules: rules})
-	ctx := context.Background()
-	c := h.d.NewClient()
-	id := "job-" + uniq(t)
-	task := asynq.NewTask("job", []byte(`{"k":1}`))
-	key := h.keyOf(task, h.queue)
-	if _, err := c.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID(id), asynq.Retention(time.Hour)); err != nil {
-		t.Fatal(err)
-	}
-	// A duplicate: this process now remembers the holder.
-	if _, err := c.Enqueue(task, asynq.Queue(h.queue)); !errors.Is(err, ErrDuplicateTask) {
-		t.Fatalf("duplicate: %v", err)
-	}
-	ran := make(chan struct{}, 1)
-	srv := h.serve(func(context.Context, *asynq.Task) error { ran <- struct{}{}; return nil }, nil)
-	waitFor(t, ran, "run")
-	eventually(t, "completed, lock released", func() bool {
-		return h.taskState(id) == asynq.TaskStateCompleted && h.lockOwner(key) == ""
-	})
-	srv.Shutdown()
-
-	// Reference: a process without the hint.
-	fresh := newHarnessOn(t, h.rdb, Config{Prefix: h.prefix, Rules: rules})
-	_, ferr := fresh.d.NewClient().Enqueue(task, asynq.Queue(h.queue), asynq.TaskID(id), asynq.Retention(time.Hour))
-	if !errors.Is(ferr, asynq.ErrTaskIDConflict) || h.lockOwner(key) != "" {
-		t.Fatalf("reference (no hint): err %v, lock owner %q; want ErrTaskIDConflict and no lock", ferr, h.lockOwner(key))
-	}
-
-	// The process with the stale hint.
-	res, err := c.Submit(ctx, task, asynq.Queue(h.queue), asynq.TaskID(id), asynq.Retention(time.Hour))
-	if !errors.Is(err, asynq.ErrTaskIDConflict) {
-		state := ""
-		if res.Info != nil {
-			state = res.Info.State.String()
-		}
-		t.Errorf("stale hint: Submit = outcome %v task %s (state %s), err %v; the same call without a hint gives ErrTaskIDConflict",
-			res.Outcome, res.TaskID, state, err)
-	}
-	if owner := h.lockOwner(key); owner != "" {
-		t.Errorf("stale hint: lock left held by %q, whose task is %v", owner, h.taskState(owner))
-		if _, err := c.Enqueue(task, asynq.Queue(h.queue)); errors.Is(err, ErrDuplicateTask) {
-			t.Errorf("stale hint: new work on the key is now refused as a duplicate of a completed task: %v", err)
-		}
-	}
-}
-
-// Healing an orphaned lock that owes a follow-up: the holder waited for its
-// retry (follow-up parked) and was deleted by hand. The next enqueue must
-// make the follow-up the holder, queue it at once and fold into it, with
-// every key it touches given (checked build).
-func TestHealOrphanOwedFollowUpAdopts(t *testing.T) {
-	for _, pol := range []struct {
-		name     string
-		conflict Conflict
-		outcome  Outcome
-	}{{"replace", Replace, Replaced}, {"reject", Reject, 0}, {"merge", Merge, Merged}} {
-		t.Run(pol.name, func(t *testing.T) {
-			rule := Rule{Fields: []string{"u"}, OnConflict: pol.conflict, OnRunning: RunningDefer}
-			if pol.conflict == Merge {
-				rule.MergeFunc = func(old, new []byte) ([]byte, error) { return new, nil }
-			}
-			h := newHarness(t, Config{Rules: map[string]Rule{"prof": rule}})
+// A task that arrives without a lock (asynq.Scheduler, another service)
+// and takes, as it starts, a key whose holder is gone while its waiting
+// slot (MaxPending) is still counted, frees that slot: the key runs now,
+// it does not wait. acquire.lua's heal frees it; start.lua's must too.
+func TestArrivalTakingAnOrphanedCountedKeyFreesItsWaitingSlot(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		gone func(h *harness, id string) error
+	}{
+		{"holder archived, its lock healed", func(h *harness, id string) error { return h.insp.ArchiveTask(h.queue, id) }},
+		{"holder deleted with its lock", func(h *harness, id string) error { return h.insp.DeleteTask(h.queue, id) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, Config{Rules: map[string]Rule{"bounded": {Fields: []string{"k"}, MaxPending: 1}}})
+			h.client = h.d.NewClient()
 			ctx := context.Background()
-			a := h.enqueue(asynq.NewTask("prof", []byte(`{"u":1,"v":1}`)))
-			key := h.keyOf(asynq.NewTask("prof", []byte(`{"u":1}`)), h.queue)
-			fp := fpOfKey(key)
-			ref := h.d.newRef(h.queue, fp, a.ID, "prof", false)
-			tok := newToken()
-			if st, _, err := h.d.start(ctx, ref, tok, RunningDefer); err != nil || st != store.StatusTaken {
-				t.Fatalf("start: %v %v", st, err)
+			work := asynq.NewTask("bounded", []byte(`{"k":1}`))
+			first := h.enqueue(work)
+			key, wait := h.keyOf(work, h.queue), store.NewKeys(h.prefix).Wait(h.queue, "bounded")
+			if n := h.rdb.ZCard(ctx, wait).Val(); n != 1 {
+				t.Fatalf("precondition: the waiting set counts %d keys", n)
 			}
-			def, err := h.client.Submit(ctx, asynq.NewTask("prof", []byte(`{"u":1,"v":2}`)), asynq.Queue(h.queue))
-			if err != nil || def.Outcome != Deferred {
-				t.Fatalf("defer: %+v %v", def, err)
-			}
-			follow := def.TaskID
-			if owned, _, err := h.d.finish(ctx, ref, tok, false, time.Hour, time.Hour); err != nil || !owned {
-				t.Fatalf("hold: %v %v", owned, err)
-			}
-			if err := h.insp.DeleteTask(h.queue, a.ID); err != nil {
+			if err := c.gone(h, first.ID); err != nil {
 				t.Fatal(err)
 			}
-			h.ageLock(key)
-			res, err := h.client.Submit(ctx, asynq.NewTask("prof", []byte(`{"u":1,"v":3}`)), asynq.Queue(h.queue))
-			var dup *DuplicateTaskError
-			switch {
-			case pol.outcome == 0 && (!errors.As(err, &dup) || dup.TaskID != follow):
-				t.Errorf("reject: %+v %v, want a duplicate of the follow-up %s", res, err, follow)
-			case pol.outcome != 0 && (err != nil || res.Outcome != pol.outcome || res.TaskID != follow):
-				t.Errorf("%s: %+v %v, want %v into the follow-up %s", pol.name, res, err, pol.outcome, follow)
+			started, release := make(chan string, 1), make(chan struct{})
+			h.serve(func(ctx context.Context, _ *asynq.Task) error {
+				id, _ := asynq.GetTaskID(ctx)
+				started <- id
+				<-release
+				return nil
+			}, nil)
+			defer close(release)
+			arrived, err := h.asynq.Enqueue(work, asynq.Queue(h.queue)) // no lock
+			if err != nil {
+				t.Fatal(err)
 			}
-			if owner := h.lockOwner(key); owner != follow {
-				t.Errorf("lock owner %q, want the follow-up %s", owner, follow)
+			if id := waitFor(t, started, "the arrival running"); id != arrived.ID || h.lockOwner(key) != arrived.ID {
+				t.Fatalf("ran %s holding %q, want the arrival %s", id, h.lockOwner(key), arrived.ID)
 			}
-			if st := h.taskState(follow); st != asynq.TaskStatePending {
-				t.Errorf("follow-up state %v, want pending", st)
+			if n := h.rdb.ZCard(ctx, wait).Val(); n != 0 {
+				t.Errorf("the arrival runs under the key, and the waiting set still counts %d key(s): %v", n, h.rdb.ZRange(ctx, wait, 0, -1).Val())
 			}
-			if n := h.rdb.Exists(ctx, store.NewKeys(h.prefix).Follow(h.queue, fp)).Val(); n != 0 {
-				t.Errorf("follow-up pointer left")
-			}
-			if f := h.rdb.HGet(ctx, key, "f").Val(); f != "" {
-				t.Errorf("lock still owes %q", f)
+			if res, err := h.client.Submit(ctx, asynq.NewTask("bounded", []byte(`{"k":2}`)), asynq.Queue(h.queue)); err != nil || res.Outcome != Created {
+				t.Errorf("a new key, with no key waiting: %+v %v", res, err)
 			}
 		})
 	}
 }
 
-// replace.lua must never write into a task that is running, that owes a
-// follow-up, or into a holder the lock no longer names; and it must bump
-// the merge version so a concurrent Merge's compare-and-set fails.
-func TestReplaceScriptOnlyWritesAWaitingHolder(t *testing.T) {
-	rule := Rule{Fields: []string{"u"}, OnConflict: Replace, OnRunning: RunningDefer}
-	h := newHarness(t, Config{Rules: map[string]Rule{"prof": rule}})
-	ctx := context.Background()
-	c := h.d.NewClient()
-	a, err := c.Enqueue(asynq.NewTask("prof", []byte(`{"u":1,"v":1}`)), asynq.Queue(h.queue))
-	if err != nil {
-		t.Fatal(err)
-	}
-	key := h.keyOf(asynq.NewTask("prof", []byte(`{"u":1}`)), h.queue)
-	fp := fpOfKey(key)
-	// Two replaces: the second through replace.lua.
-	for v := 2; v <= 3; v++ {
-		res, err := c.Submit(ctx, asynq.NewTask("prof", []byte(`{"u":1,"v":`+string(rune('0'+v))+`}`)), asynq.Queue(h.queue))
-		if err != nil || res.Outcome != Replaced || res.TaskID != a.ID {
-			t.Fatalf("replace %d: %+v %v", v, res, err)
-		}
-	}
-	if n := h.rdb.HGet(ctx, key, "n").Val(); n != "2" {
-		t.Errorf("fold count %q after two replaces, want 2", n)
-	}
-	// Merge compare-and-set against a replace through replace.lua.
-	ref := store.Ref{Queue: h.queue, FP: fp, ID: newLockedID(fp), Type: "prof"}
-	mr, err := h.d.store.Acquire(ctx, &store.Acquire{Ref: ref, OnWaiting: store.FoldMerge, TTL: time.Hour, Now: time.Now()})
-	if err != nil || mr.Status != store.StatusMerge {
-		t.Fatalf("merge read: %+v %v", mr, err)
-	}
-	if res, err := c.Submit(ctx, asynq.NewTask("prof", []byte(`{"u":1,"v":4}`)), asynq.Queue(h.queue)); err != nil || res.Outcome != Replaced {
-		t.Fatalf("replace: %+v %v", res, err)
-	}
-	cr, err := h.d.store.Coalesce(ctx, &store.Coalesce{Ref: ref, Target: mr.Task, Version: mr.Version, Payload: []byte(`{"u":1,"v":"merged-stale"}`)})
-	if err != nil || cr.Written {
-		t.Errorf("a merge read before a replace still wrote: %+v %v", cr, err)
-	}
-	// The holder starts: a replace must not touch it.
-	aref := h.d.newRef(h.queue, fp, a.ID, "prof", false)
-	tok := newToken()
-	if st, _, err := h.d.start(ctx, aref, tok, RunningDefer); err != nil || st != store.StatusTaken {
-		t.Fatalf("start: %v %v", st, err)
-	}
-	before := h.payloadOf(a.ID)
-	res, err := c.Submit(ctx, asynq.NewTask("prof", []byte(`{"u":1,"v":5}`)), asynq.Queue(h.queue))
-	if err != nil || res.Outcome != Deferred {
-		t.Fatalf("replace into running: %+v %v", res, err)
-	}
-	if got := h.payloadOf(a.ID); got != before {
-		t.Errorf("running task's payload rewritten: %s -> %s", before, got)
-	}
-	follow := res.TaskID
-	// Retry: the holder waits again, with a follow-up owed.
-	if owned, _, err := h.d.finish(ctx, aref, tok, false, time.Hour, time.Hour); err != nil || !owned {
-		t.Fatalf("hold: %v %v", owned, err)
-	}
-	for v := 6; v <= 7; v++ {
-		res, err := c.Submit(ctx, asynq.NewTask("prof", []byte(`{"u":1,"v":`+string(rune('0'+v))+`}`)), asynq.Queue(h.queue))
-		if err != nil || res.Outcome != Replaced || res.TaskID != follow {
-			t.Errorf("replace while a follow-up is owed: %+v %v, want Replaced into %s", res, err, follow)
-		}
-	}
-	if got := h.payloadOf(a.ID); got != before {
-		t.Errorf("retry-waiting holder owing a follow-up was rewritten: %s -> %s", before, got)
-	}
-	if got := h.payloadOf(follow); got != `{"u":1,"v":7}` {
-		t.Errorf("follow-up payload %s", got)
+// A caller-chosen task ID used again for other work (another key) while
+// its task waits is refused (asynq.ErrTaskIDConflict), on both enqueue
+// paths, and leaves that task alone: its lock stays its own, the other key
+// stays free, and the task runs and releases its lock as any other.
+func TestCallerIDReusedForAnotherKeyLeavesTheLiveTaskAlone(t *testing.T) {
+	for _, direct := range []bool{true, false} {
+		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
+			h := newHarness(t, Config{})
+			if direct {
+				h.client = h.d.NewClient()
+			}
+			id := "order-" + uniq(t)
+			first := asynq.NewTask("order", []byte(`{"n":1}`))
+			h.enqueue(first, asynq.TaskID(id), Key("k1"))
+			k1, k2 := h.keyOf(first, h.queue, Key("k1")), h.keyOf(first, h.queue, Key("k2"))
+			_, err := h.client.Enqueue(asynq.NewTask("order", []byte(`{"n":2}`)), asynq.Queue(h.queue), asynq.TaskID(id), Key("k2"))
+			if !errors.Is(err, asynq.ErrTaskIDConflict) {
+				t.Errorf("the ID reused for another key: err = %v, want ErrTaskIDConflict", err)
+			}
+			if o1, o2 := h.lockOwner(k1), h.lockOwner(k2); o1 != id || o2 != "" {
+				t.Errorf("after the refused call: k1 held by %q (want %s), k2 by %q (want none)", o1, id, o2)
+			}
+			if lock := taskLock(t, h.rdb, h.queue, id); lock != k1 || h.payloadOf(id) != `{"n":1}` {
+				t.Errorf("task %s now names lock %s with payload %s: the refused call changed it", id, lock, h.payloadOf(id))
+			}
+			ran := make(chan string, 1)
+			h.serve(func(ctx context.Context, _ *asynq.Task) error { got, _ := asynq.GetTaskID(ctx); ran <- got; return nil }, nil)
+			if got := waitFor(t, ran, "the task running"); got != id {
+				t.Fatalf("ran %s, want %s", got, id)
+			}
+			eventually(t, "its lock released", func() bool { return h.lockOwner(k1) == "" })
+			if _, err := h.client.Enqueue(asynq.NewTask("order", []byte(`{"n":3}`)), asynq.Queue(h.queue), Key("k1")); err != nil {
+				t.Errorf("new work on k1 after its task succeeded: %v", err)
+			}
+		})
 	}
 }
 
-var _ = redis.Nil
-
-// A caller-chosen task ID reused for other work (another key) must be
-// refused (ErrTaskIDConflict) without touching the first task's lock or its
-// index key. The acquire script writes the index key before asynq refuses
-// the ID; the rollback then deletes it: the first task's lock can no longer
-// be found from its ID, so the middleware locks another key for it and
-// never releases its real lock.
-func TestCallerIDReuseLeavesLiveTaskAlone(t *testing.T) {
-	h := newHarness(t, Config{})
-	ctx := context.Background()
-	id := "order-" + uniq(t)
-	first := asynq.NewTask("order", []byte(`{"n":1}`))
-	if _, err := h.client.Enqueue(first, asynq.Queue(h.queue), asynq.TaskID(id), Key("k1")); err != nil {
-		t.Fatal(err)
+// edgesHolderOwingFollowUp makes the key of a task of type typ (payload
+// {"u":1,...}, a RunningDefer rule) held by a holder waiting for its retry
+// (an hour off) that owes the follow-up a call made while it ran: its first
+// attempt fails after that call. The server is shut down, so nothing runs
+// after. It returns the holder's and the follow-up's IDs.
+func edgesHolderOwingFollowUp(t *testing.T, h *harness, typ string) (holder, follow string) {
+	t.Helper()
+	started, fail := make(chan string, 1), make(chan struct{})
+	srv := h.serve(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started <- id
+		<-fail
+		return errors.New("the first attempt fails")
+	}, func(c *asynq.Config) {
+		c.Concurrency = 1
+		c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return time.Hour }
+	})
+	a := h.enqueue(asynq.NewTask(typ, []byte(`{"u":1,"v":1}`)))
+	if id := waitFor(t, started, "the holder running"); id != a.ID {
+		t.Fatalf("ran %s, want %s", id, a.ID)
 	}
-	idx := indexKey(h.prefix, h.queue, id)
-	fp1 := h.rdb.Get(ctx, idx).Val()
-	if fp1 == "" {
-		t.Fatal("no index key")
-	}
-	_, err := h.client.Enqueue(asynq.NewTask("order", []byte(`{"n":2}`)), asynq.Queue(h.queue), asynq.TaskID(id), Key("k2"))
-	if !errors.Is(err, asynq.ErrTaskIDConflict) {
-		t.Errorf("reused ID: err = %v, want ErrTaskIDConflict", err)
-	}
-	if got, err := h.rdb.Get(ctx, idx).Result(); got != fp1 {
-		t.Errorf("index key of pending task %s was %q, now %q (%v): the refused enqueue clobbered it", id, fp1, got, err)
-	}
-	// Consequence: the first task runs and succeeds, its lock stays.
-	ran := make(chan struct{}, 1)
-	h.serve(func(context.Context, *asynq.Task) error { ran <- struct{}{}; return nil }, nil)
-	waitFor(t, ran, "run")
-	k1 := lockKeyHex(h.prefix, h.queue, fp1)
-	// The middleware settles the lock before asynq marks the task done.
-	eventually(t, "task done", func() bool { return h.taskState(id) == 0 || h.taskState(id) == asynq.TaskStateCompleted })
-	if owner := h.lockOwner(k1); owner != "" {
-		t.Errorf("after task %s succeeded its lock %s is still held by %q", id, k1, owner)
-		if _, err := h.client.Enqueue(asynq.NewTask("order", []byte(`{"n":3}`)), asynq.Queue(h.queue), Key("k1")); errors.Is(err, ErrDuplicateTask) {
-			t.Errorf("key k1 refused as a duplicate of the finished task: %v", err)
-		}
-	}
-}
-
-// Merge into a holder that waits for its retry while the follow-up it owes
-// has vanished (deleted by an operator): acquire names the holder as the
-// merge target (the follow-up is not waiting), but coalesce.lua refuses any
-// holder target while the lock has a follow-up field, so every
-// compare-and-set fails and the enqueue ends in ErrContention after 32
-// rounds; Replace in the same state writes into the holder.
-func TestMergeIntoHolderWhoseFollowUpVanished(t *testing.T) {
-	merge := func(old, new []byte) ([]byte, error) { return new, nil }
-	h := newHarness(t, Config{Rules: map[string]Rule{"cnt": {Fields: []string{"u"}, OnConflict: Merge, MergeFunc: merge, OnRunning: RunningDefer}}})
-	ctx := context.Background()
-	a := h.enqueue(asynq.NewTask("cnt", []byte(`{"u":1,"v":1}`)))
-	key := h.keyOf(asynq.NewTask("cnt", []byte(`{"u":1}`)), h.queue)
-	aref := h.d.newRef(h.queue, fpOfKey(key), a.ID, "cnt", false)
-	tok := newToken()
-	if st, _, err := h.d.start(ctx, aref, tok, RunningDefer); err != nil || st != store.StatusTaken {
-		t.Fatalf("start: %v %v", st, err)
-	}
-	def, err := h.client.Submit(ctx, asynq.NewTask("cnt", []byte(`{"u":1,"v":2}`)), asynq.Queue(h.queue))
+	def, err := h.client.Submit(context.Background(), asynq.NewTask(typ, []byte(`{"u":1,"v":2}`)), asynq.Queue(h.queue))
 	if err != nil || def.Outcome != Deferred {
-		t.Fatalf("defer: %+v %v", def, err)
+		t.Fatalf("a call while the holder runs: %+v %v, want deferred", def, err)
 	}
-	if owned, _, err := h.d.finish(ctx, aref, tok, false, time.Hour, time.Hour); err != nil || !owned {
-		t.Fatalf("hold: %v %v", owned, err)
+	close(fail)
+	eventually(t, "the holder waiting for its retry", func() bool { return h.taskState(a.ID) == asynq.TaskStateRetry })
+	srv.Shutdown()
+	if key := taskLock(t, h.rdb, h.queue, a.ID); h.lockOwner(key) != a.ID || h.rdb.HGet(context.Background(), store.ModeOf(key), store.FieldFollow).Val() != def.TaskID {
+		t.Fatalf("the key is not held by %s owing %s", a.ID, def.TaskID)
 	}
-	if err := h.insp.DeleteTask(h.queue, def.TaskID); err != nil {
+	return a.ID, def.TaskID
+}
+
+// The follow-up a key owes (RunningDefer) takes the key when its holder is
+// gone (deleted by an operator while it waited for its retry): the next
+// call queues it at once and meets it as the key's holder, folded into or
+// a duplicate of it by its policy, and the key owes nothing more.
+func TestOwedFollowUpAdoptedWhenItsHolderIsGone(t *testing.T) {
+	for _, pol := range []struct {
+		name     string
+		conflict Conflict
+		outcome  Outcome // 0: a duplicate
+	}{{"replace", Replace, Replaced}, {"reject", Reject, 0}, {"merge", Merge, Merged}} {
+		t.Run(pol.name, func(t *testing.T) {
+			rule := Rule{Fields: []string{"u"}, OnConflict: pol.conflict, OnRunning: RunningDefer}
+			if pol.conflict == Merge {
+				rule.MergeFunc = func(_, new []byte) ([]byte, error) { return new, nil }
+			}
+			h := newHarness(t, Config{Rules: map[string]Rule{"prof": rule}, heartbeat: time.Hour}) // (no heartbeat watch queues it first)
+			h.client = h.d.NewClient()
+			holder, follow := edgesHolderOwingFollowUp(t, h, "prof")
+			key := taskLock(t, h.rdb, h.queue, holder)
+			if err := h.insp.DeleteTask(h.queue, holder); err != nil {
+				t.Fatal(err)
+			}
+			res, err := h.client.Submit(context.Background(), asynq.NewTask("prof", []byte(`{"u":1,"v":3}`)), asynq.Queue(h.queue))
+			var dup *DuplicateTaskError
+			switch {
+			case pol.outcome == 0 && (!errors.As(err, &dup) || dup.TaskID != follow):
+				t.Errorf("%+v %v, want a duplicate of the follow-up %s", res, err, follow)
+			case pol.outcome != 0 && (err != nil || res.Outcome != pol.outcome || res.TaskID != follow || h.payloadOf(follow) != `{"u":1,"v":3}`):
+				t.Errorf("%+v %v, want %v into the follow-up %s", res, err, pol.outcome, follow)
+			}
+			if owner, st := h.lockOwner(key), h.taskState(follow); owner != follow || st != asynq.TaskStatePending {
+				t.Errorf("the key held by %q, the follow-up %v: want it held by the follow-up %s, queued", owner, st, follow)
+			}
+			if f := h.rdb.HGet(context.Background(), store.ModeOf(key), store.FieldFollow).Val(); f != "" {
+				t.Errorf("the key still owes %q", f)
+			}
+		})
+	}
+}
+
+// A Merge into a holder waiting for its retry whose owed follow-up was
+// deleted by an operator merges into the holder (the follow-up is gone, so
+// the payload goes to the task that will run), at once, as a Replace does.
+func TestMergeIntoAHolderWhoseFollowUpVanished(t *testing.T) {
+	rule := Rule{Fields: []string{"u"}, OnConflict: Merge, OnRunning: RunningDefer,
+		MergeFunc: func(_, new []byte) ([]byte, error) { return new, nil }}
+	h := newHarness(t, Config{Rules: map[string]Rule{"cnt": rule}, heartbeat: time.Hour})
+	h.client = h.d.NewClient()
+	holder, follow := edgesHolderOwingFollowUp(t, h, "cnt")
+	if err := h.insp.DeleteTask(h.queue, follow); err != nil {
 		t.Fatal(err)
 	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
 	start := time.Now()
 	res, err := h.client.Submit(ctx, asynq.NewTask("cnt", []byte(`{"u":1,"v":3}`)), asynq.Queue(h.queue))
-	if err != nil {
-		t.Errorf("merge into the retry-waiting holder (its follow-up deleted): %v after %v", err, time.Since(start))
-	} else if res.Outcome != Merged {
-		t.Errorf("outcome %v", res.Outcome)
+	if err != nil || res.Outcome != Merged || res.TaskID != holder || h.payloadOf(holder) != `{"u":1,"v":3}` {
+		t.Errorf("merge into the holder (its follow-up deleted): %+v %v after %v, want merged into %s", res, err, time.Since(start), holder)
 	}
 	res, err = h.client.Submit(ctx, asynq.NewTask("cnt", []byte(`{"u":1,"v":4}`)), asynq.Queue(h.queue), OnConflict(Replace))
-	if err != nil || res.Outcome != Replaced || res.TaskID != a.ID {
-		t.Errorf("replace in the same state: %+v %v (for comparison)", res, err)
+	if err != nil || res.Outcome != Replaced || res.TaskID != holder || h.payloadOf(holder) != `{"u":1,"v":4}` {
+		t.Errorf("replace in the same state: %+v %v, want replaced into %s", res, err, holder)
 	}
 }
 
-// Stale hints on the direct path (the call sends no task and, if the key
-// is free, enqueues through asynq): the answer, the stored task and the
-// lock must agree, for a holder that finished, was deleted, or was
-// replaced by another process's holder; scheduled and Replace calls too.
-func TestStaleHintsDirectPathAgrees(t *testing.T) {
+// A process that saw a key's holder (its hint) and calls again under the
+// holder's caller-chosen ID after the holder completed (its record kept,
+// Retention) answers as a process without the hint does:
+// asynq.ErrTaskIDConflict, and no lock taken for a task never stored.
+func TestCallerIDOfACompletedTaskConflictsDespiteAStaleHint(t *testing.T) {
+	rules := map[string]Rule{"job": {Fields: []string{"k"}}}
+	h := newHarness(t, Config{Rules: rules})
+	c := h.d.NewClient()
+	id, task := "job-"+uniq(t), asynq.NewTask("job", []byte(`{"k":1}`))
+	key := h.keyOf(task, h.queue)
+	opts := []asynq.Option{asynq.Queue(h.queue), asynq.TaskID(id), asynq.Retention(time.Hour)}
+	if _, err := c.Enqueue(task, opts...); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Enqueue(task, asynq.Queue(h.queue)); !errors.Is(err, ErrDuplicateTask) { // now this process knows the holder
+		t.Fatalf("duplicate: %v", err)
+	}
+	ran := make(chan struct{}, 1)
+	srv := h.serve(func(context.Context, *asynq.Task) error { ran <- struct{}{}; return nil }, nil)
+	waitFor(t, ran, "the task running")
+	eventually(t, "completed, its lock released", func() bool {
+		return h.taskState(id) == asynq.TaskStateCompleted && h.lockOwner(key) == ""
+	})
+	srv.Shutdown()
+
+	fresh := newHarnessOn(t, h.rdb, Config{Prefix: h.prefix, Rules: rules})
+	if _, err := fresh.d.NewClient().Enqueue(task, opts...); !errors.Is(err, asynq.ErrTaskIDConflict) || h.lockOwner(key) != "" {
+		t.Fatalf("reference (no hint): err %v, lock held by %q; want ErrTaskIDConflict and no lock", err, h.lockOwner(key))
+	}
+	res, err := c.Submit(context.Background(), task, opts...)
+	if !errors.Is(err, asynq.ErrTaskIDConflict) {
+		t.Errorf("with the stale hint: %+v %v, want ErrTaskIDConflict", res, err)
+	}
+	if owner := h.lockOwner(key); owner != "" {
+		t.Errorf("with the stale hint: the key is held by %q, whose task is %v", owner, h.taskState(owner))
+	}
+}
+
+// edgesStale is a way a holder a process saw stops holding its key.
+type edgesStale struct {
+	name string
+	// end ends holder x of key; it returns the task holding the key after
+	// ("" none).
+	end func(t *testing.T, h *harness, rules map[string]Rule, key, x string) string
+}
+
+var edgesStales = []edgesStale{
+	{"finished", func(t *testing.T, h *harness, _ map[string]Rule, key, x string) string {
+		ran := make(chan struct{}, 1)
+		srv := h.serve(func(context.Context, *asynq.Task) error { ran <- struct{}{}; return nil }, nil)
+		waitFor(t, ran, "the holder running")
+		eventually(t, "its lock released", func() bool { return h.lockOwner(key) == "" })
+		srv.Shutdown()
+		return ""
+	}},
+	{"deleted", func(t *testing.T, h *harness, _ map[string]Rule, _, x string) string {
+		if err := h.insp.DeleteTask(h.queue, x); err != nil {
+			t.Fatal(err)
+		}
+		return ""
+	}},
+	{"archived", func(t *testing.T, h *harness, _ map[string]Rule, _, x string) string {
+		if err := h.insp.ArchiveTask(h.queue, x); err != nil {
+			t.Fatal(err)
+		}
+		return ""
+	}},
+	{"another process's holder", func(t *testing.T, h *harness, rules map[string]Rule, _, x string) string {
+		if err := h.insp.DeleteTask(h.queue, x); err != nil {
+			t.Fatal(err)
+		}
+		p2 := newHarnessOn(t, h.rdb, Config{Prefix: h.prefix, Rules: rules})
+		y, err := p2.d.NewClient().Enqueue(edgesTask(3), asynq.Queue(h.queue))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return y.ID
+	}},
+}
+
+func edgesTask(v int) *asynq.Task {
+	return asynq.NewTask("st", fmt.Appendf(nil, `{"u":1,"v":%d}`, v))
+}
+
+// Stale hints on the direct path: a process whose hint names a holder that
+// has since finished, been deleted or archived, or given way to another
+// process's holder, answers as the key is: the answer, the stored task and
+// the lock agree, for Reject and Replace, due now or scheduled.
+func TestStaleHintsOnTheDirectPathAgree(t *testing.T) {
 	for _, replace := range []bool{false, true} {
 		for _, delay := range []time.Duration{0, time.Hour} {
-			for _, how := range []string{"finished", "deleted", "other process"} {
-				name := how
-				if replace {
-					name += "/replace"
-				}
-				if delay > 0 {
-					name += "/scheduled"
-				}
-				t.Run(name, func(t *testing.T) {
-					rule := Rule{Fields: []string{"u"}}
-					if replace {
-						rule.OnConflict = Replace
-					}
-					rules := map[string]Rule{"st": rule}
-					h := newHarness(t, Config{Rules: rules})
-					// Every call here reads the owner's record: the test is about
-					// stale hints, not the brief trust after a read (TestRecheck…).
-					recheckAlways(h.d)
-					ctx := context.Background()
-					c := h.d.NewClient()
-					task := func(v int) *asynq.Task {
-						return asynq.NewTask("st", []byte(`{"u":1,"v":`+string(rune('0'+v))+`}`))
-					}
-					key := h.keyOf(task(0), h.queue)
-					x, err := c.Enqueue(task(1), asynq.Queue(h.queue))
-					if err != nil {
-						t.Fatal(err)
-					}
-					if _, err := c.Submit(ctx, task(2), asynq.Queue(h.queue)); err != nil && !errors.Is(err, ErrDuplicateTask) {
-						t.Fatal(err) // now the hint names x
-					}
-					var other string
-					switch how {
-					case "finished":
-						_ = h.insp.DeleteTask(h.queue, x.ID)
-						h.rdb.Del(ctx, key)
-					case "deleted":
-						_ = h.insp.DeleteTask(h.queue, x.ID)
-						h.ageLock(key)
-					case "other process":
-						_ = h.insp.DeleteTask(h.queue, x.ID)
-						h.rdb.Del(ctx, key)
-						p2 := newHarnessOn(t, h.rdb, Config{Prefix: h.prefix, Rules: rules})
-						y, err := p2.d.NewClient().Enqueue(task(3), asynq.Queue(h.queue))
-						if err != nil {
-							t.Fatal(err)
-						}
-						other = y.ID
-					}
-					opts := []asynq.Option{asynq.Queue(h.queue)}
-					if delay > 0 {
-						opts = append(opts, asynq.ProcessIn(delay))
-					}
-					res, err := c.Submit(ctx, task(4), opts...)
-					owner := h.lockOwner(key)
-					switch {
-					case other != "" && replace:
-						if err != nil || res.Outcome != Replaced || res.TaskID != other || h.payloadOf(other) != `{"u":1,"v":4}` {
-							t.Errorf("replace into the other process's holder: %+v %v", res, err)
-						}
-					case other != "":
-						var dup *DuplicateTaskError
-						if !errors.As(err, &dup) || dup.TaskID != other {
-							t.Errorf("want a duplicate of %s: %+v %v", other, res, err)
-						}
-					default:
-						if err != nil || res.Outcome != Created {
-							t.Fatalf("want Created: %+v %v", res, err)
-						}
-						if owner != res.TaskID {
-							t.Errorf("lock owner %q, answer %s", owner, res.TaskID)
-						}
-						ti, err := h.insp.GetTaskInfo(h.queue, res.TaskID)
-						if err != nil || string(ti.Payload) != `{"u":1,"v":4}` {
-							t.Errorf("stored task: %+v %v", ti, err)
-						} else {
-							want := asynq.TaskStatePending
-							if delay > 0 {
-								want = asynq.TaskStateScheduled
-							}
-							if ti.State != want || res.Info.State != want {
-								t.Errorf("state stored %v, answered %v, want %v", ti.State, res.Info.State, want)
-							}
-						}
-						if d := h.rdb.PTTL(ctx, key).Val(); d < time.Hour+delay-time.Minute {
-							t.Errorf("lock TTL %v does not cover the delay %v", d, delay)
-						}
-					}
+			for _, how := range edgesStales {
+				t.Run(fmt.Sprintf("%s/replace=%v/delay=%v", how.name, replace, delay), func(t *testing.T) {
+					edgesStaleHint(t, how, replace, delay)
 				})
 			}
 		}
+	}
+}
+
+func edgesStaleHint(t *testing.T, how edgesStale, replace bool, delay time.Duration) {
+	rule := Rule{Fields: []string{"u"}}
+	if replace {
+		rule.OnConflict = Replace
+	}
+	rules := map[string]Rule{"st": rule}
+	h := newHarness(t, Config{Rules: rules})
+	// Every call reads the holder's record: this is about stale hints, not
+	// the brief trust in a record read moments ago (store's Recheck).
+	recheckAlways(h.d)
+	h.client = h.d.NewClient()
+	key := h.keyOf(edgesTask(0), h.queue)
+	x := h.enqueue(edgesTask(1))
+	if _, err := h.client.Submit(context.Background(), edgesTask(2), asynq.Queue(h.queue)); err != nil && !errors.Is(err, ErrDuplicateTask) {
+		t.Fatal(err) // now the hint names x
+	}
+	other := how.end(t, h, rules, key, x.ID)
+	opts := []asynq.Option{asynq.Queue(h.queue)}
+	if delay > 0 {
+		opts = append(opts, asynq.ProcessIn(delay))
+	}
+	res, err := h.client.Submit(context.Background(), edgesTask(4), opts...)
+	var dup *DuplicateTaskError
+	switch {
+	case other != "" && replace:
+		if err != nil || res.Outcome != Replaced || res.TaskID != other || h.payloadOf(other) != `{"u":1,"v":4}` {
+			t.Errorf("want replaced into the other process's holder %s: %+v %v", other, res, err)
+		}
+	case other != "":
+		if !errors.As(err, &dup) || dup.TaskID != other {
+			t.Errorf("want a duplicate of the other process's holder %s: %+v %v", other, res, err)
+		}
+	default:
+		edgesCreated(t, h, key, res, err, delay)
+	}
+}
+
+// edgesCreated checks a call that found key free: created, holding the
+// key, stored as answered, its lock covering its delay.
+func edgesCreated(t *testing.T, h *harness, key string, res Result, err error, delay time.Duration) {
+	t.Helper()
+	if err != nil || res.Outcome != Created {
+		t.Fatalf("want created: %+v %v", res, err)
+	}
+	if owner := h.lockOwner(key); owner != res.TaskID {
+		t.Errorf("the key held by %q, the answer %s", owner, res.TaskID)
+	}
+	ti, err := h.insp.GetTaskInfo(h.queue, res.TaskID)
+	if err != nil || string(ti.Payload) != `{"u":1,"v":4}` {
+		t.Fatalf("stored task: %+v %v", ti, err)
+	}
+	want := asynq.TaskStatePending
+	if delay > 0 {
+		want = asynq.TaskStateScheduled
+	}
+	if ti.State != want || res.Info.State != want {
+		t.Errorf("state stored %v, answered %v, want %v", ti.State, res.Info.State, want)
+	}
+	if d := h.rdb.PTTL(context.Background(), key).Val(); d < time.Hour+delay-time.Minute {
+		t.Errorf("lock TTL %v does not cover the delay %v", d, delay)
 	}
 }

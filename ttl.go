@@ -9,7 +9,8 @@ import (
 // Lock lifetimes, all sent to Redis as integer milliseconds:
 //
 //	waiting  TTL (+ the delay of a ProcessIn/ProcessAt task)
-//	running  Lease, renewed every Lease/3 by the heartbeat
+//	running  as waiting; a handler running past one heartbeat (10 s)
+//	         extends it to TTL from then, again each half TTL
 //	retrying RetryDelayFunc(n) + TTL after a failed, non-final attempt
 //
 // Every duration this package is given (Config, Rule, per-call options,
@@ -18,7 +19,7 @@ import (
 // no sum wraps around to a short or negative lifetime.
 
 // MaxLifetime is the longest duration this package uses: longer TTLs,
-// cooldowns, debounces, leases and grace periods are taken as MaxLifetime.
+// cooldowns, debounces, holds and grace periods are taken as MaxLifetime.
 // 100 years: "forever" for a lock, and small enough that Redis's
 // millisecond expiries and the scripts' arithmetic (exact integers below
 // 2⁵³ ms) never overflow.

@@ -27,9 +27,8 @@ const maxAcquirePipeline = 1000
 // per queue, sent straight to the slot's master; at most maxAcquirePipeline
 // calls each), through that node's circuit breaker, bounded by LockTimeout
 // and ctx; the nodes' pipelines go concurrently. An Acquire whose reply
-// asks for another call (the script wants more keys, the replace script did
-// not apply, the ACL refused the queue's registry of prefixes) makes it in
-// the next round. A round trip per node answers a batch of new keys.
+// asks for another call (the script wants more keys, or found the key
+// free after a hint said held) makes it in the next round. A round trip per node answers a batch of new keys.
 //
 // Calls of one lock are sent in the order of as, so of two Acquires of one
 // key the first takes it and the second meets it held. (Only where the

@@ -1,8 +1,9 @@
 // Package store owns the Redis layout of github.com/asynq-dedup/dedup and
 // the one path by which the library reaches Redis.
 //
-// Layout: every key name (keys.go), every field of the lock record
-// (record.go), the packing of task IDs into lock records (taskid.go) and
+// Layout: every key name (keys.go), the lock's value (value.go), every
+// field of the mode record (record.go), the forms of task IDs and the
+// task's dedup header (task.go) and
 // what this package reads and writes of asynq v0.26.0's own records
 // (asynq.go) are written here and nowhere else in Go; the Lua scripts in
 // lua/ (one per operation, embedded) are the only other place that knows

@@ -31,7 +31,7 @@ type Diagnosis struct {
 // a task asynq moves meanwhile is never taken for lost. A lock taken
 // before its task was stored, younger than grace, whose holder has no
 // record is not found but young: the task may not be stored yet. One
-// pipelined round trip (per slot on a cluster).
+// round trip per lock checked.
 func Diagnose(ctx context.Context, c redis.UniversalClient, ls []*Lock, grace time.Duration, now time.Time) (found, young []Diagnosis, err error) {
 	type read struct {
 		state        *redis.StringCmd
