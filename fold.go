@@ -170,7 +170,15 @@ func (c *Client) idTaken(ctx context.Context, k *call, st store.Status) (Result,
 		}
 	}
 	if st == store.StatusSelf {
+		// asynq's client stores it under the lock its ID holds, and its
+		// record will not name that lock: its end releases it.
 		k.self = true
+		if !k.terms.flags.Has(store.FlagRelease) {
+			k.terms.flags += store.Flags([]byte{store.FlagRelease})
+			if err := k.markTask(); err != nil {
+				return Result{}, done, err
+			}
+		}
 		return Result{}, enqueue, nil
 	}
 	return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)

@@ -265,13 +265,9 @@ func (a *Acquire) result(s *Store, st *acquireStep, rep reply) AcquireResult {
 	case StatusTaken:
 		res.Stored = st.sends
 		// The key's next enqueue, often this process's own (the same work
-		// asked for again), then names its holder at once; a task this call
-		// stored is live as of now.
-		checked := int64(0)
-		if res.Stored {
-			checked = a.Now.UnixNano()
-		}
-		s.remember(lock, &st.h, a.Ref.ID, "", checked)
+		// asked for again), then reads its holder's record in the same
+		// call. (Not trusted: the task may fail and free the key at once.)
+		s.remember(lock, &st.h, a.Ref.ID, "", 0)
 	case StatusHeld:
 		res.Task = rep.str(0)
 		f := rep.str(1)

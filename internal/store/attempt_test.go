@@ -53,8 +53,9 @@ func TestStartMeetsItsKey(t *testing.T) {
 	free := s.ref(q, "0000000000000501", NewPlainID())
 	putTask(rdb, q, free.ID, StateActive)
 	res := start(&Start{Ref: free, TTL: time.Minute, Mode: []any{FieldHolder, free.ID, FieldType, "t", FieldCoolEnd, msAt(time.Hour)}})
-	if res.Status != StatusTaken || !res.New || rdb.Get(ctx, free.Lock).Val() != free.ID || rdb.HGet(ctx, free.Mode(), FieldHolder).Val() != free.ID {
-		t.Fatalf("a free key: %+v; want taken now, with its mode record", res)
+	// (Its record names no lock, so the lock is the '~a' form its end releases.)
+	if res.Status != StatusTaken || !res.New || rdb.Get(ctx, free.Lock).Val() != "~a:"+free.ID || rdb.HGet(ctx, free.Mode(), FieldHolder).Val() != free.ID {
+		t.Fatalf("a free key: %+v, lock %q; want taken now as ~a:%s, with its mode record", res, rdb.Get(ctx, free.Lock).Val(), free.ID)
 	}
 	other := held(t, rdb, s, q, "0000000000000502")
 	late := s.ref(q, other.FP, NewPlainID())

@@ -75,6 +75,13 @@ func (w *scriptWorld) build() {
 			ttl = 0 // a failure hold until released
 		}
 		w.rdb.Set(ctx, w.lock, v, ttl)
+		if holder == w.ids["caller"] && st != "" {
+			// A caller-chosen ID's task names its lock (its record's unique
+			// key, or the dedup header), else it is another key's task now.
+			m := &Message{Type: "t", Payload: []byte(`{"p":"` + holder + `"}`), ID: holder, Queue: w.q, Retry: 25, Timeout: time.Minute,
+				Headers: map[string]string{HeaderLock: LockHeader("", w.lock)}}
+			w.rdb.HSet(ctx, TaskKey(w.q, holder), "msg", m.Encode())
+		}
 		w.note("lock %q ttl %v, holder state %q", v, ttl, st)
 	}
 	if w.pick(3) == 0 {

@@ -1,27 +1,15 @@
--- checked: replaces the prelude's `call` in tests, so that a script that
--- reads or writes a key it was not given fails loudly instead of working
--- on one node and splitting a queue's keys during a Redis Cluster slot
--- migration.
+-- checked: replaces the prelude's `call` in tests, so that a script using a key
+-- not given in KEYS fails loudly instead of splitting a queue's keys during a
+-- Redis Cluster slot migration. TIME has no key; DEL and EXISTS, only keys.
 do
-  local given = {}
-  for _, k in ipairs(KEYS) do
-    given[k] = true
-  end
-  local keyless = {TIME = true}
-  local allkeys = {DEL = true, EXISTS = true}
-  local raw = redis.call
+  local given, raw = {}, redis.call
+  for _, k in ipairs(KEYS) do given[k] = true end
   call = function(cmd, ...)
-    local c = string.upper(cmd)
-    if not keyless[c] then
-      local args = {...}
-      local n = 1
-      if allkeys[c] then
-        n = #args
-      end
-      for i = 1, n do
-        if not given[args[i]] then
-          error('dedup: script used key ' .. tostring(args[i]) .. ' (' .. c .. ') not given in KEYS')
-        end
+    local c, args = string.upper(cmd), {...}
+    local n = (c == 'TIME' and 0) or ((c == 'DEL' or c == 'EXISTS') and #args) or 1
+    for i = 1, n do
+      if not given[args[i]] then
+        error('dedup: script used key ' .. tostring(args[i]) .. ' (' .. c .. ') not given in KEYS')
       end
     end
     return raw(cmd, ...)

@@ -1,41 +1,32 @@
--- extend: make a key held by a running (or retrying) task live at least a
--- while more, with its mode record, and keep its follow-up parked: the
--- heartbeat, for handlers that run long enough to come near the lock's
--- expiry.
+-- extend: make a key held by a running (or retrying) task live at least a while
+-- more, with its mode record, and keep its follow-up parked: the heartbeat, for
+-- handlers that run long enough to come near the lock's expiry.
 --
 -- KEYS[1]  the lock; KEYS[2] the key's mode record; KEYS[3] asynq's scheduled set
 -- ARGV[1]  task ID
 -- ARGV[2]  how long the key stays held from now at least, integer milliseconds
--- ARGV[3]  '1': asynq gave the attempt up while its handler still runs: the
---          mode record says so (field o) until the handler's end, so that
---          the key does not heal under it when asynq archives the task
+-- ARGV[3]  '1': asynq gave the attempt up while its handler still runs: the mode
+--          record says so (field o) until the handler's end, so that the key
+--          does not heal under it when asynq archives the task
 --
 -- Reply: 1 the key is the task's; 0 it is not (gone, or another task's)
 local holder, kind = holder_of(call('GET', KEYS[1]))
-if holder ~= ARGV[1] then
-  return 0
+if holder ~= ARGV[1] then return 0 end
+if kind == 'c' or kind == 'x' then return 1 end
+local ms = tonumber(ARGV[2])
+local left = call('PTTL', KEYS[1])
+if left >= 0 and left < ms then call('PEXPIRE', KEYS[1], ms) end
+local m = call('HMGET', KEYS[2], 'id', 'f')
+if ARGV[3] == '1' and (not m[1] or m[1] == holder) then
+  call('HSET', KEYS[2], 'id', holder, 'o', '1')
+  call('PEXPIRE', KEYS[2], math.max(call('PTTL', KEYS[1]), ms))
+  m[1] = holder
 end
-if kind ~= 'c' and kind ~= 'x' then
-  local ms = tonumber(ARGV[2])
-  local left = call('PTTL', KEYS[1])
-  if left >= 0 and left < ms then
-    call('PEXPIRE', KEYS[1], ms)
-  end
-  local m = call('HMGET', KEYS[2], 'id', 'f')
-  if ARGV[3] == '1' and (not m[1] or m[1] == holder) then
-    call('HSET', KEYS[2], 'id', holder, 'o', '1')
-    call('PEXPIRE', KEYS[2], math.max(call('PTTL', KEYS[1]), ms))
-    m[1] = holder
-  end
-  if m[1] == holder then
-    left = call('PTTL', KEYS[2])
-    if left >= 0 and left < ms then
-      call('PEXPIRE', KEYS[2], ms)
-    end
-    if m[2] then
-      local now = tonumber(call('TIME')[1])
-      call('ZADD', KEYS[3], 'XX', now + (ms - ms % 1000) / 1000 + 1, m[2])
-    end
+if m[1] == holder then
+  left = call('PTTL', KEYS[2])
+  if left >= 0 and left < ms then call('PEXPIRE', KEYS[2], ms) end
+  if m[2] then -- (the follow-up stays parked past the key's new lifetime)
+    call('ZADD', KEYS[3], 'XX', tonumber(call('TIME')[1]) + (ms - ms % 1000) / 1000 + 1, m[2])
   end
 end
 return 1

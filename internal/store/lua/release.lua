@@ -1,5 +1,8 @@
--- release: delete a key's lock for an operator (Dedup.Release, dedupctl
--- release, doctor --fix) or for a producer whose enqueue asynq refused.
+-- release: delete a key's lock for an operator (Dedup.Release, dedupctl release,
+-- doctor --fix) or for a producer whose enqueue asynq refused. A holder still
+-- waiting or running is marked (lib.lua's mark): should it run (again), it checks
+-- the key first. A follow-up the key owes that waits is queued now: its payload
+-- is the newest.
 --
 -- KEYS, by the role letters of ARGV[1]:
 --   L  the lock; M  the key's mode record; W  the type's waiting set      always
@@ -8,20 +11,15 @@
 --   G  asynq record of the follow-up ARGV[6]                             when the mode record names one
 -- ARGV[1]  the roles of KEYS
 -- ARGV[2]  'release': if ARGV[3] holds the key; 'force': whoever holds it;
---          'unlock': if the lock's value is ARGV[3] exactly (a refused
---          enqueue's own); 'stuck': if ARGV[3] holds it and cannot run (no
---          record, completed, archived, or not where its state says) and no
---          policy keeps it (a cooldown, a failure hold, a firing's window)
+--          'unlock': if the lock's value is ARGV[3] exactly (a refused enqueue's
+--          own); 'stuck': if ARGV[3] holds it and cannot run (no record,
+--          completed, archived, or not where its state says) and no policy keeps
+--          it (a cooldown, a failure hold, a firing's window). With 'stuck', a key
+--          whose lock is gone with its holder ARGV[3] (asynq's DeleteTask) but
+--          whose mode record names a follow-up it owed still queues that follow-up.
 -- ARGV[3]  the holder (the value, for 'unlock'); ARGV[4] the key's fingerprint
 -- ARGV[5]  the holder H belongs to; ARGV[6] the follow-up G belongs to
 -- ARGV[7]  heal grace, integer seconds ('stuck')
--- With 'stuck', a key whose lock is gone with its holder ARGV[3] (asynq's
--- DeleteTask) but whose mode record names a follow-up it owed still queues
--- that follow-up.
---
--- A holder still waiting or running is marked (lib.lua's mark): should it
--- run (again), it checks the key first. A follow-up the key owes that waits is queued now:
--- its payload is the newest.
 --
 -- Reply: {1, holder, queued}  released; queued: the follow-up queued now, or ''
 --        {0}                  no lock (and, with 'stuck', no follow-up owed)
@@ -46,16 +44,19 @@ if A[2] == 'unlock' then
   if m[1] == holder and m[3] then call('ZREM', K.W, A[4]) end
   return {1, holder, ''}
 end
-if A[2] ~= 'force' and holder ~= A[3] then
-  return {2, holder}
-end
+if A[2] ~= 'force' and holder ~= A[3] then return {2, holder} end
 local f = m[2]
 if holder ~= A[5] then K.H = nil end
 if f ~= A[6] then K.G = nil end
-if lacks('HPASR' .. (f and 'G' or '')) then
-  return {11, lacking, holder, f or ''}
+if lacks('HPASR' .. (f and 'G' or '')) then return {11, lacking, holder, f or ''} end
+-- The holder's state ('' with no record), and whether the list or set it names
+-- holds it (true for one that names none: completed, archived, aggregating).
+local st, there = call('HGET', K.H, 'state') or '', true
+if st == 'pending' or st == 'active' then
+  there = call('LPOS', st == 'pending' and K.P or K.A, holder)
+elseif st == 'scheduled' or st == 'retry' then
+  there = call('ZSCORE', st == 'retry' and K.R or K.S, holder)
 end
-local st, there = placed(K.H, K.P, K.A, K.S, K.R, holder)
 if A[2] == 'stuck' then
   if kind == 'c' or kind == 'x' then return {3, kind} end
   if (st == '' or st == 'archived') and m[1] == holder and m[4] then return {3, 'failed'} end
@@ -65,15 +66,8 @@ end
 if waiting(st) or st == 'active' then
   mark(K.H, 'released') -- (asynq keeps a running task's message if it requeues it)
 end
-local queued = ''
-if f then
-  local fst = call('HGET', K.G, 'state')
-  if waiting(fst) then
-    queue_now(K.G, f, fst, K.S, K.R, K.P)
-    call('HDEL', K.M, 'f')
-    queued = f
-  end
-end
+local queued = f and queue_now(f) and f or ''
+if queued ~= '' then call('HDEL', K.M, 'f') end
 if queued ~= '' and A[2] == 'stuck' and v then
   -- The holder cannot run: its follow-up takes the key (and its mode).
   call('SET', K.L, queued, 'KEEPTTL')
@@ -81,7 +75,5 @@ if queued ~= '' and A[2] == 'stuck' and v then
   return {1, holder, queued}
 end
 call('DEL', K.L)
-if m[3] and queued == '' then
-  call('ZREM', K.W, A[4])
-end
+if m[3] and queued == '' then call('ZREM', K.W, A[4]) end
 return {1, holder, queued}

@@ -1,22 +1,21 @@
 -- settle: an attempt whose mode acts at its end ended: hold the key for the
--- retry, hand it to the follow-up it owes, cool it down, hold it after a
--- final failure (as long as the holder's hold says), or release it where
--- asynq will not. Written before the
--- handler's result reaches asynq, so no shutdown or deadline can lose it.
+-- retry, hand it to the follow-up it owes, cool it down, hold it after a final
+-- failure (as long as the holder's hold says), or release it where asynq will
+-- not. Written before the handler's result reaches asynq, so no shutdown or
+-- deadline can lose it.
 --
 -- KEYS, by the role letters of ARGV[1]:
 --   L  the lock; M  the key's mode record; T  the task's asynq record   always
 --   G  asynq record of the follow-up ARGV[7]; S, P, R  asynq's
 --      scheduled set, pending list, retry set                  when the mode record names one
--- ARGV[1]  the roles of KEYS
--- ARGV[2]  task ID
+-- ARGV[1]  the roles of KEYS; ARGV[2] task ID
 -- ARGV[3]  how it ended: 'ok' (success), 'revoke', 'fail' (asynq archives it),
 --          'retry' (asynq runs it again)
--- ARGV[4]  'retry': how long the key stays held for the retry at least;
---          else the lock's lifetime for a follow-up it goes to (integer ms)
+-- ARGV[4]  'retry': how long the key stays held for the retry at least; else the
+--          lock's lifetime for a follow-up it goes to (integer ms)
 -- ARGV[5]  'fail': the handler's error
--- ARGV[6]  '1': release the lock after 'ok' and 'revoke' (the task's record
---          does not name it, so asynq's scripts will not)
+-- ARGV[6]  '1': release the lock after 'ok' and 'revoke' (the task's record does
+--          not name it, so asynq's scripts will not)
 -- ARGV[7]  the follow-up G belongs to ('' none)
 -- ARGV[8]  'retry': seconds until asynq runs the task again
 --
@@ -32,47 +31,33 @@ roles(0)
 local A = ARGV
 local id, out = A[2], A[3]
 local holder, kind = holder_of(call('GET', K.L))
-if holder ~= id then
-  return {0}
-end
+if holder ~= id then return {0} end
 local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o')
 local mine = m[1] == id
 local f = mine and m[2]
-if mine and m[6] then
-  call('HDEL', K.M, 'o') -- (the handler asynq gave up has ended)
-end
+if mine and m[6] then call('HDEL', K.M, 'o') end -- (the handler asynq gave up has ended)
 local now, now_ms = now_parts()
 if f and f ~= A[7] then K.G = nil end
-if f and lacks(out == 'retry' and 'S' or 'GSPR') then
-  return {11, lacking, '', f}
-end
+if f and lacks(out == 'retry' and 'S' or 'GSPR') then return {11, lacking, '', f} end
 if out == 'retry' then
   if kind ~= 'c' then
     lengthen(K.L, A[4])
     if mine then lengthen(K.M, A[4]) end
   end
-  if f then
-    -- Parked until the retry is due: should the task not run again (an
-    -- operator deleted it), the follow-up runs then; if it does, the
-    -- follow-up waits for the key, which its end hands over.
-    call('ZADD', K.S, 'XX', now + tonumber(A[8]) + 1, f)
-  end
+  -- Parked until the retry is due: should the task not run again (an operator
+  -- deleted it), the follow-up runs then; if it does, the follow-up waits for
+  -- the key, which its end hands over.
+  if f then call('ZADD', K.S, 'XX', now + tonumber(A[8]) + 1, f) end
   return {1, 'held', f or ''}
 end
-if f then
-  local fst = call('HGET', K.G, 'state')
-  if waiting(fst) then
-    queue_now(K.G, f, fst, K.S, K.R, K.P)
-    call('SET', K.L, f, 'PX', A[4])
-    call('HSET', K.M, 'id', f, 'n', 0)
-    call('HDEL', K.M, 'f', 'e')
-    keep(K.L, K.M)
-    return {1, 'follow', f}
-  end
+if f and queue_now(f) then
+  call('SET', K.L, f, 'PX', A[4])
+  call('HSET', K.M, 'id', f, 'n', 0)
+  call('HDEL', K.M, 'f', 'e')
+  keep(K.L, K.M)
+  return {1, 'follow', f}
 end
-if kind == 'c' then
-  return {1, 'cooling'} -- (it succeeded before, when asynq had given the attempt up)
-end
+if kind == 'c' then return {1, 'cooling'} end -- (it succeeded before, when asynq had given the attempt up)
 local cd = mine and tonumber(m[3] or '0') or 0
 if out == 'ok' and cd > now_ms then
   call('SET', K.L, '~c:' .. id, 'PX', cd - now_ms)
@@ -80,31 +65,22 @@ if out == 'ok' and cd > now_ms then
   return {1, 'cooling'}
 end
 if out == 'fail' and mine and m[4] then
-  -- OnFailure: held by the task that failed for good, with its error; a
-  -- period key's hold ends with its window at the latest.
+  -- OnFailure: held by the task that failed for good, with its error; a period
+  -- key's hold ends with its window at the latest. (The value stays: an archived
+  -- holder whose mode record holds its error holds the key, deleted or not;
+  -- asynq releases it if it runs the task again and it succeeds. Its record
+  -- names the lock no more, so that asynq's DeleteTask leaves it.)
   local ms = tonumber(m[4])
   local w_end = m[5] and tonumber(string.match(m[5], ':(%d+)$'))
-  if w_end and (ms < 0 or now_ms + ms > w_end) then
-    ms = math.max(w_end - now_ms, 1)
-  end
-  -- (The value stays: an archived holder whose mode record holds its
-  -- error holds the key, deleted or not; asynq releases it if it runs the
-  -- task again and it succeeds. Its record names the lock no more, so that
-  -- asynq's DeleteTask leaves it.)
+  if w_end and (ms < 0 or now_ms + ms > w_end) then ms = math.max(w_end - now_ms, 1) end
   call('HSET', K.M, 'e', string.sub(A[5], 1, 1000))
   call('HDEL', K.T, 'unique_key')
-  if ms < 0 then
-    call('PERSIST', K.L)
-    call('PERSIST', K.M)
-  else
-    call('PEXPIRE', K.L, ms)
-    call('PEXPIRE', K.M, ms)
+  for _, k in ipairs({K.L, K.M}) do
+    if ms < 0 then call('PERSIST', k) else call('PEXPIRE', k, ms) end
   end
   return {1, 'failed'}
 end
-if out ~= 'fail' and mine then
-  call('DEL', K.M) -- (the key's mode ends with its task)
-end
+if out ~= 'fail' and mine then call('DEL', K.M) end -- (the key's mode ends with its task)
 if A[6] == '1' and out ~= 'fail' then
   call('DEL', K.L)
   return {1, 'released'}

@@ -1,17 +1,16 @@
--- start: an attempt that must check its key begins (a task whose mode acts
--- at start, one asynq runs again, one that lost its key, a follow-up, a
--- task that arrived without a lock): make sure the key is its task's.
+-- start: an attempt that must check its key begins (a task whose mode acts at
+-- start, one asynq runs again, one that lost its key, a follow-up, a task that
+-- arrived without a lock): make sure the key is its task's.
 --
 -- KEYS, by the role letters of ARGV[1]:
 --   L  the lock; M  the key's mode record; T  the task's asynq record;
 --   W  the task type's waiting set                                 always
 --   H  asynq record of the holder ARGV[6]                          when another task holds the key
--- ARGV[1]  the roles of KEYS
--- ARGV[2]  task ID
+-- ARGV[1]  the roles of KEYS; ARGV[2] task ID
 -- ARGV[3]  the lock's lifetime while the task runs, integer milliseconds
 -- ARGV[4]  '1': RunningAllow (the key is freed as the task starts)
 -- ARGV[5]  the key's fingerprint (its member of W)
--- ARGV[6]  the holder H belongs to ('' none); ARGV[7] heal grace, seconds
+-- ARGV[6]  the holder H belongs to ('' none); ARGV[7] heal grace, integer seconds
 -- ARGV[8] on: the mode record of a lock this takes (the rule of a task that
 --          arrived without a lock), as field, value pairs
 --
@@ -19,75 +18,59 @@
 --        {0, holder, run}      held by another live task (run '1': it is running)
 --        {14, holder, ms, k}   held after its last task ended (as acquire.lua)
 --        {9, new}              RunningAllow: the lock is dropped (new '1': there was none)
---        {11, lacking, holder}  nothing done: call again with these keys
+--        {11, lacking, holder} nothing done: call again with these keys
 --        {13}                  the task has no asynq record here (its server
 --                              stores tasks in another Redis)
 -- @lib: lib.lua is spliced in here.
 roles(0)
 local A = ARGV
-local id, ttl, flags = A[2], A[3], A[4]
-if call('EXISTS', K.T) == 0 then
-  return {13}
-end
+local id, ttl, allow, new = A[2], A[3], A[4] == '1', ''
+if call('EXISTS', K.T) == 0 then return {13} end
 local holder, kind, at = holder_of(call('GET', K.L))
 local m = call('HMGET', K.M, 'id', 'f', 'b', 'e', 'o')
 local f = m[2]
-local allow, new = flags == '1', ''
-if holder == id and kind == 'c' then
-  return {14, holder, call('PTTL', K.L), kind} -- it succeeded already: its key cools
-elseif holder == id then
+if kind == 'c' then return {14, holder, call('PTTL', K.L), kind} end -- (its own: it succeeded already)
+if holder == id then
   if m[1] == id and m[4] then
     -- Run again by hand after it failed for good: its own again.
     call('HDEL', K.M, 'e')
     call('PEXPIRE', K.L, ttl)
   end
 elseif holder then
-  if kind == 'c' then
-    return {14, holder, call('PTTL', K.L), kind}
-  end
-  if kind == 'x' then
-    return {0, holder, ''}
-  end
+  if kind == 'x' then return {0, holder, ''} end
   if holder ~= A[6] then K.H = nil end
   if lacks('H') then return {11, lacking, holder} end
   local st = call('HGET', K.H, 'state')
   if st and not belongs(K.H, holder, kind, K.L) then st = 'completed' end -- (another key's task now: gone)
-  local now = now_parts()
-  if (st and not gone(st)) or (not st and kind == 'w' and now - at < tonumber(A[7])) or (m[1] == holder and m[5]) then
+  if not gone(st) or (not st and kind == 'w' and now_parts() - at < tonumber(A[7]))
+      or (m[1] == holder and m[5]) then
     return {0, holder, (st == 'active' or m[5]) and '1' or ''}
   end
   if (not st or st == 'archived') and m[1] == holder and m[4] then
     return {14, holder, call('PTTL', K.L), 'f'} -- it failed for good, and holds the key (OnFailure)
   end
-  if st == 'archived' then
-    mark(K.H, 'healed')
-  end
+  if st == 'archived' then mark(K.H, 'healed') end
   call('DEL', K.L)
   holder = nil
 end
 if not holder then
   new = '1'
-  if allow then
-    return {9, new}
-  end
-  -- Its own ID, where its record names the lock (asynq releases it), else
-  -- '~a:': the task's end releases it.
+  if allow then return {9, new} end
+  -- Its own ID, where its record names the lock (asynq releases it), else '~a:':
+  -- the task's end releases it.
   call('SET', K.L, call('HGET', K.T, 'unique_key') == K.L and id or '~a:' .. id, 'PX', ttl)
   if #A > 7 then
     call('DEL', K.M)
     call('HSET', K.M, unpack(A, 8))
     call('PEXPIRE', K.M, ttl)
-    m, f = {id}, nil
+    m, f = {id, nil, m[3] or '1'}, nil -- (a gone holder's waiting-set entry goes, and it is not waiting)
   end
 end
 if m[3] and (not f or f == id) then
   call('ZREM', K.W, A[5]) -- the key waits no more (MaxPending), but for the follow-up it owes
   call('HDEL', K.M, 'b')
 end
-if f == id then
-  call('HDEL', K.M, 'f') -- the follow-up runs: owed no more
-  f = nil
-end
+if f == id then call('HDEL', K.M, 'f') end -- the follow-up runs: owed no more
 if allow then
   call('DEL', K.L)
   return {9, new}

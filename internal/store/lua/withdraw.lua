@@ -1,8 +1,8 @@
--- withdraw: delete a task an enqueuer has just stored where the call that
--- made it is folded or refused (a task it put in another queue than the
--- call's lock), if no worker has taken it yet. asynq's Inspector cannot
--- always (it refuses a queue missing from its set of queues, as after a
--- DeleteQueue that a client of the same process would not register again).
+-- withdraw: delete a task an enqueuer has just stored where the call that made
+-- it is folded or refused (a task it put in another queue than the call's lock),
+-- if no worker has taken it yet. asynq's Inspector cannot always (it refuses a
+-- queue missing from its set of queues, as after a DeleteQueue that a client of
+-- the same process would not register again).
 --
 -- KEYS[1]  asynq record of the task
 -- KEYS[2]  asynq pending list, KEYS[3] asynq scheduled set, of its queue
@@ -11,14 +11,8 @@
 -- Reply: 1 deleted; 0 not waiting there (a worker took it, or it is gone): left alone
 local state = call('HGET', KEYS[1], 'state')
 if state == 'pending' then
-  if call('LREM', KEYS[2], 1, ARGV[1]) == 0 then
-    return 0
-  end
-elseif state == 'scheduled' then
-  if call('ZREM', KEYS[3], ARGV[1]) == 0 then
-    return 0
-  end
-else
+  if call('LREM', KEYS[2], 1, ARGV[1]) == 0 then return 0 end
+elseif state ~= 'scheduled' or call('ZREM', KEYS[3], ARGV[1]) == 0 then
   return 0
 end
 call('DEL', KEYS[1])
