@@ -281,7 +281,7 @@ func (c *Client) rollback(ctx context.Context, k *call, enqErr error) (*asynq.Ta
 	if ti != nil || err != nil {
 		return ti, err
 	}
-	if _, err := d.store.Unlock(ctx, &k.ref, k.acquire.Value); err != nil {
+	if _, err := d.store.Unlock(ctx, &k.ref, k.acquire.Value, k.acquire.MaxPending > 0); err != nil {
 		d.count(k.typ, evRedisError)
 		d.log.Warn("dedup: could not give back the lock of a refused enqueue; it heals itself", slog.String("type", k.typ), slog.Any("error", err))
 	} else {

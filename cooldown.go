@@ -51,10 +51,11 @@ func firingHold(hold time.Duration) asynq.Option {
 	}}
 }
 
-// checkModes refuses cooldown and debounce where they would break their
+// checkModes refuses the holds and debounce where they would break their
 // promise: a cooldown with a running policy that starts a second run in
-// the window, a debounce without a fold to debounce or with a follow-up
-// whose due time the heartbeat owns.
+// the window, a failure hold of a key freed as its task starts, a debounce
+// without a fold to debounce or with a follow-up whose due time its
+// holder's end owns.
 func (r *resolved) checkModes() error {
 	switch {
 	case r.cooldown < 0 || r.debounce < 0:
@@ -63,6 +64,8 @@ func (r *resolved) checkModes() error {
 		return fmt.Errorf("%w: Cooldown needs OnRunning RunningReject (%v would run the key again within the cooldown)", ErrInvalidOption, r.running)
 	case r.period > 0 && r.running != RunningReject:
 		return fmt.Errorf("%w: Period needs OnRunning RunningReject (%v would run the key again within the window)", ErrInvalidOption, r.running)
+	case r.failHold != 0 && r.running == RunningAllow:
+		return fmt.Errorf("%w: OnFailure's hold needs a running policy that keeps the key while its task runs (RunningAllow frees it as the task starts: no key is left to hold after a failure)", ErrInvalidOption)
 	case r.period > 0 && r.cooldown > 0:
 		return fmt.Errorf("%w: Period and Cooldown cannot be combined (a key cools down until its window ends)", ErrInvalidOption)
 	case r.debounce > 0 && r.conflict == Reject:

@@ -109,13 +109,15 @@ func (h *heartbeater) loop() {
 }
 
 // due lists the attempts whose keys need extending at now: running for at
-// least one interval, and not extended within half their TTL.
+// least one interval, and not extended within half their TTL; and, at every
+// beat, those whose key notes that asynq gave their attempt up (the note
+// lapses unless renewed, noteLife).
 func (h *heartbeater) due(now time.Time) []*lease {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	var ls []*lease
 	for l, b := range h.entries {
-		if now.Sub(b.since) >= h.interval && (b.extended.IsZero() || now.Sub(b.extended) >= l.ttl/2) {
+		if l.outlivedMark.Load() || now.Sub(b.since) >= h.interval && (b.extended.IsZero() || now.Sub(b.extended) >= l.ttl/2) {
 			b.extended = now
 			ls = append(ls, l)
 		}
@@ -135,6 +137,9 @@ func (h *heartbeater) beat(now time.Time) {
 	es := make([]*store.Extend, len(keyed))
 	for i, l := range keyed {
 		es[i] = &store.Extend{Ref: l.ref, TTL: l.ttl}
+		if l.outlivedMark.Load() {
+			es[i].Outlived = h.noteLife()
+		}
 	}
 	for i, r := range d.store.ExtendAll(ctx, es) {
 		switch {
@@ -179,6 +184,11 @@ func (h *heartbeater) keyed(ctx context.Context, ls []*lease) []*lease {
 	}
 	return out
 }
+
+// noteLife is how long a note that asynq gave an attempt up while its
+// handler runs lasts unless the next beats renew it: a handler whose worker
+// died holds its key this long at most.
+func (h *heartbeater) noteLife() time.Duration { return 3 * h.interval }
 
 // lookupConcurrency bounds the lock reads one beat makes at once.
 const lookupConcurrency = 16

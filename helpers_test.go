@@ -32,6 +32,13 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if os.Getenv(leftoverAddrEnv) != "" { // a worker process of TestKilledWorkersLeftoverHandler…
+		if err := runLeftoverWorker(); err != nil {
+			fmt.Fprintln(os.Stderr, "leftover worker:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if spec := os.Getenv(faultProxyEnv); spec != "" { // a proxy process of a fault test
 		fmt.Fprintln(os.Stderr, "fault proxy:", runFaultProxy(spec))
 		os.Exit(1)

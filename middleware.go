@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"
@@ -74,6 +75,14 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return next.ProcessTask(ctx, t)
 	}
 	l.rec = rec
+	if l.lost == store.LostEnded {
+		// An earlier attempt ended and settled the key (a success or revoke),
+		// and asynq put the task back before it recorded that (a shutdown):
+		// it is done.
+		rec.set(AttemptReleased)
+		d.log.Info("dedup: not run again: an attempt of the task already ended and settled its key", slog.String("type", t.Type()), slog.String("task_id", id))
+		return nil
+	}
 	if !d.storedHere(ctx, queue, id) {
 		rec.set(AttemptRefused)
 		return d.elsewhere(t, id)
@@ -241,7 +250,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	typ := t.Type()
 	d.count(typ, evProcessed)
 	s := d.settleOf(ctx, t, r, l, err)
-	if !l.calls(s) && !l.outlivedMark {
+	if !l.calls(s) && !l.outlivedMark.Load() {
 		// asynq's scripts release the key (success, revoke) or keep it for
 		// the key's next enqueue to heal (a final failure, archived).
 		d.count(typ, evReleased)
@@ -273,8 +282,16 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 			return &store.Settle{End: store.EndFail, Err: failureText(err)} // archived by asynq's rule
 		}
 	}
-	s := &store.Settle{End: store.EndSuccess, TTL: d.ttlOf(r), Release: l.flags.Has(store.FlagRelease) && !d.nearDeadline(ctx)}
+	release := l.flags.Has(store.FlagRelease)
+	near := release && d.nearDeadline(ctx)
+	s := &store.Settle{End: store.EndSuccess, TTL: d.ttlOf(r), Release: release && !near, Loosen: near}
 	switch {
+	case errors.Is(err, context.Canceled) && ctx.Err() != nil && n >= maxRetry && l.flags.Has(store.FlagFail) && !l.flags.Has(store.FlagDefer):
+		// CancelProcessing or a lost lease on the last retry: asynq archives
+		// the task, and its failure hold is written. (A handler outliving a
+		// shutdown returns after asynq put the task back: its next run finds
+		// the key its own, and a success frees it.)
+		s.End, s.Err = store.EndFail, failureText(err)
 	case errors.Is(err, context.Canceled) && ctx.Err() != nil:
 		// Cancelled (a shutdown that requeues the task, CancelProcessing, a
 		// lost lease): asynq runs it again, or archives it without the
@@ -297,7 +314,8 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 // settle call could finish: asynq may then take the attempt as given up and
 // retry it whatever the handler returned, so a release at its success is
 // left to the key's next enqueue, which frees the key once asynq's record
-// of the task says it is done.
+// of the task says it is done (the lock is left as taken at start, which
+// heals at once when that record is gone).
 func (d *Dedup) nearDeadline(ctx context.Context) bool {
 	dl, ok := ctx.Deadline()
 	return ok && time.Until(dl) < d.cfg.LockTimeout
@@ -413,13 +431,13 @@ func (d *Dedup) outlived(ctx context.Context, l *lease) {
 	if !d.findLock(bg, l) {
 		return
 	}
-	r := d.store.ExtendAll(bg, []*store.Extend{{Ref: l.ref, TTL: l.ttl, Outlived: true}})[0]
+	r := d.store.ExtendAll(bg, []*store.Extend{{Ref: l.ref, TTL: l.ttl, Outlived: d.hb.noteLife()}})[0]
 	if r.Err != nil {
 		d.count(l.ref.Type, evRedisError)
 		d.log.Warn("dedup: could not note a handler asynq gave up; its key may heal while it runs", slog.String("task_id", l.ref.ID), slog.Any("error", r.Err))
 		return
 	}
-	l.outlivedMark = r.Owned
+	l.outlivedMark.Store(r.Owned)
 }
 
 // ended records that the attempt's handler returned, after an outlived
@@ -444,10 +462,10 @@ type lease struct {
 	cancel  context.CancelCauseFunc
 	rec     *Attempt // what the middleware did, for a wrapper (WithAttempt); nil: not asked
 
-	refMu        sync.Mutex // orders lockOf's write of ref.Lock and ref.FP
-	mu           sync.Mutex // guards returned and outlivedMark (outlived runs on its own goroutine)
-	returned     bool       // the handler returned
-	outlivedMark bool       // the mode record notes the handler outlived its attempt: its end clears it
+	refMu        sync.Mutex  // orders lockOf's write of ref.Lock and ref.FP
+	mu           sync.Mutex  // guards returned (outlived runs on its own goroutine)
+	returned     bool        // the handler returned
+	outlivedMark atomic.Bool // the mode record notes the handler outlived its attempt (the heartbeat renews it): its end clears it
 }
 
 // mustStart reports whether the attempt checks its key before it runs.
@@ -470,9 +488,9 @@ func (l *lease) calls(s *store.Settle) bool {
 	f := l.flags
 	switch s.End {
 	case store.EndSuccess:
-		return f.Has(store.FlagCool) || f.Has(store.FlagDefer) || s.Release
+		return f.Has(store.FlagCool) || f.Has(store.FlagDefer) || s.Release || s.Loosen
 	case store.EndRevoke:
-		return f.Has(store.FlagDefer) || s.Release
+		return f.Has(store.FlagDefer) || s.Release || s.Loosen
 	case store.EndFail:
 		return f.Has(store.FlagFail) || f.Has(store.FlagDefer)
 	}

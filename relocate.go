@@ -71,7 +71,7 @@ func (k *call) movedTo(d *Dedup, info *asynq.TaskInfo) *call {
 
 // unlockMoved gives back the lock the call took in the queue it asked for.
 func (c *Client) unlockMoved(ctx context.Context, k *call) {
-	if _, err := c.d.store.Unlock(ctx, &k.ref, k.acquire.Value); err != nil {
+	if _, err := c.d.store.Unlock(ctx, &k.ref, k.acquire.Value, k.acquire.MaxPending > 0); err != nil {
 		c.d.count(k.typ, evRedisError)
 	}
 }

@@ -99,6 +99,7 @@ type Settle struct {
 	TTL     time.Duration
 	Err     string        // EndFail: the handler's error
 	Release bool          // release the lock after a success or revoke: the task's record does not name it
+	Loosen  bool          // instead, leave it as taken at start (StartValue): asynq may yet retry the task
 	Due     time.Duration // EndRetry: when asynq runs the task again, from now
 }
 
@@ -125,7 +126,7 @@ func (s *Store) Settle(ctx context.Context, st *Settle) (SettleResult, error) {
 		if follow != "" {
 			addFollowKeys(kl, r.Queue, follow)
 		}
-		rep, err := s.runReply(ctx, s.sc.settle, kl.keys, []any{kl.roleString(), r.ID, st.End, ms(st.TTL), st.Err, flag(st.Release), follow,
+		rep, err := s.runReply(ctx, s.sc.settle, kl.keys, []any{kl.roleString(), r.ID, st.End, ms(st.TTL), st.Err, st.releaseArg(), follow,
 			int64(st.Due / time.Second)})
 		switch {
 		case err != nil:
@@ -144,6 +145,17 @@ func (s *Store) Settle(ctx context.Context, st *Settle) (SettleResult, error) {
 	}
 }
 
+// releaseArg is settle.lua's ARGV[6].
+func (st *Settle) releaseArg() string {
+	switch {
+	case st.Release:
+		return "1"
+	case st.Loosen:
+		return string(HoldStart)
+	}
+	return ""
+}
+
 // runReply runs a script and checks its reply.
 func (s *Store) runReply(ctx context.Context, sc *redis.Script, keys []string, args []any) (reply, error) {
 	v, err := s.run(ctx, sc, keys, args...)
@@ -158,8 +170,10 @@ type Extend struct {
 	Ref Ref
 	TTL time.Duration // how long the key stays held from now at least
 	// Outlived: asynq gave the attempt up while its handler still runs; the
-	// key's mode record says so until the handler's end (Settle).
-	Outlived bool
+	// key's mode record says so (FieldOutlived) for this long from now, or
+	// until the handler's end (Settle): the heartbeat renews it while the
+	// handler runs, so a worker that dies leaves a note that lapses.
+	Outlived time.Duration
 }
 
 // ExtendResult is what one Extend found.
@@ -183,7 +197,7 @@ func (s *Store) ExtendAll(ctx context.Context, es []*Extend) []ExtendResult {
 		wg.Go(func() {
 			defer func() { <-slots }()
 			r := &e.Ref
-			v, err := s.run(ctx, s.sc.extend, []string{r.Lock, r.Mode(), ScheduledKey(r.Queue)}, r.ID, ms(e.TTL), flag(e.Outlived))
+			v, err := s.run(ctx, s.sc.extend, []string{r.Lock, r.Mode(), ScheduledKey(r.Queue)}, r.ID, ms(e.TTL), ms(e.Outlived))
 			if err == nil {
 				out[i].Owned, err = parseFlag(v)
 			}

@@ -41,7 +41,7 @@ func Diagnose(ctx context.Context, c redis.UniversalClient, ls []*Lock, grace ti
 	}
 	reads := make([]read, len(ls))
 	for i, l := range ls {
-		if l.HeldOnPurpose() {
+		if l.HeldOnPurpose() || l.outlived() { // (or a handler asynq gave up still runs)
 			continue
 		}
 		q, id, r := l.Queue, l.Owner, &reads[i]

@@ -29,6 +29,7 @@ const (
 	FieldFolds    = "n"  // enqueues folded into the holder (Replace, Merge); Merge's version
 	FieldError    = "e"  // the holder's last error, once it failed for good and holds the key
 	FieldBounded  = "b"  // the type whose waiting set counts the key (MaxPending)
+	FieldOutlived = "o"  // until when (unix ms) a handler of the holder that asynq gave up still runs, as its heartbeat renews it
 )
 
 // FailHold encodes a failure hold as the mode record carries it: 0 none
@@ -109,7 +110,7 @@ type Lock struct {
 	Taken     int64  // HoldWrap: when the key was taken, unix seconds; else 0
 	Folds     int64
 	TTL       time.Duration // -1: no expiry
-	TaskState string        // the holder's state in asynq; "missing" when it has no record
+	TaskState string        // the holder's state in asynq; "missing" when it has no record (or its ID names another key's task now)
 	Fields    map[string]string
 }
 
@@ -117,7 +118,7 @@ type Lock struct {
 const (
 	LockCooling   = "cooling"    // the holder succeeded; the key stays held until the lock expires (Cooldown, Period, a firing)
 	LockFailed    = "failed"     // the holder failed for good; the key stays held until the lock expires or is released (OnFailure)
-	LockRunning   = "running"    // asynq's record says the holder runs
+	LockRunning   = "running"    // asynq's record says the holder runs, or a handler of it that asynq gave up still does
 	LockRetryWait = "retry-wait" // asynq waits to retry the holder
 	LockOrphaned  = "orphaned"   // the holder is gone, completed or archived: the lock heals at the key's next enqueue
 	LockWaiting   = "waiting"    // the holder waits to run
@@ -159,7 +160,7 @@ func (l *Lock) State() string {
 		return LockFailed
 	case l.Kind == HoldCooling, l.Kind == HoldFiring && (l.TaskState == "missing" || Gone(l.TaskState)):
 		return LockCooling
-	case l.TaskState == StateActive:
+	case l.TaskState == StateActive, l.outlived():
 		return LockRunning
 	case l.TaskState == StateRetry:
 		return LockRetryWait
@@ -167,6 +168,29 @@ func (l *Lock) State() string {
 		return LockOrphaned
 	}
 	return LockWaiting
+}
+
+// outlived reports that the mode record notes a handler of the holder that
+// asynq gave up, which still runs (FieldOutlived, renewed by its heartbeat).
+func (l *Lock) outlived() bool {
+	until, err := strconv.ParseInt(l.Fields[FieldOutlived], 10, 64)
+	return err == nil && until > time.Now().UnixMilli()
+}
+
+// belongs reports whether the stored task (its record's unique_key and
+// message) is the holder the lock's value names, not another key's task
+// under a caller-chosen ID used again (as lib.lua's belongs decides).
+func (l *Lock) belongs(uniqueKey, msg string) bool {
+	switch {
+	case KindOf(l.Owner) != IDOther:
+		return true // (an ID this library made is never used twice)
+	case uniqueKey != "":
+		return uniqueKey == l.Key
+	case msg == "" || strings.Contains(msg, l.Key):
+		return true
+	}
+	_, named := MessageHeaders([]byte(msg))[HeaderLock]
+	return l.Kind == HoldStart && !named
 }
 
 // Failed reports a failure hold: the holder failed for good (asynq
@@ -212,7 +236,7 @@ func ReadLocks(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*
 	tasks := make([]*redis.SliceCmd, len(out))
 	_, _ = c.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, l := range out {
-			tasks[i] = p.HMGet(ctx, TaskKey(l.Queue, l.Owner), "state", "msg")
+			tasks[i] = p.HMGet(ctx, TaskKey(l.Queue, l.Owner), "state", "msg", "unique_key")
 		}
 		return nil
 	})
@@ -222,10 +246,15 @@ func ReadLocks(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*
 			return nil, fmt.Errorf("read asynq task %s: %w", l.Owner, err)
 		}
 		s, _ := v[0].(string)
+		msg, _ := v[1].(string)
+		uk, _ := v[2].(string)
+		if s != "" && !l.belongs(uk, msg) {
+			s, msg = "", ""
+		}
 		if s == "" {
 			s = "missing"
 		}
-		if msg, _ := v[1].(string); l.Type == "" {
+		if l.Type == "" {
 			l.Type = MessageType(msg)
 		}
 		if l.Type == "" && l.Bounded() {

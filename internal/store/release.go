@@ -76,8 +76,10 @@ func (rel *Release) call(fp string, h *hint) ([]string, []any) {
 	q := rel.Queue
 	kl := newKeyList()
 	kl.add(roleLock, rel.Lock)
-	kl.add(roleMode, ModeOf(rel.Lock))
-	kl.add(roleWait, WaitOf(rel.Lock, rel.Type))
+	if rel.How != ReleaseUnlock || rel.Type != "" {
+		kl.add(roleMode, ModeOf(rel.Lock))
+		kl.add(roleWait, WaitOf(rel.Lock, rel.Type))
+	}
 	if rel.How != ReleaseUnlock && h.holder != "" {
 		kl.add(roleHolder, TaskKey(q, h.holder))
 		kl.add(rolePending, PendingKey(q))
@@ -92,10 +94,17 @@ func (rel *Release) call(fp string, h *hint) ([]string, []any) {
 }
 
 // Unlock gives back the lock a refused enqueue took (its value exactly),
-// with its waiting-set entry. It reports whether it did.
-func (s *Store) Unlock(ctx context.Context, r *Ref, value string) (bool, error) {
+// with its waiting-set entry if the call counted the key (MaxPending). It
+// reports whether it did. Without a waiting set it names the lock alone,
+// so that it runs during a slot migration too (a script whose keys are on
+// both sides is refused, TRYAGAIN).
+func (s *Store) Unlock(ctx context.Context, r *Ref, value string, counted bool) (bool, error) {
+	typ := ""
+	if counted {
+		typ = r.Type
+	}
 	v, err := s.Do(ctx, r.Lock, func(c context.Context, rdb redis.Cmdable) (any, error) {
-		return ReleaseKey(c, rdb, &Release{Lock: r.Lock, Queue: r.Queue, Type: r.Type, How: ReleaseUnlock, Holder: value})
+		return ReleaseKey(c, rdb, &Release{Lock: r.Lock, Queue: r.Queue, Type: typ, How: ReleaseUnlock, Holder: value})
 	})
 	s.hints.forget(r.Lock)
 	res, _ := v.(ReleaseResult)

@@ -26,7 +26,7 @@ func TestReleaseOfAValueThatNoLongerMatchesDoesNothing(t *testing.T) {
 	rdb.ZAdd(ctx, s.keys.Wait(q, "t"), redis.Z{Score: float64(time.Now().Add(time.Hour).UnixMilli()), Member: fp})
 	w := &scriptWorld{rdb: rdb, s: s, q: q}
 	before := w.snapshot()
-	if ok, err := s.Unlock(ctx, &r, then); err != nil || ok {
+	if ok, err := s.Unlock(ctx, &r, then, true); err != nil || ok {
 		t.Fatalf("unlock of a value the key no longer has: %v, %v", ok, err)
 	}
 	gone := NewPlainID()
@@ -37,7 +37,7 @@ func TestReleaseOfAValueThatNoLongerMatchesDoesNothing(t *testing.T) {
 	if d := diff(before, w.snapshot()); len(d) > 0 {
 		t.Fatalf("changed %v", d)
 	}
-	if ok, err := s.Unlock(ctx, &r, now); err != nil || !ok {
+	if ok, err := s.Unlock(ctx, &r, now, true); err != nil || !ok {
 		t.Fatalf("unlock of its own value: %v, %v", ok, err)
 	}
 	if rdb.Exists(ctx, r.Lock).Val() != 0 || rdb.ZScore(ctx, s.keys.Wait(q, "t"), fp).Err() == nil {
@@ -80,5 +80,28 @@ func TestReleaseStuckKeepsWhatCanRun(t *testing.T) {
 	// The holder cannot run: its follow-up takes the key, queued now.
 	if st, v := rdb.HGet(ctx, TaskKey(q, f), "state").Val(), rdb.Get(ctx, lost.Lock).Val(); st != StatePending || v != f {
 		t.Fatalf("follow-up %q, lock %q; want pending, held by the follow-up %s", st, v, f)
+	}
+}
+
+// A refused enqueue of a key no waiting set counts gives its lock back
+// naming the lock alone: one key, so that the call runs on whichever side
+// of a slot migration the lock is.
+func TestUnlockOfAnUncountedKeyNamesTheLockAlone(t *testing.T) {
+	rdb := redistest.Client(t)
+	hook := &lastRoles{}
+	rdb.AddHook(hook)
+	ctx := context.Background()
+	s := newTestStore(t, rdb)
+	r := s.ref(redistest.Uniq(t), "0000000000000202", NewPlainID())
+	v := WrapValue(r.ID, time.Now())
+	rdb.Set(ctx, r.Lock, v, time.Hour)
+	if ok, err := s.Unlock(ctx, &r, v, false); err != nil || !ok {
+		t.Fatalf("unlock: %v, %v", ok, err)
+	}
+	if roles := hook.all(); roles != "L" {
+		t.Fatalf("unlock declared the roles %q, want the lock alone (L)", roles)
+	}
+	if rdb.Exists(ctx, r.Lock).Val() != 0 {
+		t.Fatal("the lock stayed")
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -102,7 +103,9 @@ func (w *scriptWorld) build() {
 	add(4, FieldError, "boom")
 	add(4, FieldCoolEnd, time.Now().Add(time.Hour).UnixMilli())
 	add(4, FieldFailHold, "-1")
-	add(8, "o", "1") // a handler asynq gave up still runs (extend.lua's Outlived)
+	// A handler asynq gave up still runs (extend.lua's Outlived), or did
+	// until its note lapsed (its worker died).
+	add(8, FieldOutlived, []int64{time.Now().Add(time.Hour).UnixMilli(), time.Now().Add(-time.Second).UnixMilli()}[w.pick(2)])
 	if w.pick(3) == 0 {
 		fields = append(fields, FieldBounded, "t")
 		w.rdb.ZAdd(ctx, w.s.keys.Wait(w.q, "t"), redis.Z{Score: float64(time.Now().Add(time.Hour).UnixMilli()), Member: w.fp})
@@ -341,7 +344,7 @@ func (k keyState) live(grace time.Duration) bool {
 	p := k.value
 	failed := k.mode[FieldHolder] == p.Holder && k.mode[FieldError] != "" && (k.state == "" || k.state == StateArchived || k.state == StateActive)
 	young := p.Kind == HoldWrap && k.state == "" && time.Since(p.At) < grace
-	outlived := k.mode[FieldHolder] == p.Holder && k.mode["o"] != ""
+	outlived := k.mode[FieldHolder] == p.Holder && noteLive(k.mode[FieldOutlived])
 	return k.locked && (p.HeldOnPurpose() || failed || young || outlived || !Gone(k.state))
 }
 
@@ -407,7 +410,7 @@ func (w *scriptWorld) check(a *Acquire, res AcquireResult, before keyState, trus
 		if res.Task != a.FollowID || follow != res.Task || task["state"] != StateScheduled {
 			return fmt.Sprintf("deferred into %s (state %q), the key owes %q", res.Task, task["state"], follow)
 		}
-		if before.state != StateActive && before.mode["o"] == "" { // (o: its handler still runs, asynq gave it up)
+		if before.state != StateActive && !noteLive(before.mode[FieldOutlived]) { // (o: its handler still runs, asynq gave it up)
 			return "deferred behind a holder in state " + before.state + ", not running"
 		}
 	case StatusCooling:
@@ -460,4 +463,11 @@ func (w *scriptWorld) checkTaken(a *Acquire, res AcquireResult, before, after ke
 		return "taken with a mode, but the mode record is about " + after.mode[FieldHolder]
 	}
 	return ""
+}
+
+// noteLive reports whether a mode record's FieldOutlived says a handler
+// asynq gave up still runs.
+func noteLive(o string) bool {
+	until, err := strconv.ParseInt(o, 10, 64)
+	return err == nil && until > time.Now().UnixMilli()
 }

@@ -36,9 +36,12 @@ const (
 	// is not plain (the flags say what the middleware does; see Flags), or
 	// "-" for a task opted out under a caller-chosen ID.
 	HeaderLock = "dedup"
-	// HeaderLost marks a task that lost its key while it waited, was
-	// archived or failed ("healed": the key's next enqueue took it over;
-	// "released": an operator released it): its next run checks the key.
+	// HeaderLost marks a task whose key is no longer its own: it lost the
+	// key while it waited, was archived or failed ("healed": the key's next
+	// enqueue took it over; "released": an operator released it), and its
+	// next run checks the key; or an attempt of it ended and settled the key
+	// ("ended": a success or revoke asynq had not yet recorded when it put
+	// the task back), and it does not run again.
 	HeaderLost = "dedup-lost"
 )
 
@@ -49,6 +52,7 @@ const OptedOut = "-"
 const (
 	LostHealed   = "healed"
 	LostReleased = "released"
+	LostEnded    = "ended"
 )
 
 // Flags say what the middleware does with a task locked at enqueue, in

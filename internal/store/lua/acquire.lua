@@ -60,21 +60,21 @@ if holder then
   if own then K.H = K.T elseif holder ~= A[7] then K.H = nil end
   if lacks('H') then return need() end
   state, hmsg = unpack(call('HMGET', K.H, 'state', 'msg'))
-  if state and not belongs(K.H, holder, kind, K.L) then
-    state, hmsg = 'completed', nil -- its caller-chosen ID names another key's task now: gone
-  end
+  -- Its caller-chosen ID may name another key's task now: this key's is gone.
+  local moved = state and not belongs(K.H, holder, kind, K.L)
+  if moved then state, hmsg = nil, nil end
   if m[1] == holder and m[6] and (not state or state == 'archived' or state == 'active') then
     -- It failed for good and holds the key (OnFailure): archived, deleted since,
     -- or about to be archived (its hold is written first).
     return {14, holder, call('PTTL', K.L), 'f'}
   end
-  if own and gone(state) then return {state and 7 or 2} end
-  if not state and kind == 'w' and now - at < tonumber(A[13]) then
+  if own and gone(state) then return {(state or moved) and 7 or 2} end
+  if not state and not moved and kind == 'w' and now - at < tonumber(A[13]) then
     return (policy ~= 'x' or running == 'd') and {6, holder} or {0, holder, ''}
   end
 end
 -- (o: a handler of the holder that asynq gave up still runs)
-local live = not gone(state) or (m[1] == holder and m[7])
+local live = not gone(state) or (m[1] == holder and outlived(m[7]))
 local fstate, fmsg
 if f and (live or running == 'd') then
   if f ~= A[8] then K.G = nil end

@@ -5,9 +5,10 @@
 -- KEYS[1]  the lock; KEYS[2] the key's mode record; KEYS[3] asynq's scheduled set
 -- ARGV[1]  task ID
 -- ARGV[2]  how long the key stays held from now at least, integer milliseconds
--- ARGV[3]  '1': asynq gave the attempt up while its handler still runs: the mode
---          record says so (field o) until the handler's end, so that the key
---          does not heal under it when asynq archives the task
+-- ARGV[3]  asynq gave the attempt up while its handler still runs: the mode record
+--          says so (field o: until now + ARGV[3] ms; '0' no note) until the
+--          handler's end, so that the key does not heal under it when asynq
+--          archives the task; the heartbeat renews it while the handler runs
 --
 -- Reply: 1 the key is the task's; 0 it is not (gone, or another task's)
 local holder, kind = holder_of(call('GET', KEYS[1]))
@@ -17,8 +18,10 @@ local ms = tonumber(ARGV[2])
 local left = call('PTTL', KEYS[1])
 if left >= 0 and left < ms then call('PEXPIRE', KEYS[1], ms) end
 local m = call('HMGET', KEYS[2], 'id', 'f')
-if ARGV[3] == '1' and (not m[1] or m[1] == holder) then
-  call('HSET', KEYS[2], 'id', holder, 'o', '1')
+if ARGV[3] ~= '0' and (not m[1] or m[1] == holder) then
+  local t = call('TIME')
+  local us = tonumber(t[2])
+  call('HSET', KEYS[2], 'id', holder, 'o', tonumber(t[1]) * 1000 + (us - us % 1000) / 1000 + tonumber(ARGV[3]))
   call('PEXPIRE', KEYS[2], math.max(call('PTTL', KEYS[1]), ms))
   m[1] = holder
 end

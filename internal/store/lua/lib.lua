@@ -155,6 +155,14 @@ local function mark(rec, reason)
   if msg and not string.find(msg, field, 1, true) then call('HSET', rec, 'msg', msg .. field) end
 end
 
+-- outlived reports whether a mode record's o (unix ms, by the server's clock)
+-- says a handler of its holder that asynq gave up still runs.
+local function outlived(o)
+  if not o then return false end
+  local _, now_ms = now_parts()
+  return tonumber(o) > now_ms
+end
+
 -- belongs reports whether the stored task rec is the holder the lock at lock
 -- names (kind: the value's): an ID this library made is never used twice, but a
 -- caller's may be, by a task of another key once the first is gone: its record

@@ -5,7 +5,8 @@
 -- is the newest.
 --
 -- KEYS, by the role letters of ARGV[1]:
---   L  the lock; M  the key's mode record; W  the type's waiting set      always
+--   L  the lock                                                          always
+--   M  the key's mode record; W  the type's waiting set      but for 'unlock' of an uncounted key
 --   H  asynq record of the holder ARGV[5]; P, A, S, R  asynq's pending list,
 --      active list, scheduled set and retry set of the queue             but for 'unlock'
 --   G  asynq record of the follow-up ARGV[6]                             when the mode record names one
@@ -31,7 +32,7 @@ roles(0)
 local A = ARGV
 local v = call('GET', K.L)
 local holder, kind, at = holder_of(v)
-local m = call('HMGET', K.M, 'id', 'f', 'b', 'e')
+local m = K.M and call('HMGET', K.M, 'id', 'f', 'b', 'e', 'o') or {}
 if not v then
   -- No lock: asynq deleted it with its holder. With 'stuck' a follow-up the
   -- holder owed, which still waits, is queued now (the key is free for it).
@@ -52,6 +53,8 @@ if lacks('HPASR' .. (f and 'G' or '')) then return {11, lacking, holder, f or ''
 -- The holder's state ('' with no record), and whether the list or set it names
 -- holds it (true for one that names none: completed, archived, aggregating).
 local st, there = call('HGET', K.H, 'state') or '', true
+local moved = st ~= '' and not belongs(K.H, holder, kind, K.L) -- (another key's task now)
+if moved then st = '' end
 if st == 'pending' or st == 'active' then
   there = call('LPOS', st == 'pending' and K.P or K.A, holder)
 elseif st == 'scheduled' or st == 'retry' then
@@ -60,10 +63,11 @@ end
 if A[2] == 'stuck' then
   if kind == 'c' or kind == 'x' then return {3, kind} end
   if (st == '' or st == 'archived') and m[1] == holder and m[4] then return {3, 'failed'} end
-  if st == '' and kind == 'w' and now_parts() - at < tonumber(A[7]) then return {3, 'reserved'} end
+  if m[1] == holder and outlived(m[5]) then return {3, 'active'} end -- (a handler asynq gave up still runs)
+  if st == '' and not moved and kind == 'w' and now_parts() - at < tonumber(A[7]) then return {3, 'reserved'} end
   if st ~= '' and not gone(st) and there then return {3, st} end
 end
-if waiting(st) or st == 'active' then
+if not moved and (waiting(st) or st == 'active') then
   mark(K.H, 'released') -- (asynq keeps a running task's message if it requeues it)
 end
 local queued = f and queue_now(f) and f or ''

@@ -14,8 +14,9 @@
 -- ARGV[4]  'retry': how long the key stays held for the retry at least; else the
 --          lock's lifetime for a follow-up it goes to (integer ms)
 -- ARGV[5]  'fail': the handler's error
--- ARGV[6]  '1': release the lock after 'ok' and 'revoke' (the task's record does
---          not name it, so asynq's scripts will not)
+-- ARGV[6]  after 'ok' and 'revoke', of a lock the task's record does not name (so
+--          asynq's scripts will not release it): '1' release it; 'a' leave it, as
+--          taken at start (asynq may yet retry the task: its deadline was near)
 -- ARGV[7]  the follow-up G belongs to ('' none)
 -- ARGV[8]  'retry': seconds until asynq runs the task again
 --
@@ -25,6 +26,9 @@
 --                               owes), 'cooling', 'failed', 'follow' (now the
 --                               follow-up's, which is queued)
 --        {0}                    the key is not the task's any more
+-- After 'ok' and 'revoke' the task's record is marked (lib.lua's mark, 'ended'):
+-- should asynq put the task back before it records the end (a shutdown), it
+-- does not run again.
 --        {11, lacking, '', f}   nothing done: call again with these keys
 -- @lib: lib.lua is spliced in here.
 roles(0)
@@ -50,6 +54,7 @@ if out == 'retry' then
   if f then call('ZADD', K.S, 'XX', now + tonumber(A[8]) + 1, f) end
   return {1, 'held', f or ''}
 end
+if out ~= 'fail' then mark(K.T, 'ended') end
 if f and queue_now(f) then
   call('SET', K.L, f, 'PX', A[4])
   call('HSET', K.M, 'id', f, 'n', 0)
@@ -85,4 +90,5 @@ if A[6] == '1' and out ~= 'fail' then
   call('DEL', K.L)
   return {1, 'released'}
 end
+if A[6] == 'a' and kind == 'w' and out ~= 'fail' then call('SET', K.L, '~a:' .. id, 'KEEPTTL') end
 return {1, ''}

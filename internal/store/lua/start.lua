@@ -31,6 +31,8 @@ local m = call('HMGET', K.M, 'id', 'f', 'b', 'e', 'o')
 local f = m[2]
 if kind == 'c' then return {14, holder, call('PTTL', K.L), kind} end -- (its own: it succeeded already)
 if holder == id then
+  -- A handler of an attempt of its own that asynq gave up still runs: it waits.
+  if m[1] == id and outlived(m[5]) then return {0, holder, '1'} end
   if m[1] == id and m[4] then
     -- Run again by hand after it failed for good: its own again.
     call('HDEL', K.M, 'e')
@@ -41,10 +43,11 @@ elseif holder then
   if holder ~= A[6] then K.H = nil end
   if lacks('H') then return {11, lacking, holder} end
   local st = call('HGET', K.H, 'state')
-  if st and not belongs(K.H, holder, kind, K.L) then st = 'completed' end -- (another key's task now: gone)
-  if not gone(st) or (not st and kind == 'w' and now_parts() - at < tonumber(A[7]))
-      or (m[1] == holder and m[5]) then
-    return {0, holder, (st == 'active' or m[5]) and '1' or ''}
+  local moved = st and not belongs(K.H, holder, kind, K.L) -- (another key's task now: this key's is gone)
+  if moved then st = nil end
+  local runs = m[1] == holder and outlived(m[5])
+  if not gone(st) or runs or (not st and not moved and kind == 'w' and now_parts() - at < tonumber(A[7])) then
+    return {0, holder, (st == 'active' or runs) and '1' or ''}
   end
   if (not st or st == 'archived') and m[1] == holder and m[4] then
     return {14, holder, call('PTTL', K.L), 'f'} -- it failed for good, and holds the key (OnFailure)

@@ -19,7 +19,8 @@
 -- ARGV[8]  '1': the task's record names the lock (unique_key; ARGV[4]'s
 --          UniqueKey names it too), so that asynq's own scripts release it
 -- ARGV[9]  the holder the caller expects ('' for none); ARGV[10] '1': a live
---          ARGV[9] is answered from the lock alone (its record was read moments ago)
+--          ARGV[9] holding a lock of its own ID is answered from the lock alone
+--          (its record was read moments ago)
 -- ARGV[11] '1': the ID is the caller's: refused if a task has it
 -- ARGV[12] MaxPending: most keys of the type waiting in the queue ('0': none)
 -- ARGV[13] the key's fingerprint (its member of W)
@@ -82,7 +83,8 @@ if kind == 'x' then return {0, holder} end
 if not string.match(holder, '^d[dfka]%-') then
   return {11, holder} -- a caller's ID, which a task of another key may have now: acquire checks
 end
-if holder == A[9] and A[10] == '1' then return {0, holder} end
+-- (Only a lock asynq's scripts delete at the task's end is trusted alone.)
+if holder == A[9] and A[10] == '1' and kind == '' then return {0, holder} end
 local st = holder == A[9] and K.H and call('HGET', K.H, 'state')
 if st and st ~= 'completed' and st ~= 'archived' then return {0, holder} end
 return {11, holder}
