@@ -239,18 +239,22 @@ func TestClusterSlotMigrationLosesNothing(t *testing.T) {
 		})
 		return out
 	}
-	// A settle refused during the migration is tried again at the next
-	// heartbeats (every Lease/3), and the lock expires within one Lease.
-	deadline := time.Now().Add(3*DefaultHeartbeat + 5*time.Second)
-	for len(leftLocks()) > 0 && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond) // locks are released as the tasks finish
-	}
-	if left := leftLocks(); len(left) > 0 {
-		for _, k := range left {
-			h := c.Get(ctx, k).Val()
-			owner := holderIn(h)
-			st := c.HGet(ctx, "asynq:{"+queue+"}:t:"+owner, "state").Val()
-			t.Errorf("lock left: %s %v ttl %v; owner %s state %q, accepted %v", k, h, c.PTTL(ctx, k).Val(), owner, st, accepted[owner])
+	// A release refused during the migration (a wrapped task's, which the
+	// middleware makes at its success) leaves its lock behind, held by a task
+	// asynq has since completed: the key's next enqueue heals it at once. A
+	// lock left must be such a one, never one that still holds its key.
+	for _, k := range leftLocks() {
+		ls, err := store.ReadLocks(ctx, c, store.NewKeys(d.cfg.Prefix), []string{k})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range ls {
+			if st := l.State(); st != "orphaned" {
+				v := c.Get(ctx, k).Val()
+				owner := holderIn(v)
+				t.Errorf("lock left: %s %v ttl %v, state %q; owner %s record state %q, accepted %v", k, v, c.PTTL(ctx, k).Val(), st, owner,
+					c.HGet(ctx, "asynq:{"+queue+"}:t:"+owner, "state").Val(), accepted[owner])
+			}
 		}
 	}
 }

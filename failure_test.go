@@ -96,7 +96,9 @@ func TestFailurePolicyIsRecordedSoTheServerNeedsNoRule(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, rc.runs, "the other attempt")
-	eventually(t, "released", func() bool { return h.d.Stats().Released == 1 })
+	eventually(t, "released and archived", func() bool {
+		return h.d.Stats().Released == 1 && h.taskState(other.ID) == asynq.TaskStateArchived
+	})
 	if _, err := c.Enqueue(userTask(6, "again"), asynq.Queue(h.queue), Fields("user_id")); err != nil {
 		t.Fatalf("enqueue after a released failure of %s: %v", other.ID, err)
 	}

@@ -282,8 +282,7 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 			return &store.Settle{End: store.EndFail, Err: failureText(err)} // archived by asynq's rule
 		}
 	}
-	release := l.flags.Has(store.FlagRelease)
-	near := release && d.nearDeadline(ctx)
+	release, near := l.flags.Has(store.FlagRelease), d.nearDeadline(ctx)
 	s := &store.Settle{End: store.EndSuccess, TTL: d.ttlOf(r), Release: release && !near, Loosen: near}
 	switch {
 	case errors.Is(err, context.Canceled) && ctx.Err() != nil && n >= maxRetry && l.flags.Has(store.FlagFail) && !l.flags.Has(store.FlagDefer):
@@ -488,9 +487,9 @@ func (l *lease) calls(s *store.Settle) bool {
 	f := l.flags
 	switch s.End {
 	case store.EndSuccess:
-		return f.Has(store.FlagCool) || f.Has(store.FlagDefer) || s.Release || s.Loosen
+		return f.Has(store.FlagCool) || f.Has(store.FlagDefer) || f.Has(store.FlagRelease)
 	case store.EndRevoke:
-		return f.Has(store.FlagDefer) || s.Release || s.Loosen
+		return f.Has(store.FlagDefer) || f.Has(store.FlagRelease)
 	case store.EndFail:
 		return f.Has(store.FlagFail) || f.Has(store.FlagDefer)
 	}

@@ -86,11 +86,13 @@ func TestSmoke(t *testing.T) {
 }
 
 // TestSmokeJSON checks the machine output and the commands per call.
+// (-ctx-timeouts: the library then sends its calls through the shared
+// client, whose commands the report counts per call.)
 func TestSmokeJSON(t *testing.T) {
 	needRedisServer(t)
 	var out, errOut bytes.Buffer
 	cfg, err := parseFlags([]string{"-duration", "100ms", "-rounds", "2", "-warmup", "50ms", "-c", "2", "-keys", "20",
-		"-cases", "plain,accepted,rejected,coalesced", "-json", "-q"}, &out, &errOut)
+		"-cases", "plain,accepted,rejected,coalesced", "-ctx-timeouts", "-json", "-q"}, &out, &errOut)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -161,12 +163,13 @@ func TestSmokeDrain(t *testing.T) {
 
 // TestSmokeBatch checks the batch case's machine output: both variants
 // create every task, the batch in one round trip per call, the Submits in
-// one each, with the batch's ratios to the Submits'.
+// one each, with the batch's ratios to the Submits'. (-ctx-timeouts: as in
+// TestSmokeJSON, so that the shared client counts the round trips.)
 func TestSmokeBatch(t *testing.T) {
 	needRedisServer(t)
 	var out, errOut bytes.Buffer
 	cfg, err := parseFlags([]string{"-rounds", "2", "-warmup", "0", "-cases", "batch", "-batch-size", "100", "-batch-runs", "3",
-		"-json", "-q"}, &out, &errOut)
+		"-ctx-timeouts", "-json", "-q"}, &out, &errOut)
 	if err != nil {
 		t.Fatal(err)
 	}

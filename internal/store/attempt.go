@@ -96,11 +96,17 @@ type Settle struct {
 	End string // EndSuccess, EndRevoke, EndFail or EndRetry
 	// TTL: EndRetry, how long the key stays held at least; else the lock's
 	// lifetime for a follow-up it goes to.
-	TTL     time.Duration
-	Err     string        // EndFail: the handler's error
-	Release bool          // release the lock after a success or revoke: the task's record does not name it
-	Loosen  bool          // instead, leave it as taken at start (StartValue): asynq may yet retry the task
-	Due     time.Duration // EndRetry: when asynq runs the task again, from now
+	TTL time.Duration
+	Err string // EndFail: the handler's error
+	// After a success or revoke the lock is released (asynq's done would
+	// release a lock its record names moments later; Release: the record does
+	// not name it), unless Loosen: the attempt's deadline was near and asynq
+	// may yet retry the task, so the lock is left for asynq's record to
+	// answer (a lock its record does not name, as taken at start: StartValue).
+	Release bool
+	Loosen  bool
+
+	Due time.Duration // EndRetry: when asynq runs the task again, from now
 }
 
 // SettleResult is what settle did.

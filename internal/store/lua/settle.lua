@@ -14,9 +14,10 @@
 -- ARGV[4]  'retry': how long the key stays held for the retry at least; else the
 --          lock's lifetime for a follow-up it goes to (integer ms)
 -- ARGV[5]  'fail': the handler's error
--- ARGV[6]  after 'ok' and 'revoke', of a lock the task's record does not name (so
---          asynq's scripts will not release it): '1' release it; 'a' leave it, as
---          taken at start (asynq may yet retry the task: its deadline was near)
+-- ARGV[6]  after 'ok' and 'revoke': 'a' leave a lock the task's record does not
+--          name as taken at start (asynq may yet retry the task: its deadline was
+--          near); else it is released ('1': the record does not name it, so asynq's
+--          scripts would not)
 -- ARGV[7]  the follow-up G belongs to ('' none)
 -- ARGV[8]  'retry': seconds until asynq runs the task again
 --
@@ -86,7 +87,10 @@ if out == 'fail' and mine and m[4] then
   return {1, 'failed'}
 end
 if out ~= 'fail' and mine then call('DEL', K.M) end -- (the key's mode ends with its task)
-if A[6] == '1' and out ~= 'fail' then
+if out ~= 'fail' and A[6] ~= 'a' then
+  -- Released now rather than by asynq's done moments later: until then its
+  -- record still says active, and the key would read as held by a running task
+  -- whose mode (a follow-up it would queue) has just ended.
   call('DEL', K.L)
   return {1, 'released'}
 end
