@@ -24,17 +24,17 @@ import (
 // stalled, its attempt still runs, succeeds, and asynq's own done script
 // releases its key.
 func TestAdversary10PlainTaskRunsWhileTheLibrarysRedisStalls(t *testing.T) {
-	h := a9NewClientHarness(t, Rule{})
+	h := newDirectHarness(t, Rule{})
 	proxy, sd := proxiedLockStore(t, h, Config{Rules: counterRules(Rule{}).Rules, LockTimeout: 3 * time.Second})
 	ran := make(chan string, 4)
-	a9Server(t, h.rdb, h.queue, sd.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+	serveRaw(t, h.rdb, h.queue, sd.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
 		id, _ := asynq.GetTaskID(ctx)
 		ran <- id
 		return nil
 	})), nil)
 	task := counterTask("k", 1, 1)
 	a := h.enqueue(task)
-	a9Timed(t, a.ID)
+	requirePlainID(t, a.ID)
 	proxy.stall()
 	t.Cleanup(proxy.resume)
 	if id := waitFor(t, ran, "A runs while the library's Redis stalls"); id != a.ID {
@@ -55,7 +55,7 @@ func TestAdversary10PlainTaskRunsWhileTheLibrarysRedisStalls(t *testing.T) {
 // one settle call) must hand the key over and queue the follow-up; every
 // release counted once.
 func TestAdversary10FollowUpMadeWhileRunningQueuedByTheBatchedRelease(t *testing.T) {
-	h := a9NewClientHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
 	gate := make(chan struct{})
 	started := make(chan int, 4)
 	h.serve(func(ctx context.Context, task *asynq.Task) error {
@@ -67,7 +67,7 @@ func TestAdversary10FollowUpMadeWhileRunningQueuedByTheBatchedRelease(t *testing
 		return nil
 	}, nil)
 	a := h.enqueue(counterTask("k", 1, 1))
-	a9Timed(t, a.ID)
+	requirePlainID(t, a.ID)
 	if seq := waitFor(t, started, "A runs"); seq != 1 {
 		t.Fatalf("ran %d first", seq)
 	}
@@ -109,10 +109,10 @@ func TestAdversary10ReleaseOnHealthyMasterWaitsForHungMaster(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	seen := &a10Seen{mark: lockKeyHex(prefix, hungQ, ""), seen: make(chan struct{})}
+	seen := &scriptSeen{mark: lockKeyHex(prefix, hungQ, ""), seen: make(chan struct{})}
 	c.AddHook(redistest.CmdHook(seen.check))
 	// The hung queue's handler pauses its master, then succeeds.
-	_, _ = a9Server(t, c, hungQ, d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+	_, _ = serveRaw(t, c, hungQ, d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
 		if err := hungNode.Do(context.Background(), "CLIENT", "PAUSE", 5000, "ALL").Err(); err != nil {
 			t.Errorf("CLIENT PAUSE: %v", err)
 		}
@@ -127,7 +127,7 @@ func TestAdversary10ReleaseOnHealthyMasterWaitsForHungMaster(t *testing.T) {
 			return err
 		})
 	}
-	_, _ = a9Server(t, c, okQ, okMW(d.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }))), nil)
+	_, _ = serveRaw(t, c, okQ, okMW(d.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }))), nil)
 	client := d.NewClient()
 	// The healthy queue is published in asynq's registry of queues now:
 	// that key (asynq:queues) has one slot, which may be the hung master's.
@@ -164,15 +164,15 @@ func TestAdversary10ReleaseOnHealthyMasterWaitsForHungMaster(t *testing.T) {
 
 func ptr[T any](v T) *T { return &v }
 
-// a10Seen signals the first script call carrying a key with mark once armed.
-type a10Seen struct {
+// scriptSeen signals the first script call carrying a key with mark once armed.
+type scriptSeen struct {
 	mark  string
 	armed atomic.Bool
 	once  sync.Once
 	seen  chan struct{}
 }
 
-func (h *a10Seen) check(cmd redis.Cmder) {
+func (h *scriptSeen) check(cmd redis.Cmder) {
 	if !h.armed.Load() {
 		return
 	}

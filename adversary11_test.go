@@ -20,10 +20,10 @@ import (
 // untouched task IDs and the rule errors, through the public API on a real
 // asynq server and redis-server. Each test quotes the promise it attacks.
 
-// a11Field reads what the lock at key says of one thing ("" when absent):
+// lockField reads what the lock at key says of one thing ("" when absent):
 // "k" whether it cools ("1"), "id" its holder, any other field its mode
 // record's (which keys with modes have: the type and key form among them).
-func a11Field(h *harness, key, field string) string {
+func lockField(h *harness, key, field string) string {
 	h.t.Helper()
 	ctx := context.Background()
 	switch field {
@@ -38,10 +38,10 @@ func a11Field(h *harness, key, field string) string {
 	return h.rdb.HGet(ctx, modeKeyOf(key), field).Val()
 }
 
-// a11Mode is a mode that gives a key a mode record (a failure hold), for
+// modeRecordOption is a mode that gives a key a mode record (a failure hold), for
 // the tests of what the record keeps: a key whose policy acts only at
 // enqueue has none.
-func a11Mode() asynq.Option { return OnFailure(FailHold, time.Hour) }
+func modeRecordOption() asynq.Option { return OnFailure(FailHold, time.Hour) }
 
 // 1. Promise (feb5c5c, client.go): "under OptIn a type nothing deduplicates
 // keeps asynq's task ID … A server whose rules cover the type guards it as
@@ -90,7 +90,7 @@ func TestAdversary11StaleIndexOfACallerIDMustNotLockAnUnruledTask(t *testing.T) 
 	}
 	if o := h.lockOwner(key); o != "" {
 		t.Errorf("while the unruled task %s (type a11:free) runs, the lock of a11:ruled user 42 (%s) is held by %s (ty %q, kf %q)",
-			id, key, o, a11Field(h, key, "ty"), a11Field(h, key, "kf"))
+			id, key, o, lockField(h, key, "ty"), lockField(h, key, "kf"))
 	}
 	if _, err := h.client.Enqueue(asynq.NewTask("a11:ruled", []byte(`{"user_id":42,"n":2}`)), asynq.Queue(h.queue)); err != nil {
 		t.Errorf("enqueue of a11:ruled user 42 while an unrelated unruled task runs: %v; want accepted", err)
@@ -109,9 +109,9 @@ func TestAdversary11KeyFormOfALockRetakenAtStartIsNeverWrong(t *testing.T) {
 	h.client = h.d.NewClient()
 	ctx := context.Background()
 	task := asynq.NewTask("a11:retake", []byte(`{"user_id":7,"trace":"x"}`))
-	info := h.enqueue(task, Fields("user_id"), a11Mode())
+	info := h.enqueue(task, Fields("user_id"), modeRecordOption())
 	key := h.keyOf(task, h.queue, Fields("user_id"))
-	if got := a11Field(h, key, "kf"); got != "f:user_id" {
+	if got := lockField(h, key, "kf"); got != "f:user_id" {
 		t.Fatalf("at enqueue kf %q, want f:user_id", got)
 	}
 	if ok, err := h.d.Release(ctx, task, "", Fields("user_id"), asynq.Queue(h.queue)); err != nil || !ok {
@@ -125,11 +125,11 @@ func TestAdversary11KeyFormOfALockRetakenAtStartIsNeverWrong(t *testing.T) {
 		t.Fatalf("lock owner %q, want %s (it retakes its key)", o, info.ID)
 	}
 	// The server cannot know the producer's key form: unknown ("-"), never a wrong one.
-	if got := a11Field(h, key, "kf"); got != "f:user_id" && got != "" {
+	if got := lockField(h, key, "kf"); got != "f:user_id" && got != "" {
 		t.Errorf("the lock %s retaken at start records kf %q (shown as %q); its fingerprint was made from fields user_id",
 			key, got, store.DescribeKeyForm(got))
 	}
-	if got := a11Field(h, key, "ty"); got != "a11:retake" {
+	if got := lockField(h, key, "ty"); got != "a11:retake" {
 		t.Errorf("ty %q", got)
 	}
 }
@@ -181,16 +181,16 @@ func TestAdversary11KeyFormIsTheOneTheFingerprintUsed(t *testing.T) {
 		{"a11:none", []asynq.Option{TTL(time.Minute)}, "p"},
 	} {
 		task := asynq.NewTask(tc.typ, fmt.Appendf(nil, `{"user_id":%d,"tenant":{"id":"t%d"}}`, i, i))
-		opts := append([]asynq.Option{asynq.Queue(h.queue), a11Mode()}, tc.opts...)
+		opts := append([]asynq.Option{asynq.Queue(h.queue), modeRecordOption()}, tc.opts...)
 		if _, err := h.client.Enqueue(task, opts...); err != nil {
 			t.Errorf("%d %s %v: %v", i, tc.typ, tc.opts, err)
 			continue
 		}
 		key := h.keyOf(task, h.queue, tc.opts...)
-		if got := a11Field(h, key, "kf"); got != tc.want {
+		if got := lockField(h, key, "kf"); got != tc.want {
 			t.Errorf("%d %s %v: lock %s kf %q, want %q", i, tc.typ, tc.opts, key, got, tc.want)
 		}
-		if got := a11Field(h, key, "ty"); got != tc.typ {
+		if got := lockField(h, key, "ty"); got != tc.typ {
 			t.Errorf("%d %s: ty %q", i, tc.typ, got)
 		}
 		if l, found, err := h.d.Lookup(ctx, task, opts...); err != nil || !found || l.Key != key {
@@ -209,10 +209,10 @@ func TestAdversary11CommaInAFieldPathIsNotTwoFields(t *testing.T) {
 	h.client = h.d.NewClient()
 	one := asynq.NewTask("a11:comma", []byte(`{"a,b":1,"a":1,"b":1}`))
 	two := asynq.NewTask("a11:comma", []byte(`{"a,b":2,"a":2,"b":2}`))
-	h.enqueue(one, Fields("a,b"), a11Mode())
-	h.enqueue(two, Fields("a", "b"), a11Mode())
+	h.enqueue(one, Fields("a,b"), modeRecordOption())
+	h.enqueue(two, Fields("a", "b"), modeRecordOption())
 	kOne, kTwo := h.keyOf(one, h.queue, Fields("a,b")), h.keyOf(two, h.queue, Fields("a", "b"))
-	f1, f2 := a11Field(h, kOne, "kf"), a11Field(h, kTwo, "kf")
+	f1, f2 := lockField(h, kOne, "kf"), lockField(h, kTwo, "kf")
 	if f1 == "" || f2 == "" {
 		t.Fatalf("kf %q %q", f1, f2)
 	}
@@ -264,7 +264,7 @@ func TestAdversary11TypeAndKeyFormSurviveHandOvers(t *testing.T) {
 		if o := h.lockOwner(key); o != res.TaskID {
 			t.Fatalf("owner %s, want the follow-up %s", o, res.TaskID)
 		}
-		if ty, kf := a11Field(h, key, "ty"), a11Field(h, key, "kf"); ty != "a11:defer" || kf != "f:user_id" {
+		if ty, kf := lockField(h, key, "ty"), lockField(h, key, "kf"); ty != "a11:defer" || kf != "f:user_id" {
 			t.Errorf("the follow-up's lock: ty %q kf %q", ty, kf)
 		}
 	})
@@ -277,8 +277,8 @@ func TestAdversary11TypeAndKeyFormSurviveHandOvers(t *testing.T) {
 		h.enqueue(task, Key("override"))
 		h.serve(func(context.Context, *asynq.Task) error { return nil }, nil)
 		key := h.keyOf(task, h.queue, Key("override"))
-		eventually(t, "the key cools", func() bool { return a11Field(h, key, "k") != "" })
-		if ty, kf := a11Field(h, key, "ty"), a11Field(h, key, "kf"); ty != "a11:cool" || kf != "k" {
+		eventually(t, "the key cools", func() bool { return lockField(h, key, "k") != "" })
+		if ty, kf := lockField(h, key, "ty"), lockField(h, key, "kf"); ty != "a11:cool" || kf != "k" {
 			t.Errorf("cooling lock: ty %q kf %q", ty, kf)
 		}
 	})
@@ -307,7 +307,7 @@ func TestAdversary11TypeAndKeyFormSurviveHandOvers(t *testing.T) {
 		if id := waitFor(t, started, "the follow-up runs"); id != res.TaskID {
 			t.Fatalf("ran %s, want the follow-up %s", id, res.TaskID)
 		}
-		if ty, kf := a11Field(h, key, "ty"), a11Field(h, key, "kf"); ty != "a11:rel" || kf != "f:user_id" && kf != "" { // (unknown, never wrong)
+		if ty, kf := lockField(h, key, "ty"), lockField(h, key, "kf"); ty != "a11:rel" || kf != "f:user_id" && kf != "" { // (unknown, never wrong)
 			t.Errorf("lock handed to the follow-up by Release: ty %q kf %q (owner %s)", ty, kf, h.lockOwner(key))
 		}
 	})
@@ -316,7 +316,7 @@ func TestAdversary11TypeAndKeyFormSurviveHandOvers(t *testing.T) {
 		other := h.queue + "-other"
 		c := h.d.WrapClient(queueMover{c: h.asynq, q: other})
 		task := asynq.NewTask("a11:reloc", []byte(`{"user_id":9}`))
-		res, err := c.Submit(ctx, task, asynq.Queue(h.queue), Fields("user_id"), a11Mode())
+		res, err := c.Submit(ctx, task, asynq.Queue(h.queue), Fields("user_id"), modeRecordOption())
 		if err != nil || res.Outcome != Created {
 			t.Fatalf("submit: %+v %v", res, err)
 		}
@@ -324,7 +324,7 @@ func TestAdversary11TypeAndKeyFormSurviveHandOvers(t *testing.T) {
 		if o := h.lockOwner(key); o != res.TaskID {
 			t.Fatalf("lock in %s owned by %q, want %s", other, o, res.TaskID)
 		}
-		if ty, kf := a11Field(h, key, "ty"), a11Field(h, key, "kf"); ty != "a11:reloc" || kf != "f:user_id" {
+		if ty, kf := lockField(h, key, "ty"), lockField(h, key, "kf"); ty != "a11:reloc" || kf != "f:user_id" {
 			t.Errorf("relocated lock: ty %q kf %q", ty, kf)
 		}
 		if left := h.lockOwner(h.keyOf(task, h.queue, Fields("user_id"))); left != "" {
@@ -353,7 +353,7 @@ func TestAdversary11OddTypeNamesKeptVerbatim(t *testing.T) {
 				t.Fatalf("%q: %v", typ, err)
 			}
 			key := h.keyOf(task, h.queue)
-			if got := a11Field(h, key, "ty"); got != typ {
+			if got := lockField(h, key, "ty"); got != typ {
 				t.Errorf("%q via client %d: ty %q", typ, j, got)
 			}
 			if l, found, err := h.d.Lookup(ctx, task, asynq.Queue(h.queue)); err != nil || !found || l.Key != key {
@@ -381,7 +381,7 @@ func TestAdversary11OddTypeNamesKeptVerbatim(t *testing.T) {
 	for range types {
 		typ := waitFor(t, running, "an arrival runs")
 		key := h.keyOf(asynq.NewTask(typ, []byte("arrival")), h.queue)
-		if got, kf := a11Field(h, key, "ty"), a11Field(h, key, "kf"); got != typ || kf != "p" {
+		if got, kf := lockField(h, key, "ty"), lockField(h, key, "kf"); got != typ || kf != "p" {
 			t.Errorf("arrival %q: ty %q kf %q", typ, got, kf)
 		}
 	}
@@ -520,7 +520,7 @@ func TestAdversary11RenumberedArgvModes(t *testing.T) {
 		}
 		key := h.keyOf(asynq.NewTask("a11:deb", []byte(`{"user_id":1}`)), h.queue)
 		// (Folds are the only mode here: the record counts them, and keeps no type.)
-		if n := a11Field(h, key, "n"); n != "1" {
+		if n := lockField(h, key, "n"); n != "1" {
 			t.Errorf("mode record n %q, want 1 fold", n)
 		}
 	})
@@ -541,7 +541,7 @@ func TestAdversary11RenumberedArgvModes(t *testing.T) {
 			t.Errorf("a second key while the follow-up waits under MaxPending 1: %v, want ErrTooManyPending", err)
 		}
 		key := h.keyOf(asynq.NewTask("a11:mp", []byte(`{"user_id":1}`)), h.queue)
-		if b, ty := a11Field(h, key, "b"), a11Field(h, key, "ty"); b != "a11:mp" || ty != "a11:mp" {
+		if b, ty := lockField(h, key, "b"), lockField(h, key, "ty"); b != "a11:mp" || ty != "a11:mp" {
 			t.Errorf("lock b %q ty %q", b, ty)
 		}
 	})
@@ -562,13 +562,13 @@ func TestAdversary11RenumberedArgvModes(t *testing.T) {
 			t.Errorf("ran %s, want v 2", p)
 		}
 		key := h.keyOf(asynq.NewTask("a11:cr", []byte(`{"user_id":1}`)), h.queue)
-		eventually(t, "the key cools", func() bool { return a11Field(h, key, "k") != "" })
+		eventually(t, "the key cools", func() bool { return lockField(h, key, "k") != "" })
 		_, err = h.client.Enqueue(asynq.NewTask("a11:cr", []byte(`{"user_id":1,"v":3}`)), asynq.Queue(h.queue))
 		var dup *DuplicateTaskError
 		if !errors.As(err, &dup) || !dup.CoolingDown || dup.FreeIn < 50*time.Minute {
 			t.Errorf("enqueue during the cooldown: %v, want a cooling duplicate", err)
 		}
-		if cd, kf := a11Field(h, key, "cd"), a11Field(h, key, "kf"); cd == "" || kf != "f:user_id" {
+		if cd, kf := lockField(h, key, "cd"), lockField(h, key, "kf"); cd == "" || kf != "f:user_id" {
 			t.Errorf("lock cd %q kf %q", cd, kf)
 		}
 	})

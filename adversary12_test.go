@@ -2,7 +2,6 @@ package dedup
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -19,60 +18,6 @@ import (
 // Adversarial tests of Period, OnFailure and the Scheduler (round 12). Each
 // asserts a documented promise, so it fails while the bug it names exists.
 
-const adv12Type = "adv12:job"
-
-func adv12Task(key string, n int) *asynq.Task {
-	return asynq.NewTask(adv12Type, fmt.Appendf(nil, `{"key":%q,"n":%d}`, key, n))
-}
-
-// adv12Within polls cond until it holds or d has passed: for a check that
-// must come true soon once a bug is fixed, and never does while it exists.
-func adv12Within(d time.Duration, cond func() bool) bool {
-	for end := time.Now().Add(d); ; time.Sleep(10 * time.Millisecond) {
-		if cond() {
-			return true
-		}
-		if time.Now().After(end) {
-			return false
-		}
-	}
-}
-
-// adv12Payload is adv12Task's payload.
-type adv12Payload struct {
-	Key string `json:"key"`
-	N   int    `json:"n"`
-}
-
-func adv12Decode(task *asynq.Task) adv12Payload {
-	var p adv12Payload
-	_ = json.Unmarshal(task.Payload(), &p)
-	return p
-}
-
-// adv12Fail is adv12Rules with a short heartbeat: (a failure's hold settled on a) / 3
-// guess is checked again at the next heartbeat (Lease/3).
-func adv12Fail(r Rule) Config {
-	cfg := adv12Rules(r)
-	cfg.heartbeat = (3 * time.Second) / 3
-	return cfg
-}
-
-// adv12Tasks counts the tasks of h's queue in any state.
-func adv12Tasks(t *testing.T, h *harness) int {
-	t.Helper()
-	qi, err := h.insp.GetQueueInfo(h.queue)
-	if err != nil {
-		return 0 // (no such queue yet)
-	}
-	return qi.Size
-}
-
-func adv12Rules(r Rule) Config {
-	r.Fields = []string{"key"}
-	return Config{Rules: map[string]Rule{adv12Type: r}}
-}
-
 // A success's settle goes off the handler's path (releaser.go) unless the
 // server's rule has a Cooldown: with a Period rule, or a per-call Cooldown
 // or Period the server has no rule for ("the server needs no configuration
@@ -83,23 +28,23 @@ func adv12Rules(r Rule) Config {
 // held until the window ends, whatever becomes of the task's record".
 func TestAdversary12SuccessCoolsWhileItsSettleIsInFlight(t *testing.T) {
 	t.Run("Period rule", func(t *testing.T) {
-		adv12HammerTheEnd(t, adv12Rules(Rule{Period: 24 * time.Hour}))
+		enqueueAtKeysAsTheySucceed(t, jobRules(Rule{Period: 24 * time.Hour}))
 	})
 	t.Run("per-call Cooldown, no server rule", func(t *testing.T) {
-		adv12HammerTheEnd(t, Config{}, Fields("key"), Cooldown(24*time.Hour))
+		enqueueAtKeysAsTheySucceed(t, Config{}, Fields("key"), Cooldown(24*time.Hour))
 	})
 	t.Run("per-call Period, no server rule", func(t *testing.T) {
-		adv12HammerTheEnd(t, Config{}, Fields("key"), Period(24*time.Hour, nil))
+		enqueueAtKeysAsTheySucceed(t, Config{}, Fields("key"), Period(24*time.Hour, nil))
 	})
 	t.Run("control: Cooldown rule", func(t *testing.T) { // settled on the handler's path: holds
-		adv12HammerTheEnd(t, adv12Rules(Rule{Cooldown: 24 * time.Hour}))
+		enqueueAtKeysAsTheySucceed(t, jobRules(Rule{Cooldown: 24 * time.Hour}))
 	})
 }
 
-// adv12HammerTheEnd runs tasks of a few keys, each held past HealGrace, and
+// enqueueAtKeysAsTheySucceed runs tasks of a few keys, each held past HealGrace, and
 // enqueues their keys in tight loops from other processes' clients while
 // the tasks succeed; it fails if any enqueue took a key.
-func adv12HammerTheEnd(t *testing.T, cfg Config, opts ...asynq.Option) {
+func enqueueAtKeysAsTheySucceed(t *testing.T, cfg Config, opts ...asynq.Option) {
 	cfg.HealGrace = time.Second
 	h := newHarness(t, cfg)
 	h.client = h.d.NewClient()
@@ -114,7 +59,7 @@ func adv12HammerTheEnd(t *testing.T, cfg Config, opts ...asynq.Option) {
 	}, nil)
 	first := map[string]string{}
 	for k := range keys {
-		info, err := h.client.Enqueue(adv12Task(fmt.Sprint(k), 0), opts...)
+		info, err := h.client.Enqueue(jobTask(fmt.Sprint(k), 0), opts...)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -140,7 +85,7 @@ func adv12HammerTheEnd(t *testing.T, cfg Config, opts ...asynq.Option) {
 					return
 				default:
 				}
-				if info, err := c.Enqueue(adv12Task(key, n), opts...); err == nil {
+				if info, err := c.Enqueue(jobTask(key, n), opts...); err == nil {
 					mu.Lock()
 					created = append(created, key+": "+info.ID)
 					mu.Unlock()
@@ -202,17 +147,17 @@ func TestAdversary12PeriodWindowsInZonesWhoseMidnightIsSkipped(t *testing.T) {
 // the key frees, even under FailHoldUntilReleased, and Lookup says the lock
 // is orphaned (it heals), not failed.
 func TestAdversary12InspectorArchiveOfAWaitingTaskFreesItsKey(t *testing.T) {
-	h := newHarness(t, adv12Rules(Rule{OnFailure: FailHoldUntilReleased}))
+	h := newHarness(t, jobRules(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
-	info := h.enqueue(adv12Task("a", 1)) // no server: it waits
+	info := h.enqueue(jobTask("a", 1)) // no server: it waits
 	if err := h.insp.ArchiveTask(h.queue, info.ID); err != nil {
 		t.Fatal(err)
 	}
-	kl, found, err := h.d.Lookup(context.Background(), adv12Task("a", 2), asynq.Queue(h.queue))
+	kl, found, err := h.d.Lookup(context.Background(), jobTask("a", 2), asynq.Queue(h.queue))
 	if err != nil || !found || kl.State != "orphaned" {
 		t.Errorf("Lookup after the archive: %+v %v %v, want orphaned", kl, found, err)
 	}
-	if _, err := h.client.Enqueue(adv12Task("a", 2), asynq.Queue(h.queue)); err != nil {
+	if _, err := h.client.Enqueue(jobTask("a", 2), asynq.Queue(h.queue)); err != nil {
 		t.Fatalf("enqueue after the operator archived %s: %v, want a new task", info.ID, err)
 	}
 }
@@ -228,7 +173,7 @@ func TestAdversary12PeriodFailedHoldEndsWithItsWindow(t *testing.T) {
 	opts := []asynq.Option{asynq.Queue(h.queue), Fields("key"), Period(period, nil), OnFailure(FailHoldUntilReleased, 0)}
 	// Enqueue early in a window, so that the failure is held before it ends.
 	eventually(t, "a window with 5 s left", func() bool { _, end := periodWindow(time.Now(), period, nil); return time.Until(end) > 5*time.Second })
-	if _, err := h.client.Enqueue(adv12Task("w", 1), opts...); err != nil {
+	if _, err := h.client.Enqueue(jobTask("w", 1), opts...); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "held after the failure, until its window ends", func() bool {
@@ -266,7 +211,7 @@ func TestAdversary12RunTaskOfACallerIDHeldTaskFreesTheKeyOnSuccess(t *testing.T)
 		return nil
 	}, nil)
 	opts := []asynq.Option{asynq.Queue(h.queue), Key("invoice-7"), OnFailure(FailHoldUntilReleased, 0)}
-	info, err := h.client.Enqueue(adv12Task("x", 1), append(opts, asynq.TaskID("invoice-7-run"), asynq.Retention(time.Hour))...)
+	info, err := h.client.Enqueue(jobTask("x", 1), append(opts, asynq.TaskID("invoice-7-run"), asynq.Retention(time.Hour))...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -279,8 +224,8 @@ func TestAdversary12RunTaskOfACallerIDHeldTaskFreesTheKeyOnSuccess(t *testing.T)
 	}
 	waitFor(t, ran, "the run by hand")
 	eventually(t, "the run by hand completed", func() bool { return h.taskState(info.ID) == asynq.TaskStateCompleted })
-	if !adv12Within(3*time.Second, func() bool { _, err = h.client.Enqueue(adv12Task("x", 2), opts...); return err == nil }) {
-		kl, _, _ := h.d.Lookup(context.Background(), adv12Task("x", 2), opts...)
+	if !within(3*time.Second, func() bool { _, err = h.client.Enqueue(jobTask("x", 2), opts...); return err == nil }) {
+		kl, _, _ := h.d.Lookup(context.Background(), jobTask("x", 2), opts...)
 		t.Fatalf("enqueue after the run by hand of %s succeeded: %v (lock: state %s, holder %s), want the key free; stats %+v",
 			info.ID, err, kl.State, kl.Holder, h.d.Stats())
 	}
@@ -290,14 +235,14 @@ func TestAdversary12RunTaskOfACallerIDHeldTaskFreesTheKeyOnSuccess(t *testing.T)
 // handler panicked", never the panic's value (which may quote the
 // payload; asynq's record has it), as documented.
 func TestAdversary12PanicOnTheLastRetryIsKeptAsAPanic(t *testing.T) {
-	h := newHarness(t, adv12Fail(Rule{OnFailure: FailHoldUntilReleased}))
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { panic("disk on fire") }, nil)
-	info := h.enqueue(adv12Task("panic", 1), asynq.MaxRetry(0), asynq.Retention(time.Hour))
+	info := h.enqueue(jobTask("panic", 1), asynq.MaxRetry(0), asynq.Retention(time.Hour))
 	eventually(t, "archived and held", func() bool {
 		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
 	})
-	kl, found, err := h.d.Lookup(context.Background(), adv12Task("panic", 2), asynq.Queue(h.queue))
+	kl, found, err := h.d.Lookup(context.Background(), jobTask("panic", 2), asynq.Queue(h.queue))
 	if err != nil || !found || kl.State != "failed" || kl.LastError != errPanicked.Error() {
 		t.Fatalf("Lookup: state %q, LastError %q; want failed with %q", kl.State, kl.LastError, errPanicked)
 	}
@@ -309,7 +254,7 @@ func TestAdversary12PanicOnTheLastRetryIsKeptAsAPanic(t *testing.T) {
 func TestAdversary12SchedulerRegisterRefusesEveryOnFailure(t *testing.T) {
 	h := newHarness(t, Config{})
 	s := NewScheduler(h.d, nil)
-	if id, err := s.Register("@every 1m", adv12Task("s", 1), OnFailure(FailRelease, 0)); !errors.Is(err, ErrInvalidOption) {
+	if id, err := s.Register("@every 1m", jobTask("s", 1), OnFailure(FailRelease, 0)); !errors.Is(err, ErrInvalidOption) {
 		t.Errorf("Register with OnFailure(FailRelease, 0): entry %q, err %v; want ErrInvalidOption", id, err)
 	}
 }
@@ -319,13 +264,13 @@ func TestAdversary12SchedulerRegisterRefusesEveryOnFailure(t *testing.T) {
 // Lookup's LastError (and dedupctl show's "last error", and the lock
 // browser) is not valid UTF-8 any more.
 func TestAdversary12LastErrorIsKeptAsValidText(t *testing.T) {
-	h := newHarness(t, adv12Fail(Rule{OnFailure: FailHoldUntilReleased}))
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	msg := "upstream said:\nstate            free\x1b[2J xy" + strings.Repeat("é", 600)
 	h.serve(func(context.Context, *asynq.Task) error { return fmt.Errorf("%s: %w", msg, asynq.SkipRetry) }, nil)
-	info := h.enqueue(adv12Task("utf8", 1))
+	info := h.enqueue(jobTask("utf8", 1))
 	eventually(t, "held", func() bool { return h.d.Stats().FailureHeld == 1 })
-	kl, found, err := h.d.Lookup(context.Background(), adv12Task("utf8", 2), asynq.Queue(h.queue))
+	kl, found, err := h.d.Lookup(context.Background(), jobTask("utf8", 2), asynq.Queue(h.queue))
 	if err != nil || !found || kl.State != "failed" || kl.Holder != info.ID {
 		t.Fatalf("Lookup: %+v %v %v", kl, found, err)
 	}
@@ -343,10 +288,10 @@ func TestAdversary12LastErrorIsKeptAsValidText(t *testing.T) {
 // was; "Result.NotApplied names the call's options that were not applied"
 // (as it names a folded call's Cooldown). OnFailure is not named.
 func TestAdversary12FoldedOnFailureIsNamedNotApplied(t *testing.T) {
-	h := newHarness(t, adv12Rules(Rule{OnConflict: Replace}))
+	h := newHarness(t, jobRules(Rule{OnConflict: Replace}))
 	h.client = h.d.NewClient()
-	first := h.enqueue(adv12Task("f", 1))
-	res, err := h.client.Submit(context.Background(), adv12Task("f", 2), asynq.Queue(h.queue), OnFailure(FailHoldUntilReleased, 0), Cooldown(time.Hour))
+	first := h.enqueue(jobTask("f", 1))
+	res, err := h.client.Submit(context.Background(), jobTask("f", 2), asynq.Queue(h.queue), OnFailure(FailHoldUntilReleased, 0), Cooldown(time.Hour))
 	if err != nil || res.Outcome != Replaced || res.TaskID != first.ID {
 		t.Fatalf("Submit: %+v %v, want replaced into %s", res, err, first.ID)
 	}
@@ -450,7 +395,7 @@ func TestAdversary12BadPeriodAndOnFailureLeaveNothing(t *testing.T) {
 			h.client = h.d.NewClient()
 		}
 		for name, opts := range bad {
-			task := adv12Task(name, 1)
+			task := jobTask(name, 1)
 			if name == "Period with RunningDefer rule" {
 				task, opts = asynq.NewTask("adv12:defer", []byte(`{}`)), opts[:1]
 			}
@@ -462,15 +407,15 @@ func TestAdversary12BadPeriodAndOnFailureLeaveNothing(t *testing.T) {
 		if n := len(h.locks()); n != 0 {
 			t.Errorf("%s: %d locks left behind", path, n)
 		}
-		if n := adv12Tasks(t, h); n != 0 {
+		if n := queueTasks(t, h); n != 0 {
 			t.Errorf("%s: %d tasks enqueued", path, n)
 		}
 		// The largest values that are valid are taken, and bounded.
-		info, err := h.client.Enqueue(adv12Task("huge", 1), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)), OnFailure(FailHold, time.Duration(1<<63-1)))
+		info, err := h.client.Enqueue(jobTask("huge", 1), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)), OnFailure(FailHold, time.Duration(1<<63-1)))
 		if err != nil {
 			t.Fatalf("%s: the largest Period and FailHold: %v", path, err)
 		}
-		kl, found, err := h.d.Lookup(context.Background(), adv12Task("huge", 2), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)))
+		kl, found, err := h.d.Lookup(context.Background(), jobTask("huge", 2), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)))
 		if err != nil || !found || kl.Holder != info.ID || kl.TTL <= 0 || kl.TTL > MaxLifetime || !kl.WindowStart.Before(time.Now()) || !kl.WindowEnd.After(time.Now()) {
 			t.Errorf("%s: Lookup of the largest Period: %+v %v %v", path, kl, found, err)
 		}
@@ -480,23 +425,23 @@ func TestAdversary12BadPeriodAndOnFailureLeaveNothing(t *testing.T) {
 // Cooldown and FailHold together: success cools for the cooldown, a final
 // failure holds for FailureHold.
 func TestAdversary12CooldownCoolsAndFailHoldHolds(t *testing.T) {
-	h := newHarness(t, adv12Fail(Rule{Cooldown: time.Hour, OnFailure: FailHold, FailureHold: 10 * time.Minute}))
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{Cooldown: time.Hour, OnFailure: FailHold, FailureHold: 10 * time.Minute}))
 	h.client = h.d.NewClient()
 	h.serve(func(_ context.Context, task *asynq.Task) error {
-		if adv12Decode(task).Key == "bad" {
+		if decodeJob(task).Key == "bad" {
 			return asynq.SkipRetry
 		}
 		return nil
 	}, nil)
-	ok := h.enqueue(adv12Task("ok", 1))
-	bad := h.enqueue(adv12Task("bad", 1))
+	ok := h.enqueue(jobTask("ok", 1))
+	bad := h.enqueue(jobTask("bad", 1))
 	eventually(t, "both settled", func() bool { s := h.d.Stats(); return s.Cooling == 1 && s.FailureHeld == 1 })
-	_, err := h.client.Enqueue(adv12Task("ok", 2), asynq.Queue(h.queue))
+	_, err := h.client.Enqueue(jobTask("ok", 2), asynq.Queue(h.queue))
 	var d *DuplicateTaskError
 	if !errors.As(err, &d) || !d.CoolingDown || d.TaskID != ok.ID || d.FreeIn < 59*time.Minute || d.FreeIn > time.Hour {
 		t.Errorf("after success: %v, want cooling after %s for about the hour of the cooldown", err, ok.ID)
 	}
-	if d := failedDup(t, h.client, adv12Task("bad", 2), h.queue, bad.ID); d.FreeIn > 10*time.Minute || d.FreeIn < 9*time.Minute {
+	if d := failedDup(t, h.client, jobTask("bad", 2), h.queue, bad.ID); d.FreeIn > 10*time.Minute || d.FreeIn < 9*time.Minute {
 		t.Errorf("after failure: FreeIn %v, want the 10m of FailureHold", d.FreeIn)
 	}
 }
@@ -504,12 +449,12 @@ func TestAdversary12CooldownCoolsAndFailHoldHolds(t *testing.T) {
 // A failure whose lock owes a RunningDefer follow-up hands the key to the
 // follow-up, which runs; its success frees the key.
 func TestAdversary12FailureHandsTheKeyToTheDeferFollowUp(t *testing.T) {
-	h := newHarness(t, adv12Fail(Rule{OnConflict: Replace, OnRunning: RunningDefer, OnFailure: FailHoldUntilReleased}))
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnConflict: Replace, OnRunning: RunningDefer, OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	release := make(chan struct{})
 	ran := make(chan int, 4)
 	h.serve(func(_ context.Context, task *asynq.Task) error {
-		n := adv12Decode(task).N
+		n := decodeJob(task).N
 		ran <- n
 		if n == 1 {
 			<-release
@@ -517,11 +462,11 @@ func TestAdversary12FailureHandsTheKeyToTheDeferFollowUp(t *testing.T) {
 		}
 		return nil
 	}, nil)
-	h.enqueue(adv12Task("d", 1))
+	h.enqueue(jobTask("d", 1))
 	if n := waitFor(t, ran, "the first run"); n != 1 {
 		t.Fatalf("ran %d", n)
 	}
-	res, err := h.client.Submit(context.Background(), adv12Task("d", 2), asynq.Queue(h.queue))
+	res, err := h.client.Submit(context.Background(), jobTask("d", 2), asynq.Queue(h.queue))
 	if err != nil || res.Outcome != Deferred {
 		t.Fatalf("Submit while running: %+v %v, want a follow-up", res, err)
 	}
@@ -530,7 +475,7 @@ func TestAdversary12FailureHandsTheKeyToTheDeferFollowUp(t *testing.T) {
 		t.Fatalf("ran %d, want the follow-up's payload", n)
 	}
 	eventually(t, "the key frees after the follow-up's success", func() bool {
-		_, err := h.client.Enqueue(adv12Task("d", 3), asynq.Queue(h.queue))
+		_, err := h.client.Enqueue(jobTask("d", 3), asynq.Queue(h.queue))
 		return err == nil
 	})
 	if s := h.d.Stats(); s.FailureHeld != 0 {
@@ -542,7 +487,7 @@ func TestAdversary12FailureHandsTheKeyToTheDeferFollowUp(t *testing.T) {
 // hand; a new task takes the key. The re-run failing again must not hold
 // the new task's key as its own failure.
 func TestAdversary12ReleaseWhileTheHeldTaskRunsAgain(t *testing.T) {
-	h := newHarness(t, adv12Fail(Rule{OnFailure: FailHoldUntilReleased}))
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	rerun := make(chan struct{})
 	ran := make(chan run, 8)
@@ -551,7 +496,7 @@ func TestAdversary12ReleaseWhileTheHeldTaskRunsAgain(t *testing.T) {
 		id, _ := asynq.GetTaskID(ctx)
 		ran <- run{id: id, task: task}
 		n, _ := attempts.LoadOrStore(id, new(atomic.Int32))
-		if adv12Decode(task).N == 1 {
+		if decodeJob(task).N == 1 {
 			if n.(*atomic.Int32).Add(1) == 2 {
 				<-rerun // the run by hand waits
 			}
@@ -559,7 +504,7 @@ func TestAdversary12ReleaseWhileTheHeldTaskRunsAgain(t *testing.T) {
 		}
 		return nil
 	}, nil)
-	a := h.enqueue(adv12Task("r", 1), asynq.Retention(time.Hour))
+	a := h.enqueue(jobTask("r", 1), asynq.Retention(time.Hour))
 	waitFor(t, ran, "the failing run")
 	eventually(t, "archived and held", func() bool {
 		return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
@@ -568,17 +513,17 @@ func TestAdversary12ReleaseWhileTheHeldTaskRunsAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, ran, "the run by hand")
-	if ok, err := h.d.Release(context.Background(), adv12Task("r", 0), a.ID, asynq.Queue(h.queue)); err != nil || !ok {
+	if ok, err := h.d.Release(context.Background(), jobTask("r", 0), a.ID, asynq.Queue(h.queue)); err != nil || !ok {
 		t.Fatalf("Release during the run by hand: %v %v", ok, err)
 	}
-	b := h.enqueue(adv12Task("r", 2))
+	b := h.enqueue(jobTask("r", 2))
 	if r := waitFor(t, ran, "the new task"); r.id != b.ID {
 		t.Fatalf("ran %s, want %s", r.id, b.ID)
 	}
 	close(rerun)
 	eventually(t, "the run by hand failed again", func() bool { return h.taskState(a.ID) == asynq.TaskStateArchived })
 	eventually(t, "settled", func() bool { s := h.d.Stats(); return s.Released+s.FailureHeld+s.LockLost >= 3 })
-	kl, found, err := h.d.Lookup(context.Background(), adv12Task("r", 3), asynq.Queue(h.queue))
+	kl, found, err := h.d.Lookup(context.Background(), jobTask("r", 3), asynq.Queue(h.queue))
 	if err != nil || (found && kl.State == "failed") {
 		t.Fatalf("after the new task succeeded and the released re-run failed: %+v %v %v, want no failed hold", kl, found, err)
 	}
@@ -587,57 +532,57 @@ func TestAdversary12ReleaseWhileTheHeldTaskRunsAgain(t *testing.T) {
 // A failed hold does not keep a MaxPending slot: the key's task is not
 // waiting.
 func TestAdversary12FailedHoldsDoNotFillMaxPending(t *testing.T) {
-	h := newHarness(t, adv12Fail(Rule{MaxPending: 1, OnFailure: FailHoldUntilReleased}))
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{MaxPending: 1, OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
-	a := h.enqueue(adv12Task("a", 1))
+	a := h.enqueue(jobTask("a", 1))
 	eventually(t, "held", func() bool { return h.d.Stats().FailureHeld == 1 })
-	failedDup(t, h.client, adv12Task("a", 2), h.queue, a.ID)
-	if _, err := h.client.Enqueue(adv12Task("b", 1), asynq.Queue(h.queue)); err != nil {
+	failedDup(t, h.client, jobTask("a", 2), h.queue, a.ID)
+	if _, err := h.client.Enqueue(jobTask("b", 1), asynq.Queue(h.queue)); err != nil {
 		t.Fatalf("a new key with the only other key held after its failure: %v", err)
 	}
-	failedDup(t, h.client, adv12Task("a", 3), h.queue, a.ID)
+	failedDup(t, h.client, jobTask("a", 3), h.queue, a.ID)
 }
 
 // An operator deletes the archived task that holds its key: the docs list
 // only Release as the way out ("held until someone releases it"), and
 // Lookup still says failed; Release still frees it.
 func TestAdversary12DeletingTheArchivedHolderKeepsTheHold(t *testing.T) {
-	h := newHarness(t, adv12Fail(Rule{OnFailure: FailHoldUntilReleased}))
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
-	a := h.enqueue(adv12Task("del", 1))
+	a := h.enqueue(jobTask("del", 1))
 	eventually(t, "archived and held", func() bool {
 		return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
 	})
 	if err := h.insp.DeleteTask(h.queue, a.ID); err != nil {
 		t.Fatal(err)
 	}
-	failedDup(t, h.client, adv12Task("del", 2), h.queue, a.ID)
-	kl, found, _ := h.d.Lookup(context.Background(), adv12Task("del", 2), asynq.Queue(h.queue))
+	failedDup(t, h.client, jobTask("del", 2), h.queue, a.ID)
+	kl, found, _ := h.d.Lookup(context.Background(), jobTask("del", 2), asynq.Queue(h.queue))
 	if !found || kl.State != "failed" {
 		t.Fatalf("Lookup: %+v %v, want failed", kl, found)
 	}
-	if ok, err := h.d.Release(context.Background(), adv12Task("del", 3), a.ID, asynq.Queue(h.queue)); !ok || err != nil {
+	if ok, err := h.d.Release(context.Background(), jobTask("del", 3), a.ID, asynq.Queue(h.queue)); !ok || err != nil {
 		t.Fatalf("Release: %v %v", ok, err)
 	}
-	h.enqueue(adv12Task("del", 4))
+	h.enqueue(jobTask("del", 4))
 }
 
 // An attempt on its last retry that asynq gives up at its deadline, with a
 // handler that returns the context's error at once: held, failed, with an
 // error that says so.
 func TestAdversary12DeadlineOnTheLastRetryHolds(t *testing.T) {
-	h := newHarness(t, adv12Fail(Rule{OnFailure: FailHold, FailureHold: time.Hour}))
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailureHold: time.Hour}))
 	h.client = h.d.NewClient()
 	h.serve(func(ctx context.Context, _ *asynq.Task) error { <-ctx.Done(); return ctx.Err() }, nil)
-	info := h.enqueue(adv12Task("dl", 1), asynq.MaxRetry(0), asynq.Timeout(time.Second))
+	info := h.enqueue(jobTask("dl", 1), asynq.MaxRetry(0), asynq.Timeout(time.Second))
 	eventually(t, "held after asynq archived it", func() bool {
-		_, err := h.client.Enqueue(adv12Task("dl", 2), asynq.Queue(h.queue))
+		_, err := h.client.Enqueue(jobTask("dl", 2), asynq.Queue(h.queue))
 		var de *DuplicateTaskError
 		return errors.As(err, &de) && de.Failed && de.TaskID == info.ID
 	})
-	kl, _, _ := h.d.Lookup(context.Background(), adv12Task("dl", 3), asynq.Queue(h.queue))
+	kl, _, _ := h.d.Lookup(context.Background(), jobTask("dl", 3), asynq.Queue(h.queue))
 	if kl.State != "failed" || kl.LastError == "" {
 		t.Errorf("Lookup: %+v, want failed with an error", kl)
 	}
@@ -646,20 +591,20 @@ func TestAdversary12DeadlineOnTheLastRetryHolds(t *testing.T) {
 // Period with Replace, a caller-chosen task ID and WrapClient: folds while
 // the task waits, cools after its success for the rest of the window.
 func TestAdversary12PeriodWithReplaceAndCallerIDCoolsAfterSuccess(t *testing.T) {
-	h := newHarness(t, adv12Rules(Rule{Period: 24 * time.Hour, OnConflict: Replace}))
-	first := h.enqueue(adv12Task("c", 1), asynq.TaskID("digest-c-1"))
-	res, err := h.client.Submit(context.Background(), adv12Task("c", 2), asynq.Queue(h.queue), asynq.TaskID("digest-c-2"))
+	h := newHarness(t, jobRules(Rule{Period: 24 * time.Hour, OnConflict: Replace}))
+	first := h.enqueue(jobTask("c", 1), asynq.TaskID("digest-c-1"))
+	res, err := h.client.Submit(context.Background(), jobTask("c", 2), asynq.Queue(h.queue), asynq.TaskID("digest-c-2"))
 	if err != nil || res.Outcome != Replaced || res.TaskID != first.ID {
 		t.Fatalf("Submit while it waits: %+v %v", res, err)
 	}
 	ran := make(chan *asynq.Task, 2)
 	h.serve(func(_ context.Context, task *asynq.Task) error { ran <- task; return nil }, nil)
-	if n := adv12Decode(waitFor(t, ran, "the run")).N; n != 2 {
+	if n := decodeJob(waitFor(t, ran, "the run")).N; n != 2 {
 		t.Fatalf("ran payload %d, want the replaced 2", n)
 	}
 	eventually(t, "cooling", func() bool { return h.d.Stats().Cooling == 1 })
 	_, end := periodWindow(time.Now(), 24*time.Hour, nil)
-	_, err = h.client.Enqueue(adv12Task("c", 3), asynq.Queue(h.queue), asynq.TaskID("digest-c-3"))
+	_, err = h.client.Enqueue(jobTask("c", 3), asynq.Queue(h.queue), asynq.TaskID("digest-c-3"))
 	var d *DuplicateTaskError
 	if !errors.As(err, &d) || !d.CoolingDown || d.TaskID != first.ID {
 		t.Fatalf("enqueue after the success: %v, want cooling after %s", err, first.ID)
@@ -714,10 +659,10 @@ func TestAdversary12SchedulerRegisterUnregisterShutdownRace(t *testing.T) {
 	wg.Go(func() { s.Shutdown() })
 	wg.Wait()
 	s.Shutdown()
-	size := adv12Tasks(t, h)
+	size := queueTasks(t, h)
 	next := time.Now().Truncate(time.Second).Add(1500 * time.Millisecond)
 	eventually(t, "a firing time has passed", func() bool { return time.Now().After(next) })
-	if n := adv12Tasks(t, h); n != size {
+	if n := queueTasks(t, h); n != size {
 		t.Errorf("%d tasks enqueued after Shutdown returned", n-size)
 	}
 	if err := s.Start(); err == nil {
@@ -742,11 +687,11 @@ func TestAdversary12PeriodTaskThatStartsInTheNextWindow(t *testing.T) {
 		var start time.Time
 		start, end = periodWindow(time.Now(), time.Second, nil)
 		var err error
-		if first, err = h.client.Enqueue(adv12Task("n", 1), opts...); err != nil {
+		if first, err = h.client.Enqueue(jobTask("n", 1), opts...); err != nil {
 			t.Fatal(err)
 		}
 		var found bool
-		kl, found, err = h.d.Lookup(context.Background(), adv12Task("n", 2), opts...)
+		kl, found, err = h.d.Lookup(context.Background(), jobTask("n", 2), opts...)
 		if time.Now().Before(end) {
 			if err != nil || !found || kl.Holder != first.ID || !kl.WindowStart.Equal(start) || !kl.WindowEnd.Equal(end) || kl.State != "waiting" {
 				t.Fatalf("Lookup: %+v %v %v, want waiting in [%v, %v)", kl, found, err, start, end)
@@ -762,7 +707,7 @@ func TestAdversary12PeriodTaskThatStartsInTheNextWindow(t *testing.T) {
 		t.Fatalf("ran %s", id)
 	}
 	eventually(t, "its lock is gone (its window is over)", func() bool { return len(h.locks()) == 0 })
-	next, err := h.client.Enqueue(adv12Task("n", 3), opts...)
+	next, err := h.client.Enqueue(jobTask("n", 3), opts...)
 	if err != nil || next.ID == first.ID {
 		t.Fatalf("enqueue in a later window: %v %v", next, err)
 	}

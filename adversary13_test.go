@@ -22,28 +22,15 @@ import (
 // given to asynq.NewTask (round 13). Each asserts a documented promise, so
 // it fails while the bug it names exists.
 
-const adv13Type = "adv13:job"
+const batchJobType = "adv13:job"
 
-func adv13Task(key string, n int, opts ...asynq.Option) *asynq.Task {
-	return asynq.NewTask(adv13Type, fmt.Appendf(nil, `{"key":%q,"n":%d}`, key, n), opts...)
+func batchJob(key string, n int, opts ...asynq.Option) *asynq.Task {
+	return asynq.NewTask(batchJobType, fmt.Appendf(nil, `{"key":%q,"n":%d}`, key, n), opts...)
 }
 
-func adv13Rules(r Rule) Config {
+func batchJobRules(r Rule) Config {
 	r.Fields = []string{"key"}
-	return Config{Rules: map[string]Rule{adv13Type: r}}
-}
-
-// adv13Clients runs test on a WrapClient and on a NewClient.
-func adv13Clients(t *testing.T, cfg Config, test func(t *testing.T, h *harness)) {
-	for _, direct := range []bool{false, true} {
-		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
-			h := newHarness(t, cfg)
-			if direct {
-				h.client = h.d.NewClient()
-			}
-			test(t, h)
-		})
-	}
+	return Config{Rules: map[string]Rule{batchJobType: r}}
 }
 
 // Two tasks of a batch given the same caller-chosen asynq.TaskID in
@@ -53,12 +40,12 @@ func adv13Clients(t *testing.T, cfg Config, test func(t *testing.T, h *harness))
 // the Result and the error Submit would have returned for the task alone",
 // "Each task stands alone ... never left half done".
 func TestAdversary13SameCallerIDTwiceInABatch(t *testing.T) {
-	adv13Clients(t, adv13Rules(Rule{}), func(t *testing.T, h *harness) {
+	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		for round := range 5 {
 			id := fmt.Sprintf("adv13-id-%d", round)
-			first := adv13Task(fmt.Sprint("a", round), 1, asynq.TaskID(id))
-			second := adv13Task(fmt.Sprint("b", round), 2, asynq.TaskID(id))
+			first := batchJob(fmt.Sprint("a", round), 1, asynq.TaskID(id))
+			second := batchJob(fmt.Sprint("b", round), 2, asynq.TaskID(id))
 			out := h.client.EnqueueBatch(ctx, []*asynq.Task{first, second}, asynq.Queue(h.queue))
 			if out[0].Err != nil || out[0].Outcome != Created || out[0].TaskID != id {
 				t.Errorf("round %d: first task: %+v, want created as %s", round, out[0], id)
@@ -91,11 +78,11 @@ func TestAdversary13SameCallerIDTwiceInABatch(t *testing.T) {
 // duplicate of it. docs/batch.md: "Two tasks of one key are answered in
 // order. The first takes the key; the later one meets it as its holder".
 func TestAdversary13StaleHolderLetsTheLaterTaskOfAKeyWin(t *testing.T) {
-	adv13Clients(t, adv13Rules(Rule{OnConflict: Replace}), func(t *testing.T, h *harness) {
+	bothPaths(t, batchJobRules(Rule{OnConflict: Replace}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		// A worker in another process runs the holder, and its success
 		// frees the key; this process still remembers the holder.
-		other := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix, Rules: adv13Rules(Rule{OnConflict: Replace}).Rules})
+		other := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix, Rules: batchJobRules(Rule{OnConflict: Replace}).Rules})
 		other.queue = h.queue
 		ran := make(chan string, 1)
 		srv := other.serve(func(ctx context.Context, task *asynq.Task) error {
@@ -103,7 +90,7 @@ func TestAdversary13StaleHolderLetsTheLaterTaskOfAKeyWin(t *testing.T) {
 			ran <- id
 			return nil
 		}, nil)
-		old, err := h.client.Submit(ctx, adv13Task("k", 0), asynq.Queue(h.queue))
+		old, err := h.client.Submit(ctx, batchJob("k", 0), asynq.Queue(h.queue))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -111,12 +98,12 @@ func TestAdversary13StaleHolderLetsTheLaterTaskOfAKeyWin(t *testing.T) {
 			t.Fatalf("ran %s, want %s", id, old.TaskID)
 		}
 		eventually(t, "the key free", func() bool {
-			_, found, err := h.d.Lookup(ctx, adv13Task("k", 0), asynq.Queue(h.queue))
+			_, found, err := h.d.Lookup(ctx, batchJob("k", 0), asynq.Queue(h.queue))
 			return err == nil && !found
 		})
 		srv.Shutdown()
 		start := time.Now()
-		out := h.client.EnqueueBatch(ctx, []*asynq.Task{adv13Task("k", 1), adv13Task("k", 2, OnConflict(Reject))}, asynq.Queue(h.queue))
+		out := h.client.EnqueueBatch(ctx, []*asynq.Task{batchJob("k", 1), batchJob("k", 2, OnConflict(Reject))}, asynq.Queue(h.queue))
 		took := time.Since(start)
 		if out[0].Err != nil || out[0].Outcome != Created {
 			t.Errorf("first task (Replace, the key free): %+v, want created", out[0])
@@ -125,28 +112,28 @@ func TestAdversary13StaleHolderLetsTheLaterTaskOfAKeyWin(t *testing.T) {
 		if !errors.As(out[1].Err, &dup) || dup.TaskID != out[0].TaskID {
 			t.Errorf("second task (Reject): %+v, want a duplicate of the first (%s)", out[1], out[0].TaskID)
 		}
-		l, found, err := h.d.Lookup(ctx, adv13Task("k", 0), asynq.Queue(h.queue))
+		l, found, err := h.d.Lookup(ctx, batchJob("k", 0), asynq.Queue(h.queue))
 		if err != nil || !found {
 			t.Fatalf("lookup: %+v %v %v", l, found, err)
 		}
 		ti, err := h.insp.GetTaskInfo(h.queue, l.Holder)
-		if err != nil || string(ti.Payload) != string(adv13Task("k", 1).Payload()) {
+		if err != nil || string(ti.Payload) != string(batchJob("k", 1).Payload()) {
 			t.Errorf("the key's task %s: %+v, %v; want the first task's payload (n 1)", l.Holder, ti, err)
 		}
 		t.Logf("the batch of two tasks took %v", took)
 	})
 }
 
-// adv13ChildEnv names the attack a child process of the test binary runs
-// (adv13Child), for one whose failure would take the process down.
-const adv13ChildEnv = "ADV13_CHILD"
+// batchChildEnv names the attack a child process of the test binary runs
+// (runInChild), for one whose failure would take the process down.
+const batchChildEnv = "ADV13_CHILD"
 
-// adv13Child runs the test named in the child process, and reports whether
+// runInChild runs the test named in the child process, and reports whether
 // it ended well (exit status 0), with its output.
-func adv13Child(t *testing.T, name string) (bool, string) {
+func runInChild(t *testing.T, name string) (bool, string) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^"+t.Name()+"$", "-test.count=1", "-test.v")
-	cmd.Env = append(os.Environ(), adv13ChildEnv+"="+name)
+	cmd.Env = append(os.Environ(), batchChildEnv+"="+name)
 	out, err := cmd.CombinedOutput()
 	return err == nil, string(out)
 }
@@ -158,12 +145,12 @@ func adv13Child(t *testing.T, name string) (bool, string) {
 // docs/batch.md: "A BatchResult is the Result and the error Submit would
 // have returned for the task alone"; "Each task stands alone".
 func TestAdversary13MergePanicKillsTheProcess(t *testing.T) {
-	if os.Getenv(adv13ChildEnv) == "merge-panic" {
-		adv13MergePanicChild(t)
+	if os.Getenv(batchChildEnv) == "merge-panic" {
+		mergePanicChild(t)
 		return
 	}
 	needRealRedis(t)
-	ok, out := adv13Child(t, "merge-panic")
+	ok, out := runInChild(t, "merge-panic")
 	if !ok {
 		if i := strings.Index(out, "panic: "); i >= 0 {
 			out = out[i:min(len(out), i+600)]
@@ -172,15 +159,15 @@ func TestAdversary13MergePanicKillsTheProcess(t *testing.T) {
 	}
 }
 
-func adv13MergePanicChild(t *testing.T) {
+func mergePanicChild(t *testing.T) {
 	boom := MergeWith(func(old, new []byte) ([]byte, error) { panic("merge boom") })
-	h := newHarness(t, adv13Rules(Rule{}))
+	h := newHarness(t, batchJobRules(Rule{}))
 	h.client = h.d.NewClient()
 	ctx := context.Background()
 	var tasks []*asynq.Task
 	for i := range 32 {
-		h.enqueue(adv13Task(fmt.Sprint("m", i), 0), asynq.ProcessIn(time.Hour)) // a waiting holder
-		tasks = append(tasks, adv13Task(fmt.Sprint("m", i), 1, boom))
+		h.enqueue(batchJob(fmt.Sprint("m", i), 0), asynq.ProcessIn(time.Hour)) // a waiting holder
+		tasks = append(tasks, batchJob(fmt.Sprint("m", i), 1, boom))
 	}
 	func() {
 		defer func() { t.Logf("Submit's panic reaches its caller: %v", recover()) }()
@@ -198,16 +185,16 @@ func adv13MergePanicChild(t *testing.T) {
 // batch the tasks without a lock are enqueued after every lock call, at the
 // same moment as the others: the later task may win the ID.
 func TestAdversary13SkippedTaskLosesItsIDToALaterTask(t *testing.T) {
-	adv13Clients(t, adv13Rules(Rule{}), func(t *testing.T, h *harness) {
+	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		for round := range 10 {
 			id := fmt.Sprintf("adv13-skip-%d", round)
 			for _, second := range []*asynq.Task{
-				adv13Task(fmt.Sprint("b", round), 2, asynq.TaskID(id+"-a"), Skip()), // skipped too
-				adv13Task(fmt.Sprint("c", round), 2, asynq.TaskID(id+"-b")),         // deduplicated
+				batchJob(fmt.Sprint("b", round), 2, asynq.TaskID(id+"-a"), Skip()), // skipped too
+				batchJob(fmt.Sprint("c", round), 2, asynq.TaskID(id+"-b")),         // deduplicated
 			} {
-				sid, _ := adv13TaskID(second)
-				first := adv13Task(fmt.Sprint("a", round), 1, asynq.TaskID(sid), Skip())
+				sid, _ := newTaskID(second)
+				first := batchJob(fmt.Sprint("a", round), 1, asynq.TaskID(sid), Skip())
 				out := h.client.EnqueueBatch(ctx, []*asynq.Task{first, second}, asynq.Queue(h.queue))
 				if out[0].Err != nil || out[0].Outcome != Created {
 					t.Errorf("round %d, %s: first task: %+v, want created", round, sid, out[0])
@@ -226,8 +213,8 @@ func TestAdversary13SkippedTaskLosesItsIDToALaterTask(t *testing.T) {
 	})
 }
 
-// adv13TaskID is the asynq.TaskID given to NewTask, if any.
-func adv13TaskID(task *asynq.Task) (string, bool) {
+// newTaskID is the asynq.TaskID given to NewTask, if any.
+func newTaskID(task *asynq.Task) (string, bool) {
 	opts, _ := taskOpts(task)
 	for _, o := range opts {
 		if o != nil && o.Type() == asynq.TaskIDOpt {
@@ -237,9 +224,9 @@ func adv13TaskID(task *asynq.Task) (string, bool) {
 	return "", false
 }
 
-// adv13Stored lists the tasks waiting in q (pending and scheduled), by
+// storedByPayload lists the tasks waiting in q (pending and scheduled), by
 // payload.
-func adv13Stored(t *testing.T, h *harness, q string) map[string][]*asynq.TaskInfo {
+func storedByPayload(t *testing.T, h *harness, q string) map[string][]*asynq.TaskInfo {
 	t.Helper()
 	out := map[string][]*asynq.TaskInfo{}
 	for _, list := range []func(string, ...asynq.ListOption) ([]*asynq.TaskInfo, error){h.insp.ListPendingTasks, h.insp.ListScheduledTasks} {
@@ -262,14 +249,14 @@ func adv13Stored(t *testing.T, h *harness, q string) map[string][]*asynq.TaskInf
 	return out
 }
 
-// adv13CheckAtomic checks a batch of tasks with distinct payloads, each
+// checkBatchAtomic checks a batch of tasks with distinct payloads, each
 // deduplicated in q: a task reported created is stored once and holds its
 // key; a task that failed (neither a duplicate nor of unknown outcome) is
 // stored nowhere and holds no key. It returns how many were created.
-func adv13CheckAtomic(t *testing.T, h *harness, q string, tasks []*asynq.Task, out []BatchResult, opts ...asynq.Option) int {
+func checkBatchAtomic(t *testing.T, h *harness, q string, tasks []*asynq.Task, out []BatchResult, opts ...asynq.Option) int {
 	t.Helper()
 	ctx := context.Background()
-	stored := adv13Stored(t, h, q)
+	stored := storedByPayload(t, h, q)
 	created := 0
 	for i, r := range out {
 		tis := stored[string(tasks[i].Payload())]
@@ -286,7 +273,7 @@ func adv13CheckAtomic(t *testing.T, h *harness, q string, tasks []*asynq.Task, o
 				t.Errorf("task %d created as %s: stored %d times, its key held=%v by %q", i, r.TaskID, len(tis), held, l.Holder)
 			}
 		case r.Err != nil && !errors.Is(r.Err, ErrDuplicateTask) && !errors.Is(r.Err, ErrOutcomeUnknown):
-			if len(tis) != 0 || (held && l.Holder != "" && len(stored[""]) == 0 && adv13HeldByNone(out, l.Holder)) {
+			if len(tis) != 0 || (held && l.Holder != "" && len(stored[""]) == 0 && heldByNone(out, l.Holder)) {
 				t.Errorf("task %d failed (%v) but is stored %d times, its key held=%v by %q", i, r.Err, len(tis), held, l.Holder)
 			}
 		}
@@ -294,8 +281,8 @@ func adv13CheckAtomic(t *testing.T, h *harness, q string, tasks []*asynq.Task, o
 	return created
 }
 
-// adv13HeldByNone reports whether no task of the batch was created as id.
-func adv13HeldByNone(out []BatchResult, id string) bool {
+// heldByNone reports whether no task of the batch was created as id.
+func heldByNone(out []BatchResult, id string) bool {
 	for _, r := range out {
 		if r.Err == nil && r.TaskID == id {
 			return false
@@ -308,15 +295,15 @@ func adv13HeldByNone(out []BatchResult, id string) bool {
 // from several batches and within one): under Reject every key ends with
 // exactly one live task, and exactly one result in all reports it created.
 func TestAdversary13ConcurrentOverlappingBatches(t *testing.T) {
-	adv13Clients(t, adv13Rules(Rule{}), func(t *testing.T, h *harness) {
+	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		const goroutines, perBatch, keys = 8, 60, 40
-		h.enqueueWith(h.client, adv13Task("warm", 0))
+		h.enqueueWith(h.client, batchJob("warm", 0))
 		var wg sync.WaitGroup
 		outs := make([][]BatchResult, goroutines)
 		batches := make([][]*asynq.Task, goroutines)
 		for g := range goroutines {
 			for i := range perBatch {
-				batches[g] = append(batches[g], adv13Task(fmt.Sprint("o", (g*7+i*13)%keys), g*1000+i))
+				batches[g] = append(batches[g], batchJob(fmt.Sprint("o", (g*7+i*13)%keys), g*1000+i))
 			}
 			wg.Go(func() { outs[g] = h.client.EnqueueBatch(context.Background(), batches[g], asynq.Queue(h.queue)) })
 		}
@@ -334,7 +321,7 @@ func TestAdversary13ConcurrentOverlappingBatches(t *testing.T) {
 			}
 		}
 		live := map[string][]string{}
-		for _, tis := range adv13Stored(t, h, h.queue) {
+		for _, tis := range storedByPayload(t, h, h.queue) {
 			for _, ti := range tis {
 				var p struct{ Key string }
 				_ = json.Unmarshal(ti.Payload, &p)
@@ -355,12 +342,12 @@ func TestAdversary13ConcurrentOverlappingBatches(t *testing.T) {
 // batch's task is stored as asynq's own client stores the same task, and
 // its lock lives in that queue and lasts past the delay.
 func TestAdversary13NewTaskAsynqOptionsStoredAsAsynqWould(t *testing.T) {
-	adv13Clients(t, adv13Rules(Rule{TTL: time.Minute}), func(t *testing.T, h *harness) {
+	bothPaths(t, batchJobRules(Rule{TTL: time.Minute}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		q := h.queue + "-own"
 		deadline := time.Now().Add(3 * time.Hour).Truncate(time.Second)
 		own := func(key string, extra ...asynq.Option) *asynq.Task {
-			return adv13Task(key, 1, append([]asynq.Option{asynq.Queue(q), asynq.MaxRetry(3), asynq.Timeout(90 * time.Second),
+			return batchJob(key, 1, append([]asynq.Option{asynq.Queue(q), asynq.MaxRetry(3), asynq.Timeout(90 * time.Second),
 				asynq.Deadline(deadline), asynq.Retention(2 * time.Hour), asynq.ProcessIn(time.Hour), Headers(map[string]string{"h": "1"}), TTL(time.Minute)}, extra...)...)
 		}
 		plain, err := h.asynq.Enqueue(own("plain"), asynq.MaxRetry(7))
@@ -409,7 +396,7 @@ func TestAdversary13NewTaskAsynqOptionsStoredAsAsynqWould(t *testing.T) {
 // "Per-call options take effect ... given to the call or to the task's
 // asynq.NewTask"; headers.go: Headers is how a wrapper adds a trace context.
 func TestAdversary13NewTaskWithOnlyHeadersPanics(t *testing.T) {
-	adv13Clients(t, adv13Rules(Rule{}), func(t *testing.T, h *harness) {
+	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		try := func(what string, f func() error) {
 			t.Helper()
@@ -424,7 +411,7 @@ func TestAdversary13NewTaskWithOnlyHeadersPanics(t *testing.T) {
 		}
 		hdr := map[string]string{"trace": "t-1"}
 		try("Submit", func() error {
-			r, err := h.client.Submit(ctx, adv13Task("s", 1, Headers(hdr)), asynq.Queue(h.queue))
+			r, err := h.client.Submit(ctx, batchJob("s", 1, Headers(hdr)), asynq.Queue(h.queue))
 			if err == nil {
 				if ti, gerr := h.insp.GetTaskInfo(h.queue, r.TaskID); gerr != nil || ti.Headers["trace"] != "t-1" {
 					return fmt.Errorf("stored %+v, %v; want NewTask's headers", ti, gerr)
@@ -433,23 +420,23 @@ func TestAdversary13NewTaskWithOnlyHeadersPanics(t *testing.T) {
 			return err
 		})
 		try("Enqueue", func() error {
-			_, err := h.client.Enqueue(adv13Task("e", 1, Headers(hdr)), asynq.Queue(h.queue))
+			_, err := h.client.Enqueue(batchJob("e", 1, Headers(hdr)), asynq.Queue(h.queue))
 			return err
 		})
 		try("EnqueueBatch", func() error {
-			out := h.client.EnqueueBatch(ctx, []*asynq.Task{adv13Task("b", 1), adv13Task("b2", 1, Headers(hdr))}, asynq.Queue(h.queue))
+			out := h.client.EnqueueBatch(ctx, []*asynq.Task{batchJob("b", 1), batchJob("b2", 1, Headers(hdr))}, asynq.Queue(h.queue))
 			return errors.Join(out[0].Err, out[1].Err)
 		})
 		try("Skip", func() error {
-			_, err := h.client.Submit(ctx, adv13Task("k", 1, Headers(hdr)), asynq.Queue(h.queue), Skip())
+			_, err := h.client.Submit(ctx, batchJob("k", 1, Headers(hdr)), asynq.Queue(h.queue), Skip())
 			return err
 		})
 		try("Lookup", func() error {
-			_, _, err := h.d.Lookup(ctx, adv13Task("s", 1, Headers(hdr)), asynq.Queue(h.queue))
+			_, _, err := h.d.Lookup(ctx, batchJob("s", 1, Headers(hdr)), asynq.Queue(h.queue))
 			return err
 		})
 		try("QueueOf", func() error {
-			if q := h.d.QueueOf(adv13Task("s", 1, Headers(hdr)), asynq.Queue(h.queue)); q != h.queue {
+			if q := h.d.QueueOf(batchJob("s", 1, Headers(hdr)), asynq.Queue(h.queue)); q != h.queue {
 				return fmt.Errorf("QueueOf: %s, want %s", q, h.queue)
 			}
 			return nil
@@ -462,7 +449,7 @@ func TestAdversary13NewTaskWithOnlyHeadersPanics(t *testing.T) {
 // follow-up, the later are replaced into it), and each key's follow-up runs
 // once, with its last payload, after the run ends.
 func TestAdversary13RunningDeferInABatch(t *testing.T) {
-	adv13Clients(t, adv13Rules(Rule{OnConflict: Replace, OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
+	bothPaths(t, batchJobRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		release := make(chan struct{})
 		started := make(chan string, 10)
@@ -481,18 +468,18 @@ func TestAdversary13RunningDeferInABatch(t *testing.T) {
 			return nil
 		}, nil)
 		for _, k := range []string{"batch", "submit"} {
-			h.enqueue(adv13Task(k, 0))
+			h.enqueue(batchJob(k, 0))
 			waitFor(t, started, "the holder of "+k+" running")
 		}
 		var want []Result
 		for n := 1; n <= 3; n++ {
-			r, err := h.client.Submit(ctx, adv13Task("submit", n), asynq.Queue(h.queue))
+			r, err := h.client.Submit(ctx, batchJob("submit", n), asynq.Queue(h.queue))
 			if err != nil {
 				t.Fatalf("submit %d: %v", n, err)
 			}
 			want = append(want, r)
 		}
-		out := h.client.EnqueueBatch(ctx, []*asynq.Task{adv13Task("batch", 1), adv13Task("batch", 2), adv13Task("batch", 3)}, asynq.Queue(h.queue))
+		out := h.client.EnqueueBatch(ctx, []*asynq.Task{batchJob("batch", 1), batchJob("batch", 2), batchJob("batch", 3)}, asynq.Queue(h.queue))
 		for i, r := range out {
 			if r.Err != nil || r.Outcome != want[i].Outcome || r.FollowUp != want[i].FollowUp || (i > 0 && r.TaskID != out[0].TaskID) {
 				t.Errorf("batch task %d: %+v; Submit gave %+v", i, r, want[i])
@@ -515,17 +502,17 @@ func TestAdversary13RunningDeferInABatch(t *testing.T) {
 	})
 }
 
-// adv13AfterLocks is a go-redis hook that calls do once, after the first
+// afterFirstLockPipeline is a go-redis hook that calls do once, after the first
 // pipeline of lock calls (scripts on keys under prefix) is answered.
-type adv13AfterLocks struct {
+type afterFirstLockPipeline struct {
 	prefix string
 	once   sync.Once
 	do     func()
 }
 
-func (c *adv13AfterLocks) DialHook(next redis.DialHook) redis.DialHook          { return next }
-func (c *adv13AfterLocks) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
-func (c *adv13AfterLocks) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+func (c *afterFirstLockPipeline) DialHook(next redis.DialHook) redis.DialHook          { return next }
+func (c *afterFirstLockPipeline) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+func (c *afterFirstLockPipeline) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
 		err := next(ctx, cmds)
 		var tr tripLog
@@ -545,19 +532,19 @@ func (c *adv13AfterLocks) ProcessPipelineHook(next redis.ProcessPipelineHook) re
 func TestAdversary13RedisStallsBetweenPipelines(t *testing.T) {
 	for _, direct := range []bool{false, true} {
 		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
-			h := newHarness(t, adv13Rules(Rule{}))
-			proxy, d := proxiedLockStore(t, h, Config{FailOpen: true, LockTimeout: 300 * time.Millisecond, Rules: adv13Rules(Rule{}).Rules})
+			h := newHarness(t, batchJobRules(Rule{}))
+			proxy, d := proxiedLockStore(t, h, Config{FailOpen: true, LockTimeout: 300 * time.Millisecond, Rules: batchJobRules(Rule{}).Rules})
 			c := d.WrapClient(h.asynq)
 			if direct {
 				c = d.NewClient()
 			}
-			if _, err := c.Enqueue(adv13Task("warm", 0), asynq.Queue(h.queue)); err != nil {
+			if _, err := c.Enqueue(batchJob("warm", 0), asynq.Queue(h.queue)); err != nil {
 				t.Fatal(err)
 			}
-			d.rdb.AddHook(&adv13AfterLocks{prefix: h.prefix, do: proxy.stall})
+			d.rdb.AddHook(&afterFirstLockPipeline{prefix: h.prefix, do: proxy.stall})
 			var tasks []*asynq.Task
 			for i := range 1500 {
-				tasks = append(tasks, adv13Task(fmt.Sprint("s", i), i))
+				tasks = append(tasks, batchJob(fmt.Sprint("s", i), i))
 			}
 			out := c.EnqueueBatch(context.Background(), tasks, asynq.Queue(h.queue))
 			proxy.resume()
@@ -575,7 +562,7 @@ func TestAdversary13RedisStallsBetweenPipelines(t *testing.T) {
 			t.Logf("answers: %v", counts)
 			// Let whatever the stalled connections carried land.
 			eventually(t, "Redis answers through the proxy", func() bool { return d.rdb.Ping(context.Background()).Err() == nil })
-			stored := adv13Stored(t, h, h.queue)
+			stored := storedByPayload(t, h, h.queue)
 			for i, r := range out {
 				tis := stored[string(tasks[i].Payload())]
 				switch {
@@ -596,10 +583,10 @@ func TestAdversary13RedisStallsBetweenPipelines(t *testing.T) {
 // every task is created, once; with none, those over the bound end with
 // ErrTooManyPending when ctx does, and hold no key.
 func TestAdversary13MaxPendingWaitForRoomInABatch(t *testing.T) {
-	adv13Clients(t, adv13Rules(Rule{MaxPending: 2}), func(t *testing.T, h *harness) {
+	bothPaths(t, batchJobRules(Rule{MaxPending: 2}), func(t *testing.T, h *harness) {
 		var tasks []*asynq.Task
 		for i := range 6 {
-			tasks = append(tasks, adv13Task(fmt.Sprint("w", i), i))
+			tasks = append(tasks, batchJob(fmt.Sprint("w", i), i))
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 		defer cancel()
@@ -612,14 +599,14 @@ func TestAdversary13MaxPendingWaitForRoomInABatch(t *testing.T) {
 				t.Errorf("task %d: %+v, want ErrTooManyPending", i, r)
 			}
 		}
-		adv13CheckAtomic(t, h, h.queue, tasks, out, asynq.Queue(h.queue))
+		checkBatchAtomic(t, h, h.queue, tasks, out, asynq.Queue(h.queue))
 		// Now a server drains the queue: a second batch waits for room and
 		// gets it.
 		ran := make(chan string, 100)
 		h.serve(func(ctx context.Context, task *asynq.Task) error { ran <- string(task.Payload()); return nil }, nil)
 		var more []*asynq.Task
 		for i := range 6 {
-			more = append(more, adv13Task(fmt.Sprint("v", i), i))
+			more = append(more, batchJob(fmt.Sprint("v", i), i))
 		}
 		ctx2, cancel2 := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel2()
@@ -641,8 +628,8 @@ func TestAdversary13MaxPendingWaitForRoomInABatch(t *testing.T) {
 	})
 }
 
-// adv13Goroutine is the running goroutine's number.
-func adv13Goroutine() string {
+// goroutineID is the running goroutine's number.
+func goroutineID() string {
 	b := make([]byte, 64)
 	b = b[:runtime.Stack(b, false)]
 	f := strings.Fields(string(b))
@@ -662,27 +649,27 @@ func TestAdversary13OnDecisionRunsOnTheCallingGoroutine(t *testing.T) {
 		elsewhere, overlaps, calls atomic.Int64
 		inFlight                   atomic.Int64
 	)
-	cfg := adv13Rules(Rule{})
+	cfg := batchJobRules(Rule{})
 	cfg.OnDecision = func(Decision) {
 		if inFlight.Add(1) > 1 {
 			overlaps.Add(1)
 		}
 		calls.Add(1)
-		if adv13Goroutine() != caller {
+		if goroutineID() != caller {
 			elsewhere.Add(1)
 		}
 		time.Sleep(time.Millisecond) // a hook that does a little work
 		inFlight.Add(-1)
 	}
-	adv13Clients(t, cfg, func(t *testing.T, h *harness) {
+	bothPaths(t, cfg, func(t *testing.T, h *harness) {
 		elsewhere.Store(0)
 		overlaps.Store(0)
 		calls.Store(0)
 		var tasks []*asynq.Task
 		for i := range 40 {
-			tasks = append(tasks, adv13Task(fmt.Sprint("d", i%20), i)) // 20 duplicates
+			tasks = append(tasks, batchJob(fmt.Sprint("d", i%20), i)) // 20 duplicates
 		}
-		caller = adv13Goroutine()
+		caller = goroutineID()
 		out := h.client.EnqueueBatch(context.Background(), tasks, asynq.Queue(h.queue))
 		for i, r := range out[20:] {
 			if !errors.Is(r.Err, ErrDuplicateTask) {
@@ -696,8 +683,8 @@ func TestAdversary13OnDecisionRunsOnTheCallingGoroutine(t *testing.T) {
 	})
 }
 
-// adv13Sum merges two adv13 payloads of one key: their n added.
-func adv13Sum(old, new []byte) ([]byte, error) {
+// sumMerge merges two adv13 payloads of one key: their n added.
+func sumMerge(old, new []byte) ([]byte, error) {
 	var a, b struct {
 		Key string `json:"key"`
 		N   int    `json:"n"`
@@ -721,12 +708,12 @@ func adv13Sum(old, new []byte) ([]byte, error) {
 // docs/batch.md: "Two tasks of one key are answered in order ... (a
 // Replace leaves the last payload)".
 func TestAdversary13MergeThenReplaceAppliedOutOfOrder(t *testing.T) {
-	adv13Clients(t, adv13Rules(Rule{}), func(t *testing.T, h *harness) {
+	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
-		holder := h.enqueue(adv13Task("m", 0), asynq.ProcessIn(time.Hour))
+		holder := h.enqueue(batchJob("m", 0), asynq.ProcessIn(time.Hour))
 		out := h.client.EnqueueBatch(ctx, []*asynq.Task{
-			adv13Task("m", 1, MergeWith(adv13Sum)),
-			adv13Task("m", 2, OnConflict(Replace)),
+			batchJob("m", 1, MergeWith(sumMerge)),
+			batchJob("m", 2, OnConflict(Replace)),
 		}, asynq.Queue(h.queue))
 		if out[0].Err != nil || out[0].Outcome != Merged || out[1].Err != nil || out[1].Outcome != Replaced {
 			t.Fatalf("answers %+v, want merged then replaced", out)
@@ -746,10 +733,10 @@ func TestAdversary13MergeThenReplaceAppliedOutOfOrder(t *testing.T) {
 // (or replaced into it); a plain asynq.Client given the same tasks ignores
 // this package's options in NewTask.
 func TestAdversary13SameTaskTwiceAndNilOptions(t *testing.T) {
-	adv13Clients(t, adv13Rules(Rule{}), func(t *testing.T, h *harness) {
+	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
-		same := adv13Task("p", 1, nil, Key("p"), nil)
-		repl := adv13Task("r", 1, OnConflict(Replace), nil)
+		same := batchJob("p", 1, nil, Key("p"), nil)
+		repl := batchJob("r", 1, OnConflict(Replace), nil)
 		out := h.client.EnqueueBatch(ctx, []*asynq.Task{same, repl, same, repl, same}, nil, asynq.Queue(h.queue), nil)
 		var dup *DuplicateTaskError
 		if out[0].Err != nil || out[0].Outcome != Created || out[1].Err != nil || out[1].Outcome != Created {
@@ -766,7 +753,7 @@ func TestAdversary13SameTaskTwiceAndNilOptions(t *testing.T) {
 		if n := h.queueSize(h.queue); n != 2 {
 			t.Errorf("queue holds %d, want 2", n)
 		}
-		for _, task := range []*asynq.Task{same, repl, adv13Task("x", 1, MergeWith(adv13Sum), Headers(map[string]string{"a": "b"}), Skip())} {
+		for _, task := range []*asynq.Task{same, repl, batchJob("x", 1, MergeWith(sumMerge), Headers(map[string]string{"a": "b"}), Skip())} {
 			if ti, err := h.asynq.Enqueue(task, asynq.Queue(h.queue)); err != nil || len(ti.Headers) != 0 {
 				t.Errorf("plain asynq client: %+v, %v; want enqueued, this package's options ignored", ti, err)
 			}
@@ -784,12 +771,12 @@ func TestAdversary13SameTaskTwiceAndNilOptions(t *testing.T) {
 // with a lock here that an owner check will heal.
 func TestAdversary13BatchStoresEveryTaskInAnotherRedis(t *testing.T) {
 	needRealRedis(t)
-	h := newHarness(t, adv13Rules(Rule{}))
+	h := newHarness(t, batchJobRules(Rule{}))
 	_, other := ownRedis(t, nil)
 	c := h.d.WrapClient(asynq.NewClientFromRedisClient(other))
 	var tasks []*asynq.Task
 	for i := range 10 {
-		tasks = append(tasks, adv13Task(fmt.Sprint("e", i), i))
+		tasks = append(tasks, batchJob(fmt.Sprint("e", i), i))
 	}
 	out := c.EnqueueBatch(context.Background(), tasks, asynq.Queue(h.queue))
 	accepted := 0
@@ -812,9 +799,9 @@ func TestAdversary13BatchStoresEveryTaskInAnotherRedis(t *testing.T) {
 // rule, opted in or not) is answered task by task as the same tasks are by
 // Submit one after the other, and leaves the same payloads stored.
 func TestAdversary13MixedBatchAnswersAsSubmits(t *testing.T) {
-	cfg := adv13Rules(Rule{})
+	cfg := batchJobRules(Rule{})
 	cfg.OptIn = true
-	adv13Clients(t, cfg, func(t *testing.T, h *harness) {
+	bothPaths(t, cfg, func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		q2 := h.queue + "-2"
 		free := func(ns, key string, n int, opts ...asynq.Option) *asynq.Task {
@@ -824,17 +811,17 @@ func TestAdversary13MixedBatchAnswersAsSubmits(t *testing.T) {
 			k := func(s string) string { return ns + s }
 			deb := []asynq.Option{OnConflict(Replace), Debounce(time.Hour)}
 			return []*asynq.Task{
-				adv13Task(k("a"), 1), adv13Task(k("a"), 2),
-				adv13Task(k("r"), 1, deb...), adv13Task(k("r"), 2, deb...),
-				adv13Task(k("c"), 1, Cooldown(time.Hour)), adv13Task(k("c"), 2),
-				adv13Task(k("p"), 1, Period(24*time.Hour, nil)), adv13Task(k("p"), 2, Period(24*time.Hour, nil)),
-				adv13Task(k("f"), 1, OnFailure(FailHold, time.Hour)),
+				batchJob(k("a"), 1), batchJob(k("a"), 2),
+				batchJob(k("r"), 1, deb...), batchJob(k("r"), 2, deb...),
+				batchJob(k("c"), 1, Cooldown(time.Hour)), batchJob(k("c"), 2),
+				batchJob(k("p"), 1, Period(24*time.Hour, nil)), batchJob(k("p"), 2, Period(24*time.Hour, nil)),
+				batchJob(k("f"), 1, OnFailure(FailHold, time.Hour)),
 				free(ns, "x", 1), free(ns, "y", 1, Key(k("free"))), free(ns, "y", 2, Key(k("free"))),
-				adv13Task(k("h"), 1, Headers(map[string]string{"a": "1"}), TTL(time.Hour)),
-				adv13Task(k("a"), 3, Skip()),
-				adv13Task(k("m"), 1, MergeWith(adv13Sum)), adv13Task(k("m"), 2, MergeWith(adv13Sum)),
-				adv13Task(k("q"), 1, asynq.Queue(q2)), adv13Task(k("q"), 2, asynq.Queue(q2)), adv13Task(k("q"), 3),
-				adv13Task(k("r"), 3, deb...),
+				batchJob(k("h"), 1, Headers(map[string]string{"a": "1"}), TTL(time.Hour)),
+				batchJob(k("a"), 3, Skip()),
+				batchJob(k("m"), 1, MergeWith(sumMerge)), batchJob(k("m"), 2, MergeWith(sumMerge)),
+				batchJob(k("q"), 1, asynq.Queue(q2)), batchJob(k("q"), 2, asynq.Queue(q2)), batchJob(k("q"), 3),
+				batchJob(k("r"), 3, deb...),
 			}
 		}
 		subs := seq("s-")

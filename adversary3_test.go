@@ -4,27 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
-
-// decisions records what Config.OnDecision hears.
-type decisions struct {
-	mu    sync.Mutex
-	heard []Decision
-}
-
-func (r *decisions) hook(d Decision) { r.mu.Lock(); r.heard = append(r.heard, d); r.mu.Unlock() }
-
-func (r *decisions) all() []Decision {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return append([]Decision(nil), r.heard...)
-}
 
 // With Reject + RunningDefer, an enqueue that meets a running key whose
 // follow-up waits is refused as a duplicate OF THE FOLLOW-UP (README). The

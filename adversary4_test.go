@@ -15,22 +15,6 @@ import (
 // Adversarial tests of Cooldown and Debounce (issue 12, items 1 and 2),
 // through the public API on a real asynq server.
 
-// queueMover is an Enqueuer that puts every task in its own queue, whatever
-// the call said: the README's "an enqueuer that changes the queue", whose
-// lock the Client moves to where the task landed.
-type queueMover struct {
-	c *asynq.Client
-	q string
-}
-
-func (m queueMover) Enqueue(t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
-	return m.EnqueueContext(context.Background(), t, opts...)
-}
-
-func (m queueMover) EnqueueContext(ctx context.Context, t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
-	return m.c.EnqueueContext(ctx, t, append(append([]asynq.Option(nil), opts...), asynq.Queue(m.q))...)
-}
-
 // A handler that succeeds within its Timeout, but closer to its deadline
 // than LockTimeout (1 s), is settled "as given up" and rechecked later. Its
 // success must still start the cooldown: the README's matrix says success

@@ -59,9 +59,9 @@ func newLossProxy(t *testing.T, target string, match func([]byte) bool) *lossPro
 
 func (p *lossProxy) addr() string { return p.ln.Addr().String() }
 
-// a5CountCommands counts the complete RESP commands (arrays of bulk strings)
+// respCommands counts the complete RESP commands (arrays of bulk strings)
 // in b.
-func a5CountCommands(b []byte) int {
+func respCommands(b []byte) int {
 	n := 0
 	for len(b) > 0 {
 		if b[0] != '*' {
@@ -127,7 +127,7 @@ func (p *lossProxy) serve(c net.Conn) {
 		}
 		chunk := buf[:n]
 		if left := p.loading.Load(); left > 0 && p.match(chunk) { // retries of the lost call only
-			k := int64(a5CountCommands(chunk))
+			k := int64(respCommands(chunk))
 			p.loading.Add(-k)
 			for range k {
 				if _, err := c.Write([]byte("-LOADING Redis is loading the dataset in memory\r\n")); err != nil {

@@ -12,155 +12,11 @@ import (
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
-	"github.com/redis/go-redis/v9"
 )
 
 // Adversarial tests, round 6: seams between modes, operator actions, asynq's
 // own retries and the ID namespace, through the public API on a real asynq
 // server and redis-server. Each test names the README promise it checks.
-
-// a6Run is one handler run seen by a6Tracker.
-type a6Run struct {
-	id, key string
-	seq     int
-	retry   int
-	err     error // what the handler returned
-}
-
-// a6Tracker is a handler that records every run per key, notes any two runs
-// of one key at once, and holds the runs of chosen sequence numbers until
-// the test opens their gate.
-type a6Tracker struct {
-	keyOf func(*asynq.Task) string
-
-	mu       sync.Mutex
-	active   map[string][]string
-	overlaps []string
-	gates    map[int]chan struct{}
-	done     []a6Run
-
-	starts chan a6Run
-	ends   chan a6Run
-}
-
-func newA6Tracker(keyOf func(*asynq.Task) string, gated ...int) *a6Tracker {
-	tr := &a6Tracker{keyOf: keyOf, active: map[string][]string{}, gates: map[int]chan struct{}{},
-		starts: make(chan a6Run, 1000), ends: make(chan a6Run, 1000)}
-	for _, s := range gated {
-		tr.gates[s] = make(chan struct{})
-	}
-	return tr
-}
-
-// a6CounterKey keys counter tasks by their "key" field.
-func a6CounterKey(t *asynq.Task) string { return decodeCounter(t).Key }
-
-// open lets the held runs of seq return.
-func (tr *a6Tracker) open(seq int) {
-	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	if g, ok := tr.gates[seq]; ok {
-		select {
-		case <-g:
-		default:
-			close(g)
-		}
-	}
-}
-
-// openAll opens every gate (for cleanups).
-func (tr *a6Tracker) openAll() {
-	tr.mu.Lock()
-	seqs := make([]int, 0, len(tr.gates))
-	for s := range tr.gates {
-		seqs = append(seqs, s)
-	}
-	tr.mu.Unlock()
-	for _, s := range seqs {
-		tr.open(s)
-	}
-}
-
-func (tr *a6Tracker) handler(result func(a6Run) error) asynq.HandlerFunc {
-	return func(ctx context.Context, t *asynq.Task) error {
-		id, _ := asynq.GetTaskID(ctx)
-		n, _ := asynq.GetRetryCount(ctx)
-		r := a6Run{id: id, key: tr.keyOf(t), seq: decodeCounter(t).Seq, retry: n}
-		tr.mu.Lock()
-		if others := tr.active[r.key]; len(others) > 0 {
-			tr.overlaps = append(tr.overlaps, fmt.Sprintf("key %q: %s (seq %d) started while %v ran", r.key, id, r.seq, others))
-		}
-		tr.active[r.key] = append(tr.active[r.key], id)
-		gate := tr.gates[r.seq]
-		tr.mu.Unlock()
-		tr.starts <- r
-		if gate != nil {
-			select {
-			case <-gate:
-			case <-ctx.Done():
-			}
-		}
-		var err error
-		if result != nil {
-			err = result(r)
-		}
-		r.err = err
-		tr.mu.Lock()
-		ids := tr.active[r.key]
-		for i, x := range ids {
-			if x == id {
-				tr.active[r.key] = append(ids[:i:i], ids[i+1:]...)
-				break
-			}
-		}
-		tr.done = append(tr.done, r)
-		tr.mu.Unlock()
-		tr.ends <- r
-		return err
-	}
-}
-
-func (tr *a6Tracker) overlapsSeen() []string {
-	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	return append([]string(nil), tr.overlaps...)
-}
-
-// a6Serve runs an asynq server on queue with d's middleware until the test
-// ends (the harness's serve, for a Dedup of the test's choosing).
-func a6Serve(t *testing.T, rdb redis.UniversalClient, d *Dedup, queue string, handler asynq.HandlerFunc, tweak func(*asynq.Config)) {
-	t.Helper()
-	cfg := asynq.Config{
-		Concurrency:              10,
-		Queues:                   map[string]int{queue: 1},
-		TaskCheckInterval:        20 * time.Millisecond,
-		DelayedTaskCheckInterval: 100 * time.Millisecond,
-		LogLevel:                 asynq.FatalLevel,
-		ShutdownTimeout:          5 * time.Second,
-		IsFailure:                IsFailure,
-		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond },
-	}
-	if tweak != nil {
-		tweak(&cfg)
-	}
-	srv := asynq.NewServerFromRedisClient(rdb, cfg)
-	if err := srv.Start(d.Middleware()(handler)); err != nil {
-		t.Fatalf("server start: %v", err)
-	}
-	t.Cleanup(srv.Shutdown)
-}
-
-// noSecondStart fails the test if another run starts within window (while
-// the first is held).
-func (tr *a6Tracker) noSecondStart(t *testing.T, first a6Run, window time.Duration, why string) {
-	t.Helper()
-	select {
-	case r := <-tr.starts:
-		t.Errorf("%s: %s (seq %d, retry %d) started while %s (seq %d) was still running; overlaps: %v",
-			why, r.id, r.seq, r.retry, first.id, first.seq, tr.overlapsSeen())
-	case <-time.After(window):
-	}
-}
 
 // 1. README (Caveats): "a task that meets a busy key at execution on its
 // last attempt is not returned as busy: the middleware schedules a copy of
@@ -197,7 +53,7 @@ func TestAdversary6LastAttemptCopyKeepsItsKey(t *testing.T) {
 			if err != nil {
 				t.Fatalf("new task of the released key: %v", err)
 			}
-			tr := newA6Tracker(func(*asynq.Task) string { return "the key" }, 2)
+			tr := newKeyTracker(func(*asynq.Task) string { return "the key" }, 2)
 			h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4 })
 			t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
 			first := waitFor(t, tr.starts, "the key's first run")
@@ -251,7 +107,7 @@ func TestAdversary6ForcedReleaseOfACallerIDHolderKeepsItOnItsKey(t *testing.T) {
 	if err != nil {
 		t.Fatalf("new task of the released key: %v", err)
 	}
-	tr := newA6Tracker(func(*asynq.Task) string { return "tenant-7" }, 1, 2)
+	tr := newKeyTracker(func(*asynq.Task) string { return "tenant-7" }, 1, 2)
 	h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4 })
 	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
 	first := waitFor(t, tr.starts, "the key's first run")
@@ -274,7 +130,7 @@ func TestAdversary6CallerIDShapedLikeAWrapperID(t *testing.T) {
 	if info.ID != own {
 		t.Fatalf("caller-chosen ID not honoured: %s", info.ID)
 	}
-	tr := newA6Tracker(a6CounterKey, 1)
+	tr := newKeyTracker(counterKeyOf, 1)
 	h.serve(tr.handler(nil), nil)
 	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
 	waitFor(t, tr.starts, "key b runs")
@@ -299,12 +155,12 @@ func TestAdversary6BusyFoldNeverRunsAnOlderPayloadInsteadOfTheNewest(t *testing.
 		t.Fatalf("forced release: %v %v", ok, err)
 	}
 	newest := h.enqueue(counterTask("k", 1, 2))
-	tr := newA6Tracker(a6CounterKey)
+	tr := newKeyTracker(counterKeyOf)
 	h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 1 })
 	waitFor(t, tr.ends, "the key runs")
 	eventually(t, "the queue drains", func() bool { return h.queueSize(h.queue) == 0 })
 	tr.mu.Lock()
-	runs := append([]a6Run(nil), tr.done...)
+	runs := append([]keyRun(nil), tr.done...)
 	tr.mu.Unlock()
 	last := runs[len(runs)-1]
 	if last.seq != 2 {
@@ -369,8 +225,8 @@ func TestAdversary6ReEnqueueUnderAnArchivedTasksIDIsRefusedLikeAsynq(t *testing.
 		ctx := context.Background()
 		id := "job-" + uniq(t)
 		key := h.keyOf(counterTask("k", 1, 1), h.queue)
-		tr := newA6Tracker(a6CounterKey)
-		h.serve(tr.handler(func(r a6Run) error {
+		tr := newKeyTracker(counterKeyOf)
+		h.serve(tr.handler(func(r keyRun) error {
 			if r.seq == 1 {
 				return fmt.Errorf("bad input: %w", asynq.SkipRetry)
 			}
@@ -393,14 +249,6 @@ func TestAdversary6ReEnqueueUnderAnArchivedTasksIDIsRefusedLikeAsynq(t *testing.
 			t.Errorf("next enqueue of the key after its task was archived: %v, want a new task", err)
 		}
 	})
-}
-
-// a6State names a task's asynq state ("gone" when asynq has no record).
-func a6State(h *harness, id string) string {
-	if s := h.taskState(id); s != 0 {
-		return s.String()
-	}
-	return "gone"
 }
 
 func stateOf(res Result) string {
@@ -609,8 +457,8 @@ func TestAdversary6DeferUnderLoadNeverOverlapsAndEndsWithTheNewest(t *testing.T)
 	ctx := context.Background()
 	var rmu sync.Mutex
 	rng := rand.New(rand.NewPCG(6, 6))
-	tr := newA6Tracker(a6CounterKey)
-	h.serve(tr.handler(func(r a6Run) error {
+	tr := newKeyTracker(counterKeyOf)
+	h.serve(tr.handler(func(r keyRun) error {
 		rmu.Lock()
 		sleep, fail := time.Duration(rng.IntN(15))*time.Millisecond, rng.IntN(3) == 0
 		rmu.Unlock()
@@ -706,8 +554,8 @@ func TestAdversary6ForcedReleaseDuringRetryWaitStillRunsTheNewest(t *testing.T) 
 	cfg.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return time.Hour } // an upper bound of the server's
 	h := newHarness(t, cfg)
 	ctx := context.Background()
-	tr := newA6Tracker(a6CounterKey, 1)
-	h.serve(tr.handler(func(r a6Run) error {
+	tr := newKeyTracker(counterKeyOf, 1)
+	h.serve(tr.handler(func(r keyRun) error {
 		if r.seq == 1 && r.retry == 0 {
 			return errors.New("flaky")
 		}
@@ -741,7 +589,7 @@ func TestAdversary6ForcedReleaseDuringRetryWaitStillRunsTheNewest(t *testing.T) 
 				next = fi.NextProcessAt
 			}
 			t.Fatalf("8 s after the release neither the holder's retry nor the follow-up %s ran the newest payload; holder state %v (superseded counted %d), follow-up due %v",
-				res.TaskID, a6State(h, holder.ID), h.d.Stats().Superseded, next.Format(time.TimeOnly))
+				res.TaskID, taskStateName(h, holder.ID), h.d.Stats().Superseded, next.Format(time.TimeOnly))
 		}
 	}
 }
@@ -780,11 +628,11 @@ func TestAdversary6MergeIntoAHolderBeingStoredIsNotRefused(t *testing.T) {
 		delay  time.Duration
 		merged bool
 	}{{200 * time.Millisecond, true}, {1500 * time.Millisecond, false}} {
-		t.Run(tc.delay.String(), func(t *testing.T) { a6MergeIntoHolderBeingStored(t, tc.delay, tc.merged) })
+		t.Run(tc.delay.String(), func(t *testing.T) { mergeIntoHolderBeingStored(t, tc.delay, tc.merged) })
 	}
 }
 
-func a6MergeIntoHolderBeingStored(t *testing.T, delay time.Duration, merged bool) {
+func mergeIntoHolderBeingStored(t *testing.T, delay time.Duration, merged bool) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Merge, MergeFunc: addMerge}))
 	ctx := context.Background()
 	se := slowEnqueuer{c: h.asynq, delay: delay, once: new(sync.Once), entered: make(chan struct{})}
@@ -820,8 +668,8 @@ func TestAdversary6ServerOfAnotherPrefixHandsTheFollowUpOver(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = ds.Close() })
-	tr := newA6Tracker(a6CounterKey, 1)
-	a6Serve(t, h.rdb, ds, h.queue, tr.handler(nil), nil)
+	tr := newKeyTracker(counterKeyOf, 1)
+	serveWith(t, h.rdb, ds, h.queue, tr.handler(nil), nil)
 	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
 	holder := h.enqueue(counterTask("k", 1, 1))
 	waitFor(t, tr.starts, "the holder runs")
@@ -861,7 +709,7 @@ func TestAdversary6RunNowOnAFollowUpKeepsTheNewestPayload(t *testing.T) {
 			cfg.SkipBusy = skipBusy
 			h := newHarness(t, cfg)
 			ctx := context.Background()
-			tr := newA6Tracker(a6CounterKey, 1)
+			tr := newKeyTracker(counterKeyOf, 1)
 			h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 2 })
 			t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
 			h.enqueue(counterTask("k", 1, 1))
@@ -889,7 +737,7 @@ func TestAdversary6RunNowOnAFollowUpKeepsTheNewestPayload(t *testing.T) {
 						return
 					}
 				case <-deadline:
-					t.Fatalf("the newest payload (seq 2, follow-up %s) never ran; follow-up state %v (busy counted %d)", res.TaskID, a6State(h, res.TaskID), h.d.Stats().Busy)
+					t.Fatalf("the newest payload (seq 2, follow-up %s) never ran; follow-up state %v (busy counted %d)", res.TaskID, taskStateName(h, res.TaskID), h.d.Stats().Busy)
 				}
 			}
 		})
@@ -956,7 +804,7 @@ func TestAdversary6DebounceCooldownMaxPendingTogether(t *testing.T) {
 	h.client = h.d.NewClient()
 	ctx := context.Background()
 	q := asynq.Queue(h.queue)
-	tr := newA6Tracker(func(t *asynq.Task) string {
+	tr := newKeyTracker(func(t *asynq.Task) string {
 		var p struct {
 			UserID int `json:"user_id"`
 		}
@@ -1027,8 +875,8 @@ func TestAdversary6DeferWithCallerIDsAndARetry(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
 	ctx := context.Background()
 	q := asynq.Queue(h.queue)
-	tr := newA6Tracker(a6CounterKey, 1)
-	h.serve(tr.handler(func(r a6Run) error {
+	tr := newKeyTracker(counterKeyOf, 1)
+	h.serve(tr.handler(func(r keyRun) error {
 		if r.seq == 1 && r.retry == 0 {
 			return errors.New("flaky")
 		}
@@ -1049,7 +897,7 @@ func TestAdversary6DeferWithCallerIDsAndARetry(t *testing.T) {
 		t.Fatalf("C: %+v %v, want Replaced into the follow-up %s", fc, err, fb.TaskID)
 	}
 	tr.open(1)
-	var runs []a6Run
+	var runs []keyRun
 	for len(runs) < 3 {
 		runs = append(runs, waitFor(t, tr.ends, "runs"))
 	}
@@ -1091,8 +939,8 @@ func TestAdversary6RunningAllowFreesTheKeyForARetry(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = ds.Close() })
 	hold := make(chan struct{})
-	tr := newA6Tracker(a6CounterKey)
-	a6Serve(t, h.rdb, ds, h.queue, tr.handler(func(r a6Run) error {
+	tr := newKeyTracker(counterKeyOf)
+	serveWith(t, h.rdb, ds, h.queue, tr.handler(func(r keyRun) error {
 		if r.seq != 1 {
 			return nil
 		}
@@ -1126,8 +974,8 @@ func TestAdversary6RunningAllowFreesTheKeyForARetry(t *testing.T) {
 func TestAdversary6RunNowOnARetryingHolderThenItsFollowUp(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
 	ctx := context.Background()
-	tr := newA6Tracker(a6CounterKey, 1)
-	h.serve(tr.handler(func(r a6Run) error {
+	tr := newKeyTracker(counterKeyOf, 1)
+	h.serve(tr.handler(func(r keyRun) error {
 		if r.seq == 1 && r.retry == 0 {
 			return errors.New("flaky")
 		}
@@ -1148,7 +996,7 @@ func TestAdversary6RunNowOnARetryingHolderThenItsFollowUp(t *testing.T) {
 	if err := h.insp.RunTask(h.queue, holder.ID); err != nil {
 		t.Fatal(err)
 	}
-	var ends []a6Run
+	var ends []keyRun
 	for len(ends) < 3 {
 		ends = append(ends, waitFor(t, tr.ends, "runs"))
 	}

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"sync"
 	"testing"
 	"time"
 
@@ -24,160 +23,6 @@ import (
 
 // ---- helpers ----
 
-// a7Run is one handler run seen by a7Tracker.
-type a7Run struct {
-	id       string
-	key      string
-	seq, n   int
-	retry    int
-	overlaps []string // runs of the same key going on when this one started
-}
-
-// a7Tracker is a handler that reports every start and end, notes runs of
-// one key at once, and holds the runs of gated sequence numbers until the
-// test opens their gate.
-type a7Tracker struct {
-	mu     sync.Mutex
-	active map[string][]string
-	gates  map[int]chan struct{}
-	seen   []a7Run
-	starts chan a7Run
-	ends   chan a7Run
-}
-
-func newA7Tracker(gated ...int) *a7Tracker {
-	tr := &a7Tracker{active: map[string][]string{}, gates: map[int]chan struct{}{},
-		starts: make(chan a7Run, 1000), ends: make(chan a7Run, 1000)}
-	for _, s := range gated {
-		tr.gates[s] = make(chan struct{})
-	}
-	return tr
-}
-
-func (tr *a7Tracker) open(seq int) {
-	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	if g, ok := tr.gates[seq]; ok {
-		select {
-		case <-g:
-		default:
-			close(g)
-		}
-	}
-}
-
-func (tr *a7Tracker) openAll() {
-	tr.mu.Lock()
-	var seqs []int
-	for s := range tr.gates {
-		seqs = append(seqs, s)
-	}
-	tr.mu.Unlock()
-	for _, s := range seqs {
-		tr.open(s)
-	}
-}
-
-// runs returns every run started so far.
-func (tr *a7Tracker) runs() []a7Run {
-	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	return append([]a7Run(nil), tr.seen...)
-}
-
-func (tr *a7Tracker) handler() asynq.HandlerFunc {
-	return func(ctx context.Context, t *asynq.Task) error {
-		id, _ := asynq.GetTaskID(ctx)
-		n, _ := asynq.GetRetryCount(ctx)
-		p := decodeCounter(t)
-		r := a7Run{id: id, key: p.Key, seq: p.Seq, n: p.N, retry: n}
-		tr.mu.Lock()
-		r.overlaps = append([]string(nil), tr.active[r.key]...)
-		tr.active[r.key] = append(tr.active[r.key], id)
-		tr.seen = append(tr.seen, r)
-		gate := tr.gates[r.seq]
-		tr.mu.Unlock()
-		tr.starts <- r
-		if gate != nil {
-			select {
-			case <-gate:
-			case <-ctx.Done():
-			}
-		}
-		tr.mu.Lock()
-		ids := tr.active[r.key]
-		for i, x := range ids {
-			if x == id {
-				tr.active[r.key] = append(ids[:i:i], ids[i+1:]...)
-				break
-			}
-		}
-		tr.mu.Unlock()
-		tr.ends <- r
-		return nil
-	}
-}
-
-// a7Serve runs an asynq server on queue with d's middleware until the test
-// ends.
-func a7Serve(t *testing.T, rdb redis.UniversalClient, d *Dedup, queue string, handler asynq.Handler, tweak func(*asynq.Config)) *asynq.Server {
-	t.Helper()
-	cfg := asynq.Config{
-		Concurrency:              10,
-		Queues:                   map[string]int{queue: 1},
-		TaskCheckInterval:        20 * time.Millisecond,
-		DelayedTaskCheckInterval: 100 * time.Millisecond,
-		LogLevel:                 asynq.FatalLevel,
-		ShutdownTimeout:          5 * time.Second,
-		IsFailure:                IsFailure,
-		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond },
-	}
-	if tweak != nil {
-		tweak(&cfg)
-	}
-	srv := asynq.NewServerFromRedisClient(rdb, cfg)
-	if err := srv.Start(d.Middleware()(handler)); err != nil {
-		t.Fatalf("server start: %v", err)
-	}
-	var once sync.Once
-	t.Cleanup(func() { once.Do(srv.Shutdown) })
-	return srv
-}
-
-// a7Within polls cond until it holds or d passes; it reports whether it
-// held. For state asynq changes in Redis, which sends no signal.
-func a7Within(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return true
-}
-
-// a7WaitSeq waits up to d for a run of seq to start; nil if none did.
-func a7WaitSeq(tr *a7Tracker, seq int, d time.Duration) *a7Run {
-	timeout := time.After(d)
-	for {
-		select {
-		case r := <-tr.starts:
-			if r.seq == seq {
-				return &r
-			}
-		case <-timeout:
-			return nil
-		}
-	}
-}
-
-// a7Met reports whether d's middleware has answered a task that met its
-// key held (busy, or superseded).
-func a7Met(d *Dedup, n uint64) func() bool {
-	return func() bool { s := d.Stats(); return s.Busy+s.Superseded >= n }
-}
-
 // ---- 1. busy.go: a busy arrival's last-attempt copy ----
 
 // README (tasks that arrive without a lock): "BusyRetry (default: a
@@ -194,7 +39,7 @@ func TestAdversary7LastAttemptCopyOfABusyArrivalStillRuns(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Replace})
 	cfg.heartbeat = (time.Second) / 3 // the copy comes due one Lease later
 	h := newHarness(t, cfg)
-	tr := newA7Tracker()
+	tr := newSeqTracker()
 	h.serve(tr.handler(), nil)
 	holder := h.enqueue(counterTask("k", 1, 1), asynq.ProcessIn(time.Hour))
 	if _, err := h.asynq.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.MaxRetry(0)); err != nil {
@@ -206,7 +51,7 @@ func TestAdversary7LastAttemptCopyOfABusyArrivalStillRuns(t *testing.T) {
 	if err := h.insp.RunTask(h.queue, holder.ID); err != nil {
 		t.Fatal(err)
 	}
-	if r := a7WaitSeq(tr, 2, 8*time.Second); r == nil {
+	if r := waitSeqStart(tr, 2, 8*time.Second); r == nil {
 		s := h.d.Stats()
 		t.Fatalf("the arrival's newer payload (seq 2) never ran after the holder %s (seq 1): its last-attempt copy was dropped (busy %d, superseded %d); runs: %+v",
 			holder.ID, s.Busy, s.Superseded, tr.runs())
@@ -235,16 +80,16 @@ func TestAdversary7SupersededOnlyByATaskThatCarriesItsPayload(t *testing.T) {
 		t.Fatalf("Release: %v %v", ok, err)
 	}
 	other := h.enqueue(asynq.NewTask("a7:other", []byte(`{"key":"k","seq":2}`)), asynq.ProcessIn(time.Hour))
-	tr := newA7Tracker()
+	tr := newSeqTracker()
 	h.serve(tr.handler(), nil)
-	eventually(t, "the released task meets the other type's holder", a7Met(h.d, 1))
+	eventually(t, "the released task meets the other type's holder", metKeyHeld(h.d, 1))
 	if err := h.insp.RunTask(h.queue, other.ID); err != nil {
 		t.Fatal(err)
 	}
-	if r := a7WaitSeq(tr, 2, 8*time.Second); r == nil {
+	if r := waitSeqStart(tr, 2, 8*time.Second); r == nil {
 		t.Fatalf("the other type's task %s never ran", other.ID)
 	}
-	if r := a7WaitSeq(tr, 1, 8*time.Second); r == nil {
+	if r := waitSeqStart(tr, 1, 8*time.Second); r == nil {
 		t.Fatalf("task %s (type a7:state, the only carrier of its payload) never ran: dropped as superseded (superseded %d) by %s, a task of another type",
 			mine.ID, h.d.Stats().Superseded, other.ID)
 	}
@@ -272,16 +117,16 @@ func TestAdversary7FailOpenNewerPayloadIsNotSuperseded(t *testing.T) {
 	if err != nil || od.Stats().FailOpen == 0 {
 		t.Fatalf("fail-open enqueue: %v %v (fail-open %d)", newer, err, od.Stats().FailOpen)
 	}
-	tr := newA7Tracker()
+	tr := newSeqTracker()
 	h.serve(tr.handler(), nil)
-	eventually(t, "the fail-open task meets the key", a7Met(h.d, 1))
+	eventually(t, "the fail-open task meets the key", metKeyHeld(h.d, 1))
 	if err := h.insp.RunTask(h.queue, holder.ID); err != nil {
 		t.Fatal(err)
 	}
-	if r := a7WaitSeq(tr, 1, 8*time.Second); r == nil {
+	if r := waitSeqStart(tr, 1, 8*time.Second); r == nil {
 		t.Fatalf("the holder %s never ran", holder.ID)
 	}
-	if r := a7WaitSeq(tr, 2, 8*time.Second); r == nil {
+	if r := waitSeqStart(tr, 2, 8*time.Second); r == nil {
 		t.Fatalf("the newest payload (seq 2, fail-open task %s) never ran: it was dropped as superseded (%d) by the older holder %s (seq 1), which ran last",
 			newer.ID, h.d.Stats().Superseded, holder.ID)
 	}
@@ -289,25 +134,25 @@ func TestAdversary7FailOpenNewerPayloadIsNotSuperseded(t *testing.T) {
 
 // ---- 4. relocate.go: a relocated task a worker took first ----
 
-// a7TakenFirst is an Enqueuer that puts every task in its own queue and
+// takenFirstEnqueuer is an Enqueuer that puts every task in its own queue and
 // returns only once a worker has taken it (a slow decorator on a busy
 // server): the relocation finds the task gone from the pending list.
-type a7TakenFirst struct {
+type takenFirstEnqueuer struct {
 	c    *asynq.Client
 	insp *asynq.Inspector
 	q    string
 }
 
-func (m a7TakenFirst) Enqueue(t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
+func (m takenFirstEnqueuer) Enqueue(t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
 	return m.EnqueueContext(context.Background(), t, opts...)
 }
 
-func (m a7TakenFirst) EnqueueContext(ctx context.Context, t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
+func (m takenFirstEnqueuer) EnqueueContext(ctx context.Context, t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
 	info, err := m.c.EnqueueContext(ctx, t, append(append([]asynq.Option(nil), opts...), asynq.Queue(m.q))...)
 	if err != nil {
 		return info, err
 	}
-	a7Within(10*time.Second, func() bool {
+	within(10*time.Second, func() bool {
 		ti, err := m.insp.GetTaskInfo(m.q, info.ID)
 		return err != nil || ti.State != asynq.TaskStatePending
 	})
@@ -323,22 +168,22 @@ func (m a7TakenFirst) EnqueueContext(ctx context.Context, t *asynq.Task, opts ..
 // "superseded" by that older task.
 func TestAdversary7RelocatedTaskAWorkerTookFirstKeepsTheNewestPayload(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace}))
-	tr := newA7Tracker()
+	tr := newSeqTracker()
 	h.serve(tr.handler(), nil)
 	holder := h.enqueue(counterTask("k", 1, 1), asynq.ProcessIn(time.Hour)) // waits in the server's queue
-	c := h.d.WrapClient(a7TakenFirst{c: h.asynq, insp: h.insp, q: h.queue})
+	c := h.d.WrapClient(takenFirstEnqueuer{c: h.asynq, insp: h.insp, q: h.queue})
 	res, err := c.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue+"-asked"))
 	if err != nil {
 		t.Fatalf("Submit: %v", err)
 	}
-	eventually(t, "the relocated task meets the key", a7Met(h.d, 1))
+	eventually(t, "the relocated task meets the key", metKeyHeld(h.d, 1))
 	if err := h.insp.RunTask(h.queue, holder.ID); err != nil {
 		t.Fatal(err)
 	}
-	if r := a7WaitSeq(tr, 1, 8*time.Second); r == nil {
+	if r := waitSeqStart(tr, 1, 8*time.Second); r == nil {
 		t.Fatalf("the holder %s never ran", holder.ID)
 	}
-	if r := a7WaitSeq(tr, 2, 8*time.Second); r == nil {
+	if r := waitSeqStart(tr, 2, 8*time.Second); r == nil {
 		t.Fatalf("the newest payload (seq 2, %+v) never ran: dropped as superseded (%d) by the older holder %s", res, h.d.Stats().Superseded, holder.ID)
 	}
 }
@@ -360,8 +205,8 @@ func TestAdversary7FollowUpRunEarlyOnAServerOfAnotherPrefixWaits(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = server.Close() })
-	tr := newA7Tracker(0)
-	a7Serve(t, h.rdb, server, h.queue, tr.handler(), nil)
+	tr := newSeqTracker(0)
+	serveWith(t, h.rdb, server, h.queue, tr.handler(), nil)
 	t.Cleanup(tr.openAll)
 	first := h.enqueue(counterTask("k", 1, 0))
 	if r := waitFor(t, tr.starts, "the holder runs"); r.id != first.ID {
@@ -391,7 +236,7 @@ wait:
 		}
 	}
 	tr.open(0)
-	if r := a7WaitSeq(tr, 1, 8*time.Second); r == nil {
+	if r := waitSeqStart(tr, 1, 8*time.Second); r == nil {
 		t.Fatalf("the follow-up %s never ran after its holder", res.TaskID)
 	}
 }
@@ -417,8 +262,8 @@ func TestAdversary7ReleasedHolderOnAServerOfAnotherPrefixMeetsTheKey(t *testing.
 		t.Fatalf("Release: %v %v", ok, err)
 	}
 	next := h.enqueue(counterTask("k", 1, 2))
-	tr := newA7Tracker(2)
-	a7Serve(t, h.rdb, server, h.queue, tr.handler(), nil)
+	tr := newSeqTracker(2)
+	serveWith(t, h.rdb, server, h.queue, tr.handler(), nil)
 	t.Cleanup(tr.openAll)
 	if r := waitFor(t, tr.starts, "the key's new task runs"); r.id != next.ID {
 		t.Fatalf("ran %s, want %s", r.id, next.ID)
@@ -454,7 +299,7 @@ func TestAdversary7ReleaseWhileTheHolderRunsItsEndQueuesTheFollowUp(t *testing.T
 	for _, forced := range []bool{true, false} {
 		t.Run(fmt.Sprintf("forced=%v", forced), func(t *testing.T) {
 			h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
-			tr := newA7Tracker(0)
+			tr := newSeqTracker(0)
 			h.serve(tr.handler(), nil)
 			t.Cleanup(tr.openAll)
 			ctx := context.Background()
@@ -473,21 +318,12 @@ func TestAdversary7ReleaseWhileTheHolderRunsItsEndQueuesTheFollowUp(t *testing.T
 			}
 			tr.open(0)
 			waitFor(t, tr.ends, "the holder's run ends")
-			if r := a7WaitSeq(tr, 1, 6*time.Second); r == nil {
+			if r := waitSeqStart(tr, 1, 6*time.Second); r == nil {
 				t.Fatalf("the follow-up %s was not queued when its holder's run ended: %s, due in %v (a Release while the holder ran)",
-					res.TaskID, a6State(h, res.TaskID), a7DueIn(h, res.TaskID))
+					res.TaskID, taskStateName(h, res.TaskID), dueIn(h, res.TaskID))
 			}
 		})
 	}
-}
-
-// a7DueIn is how long until a scheduled task is due, or 0.
-func a7DueIn(h *harness, id string) time.Duration {
-	ti, err := h.insp.GetTaskInfo(h.queue, id)
-	if err != nil || ti.State != asynq.TaskStateScheduled {
-		return 0
-	}
-	return time.Until(ti.NextProcessAt).Round(time.Second)
 }
 
 // ---- 8. Config: durations clamped, never wrapping ----
@@ -554,7 +390,7 @@ func TestAdversary7FollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *tes
 	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
 	cfg.heartbeat = (1500 * time.Millisecond) / 3
 	h := newHarness(t, cfg)
-	tr := newA7Tracker(0)
+	tr := newSeqTracker(0)
 	h.serve(tr.handler(), nil)
 	t.Cleanup(tr.openAll)
 	ctx := context.Background()
@@ -567,7 +403,7 @@ func TestAdversary7FollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *tes
 	if err := h.insp.RunTask(h.queue, res.TaskID); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the follow-up meets its running holder", a7Met(h.d, 1))
+	eventually(t, "the follow-up meets its running holder", metKeyHeld(h.d, 1))
 	// Let the copy's first due time (one Lease) pass while the holder runs.
 	select {
 	case r := <-tr.starts:
@@ -575,9 +411,9 @@ func TestAdversary7FollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *tes
 	case <-time.After(2 * 3 * cfg.heartbeat): // time under test: the copy's due time passing
 	}
 	tr.open(0)
-	r := a7WaitSeq(tr, 1, 8*time.Second)
+	r := waitSeqStart(tr, 1, 8*time.Second)
 	if r == nil {
-		t.Fatalf("the follow-up's payload (seq 1) never ran after the holder; follow-up %s is %s", res.TaskID, a6State(h, res.TaskID))
+		t.Fatalf("the follow-up's payload (seq 1) never ran after the holder; follow-up %s is %s", res.TaskID, taskStateName(h, res.TaskID))
 	}
 	if len(r.overlaps) > 0 {
 		t.Fatalf("%s ran beside %v", r.id, r.overlaps)
@@ -610,13 +446,13 @@ func TestAdversary7ReleasedMergeTaskIsNeverDropped(t *testing.T) {
 		t.Fatalf("Release: %v %v", ok, err)
 	}
 	next := h.enqueue(counterTask("k", 2, 2), asynq.ProcessIn(time.Hour))
-	tr := newA7Tracker()
+	tr := newSeqTracker()
 	h.serve(tr.handler(), nil)
-	eventually(t, "the released task meets the key", a7Met(h.d, 1))
+	eventually(t, "the released task meets the key", metKeyHeld(h.d, 1))
 	if err := h.insp.RunTask(h.queue, next.ID); err != nil {
 		t.Fatal(err)
 	}
-	ok := a7Within(8*time.Second, func() bool {
+	ok := within(8*time.Second, func() bool {
 		sum := 0
 		for _, r := range tr.runs() {
 			sum += r.n
@@ -668,7 +504,7 @@ func TestAdversary7WatchedCallerIDHolderDeletedQueuesTheFollowUp(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatalf("the follow-up %s was not queued within a heartbeat (%v) of its holder's deletion: %s, due in %v",
-			res.TaskID, 3*cfg.heartbeat/3, a6State(h, res.TaskID), a7DueIn(h, res.TaskID))
+			res.TaskID, 3*cfg.heartbeat/3, taskStateName(h, res.TaskID), dueIn(h, res.TaskID))
 	}
 }
 
@@ -728,8 +564,8 @@ func TestAdversary7SkippedCallerIDOnAServerOfAnotherPrefixRunsUnguarded(t *testi
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = server.Close() })
-	tr := newA7Tracker(1)
-	a7Serve(t, h.rdb, server, h.queue, tr.handler(), nil)
+	tr := newSeqTracker(1)
+	serveWith(t, h.rdb, server, h.queue, tr.handler(), nil)
 	t.Cleanup(tr.openAll)
 	// An arrival without a lock (a Scheduler firing) of key k runs, held.
 	if _, err := h.asynq.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue)); err != nil {
@@ -740,7 +576,7 @@ func TestAdversary7SkippedCallerIDOnAServerOfAnotherPrefixRunsUnguarded(t *testi
 	if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID(id), Skip()); err != nil {
 		t.Fatal(err)
 	}
-	if r := a7WaitSeq(tr, 2, 8*time.Second); r == nil {
+	if r := waitSeqStart(tr, 2, 8*time.Second); r == nil {
 		t.Fatalf("the task %s enqueued with Skip() never ran: guarded at execution and dropped as busy (busy %d)", id, server.Stats().Busy)
 	}
 }

@@ -17,44 +17,44 @@ import (
 // retries, locked tasks meeting a cooling key). Public API only, on a real
 // asynq server and redis-server.
 
-// a8Run is one handler run.
-type a8Run struct {
+// trackedAttempt is one handler run.
+type trackedAttempt struct {
 	id    string
 	seq   int
 	retry int
 	ctx   context.Context
 }
 
-// a8Tracker records runs, notes overlaps per key, and holds runs of gated
+// attemptTracker records runs, notes overlaps per key, and holds runs of gated
 // (seq, retry) pairs until opened.
-type a8Tracker struct {
+type attemptTracker struct {
 	mu       sync.Mutex
 	active   map[string]int
 	overlaps []string
 	gates    map[string]chan struct{}
-	result   func(a8Run) error
-	starts   chan a8Run
-	ends     chan a8Run
+	result   func(trackedAttempt) error
+	starts   chan trackedAttempt
+	ends     chan trackedAttempt
 }
 
-func newA8Tracker(result func(a8Run) error) *a8Tracker {
-	return &a8Tracker{active: map[string]int{}, gates: map[string]chan struct{}{}, result: result,
-		starts: make(chan a8Run, 1000), ends: make(chan a8Run, 1000)}
+func newAttemptTracker(result func(trackedAttempt) error) *attemptTracker {
+	return &attemptTracker{active: map[string]int{}, gates: map[string]chan struct{}{}, result: result,
+		starts: make(chan trackedAttempt, 1000), ends: make(chan trackedAttempt, 1000)}
 }
 
-func a8GateKey(seq, retry int) string { return fmt.Sprintf("%d/%d", seq, retry) }
+func attemptGateKey(seq, retry int) string { return fmt.Sprintf("%d/%d", seq, retry) }
 
 // gate holds the run of seq at retry until open.
-func (tr *a8Tracker) gate(seq, retry int) {
+func (tr *attemptTracker) gate(seq, retry int) {
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
-	tr.gates[a8GateKey(seq, retry)] = make(chan struct{})
+	tr.gates[attemptGateKey(seq, retry)] = make(chan struct{})
 }
 
-func (tr *a8Tracker) open(seq, retry int) {
+func (tr *attemptTracker) open(seq, retry int) {
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
-	if g, ok := tr.gates[a8GateKey(seq, retry)]; ok {
+	if g, ok := tr.gates[attemptGateKey(seq, retry)]; ok {
 		select {
 		case <-g:
 		default:
@@ -63,7 +63,7 @@ func (tr *a8Tracker) open(seq, retry int) {
 	}
 }
 
-func (tr *a8Tracker) openAll() {
+func (tr *attemptTracker) openAll() {
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
 	for _, g := range tr.gates {
@@ -75,18 +75,18 @@ func (tr *a8Tracker) openAll() {
 	}
 }
 
-func (tr *a8Tracker) handler() asynq.HandlerFunc {
+func (tr *attemptTracker) handler() asynq.HandlerFunc {
 	return func(ctx context.Context, t *asynq.Task) error {
 		id, _ := asynq.GetTaskID(ctx)
 		n, _ := asynq.GetRetryCount(ctx)
 		p := decodeCounter(t)
-		r := a8Run{id: id, seq: p.Seq, retry: n, ctx: ctx}
+		r := trackedAttempt{id: id, seq: p.Seq, retry: n, ctx: ctx}
 		tr.mu.Lock()
 		if tr.active[p.Key] > 0 {
 			tr.overlaps = append(tr.overlaps, fmt.Sprintf("%s (seq %d retry %d) started beside another run of key %q", id, p.Seq, n, p.Key))
 		}
 		tr.active[p.Key]++
-		g := tr.gates[a8GateKey(p.Seq, n)]
+		g := tr.gates[attemptGateKey(p.Seq, n)]
 		tr.mu.Unlock()
 		tr.starts <- r
 		if g != nil {
@@ -104,14 +104,14 @@ func (tr *a8Tracker) handler() asynq.HandlerFunc {
 	}
 }
 
-func (tr *a8Tracker) overlapsSeen() []string {
+func (tr *attemptTracker) overlapsSeen() []string {
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
 	return append([]string(nil), tr.overlaps...)
 }
 
-// a8Until waits up to d for a start of seq; nil if none.
-func a8Until(ch <-chan a8Run, seq int, d time.Duration) *a8Run {
+// waitAttemptOf waits up to d for a start of seq; nil if none.
+func waitAttemptOf(ch <-chan trackedAttempt, seq int, d time.Duration) *trackedAttempt {
 	deadline := time.After(d)
 	for {
 		select {
@@ -125,7 +125,7 @@ func a8Until(ch <-chan a8Run, seq int, d time.Duration) *a8Run {
 	}
 }
 
-func a8State(t *testing.T, h *harness, task *asynq.Task, opts ...asynq.Option) string {
+func lookupState(t *testing.T, h *harness, task *asynq.Task, opts ...asynq.Option) string {
 	t.Helper()
 	l, found, err := h.d.Lookup(context.Background(), task, append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...)
 	if err != nil {
@@ -144,7 +144,7 @@ func a8State(t *testing.T, h *harness, task *asynq.Task, opts ...asynq.Option) s
 func TestAdversary8FastPathHeldWhileRunningAndAcrossRetry(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{}))
 	h.client = h.d.NewClient()
-	tr := newA8Tracker(func(r a8Run) error {
+	tr := newAttemptTracker(func(r trackedAttempt) error {
 		if r.retry == 0 {
 			return errors.New("flaky")
 		}
@@ -160,7 +160,7 @@ func TestAdversary8FastPathHeldWhileRunningAndAcrossRetry(t *testing.T) {
 		t.Logf("lock has no v field (%q): begin may not be exercised", v)
 	}
 	waitFor(t, tr.starts, "first attempt")
-	if s := a8State(t, h, counterTask("k", 1, 1)); s != "running:"+a.ID {
+	if s := lookupState(t, h, counterTask("k", 1, 1)); s != "running:"+a.ID {
 		t.Fatalf("during the first attempt Lookup says %q, want running:%s", s, a.ID)
 	}
 	if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue)); !errors.Is(err, asynq.ErrDuplicateTask) {
@@ -171,7 +171,7 @@ func TestAdversary8FastPathHeldWhileRunningAndAcrossRetry(t *testing.T) {
 	if r.id != a.ID || r.retry != 1 {
 		t.Fatalf("ran %s retry %d", r.id, r.retry)
 	}
-	if s := a8State(t, h, counterTask("k", 1, 1)); s != "running:"+a.ID {
+	if s := lookupState(t, h, counterTask("k", 1, 1)); s != "running:"+a.ID {
 		t.Fatalf("during the retry Lookup says %q, want running:%s", s, a.ID)
 	}
 	if _, err := h.client.Enqueue(counterTask("k", 1, 3), asynq.Queue(h.queue)); !errors.Is(err, asynq.ErrDuplicateTask) {
@@ -180,7 +180,7 @@ func TestAdversary8FastPathHeldWhileRunningAndAcrossRetry(t *testing.T) {
 	tr.open(1, 1)
 	waitFor(t, tr.ends, "first end")
 	waitFor(t, tr.ends, "retry end")
-	eventually(t, "the lock is released after success", func() bool { return a8State(t, h, counterTask("k", 1, 1)) == "" })
+	eventually(t, "the lock is released after success", func() bool { return lookupState(t, h, counterTask("k", 1, 1)) == "" })
 	if _, err := h.client.Enqueue(counterTask("k", 1, 4), asynq.Queue(h.queue)); err != nil {
 		t.Fatalf("enqueue after success: %v", err)
 	}
@@ -206,12 +206,12 @@ func TestAdversary8FastPathEndings(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			h := newHarness(t, counterRules(Rule{}))
 			h.client = h.d.NewClient()
-			tr := newA8Tracker(func(a8Run) error { return c.result })
+			tr := newAttemptTracker(func(trackedAttempt) error { return c.result })
 			h.serve(tr.handler(), nil)
 			a := h.enqueue(counterTask("k", 1, 1), c.opts...)
 			waitFor(t, tr.ends, "the run")
 			if c.cooling {
-				eventually(t, "the key cools", func() bool { return a8State(t, h, counterTask("k", 1, 1)) == "cooling:"+a.ID })
+				eventually(t, "the key cools", func() bool { return lookupState(t, h, counterTask("k", 1, 1)) == "cooling:"+a.ID })
 				_, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue))
 				var dup *DuplicateTaskError
 				if !errors.As(err, &dup) || !dup.CoolingDown {
@@ -222,7 +222,7 @@ func TestAdversary8FastPathEndings(t *testing.T) {
 			// asynq's archive keeps the key named in the task's record: it
 			// is orphaned, and the key's next enqueue heals it.
 			eventually(t, "the lock is released or orphaned", func() bool {
-				s := a8State(t, h, counterTask("k", 1, 1))
+				s := lookupState(t, h, counterTask("k", 1, 1))
 				return s == "" || c.result != asynq.RevokeTask && s == store.LockOrphaned+":"+a.ID
 			})
 			if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue)); err != nil {
@@ -239,7 +239,7 @@ func TestAdversary8FastPathFollowUpAttachedDuringRun(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
 	h.client = h.d.NewClient()
 	ctx := context.Background()
-	tr := newA8Tracker(nil)
+	tr := newAttemptTracker(nil)
 	tr.gate(1, 0)
 	t.Cleanup(tr.openAll)
 	h.serve(tr.handler(), nil)
@@ -253,7 +253,7 @@ func TestAdversary8FastPathFollowUpAttachedDuringRun(t *testing.T) {
 		t.Fatalf("%+v %v, want folded into %s", r2, err, res.TaskID)
 	}
 	tr.open(1, 0)
-	r := a8Until(tr.starts, 3, 10*time.Second)
+	r := waitAttemptOf(tr.starts, 3, 10*time.Second)
 	if r == nil || r.id != res.TaskID {
 		t.Fatalf("the follow-up (seq 3, %s) never ran after %s: %+v", res.TaskID, a.ID, r)
 	}
@@ -270,7 +270,7 @@ func TestAdversary8FastPathReleaseDuringRunThenNewHolder(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{}))
 	h.client = h.d.NewClient()
 	ctx := context.Background()
-	tr := newA8Tracker(nil)
+	tr := newAttemptTracker(nil)
 	tr.gate(1, 0)
 	t.Cleanup(tr.openAll)
 	h.serve(tr.handler(), nil)
@@ -283,7 +283,7 @@ func TestAdversary8FastPathReleaseDuringRunThenNewHolder(t *testing.T) {
 	tr.open(1, 0)
 	waitFor(t, tr.ends, "the old run ends")
 	eventually(t, "the old run settled", func() bool { return h.d.Stats().Processed >= 1 })
-	if s := a8State(t, h, counterTask("k", 1, 1)); s != "waiting:"+b.ID {
+	if s := lookupState(t, h, counterTask("k", 1, 1)); s != "waiting:"+b.ID {
 		t.Fatalf("after the released run ended Lookup says %q, want waiting:%s", s, b.ID)
 	}
 	if _, err := h.client.Enqueue(counterTask("k", 1, 3), asynq.Queue(h.queue)); !errors.Is(err, asynq.ErrDuplicateTask) {
@@ -298,7 +298,7 @@ func TestAdversary8FastPathReleaseDuringRunThenNewHolder(t *testing.T) {
 func TestAdversary8FastPathLeftoverAttempt(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{}))
 	h.client = h.d.NewClient()
-	tr := newA8Tracker(nil)
+	tr := newAttemptTracker(nil)
 	tr.gate(1, 0)
 	tr.gate(1, 1)
 	t.Cleanup(tr.openAll)
@@ -312,7 +312,7 @@ func TestAdversary8FastPathLeftoverAttempt(t *testing.T) {
 	tr.open(1, 0) // the leftover returns nil
 	waitFor(t, tr.ends, "the leftover ends")
 	eventually(t, "the leftover settled", func() bool { return h.d.Stats().Processed >= 1 })
-	if s := a8State(t, h, counterTask("k", 1, 1)); s != "running:"+a.ID {
+	if s := lookupState(t, h, counterTask("k", 1, 1)); s != "running:"+a.ID {
 		t.Fatalf("after the leftover returned Lookup says %q, want running:%s (attempt 1 runs)", s, a.ID)
 	}
 	if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue)); !errors.Is(err, asynq.ErrDuplicateTask) {
@@ -326,7 +326,7 @@ func TestAdversary8FastPathLeftoverAttempt(t *testing.T) {
 func TestAdversary8FastPathMaxPendingEntryLeavesAtStart(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{MaxPending: 1}))
 	h.client = h.d.NewClient()
-	tr := newA8Tracker(nil)
+	tr := newAttemptTracker(nil)
 	tr.gate(1, 0)
 	t.Cleanup(tr.openAll)
 	h.serve(tr.handler(), nil)
@@ -359,7 +359,7 @@ func TestAdversary8AllowRetryOnLastAttemptBehindRunningHolderIsNotDropped(t *tes
 			h.client = h.d.NewClient()
 			ctx := context.Background()
 			retryGate := make(chan struct{})
-			tr := newA8Tracker(func(r a8Run) error {
+			tr := newAttemptTracker(func(r trackedAttempt) error {
 				if r.seq == 1 && r.retry == 0 {
 					return errors.New("first attempt fails")
 				}
@@ -384,7 +384,7 @@ func TestAdversary8AllowRetryOnLastAttemptBehindRunningHolderIsNotDropped(t *tes
 			if err != nil || second.Outcome != Created {
 				t.Fatalf("second: %+v %v", second, err)
 			}
-			if r := a8Until(tr.starts, 2, 10*time.Second); r == nil {
+			if r := waitAttemptOf(tr.starts, 2, 10*time.Second); r == nil {
 				t.Fatal("the second never ran")
 			}
 			close(retryGate)
@@ -395,7 +395,7 @@ func TestAdversary8AllowRetryOnLastAttemptBehindRunningHolderIsNotDropped(t *tes
 				eventually(t, "the copy meets the running holder", func() bool { return h.d.Stats().Busy >= 2 })
 			}
 			tr.open(2, 0)
-			if r := a8Until(tr.starts, 1, 10*time.Second); r == nil {
+			if r := waitAttemptOf(tr.starts, 1, 10*time.Second); r == nil {
 				s := h.d.Stats()
 				mu.Lock()
 				defer mu.Unlock()

@@ -10,7 +10,6 @@ import (
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
-	"github.com/redis/go-redis/v9"
 )
 
 // Adversarial tests, round 9: free starts (a task NewClient stored with its
@@ -19,56 +18,6 @@ import (
 // attacks) and releases sent off the handler's path (releaser), through the
 // public API on a real asynq server and redis-server. Each test quotes the
 // README promise it attacks.
-
-// a9Server starts an asynq server on queue with handler (already wrapped in
-// whatever middleware the test wants) and returns it with a shutdown that
-// runs once (also at cleanup).
-func a9Server(t *testing.T, rdb redis.UniversalClient, queue string, handler asynq.Handler, tweak func(*asynq.Config)) (*asynq.Server, func()) {
-	t.Helper()
-	cfg := asynq.Config{
-		Concurrency:              10,
-		Queues:                   map[string]int{queue: 1},
-		TaskCheckInterval:        20 * time.Millisecond,
-		DelayedTaskCheckInterval: 100 * time.Millisecond,
-		LogLevel:                 asynq.FatalLevel,
-		ShutdownTimeout:          5 * time.Second,
-		IsFailure:                IsFailure,
-		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return time.Hour },
-	}
-	if tweak != nil {
-		tweak(&cfg)
-	}
-	srv := asynq.NewServerFromRedisClient(rdb, cfg)
-	if err := srv.Start(handler); err != nil {
-		t.Fatalf("server start: %v", err)
-	}
-	var once sync.Once
-	stop := func() { once.Do(srv.Shutdown) }
-	t.Cleanup(stop)
-	return srv, stop
-}
-
-// a9Timed fails the test unless id is the wrapper's own (a task NewClient
-// stored with its lock, whose attempts begin by the begin script). (These
-// attacks were written against "free starts", first attempts that ran
-// without any start script, trusting a time carried in the task ID; they
-// broke them, and free starts gave way to begins shared between attempts:
-// begin.go. They stay as regression tests.)
-func a9Timed(t *testing.T, id string) {
-	t.Helper()
-	if store.KindOf(id) != store.IDPlain {
-		t.Fatalf("task ID %q is not the wrapper's own", id)
-	}
-}
-
-// a9NewClientHarness is a harness over counter tasks keyed by "key",
-// enqueuing through NewClient (the direct path, timed IDs).
-func a9NewClientHarness(t *testing.T, r Rule) *harness {
-	t.Helper()
-	h := newHarness(t, counterRules(r))
-	h.client = h.d.NewClient()
-	return h
-}
 
 // 1. README (Lock lifecycle): "a task locked at enqueue finds its key held
 // by another task, or cooling | retried until the key is free, never dropped
@@ -82,16 +31,16 @@ func a9NewClientHarness(t *testing.T, r Rule) *harness {
 // archive keeps the retry count), its ID still says its lock lasts an hour,
 // so it starts free and runs beside B, with no lock of its own.
 func TestAdversary9ArchivedWaitingTaskRunAgainStartsFreeBesideNewHolder(t *testing.T) {
-	h := a9NewClientHarness(t, Rule{})
+	h := newDirectHarness(t, Rule{})
 	a := h.enqueue(counterTask("k", 1, 1))
-	a9Timed(t, a.ID)
+	requirePlainID(t, a.ID)
 	if err := h.insp.ArchiveTask(h.queue, a.ID); err != nil {
 		t.Fatal(err)
 	}
 	b := h.enqueue(counterTask("k", 1, 2)) // heals: A is archived
-	tr := newA6Tracker(a6CounterKey, 1, 2)
+	tr := newKeyTracker(counterKeyOf, 1, 2)
 	t.Cleanup(tr.openAll)
-	a6Serve(t, h.rdb, h.d, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	serveWith(t, h.rdb, h.d, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
 	first := waitFor(t, tr.starts, "B runs")
 	if first.id != b.ID {
 		t.Fatalf("first run %s, want B %s", first.id, b.ID)
@@ -118,11 +67,11 @@ func TestAdversary9ArchivedOnFirstAttemptRunAgainStartsFreeBesideNewHolder(t *te
 		{"MaxRetry(0)", []asynq.Option{asynq.MaxRetry(0)}, errors.New("boom")},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			h := a9NewClientHarness(t, Rule{})
+			h := newDirectHarness(t, Rule{})
 			ctx := context.Background()
-			tr := newA6Tracker(a6CounterKey, 2)
+			tr := newKeyTracker(counterKeyOf, 2)
 			t.Cleanup(tr.openAll)
-			a6Serve(t, h.rdb, h.d, h.queue, tr.handler(func(r a6Run) error {
+			serveWith(t, h.rdb, h.d, h.queue, tr.handler(func(r keyRun) error {
 				if r.seq == 1 && r.retry == 0 && r.id != "" {
 					if n, _ := h.rdb.Get(ctx, h.prefix+":a9:ran:"+r.id).Int(); n == 0 {
 						h.rdb.Set(ctx, h.prefix+":a9:ran:"+r.id, 1, time.Hour)
@@ -132,7 +81,7 @@ func TestAdversary9ArchivedOnFirstAttemptRunAgainStartsFreeBesideNewHolder(t *te
 				return nil
 			}), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
 			a := h.enqueue(counterTask("k", 1, 1), tc.opts...)
-			a9Timed(t, a.ID)
+			requirePlainID(t, a.ID)
 			waitFor(t, tr.starts, "A's first attempt")
 			waitFor(t, tr.ends, "A's first attempt ends")
 			key := h.keyOf(counterTask("k", 1, 1), h.queue)
@@ -168,11 +117,11 @@ func TestAdversary9ArchivedOnFirstAttemptRunAgainStartsFreeBesideNewHolder(t *te
 // "final" attempt by asynq's count) it deletes the lock of the attempt
 // running on server 2: a duplicate is accepted while A runs.
 func TestAdversary9LeftoverOfShutdownRequeueReleasesTheRunningAttemptsLock(t *testing.T) {
-	h := a9NewClientHarness(t, Rule{})
+	h := newDirectHarness(t, Rule{})
 	ctx := context.Background()
 	started1, leftoverGo, leftoverDone := make(chan string, 4), make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	_, stop1 := a9Server(t, h.rdb, h.queue, h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+	_, stop1 := serveRaw(t, h.rdb, h.queue, h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
 		id, _ := asynq.GetTaskID(ctx)
 		started1 <- id
 		<-leftoverGo // ignores its context: outlives ShutdownTimeout
@@ -187,7 +136,7 @@ func TestAdversary9LeftoverOfShutdownRequeueReleasesTheRunningAttemptsLock(t *te
 		}
 	})
 	a := h.enqueue(counterTask("k", 1, 1), asynq.MaxRetry(0))
-	a9Timed(t, a.ID)
+	requirePlainID(t, a.ID)
 	key := h.keyOf(counterTask("k", 1, 1), h.queue)
 	waitFor(t, started1, "A on server 1")
 	stop1() // returns once ShutdownTimeout passed: A is put back
@@ -201,7 +150,7 @@ func TestAdversary9LeftoverOfShutdownRequeueReleasesTheRunningAttemptsLock(t *te
 	t.Cleanup(func() { _ = d2.Close() })
 	started2, hold2 := make(chan string, 4), make(chan struct{})
 	t.Cleanup(func() { close(hold2) })
-	a9Server(t, h.rdb, h.queue, d2.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+	serveRaw(t, h.rdb, h.queue, d2.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
 		id, _ := asynq.GetTaskID(ctx)
 		started2 <- id
 		<-hold2
@@ -250,18 +199,18 @@ func TestAdversary9FollowUpMadeDuringAFreeRunGetsTheKey(t *testing.T) {
 		{"SkipRetry", fmt.Errorf("no: %w", asynq.SkipRetry)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			h := a9NewClientHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
+			h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
 			ctx := context.Background()
-			tr := newA6Tracker(a6CounterKey, 1)
+			tr := newKeyTracker(counterKeyOf, 1)
 			t.Cleanup(tr.openAll)
-			a6Serve(t, h.rdb, h.d, h.queue, tr.handler(func(r a6Run) error {
+			serveWith(t, h.rdb, h.d, h.queue, tr.handler(func(r keyRun) error {
 				if r.seq == 1 {
 					return tc.end
 				}
 				return nil
 			}), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
 			a := h.enqueue(counterTask("k", 1, 1))
-			a9Timed(t, a.ID)
+			requirePlainID(t, a.ID)
 			key := h.keyOf(counterTask("k", 1, 1), h.queue)
 			waitFor(t, tr.starts, "A runs")
 			if owner := h.lockOwner(key); owner != a.ID {
@@ -308,7 +257,7 @@ func TestAdversary9FollowUpMadeDuringAFreeRunGetsTheKey(t *testing.T) {
 // leave no lock.
 func TestAdversary9CloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) {
 	const n = 60
-	h := a9NewClientHarness(t, Rule{})
+	h := newDirectHarness(t, Rule{})
 	ctx := context.Background()
 	d2, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Rules: counterRules(Rule{}).Rules, Logger: quietLogger()})
 	if err != nil {
@@ -317,7 +266,7 @@ func TestAdversary9CloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) 
 	t.Cleanup(func() { _ = d2.Close() })
 	gate := make(chan struct{})
 	started := make(chan string, n)
-	_, stop := a9Server(t, h.rdb, h.queue, d2.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+	_, stop := serveRaw(t, h.rdb, h.queue, d2.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
 		id, _ := asynq.GetTaskID(ctx)
 		started <- id
 		<-gate
@@ -326,7 +275,7 @@ func TestAdversary9CloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) 
 	keys := make([]string, n)
 	for i := range n {
 		info := h.enqueue(counterTask(fmt.Sprint("k", i), 1, i))
-		a9Timed(t, info.ID)
+		requirePlainID(t, info.ID)
 		keys[i] = h.keyOf(counterTask(fmt.Sprint("k", i), 1, i), h.queue)
 	}
 	for range n {
@@ -352,18 +301,18 @@ func TestAdversary9CloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) 
 // plain task's key needs no call of the library's to be freed: asynq's own
 // done script, which marks the task done, deletes the lock its record names.
 func TestAdversary9HungLockStoreStillFreesAPlainTasksKeyAtSuccess(t *testing.T) {
-	h := a9NewClientHarness(t, Rule{})
+	h := newDirectHarness(t, Rule{})
 	ctx := context.Background()
 	proxy, sd := proxiedLockStore(t, h, Config{Rules: counterRules(Rule{}).Rules})
 	started, gate := make(chan string, 1), make(chan struct{})
-	a9Server(t, h.rdb, h.queue, sd.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+	serveRaw(t, h.rdb, h.queue, sd.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
 		id, _ := asynq.GetTaskID(ctx)
 		started <- id
 		<-gate
 		return nil
 	})), nil)
 	a := h.enqueue(counterTask("k", 1, 1))
-	a9Timed(t, a.ID)
+	requirePlainID(t, a.ID)
 	key := h.keyOf(counterTask("k", 1, 1), h.queue)
 	waitFor(t, started, "A runs")
 	proxy.stall() // the worker's lock store hangs
@@ -382,7 +331,7 @@ func TestAdversary9HungLockStoreStillFreesAPlainTasksKeyAtSuccess(t *testing.T) 
 // every key takes a new task at once.
 func TestAdversary9BatchedReleasesCountEachOnceAndFreeEveryKey(t *testing.T) {
 	const n = 300
-	h := a9NewClientHarness(t, Rule{})
+	h := newDirectHarness(t, Rule{})
 	ended := make(chan string, 2*n)
 	h.serve(func(ctx context.Context, _ *asynq.Task) error {
 		id, _ := asynq.GetTaskID(ctx)
@@ -421,10 +370,10 @@ func TestAdversary9BatchedReleasesCountEachOnceAndFreeEveryKey(t *testing.T) {
 // count 0 and its original message. On the next server A starts free
 // again, beside B.
 func TestAdversary9ReleasedRunningHolderRequeuedByShutdownStartsFreeBesideNewHolder(t *testing.T) {
-	h := a9NewClientHarness(t, Rule{})
+	h := newDirectHarness(t, Rule{})
 	ctx := context.Background()
 	started1, leftoverGo := make(chan string, 4), make(chan struct{})
-	_, stop1 := a9Server(t, h.rdb, h.queue, h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+	_, stop1 := serveRaw(t, h.rdb, h.queue, h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
 		id, _ := asynq.GetTaskID(ctx)
 		started1 <- id
 		<-leftoverGo
@@ -432,7 +381,7 @@ func TestAdversary9ReleasedRunningHolderRequeuedByShutdownStartsFreeBesideNewHol
 	})), func(c *asynq.Config) { c.Concurrency = 1; c.ShutdownTimeout = 300 * time.Millisecond })
 	t.Cleanup(func() { close(leftoverGo) })
 	a := h.enqueue(counterTask("k", 1, 1))
-	a9Timed(t, a.ID)
+	requirePlainID(t, a.ID)
 	waitFor(t, started1, "A runs on server 1")
 	if ok, err := h.d.Release(ctx, counterTask("k", 1, 1), "", asynq.Queue(h.queue)); err != nil || !ok {
 		t.Fatalf("forced release: %v %v", ok, err)
@@ -446,9 +395,9 @@ func TestAdversary9ReleasedRunningHolderRequeuedByShutdownStartsFreeBesideNewHol
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = d2.Close() })
-	tr := newA6Tracker(a6CounterKey, 1, 2)
+	tr := newKeyTracker(counterKeyOf, 1, 2)
 	t.Cleanup(tr.openAll)
-	a6Serve(t, h.rdb, d2, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	serveWith(t, h.rdb, d2, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
 	first := waitFor(t, tr.starts, "the key's first run on server 2")
 	tr.noSecondStart(t, first, 3*time.Second, "released holder "+a.ID+" and "+b.ID+", which took the key since")
 }

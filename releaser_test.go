@@ -17,7 +17,7 @@ func TestReleasedNewClientHolderTakesOrGivesWay(t *testing.T) {
 	t.Run("key free: it takes the key", func(t *testing.T) {
 		h, a := releasedNewClientHolder(t)
 		ctx, opts := context.Background(), []asynq.Option{asynq.Queue(h.queue)}
-		tr := newA6Tracker(a6CounterKey, 1)
+		tr := newKeyTracker(counterKeyOf, 1)
 		h.serve(tr.handler(nil), nil)
 		t.Cleanup(tr.openAll)
 		waitFor(t, tr.starts, "the released task runs")
@@ -32,7 +32,7 @@ func TestReleasedNewClientHolderTakesOrGivesWay(t *testing.T) {
 	t.Run("key taken since: it gives way", func(t *testing.T) {
 		h, a := releasedNewClientHolder(t)
 		b := h.enqueue(counterTask("k", 1, 2))
-		tr := newA6Tracker(a6CounterKey, 1, 2)
+		tr := newKeyTracker(counterKeyOf, 1, 2)
 		h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
 		t.Cleanup(tr.openAll)
 		first := waitFor(t, tr.starts, "the key's first run")

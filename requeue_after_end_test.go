@@ -37,7 +37,7 @@ func slowOuterServer(t *testing.T, h *harness, inner asynq.HandlerFunc, ended ch
 		}
 		return err
 	})
-	_, stop = a9Server(t, h.rdb, h.queue, outer, func(c *asynq.Config) {
+	_, stop = serveRaw(t, h.rdb, h.queue, outer, func(c *asynq.Config) {
 		c.Concurrency = 1 // the follow-up, once queued, waits for the next server
 		c.ShutdownTimeout = 300 * time.Millisecond
 	})
@@ -49,7 +49,7 @@ func slowOuterServer(t *testing.T, h *harness, inner asynq.HandlerFunc, ended ch
 // the follow-up that now holds its key ("never runs two tasks of a key at
 // once").
 func TestDeferHolderRequeuedAfterItsEndNeverRunsBesideItsFollowUp(t *testing.T) {
-	h := a9NewClientHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
 	ctx := context.Background()
 	release := make(chan struct{})
 	ended := make(chan string, 1)
@@ -114,7 +114,7 @@ func neverBoth(t *testing.T, h *harness, a, b string) {
 // that follows finds its own cooling key and does not run again"; at most one
 // successful run per window.
 func TestCooledTaskRequeuedAfterItsSuccessDoesNotRunAgain(t *testing.T) {
-	h := a9NewClientHarness(t, Rule{Cooldown: time.Hour})
+	h := newDirectHarness(t, Rule{Cooldown: time.Hour})
 	ended := make(chan string, 1)
 	stop := slowOuterServer(t, h, func(context.Context, *asynq.Task) error { return nil }, ended)
 	a := h.enqueue(counterTask("k", 1, 0))

@@ -11,15 +11,6 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-func (f *fixture) a5LockKeys() []string {
-	f.t.Helper()
-	ks, err := f.rdb.Keys(context.Background(), store.NewKeys(f.prefix).LockPattern("")).Result()
-	if err != nil {
-		f.t.Fatal(err)
-	}
-	return ks
-}
-
 // doctor --fix runs Diagnose, then releases each lock found, "owner
 // checked". With a caller-chosen task ID, a producer that enqueues the key
 // again under the same ID between the two (the old owner's record was lost,
@@ -46,7 +37,7 @@ func TestAdversary5DoctorFixReleasesALockRetakenUnderTheSameCallerChosenID(t *te
 		t.Fatal(err)
 	}
 	// doctor --fix, first step: find.
-	ls, err := store.ReadLocks(ctx, f.rdb, store.NewKeys(f.prefix), f.a5LockKeys())
+	ls, err := store.ReadLocks(ctx, f.rdb, store.NewKeys(f.prefix), f.lockKeys())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -28,7 +28,7 @@ func TestAdversary6ReleasedCallerIDOwnerTakesItsOwnKeyAgain(t *testing.T) {
 	if _, err := f.client.EnqueueContext(ctx, asynq.NewTask("report:build", []byte(`{"seq":1}`)), append(opts, asynq.TaskID(ownerID))...); err != nil {
 		t.Fatal(err)
 	}
-	keys := f.a5LockKeys()
+	keys := f.lockKeys()
 	if len(keys) != 1 {
 		t.Fatalf("locks %v, want one", keys)
 	}

@@ -15,15 +15,6 @@ import (
 // Adversarial tests of dedupctl, round 7: releases and doctor --fix of
 // locks that owe a RunningDefer follow-up.
 
-// a7State names a task's asynq state ("gone" when asynq has no record).
-func (f *fixture) a7State(queue, id string) string {
-	ti, err := f.insp.GetTaskInfo(queue, id)
-	if err != nil {
-		return "gone"
-	}
-	return ti.State.String()
-}
-
 // README (Lock API, and release's own note): "A follow-up the lock owes
 // that waits is queued now" (after the review: also while the owner runs,
 // as the owner's run no longer holds the lock that would queue it at its
@@ -57,7 +48,7 @@ func TestAdversary7ReleaseOfARunningLockTheRunsEndQueuesItsFollowUp(t *testing.T
 	}
 	finish() // the run ends (nil), and the server stops: nothing takes the follow-up
 	deadline := time.Now().Add(3 * time.Second)
-	for f.a7State(f.qb, follow.ID) != "pending" {
+	for f.taskState(f.qb, follow.ID) != "pending" {
 		if time.Now().After(deadline) {
 			ti, _ := f.insp.GetTaskInfo(f.qb, follow.ID)
 			due := ""
@@ -65,7 +56,7 @@ func TestAdversary7ReleaseOfARunningLockTheRunsEndQueuesItsFollowUp(t *testing.T
 				due = time.Until(ti.NextProcessAt).Round(time.Second).String()
 			}
 			t.Fatalf("after the released owner's run ended, its follow-up %s is %s (due in %s), want pending: release said it is queued now",
-				follow.ID, f.a7State(f.qb, follow.ID), due)
+				follow.ID, f.taskState(f.qb, follow.ID), due)
 		}
 		time.Sleep(20 * time.Millisecond) // asynq's record changes without a signal
 	}
@@ -118,9 +109,9 @@ func TestAdversary7DoctorFixHandsACallerIDOwnersKeyToItsFollowUp(t *testing.T) {
 	}
 	stop() // the attempt fails (retry in an hour) and the server stops: nobody watches the lock
 	deadline := time.Now().Add(10 * time.Second)
-	for f.a7State(f.qa, owner) != "retry" {
+	for f.taskState(f.qa, owner) != "retry" {
 		if time.Now().After(deadline) {
-			t.Fatalf("owner %s is %s, want retry", owner, f.a7State(f.qa, owner))
+			t.Fatalf("owner %s is %s, want retry", owner, f.taskState(f.qa, owner))
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -131,7 +122,7 @@ func TestAdversary7DoctorFixHandsACallerIDOwnersKeyToItsFollowUp(t *testing.T) {
 	if len(out.Findings) != 1 || !out.Findings[0].Released || out.Findings[0].FollowUp != res.TaskID {
 		t.Fatalf("doctor --fix: %+v, want the archived owner's lock released to its follow-up %s", out.Findings, res.TaskID)
 	}
-	if st := f.a7State(f.qa, res.TaskID); st != "pending" {
+	if st := f.taskState(f.qa, res.TaskID); st != "pending" {
 		t.Fatalf("follow-up %s is %s, want pending (queued now)", res.TaskID, st)
 	}
 	again, err := f.client.Submit(ctx, asynq.NewTask("report:build", []byte(`{"user_id":1,"seq":2}`)), asynq.Queue(f.qa))
