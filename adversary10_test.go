@@ -23,7 +23,7 @@ import (
 // Redis call of the library's: with the library's own Redis connection
 // stalled, its attempt still runs, succeeds, and asynq's own done script
 // releases its key.
-func TestAdversary10PlainTaskRunsWhileTheLibrarysRedisStalls(t *testing.T) {
+func TestPlainTaskRunsWhileTheLibrarysRedisStalls(t *testing.T) {
 	h := newDirectHarness(t, Rule{})
 	proxy, sd := proxiedLockStore(t, h, Config{Rules: counterRules(Rule{}).Rules, LockTimeout: 3 * time.Second})
 	ran := make(chan string, 4)
@@ -54,7 +54,7 @@ func TestAdversary10PlainTaskRunsWhileTheLibrarysRedisStalls(t *testing.T) {
 // A follow-up made while the holder runs: the holder's end (RunningDefer:
 // one settle call) must hand the key over and queue the follow-up; every
 // release counted once.
-func TestAdversary10FollowUpMadeWhileRunningQueuedByTheBatchedRelease(t *testing.T) {
+func TestDeferFollowUpQueuedByTheHoldersBatchedRelease(t *testing.T) {
 	h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
 	gate := make(chan struct{})
 	started := make(chan int, 4)
@@ -94,7 +94,7 @@ func TestAdversary10FollowUpMadeWhileRunningQueuedByTheBatchedRelease(t *testing
 // under a Cooldown, so that task's settle call (its cooling hold) hangs
 // (until LockTimeout). A task of a queue on a healthy master then succeeds:
 // its settle must not wait behind the hung one, so its key cools at once.
-func TestAdversary10ReleaseOnHealthyMasterWaitsForHungMaster(t *testing.T) {
+func TestClusterSettleOnAHealthyMasterDoesNotWaitForAHungOne(t *testing.T) {
 	_, c := redistest.OwnCluster(t, 3, false)
 	ctx := context.Background()
 	queues := queuesOnEveryMaster(t, c, "a10")

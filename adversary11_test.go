@@ -57,7 +57,7 @@ func modeRecordOption() asynq.Option { return OnFailure(FailHold, time.Hour) }
 // for the unrelated, undeduplicated task and holds it while that runs: an
 // enqueue of the ruled key is refused as a duplicate of a task that has
 // nothing to do with it.
-func TestAdversary11StaleIndexOfACallerIDMustNotLockAnUnruledTask(t *testing.T) {
+func TestStaleIndexOfACallerIDNeverLocksAnUnruledTask(t *testing.T) {
 	h := newHarness(t, Config{OptIn: true, Rules: map[string]Rule{"a11:ruled": {Fields: []string{"user_id"}}}})
 	ctx := context.Background()
 	ruled := asynq.NewTask("a11:ruled", []byte(`{"user_id":42}`))
@@ -104,7 +104,7 @@ func TestAdversary11StaleIndexOfACallerIDMustNotLockAnUnruledTask(t *testing.T) 
 // recorded the server's rule's form (whole payload), not the form the
 // fingerprint in the task ID was made with (fields user_id); now it records
 // none (shown "-"), as the server cannot know the producer's.
-func TestAdversary11KeyFormOfALockRetakenAtStartIsNeverWrong(t *testing.T) {
+func TestModeRecordKeyFormOfALockRetakenAtStartIsNeverWrong(t *testing.T) {
 	h := newHarness(t, Config{})
 	h.client = h.d.NewClient()
 	ctx := context.Background()
@@ -140,7 +140,7 @@ func TestAdversary11KeyFormOfALockRetakenAtStartIsNeverWrong(t *testing.T) {
 // combination; the recorded form must name the kind the fingerprint used
 // (checked by where the lock is: keyOf with the same options) and Lookup
 // with the same options finds it.
-func TestAdversary11KeyFormIsTheOneTheFingerprintUsed(t *testing.T) {
+func TestModeRecordKeyFormIsTheOneTheFingerprintUsed(t *testing.T) {
 	fn := func(_ string, p []byte) (string, error) { return "fn-" + string(p), nil }
 	h := newHarness(t, Config{Rules: map[string]Rule{
 		"a11:key":    {Key: "k-rule"},
@@ -204,7 +204,7 @@ func TestAdversary11KeyFormIsTheOneTheFingerprintUsed(t *testing.T) {
 // holds a comma (a valid JSON member name, selectable with Fields) is
 // recorded exactly as two paths would be: show cannot tell one field "a,b"
 // from fields "a" and "b", which are different keys.
-func TestAdversary11CommaInAFieldPathIsNotTwoFields(t *testing.T) {
+func TestModeRecordTellsACommaInAFieldPathFromTwoFields(t *testing.T) {
 	h := newHarness(t, Config{})
 	h.client = h.d.NewClient()
 	one := asynq.NewTask("a11:comma", []byte(`{"a,b":1,"a":1,"b":1}`))
@@ -226,7 +226,7 @@ func TestAdversary11CommaInAFieldPathIsNotTwoFields(t *testing.T) {
 // lock, a Cooldown lock after success, a follow-up handed the lock by
 // Release, and a WrapClient call relocated to another queue by its
 // enqueuer (with per-call Fields overriding a Key rule).
-func TestAdversary11TypeAndKeyFormSurviveHandOvers(t *testing.T) {
+func TestModeRecordTypeAndKeyFormSurviveHandOvers(t *testing.T) {
 	ctx := context.Background()
 	t.Run("follow-up", func(t *testing.T) {
 		h := newHarness(t, Config{Rules: map[string]Rule{"a11:defer": {Fields: []string{"user_id"}, OnConflict: Replace, OnRunning: RunningDefer}}})
@@ -337,7 +337,7 @@ func TestAdversary11TypeAndKeyFormSurviveHandOvers(t *testing.T) {
 // verbatim; Lookup finds it. Attack: type names with newlines, commas,
 // markup, quotes and 1 KB, locked at enqueue (both clients) and at start
 // (tasks from asynq's own client, start.lua).
-func TestAdversary11OddTypeNamesKeptVerbatim(t *testing.T) {
+func TestModeRecordKeepsOddTypeNamesVerbatim(t *testing.T) {
 	types := []string{"a11:line\nbreak", "a11:a,b", "<script>alert(1)</script>", "a11:" + strings.Repeat("x", 1024), "a11:\"q\" \t=", "a11:é\u2028"}
 	rules := map[string]Rule{}
 	for _, typ := range types {
@@ -393,7 +393,7 @@ func TestAdversary11OddTypeNamesKeptVerbatim(t *testing.T) {
 // lock to drop), a RunningAllow task that fails once (its retry finds no
 // lock) and one that panics once: exact counts, no release counted for
 // nothing, nothing held.
-func TestAdversary11RunningAllowCountsExactly(t *testing.T) {
+func TestRunningAllowCountsExactly(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"a11:allow": {Fields: []string{"user_id"}, OnRunning: RunningAllow}}})
 	var mu sync.Mutex
 	tries := map[string]int{}
@@ -447,7 +447,7 @@ func TestAdversary11RunningAllowCountsExactly(t *testing.T) {
 // 8. Promise (feb5c5c): "Rule errors read `dedup: invalid option: rule for
 // "x": …` and match ErrInvalidOption". Attack: every way a Rule can be
 // invalid, with a type name that needs quoting.
-func TestAdversary11RuleErrorsNameTheRuleAndMatch(t *testing.T) {
+func TestRuleErrorsNameTheRuleAndMatchErrInvalidOption(t *testing.T) {
 	h := newHarness(t, Config{})
 	merge := func(_, b []byte) ([]byte, error) { return b, nil }
 	many := make([]string, 65) // above jsonkey.MaxFields (64)
@@ -490,7 +490,7 @@ func TestAdversary11RuleErrorsNameTheRuleAndMatch(t *testing.T) {
 // the due time of a scheduled holder found by its index), MaxPending with a
 // RunningDefer follow-up (ARGV[16], [17], [18]), Cooldown with Replace under
 // a caller-chosen ID (ARGV[19]).
-func TestAdversary11RenumberedArgvModes(t *testing.T) {
+func TestModesPassedInAcquiresLastArgumentsWork(t *testing.T) {
 	ctx := context.Background()
 	sum := func(old, new []byte) ([]byte, error) {
 		return fmt.Appendf(nil, `{"user_id":1,"n":%d}`, len(old)+len(new)), nil
@@ -579,7 +579,7 @@ func TestAdversary11RenumberedArgvModes(t *testing.T) {
 // that arrives without a lock". Attack: one process enqueues two tasks of
 // one user under OptIn without a rule; a server process has a rule for the
 // type. Both run, once each, never at once; neither ID was rewritten.
-func TestAdversary11OptInUnruledTaskGuardedOnceByARuledServer(t *testing.T) {
+func TestOptInUnruledTaskIsGuardedOnceByARuledServer(t *testing.T) {
 	srv := newHarness(t, Config{Rules: map[string]Rule{"a11:g": {Fields: []string{"user_id"}}}})
 	prod, err := New(context.Background(), srv.rdb, Config{Prefix: srv.prefix, OptIn: true, Logger: quietLogger()})
 	if err != nil {

@@ -26,7 +26,7 @@ import (
 // the lock being older than HealGrace, heals it and takes the key: a second
 // task in the window. docs/policies.md: "Once it succeeds, the key stays
 // held until the window ends, whatever becomes of the task's record".
-func TestAdversary12SuccessCoolsWhileItsSettleIsInFlight(t *testing.T) {
+func TestCooldownAndPeriodHoldTheKeyWhileTheSuccessSettles(t *testing.T) {
 	t.Run("Period rule", func(t *testing.T) {
 		enqueueAtKeysAsTheySucceed(t, jobRules(Rule{Period: 24 * time.Hour}))
 	})
@@ -111,7 +111,7 @@ func enqueueAtKeysAsTheySucceed(t *testing.T, cfg Config, opts ...asynq.Option) 
 // cools for a millisecond after success, and a second task runs the same
 // day. docs/policies.md: "Midnight is Location's ..., so days follow its
 // daylight-saving changes (a 23- or 25-hour day)"; windows tile time.
-func TestAdversary12PeriodWindowsInZonesWhoseMidnightIsSkipped(t *testing.T) {
+func TestPeriodWindowsInZonesWhoseMidnightIsSkipped(t *testing.T) {
 	for _, c := range []struct {
 		zone string
 		at   string // the evening before DST starts at 00:00
@@ -146,7 +146,7 @@ func TestAdversary12PeriodWindowsInZonesWhoseMidnightIsSkipped(t *testing.T) {
 // An operator's archive of a waiting task is no failure (docs/policies.md):
 // the key frees, even under FailHoldUntilReleased, and Lookup says the lock
 // is orphaned (it heals), not failed.
-func TestAdversary12InspectorArchiveOfAWaitingTaskFreesItsKey(t *testing.T) {
+func TestFailHoldTreatsAnArchiveOfAWaitingTaskAsNoFailure(t *testing.T) {
 	h := newHarness(t, jobRules(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	info := h.enqueue(jobTask("a", 1)) // no server: it waits
@@ -165,7 +165,7 @@ func TestAdversary12InspectorArchiveOfAWaitingTaskFreesItsKey(t *testing.T) {
 // Period + FailHoldUntilReleased: the hold ends with the window at the
 // latest (the next window is another key), so no lock is left that no API
 // can reach.
-func TestAdversary12PeriodFailedHoldEndsWithItsWindow(t *testing.T) {
+func TestPeriodFailureHoldEndsWithItsWindow(t *testing.T) {
 	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3})
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
@@ -195,7 +195,7 @@ func TestAdversary12PeriodFailedHoldEndsWithItsWindow(t *testing.T) {
 // lock, runs it unguarded, and its success leaves the key held forever.
 // docs/policies.md: "Running the archived task again ... makes it the key's
 // owner again: its success frees the key."
-func TestAdversary12RunTaskOfACallerIDHeldTaskFreesTheKeyOnSuccess(t *testing.T) {
+func TestFailureHeldCallerIDTaskRunAgainByHandFreesTheKeyOnSuccess(t *testing.T) {
 	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3})
 	h.client = h.d.NewClient()
 	fail := make(chan bool, 2)
@@ -234,7 +234,7 @@ func TestAdversary12RunTaskOfACallerIDHeldTaskFreesTheKeyOnSuccess(t *testing.T)
 // A panic on the last retry is a final failure; the lock keeps "dedup:
 // handler panicked", never the panic's value (which may quote the
 // payload; asynq's record has it), as documented.
-func TestAdversary12PanicOnTheLastRetryIsKeptAsAPanic(t *testing.T) {
+func TestFailHoldKeepsAPanicOnTheLastRetryAsAPanic(t *testing.T) {
 	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { panic("disk on fire") }, nil)
@@ -251,7 +251,7 @@ func TestAdversary12PanicOnTheLastRetryIsKeptAsAPanic(t *testing.T) {
 // Register refuses OnFailure ("Cooldown, Period or OnFailure (the Scheduler
 // sets the hold)"), but OnFailure(FailRelease, 0) passes, and is then
 // silently overridden by the Scheduler's FailHold.
-func TestAdversary12SchedulerRegisterRefusesEveryOnFailure(t *testing.T) {
+func TestSchedulerRegisterRefusesEveryOnFailure(t *testing.T) {
 	h := newHarness(t, Config{})
 	s := NewScheduler(h.d, nil)
 	if id, err := s.Register("@every 1m", jobTask("s", 1), OnFailure(FailRelease, 0)); !errors.Is(err, ErrInvalidOption) {
@@ -263,7 +263,7 @@ func TestAdversary12SchedulerRegisterRefusesEveryOnFailure(t *testing.T) {
 // (string.sub): an error of multi-byte text is cut inside a character, and
 // Lookup's LastError (and dedupctl show's "last error", and the lock
 // browser) is not valid UTF-8 any more.
-func TestAdversary12LastErrorIsKeptAsValidText(t *testing.T) {
+func TestFailHoldKeepsTheLastErrorAsValidText(t *testing.T) {
 	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	msg := "upstream said:\nstate            free\x1b[2J xy" + strings.Repeat("é", 600)
@@ -287,7 +287,7 @@ func TestAdversary12LastErrorIsKeptAsValidText(t *testing.T) {
 // A call folded into a waiting task leaves the key's failure policy as it
 // was; "Result.NotApplied names the call's options that were not applied"
 // (as it names a folded call's Cooldown). OnFailure is not named.
-func TestAdversary12FoldedOnFailureIsNamedNotApplied(t *testing.T) {
+func TestOnFailureOfAFoldedCallIsNamedNotApplied(t *testing.T) {
 	h := newHarness(t, jobRules(Rule{OnConflict: Replace}))
 	h.client = h.d.NewClient()
 	first := h.enqueue(jobTask("f", 1))
@@ -310,7 +310,7 @@ func TestAdversary12FoldedOnFailureIsNamedNotApplied(t *testing.T) {
 // replica's enqueue of the same firing (the very options the first replica
 // used) is accepted: the firing is enqueued, and run, twice.
 // docs/scheduler.md: "each firing once however many replicas run it".
-func TestAdversary12SchedulerFiringEnqueuedOnceWhenRevokedOrDeleted(t *testing.T) {
+func TestSchedulerFiringRevokedByItsHandlerIsNotEnqueuedAgain(t *testing.T) {
 	for _, end := range []string{"revoked"} { // (an operator's delete frees the firing's key: docs/scheduler.md)
 		t.Run(end, func(t *testing.T) {
 			h := newHarness(t, Config{})
@@ -369,7 +369,7 @@ func TestAdversary12SchedulerFiringEnqueuedOnceWhenRevokedOrDeleted(t *testing.T
 
 // Bad per-call Period and OnFailure values fail with ErrInvalidOption on
 // both enqueue paths and leave no lock and no task.
-func TestAdversary12BadPeriodAndOnFailureLeaveNothing(t *testing.T) {
+func TestPeriodAndOnFailureBadValuesLeaveNothing(t *testing.T) {
 	bad := map[string][]asynq.Option{
 		"FailHold 0":                     {OnFailure(FailHold, 0)},
 		"FailHold negative":              {OnFailure(FailHold, -time.Second)},
@@ -424,7 +424,7 @@ func TestAdversary12BadPeriodAndOnFailureLeaveNothing(t *testing.T) {
 
 // Cooldown and FailHold together: success cools for the cooldown, a final
 // failure holds for FailureHold.
-func TestAdversary12CooldownCoolsAndFailHoldHolds(t *testing.T) {
+func TestCooldownCoolsAndFailHoldHoldsOnOneKey(t *testing.T) {
 	h := newHarness(t, jobRulesQuickHeartbeat(Rule{Cooldown: time.Hour, OnFailure: FailHold, FailureHold: 10 * time.Minute}))
 	h.client = h.d.NewClient()
 	h.serve(func(_ context.Context, task *asynq.Task) error {
@@ -448,7 +448,7 @@ func TestAdversary12CooldownCoolsAndFailHoldHolds(t *testing.T) {
 
 // A failure whose lock owes a RunningDefer follow-up hands the key to the
 // follow-up, which runs; its success frees the key.
-func TestAdversary12FailureHandsTheKeyToTheDeferFollowUp(t *testing.T) {
+func TestFailureHandsTheKeyToTheDeferFollowUp(t *testing.T) {
 	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnConflict: Replace, OnRunning: RunningDefer, OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	release := make(chan struct{})
@@ -486,7 +486,7 @@ func TestAdversary12FailureHandsTheKeyToTheDeferFollowUp(t *testing.T) {
 // An operator releases a failed hold while the archived task runs again by
 // hand; a new task takes the key. The re-run failing again must not hold
 // the new task's key as its own failure.
-func TestAdversary12ReleaseWhileTheHeldTaskRunsAgain(t *testing.T) {
+func TestFailHoldReleasedWhileTheTaskRunsAgainSparesTheNewTasksKey(t *testing.T) {
 	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	rerun := make(chan struct{})
@@ -531,7 +531,7 @@ func TestAdversary12ReleaseWhileTheHeldTaskRunsAgain(t *testing.T) {
 
 // A failed hold does not keep a MaxPending slot: the key's task is not
 // waiting.
-func TestAdversary12FailedHoldsDoNotFillMaxPending(t *testing.T) {
+func TestFailureHoldsDoNotFillMaxPending(t *testing.T) {
 	h := newHarness(t, jobRulesQuickHeartbeat(Rule{MaxPending: 1, OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
@@ -547,7 +547,7 @@ func TestAdversary12FailedHoldsDoNotFillMaxPending(t *testing.T) {
 // An operator deletes the archived task that holds its key: the docs list
 // only Release as the way out ("held until someone releases it"), and
 // Lookup still says failed; Release still frees it.
-func TestAdversary12DeletingTheArchivedHolderKeepsTheHold(t *testing.T) {
+func TestFailHoldSurvivesTheDeletionOfTheArchivedHolder(t *testing.T) {
 	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
@@ -572,7 +572,7 @@ func TestAdversary12DeletingTheArchivedHolderKeepsTheHold(t *testing.T) {
 // An attempt on its last retry that asynq gives up at its deadline, with a
 // handler that returns the context's error at once: held, failed, with an
 // error that says so.
-func TestAdversary12DeadlineOnTheLastRetryHolds(t *testing.T) {
+func TestFailHoldHoldsADeadlineOnTheLastRetry(t *testing.T) {
 	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailureHold: time.Hour}))
 	h.client = h.d.NewClient()
 	h.serve(func(ctx context.Context, _ *asynq.Task) error { <-ctx.Done(); return ctx.Err() }, nil)
@@ -590,7 +590,7 @@ func TestAdversary12DeadlineOnTheLastRetryHolds(t *testing.T) {
 
 // Period with Replace, a caller-chosen task ID and WrapClient: folds while
 // the task waits, cools after its success for the rest of the window.
-func TestAdversary12PeriodWithReplaceAndCallerIDCoolsAfterSuccess(t *testing.T) {
+func TestPeriodWithReplaceAndACallerIDCoolsAfterSuccess(t *testing.T) {
 	h := newHarness(t, jobRules(Rule{Period: 24 * time.Hour, OnConflict: Replace}))
 	first := h.enqueue(jobTask("c", 1), asynq.TaskID("digest-c-1"))
 	res, err := h.client.Submit(context.Background(), jobTask("c", 2), asynq.Queue(h.queue), asynq.TaskID("digest-c-2"))
@@ -617,7 +617,7 @@ func TestAdversary12PeriodWithReplaceAndCallerIDCoolsAfterSuccess(t *testing.T) 
 // Register refuses a type whose rule has a Period (the firings' hold is a
 // Cooldown), and accepts one whose rule holds failures (the Scheduler's
 // FailHold overrides it).
-func TestAdversary12SchedulerRegisterAndTypeRules(t *testing.T) {
+func TestSchedulerRegisterChecksTheTypesRule(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{
 		"adv12:period": {Period: time.Hour},
 		"adv12:held":   {OnFailure: FailHoldUntilReleased, MaxPending: 3},
@@ -633,7 +633,7 @@ func TestAdversary12SchedulerRegisterAndTypeRules(t *testing.T) {
 
 // Register, Unregister and Shutdown from many goroutines (run with -race):
 // once Shutdown and every Unregister have returned, nothing is enqueued.
-func TestAdversary12SchedulerRegisterUnregisterShutdownRace(t *testing.T) {
+func TestSchedulerRegisterUnregisterAndShutdownRace(t *testing.T) {
 	h := newHarness(t, Config{})
 	s := NewScheduler(h.d, &SchedulerOpts{Logger: quietLogger()})
 	if err := s.Start(); err != nil {
@@ -674,7 +674,7 @@ func TestAdversary12SchedulerRegisterUnregisterShutdownRace(t *testing.T) {
 // one 1 s window that starts in the next keeps its own window's key (Lookup
 // shows it), and once it succeeds after that window has ended its lock
 // goes: nothing is left behind, and the new window is a new key.
-func TestAdversary12PeriodTaskThatStartsInTheNextWindow(t *testing.T) {
+func TestPeriodTaskThatStartsInTheNextWindowKeepsItsOwnWindow(t *testing.T) {
 	h := newHarness(t, Config{})
 	h.client = h.d.NewClient()
 	opts := []asynq.Option{asynq.Queue(h.queue), Fields("key"), Period(time.Second, nil)}
@@ -717,7 +717,7 @@ func TestAdversary12PeriodTaskThatStartsInTheNextWindow(t *testing.T) {
 // server's rule: with a Period, the second arrival in the window after the
 // first succeeded is dropped; with OnFailure, an arrival that fails for
 // good holds its key, and the Client's enqueue meets the hold.
-func TestAdversary12ArrivalsUnderPeriodAndOnFailure(t *testing.T) {
+func TestPeriodAndOnFailureApplyToArrivalsWithoutALock(t *testing.T) {
 	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3, Rules: map[string]Rule{
 		"adv12:period": {Fields: []string{"key"}, Period: 24 * time.Hour},
 		"adv12:fail":   {Fields: []string{"key"}, OnFailure: FailHoldUntilReleased},
@@ -763,7 +763,7 @@ func TestAdversary12ArrivalsUnderPeriodAndOnFailure(t *testing.T) {
 
 // Two Schedulers in one process, on one Dedup, with the same entry: each
 // firing runs once.
-func TestAdversary12TwoSchedulersInOneProcess(t *testing.T) {
+func TestSchedulerTwoInOneProcessRunEachFiringOnce(t *testing.T) {
 	h := newHarness(t, Config{})
 	var (
 		mu    sync.Mutex

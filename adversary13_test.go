@@ -39,7 +39,7 @@ func batchJobRules(r Rule) Config {
 // asynq.ErrTaskIDConflict, locking nothing. docs/batch.md: "A BatchResult is
 // the Result and the error Submit would have returned for the task alone",
 // "Each task stands alone ... never left half done".
-func TestAdversary13SameCallerIDTwiceInABatch(t *testing.T) {
+func TestEnqueueBatchSameCallerIDTwiceRefusesTheSecond(t *testing.T) {
 	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		for round := range 5 {
@@ -77,7 +77,7 @@ func TestAdversary13SameCallerIDTwiceInABatch(t *testing.T) {
 // other: the Replace meets a free key and creates the task, the Reject is a
 // duplicate of it. docs/batch.md: "Two tasks of one key are answered in
 // order. The first takes the key; the later one meets it as its holder".
-func TestAdversary13StaleHolderLetsTheLaterTaskOfAKeyWin(t *testing.T) {
+func TestEnqueueBatchFirstTaskOfAKeyWinsOverAStaleHolder(t *testing.T) {
 	bothPaths(t, batchJobRules(Rule{OnConflict: Replace}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		// A worker in another process runs the holder, and its success
@@ -144,7 +144,7 @@ func runInChild(t *testing.T, name string) (bool, string) {
 // panic cannot be recovered by anyone: the whole process dies.
 // docs/batch.md: "A BatchResult is the Result and the error Submit would
 // have returned for the task alone"; "Each task stands alone".
-func TestAdversary13MergePanicKillsTheProcess(t *testing.T) {
+func TestEnqueueBatchMergeFuncPanicDoesNotKillTheProcess(t *testing.T) {
 	if os.Getenv(batchChildEnv) == "merge-panic" {
 		mergePanicChild(t)
 		return
@@ -184,7 +184,7 @@ func mergePanicChild(t *testing.T) {
 // creates the first and refuses the second (asynq.ErrTaskIDConflict). In a
 // batch the tasks without a lock are enqueued after every lock call, at the
 // same moment as the others: the later task may win the ID.
-func TestAdversary13SkippedTaskLosesItsIDToALaterTask(t *testing.T) {
+func TestEnqueueBatchSkippedTaskKeepsItsIDFromALaterTask(t *testing.T) {
 	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		for round := range 10 {
@@ -294,7 +294,7 @@ func heldByNone(out []BatchResult, id string) bool {
 // Many goroutines enqueue overlapping batches (each key several times,
 // from several batches and within one): under Reject every key ends with
 // exactly one live task, and exactly one result in all reports it created.
-func TestAdversary13ConcurrentOverlappingBatches(t *testing.T) {
+func TestEnqueueBatchConcurrentOverlappingBatchesMakeOneTaskPerKey(t *testing.T) {
 	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		const goroutines, perBatch, keys = 8, 60, 40
 		h.enqueueWith(h.client, batchJob("warm", 0))
@@ -341,7 +341,7 @@ func TestAdversary13ConcurrentOverlappingBatches(t *testing.T) {
 // Deadline, Retention, ProcessIn), with a call option over one of them: a
 // batch's task is stored as asynq's own client stores the same task, and
 // its lock lives in that queue and lasts past the delay.
-func TestAdversary13NewTaskAsynqOptionsStoredAsAsynqWould(t *testing.T) {
+func TestEnqueueBatchStoresNewTaskOptionsAsAsynqWould(t *testing.T) {
 	bothPaths(t, batchJobRules(Rule{TTL: time.Minute}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		q := h.queue + "-own"
@@ -395,7 +395,7 @@ func TestAdversary13NewTaskAsynqOptionsStoredAsAsynqWould(t *testing.T) {
 // the rule copy, then endLayer is called on the nil *resolved). options.go:
 // "Per-call options take effect ... given to the call or to the task's
 // asynq.NewTask"; headers.go: Headers is how a wrapper adds a trace context.
-func TestAdversary13NewTaskWithOnlyHeadersPanics(t *testing.T) {
+func TestHeadersAsNewTasksOnlyOptionWorkEverywhere(t *testing.T) {
 	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		try := func(what string, f func() error) {
@@ -448,7 +448,7 @@ func TestAdversary13NewTaskWithOnlyHeadersPanics(t *testing.T) {
 // answered as Submit answers them one after the other (the first makes the
 // follow-up, the later are replaced into it), and each key's follow-up runs
 // once, with its last payload, after the run ends.
-func TestAdversary13RunningDeferInABatch(t *testing.T) {
+func TestEnqueueBatchRunningDeferAnswersAsSubmits(t *testing.T) {
 	bothPaths(t, batchJobRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		release := make(chan struct{})
@@ -529,7 +529,7 @@ func (c *afterFirstLockPipeline) ProcessPipelineHook(next redis.ProcessPipelineH
 // no task is reported failed yet stored, none is stored twice (FailOpen
 // never enqueues again a task its lost pipeline carried), and a task
 // reported created is stored with its lock.
-func TestAdversary13RedisStallsBetweenPipelines(t *testing.T) {
+func TestEnqueueBatchRedisStallBetweenPipelinesLosesNothing(t *testing.T) {
 	for _, direct := range []bool{false, true} {
 		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
 			h := newHarness(t, batchJobRules(Rule{}))
@@ -582,7 +582,7 @@ func TestAdversary13RedisStallsBetweenPipelines(t *testing.T) {
 // neither deadlocks nor loses a task. With a server draining the queue
 // every task is created, once; with none, those over the bound end with
 // ErrTooManyPending when ctx does, and hold no key.
-func TestAdversary13MaxPendingWaitForRoomInABatch(t *testing.T) {
+func TestEnqueueBatchMaxPendingWaitForRoom(t *testing.T) {
 	bothPaths(t, batchJobRules(Rule{MaxPending: 2}), func(t *testing.T, h *harness) {
 		var tasks []*asynq.Task
 		for i := range 6 {
@@ -643,7 +643,7 @@ func goroutineID() string {
 // decision.go), so a hook written for one enqueuing goroutine needs no
 // lock. EnqueueBatch calls it from the goroutines that settle its tasks
 // (batch.go settleBatch, up to 16 at once), concurrently.
-func TestAdversary13OnDecisionRunsOnTheCallingGoroutine(t *testing.T) {
+func TestEnqueueBatchCallsOnDecisionOnTheCallingGoroutine(t *testing.T) {
 	var (
 		caller                     string
 		elsewhere, overlaps, calls atomic.Int64
@@ -707,7 +707,7 @@ func sumMerge(old, new []byte) ([]byte, error) {
 // it: the task ends with n 3, the earlier task applied last.
 // docs/batch.md: "Two tasks of one key are answered in order ... (a
 // Replace leaves the last payload)".
-func TestAdversary13MergeThenReplaceAppliedOutOfOrder(t *testing.T) {
+func TestEnqueueBatchAppliesMergeThenReplaceInOrder(t *testing.T) {
 	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		holder := h.enqueue(batchJob("m", 0), asynq.ProcessIn(time.Hour))
@@ -732,7 +732,7 @@ func TestAdversary13MergeThenReplaceAppliedOutOfOrder(t *testing.T) {
 // call's and the task's: the first creates, the later are duplicates of it
 // (or replaced into it); a plain asynq.Client given the same tasks ignores
 // this package's options in NewTask.
-func TestAdversary13SameTaskTwiceAndNilOptions(t *testing.T) {
+func TestEnqueueBatchSameTaskTwiceAndNilOptions(t *testing.T) {
 	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		same := batchJob("p", 1, nil, Key("p"), nil)
@@ -769,7 +769,7 @@ func TestAdversary13SameTaskTwiceAndNilOptions(t *testing.T) {
 // stores one task elsewhere and refuses the rest; a batch begins every task
 // before the first enqueue is probed, and stores them all elsewhere, each
 // with a lock here that an owner check will heal.
-func TestAdversary13BatchStoresEveryTaskInAnotherRedis(t *testing.T) {
+func TestEnqueueBatchToAnotherRedisStoresOneTaskThenRefuses(t *testing.T) {
 	needRealRedis(t)
 	h := newHarness(t, batchJobRules(Rule{}))
 	_, other := ownRedis(t, nil)
@@ -798,7 +798,7 @@ func TestAdversary13BatchStoresEveryTaskInAnotherRedis(t *testing.T) {
 // Merge, Skip, Headers, asynq's Queue in NewTask, an OptIn type without a
 // rule, opted in or not) is answered task by task as the same tasks are by
 // Submit one after the other, and leaves the same payloads stored.
-func TestAdversary13MixedBatchAnswersAsSubmits(t *testing.T) {
+func TestEnqueueBatchOfMixedOptionsAnswersAsSubmits(t *testing.T) {
 	cfg := batchJobRules(Rule{})
 	cfg.OptIn = true
 	bothPaths(t, cfg, func(t *testing.T, h *harness) {

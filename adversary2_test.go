@@ -48,7 +48,7 @@ func (e hookEnqueuer) EnqueueContext(ctx context.Context, t *asynq.Task, o ...as
 // enqueues the client is declared "here" for good. So a WrapClient over
 // another Redis is never refused, and its locks heal after HealGrace:
 // duplicates are admitted.
-func TestAdversary2WrapElsewhereQueueKnownHere(t *testing.T) {
+func TestPlacementRefusesAWrapClientOnAnotherRedisWhenTheQueueIsKnownHere(t *testing.T) {
 	needRealRedis(t)
 	h := newHarness(t, Config{})
 	// The Dedup's Redis knows the queue: the Dedup's own client used it.
@@ -81,7 +81,7 @@ func TestAdversary2WrapElsewhereQueueKnownHere(t *testing.T) {
 // over two Redis, one Dedup) runs its tasks, with locks whose owner checks
 // read the wrong Redis: once a running lock is older than HealGrace, a
 // second task of the key takes it over and runs beside the first.
-func TestAdversary2SharedDedupSecondServerElsewhere(t *testing.T) {
+func TestPlacementRefusesASecondServerOnAnotherRedisOfASharedDedup(t *testing.T) {
 	needRealRedis(t)
 	h := newHarness(t, Config{})
 	rcA := newRecorder(nil)
@@ -170,7 +170,7 @@ func TestAdversary2SharedDedupSecondServerElsewhere(t *testing.T) {
 //
 // Expected: the concurrent enqueue is a duplicate of X (or X's call is);
 // one task of the key. Observed: both are created.
-func TestAdversary2CallerIDReenqueueGapHealsVerifiedLock(t *testing.T) {
+func TestCallerIDReEnqueueGapAdmitsNoSecondTaskOfTheKey(t *testing.T) {
 	h := newHarness(t, Config{}) // HealGrace: 1 min
 	nc := h.d.NewClient()
 	id := "welcome-" + h.queue
@@ -201,7 +201,7 @@ func TestAdversary2CallerIDReenqueueGapHealsVerifiedLock(t *testing.T) {
 // WrapClient whose first task is run and deleted (Retention 0) before the
 // placement check reads it: the queue is known in asynq:queues, so the
 // check stays undecided and nothing is refused.
-func TestAdversary2FastWorkerBeforePlacementCheck(t *testing.T) {
+func TestPlacementCheckAfterAFastWorkerRefusesNothing(t *testing.T) {
 	h := newHarness(t, Config{})
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)
@@ -226,7 +226,7 @@ func TestAdversary2FastWorkerBeforePlacementCheck(t *testing.T) {
 // whose first task is run and deleted before the check (a fast worker,
 // Retention 0) is judged "elsewhere": every later deduplicated call fails
 // with ErrTasksElsewhere, for the life of the client.
-func TestAdversary2QueueForgottenFastWorkerRefusesSameRedis(t *testing.T) {
+func TestPlacementOnTheSameRedisSurvivesAForgottenQueue(t *testing.T) {
 	h := newHarness(t, Config{})
 	if _, err := h.asynq.Enqueue(asynq.NewTask("warmup", nil), asynq.Queue(h.queue)); err != nil {
 		t.Fatal(err) // the long-lived asynq client has published the queue

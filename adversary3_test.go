@@ -15,7 +15,7 @@ import (
 // follow-up waits is refused as a duplicate OF THE FOLLOW-UP (README). The
 // Decision then names the follow-up as TaskID: its FollowUp field must say
 // so ("whether that task is a follow-up").
-func TestAdversary3DuplicateOfFollowUpIsReportedAsFollowUp(t *testing.T) {
+func TestOnDecisionMarksADuplicateOfAFollowUp(t *testing.T) {
 	var rec decisions
 	cfg := counterRules(Rule{OnConflict: Reject, OnRunning: RunningDefer})
 	cfg.OnDecision = rec.hook
@@ -46,7 +46,7 @@ func TestAdversary3DuplicateOfFollowUpIsReportedAsFollowUp(t *testing.T) {
 // A busy arrival folded into its holder (BusyFold) is ONE decision: a
 // "busy" one naming the task now carrying its payload. It must not also be
 // reported (and counted) as an enqueue "coalesced" that nobody made.
-func TestAdversary3BusyFoldIsOneDecision(t *testing.T) {
+func TestBusyFoldIsOneDecision(t *testing.T) {
 	var rec decisions
 	cfg := counterRules(Rule{OnBusy: BusyFold})
 	cfg.OnDecision = rec.hook
@@ -77,7 +77,7 @@ func TestAdversary3BusyFoldIsOneDecision(t *testing.T) {
 // defer): the arrival is retried, never dropped, and runs with its own
 // payload once the holder is done. No "duplicate" decision is invented for
 // an enqueue nobody made.
-func TestAdversary3BusyFoldBehindNonDeferringRunIsRetriedNotLost(t *testing.T) {
+func TestBusyFoldBehindARunThatDoesNotDeferIsRetriedNotLost(t *testing.T) {
 	var rec decisions
 	cfg := counterRules(Rule{OnBusy: BusyFold}) // OnRunning: RunningReject
 	cfg.OnDecision = rec.hook
@@ -118,7 +118,7 @@ func TestAdversary3BusyFoldBehindNonDeferringRunIsRetriedNotLost(t *testing.T) {
 
 // BusyFold across types sharing a key (a prefix rule with Shared): the
 // arrival's payload must not land in the other type's task; it is retried.
-func TestAdversary3BusyFoldNeverCrossesTypes(t *testing.T) {
+func TestBusyFoldNeverCrossesTypes(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"job:": {Key: "k", Shared: true, OnBusy: BusyFold, OnConflict: Replace, OnRunning: RunningDefer}}})
 	holder := h.enqueue(asynq.NewTask("job:a", []byte(`{"a":1}`)), asynq.ProcessIn(time.Hour))
 	errs := make(chan error, 100)
@@ -145,7 +145,7 @@ func TestAdversary3BusyFoldNeverCrossesTypes(t *testing.T) {
 // A duplicate found when the lock moves to the queue the task named in
 // asynq.NewTask is a duplicate like any other: OnDecision hears it
 // ("called for every duplicate").
-func TestAdversary3RelocatedDuplicateIsHeard(t *testing.T) {
+func TestRelocatedDuplicateIsHeardByOnDecision(t *testing.T) {
 	var rec decisions
 	h := newHarness(t, Config{OnDecision: rec.hook})
 	first := h.enqueue(userTask(7, "")) // explicit asynq.Queue: not remembered
@@ -165,7 +165,7 @@ func TestAdversary3RelocatedDuplicateIsHeard(t *testing.T) {
 // from asynq.NewTask, another process's enqueue is refused as a duplicate
 // of the holder there; its Lookup must find that holder too, and its
 // Release must not report the held key free.
-func TestAdversary3LookupHonoursQueueInNewTask(t *testing.T) {
+func TestLookupHonoursTheQueueInNewTask(t *testing.T) {
 	h := newHarness(t, Config{})
 	ctx := context.Background()
 	task := asynq.NewTask("user:reindex", userTask(9, "").Payload(), asynq.Queue(h.queue))
@@ -189,7 +189,7 @@ func (o connOpt) MakeRedisClient() any { return o.c }
 
 // A RedisConnOpt that makes a nil client is bad input: ErrInvalidOption,
 // not a panic.
-func TestAdversary3NewFromRedisConnOptNilClient(t *testing.T) {
+func TestNewFromRedisConnOptWithANilClientIsInvalid(t *testing.T) {
 	for name, c := range map[string]any{"untyped nil": nil, "typed nil": (*redis.Client)(nil)} {
 		t.Run(name, func(t *testing.T) {
 			var err error
@@ -210,7 +210,7 @@ func TestAdversary3NewFromRedisConnOptNilClient(t *testing.T) {
 
 // Options given to asynq.NewTask are the call's options too: folded into
 // another task, they are not applied, and NotApplied must name them.
-func TestAdversary3NotAppliedNamesNewTaskOptions(t *testing.T) {
+func TestFoldNamesNewTaskOptionsNotApplied(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace}))
 	h.enqueue(counterTask("k", 1, 0))
 	task := asynq.NewTask("counter", counterTask("k", 1, 1).Payload(), asynq.MaxRetry(3))
@@ -227,7 +227,7 @@ func TestAdversary3NotAppliedNamesNewTaskOptions(t *testing.T) {
 // TTL) and meets that key held by another task when it starts is busy ON
 // THAT KEY. BusyFold must fold it into that key's holder, not re-key it by
 // the type's rule into a new task that runs beside the holder.
-func TestAdversary3BusyFoldKeepsPerCallKey(t *testing.T) {
+func TestBusyFoldKeepsThePerCallKey(t *testing.T) {
 	var rec decisions
 	h := newHarness(t, Config{OnDecision: rec.hook, Rules: map[string]Rule{"user:reindex": {Fields: []string{"user_id"}, OnBusy: BusyFold}}})
 	ctx := context.Background()

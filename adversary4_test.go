@@ -20,7 +20,7 @@ import (
 // success must still start the cooldown: the README's matrix says success
 // means "duplicate, CoolingDown", and only deadlines that actually passed
 // count as failures.
-func TestAdversary4CooldownSuccessCloseToDeadline(t *testing.T) {
+func TestCooldownStartsAfterASuccessCloseToTheDeadline(t *testing.T) {
 	h := newHarness(t, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: map[string]Rule{"digest:weekly": digestRule}})
 	rc := newRecorder(func(r run) error {
 		dl, ok := r.ctx.Deadline()
@@ -49,7 +49,7 @@ func TestAdversary4CooldownSuccessCloseToDeadline(t *testing.T) {
 // A lock the Client moves to the queue its task landed in (an Enqueuer that
 // changes the queue) must keep the call's cooldown: the task's success then
 // cools the key.
-func TestAdversary4CooldownSurvivesLockRelocation(t *testing.T) {
+func TestCooldownSurvivesLockRelocation(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)
@@ -73,7 +73,7 @@ func TestAdversary4CooldownSurvivesLockRelocation(t *testing.T) {
 // A duplicate that meets a cooling key after its lock was moved (the task
 // landed in another queue) must say CoolingDown, as every other enqueue of
 // a cooling key does ("whatever the conflict policy").
-func TestAdversary4RelocatedDuplicateOfCoolingKeySaysCoolingDown(t *testing.T) {
+func TestCooldownRelocatedDuplicateSaysCoolingDown(t *testing.T) {
 	var (
 		mu        sync.Mutex
 		decisions []Decision
@@ -118,7 +118,7 @@ func TestAdversary4RelocatedDuplicateOfCoolingKeySaysCoolingDown(t *testing.T) {
 // succeeded task's caller-chosen ID (asynq deleted its record), and a
 // Replace enqueue of the key comes next from the same process (which
 // remembers the holder).
-func TestAdversary4ReplaceNeverFoldsIntoACoolingKey(t *testing.T) {
+func TestCooldownKeyIsNeverFoldedIntoByReplace(t *testing.T) {
 	rule := digestRule
 	rule.OnConflict = Replace
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": rule}})
@@ -145,7 +145,7 @@ func TestAdversary4ReplaceNeverFoldsIntoACoolingKey(t *testing.T) {
 // A caller-chosen task ID reused after its task succeeded meets the
 // cooldown like any other enqueue; Release ends it and the ID is usable
 // again.
-func TestAdversary4CooldownCallerIDReusedAfterSuccess(t *testing.T) {
+func TestCooldownMeetsACallerIDReusedAfterSuccess(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)
@@ -187,7 +187,7 @@ func TestAdversary4CooldownCallerIDReusedAfterSuccess(t *testing.T) {
 // enqueued by a plain asynq client, locks its key when it starts; its
 // success cools the key; enqueues are cooling duplicates of it, and later
 // plain arrivals are dropped, never run.
-func TestAdversary4CooldownThroughTheExecutionGuard(t *testing.T) {
+func TestCooldownThroughTheExecutionGuard(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)
@@ -220,7 +220,7 @@ func TestAdversary4CooldownThroughTheExecutionGuard(t *testing.T) {
 // Inspector operations: a scheduled task run now by the Inspector cools its
 // key on success; one archived or deleted while it waits frees its key at
 // once (NewClient).
-func TestAdversary4CooldownWithInspector(t *testing.T) {
+func TestCooldownFollowsInspectorRunArchiveAndDelete(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)
@@ -259,7 +259,7 @@ func TestAdversary4CooldownWithInspector(t *testing.T) {
 
 // MaxPending: a cooling key no longer counts as waiting, and it stays a
 // cooling duplicate (not ErrTooManyPending) when the bound is reached.
-func TestAdversary4CooldownWithMaxPending(t *testing.T) {
+func TestCooldownKeyIsNotCountedByMaxPending(t *testing.T) {
 	rule := digestRule
 	rule.MaxPending = 1
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": rule}})
@@ -279,7 +279,7 @@ func TestAdversary4CooldownWithMaxPending(t *testing.T) {
 // longer than the TTL, and after success until the cooldown (counted from
 // the enqueue) ends; a per-call cooldown that ended before the task
 // succeeded leaves nothing held.
-func TestAdversary4PerCallCooldownVersusTTL(t *testing.T) {
+func TestCooldownPerCallIsCountedFromTheEnqueueNotTheTTL(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}}}})
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)
@@ -308,7 +308,7 @@ func TestAdversary4PerCallCooldownVersusTTL(t *testing.T) {
 }
 
 // Refused combinations, in any option order, leave neither lock nor task.
-func TestAdversary4RefusedModesLeaveNothing(t *testing.T) {
+func TestCooldownAndDebounceRefusedInAnyOptionOrderLeaveNothing(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{
 		"defer":   {Fields: []string{"user_id"}, OnConflict: Replace, OnRunning: RunningDefer},
 		"replace": {Fields: []string{"user_id"}, OnConflict: Replace},
@@ -343,7 +343,7 @@ func TestAdversary4RefusedModesLeaveNothing(t *testing.T) {
 
 // Debounce + Merge under concurrent producers: every enqueue merged, the
 // key runs once, after the burst.
-func TestAdversary4DebounceMergeConcurrentProducers(t *testing.T) {
+func TestDebounceMergeOfConcurrentProducersRunsOnce(t *testing.T) {
 	const typ = "deb:count"
 	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"key"}, OnConflict: Merge, MergeFunc: addMerge, Debounce: 1500 * time.Millisecond}}})
 	runs := make(chan counterPayload, 16)
@@ -387,7 +387,7 @@ func TestAdversary4DebounceMergeConcurrentProducers(t *testing.T) {
 
 // A fold from another process (no hint of the holder) moves the due time
 // of the debounced task too, on both enqueue paths.
-func TestAdversary4DebounceFoldFromAnotherProcess(t *testing.T) {
+func TestDebounceFoldFromAnotherProcessMovesTheDueTime(t *testing.T) {
 	const typ = "deb:x"
 	const d = time.Hour
 	cfg := Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace, Debounce: d}}}
@@ -427,7 +427,7 @@ func TestAdversary4DebounceFoldFromAnotherProcess(t *testing.T) {
 
 // Two types sharing a key, both debounced: the other type's enqueue is a
 // duplicate and must not move the waiting task's due time or touch its payload.
-func TestAdversary4DebounceSharedKeyOtherType(t *testing.T) {
+func TestDebounceSharedKeyOfAnotherTypeLeavesTheTaskAlone(t *testing.T) {
 	const d = time.Hour
 	h := newHarness(t, Config{Rules: map[string]Rule{
 		"deb:a": {OnConflict: Replace, Debounce: d},
@@ -456,7 +456,7 @@ func TestAdversary4DebounceSharedKeyOtherType(t *testing.T) {
 
 // Debounce overrides a call's ProcessIn/ProcessAt given in any order, and
 // NewTask's own ProcessIn (which takes asynq's path).
-func TestAdversary4DebounceOverridesDelaysInAnyOrder(t *testing.T) {
+func TestDebounceOverridesDelaysInAnyOrder(t *testing.T) {
 	const typ = "deb:o"
 	const d = 30 * time.Minute
 	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace}}})
@@ -497,7 +497,7 @@ func TestAdversary4DebounceOverridesDelaysInAnyOrder(t *testing.T) {
 
 // Debounce and Cooldown together: the burst runs once with its last
 // payload, and its success cools the key.
-func TestAdversary4DebounceThenCooldown(t *testing.T) {
+func TestDebounceThenCooldownRunsOnceAndCools(t *testing.T) {
 	const typ = "deb:cool"
 	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace, Debounce: 700 * time.Millisecond, Cooldown: time.Hour}}})
 	rc := newRecorder(nil)
@@ -528,7 +528,7 @@ func TestAdversary4DebounceThenCooldown(t *testing.T) {
 // NotApplied), its payload ran and succeeded, so the key must cool.
 // (Resolved as documented: a fold does not apply its call's Cooldown, and
 // NotApplied says so; the key keeps the cooldown it was taken with.)
-func TestAdversary4FoldedCallCooldownIsNamedNotApplied(t *testing.T) {
+func TestCooldownOfAFoldedCallIsNamedNotApplied(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, OnConflict: Replace}}})
 	rc := newRecorder(nil)
 	first := h.enqueue(digest(1, 1), asynq.ProcessIn(time.Hour))
@@ -550,7 +550,7 @@ func TestAdversary4FoldedCallCooldownIsNamedNotApplied(t *testing.T) {
 // Debounce + MaxPending: a key whose folds keep it waiting (each moving its
 // due time and lengthening its lock) still counts as waiting: a second key
 // beyond the bound is refused for as long as the first waits.
-func TestAdversary4DebouncedKeyStaysCountedByMaxPending(t *testing.T) {
+func TestDebounceKeyStaysCountedByMaxPending(t *testing.T) {
 	const typ = "deb:bound"
 	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace, Debounce: time.Second, MaxPending: 1}}})
 	ctx := context.Background()
@@ -582,7 +582,7 @@ func TestAdversary4DebouncedKeyStaysCountedByMaxPending(t *testing.T) {
 // task scheduled past its first lock lifetime; when it finally runs it must
 // run under its own lock (the middleware finds it through the ID's index),
 // and after its success the key is free again (matrix: success, new task).
-func TestAdversary4DebouncedCallerIDKeepsItsLock(t *testing.T) {
+func TestDebounceCallerIDTaskRunsUnderItsOwnLock(t *testing.T) {
 	const typ = "deb:id"
 	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace, Debounce: time.Second}}})
 	rc := newRecorder(nil)

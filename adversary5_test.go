@@ -159,7 +159,7 @@ func (p *lossProxy) serve(c net.Conn) {
 // node restarting), must not be reported as a plain failure ("stored
 // nothing"): the task is stored. README: "none of the tasks reported failed
 // was stored"; a refused call is "not stored" only if it was never run.
-func TestAdversary5RetriedScriptEndingInRefusalIsNotNotRun(t *testing.T) {
+func TestLostReplyRetriedIntoLoadingIsOutcomeUnknown(t *testing.T) {
 	needRealRedis(t)
 	ctx := context.Background()
 	prefix := "a5r-" + uniq(t)
@@ -203,7 +203,7 @@ func TestAdversary5RetriedScriptEndingInRefusalIsNotNotRun(t *testing.T) {
 // script answers "the ID exists". That task is the caller's own (same
 // type, same payload, its lock): the answer must be created (or outcome
 // unknown), not a refusal saying another task holds the ID.
-func TestAdversary5RetriedScriptReportsItsOwnTaskAsAConflict(t *testing.T) {
+func TestLostReplyRetriedMeetsItsOwnTaskNotAConflict(t *testing.T) {
 	needRealRedis(t)
 	ctx := context.Background()
 	prefix := "a5c-" + uniq(t)
@@ -246,7 +246,7 @@ func TestAdversary5RetriedScriptReportsItsOwnTaskAsAConflict(t *testing.T) {
 // answers "redis eval error: LOADING ...". The rollback must not give the
 // lock back without asking: the stored task would run with no lock, and
 // the next enqueue of its key would be admitted, a duplicate.
-func TestAdversary5WrapClientRetriedEnqueueEndingInRefusalKeepsLock(t *testing.T) {
+func TestLostReplyOfAsynqsEnqueueKeepsTheLock(t *testing.T) {
 	needRealRedis(t)
 	ctx := context.Background()
 	prefix := "a5w-" + uniq(t)
@@ -311,7 +311,7 @@ func TestAdversary5WrapClientRetriedEnqueueEndingInRefusalKeepsLock(t *testing.T
 // After a master dies and its replica is promoted, and every queue's calls
 // succeed again, d.BreakerState() must say closed again ("reports the worst
 // of the masters' breakers", and the dead master is no longer one).
-func TestAdversary5BreakerClosesAfterFailover(t *testing.T) {
+func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	procs, c := redistest.OwnCluster(t, 3, true)
 	queues := queuesOnEveryMaster(t, c, "a5bk")
 	ctx := context.Background()
@@ -381,7 +381,7 @@ func TestAdversary5BreakerClosesAfterFailover(t *testing.T) {
 // A WrapClient lock counted under MaxPending whose asynq enqueue is refused
 // (its caller-chosen ID is taken) gives its waiting-set slot back: the next
 // key of the type is admitted.
-func TestAdversary5RollbackFreesWaitingSlot(t *testing.T) {
+func TestRollbackFreesTheWaitingSlot(t *testing.T) {
 	needRealRedis(t)
 	ctx := context.Background()
 	rdb := newRDB(t)
@@ -411,7 +411,7 @@ func TestAdversary5RollbackFreesWaitingSlot(t *testing.T) {
 // running on the other masters' queues ("the heartbeat renews each
 // master's locks in a pipeline of their own, concurrently"): such a lock
 // outlives several leases while its handler runs.
-func TestAdversary5HeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
+func TestClusterHeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
 	procs, c := redistest.OwnCluster(t, 3, false)
 	queues := queuesOnEveryMaster(t, c, "a5hb")
 	ctx := context.Background()

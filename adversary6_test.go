@@ -28,7 +28,7 @@ import (
 // free") and which meets a newer task of the key on its last attempt is
 // copied; the copy must stay on the key it was enqueued with, and so never
 // run beside the key's running task.
-func TestAdversary6LastAttemptCopyKeepsItsKey(t *testing.T) {
+func TestBusyLastAttemptCopyKeepsItsPerCallKey(t *testing.T) {
 	cases := []struct {
 		name string
 		cfg  Config
@@ -92,7 +92,7 @@ func TestAdversary6LastAttemptCopyKeepsItsKey(t *testing.T) {
 // same). A holder enqueued under a caller-chosen ID with a per-call Key
 // loses its index with the release; when it starts it must still be on
 // its key, so it cannot run while another task of that key runs.
-func TestAdversary6ForcedReleaseOfACallerIDHolderKeepsItOnItsKey(t *testing.T) {
+func TestForcedReleaseKeepsACallerIDHolderOnItsKey(t *testing.T) {
 	h := newHarness(t, Config{})
 	ctx := context.Background()
 	opts := []asynq.Option{asynq.Queue(h.queue), Key("tenant-7")}
@@ -118,7 +118,7 @@ func TestAdversary6ForcedReleaseOfACallerIDHolderKeepsItOnItsKey(t *testing.T) {
 // like it (the earlier layout's dd-<fingerprint>-<random>, copied from an
 // old TaskInfo) is a caller's ID like any: its task runs under its key, and
 // another, never enqueued, key stays free.
-func TestAdversary6CallerIDShapedLikeAWrapperID(t *testing.T) {
+func TestCallerIDShapedLikeAnOldLibraryIDIsTheCallers(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{}))
 	ctx := context.Background()
 	if _, err := h.client.Enqueue(counterTask("b", 1, 1), asynq.Queue(h.queue), asynq.TaskID(store.NewPlainID())); !errors.Is(err, ErrInvalidOption) {
@@ -147,7 +147,7 @@ func TestAdversary6CallerIDShapedLikeAWrapperID(t *testing.T) {
 // still runs". With BusyFold, an older task of a force-released key that
 // starts while a newer task of the key waits must not overwrite the newer
 // payload: the key's last run carries the newest payload.
-func TestAdversary6BusyFoldNeverRunsAnOlderPayloadInsteadOfTheNewest(t *testing.T) {
+func TestBusyFoldNeverRunsAnOlderPayloadInsteadOfTheNewest(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnBusy: BusyFold}))
 	ctx := context.Background()
 	h.enqueue(counterTask("k", 1, 1))
@@ -174,7 +174,7 @@ func TestAdversary6BusyFoldNeverRunsAnOlderPayloadInsteadOfTheNewest(t *testing.
 // a task ID given to asynq.NewTask must keep asynq's meaning: the task is
 // stored under it, and a second enqueue of that ID is refused with
 // asynq.ErrTaskIDConflict, as asynq's own client does.
-func TestAdversary6NewTaskIDHonouredWhereDedupIsOff(t *testing.T) {
+func TestNewTaskIDHonouredWhereDedupIsOff(t *testing.T) {
 	cases := []struct {
 		name string
 		cfg  Config
@@ -220,7 +220,7 @@ func TestAdversary6NewTaskIDHonouredWhereDedupIsOff(t *testing.T) {
 // Re-enqueueing under the ID of an archived task (same payload) must be
 // refused as asynq refuses it (both paths alike), and must leave the key
 // free for the next enqueue.
-func TestAdversary6ReEnqueueUnderAnArchivedTasksIDIsRefusedLikeAsynq(t *testing.T) {
+func TestReEnqueueUnderAnArchivedTasksIDIsRefusedLikeAsynq(t *testing.T) {
 	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		id := "job-" + uniq(t)
@@ -265,7 +265,7 @@ func stateOf(res Result) string {
 // another queue than the lock's first guess must still replace, not get a
 // duplicate (the README's relocation row says "DuplicateTaskError", which
 // contradicts the Replace promise).
-func TestAdversary6RelocatedReplaceStillReplaces(t *testing.T) {
+func TestRelocatedReplaceStillReplaces(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Replace})
 	h := newHarness(t, cfg)
 	ctx := context.Background()
@@ -300,7 +300,7 @@ func TestAdversary6RelocatedReplaceStillReplaces(t *testing.T) {
 // any lock is taken"; "a merge that changes the key's fields is refused
 // (ErrInvalidPayload)"; Release "(else ErrNotHolder)"; nothing locked or
 // enqueued for any of them.
-func TestAdversary6ErrorsMatchTheirSentinels(t *testing.T) {
+func TestErrorsMatchTheirSentinels(t *testing.T) {
 	errKeyFunc := errors.New("a6: key func failed")
 	errMerge := errors.New("a6: merge failed")
 	cfg := Config{Rules: map[string]Rule{
@@ -429,7 +429,7 @@ func TestAdversary6ErrorsMatchTheirSentinels(t *testing.T) {
 // per-call Debounce folded into a task that was scheduled for later on
 // purpose (ProcessIn, no debounce) must not pull it earlier than it was
 // due.
-func TestAdversary6DebounceFoldNeverPullsAScheduledTaskEarlier(t *testing.T) {
+func TestDebounceFoldNeverPullsAScheduledTaskEarlier(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"a6:sync": {Fields: []string{"user_id"}, OnConflict: Replace}}})
 	ctx := context.Background()
 	holder := h.enqueue(profileSync("a6:sync", 1, 1), asynq.ProcessIn(time.Hour))
@@ -451,7 +451,7 @@ func TestAdversary6DebounceFoldNeverPullsAScheduledTaskEarlier(t *testing.T) {
 // failure with retries left it waits for the retry, so the newest payload
 // still runs last". Under load: producers per key, handlers that fail a
 // third of the time, Replace + RunningDefer on the direct path.
-func TestAdversary6DeferUnderLoadNeverOverlapsAndEndsWithTheNewest(t *testing.T) {
+func TestDeferUnderLoadNeverOverlapsAndEndsWithTheNewest(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
 	h.client = h.d.NewClient()
 	ctx := context.Background()
@@ -512,7 +512,7 @@ func TestAdversary6DeferUnderLoadNeverOverlapsAndEndsWithTheNewest(t *testing.T)
 // entry"; WaitForRoom "waits until there is room or its context ends". An
 // operator's forced release of a waiting key frees its slot for a caller
 // waiting for room.
-func TestAdversary6ForcedReleaseMakesRoomForAWaiter(t *testing.T) {
+func TestForcedReleaseMakesRoomForAWaiter(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{MaxPending: 1}))
 	ctx := context.Background()
 	h.enqueue(counterTask("k1", 1, 1))
@@ -549,7 +549,7 @@ func TestAdversary6ForcedReleaseMakesRoomForAWaiter(t *testing.T) {
 // its retry, with a follow-up owed: the newest payload must still run
 // soon (the holder's retry, then the follow-up), not after the lock's
 // retry hold (here over an hour).
-func TestAdversary6ForcedReleaseDuringRetryWaitStillRunsTheNewest(t *testing.T) {
+func TestForcedReleaseDuringARetryWaitStillRunsTheNewest(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
 	cfg.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return time.Hour } // an upper bound of the server's
 	h := newHarness(t, cfg)
@@ -623,7 +623,7 @@ func (s slowEnqueuer) EnqueueContext(ctx context.Context, t *asynq.Task, o ...as
 // Merge that meets a holder its producer stores within the wait merges;
 // one whose producer takes longer (a slow Enqueuer) is told it was not
 // merged (a DuplicateTaskError naming the holder), never silently dropped.
-func TestAdversary6MergeIntoAHolderBeingStoredIsNotRefused(t *testing.T) {
+func TestMergeIntoAHolderStillBeingStoredMergesOrSaysSo(t *testing.T) {
 	for _, tc := range []struct {
 		delay  time.Duration
 		merged bool
@@ -660,7 +660,7 @@ func mergeIntoHolderBeingStored(t *testing.T, delay time.Duration, merged bool) 
 // follows the producer's lock"; RunningDefer: one follow-up, queued when
 // the run ends, never two runs at once. A server of another prefix (and no
 // rules) runs a Replace + RunningDefer key of a producer.
-func TestAdversary6ServerOfAnotherPrefixHandsTheFollowUpOver(t *testing.T) {
+func TestServerWithAnotherPrefixHandsTheFollowUpOver(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
 	ctx := context.Background()
 	ds, err := New(ctx, h.rdb, Config{Prefix: h.prefix + "-srv", Logger: quietLogger()})
@@ -702,7 +702,7 @@ func TestAdversary6ServerOfAnotherPrefixHandsTheFollowUpOver(t *testing.T) {
 // that arrive without a lock". An operator who runs the parked follow-up
 // now (Inspector.RunTask, asynqmon's "run") while its holder runs must not
 // lose the newest payload, whatever the busy policy.
-func TestAdversary6RunNowOnAFollowUpKeepsTheNewestPayload(t *testing.T) {
+func TestRunNowOnAFollowUpKeepsTheNewestPayload(t *testing.T) {
 	for _, skipBusy := range []bool{false, true} {
 		t.Run(fmt.Sprintf("SkipBusy=%v", skipBusy), func(t *testing.T) {
 			cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
@@ -747,7 +747,7 @@ func TestAdversary6RunNowOnAFollowUpKeepsTheNewestPayload(t *testing.T) {
 // 16. README: "one Lua script takes the lock or returns the holder: never an
 // empty holder". Many goroutines enqueue one new key at once, on both
 // paths: exactly one task, and every other call names it.
-func TestAdversary6ConcurrentFirstEnqueuesMakeOneTask(t *testing.T) {
+func TestConcurrentFirstEnqueuesMakeOneTaskOnBothPaths(t *testing.T) {
 	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		const n = 32
@@ -797,7 +797,7 @@ func TestAdversary6ConcurrentFirstEnqueuesMakeOneTask(t *testing.T) {
 // … Cooldown + Debounce: the debounced task's success cools the key"; "a
 // RunningDefer follow-up counts"; MaxPending: "enqueues folded into keys
 // already waiting always pass"; entries "leave when their task starts".
-func TestAdversary6DebounceCooldownMaxPendingTogether(t *testing.T) {
+func TestDebounceCooldownAndMaxPendingTogether(t *testing.T) {
 	const typ = "a6:sync"
 	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace,
 		Debounce: time.Second, Cooldown: time.Hour, MaxPending: 1}}})
@@ -845,7 +845,7 @@ func TestAdversary6DebounceCooldownMaxPendingTogether(t *testing.T) {
 // "errors … from the context … are returned wrapped". A call whose context
 // was cancelled before it was made reached no Redis: it is the caller's
 // cancellation, not an outage and not an unknown outcome.
-func TestAdversary6CancelledCallIsNotAnOutage(t *testing.T) {
+func TestCancelledCallIsNotAnOutage(t *testing.T) {
 	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
@@ -871,7 +871,7 @@ func TestAdversary6CancelledCallIsNotAnOutage(t *testing.T) {
 // for the retry, so the newest payload still runs last"; "once no task with
 // an ID exists the ID can be used again". Caller-chosen IDs on every call
 // of a Replace + RunningDefer key whose holder fails once.
-func TestAdversary6DeferWithCallerIDsAndARetry(t *testing.T) {
+func TestDeferWithCallerIDsAndARetry(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
 	ctx := context.Background()
 	q := asynq.Queue(h.queue)
@@ -930,7 +930,7 @@ func TestAdversary6DeferWithCallerIDsAndARetry(t *testing.T) {
 // retry takes a lock by the server's own rule; the README now says a
 // server needs a RunningAllow type's rule. With it, the retry frees the key
 // too.)
-func TestAdversary6RunningAllowFreesTheKeyForARetry(t *testing.T) {
+func TestRunningAllowFreesTheKeyForARetry(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnRunning: RunningAllow}))
 	ctx := context.Background()
 	ds, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Logger: quietLogger(), Rules: counterRules(Rule{OnRunning: RunningAllow}).Rules})
@@ -971,7 +971,7 @@ func TestAdversary6RunningAllowFreesTheKeyForARetry(t *testing.T) {
 // so the newest payload still runs last". An operator runs a holder that
 // waits for its retry (with a follow-up owed) now: the holder's retry runs,
 // then the follow-up, never at once, and the newest payload last.
-func TestAdversary6RunNowOnARetryingHolderThenItsFollowUp(t *testing.T) {
+func TestRunNowOnARetryingHolderThenItsFollowUp(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
 	ctx := context.Background()
 	tr := newKeyTracker(counterKeyOf, 1)

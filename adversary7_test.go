@@ -35,7 +35,7 @@ import (
 // payload than the waiting holder it meets, on its last attempt: its copy
 // must still run once the key is free — not be thrown away as
 // "superseded", which is meant for a task whose lock a newer task took.
-func TestAdversary7LastAttemptCopyOfABusyArrivalStillRuns(t *testing.T) {
+func TestBusyLastAttemptCopyOfAnArrivalStillRuns(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Replace})
 	cfg.heartbeat = (time.Second) / 3 // the copy comes due one Lease later
 	h := newHarness(t, cfg)
@@ -69,7 +69,7 @@ func TestAdversary7LastAttemptCopyOfABusyArrivalStillRuns(t *testing.T) {
 // call a duplicate". A task of another type that took a shared key carries
 // none of this type's payload: the released task must not be dropped as
 // superseded by it.
-func TestAdversary7SupersededOnlyByATaskThatCarriesItsPayload(t *testing.T) {
+func TestBusySupersededOnlyByATaskThatCarriesItsPayload(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{
 		"a7:state": {Key: "tenant-7", Shared: true, OnConflict: Replace},
 		"a7:other": {Key: "tenant-7", Shared: true},
@@ -104,7 +104,7 @@ func TestAdversary7SupersededOnlyByATaskThatCarriesItsPayload(t *testing.T) {
 // payload enqueued fail-open while an older task of the key waits must not
 // be thrown away as "superseded" when it starts: that older task did not
 // take the key later, and does not carry the newer payload.
-func TestAdversary7FailOpenNewerPayloadIsNotSuperseded(t *testing.T) {
+func TestBusyNeverSupersedesAFailOpenNewerPayload(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Replace})
 	h := newHarness(t, cfg)
 	ocfg := counterRules(Rule{OnConflict: Replace})
@@ -166,7 +166,7 @@ func (m takenFirstEnqueuer) EnqueueContext(ctx context.Context, t *asynq.Task, o
 // whose task a worker took first in the other queue, where an older task
 // of the key waits, carries the newest payload: it must not be dropped as
 // "superseded" by that older task.
-func TestAdversary7RelocatedTaskAWorkerTookFirstKeepsTheNewestPayload(t *testing.T) {
+func TestRelocatedTaskAWorkerTookFirstKeepsTheNewestPayload(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace}))
 	tr := newSeqTracker()
 	h.serve(tr.handler(), nil)
@@ -196,7 +196,7 @@ func TestAdversary7RelocatedTaskAWorkerTookFirstKeepsTheNewestPayload(t *testing
 // RunningDefer "never runs two tasks of a key at once". On a server of
 // another prefix, an operator runs the parked follow-up now while its
 // holder runs: it must wait for the holder, not run beside it.
-func TestAdversary7FollowUpRunEarlyOnAServerOfAnotherPrefixWaits(t *testing.T) {
+func TestServerWithAnotherPrefixMakesAFollowUpRunEarlyWait(t *testing.T) {
 	rules := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}).Rules
 	h := newHarness(t, Config{Rules: rules})
 	ctx := context.Background()
@@ -248,7 +248,7 @@ wait:
 // differs follows the producer's lock". On a server of another prefix, a
 // released holder that starts while the key's new task runs must meet it
 // (busy), not run beside it.
-func TestAdversary7ReleasedHolderOnAServerOfAnotherPrefixMeetsTheKey(t *testing.T) {
+func TestServerWithAnotherPrefixMakesAReleasedHolderMeetTheKey(t *testing.T) {
 	rules := counterRules(Rule{}).Rules
 	h := newHarness(t, Config{Rules: rules})
 	ctx := context.Background()
@@ -295,7 +295,7 @@ func TestAdversary7ReleasedHolderOnAServerOfAnotherPrefixMeetsTheKey(t *testing.
 // queues it)." A key released (forced, or owner-checked) while its holder
 // runs with a follow-up owed: when the run ends, the follow-up must be
 // queued then, not left parked for two leases (a minute by default).
-func TestAdversary7ReleaseWhileTheHolderRunsItsEndQueuesTheFollowUp(t *testing.T) {
+func TestReleaseWhileTheHolderRunsLeavesItsEndToQueueTheFollowUp(t *testing.T) {
 	for _, forced := range []bool{true, false} {
 		t.Run(fmt.Sprintf("forced=%v", forced), func(t *testing.T) {
 			h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
@@ -334,7 +334,7 @@ func TestAdversary7ReleaseWhileTheHolderRunsItsEndQueuesTheFollowUp(t *testing.T
 // math.MaxInt64 means 'as long as can be'". Config.ConnectBackoff and
 // Config.BreakerBackoff are durations of the Config: "forever" must
 // neither panic nor wrap to no wait at all.
-func TestAdversary7ForeverBackoffsNeverWrap(t *testing.T) {
+func TestForeverBackoffsNeverWrap(t *testing.T) {
 	noPanic := func(t *testing.T, what string, f func()) (panicked bool) {
 		t.Helper()
 		defer func() {
@@ -386,7 +386,7 @@ func TestAdversary7ForeverBackoffsNeverWrap(t *testing.T) {
 // once … When the run ends … the follow-up is queued". A follow-up that
 // inherits MaxRetry(0) and is run now while its holder runs: its payload
 // runs once, after the holder, never beside it.
-func TestAdversary7FollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *testing.T) {
+func TestFollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
 	cfg.heartbeat = (1500 * time.Millisecond) / 3
 	h := newHarness(t, cfg)
@@ -436,7 +436,7 @@ func TestAdversary7FollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *tes
 // holder meets its type's OnBusy as a busy task does (never dropped for a
 // Merge type)". With SkipBusy (BusyDrop for every type), a released Merge
 // task that meets the key's new task must still run its units.
-func TestAdversary7ReleasedMergeTaskIsNeverDropped(t *testing.T) {
+func TestBusyNeverDropsAReleasedMergeTask(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Merge, MergeFunc: addMerge})
 	cfg.SkipBusy = true
 	h := newHarness(t, cfg)
@@ -470,7 +470,7 @@ func TestAdversary7ReleasedMergeTaskIsNeverDropped(t *testing.T) {
 // the retry …; if an operator then deletes or archives the waiting task,
 // the server that held it queues the follow-up within a heartbeat". The
 // holder here has a caller-chosen ID (its lock found through its index).
-func TestAdversary7WatchedCallerIDHolderDeletedQueuesTheFollowUp(t *testing.T) {
+func TestFollowUpQueuedWhenItsRetryingCallerIDHolderIsDeleted(t *testing.T) {
 	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 2})
 	cfg.heartbeat = (1500 * time.Millisecond) / 3
 	h := newHarness(t, cfg)
@@ -516,7 +516,7 @@ func TestAdversary7WatchedCallerIDHolderDeletedQueuesTheFollowUp(t *testing.T) {
 // wrapping Redis's reply". A user whose ACL lacks asynq's task keys (the
 // README's ACL guidance not followed) is refused NOPERM on NewClient's
 // direct path: that is no unknown outcome.
-func TestAdversary7NoPermOnTheDirectPathIsNotOutcomeUnknown(t *testing.T) {
+func TestNoPermOnTheDirectPathIsUnavailableNotUnknown(t *testing.T) {
 	needRealRedis(t)
 	admin := newRDB(t)
 	ctx := context.Background()
@@ -554,7 +554,7 @@ func TestAdversary7NoPermOnTheDirectPathIsNotOutcomeUnknown(t *testing.T) {
 // opt-out mark)". A task enqueued with Skip() under a caller-chosen ID must
 // run unguarded on a server of another prefix too: not be dropped as busy
 // (BusyDrop) because an unrelated arrival of its key runs.
-func TestAdversary7SkippedCallerIDOnAServerOfAnotherPrefixRunsUnguarded(t *testing.T) {
+func TestServerWithAnotherPrefixRunsASkippedCallerIDUnguarded(t *testing.T) {
 	rules := counterRules(Rule{OnBusy: BusyDrop}).Rules
 	h := newHarness(t, Config{Rules: rules})
 	ctx := context.Background()
@@ -589,7 +589,7 @@ func TestAdversary7SkippedCallerIDOnAServerOfAnotherPrefixRunsUnguarded(t *testi
 // lock is taken or task stored, whether given to the call or to
 // asynq.NewTask, on both paths, with Skip() too. Any other ID is the
 // caller's, even one that resembles an old form.
-func TestAdversary7OwnIDFormsAreRefusedBeforeAnyLock(t *testing.T) {
+func TestOwnIDFormsAreRefusedBeforeAnyLock(t *testing.T) {
 	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		task := counterTask("k", 1, 0)
@@ -637,7 +637,7 @@ func TestAdversary7OwnIDFormsAreRefusedBeforeAnyLock(t *testing.T) {
 // task never comes due before d has passed since the last fold … A fold
 // never moves a due time earlier (a holder scheduled later by its own
 // ProcessIn keeps it)". Through Merge's compare-and-set path (coalesce).
-func TestAdversary7DebouncedMergeFoldsMoveTheDueTimeOnlyLater(t *testing.T) {
+func TestDebounceMergeFoldsMoveTheDueTimeOnlyLater(t *testing.T) {
 	rule := Rule{Fields: []string{"key"}, OnConflict: Merge, MergeFunc: addMerge, Debounce: 1500 * time.Millisecond}
 	bothPaths(t, Config{Rules: map[string]Rule{"counter": rule}}, func(t *testing.T, h *harness) {
 		ctx := context.Background()
@@ -680,7 +680,7 @@ func TestAdversary7DebouncedMergeFoldsMoveTheDueTimeOnlyLater(t *testing.T) {
 // enqueue". A debounced Replace whose Enqueuer puts it in the queue where
 // the key's debounced task waits: replaced into that task, whose due time
 // moves to d after this call, and no second task is left behind.
-func TestAdversary7RelocatedDebouncedReplaceMovesTheDueTime(t *testing.T) {
+func TestRelocatedDebouncedReplaceMovesTheDueTime(t *testing.T) {
 	rule := Rule{Fields: []string{"key"}, OnConflict: Replace, Debounce: 3 * time.Second}
 	h := newHarness(t, Config{Rules: map[string]Rule{"counter": rule}})
 	ctx := context.Background()

@@ -141,7 +141,7 @@ func lookupState(t *testing.T, h *harness, task *asynq.Task, opts ...asynq.Optio
 // enqueue by NewClient runs through begin/done; the lock must be held
 // (Lookup: running) while it runs, held across a retry (retry-wait,
 // duplicates refused), and released on success.
-func TestAdversary8FastPathHeldWhileRunningAndAcrossRetry(t *testing.T) {
+func TestFastPathHoldsTheKeyWhileRunningAndAcrossARetry(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{}))
 	h.client = h.d.NewClient()
 	tr := newAttemptTracker(func(r trackedAttempt) error {
@@ -190,7 +190,7 @@ func TestAdversary8FastPathHeldWhileRunningAndAcrossRetry(t *testing.T) {
 // exhausted retries (healed at its next enqueue) and after a revoke; a
 // per-call Cooldown keeps the key after success — all on the fast path
 // (NewClient, a lock holding nothing else, or a cd field).
-func TestAdversary8FastPathEndings(t *testing.T) {
+func TestFastPathFreesOrCoolsTheKeyAtEachEnding(t *testing.T) {
 	cases := []struct {
 		name    string
 		result  error
@@ -235,7 +235,7 @@ func TestAdversary8FastPathEndings(t *testing.T) {
 // 3. README (RunningDefer): a follow-up attached DURING a fast-path run
 // (begin saw no follow-up) is queued when the run ends and runs last with
 // the newest payload, never beside the run.
-func TestAdversary8FastPathFollowUpAttachedDuringRun(t *testing.T) {
+func TestFastPathQueuesAFollowUpAttachedDuringTheRun(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
 	h.client = h.d.NewClient()
 	ctx := context.Background()
@@ -266,7 +266,7 @@ func TestAdversary8FastPathFollowUpAttachedDuringRun(t *testing.T) {
 // 4. README (Lock API): an operator Release during a fast-path run frees
 // the key; a new task takes it; the old run's end (done.lua) must not
 // release the new holder's lock.
-func TestAdversary8FastPathReleaseDuringRunThenNewHolder(t *testing.T) {
+func TestFastPathRunReleasedMidwayLeavesTheNewHoldersLock(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{}))
 	h.client = h.d.NewClient()
 	ctx := context.Background()
@@ -295,7 +295,7 @@ func TestAdversary8FastPathReleaseDuringRunThenNewHolder(t *testing.T) {
 // and release carry an old token and change nothing". Attempt 0 outlives
 // its Timeout; asynq retries; attempt 1 (begin again) holds the lock; the
 // leftover returns nil and must not release attempt 1's lock.
-func TestAdversary8FastPathLeftoverAttempt(t *testing.T) {
+func TestFastPathLeftoverAttemptLeavesTheRetrysLock(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{}))
 	h.client = h.d.NewClient()
 	tr := newAttemptTracker(nil)
@@ -323,7 +323,7 @@ func TestAdversary8FastPathLeftoverAttempt(t *testing.T) {
 
 // 6. README (MaxPending): entries "leave when their task starts" — also a
 // task whose first attempt goes through the fast path decision.
-func TestAdversary8FastPathMaxPendingEntryLeavesAtStart(t *testing.T) {
+func TestFastPathMaxPendingEntryLeavesAtStart(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{MaxPending: 1}))
 	h.client = h.d.NewClient()
 	tr := newAttemptTracker(nil)
@@ -346,7 +346,7 @@ func TestAdversary8FastPathMaxPendingEntryLeavesAtStart(t *testing.T) {
 // the task's last attempt (MaxRetry 1) and meets a running holder (a task
 // of another type on a shared key, RunningReject): it must be retried and
 // run once the holder is done, even where its type's OnBusy is BusyDrop.
-func TestAdversary8AllowRetryOnLastAttemptBehindRunningHolderIsNotDropped(t *testing.T) {
+func TestRunningAllowLastRetryBehindARunningHolderIsNotDropped(t *testing.T) {
 	for _, maxRetry := range []int{1, 5} {
 		t.Run(fmt.Sprintf("MaxRetry=%d", maxRetry), func(t *testing.T) {
 			var mu sync.Mutex

@@ -30,7 +30,7 @@ import (
 // runs A again (Inspector.RunTask): A is on its first attempt (asynq's
 // archive keeps the retry count), its ID still says its lock lasts an hour,
 // so it starts free and runs beside B, with no lock of its own.
-func TestAdversary9ArchivedWaitingTaskRunAgainStartsFreeBesideNewHolder(t *testing.T) {
+func TestArchivedWaitingTaskRunAgainNeverRunsBesideTheNewHolder(t *testing.T) {
 	h := newDirectHarness(t, Rule{})
 	a := h.enqueue(counterTask("k", 1, 1))
 	requirePlainID(t, a.ID)
@@ -57,7 +57,7 @@ func TestAdversary9ArchivedWaitingTaskRunAgainStartsFreeBesideNewHolder(t *testi
 // key B then takes the key and runs; an operator re-runs the archived task
 // (the usual fix after a bug). It must meet the key held by B (retried until
 // free), never run beside B.
-func TestAdversary9ArchivedOnFirstAttemptRunAgainStartsFreeBesideNewHolder(t *testing.T) {
+func TestTaskArchivedOnItsFirstAttemptRunAgainNeverRunsBesideTheNewHolder(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		opts []asynq.Option
@@ -116,7 +116,7 @@ func TestAdversary9ArchivedOnFirstAttemptRunAgainStartsFreeBesideNewHolder(t *te
 // carries no token, like the live attempt's lock, and with MaxRetry(0) (a
 // "final" attempt by asynq's count) it deletes the lock of the attempt
 // running on server 2: a duplicate is accepted while A runs.
-func TestAdversary9LeftoverOfShutdownRequeueReleasesTheRunningAttemptsLock(t *testing.T) {
+func TestLeftoverOfAShutdownRequeueLeavesTheRunningAttemptsLock(t *testing.T) {
 	h := newDirectHarness(t, Rule{})
 	ctx := context.Background()
 	started1, leftoverGo, leftoverDone := make(chan string, 4), make(chan struct{}), make(chan struct{})
@@ -189,7 +189,7 @@ func TestAdversary9LeftoverOfShutdownRequeueReleasesTheRunningAttemptsLock(t *te
 // and takes the lock"; the brief of free starts: the release of a free
 // attempt must hand the key to a follow-up made while it ran (the attempt
 // started free, so it never learnt of it).
-func TestAdversary9FollowUpMadeDuringAFreeRunGetsTheKey(t *testing.T) {
+func TestDeferFollowUpMadeDuringADirectTasksRunGetsTheKey(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		end  error
@@ -255,7 +255,7 @@ func TestAdversary9FollowUpMadeDuringAFreeRunGetsTheKey(t *testing.T) {
 // released". Releases now go out after the handler, in batches: a Close
 // right after Shutdown must still send every one, count each once, and
 // leave no lock.
-func TestAdversary9CloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) {
+func TestCloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) {
 	const n = 60
 	h := newDirectHarness(t, Rule{})
 	ctx := context.Background()
@@ -300,7 +300,7 @@ func TestAdversary9CloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) 
 // 9. README (Failure modes): a hung lock store never fails a task, and a
 // plain task's key needs no call of the library's to be freed: asynq's own
 // done script, which marks the task done, deletes the lock its record names.
-func TestAdversary9HungLockStoreStillFreesAPlainTasksKeyAtSuccess(t *testing.T) {
+func TestHungLockStoreStillFreesAPlainTasksKeyAtSuccess(t *testing.T) {
 	h := newDirectHarness(t, Rule{})
 	ctx := context.Background()
 	proxy, sd := proxiedLockStore(t, h, Config{Rules: counterRules(Rule{}).Rules})
@@ -329,7 +329,7 @@ func TestAdversary9HungLockStoreStillFreesAPlainTasksKeyAtSuccess(t *testing.T) 
 // counters count each event once. Many free attempts ending at once share
 // done calls: every lock is released once, counted once, none lost, and
 // every key takes a new task at once.
-func TestAdversary9BatchedReleasesCountEachOnceAndFreeEveryKey(t *testing.T) {
+func TestBatchedReleasesCountEachOnceAndFreeEveryKey(t *testing.T) {
 	const n = 300
 	h := newDirectHarness(t, Rule{})
 	ended := make(chan string, 2*n)
@@ -369,7 +369,7 @@ func TestAdversary9BatchedReleasesCountEachOnceAndFreeEveryKey(t *testing.T) {
 // the handler outlives ShutdownTimeout, and asynq puts A back with retry
 // count 0 and its original message. On the next server A starts free
 // again, beside B.
-func TestAdversary9ReleasedRunningHolderRequeuedByShutdownStartsFreeBesideNewHolder(t *testing.T) {
+func TestReleasedRunningHolderRequeuedByShutdownNeverRunsBesideTheNewHolder(t *testing.T) {
 	h := newDirectHarness(t, Rule{})
 	ctx := context.Background()
 	started1, leftoverGo := make(chan string, 4), make(chan struct{})

@@ -701,3 +701,60 @@ func TestQueueOfIsTheQueueSubmitUses(t *testing.T) {
 		t.Fatalf("Enqueue to %v (%v), QueueOf says %q", info, err, h.queue)
 	}
 }
+
+// asynq's client refuses asynq.TaskID("") ("task ID cannot be empty"), so
+// the Client does too: ErrInvalidOption, nothing locked, nothing stored, on
+// both paths, also when an earlier TaskID option is overridden by an empty
+// one. (Once, the direct path stored such a task under a dd- ID and answered
+// created, and the wrap path took the lock, met asynq's refusal and rolled
+// back with another error.)
+func TestEmptyCallerTaskIDIsRefusedAsAsynqRefusesIt(t *testing.T) {
+	bothPaths(t, Config{}, func(t *testing.T, h *harness) {
+		if _, err := h.asynq.Enqueue(userTask(9, ""), asynq.Queue(h.queue), asynq.TaskID("")); err == nil {
+			t.Fatal("asynq's own client accepts TaskID(\"\")?")
+		}
+		for i, opts := range [][]asynq.Option{
+			{asynq.TaskID("")},
+			{asynq.TaskID("mine"), asynq.TaskID("")}, // the last one wins in asynq too, and is refused
+		} {
+			info, err := h.client.Enqueue(userTask(i+1, ""), append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...)
+			if !errors.Is(err, ErrInvalidOption) {
+				id := ""
+				if info != nil {
+					id = info.ID
+				}
+				t.Errorf("case %d: TaskID(\"\"): err = %v (task %q), want ErrInvalidOption as asynq refuses it", i, err, id)
+			}
+		}
+		if n := h.queueSize(h.queue); n != 0 {
+			t.Errorf("%d tasks stored for calls asynq's client refuses", n)
+		}
+	})
+}
+
+// asynq.NewTask keeps a nil option, and asynq's client ignores it. The
+// Client answers such a task as asynq's client does (enqueued), or with an
+// error, but never panics. (Once, checkTask called Value() on every option
+// of NewTask, and a nil one panicked.)
+func TestNilOptionInNewTaskDoesNotPanic(t *testing.T) {
+	bothPaths(t, Config{}, func(t *testing.T, h *harness) {
+		var nilOpt asynq.Option
+		if _, err := h.asynq.Enqueue(asynq.NewTask("user:reindex", []byte(`{"user_id":7}`), nilOpt), asynq.Queue(h.queue)); err != nil {
+			t.Fatalf("asynq's client: %v", err)
+		}
+		var (
+			err      error
+			panicked any
+		)
+		func() {
+			defer func() { panicked = recover() }()
+			_, err = h.client.Enqueue(asynq.NewTask("user:reindex", []byte(`{"user_id":8}`), nilOpt), asynq.Queue(h.queue))
+		}()
+		if panicked != nil {
+			t.Fatalf("Enqueue of a task with a nil NewTask option panicked: %v", panicked)
+		}
+		if err != nil {
+			t.Logf("refused: %v", err)
+		}
+	})
+}
