@@ -758,3 +758,50 @@ func TestNilOptionInNewTaskDoesNotPanic(t *testing.T) {
 		}
 	})
 }
+
+// Lookup reads the key an enqueue would take. For a task whose queue comes
+// from asynq.NewTask, another process's enqueue is refused as a duplicate
+// of the holder there; its Lookup must find that holder too, and its
+// Release must not report the held key free.
+func TestLookupHonoursTheQueueInNewTask(t *testing.T) {
+	h := newHarness(t, Config{})
+	ctx := context.Background()
+	task := asynq.NewTask("user:reindex", userTask(9, "").Payload(), asynq.Queue(h.queue))
+	first, err := h.client.Enqueue(task)
+	if err != nil || first.Queue != h.queue {
+		t.Fatalf("first: %+v %v", first, err)
+	}
+	other := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix}) // another process
+	l, found, err := other.d.Lookup(ctx, task)
+	if err != nil || !found || l.Holder != first.ID {
+		// Show what an enqueue from that process does with the same task.
+		_, eerr := other.client.Enqueue(task)
+		t.Fatalf("Lookup: %+v found=%v err=%v; want held by %s (an enqueue of it from the same process: %v)", l, found, err, first.ID, eerr)
+	}
+}
+
+// connOpt is an asynq.RedisConnOpt of the caller's own.
+type connOpt struct{ c any }
+
+func (o connOpt) MakeRedisClient() any { return o.c }
+
+// A RedisConnOpt that makes a nil client is bad input: ErrInvalidOption,
+// not a panic.
+func TestNewFromRedisConnOptWithANilClientIsInvalid(t *testing.T) {
+	for name, c := range map[string]any{"untyped nil": nil, "typed nil": (*redis.Client)(nil)} {
+		t.Run(name, func(t *testing.T) {
+			var err error
+			func() {
+				defer func() {
+					if r := recover(); r != nil {
+						err = fmt.Errorf("panic: %v", r)
+					}
+				}()
+				_, err = NewFromRedisConnOpt(context.Background(), connOpt{c}, Config{ConnectAttempts: 1, Logger: quietLogger()})
+			}()
+			if !errors.Is(err, ErrInvalidOption) {
+				t.Fatalf("err = %v, want ErrInvalidOption", err)
+			}
+		})
+	}
+}

@@ -543,3 +543,50 @@ func TestFoldReportsOptionsNotApplied(t *testing.T) {
 		t.Fatalf("a fold without asynq options: %+v %v", res, err)
 	}
 }
+
+// With Reject + RunningDefer, an enqueue that meets a running key whose
+// follow-up waits is refused as a duplicate OF THE FOLLOW-UP (README). The
+// Decision then names the follow-up as TaskID: its FollowUp field must say
+// so ("whether that task is a follow-up").
+func TestOnDecisionMarksADuplicateOfAFollowUp(t *testing.T) {
+	var rec decisions
+	cfg := counterRules(Rule{OnConflict: Reject, OnRunning: RunningDefer})
+	cfg.OnDecision = rec.hook
+	h := newHarness(t, cfg)
+	ctx := context.Background()
+	h.enqueue(counterTask("k", 1, 0))
+	release := make(chan struct{})
+	defer close(release)
+	rc := newRecorder(func(run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	waitFor(t, rc.runs, "first run")
+	d1, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || d1.Outcome != Deferred || !d1.FollowUp {
+		t.Fatalf("defer: %+v %v", d1, err)
+	}
+	_, err = h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) || dup.TaskID != d1.TaskID {
+		t.Fatalf("second enqueue: %v, want a duplicate of the follow-up %s", err, d1.TaskID)
+	}
+	heard := rec.all()
+	last := heard[len(heard)-1]
+	if last.Event != "duplicate" || last.TaskID != d1.TaskID || !last.FollowUp {
+		t.Fatalf("decision %+v: TaskID is the follow-up %s, but FollowUp = %v", last, d1.TaskID, last.FollowUp)
+	}
+}
+
+// Options given to asynq.NewTask are the call's options too: folded into
+// another task, they are not applied, and NotApplied must name them.
+func TestFoldNamesNewTaskOptionsNotApplied(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace}))
+	h.enqueue(counterTask("k", 1, 0))
+	task := asynq.NewTask("counter", counterTask("k", 1, 1).Payload(), asynq.MaxRetry(3))
+	res, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Replaced {
+		t.Fatalf("%+v %v", res, err)
+	}
+	if got := fmt.Sprint(res.NotApplied); got != "[MaxRetry(3)]" {
+		t.Fatalf("NotApplied = %s, want [MaxRetry(3)]: the holder kept its own MaxRetry", got)
+	}
+}

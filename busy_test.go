@@ -3,45 +3,17 @@ package dedup
 import (
 	"context"
 	"errors"
-	"fmt"
 	"testing"
 	"time"
 
 	"github.com/hibiken/asynq"
-	"github.com/redis/go-redis/v9"
 )
 
-// With Reject + RunningDefer, an enqueue that meets a running key whose
-// follow-up waits is refused as a duplicate OF THE FOLLOW-UP (README). The
-// Decision then names the follow-up as TaskID: its FollowUp field must say
-// so ("whether that task is a follow-up").
-func TestOnDecisionMarksADuplicateOfAFollowUp(t *testing.T) {
-	var rec decisions
-	cfg := counterRules(Rule{OnConflict: Reject, OnRunning: RunningDefer})
-	cfg.OnDecision = rec.hook
-	h := newHarness(t, cfg)
-	ctx := context.Background()
-	h.enqueue(counterTask("k", 1, 0))
-	release := make(chan struct{})
-	defer close(release)
-	rc := newRecorder(func(run) error { <-release; return nil })
-	h.serve(rc.handler(), nil)
-	waitFor(t, rc.runs, "first run")
-	d1, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
-	if err != nil || d1.Outcome != Deferred || !d1.FollowUp {
-		t.Fatalf("defer: %+v %v", d1, err)
-	}
-	_, err = h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
-	var dup *DuplicateTaskError
-	if !errors.As(err, &dup) || dup.TaskID != d1.TaskID {
-		t.Fatalf("second enqueue: %v, want a duplicate of the follow-up %s", err, d1.TaskID)
-	}
-	heard := rec.all()
-	last := heard[len(heard)-1]
-	if last.Event != "duplicate" || last.TaskID != d1.TaskID || !last.FollowUp {
-		t.Fatalf("decision %+v: TaskID is the follow-up %s, but FollowUp = %v", last, d1.TaskID, last.FollowUp)
-	}
-}
+// What the middleware does with a task that finds its key held when it
+// starts (busy.go): a task without a lock meets its type's OnBusy (retry,
+// fold, drop); a task locked at enqueue is retried, or superseded when a
+// task of its type took the key later with a newer payload; on its last
+// attempt it is copied rather than archived.
 
 // A busy arrival folded into its holder (BusyFold) is ONE decision: a
 // "busy" one naming the task now carrying its payload. It must not also be
@@ -139,87 +111,6 @@ func TestBusyFoldNeverCrossesTypes(t *testing.T) {
 	}
 	if st := h.taskState(arrival.ID); st != asynq.TaskStateRetry {
 		t.Fatalf("arrival state %v, want retry", st)
-	}
-}
-
-// A duplicate found when the lock moves to the queue the task named in
-// asynq.NewTask is a duplicate like any other: OnDecision hears it
-// ("called for every duplicate").
-func TestRelocatedDuplicateIsHeardByOnDecision(t *testing.T) {
-	var rec decisions
-	h := newHarness(t, Config{OnDecision: rec.hook})
-	first := h.enqueue(userTask(7, "")) // explicit asynq.Queue: not remembered
-	again := asynq.NewTask("user:reindex", userTask(7, "").Payload(), asynq.Queue(h.queue))
-	_, err := h.client.Enqueue(again)
-	var dup *DuplicateTaskError
-	if !errors.As(err, &dup) || dup.TaskID != first.ID {
-		t.Fatalf("enqueue with the queue in NewTask: %v, want a duplicate of %s", err, first.ID)
-	}
-	heard := rec.all()
-	if len(heard) != 1 || heard[0].Event != "duplicate" || heard[0].TaskID != first.ID {
-		t.Fatalf("OnDecision heard %+v, want one duplicate of %s", heard, first.ID)
-	}
-}
-
-// Lookup reads the key an enqueue would take. For a task whose queue comes
-// from asynq.NewTask, another process's enqueue is refused as a duplicate
-// of the holder there; its Lookup must find that holder too, and its
-// Release must not report the held key free.
-func TestLookupHonoursTheQueueInNewTask(t *testing.T) {
-	h := newHarness(t, Config{})
-	ctx := context.Background()
-	task := asynq.NewTask("user:reindex", userTask(9, "").Payload(), asynq.Queue(h.queue))
-	first, err := h.client.Enqueue(task)
-	if err != nil || first.Queue != h.queue {
-		t.Fatalf("first: %+v %v", first, err)
-	}
-	other := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix}) // another process
-	l, found, err := other.d.Lookup(ctx, task)
-	if err != nil || !found || l.Holder != first.ID {
-		// Show what an enqueue from that process does with the same task.
-		_, eerr := other.client.Enqueue(task)
-		t.Fatalf("Lookup: %+v found=%v err=%v; want held by %s (an enqueue of it from the same process: %v)", l, found, err, first.ID, eerr)
-	}
-}
-
-// connOpt is an asynq.RedisConnOpt of the caller's own.
-type connOpt struct{ c any }
-
-func (o connOpt) MakeRedisClient() any { return o.c }
-
-// A RedisConnOpt that makes a nil client is bad input: ErrInvalidOption,
-// not a panic.
-func TestNewFromRedisConnOptWithANilClientIsInvalid(t *testing.T) {
-	for name, c := range map[string]any{"untyped nil": nil, "typed nil": (*redis.Client)(nil)} {
-		t.Run(name, func(t *testing.T) {
-			var err error
-			func() {
-				defer func() {
-					if r := recover(); r != nil {
-						err = fmt.Errorf("panic: %v", r)
-					}
-				}()
-				_, err = NewFromRedisConnOpt(context.Background(), connOpt{c}, Config{ConnectAttempts: 1, Logger: quietLogger()})
-			}()
-			if !errors.Is(err, ErrInvalidOption) {
-				t.Fatalf("err = %v, want ErrInvalidOption", err)
-			}
-		})
-	}
-}
-
-// Options given to asynq.NewTask are the call's options too: folded into
-// another task, they are not applied, and NotApplied must name them.
-func TestFoldNamesNewTaskOptionsNotApplied(t *testing.T) {
-	h := newHarness(t, counterRules(Rule{OnConflict: Replace}))
-	h.enqueue(counterTask("k", 1, 0))
-	task := asynq.NewTask("counter", counterTask("k", 1, 1).Payload(), asynq.MaxRetry(3))
-	res, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue))
-	if err != nil || res.Outcome != Replaced {
-		t.Fatalf("%+v %v", res, err)
-	}
-	if got := fmt.Sprint(res.NotApplied); got != "[MaxRetry(3)]" {
-		t.Fatalf("NotApplied = %s, want [MaxRetry(3)]: the holder kept its own MaxRetry", got)
 	}
 }
 
