@@ -7,10 +7,11 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// Relocation (relocate.go): a lock is taken in the queue the call names,
-// else the one its asynq.NewTask names; when the task lands in another
-// queue (an Enqueuer that changes it), the lock moves there, and the call
-// is made again in that queue with its own policy.
+// Relocation (relocate.go): the lock is taken in the queue the call names,
+// else the one given to asynq.NewTask, else the one tasks of the type last
+// landed in; when an Enqueuer puts the task elsewhere, the task is taken
+// back out and the call is made again in the queue it landed in, with its
+// own policy. A task a worker took first meets its key when it starts.
 
 // A duplicate found when the lock moves to the queue the task named in
 // asynq.NewTask is a duplicate like any other: OnDecision hears it
