@@ -148,3 +148,97 @@ func TestBusyFoldKeepsThePerCallKey(t *testing.T) {
 		}
 	}
 }
+
+// README (Caveats): "a task that meets a busy key at execution on its
+// last attempt is not returned as busy: the middleware schedules a copy of
+// it (same message, new task ID) one Lease later"; (lifecycle) the
+// recovered attempt "then waits for it (busy) and never runs beside it";
+// "Per-call options override the type's rule". A task locked at enqueue on
+// a per-call key whose lock was force-released (Lock API: "the holder, if
+// alive, still runs, and takes the key again when it starts if the key is
+// free") and which meets a newer task of the key on its last attempt is
+// copied; the copy must stay on the key it was enqueued with, and so never
+// run beside the key's running task.
+func TestBusyLastAttemptCopyKeepsItsPerCallKey(t *testing.T) {
+	cases := []struct {
+		name string
+		cfg  Config
+		opt  asynq.Option
+	}{
+		{"per-call Key", Config{heartbeat: (time.Second) / 3}, Key("tenant-7")},
+		{"OptIn with per-call Fields", Config{heartbeat: (time.Second) / 3, OptIn: true}, Fields("key")},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, c.cfg)
+			ctx := context.Background()
+			opts := []asynq.Option{asynq.Queue(h.queue), asynq.MaxRetry(0), c.opt}
+			a, err := h.client.Enqueue(counterTask("k", 1, 1), opts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ok, err := h.d.Release(ctx, counterTask("k", 1, 1), "", opts...); err != nil || !ok {
+				t.Fatalf("forced release: %v %v", ok, err)
+			}
+			b, err := h.client.Enqueue(counterTask("k", 1, 2), opts...)
+			if err != nil {
+				t.Fatalf("new task of the released key: %v", err)
+			}
+			tr := newKeyTracker(func(*asynq.Task) string { return "the key" }, 2)
+			h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4 })
+			t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+			first := waitFor(t, tr.starts, "the key's first run")
+			if first.id != b.ID {
+				t.Fatalf("first run %s (seq %d), want the key's holder %s", first.id, first.seq, b.ID)
+			}
+			select {
+			case r := <-tr.starts:
+				// The copy ran beside the key's running task: the copied work
+				// is not lost, but it ran under another key.
+				t.Errorf("the copy of %s (busy on its last attempt): %s (seq %d) started while %s (seq 2) was still running; overlaps: %v",
+					a.ID, r.id, r.seq, first.id, tr.overlapsSeen())
+				return
+			case <-time.After(4 * time.Second):
+			}
+			tr.open(2)
+			// The copied work is owed, not lost: it runs once the key is free.
+			deadline := time.After(10 * time.Second)
+			for {
+				select {
+				case r := <-tr.starts:
+					if r.seq == 1 {
+						return
+					}
+				case <-deadline:
+					t.Fatalf("the work of %s (seq 1) never ran", a.ID)
+				}
+			}
+		})
+	}
+}
+
+// README: Replace is for "state: only the newest matters … the task
+// that runs must see the newest version"; Release: "the holder, if alive,
+// still runs". With BusyFold, an older task of a force-released key that
+// starts while a newer task of the key waits must not overwrite the newer
+// payload: the key's last run carries the newest payload.
+func TestBusyFoldNeverRunsAnOlderPayloadInsteadOfTheNewest(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnBusy: BusyFold}))
+	ctx := context.Background()
+	h.enqueue(counterTask("k", 1, 1))
+	if ok, err := h.d.Release(ctx, counterTask("k", 1, 1), "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("forced release: %v %v", ok, err)
+	}
+	newest := h.enqueue(counterTask("k", 1, 2))
+	tr := newKeyTracker(counterKeyOf)
+	h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 1 })
+	waitFor(t, tr.ends, "the key runs")
+	eventually(t, "the queue drains", func() bool { return h.queueSize(h.queue) == 0 })
+	tr.mu.Lock()
+	runs := append([]keyRun(nil), tr.done...)
+	tr.mu.Unlock()
+	last := runs[len(runs)-1]
+	if last.seq != 2 {
+		t.Fatalf("runs %+v: the key's last run carried seq %d, want the newest (seq 2, enqueued as %s)", runs, last.seq, newest.ID)
+	}
+}

@@ -1126,3 +1126,170 @@ func TestRollbackFreesTheWaitingSlot(t *testing.T) {
 		t.Fatalf("the refused enqueue kept its waiting slot: %v", err)
 	}
 }
+
+// A caller-chosen ID of the library's own form is refused; one only shaped
+// like it (the earlier layout's dd-<fingerprint>-<random>, copied from an
+// old TaskInfo) is a caller's ID like any: its task runs under its key, and
+// another, never enqueued, key stays free.
+func TestCallerIDShapedLikeAnOldLibraryIDIsTheCallers(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{}))
+	ctx := context.Background()
+	if _, err := h.client.Enqueue(counterTask("b", 1, 1), asynq.Queue(h.queue), asynq.TaskID(store.NewPlainID())); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("caller-chosen ID of the library's own form: %v, want ErrInvalidOption", err)
+	}
+	keyA := h.keyOf(counterTask("a", 1, 1), h.queue)
+	own := "dd-" + fpOfLock(keyA) + "-0123456789abcdef0123"
+	info := h.enqueue(counterTask("b", 1, 1), asynq.TaskID(own))
+	if info.ID != own {
+		t.Fatalf("caller-chosen ID not honoured: %s", info.ID)
+	}
+	tr := newKeyTracker(counterKeyOf, 1)
+	h.serve(tr.handler(nil), nil)
+	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	waitFor(t, tr.starts, "key b runs")
+	if l, found, err := h.d.Lookup(ctx, counterTask("b", 1, 1), asynq.Queue(h.queue)); err != nil || !found || l.State != "running" {
+		t.Errorf("key b's lock while its task runs: %+v found=%v err=%v, want running", l, found, err)
+	}
+	if _, err := h.client.Submit(ctx, counterTask("a", 1, 2), asynq.Queue(h.queue)); err != nil {
+		t.Errorf("key a was never enqueued, but its first enqueue got: %v", err)
+	}
+}
+
+// README: "*dedup.Client has Enqueue, EnqueueContext, Close and Ping, as
+// *asynq.Client does"; Skip: "off … no lock at enqueue or at execution";
+// OptIn: "only deduplicate types with a rule". Where deduplication is off,
+// a task ID given to asynq.NewTask must keep asynq's meaning: the task is
+// stored under it, and a second enqueue of that ID is refused with
+// asynq.ErrTaskIDConflict, as asynq's own client does.
+func TestNewTaskIDHonouredWhereDedupIsOff(t *testing.T) {
+	cases := []struct {
+		name string
+		cfg  Config
+		opts []asynq.Option
+	}{
+		{"Skip", Config{}, []asynq.Option{Skip()}},
+		{"OptIn, type without a rule", Config{OptIn: true}, nil},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, c.cfg)
+			id := "order-" + uniq(t)
+			task := asynq.NewTask("a6:plain", []byte(`{"n":1}`), asynq.TaskID(id), asynq.Queue(h.queue))
+			// What asynq's own client does with it, in another queue.
+			other := asynq.NewTask("a6:plain", []byte(`{"n":1}`), asynq.TaskID(id), asynq.Queue(h.queue+"-asynq"))
+			if _, err := h.asynq.Enqueue(other); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := h.asynq.Enqueue(other); !errors.Is(err, asynq.ErrTaskIDConflict) {
+				t.Fatalf("asynq's client, same ID again: %v", err)
+			}
+			info, err := h.client.Enqueue(task, c.opts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if info.ID != id {
+				t.Errorf("stored under ID %q, want NewTask's %q", info.ID, id)
+			}
+			if _, err := h.client.Enqueue(task, c.opts...); !errors.Is(err, asynq.ErrTaskIDConflict) {
+				t.Errorf("same NewTask ID again: err = %v, want asynq.ErrTaskIDConflict (as *asynq.Client)", err)
+			}
+			if n := h.queueSize(h.queue); n != 1 {
+				t.Errorf("%d tasks stored for one task ID", n)
+			}
+		})
+	}
+}
+
+// README: "asynq refuses the enqueue → given back, owner-checked";
+// "once no task with an ID exists the ID can be used again … as asynq's
+// own client allows" (so while its record exists, it cannot); the matrix:
+// after "SkipRetry → archived", a second enqueue of the key gets "new task".
+// Re-enqueueing under the ID of an archived task (same payload) must be
+// refused as asynq refuses it (both paths alike), and must leave the key
+// free for the next enqueue.
+func TestReEnqueueUnderAnArchivedTasksIDIsRefusedLikeAsynq(t *testing.T) {
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		id := "job-" + uniq(t)
+		key := h.keyOf(counterTask("k", 1, 1), h.queue)
+		tr := newKeyTracker(counterKeyOf)
+		h.serve(tr.handler(func(r keyRun) error {
+			if r.seq == 1 {
+				return fmt.Errorf("bad input: %w", asynq.SkipRetry)
+			}
+			return nil
+		}), nil)
+		h.enqueue(counterTask("k", 1, 1), asynq.TaskID(id))
+		// (An archived task keeps its lock, orphaned: the key's next enqueue heals it.)
+		eventually(t, "the task is archived and its key orphaned", func() bool {
+			return h.taskState(id) == asynq.TaskStateArchived && h.lockState(key) == store.LockOrphaned
+		})
+		res, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID(id))
+		if !errors.Is(err, asynq.ErrTaskIDConflict) {
+			t.Errorf("re-enqueue under the archived task's ID: %+v (state %v), %v; want asynq.ErrTaskIDConflict, as asynq's client answers",
+				res, stateOf(res), err)
+		}
+		if st := h.lockState(key); st != "" && st != store.LockOrphaned {
+			t.Errorf("the refused re-enqueue left a lock %s (held by %s)", st, h.lockOwner(key))
+		}
+		if _, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue)); err != nil {
+			t.Errorf("next enqueue of the key after its task was archived: %v, want a new task", err)
+		}
+	})
+}
+
+func stateOf(res Result) string {
+	if res.Info == nil || res.Info.State == 0 {
+		return "-"
+	}
+	return res.Info.State.String()
+}
+
+// README: "one Lua script takes the lock or returns the holder: never an
+// empty holder". Many goroutines enqueue one new key at once, on both
+// paths: exactly one task, and every other call names it.
+func TestConcurrentFirstEnqueuesMakeOneTaskOnBothPaths(t *testing.T) {
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		const n = 32
+		var (
+			wg      sync.WaitGroup
+			mu      sync.Mutex
+			created []string
+			holders = map[string]int{}
+			other   []error
+		)
+		start := make(chan struct{})
+		for i := range n {
+			wg.Go(func() {
+				<-start
+				res, err := h.client.Submit(ctx, counterTask("k", 1, i), asynq.Queue(h.queue))
+				mu.Lock()
+				defer mu.Unlock()
+				var dup *DuplicateTaskError
+				switch {
+				case err == nil:
+					created = append(created, res.TaskID)
+				case errors.As(err, &dup):
+					holders[dup.TaskID]++
+				default:
+					other = append(other, err)
+				}
+			})
+		}
+		close(start)
+		wg.Wait()
+		if len(other) > 0 {
+			t.Errorf("unexpected errors: %v", other)
+		}
+		if len(created) != 1 {
+			t.Fatalf("created %v, want exactly one task", created)
+		}
+		if len(holders) != 1 || holders[created[0]] != n-1 {
+			t.Errorf("duplicates named %v, want %s %d times", holders, created[0], n-1)
+		}
+		if q := h.queueSize(h.queue); q != 1 {
+			t.Errorf("%d tasks stored", q)
+		}
+	})
+}

@@ -472,3 +472,28 @@ func TestDebounceCallerIDTaskRunsUnderItsOwnLock(t *testing.T) {
 		t.Fatalf("after the run succeeded: %+v %v, want a new task", res, err)
 	}
 }
+
+// README: "A folded call's payload lands in a task that keeps its own
+// asynq options: Result.NotApplied names the call's options that were not
+// applied (ProcessIn, …)"; Debounce "makes a new task due d after its
+// enqueue, and every enqueue folded into it … moves its due time". A
+// per-call Debounce folded into a task that was scheduled for later on
+// purpose (ProcessIn, no debounce) must not pull it earlier than it was
+// due.
+func TestDebounceFoldNeverPullsAScheduledTaskEarlier(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"a6:sync": {Fields: []string{"user_id"}, OnConflict: Replace}}})
+	ctx := context.Background()
+	holder := h.enqueue(profileSync("a6:sync", 1, 1), asynq.ProcessIn(time.Hour))
+	res, err := h.client.Submit(ctx, profileSync("a6:sync", 1, 2), asynq.Queue(h.queue), Debounce(2*time.Second))
+	if err != nil || res.Outcome != Replaced || res.TaskID != holder.ID {
+		t.Fatalf("%+v %v, want Replaced into %s", res, err, holder.ID)
+	}
+	ti, err := h.insp.GetTaskInfo(h.queue, holder.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ti.NextProcessAt.Before(holder.NextProcessAt.Add(-time.Second)) {
+		t.Errorf("the task scheduled for %v (ProcessIn 1h) is now due at %v: a fold's Debounce pulled it %v earlier",
+			holder.NextProcessAt.Format(time.TimeOnly), ti.NextProcessAt.Format(time.TimeOnly), holder.NextProcessAt.Sub(ti.NextProcessAt).Round(time.Second))
+	}
+}

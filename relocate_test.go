@@ -1,6 +1,7 @@
 package dedup
 
 import (
+	"context"
 	"errors"
 	"testing"
 
@@ -29,5 +30,40 @@ func TestRelocatedDuplicateIsHeardByOnDecision(t *testing.T) {
 	heard := rec.all()
 	if len(heard) != 1 || heard[0].Event != "duplicate" || heard[0].TaskID != first.ID {
 		t.Fatalf("OnDecision heard %+v, want one duplicate of %s", heard, first.ID)
+	}
+}
+
+// README: Replace "writes the new payload into the waiting task"; "a
+// newer payload for a waiting task: replaced … in place"; lifecycle:
+// "Enqueue, key held by a live task → … (with Replace/Merge/Defer: the
+// payload is folded in)". A second process whose Enqueuer puts the task in
+// another queue than the lock's first guess still replaces the payload of
+// the key's waiting task there, rather than getting a duplicate.
+func TestRelocatedReplaceStillReplaces(t *testing.T) {
+	cfg := counterRules(Rule{OnConflict: Replace})
+	h := newHarness(t, cfg)
+	ctx := context.Background()
+	cfg.Prefix, cfg.Logger = h.prefix, quietLogger()
+	d2, err := New(ctx, h.rdb, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d2.Close() })
+	c1 := h.d.WrapClient(queueMover{c: h.asynq, q: h.queue})
+	c2 := d2.WrapClient(queueMover{c: h.asynq, q: h.queue})
+	first, err := c1.Submit(ctx, counterTask("k", 1, 1))
+	if err != nil || first.Outcome != Created {
+		t.Fatalf("first: %+v %v", first, err)
+	}
+	res, err := c2.Submit(ctx, counterTask("k", 1, 2))
+	if err != nil || res.Outcome != Replaced || res.TaskID != first.TaskID {
+		t.Errorf("a newer payload of the waiting key from another process: %+v, %v; want Replaced into %s", res, err, first.TaskID)
+	}
+	ti, err := h.insp.GetTaskInfo(h.queue, first.TaskID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := decodeCounter(asynq.NewTask("counter", ti.Payload)).Seq; s != 2 {
+		t.Errorf("waiting task carries seq %d, want the newest, 2", s)
 	}
 }

@@ -860,3 +860,180 @@ func TestAllowedTaskRetriesWhateverHoldsItsKey(t *testing.T) {
 		})
 	}
 }
+
+// README: "a server whose Config.Prefix differs from the producer's
+// follows the producer's lock"; RunningDefer: one follow-up, queued when
+// the run ends, never two runs at once. A server of another prefix (and no
+// rules) runs a Replace + RunningDefer key of a producer.
+func TestServerWithAnotherPrefixHandsTheFollowUpOver(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	ctx := context.Background()
+	ds, err := New(ctx, h.rdb, Config{Prefix: h.prefix + "-srv", Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ds.Close() })
+	tr := newKeyTracker(counterKeyOf, 1)
+	serveWith(t, h.rdb, ds, h.queue, tr.handler(nil), nil)
+	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	holder := h.enqueue(counterTask("k", 1, 1))
+	waitFor(t, tr.starts, "the holder runs")
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("enqueue during the run: %+v %v, want Deferred behind %s", res, err, holder.ID)
+	}
+	res3, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+	if err != nil || res3.Outcome != Replaced || res3.TaskID != res.TaskID {
+		t.Fatalf("second enqueue during the run: %+v %v, want Replaced into the follow-up %s", res3, err, res.TaskID)
+	}
+	tr.open(1)
+	r := waitFor(t, tr.ends, "the holder ends")
+	if r.id != holder.ID {
+		t.Fatalf("first end %s, want the holder", r.id)
+	}
+	r = waitFor(t, tr.ends, "the follow-up runs")
+	if r.id != res.TaskID || r.seq != 3 {
+		t.Errorf("after the holder: %s with seq %d, want the follow-up %s with seq 3", r.id, r.seq, res.TaskID)
+	}
+	eventually(t, "the queue drains", func() bool { return h.queueSize(h.queue) == 0 })
+	if o := tr.overlapsSeen(); len(o) > 0 {
+		t.Errorf("overlaps: %v", o)
+	}
+	eventually(t, "no lock is left", func() bool { return len(h.locks()) == 0 })
+}
+
+// README: "RunningDefer never runs two tasks of a key at once. … When
+// the run ends … the follow-up is queued"; SkipBusy/BusyDrop is for "tasks
+// that arrive without a lock". An operator who runs the parked follow-up
+// now (Inspector.RunTask, asynqmon's "run") while its holder runs must not
+// lose the newest payload, whatever the busy policy.
+func TestRunNowOnAFollowUpKeepsTheNewestPayload(t *testing.T) {
+	for _, skipBusy := range []bool{false, true} {
+		t.Run(fmt.Sprintf("SkipBusy=%v", skipBusy), func(t *testing.T) {
+			cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+			cfg.SkipBusy = skipBusy
+			h := newHarness(t, cfg)
+			ctx := context.Background()
+			tr := newKeyTracker(counterKeyOf, 1)
+			h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 2 })
+			t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+			h.enqueue(counterTask("k", 1, 1))
+			waitFor(t, tr.starts, "the holder runs")
+			res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+			if err != nil || res.Outcome != Deferred {
+				t.Fatalf("%+v %v, want a follow-up", res, err)
+			}
+			if err := h.insp.RunTask(h.queue, res.TaskID); err != nil {
+				t.Fatalf("run the follow-up now: %v", err)
+			}
+			eventually(t, "the follow-up was picked up", func() bool {
+				s := h.taskState(res.TaskID)
+				return s != asynq.TaskStatePending && s != asynq.TaskStateScheduled && s != asynq.TaskStateActive
+			})
+			if o := tr.overlapsSeen(); len(o) > 0 {
+				t.Errorf("overlaps: %v", o)
+			}
+			tr.open(1)
+			deadline := time.After(6 * time.Second)
+			for {
+				select {
+				case r := <-tr.ends:
+					if r.seq == 2 {
+						return
+					}
+				case <-deadline:
+					t.Fatalf("the newest payload (seq 2, follow-up %s) never ran; follow-up state %v (busy counted %d)", res.TaskID, taskStateName(h, res.TaskID), h.d.Stats().Busy)
+				}
+			}
+		})
+	}
+}
+
+// Three modes at once. README (combinations): "every other mix … works
+// … Cooldown + Debounce: the debounced task's success cools the key"; "a
+// RunningDefer follow-up counts"; MaxPending: "enqueues folded into keys
+// already waiting always pass"; entries "leave when their task starts".
+func TestDebounceCooldownAndMaxPendingTogether(t *testing.T) {
+	const typ = "a6:sync"
+	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace,
+		Debounce: time.Second, Cooldown: time.Hour, MaxPending: 1}}})
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	q := asynq.Queue(h.queue)
+	tr := newKeyTracker(func(t *asynq.Task) string {
+		var p struct {
+			UserID int `json:"user_id"`
+		}
+		_ = json.Unmarshal(t.Payload(), &p)
+		return fmt.Sprint(p.UserID)
+	})
+	h.serve(tr.handler(nil), nil)
+	r1, err := h.client.Submit(ctx, profileSync(typ, 1, 1), q)
+	if err != nil || r1.Outcome != Created {
+		t.Fatalf("first: %+v %v", r1, err)
+	}
+	if r, err := h.client.Submit(ctx, profileSync(typ, 1, 2), q); err != nil || r.Outcome != Replaced || r.TaskID != r1.TaskID {
+		t.Fatalf("fold: %+v %v", r, err)
+	}
+	if _, err := h.client.Submit(ctx, profileSync(typ, 2, 1), q); !errors.Is(err, ErrTooManyPending) {
+		t.Fatalf("second key while one waits (MaxPending 1): %v, want ErrTooManyPending", err)
+	}
+	run := waitFor(t, tr.ends, "the debounced task runs")
+	if run.id != r1.TaskID || run.seq != 2 {
+		t.Fatalf("ran %s seq %d, want %s with seq 2", run.id, run.seq, r1.TaskID)
+	}
+	eventually(t, "the key cools down", func() bool {
+		_, err := h.client.Submit(ctx, profileSync(typ, 1, 3), q)
+		var dup *DuplicateTaskError
+		return errors.As(err, &dup) && dup.CoolingDown && dup.TaskID == r1.TaskID
+	})
+	if r, err := h.client.Submit(ctx, profileSync(typ, 2, 1), q); err != nil || r.Outcome != Created {
+		t.Fatalf("another key once the first ran (its slot left when it started): %+v %v", r, err)
+	}
+	if l, found, err := h.d.Lookup(ctx, profileSync(typ, 1, 9), q); err != nil || !found || l.State != "cooling" {
+		t.Errorf("Lookup of the cooling key: %+v %v %v", l, found, err)
+	}
+}
+
+// README (matrix): "the Inspector runs a scheduled task → runs now";
+// RunningDefer: "After a failure with retries left it waits for the retry,
+// so the newest payload still runs last". An operator runs a holder that
+// waits for its retry (with a follow-up owed) now: the holder's retry runs,
+// then the follow-up, never at once, and the newest payload last.
+func TestRunNowOnARetryingHolderThenItsFollowUp(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	ctx := context.Background()
+	tr := newKeyTracker(counterKeyOf, 1)
+	h.serve(tr.handler(func(r keyRun) error {
+		if r.seq == 1 && r.retry == 0 {
+			return errors.New("flaky")
+		}
+		return nil
+	}), retryInAnHour)
+	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	holder := h.enqueue(counterTask("k", 1, 1))
+	waitFor(t, tr.starts, "the holder runs")
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("%+v %v, want a follow-up", res, err)
+	}
+	tr.open(1)
+	eventually(t, "the holder waits for its retry", func() bool { return h.taskState(holder.ID) == asynq.TaskStateRetry })
+	if r, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue)); err != nil || r.TaskID != res.TaskID {
+		t.Fatalf("enqueue during the retry wait: %+v %v, want folded into the follow-up %s", r, err, res.TaskID)
+	}
+	if err := h.insp.RunTask(h.queue, holder.ID); err != nil {
+		t.Fatal(err)
+	}
+	var ends []keyRun
+	for len(ends) < 3 {
+		ends = append(ends, waitFor(t, tr.ends, "runs"))
+	}
+	if ends[1].id != holder.ID || ends[1].err != nil || ends[2].id != res.TaskID || ends[2].seq != 3 {
+		t.Fatalf("runs %+v: want the holder's retry, then the follow-up %s with seq 3", ends, res.TaskID)
+	}
+	if o := tr.overlapsSeen(); len(o) > 0 {
+		t.Errorf("overlaps: %v", o)
+	}
+	eventually(t, "no lock is left", func() bool { return len(h.locks()) == 0 })
+}
