@@ -242,3 +242,138 @@ func TestBusyFoldNeverRunsAnOlderPayloadInsteadOfTheNewest(t *testing.T) {
 		t.Fatalf("runs %+v: the key's last run carried seq %d, want the newest (seq 2, enqueued as %s)", runs, last.seq, newest.ID)
 	}
 }
+
+// README (tasks that arrive without a lock): "BusyRetry (default: a
+// *BusyError matching ErrKeyBusy, retried later without using up retries
+// …; never archived for being busy)"; Caveats: "a task that meets a busy
+// key at execution on its last attempt is not returned as busy: the
+// middleware schedules a copy of it (same message, new task ID) one Lease
+// later. Code that tracks such a task by its ID sees it completed and the
+// copy run." A Scheduler firing (no lock) of a Replace type carries a newer
+// payload than the waiting holder it meets, on its last attempt: its copy
+// must still run once the key is free — not be thrown away as
+// "superseded", which is meant for a task whose lock a newer task took.
+func TestBusyLastAttemptCopyOfAnArrivalStillRuns(t *testing.T) {
+	cfg := counterRules(Rule{OnConflict: Replace})
+	cfg.heartbeat = (time.Second) / 3 // the copy comes due one Lease later
+	h := newHarness(t, cfg)
+	tr := newSeqTracker()
+	h.serve(tr.handler(), nil)
+	holder := h.enqueue(counterTask("k", 1, 1), asynq.ProcessIn(time.Hour))
+	if _, err := h.asynq.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.MaxRetry(0)); err != nil {
+		t.Fatal(err)
+	}
+	// The arrival meets the waiting holder (busy, copied), then its copy
+	// meets it too, a Lease later.
+	eventually(t, "the arrival's copy meets the key", func() bool { s := h.d.Stats(); return s.Busy >= 2 || s.Superseded >= 1 })
+	if err := h.insp.RunTask(h.queue, holder.ID); err != nil {
+		t.Fatal(err)
+	}
+	if r := waitSeqStart(tr, 2, 8*time.Second); r == nil {
+		s := h.d.Stats()
+		t.Fatalf("the arrival's newer payload (seq 2) never ran after the holder %s (seq 1): its last-attempt copy was dropped (busy %d, superseded %d); runs: %+v",
+			holder.ID, s.Busy, s.Superseded, tr.runs())
+	}
+}
+
+// README (lifecycle): "a task locked at enqueue finds its key held by
+// another task (its lock was released, or expired) → its type's OnBusy, as
+// for a task without a lock, except: a Replace type's does not run
+// (superseded: the other task took the key later and carries the newer
+// payload)"; Caveats: "Replace, Merge and Defer fold a payload only into a
+// task of its own type: with a shared key another type's holder makes the
+// call a duplicate". A task of another type that took a shared key carries
+// none of this type's payload: the released task must not be dropped as
+// superseded by it.
+func TestBusySupersededOnlyByATaskThatCarriesItsPayload(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{
+		"a7:state": {Key: "tenant-7", Shared: true, OnConflict: Replace},
+		"a7:other": {Key: "tenant-7", Shared: true},
+	}})
+	ctx := context.Background()
+	mine := h.enqueue(asynq.NewTask("a7:state", []byte(`{"key":"k","seq":1}`)))
+	if ok, err := h.d.Release(ctx, asynq.NewTask("a7:state", nil), "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("Release: %v %v", ok, err)
+	}
+	other := h.enqueue(asynq.NewTask("a7:other", []byte(`{"key":"k","seq":2}`)), asynq.ProcessIn(time.Hour))
+	tr := newSeqTracker()
+	h.serve(tr.handler(), nil)
+	eventually(t, "the released task meets the other type's holder", metKeyHeld(h.d, 1))
+	if err := h.insp.RunTask(h.queue, other.ID); err != nil {
+		t.Fatal(err)
+	}
+	if r := waitSeqStart(tr, 2, 8*time.Second); r == nil {
+		t.Fatalf("the other type's task %s never ran", other.ID)
+	}
+	if r := waitSeqStart(tr, 1, 8*time.Second); r == nil {
+		t.Fatalf("task %s (type a7:state, the only carrier of its payload) never ran: dropped as superseded (superseded %d) by %s, a task of another type",
+			mine.ID, h.d.Stats().Superseded, other.ID)
+	}
+}
+
+// README (When Redis fails): "Fail-open (FailOpen: true): the task is
+// enqueued (or run) without the lock, logged and counted … A fail-open
+// enqueue still carries a dd- ID, so the middleware takes the lock when it
+// starts"; Replace is for "state: only the newest matters". A newer
+// payload enqueued fail-open while an older task of the key waits must not
+// be thrown away as "superseded" when it starts: that older task did not
+// take the key later, and does not carry the newer payload.
+func TestBusyNeverSupersedesAFailOpenNewerPayload(t *testing.T) {
+	cfg := counterRules(Rule{OnConflict: Replace})
+	h := newHarness(t, cfg)
+	ocfg := counterRules(Rule{OnConflict: Replace})
+	ocfg.FailOpen = true
+	proxy, od := proxiedLockStore(t, h, ocfg)
+	producer := od.WrapClient(h.asynq)
+	holder := h.enqueue(counterTask("k", 1, 1), asynq.ProcessIn(time.Hour))
+	proxy.close() // the lock store is down for this producer; asynq is not
+	newer, err := producer.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || od.Stats().FailOpen == 0 {
+		t.Fatalf("fail-open enqueue: %v %v (fail-open %d)", newer, err, od.Stats().FailOpen)
+	}
+	tr := newSeqTracker()
+	h.serve(tr.handler(), nil)
+	eventually(t, "the fail-open task meets the key", metKeyHeld(h.d, 1))
+	if err := h.insp.RunTask(h.queue, holder.ID); err != nil {
+		t.Fatal(err)
+	}
+	if r := waitSeqStart(tr, 1, 8*time.Second); r == nil {
+		t.Fatalf("the holder %s never ran", holder.ID)
+	}
+	if r := waitSeqStart(tr, 2, 8*time.Second); r == nil {
+		t.Fatalf("the newest payload (seq 2, fail-open task %s) never ran: it was dropped as superseded (%d) by the older holder %s (seq 1), which ran last",
+			newer.ID, h.d.Stats().Superseded, holder.ID)
+	}
+}
+
+// README (Lock API): "if another task of the key holds it by then, the
+// holder meets its type's OnBusy as a busy task does (never dropped for a
+// Merge type)". With SkipBusy (BusyDrop for every type), a released Merge
+// task that meets the key's new task must still run its units.
+func TestBusyNeverDropsAReleasedMergeTask(t *testing.T) {
+	cfg := counterRules(Rule{OnConflict: Merge, MergeFunc: addMerge})
+	cfg.SkipBusy = true
+	h := newHarness(t, cfg)
+	ctx := context.Background()
+	h.enqueue(counterTask("k", 1, 1))
+	if ok, err := h.d.Release(ctx, counterTask("k", 0, 0), "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("Release: %v %v", ok, err)
+	}
+	next := h.enqueue(counterTask("k", 2, 2), asynq.ProcessIn(time.Hour))
+	tr := newSeqTracker()
+	h.serve(tr.handler(), nil)
+	eventually(t, "the released task meets the key", metKeyHeld(h.d, 1))
+	if err := h.insp.RunTask(h.queue, next.ID); err != nil {
+		t.Fatal(err)
+	}
+	ok := within(8*time.Second, func() bool {
+		sum := 0
+		for _, r := range tr.runs() {
+			sum += r.n
+		}
+		return sum >= 3
+	})
+	if !ok {
+		t.Fatalf("units run: %+v, want 1 + 2 (the released Merge task was dropped)", tr.runs())
+	}
+}

@@ -1293,3 +1293,50 @@ func TestConcurrentFirstEnqueuesMakeOneTaskOnBothPaths(t *testing.T) {
 		}
 	})
 }
+
+// IDs of the library's own forms (dd-, dx-, df-, dk- and 20 hex digits;
+// da-<fingerprint>-…; a leading '~') are what the middleware reads a task's
+// lock from, so a caller may not choose one: ErrInvalidOption before any
+// lock is taken or task stored, whether given to the call or to
+// asynq.NewTask, on both paths, with Skip() too. Any other ID is the
+// caller's, even one that resembles an old form.
+func TestOwnIDFormsAreRefusedBeforeAnyLock(t *testing.T) {
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		task := counterTask("k", 1, 0)
+		fp := fpOfKey(h.keyOf(task, h.queue))
+		rnd := "0123456789abcdef0123"
+		for _, id := range []string{"dd-" + rnd, "dx-" + rnd, "df-" + rnd, "dk-" + rnd, "da-" + fp + "-" + rnd, "~w1:x"} {
+			for _, viaNewTask := range []bool{false, true} {
+				for _, skip := range []bool{false, true} {
+					tk, opts := task, []asynq.Option{asynq.Queue(h.queue)}
+					if viaNewTask {
+						tk = asynq.NewTask(task.Type(), task.Payload(), asynq.TaskID(id))
+					} else {
+						opts = append(opts, asynq.TaskID(id))
+					}
+					if skip {
+						opts = append(opts, Skip())
+					}
+					if _, err := h.client.Submit(ctx, tk, opts...); !errors.Is(err, ErrInvalidOption) {
+						t.Errorf("caller ID %q (NewTask %v, Skip %v): %v, want ErrInvalidOption", id, viaNewTask, skip, err)
+					}
+					if ls := h.locks(); len(ls) != 0 {
+						t.Fatalf("caller ID %q (NewTask %v, Skip %v): locks taken: %v", id, viaNewTask, skip, ls)
+					}
+				}
+			}
+		}
+		if n := h.queueSize(h.queue); n != 0 {
+			t.Fatalf("%d tasks stored for refused calls", n)
+		}
+		own := "dd-" + fp + "-" + rnd
+		res, err := h.client.Submit(ctx, task, asynq.Queue(h.queue), asynq.TaskID(own))
+		if err != nil || res.TaskID != own {
+			t.Fatalf("an ID of no form of the library's: %+v %v, want it honoured", res, err)
+		}
+		if dup := h.duplicateOf(counterTask("k", 1, 1)); dup.TaskID != own {
+			t.Fatalf("the key is held by %s, want %s", dup.TaskID, own)
+		}
+	})
+}

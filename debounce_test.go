@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -496,4 +497,43 @@ func TestDebounceFoldNeverPullsAScheduledTaskEarlier(t *testing.T) {
 		t.Errorf("the task scheduled for %v (ProcessIn 1h) is now due at %v: a fold's Debounce pulled it %v earlier",
 			holder.NextProcessAt.Format(time.TimeOnly), ti.NextProcessAt.Format(time.TimeOnly), holder.NextProcessAt.Sub(ti.NextProcessAt).Round(time.Second))
 	}
+}
+
+// README (Debounce): "every enqueue folded into it while it is still
+// scheduled moves its due time to d after that enqueue … rounded up: the
+// task never comes due before d has passed since the last fold … A fold
+// never moves a due time earlier (a holder scheduled later by its own
+// ProcessIn keeps it)". Through Merge's compare-and-set path (coalesce).
+func TestDebounceMergeFoldsMoveTheDueTimeOnlyLater(t *testing.T) {
+	rule := Rule{Fields: []string{"key"}, OnConflict: Merge, MergeFunc: addMerge, Debounce: 1500 * time.Millisecond}
+	bothPaths(t, Config{Rules: map[string]Rule{"counter": rule}}, func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		due := func(id string) time.Time {
+			t.Helper()
+			score, err := h.rdb.ZScore(ctx, store.ScheduledKey(h.queue), id).Result()
+			if err != nil {
+				t.Fatalf("%s not scheduled: %v", id, err)
+			}
+			return time.Unix(int64(score), 0)
+		}
+		first := h.enqueue(counterTask("k", 1, 1))
+		for seq := 2; seq <= 4; seq++ {
+			before := time.Now()
+			res, err := h.client.Submit(ctx, counterTask("k", 1, seq), asynq.Queue(h.queue))
+			if err != nil || res.Outcome != Merged || res.TaskID != first.ID {
+				t.Fatalf("fold %d: %+v %v, want Merged into %s", seq, res, err, first.ID)
+			}
+			if d := due(first.ID); d.Before(before.Add(1500 * time.Millisecond)) {
+				t.Fatalf("fold %d at %v: due at %v, earlier than 1.5 s later", seq, before.Format(time.StampMilli), d.Format(time.StampMilli))
+			}
+		}
+		late := h.enqueue(counterTask("late", 1, 1), asynq.ProcessIn(time.Hour), Debounce(time.Hour)) // due in an hour
+		was := due(late.ID)
+		if _, err := h.client.Submit(ctx, counterTask("late", 1, 2), asynq.Queue(h.queue), Debounce(time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		if now := due(late.ID); now.Before(was) {
+			t.Fatalf("a fold with a shorter Debounce moved the due time from %v to %v", was, now)
+		}
+	})
 }

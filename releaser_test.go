@@ -167,3 +167,39 @@ func TestForcedReleaseDuringARetryWaitStillRunsTheNewest(t *testing.T) {
 		}
 	}
 }
+
+// README (Lock API): "A follow-up the lock owes that waits is queued now,
+// as it carries the newest payload (unless the holder is running: its end
+// queues it)." A key released (forced, or owner-checked) while its holder
+// runs with a follow-up owed: when the run ends, the follow-up must be
+// queued then, not left parked for two leases (a minute by default).
+func TestReleaseWhileTheHolderRunsLeavesItsEndToQueueTheFollowUp(t *testing.T) {
+	for _, forced := range []bool{true, false} {
+		t.Run(fmt.Sprintf("forced=%v", forced), func(t *testing.T) {
+			h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+			tr := newSeqTracker(0)
+			h.serve(tr.handler(), nil)
+			t.Cleanup(tr.openAll)
+			ctx := context.Background()
+			first := h.enqueue(counterTask("k", 1, 0))
+			waitFor(t, tr.starts, "the holder runs")
+			res, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+			if err != nil || res.Outcome != Deferred {
+				t.Fatalf("update while running: %+v %v, want Deferred", res, err)
+			}
+			holder := first.ID
+			if forced {
+				holder = ""
+			}
+			if ok, err := h.d.Release(ctx, counterTask("k", 1, 0), holder, asynq.Queue(h.queue)); err != nil || !ok {
+				t.Fatalf("Release(%q): %v %v", holder, ok, err)
+			}
+			tr.open(0)
+			waitFor(t, tr.ends, "the holder's run ends")
+			if r := waitSeqStart(tr, 1, 6*time.Second); r == nil {
+				t.Fatalf("the follow-up %s was not queued when its holder's run ended: %s, due in %v (a Release while the holder ran)",
+					res.TaskID, taskStateName(h, res.TaskID), dueIn(h, res.TaskID))
+			}
+		})
+	}
+}

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -65,5 +67,92 @@ func TestRelocatedReplaceStillReplaces(t *testing.T) {
 	}
 	if s := decodeCounter(asynq.NewTask("counter", ti.Payload)).Seq; s != 2 {
 		t.Errorf("waiting task carries seq %d, want the newest, 2", s)
+	}
+}
+
+// takenFirstEnqueuer is an Enqueuer that puts every task in its own queue and
+// returns only once a worker has taken it (a slow decorator on a busy
+// server): the relocation finds the task gone from the pending list.
+type takenFirstEnqueuer struct {
+	c    *asynq.Client
+	insp *asynq.Inspector
+	q    string
+}
+
+func (m takenFirstEnqueuer) Enqueue(t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
+	return m.EnqueueContext(context.Background(), t, opts...)
+}
+
+func (m takenFirstEnqueuer) EnqueueContext(ctx context.Context, t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
+	info, err := m.c.EnqueueContext(ctx, t, append(append([]asynq.Option(nil), opts...), asynq.Queue(m.q))...)
+	if err != nil {
+		return info, err
+	}
+	within(10*time.Second, func() bool {
+		ti, err := m.insp.GetTaskInfo(m.q, info.ID)
+		return err != nil || ti.State != asynq.TaskStatePending
+	})
+	return info, nil
+}
+
+// README (lifecycle, "task lands in another queue than the lock"): "the
+// task is taken back out before a worker takes it, and the call is made
+// again in that queue … is folded into the key's task there (Replace …).
+// A task a worker took first meets its key when it starts." A Replace call
+// whose task a worker took first in the other queue, where an older task
+// of the key waits, carries the newest payload: it must not be dropped as
+// "superseded" by that older task.
+func TestRelocatedTaskAWorkerTookFirstKeepsTheNewestPayload(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace}))
+	tr := newSeqTracker()
+	h.serve(tr.handler(), nil)
+	holder := h.enqueue(counterTask("k", 1, 1), asynq.ProcessIn(time.Hour)) // waits in the server's queue
+	c := h.d.WrapClient(takenFirstEnqueuer{c: h.asynq, insp: h.insp, q: h.queue})
+	res, err := c.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue+"-asked"))
+	if err != nil {
+		t.Fatalf("Submit: %v", err)
+	}
+	eventually(t, "the relocated task meets the key", metKeyHeld(h.d, 1))
+	if err := h.insp.RunTask(h.queue, holder.ID); err != nil {
+		t.Fatal(err)
+	}
+	if r := waitSeqStart(tr, 1, 8*time.Second); r == nil {
+		t.Fatalf("the holder %s never ran", holder.ID)
+	}
+	if r := waitSeqStart(tr, 2, 8*time.Second); r == nil {
+		t.Fatalf("the newest payload (seq 2, %+v) never ran: dropped as superseded (%d) by the older holder %s", res, h.d.Stats().Superseded, holder.ID)
+	}
+}
+
+// README (lifecycle): the relocated call is made again in the queue its
+// task landed in "with its own policy, as if it had named it: … is folded
+// into the key's task there (Replace …)"; Debounce: "every enqueue folded
+// into it while it is still scheduled moves its due time to d after that
+// enqueue". A debounced Replace whose Enqueuer puts it in the queue where
+// the key's debounced task waits: replaced into that task, whose due time
+// moves to d after this call, and no second task is left behind.
+func TestRelocatedDebouncedReplaceMovesTheDueTime(t *testing.T) {
+	rule := Rule{Fields: []string{"key"}, OnConflict: Replace, Debounce: 3 * time.Second}
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": rule}})
+	ctx := context.Background()
+	holder := h.enqueue(counterTask("k", 1, 1))
+	c := h.d.WrapClient(queueMover{c: h.asynq, q: h.queue})
+	before := time.Now()
+	res, err := c.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue+"-asked"))
+	if err != nil || res.Outcome != Replaced || res.TaskID != holder.ID {
+		t.Fatalf("relocated debounced call: %+v %v, want Replaced into %s", res, err, holder.ID)
+	}
+	score, err := h.rdb.ZScore(ctx, store.ScheduledKey(h.queue), holder.ID).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if due := time.Unix(int64(score), 0); due.Before(before.Add(3 * time.Second)) {
+		t.Fatalf("the debounced task is due at %v, earlier than 3 s after the relocated fold at %v", due.Format(time.StampMilli), before.Format(time.StampMilli))
+	}
+	if n := h.queueSize(h.queue); n != 1 {
+		t.Fatalf("%d tasks in the queue, want 1 (the relocated call's own task taken back out)", n)
+	}
+	if p := decodeCounter(asynq.NewTask("counter", []byte(h.payloadOf(holder.ID)))); p.Seq != 2 {
+		t.Fatalf("the waiting task carries seq %d, want 2", p.Seq)
 	}
 }
