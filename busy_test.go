@@ -3,6 +3,8 @@ package dedup
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -375,5 +377,76 @@ func TestBusyNeverDropsAReleasedMergeTask(t *testing.T) {
 	})
 	if !ok {
 		t.Fatalf("units run: %+v, want 1 + 2 (the released Merge task was dropped)", tr.runs())
+	}
+}
+
+// README (RunningAllow): "A retry that finds the key taken since runs
+// beside a task that waits, and is retried behind one that runs"; (busy)
+// "A task locked at enqueue is never dropped or folded"; Caveats: on its
+// last attempt "the middleware schedules a copy of it … Code that tracks
+// such a task by its ID sees it completed and the copy run". The retry is
+// the task's last attempt (MaxRetry 1) and meets a running holder (a task
+// of another type on a shared key, RunningReject): it must be retried and
+// run once the holder is done, even where its type's OnBusy is BusyDrop.
+func TestRunningAllowLastRetryBehindARunningHolderIsNotDropped(t *testing.T) {
+	for _, maxRetry := range []int{1, 5} {
+		t.Run(fmt.Sprintf("MaxRetry=%d", maxRetry), func(t *testing.T) {
+			var mu sync.Mutex
+			var heard []Decision
+			cfg := Config{heartbeat: (time.Second) / 3, Rules: map[string]Rule{
+				"counter":  {Key: "t8", Shared: true, OnRunning: RunningAllow, OnBusy: BusyDrop},
+				"a8:other": {Key: "t8", Shared: true},
+			}, OnDecision: func(d Decision) { mu.Lock(); heard = append(heard, d); mu.Unlock() }}
+			h := newHarness(t, cfg)
+			h.client = h.d.NewClient()
+			ctx := context.Background()
+			retryGate := make(chan struct{})
+			tr := newAttemptTracker(func(r trackedAttempt) error {
+				if r.seq == 1 && r.retry == 0 {
+					return errors.New("first attempt fails")
+				}
+				return nil
+			})
+			tr.gate(2, 0)
+			t.Cleanup(tr.openAll)
+			var once sync.Once
+			h.serve(tr.handler(), func(c *asynq.Config) {
+				c.RetryDelayFunc = func(n int, err error, _ *asynq.Task) time.Duration {
+					if IsFailure(err) {
+						once.Do(func() { <-retryGate })
+					}
+					return 100 * time.Millisecond
+				}
+			})
+			first := h.enqueue(counterTask("k", 1, 1), asynq.MaxRetry(maxRetry))
+			waitFor(t, tr.starts, "the first attempt")
+			// The key is free while the first waits for its retry: a task of
+			// another type takes it, and runs (held).
+			second, err := h.client.Submit(ctx, asynq.NewTask("a8:other", []byte(`{"key":"k","seq":2}`)), asynq.Queue(h.queue))
+			if err != nil || second.Outcome != Created {
+				t.Fatalf("second: %+v %v", second, err)
+			}
+			if r := waitAttemptOf(tr.starts, 2, 10*time.Second); r == nil {
+				t.Fatal("the second never ran")
+			}
+			close(retryGate)
+			eventually(t, "the retry meets the running holder", func() bool { return h.d.Stats().Busy >= 1 })
+			if maxRetry == 1 {
+				// The last-attempt copy (due one Lease later) meets the
+				// still-running holder too.
+				eventually(t, "the copy meets the running holder", func() bool { return h.d.Stats().Busy >= 2 })
+			}
+			tr.open(2, 0)
+			if r := waitAttemptOf(tr.starts, 1, 10*time.Second); r == nil {
+				s := h.d.Stats()
+				mu.Lock()
+				defer mu.Unlock()
+				t.Fatalf("the work of %s (seq 1, accepted at enqueue, RunningAllow) never ran again after it met the running holder %s: busy %d; decisions %+v",
+					first.ID, second.TaskID, s.Busy, heard)
+			}
+			if o := tr.overlapsSeen(); len(o) > 0 {
+				t.Fatalf("overlaps: %v", o)
+			}
+		})
 	}
 }
