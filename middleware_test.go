@@ -525,6 +525,9 @@ func TestBusyPolicyPerType(t *testing.T) {
 	}
 }
 
+// ---- the worker's fast path (the begin and done scripts) for tasks
+// NewClient locked at enqueue ----
+
 // trackedAttempt is one handler run.
 type trackedAttempt struct {
 	id    string
@@ -646,9 +649,6 @@ func lookupState(t *testing.T, h *harness, task *asynq.Task, opts ...asynq.Optio
 	}
 	return l.State + ":" + l.Holder
 }
-
-// ---- the worker's fast path (the begin and done scripts) for tasks
-// NewClient locked at enqueue ----
 
 // README (lock lifecycle; Benchmarks, "Worker side"): a task locked at
 // enqueue by NewClient runs through begin/done; the lock must be held
