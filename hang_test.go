@@ -306,3 +306,31 @@ func TestLookupReleaseAndPingAreBoundedByLockTimeoutWhileRedisHangs(t *testing.T
 		}
 	}
 }
+
+// README (Failure modes): a hung lock store never fails a task, and a plain
+// task's key needs no call of the library's to be freed: asynq's own done
+// script, which marks the task done, deletes the lock its record names.
+func TestHungLockStoreStillFreesAPlainTasksKeyAtSuccess(t *testing.T) {
+	h := newDirectHarness(t, Rule{})
+	ctx := context.Background()
+	proxy, sd := proxiedLockStore(t, h, Config{Rules: counterRules(Rule{}).Rules})
+	started, gate := make(chan string, 1), make(chan struct{})
+	serveRaw(t, h.rdb, h.queue, sd.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started <- id
+		<-gate
+		return nil
+	})), nil)
+	a := h.enqueue(counterTask("k", 1, 1))
+	requirePlainID(t, a.ID)
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	waitFor(t, started, "A runs")
+	proxy.stall() // the worker's lock store hangs
+	t.Cleanup(proxy.resume)
+	close(gate)
+	eventually(t, "A completed in asynq", func() bool { return h.taskState(a.ID) == 0 })
+	eventually(t, "A's key freed by asynq", func() bool { return h.rdb.Exists(ctx, key).Val() == 0 })
+	if st := sd.Stats(); st.RedisErrors != 0 {
+		t.Errorf("stats %+v: a plain task's end made a call to the hung lock store", st)
+	}
+}

@@ -810,3 +810,71 @@ func TestRunningAllowFreesTheKeyForARetry(t *testing.T) {
 		t.Errorf("enqueue while the RunningAllow task's retry runs: %+v %v; want a new task (the key frees when the task starts)", res, err)
 	}
 }
+
+// README (When the key is already taken): RunningDefer "never runs two
+// tasks of a key at once. The first enqueue that meets a running key creates
+// one follow-up task, and later ones are folded into it … When the run ends
+// — success, revoke, or final failure — the follow-up is queued and takes
+// the lock". For a task NewClient stored with its lock, whose attempt began
+// before the follow-up was made: its end, however it ends, hands the key to
+// the follow-up, which runs last with the newest payload; every lock is
+// started and released once, none lost.
+func TestDeferFollowUpMadeDuringADirectTasksRunGetsTheKey(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		end  error
+	}{
+		{"success", nil},
+		{"RevokeTask", asynq.RevokeTask},
+		{"SkipRetry", fmt.Errorf("no: %w", asynq.SkipRetry)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
+			ctx := context.Background()
+			tr := newKeyTracker(counterKeyOf, 1)
+			t.Cleanup(tr.openAll)
+			serveWith(t, h.rdb, h.d, h.queue, tr.handler(func(r keyRun) error {
+				if r.seq == 1 {
+					return tc.end
+				}
+				return nil
+			}), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+			a := h.enqueue(counterTask("k", 1, 1))
+			requirePlainID(t, a.ID)
+			key := h.keyOf(counterTask("k", 1, 1), h.queue)
+			waitFor(t, tr.starts, "A runs")
+			if owner := h.lockOwner(key); owner != a.ID {
+				t.Fatalf("A runs, its key held by %q", owner)
+			}
+			r2, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+			if err != nil || r2.Outcome != Deferred {
+				t.Fatalf("enqueue while A runs: %+v, %v; want Deferred", r2, err)
+			}
+			r3, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+			if err != nil || r3.TaskID != r2.TaskID {
+				t.Fatalf("second enqueue while A runs: %+v, %v; want folded into %s", r3, err, r2.TaskID)
+			}
+			tr.open(1)
+			waitFor(t, tr.ends, "A ends")
+			next := waitFor(t, tr.starts, "the follow-up runs")
+			if next.id != r2.TaskID || next.seq != 3 {
+				t.Fatalf("after A ran %s seq %d, want the follow-up %s with seq 3", next.id, next.seq, r2.TaskID)
+			}
+			waitFor(t, tr.ends, "the follow-up ends")
+			eventually(t, "the key free after the follow-up", func() bool {
+				return h.rdb.Exists(ctx, key).Val() == 0 && h.rdb.Exists(ctx, modeKeyOf(key)).Val() == 0
+			})
+			if ov := tr.overlapsSeen(); len(ov) > 0 {
+				t.Fatalf("overlaps: %v", ov)
+			}
+			if st := h.d.Stats(); st.LockLost != 0 || st.Started != 2 || st.Released != 2 {
+				t.Fatalf("stats %+v: want 2 started, 2 released, none lost", st)
+			}
+			select {
+			case r := <-tr.starts:
+				t.Fatalf("unexpected run %+v", r)
+			default:
+			}
+		})
+	}
+}

@@ -203,3 +203,36 @@ func TestReleaseWhileTheHolderRunsLeavesItsEndToQueueTheFollowUp(t *testing.T) {
 		})
 	}
 }
+
+// README (Lock lifecycle): "success | released"; (Diagnostics) the counters
+// count each event once. Many attempts ending at once share release calls:
+// every lock is released once, counted once, none lost, and every key takes
+// a new task at once.
+func TestBatchedReleasesCountEachOnceAndFreeEveryKey(t *testing.T) {
+	const n = 300
+	h := newDirectHarness(t, Rule{})
+	ended := make(chan string, 2*n)
+	h.serve(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		ended <- id
+		return nil
+	}, func(c *asynq.Config) { c.Concurrency = 100 })
+	for i := range n {
+		h.enqueue(counterTask(fmt.Sprint("k", i), 1, i))
+	}
+	for range n {
+		waitFor(t, ended, "every task runs")
+	}
+	eventually(t, "every release counted", func() bool { return h.d.Stats().Released >= n })
+	if st := h.d.Stats(); st.Started != n || st.Processed != n || st.Released != n || st.LockLost != 0 || st.Held != 0 {
+		t.Fatalf("stats %+v; want %d started, processed, released", st, n)
+	}
+	if left := len(h.locks()); left != 0 {
+		t.Fatalf("%d locks left", left)
+	}
+	for i := range n {
+		if _, err := h.client.Enqueue(counterTask(fmt.Sprint("k", i), 1, n+i), asynq.Queue(h.queue)); err != nil {
+			t.Fatalf("key %d after its task succeeded: %v", i, err)
+		}
+	}
+}
