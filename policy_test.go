@@ -878,3 +878,43 @@ func TestDeferFollowUpMadeDuringADirectTasksRunGetsTheKey(t *testing.T) {
 		})
 	}
 }
+
+// README (Lock lifecycle): "success | released, … — or, with a
+// follow-up owed (RunningDefer), handed to it and the follow-up queued";
+// (Diagnostics) counters count each event once.
+//
+// A follow-up made while the holder runs: the holder's end (RunningDefer:
+// one settle call) must hand the key over and queue the follow-up; every
+// release counted once.
+func TestDeferFollowUpQueuedByTheHoldersBatchedRelease(t *testing.T) {
+	h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	gate := make(chan struct{})
+	started := make(chan int, 4)
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		seq := decodeCounter(task).Seq
+		started <- seq
+		if seq == 1 {
+			<-gate
+		}
+		return nil
+	}, nil)
+	a := h.enqueue(counterTask("k", 1, 1))
+	requirePlainID(t, a.ID)
+	if seq := waitFor(t, started, "A runs"); seq != 1 {
+		t.Fatalf("ran %d first", seq)
+	}
+	b, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatalf("enqueue while A runs (RunningDefer): %v", err)
+	}
+	close(gate)
+	if seq := waitFor(t, started, "the follow-up runs"); seq != 2 {
+		t.Fatalf("ran %d after A, want the follow-up (2)", seq)
+	}
+	eventually(t, "both releases counted", func() bool { return h.d.Stats().Released >= 2 })
+	if st := h.d.Stats(); st.Released != 2 || st.LockLost != 0 || st.RedisErrors != 0 || st.Started != 2 {
+		t.Errorf("stats %+v; want 2 started and released, no loss, no errors", st)
+	}
+	eventually(t, "no lock left", func() bool { return len(h.locks()) == 0 })
+	t.Logf("A %s, follow-up %s", a.ID, b.ID)
+}
