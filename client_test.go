@@ -1340,3 +1340,65 @@ func TestOwnIDFormsAreRefusedBeforeAnyLock(t *testing.T) {
 		}
 	})
 }
+
+// Under OptIn a type with no rule keeps asynq's task ID, and "A server
+// whose rules cover the type guards it as any task that arrives without a
+// lock": one process enqueues two tasks of one user under OptIn without a
+// rule; a server process has a rule for the type. Both run, once each,
+// never at once; neither ID was rewritten.
+func TestOptInUnruledTaskIsGuardedOnceByARuledServer(t *testing.T) {
+	srv := newHarness(t, Config{Rules: map[string]Rule{"a11:g": {Fields: []string{"user_id"}}}})
+	prod, err := New(context.Background(), srv.rdb, Config{Prefix: srv.prefix, OptIn: true, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = prod.Close() })
+	var ids []string
+	for i := range 2 {
+		info, err := prod.NewClient().Enqueue(asynq.NewTask("a11:g", fmt.Appendf(nil, `{"user_id":7,"n":%d}`, i)), asynq.Queue(srv.queue))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.HasPrefix(info.ID, "dx-") || strings.HasPrefix(info.ID, "dd-") {
+			t.Errorf("ID %s rewritten", info.ID)
+		}
+		ids = append(ids, info.ID)
+	}
+	var cur, peak atomic.Int32
+	var mu sync.Mutex
+	runs := map[string]int{}
+	first := make(chan struct{})
+	var once sync.Once
+	srv.serve(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		if c := cur.Add(1); c > peak.Load() {
+			peak.Store(c)
+		}
+		defer cur.Add(-1)
+		mu.Lock()
+		runs[id]++
+		mu.Unlock()
+		once.Do(func() {
+			close(first)
+			eventually(t, "the other task met the busy key", func() bool { return srv.d.Stats().Busy >= 1 })
+		})
+		return nil
+	}, nil)
+	<-first
+	eventually(t, "both ran", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(runs) == 2
+	})
+	eventually(t, "queue drained", func() bool { return srv.queueSize(srv.queue) == 0 })
+	mu.Lock()
+	defer mu.Unlock()
+	for _, id := range ids {
+		if runs[id] != 1 {
+			t.Errorf("%s ran %d times", id, runs[id])
+		}
+	}
+	if peak.Load() > 1 {
+		t.Errorf("two tasks of one key ran at once")
+	}
+}

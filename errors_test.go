@@ -3,6 +3,7 @@ package dedup
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -185,4 +186,44 @@ func TestCancelledCallIsNotAnOutage(t *testing.T) {
 			t.Errorf("%d tasks stored by a cancelled call", n)
 		}
 	})
+}
+
+// Rule errors read `dedup: invalid option: rule for "x": …` and match
+// ErrInvalidOption: every way a Rule can be invalid, with a type name that
+// needs quoting.
+func TestRuleErrorsNameTheRuleAndMatchErrInvalidOption(t *testing.T) {
+	h := newHarness(t, Config{})
+	merge := func(_, b []byte) ([]byte, error) { return b, nil }
+	many := make([]string, 65) // above jsonkey.MaxFields (64)
+	for i := range many {
+		many[i] = fmt.Sprintf("f%d", i)
+	}
+	typ := "a11:\"odd\"\nname"
+	for i, r := range []Rule{
+		{Fields: []string{""}},
+		{Fields: []string{"a..b"}},
+		{Fields: many},
+		{TTL: -time.Second},
+		{MaxPending: -1},
+		{OnConflict: 99},
+		{OnRunning: 99},
+		{OnBusy: 99},
+		{OnConflict: Merge},
+		{MergeFunc: merge},
+		{Cooldown: -time.Second},
+		{Cooldown: time.Hour, OnRunning: RunningAllow},
+		{Debounce: time.Second},
+		{Debounce: time.Second, OnConflict: Replace, OnRunning: RunningDefer},
+	} {
+		_, err := New(context.Background(), h.rdb, Config{Prefix: h.prefix, Logger: quietLogger(), Rules: map[string]Rule{typ: r}})
+		want := fmt.Sprintf("dedup: invalid option: rule for %q: ", typ)
+		switch {
+		case err == nil:
+			t.Errorf("%d: %+v accepted", i, r)
+		case !errors.Is(err, ErrInvalidOption):
+			t.Errorf("%d: %v does not match ErrInvalidOption", i, err)
+		case !strings.HasPrefix(err.Error(), want) || strings.Count(err.Error(), "invalid option") != 1 || strings.HasSuffix(err.Error(), ": "):
+			t.Errorf("%d: %q, want %q…", i, err, want)
+		}
+	}
 }
