@@ -257,14 +257,14 @@ func TestPeriodAndOnFailureBadValuesLeaveNothing(t *testing.T) {
 		"Period, a good OnFailure after": {Period(time.Millisecond, nil), OnFailure(FailHold, time.Hour)},
 	}
 	for _, path := range []string{"wrap", "direct"} {
-		h := newHarness(t, Config{Rules: map[string]Rule{"adv12:defer": {OnConflict: Replace, OnRunning: RunningDefer}}})
+		h := newHarness(t, Config{Rules: map[string]Rule{"job:defer": {OnConflict: Replace, OnRunning: RunningDefer}}})
 		if path == "direct" {
 			h.client = h.d.NewClient()
 		}
 		for name, opts := range bad {
 			task := jobTask(name, 1)
 			if name == "Period with RunningDefer rule" {
-				task, opts = asynq.NewTask("adv12:defer", []byte(`{}`)), opts[:1]
+				task, opts = asynq.NewTask("job:defer", []byte(`{}`)), opts[:1]
 			}
 			_, err := h.client.Enqueue(task, append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...)
 			if !errors.Is(err, ErrInvalidOption) {
@@ -364,26 +364,26 @@ func TestPeriodTaskThatStartsInTheNextWindowKeepsItsOwnWindow(t *testing.T) {
 // good holds its key, and the Client's enqueue meets the hold.
 func TestPeriodAndOnFailureApplyToArrivalsWithoutALock(t *testing.T) {
 	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3, Rules: map[string]Rule{
-		"adv12:period": {Fields: []string{"key"}, Period: 24 * time.Hour},
-		"adv12:fail":   {Fields: []string{"key"}, OnFailure: FailHoldUntilReleased},
+		"job:period": {Fields: []string{"key"}, Period: 24 * time.Hour},
+		"job:fail":   {Fields: []string{"key"}, OnFailure: FailHoldUntilReleased},
 	}})
 	h.client = h.d.NewClient()
 	ran := make(chan string, 4)
 	h.serve(func(ctx context.Context, task *asynq.Task) error {
 		id, _ := asynq.GetTaskID(ctx)
 		ran <- id
-		if task.Type() == "adv12:fail" {
+		if task.Type() == "job:fail" {
 			return fmt.Errorf("no such account: %w", asynq.SkipRetry)
 		}
 		return nil
 	}, nil)
-	p1, err := h.asynq.Enqueue(asynq.NewTask("adv12:period", []byte(`{"key":"a","n":1}`)), asynq.Queue(h.queue))
+	p1, err := h.asynq.Enqueue(asynq.NewTask("job:period", []byte(`{"key":"a","n":1}`)), asynq.Queue(h.queue))
 	if err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, ran, "the first arrival")
 	eventually(t, "it cools", func() bool { return h.d.Stats().Cooling == 1 })
-	_, err = h.asynq.Enqueue(asynq.NewTask("adv12:period", []byte(`{"key":"a","n":2}`)), asynq.Queue(h.queue))
+	_, err = h.asynq.Enqueue(asynq.NewTask("job:period", []byte(`{"key":"a","n":2}`)), asynq.Queue(h.queue))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -393,14 +393,14 @@ func TestPeriodAndOnFailureApplyToArrivalsWithoutALock(t *testing.T) {
 		t.Fatalf("the second arrival %s ran (first %s) in the same window", id, p1.ID)
 	default:
 	}
-	f1, err := h.asynq.Enqueue(asynq.NewTask("adv12:fail", []byte(`{"key":"b"}`)), asynq.Queue(h.queue))
+	f1, err := h.asynq.Enqueue(asynq.NewTask("job:fail", []byte(`{"key":"b"}`)), asynq.Queue(h.queue))
 	if err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, ran, "the failing arrival")
 	eventually(t, "held", func() bool { return h.d.Stats().FailureHeld == 1 })
-	failedDup(t, h.client, asynq.NewTask("adv12:fail", []byte(`{"key":"b","n":2}`)), h.queue, f1.ID)
-	kl, _, _ := h.d.Lookup(context.Background(), asynq.NewTask("adv12:fail", []byte(`{"key":"b"}`)), asynq.Queue(h.queue))
+	failedDup(t, h.client, asynq.NewTask("job:fail", []byte(`{"key":"b","n":2}`)), h.queue, f1.ID)
+	kl, _, _ := h.d.Lookup(context.Background(), asynq.NewTask("job:fail", []byte(`{"key":"b"}`)), asynq.Queue(h.queue))
 	if kl.State != "failed" || !strings.Contains(kl.LastError, "no such account") {
 		t.Errorf("Lookup: %+v", kl)
 	}

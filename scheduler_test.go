@@ -878,7 +878,7 @@ func TestSchedulerFiringRevokedByItsHandlerIsNotEnqueuedAgain(t *testing.T) {
 			s := NewScheduler(h.d, &SchedulerOpts{Logger: quietLogger(), PreEnqueueFunc: func(task *asynq.Task, opts []asynq.Option) {
 				fired <- firing{task, opts}
 			}, PostEnqueueFunc: func(info *asynq.TaskInfo, err error) { posted <- err }})
-			if _, err := s.Register("@every 1s", asynq.NewTask("adv12:report", nil), asynq.Queue(h.queue)); err != nil {
+			if _, err := s.Register("@every 1s", asynq.NewTask("job:report", nil), asynq.Queue(h.queue)); err != nil {
 				t.Fatal(err)
 			}
 			var ran atomic.Int32
@@ -927,14 +927,14 @@ func TestSchedulerFiringRevokedByItsHandlerIsNotEnqueuedAgain(t *testing.T) {
 // FailHold overrides it).
 func TestSchedulerRegisterChecksTheTypesRule(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{
-		"adv12:period": {Period: time.Hour},
-		"adv12:held":   {OnFailure: FailHoldUntilReleased, MaxPending: 3},
+		"job:period": {Period: time.Hour},
+		"job:held":   {OnFailure: FailHoldUntilReleased, MaxPending: 3},
 	}})
 	s := NewScheduler(h.d, nil)
-	if _, err := s.Register("@hourly", asynq.NewTask("adv12:period", nil)); !errors.Is(err, ErrInvalidOption) {
+	if _, err := s.Register("@hourly", asynq.NewTask("job:period", nil)); !errors.Is(err, ErrInvalidOption) {
 		t.Errorf("a Period type: %v, want ErrInvalidOption", err)
 	}
-	if _, err := s.Register("@hourly", asynq.NewTask("adv12:held", nil)); err != nil {
+	if _, err := s.Register("@hourly", asynq.NewTask("job:held", nil)); err != nil {
 		t.Errorf("a FailHoldUntilReleased type: %v", err)
 	}
 }
@@ -951,7 +951,7 @@ func TestSchedulerRegisterUnregisterAndShutdownRace(t *testing.T) {
 	for g := range 8 {
 		wg.Go(func() {
 			for i := range 20 {
-				id, err := s.Register("@every 1s", asynq.NewTask("adv12:race", fmt.Appendf(nil, "%d-%d", g, i)), asynq.Queue(h.queue))
+				id, err := s.Register("@every 1s", asynq.NewTask("job:race", fmt.Appendf(nil, "%d-%d", g, i)), asynq.Queue(h.queue))
 				if err != nil {
 					t.Errorf("Register: %v", err)
 					return
@@ -1004,7 +1004,7 @@ func TestSchedulerTwoInOneProcessRunEachFiringOnce(t *testing.T) {
 	t.Cleanup(a.Shutdown)
 	t.Cleanup(b.Shutdown)
 	for _, s := range []*Scheduler{a, b} {
-		if _, err := s.Register("@every 1s", asynq.NewTask("adv12:twice", nil), asynq.Queue(h.queue)); err != nil {
+		if _, err := s.Register("@every 1s", asynq.NewTask("job:twice", nil), asynq.Queue(h.queue)); err != nil {
 			t.Fatal(err)
 		}
 		if err := s.Start(); err != nil {
