@@ -1,8 +1,10 @@
 package dedup
 
 import (
+	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/hibiken/asynq"
 )
@@ -44,4 +46,48 @@ func TestFailureHoldOfADeletedCallerIDSurvivesTheIDsReuseForAnotherKey(t *testin
 				err, h.lockState(keyA))
 		}
 	})
+}
+
+// docs/policies.md: "Running the archived task again ... makes it the key's
+// owner again: its success frees the key." So too for a task under a
+// caller-chosen ID with per-call key and OnFailure options (the policy is
+// recorded in the lock, "so the server needs no matching rule"): an
+// operator runs the archived, failure-held task again (Inspector.RunTask),
+// it succeeds, and the key is free. (Once, the failure's settle deleted the
+// ID's index key, the run by hand went unguarded, and its success left the
+// key held forever.)
+func TestFailureHeldCallerIDTaskRunAgainByHandFreesTheKeyOnSuccess(t *testing.T) {
+	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3})
+	h.client = h.d.NewClient()
+	fail := make(chan bool, 2)
+	fail <- true
+	fail <- false
+	ran := make(chan string, 4)
+	h.serve(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		ran <- id
+		if <-fail {
+			return asynq.SkipRetry
+		}
+		return nil
+	}, nil)
+	opts := []asynq.Option{asynq.Queue(h.queue), Key("invoice-7"), OnFailure(FailHoldUntilReleased, 0)}
+	info, err := h.client.Enqueue(jobTask("x", 1), append(opts, asynq.TaskID("invoice-7-run"), asynq.Retention(time.Hour))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, ran, "the failing run")
+	eventually(t, "archived and held", func() bool {
+		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+	})
+	if err := h.insp.RunTask(h.queue, info.ID); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, ran, "the run by hand")
+	eventually(t, "the run by hand completed", func() bool { return h.taskState(info.ID) == asynq.TaskStateCompleted })
+	if !within(3*time.Second, func() bool { _, err = h.client.Enqueue(jobTask("x", 2), opts...); return err == nil }) {
+		kl, _, _ := h.d.Lookup(context.Background(), jobTask("x", 2), opts...)
+		t.Fatalf("enqueue after the run by hand of %s succeeded: %v (lock: state %s, holder %s), want the key free; stats %+v",
+			info.ID, err, kl.State, kl.Holder, h.d.Stats())
+	}
 }

@@ -1,12 +1,16 @@
 package dedup
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -699,5 +703,702 @@ func TestQueueOfIsTheQueueSubmitUses(t *testing.T) {
 	info, err := h.d.NewClient().Enqueue(asynq.NewTask("q:of", []byte("x"), asynq.Queue(h.queue)))
 	if err != nil || info.Queue != h.d.QueueOf(asynq.NewTask("q:of", nil, asynq.Queue(h.queue))) {
 		t.Fatalf("Enqueue to %v (%v), QueueOf says %q", info, err, h.queue)
+	}
+}
+
+// asynq's client refuses asynq.TaskID("") ("task ID cannot be empty"), so
+// the Client does too: ErrInvalidOption, nothing locked, nothing stored, on
+// both paths, also when an earlier TaskID option is overridden by an empty
+// one. (Once, the direct path stored such a task under a dd- ID and answered
+// created, and the wrap path took the lock, met asynq's refusal and rolled
+// back with another error.)
+func TestEmptyCallerTaskIDIsRefusedAsAsynqRefusesIt(t *testing.T) {
+	bothPaths(t, Config{}, func(t *testing.T, h *harness) {
+		if _, err := h.asynq.Enqueue(userTask(9, ""), asynq.Queue(h.queue), asynq.TaskID("")); err == nil {
+			t.Fatal("asynq's own client accepts TaskID(\"\")?")
+		}
+		for i, opts := range [][]asynq.Option{
+			{asynq.TaskID("")},
+			{asynq.TaskID("mine"), asynq.TaskID("")}, // the last one wins in asynq too, and is refused
+		} {
+			info, err := h.client.Enqueue(userTask(i+1, ""), append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...)
+			if !errors.Is(err, ErrInvalidOption) {
+				id := ""
+				if info != nil {
+					id = info.ID
+				}
+				t.Errorf("case %d: TaskID(\"\"): err = %v (task %q), want ErrInvalidOption as asynq refuses it", i, err, id)
+			}
+		}
+		if n := h.queueSize(h.queue); n != 0 {
+			t.Errorf("%d tasks stored for calls asynq's client refuses", n)
+		}
+	})
+}
+
+// asynq.NewTask keeps a nil option, and asynq's client ignores it. The
+// Client answers such a task as asynq's client does (enqueued), or with an
+// error, but never panics. (Once, checkTask called Value() on every option
+// of NewTask, and a nil one panicked.)
+func TestNilOptionInNewTaskDoesNotPanic(t *testing.T) {
+	bothPaths(t, Config{}, func(t *testing.T, h *harness) {
+		var nilOpt asynq.Option
+		if _, err := h.asynq.Enqueue(asynq.NewTask("user:reindex", []byte(`{"user_id":7}`), nilOpt), asynq.Queue(h.queue)); err != nil {
+			t.Fatalf("asynq's client: %v", err)
+		}
+		var (
+			err      error
+			panicked any
+		)
+		func() {
+			defer func() { panicked = recover() }()
+			_, err = h.client.Enqueue(asynq.NewTask("user:reindex", []byte(`{"user_id":8}`), nilOpt), asynq.Queue(h.queue))
+		}()
+		if panicked != nil {
+			t.Fatalf("Enqueue of a task with a nil NewTask option panicked: %v", panicked)
+		}
+		if err != nil {
+			t.Logf("refused: %v", err)
+		}
+	})
+}
+
+// Lookup reads the key an enqueue would take. For a task whose queue comes
+// from asynq.NewTask, another process's enqueue is refused as a duplicate
+// of the holder there; its Lookup must find that holder too, and its
+// Release must not report the held key free.
+func TestLookupHonoursTheQueueInNewTask(t *testing.T) {
+	h := newHarness(t, Config{})
+	ctx := context.Background()
+	task := asynq.NewTask("user:reindex", userTask(9, "").Payload(), asynq.Queue(h.queue))
+	first, err := h.client.Enqueue(task)
+	if err != nil || first.Queue != h.queue {
+		t.Fatalf("first: %+v %v", first, err)
+	}
+	other := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix}) // another process
+	l, found, err := other.d.Lookup(ctx, task)
+	if err != nil || !found || l.Holder != first.ID {
+		// Show what an enqueue from that process does with the same task.
+		_, eerr := other.client.Enqueue(task)
+		t.Fatalf("Lookup: %+v found=%v err=%v; want held by %s (an enqueue of it from the same process: %v)", l, found, err, first.ID, eerr)
+	}
+}
+
+// connOpt is an asynq.RedisConnOpt of the caller's own.
+type connOpt struct{ c any }
+
+func (o connOpt) MakeRedisClient() any { return o.c }
+
+// A RedisConnOpt that makes a nil client is bad input: ErrInvalidOption,
+// not a panic.
+func TestNewFromRedisConnOptWithANilClientIsInvalid(t *testing.T) {
+	for name, c := range map[string]any{"untyped nil": nil, "typed nil": (*redis.Client)(nil)} {
+		t.Run(name, func(t *testing.T) {
+			var err error
+			func() {
+				defer func() {
+					if r := recover(); r != nil {
+						err = fmt.Errorf("panic: %v", r)
+					}
+				}()
+				_, err = NewFromRedisConnOpt(context.Background(), connOpt{c}, Config{ConnectAttempts: 1, Logger: quietLogger()})
+			}()
+			if !errors.Is(err, ErrInvalidOption) {
+				t.Fatalf("err = %v, want ErrInvalidOption", err)
+			}
+		})
+	}
+}
+
+// lossProxy forwards a connection's commands to Redis. Armed, the first
+// chunk that match selects is forwarded, its reply is dropped and the
+// connection closed (the node died right after running the call); then the
+// next `refuse` retries of that call (chunks match selects) are answered
+// "-LOADING ..." (the node restarted and loads its data set); other calls
+// pass.
+type lossProxy struct {
+	ln      net.Listener
+	target  string
+	armed   atomic.Bool
+	loading atomic.Int64
+	match   func([]byte) bool
+	fired   chan struct{}
+	once    sync.Once
+	refuse  int64 // LOADING replies after the lost one
+}
+
+func newLossProxy(t *testing.T, target string, match func([]byte) bool) *lossProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &lossProxy{ln: ln, target: target, match: match, fired: make(chan struct{}), refuse: 20}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go p.serve(c)
+		}
+	}()
+	return p
+}
+
+func (p *lossProxy) addr() string { return p.ln.Addr().String() }
+
+// respCommands counts the complete RESP commands (arrays of bulk strings)
+// in b.
+func respCommands(b []byte) int {
+	n := 0
+	for len(b) > 0 {
+		if b[0] != '*' {
+			return n + 1
+		}
+		i := bytes.Index(b, []byte("\r\n"))
+		if i < 0 {
+			return n
+		}
+		args, _ := strconv.Atoi(string(b[1:i]))
+		b = b[i+2:]
+		for range args {
+			j := bytes.Index(b, []byte("\r\n"))
+			if j < 0 || b[0] != '$' {
+				return n
+			}
+			l, _ := strconv.Atoi(string(b[1:j]))
+			if len(b) < j+2+l+2 {
+				return n
+			}
+			b = b[j+2+l+2:]
+		}
+		n++
+	}
+	return n
+}
+
+func (p *lossProxy) serve(c net.Conn) {
+	defer c.Close()
+	s, err := net.Dial("tcp", p.target)
+	if err != nil {
+		return
+	}
+	defer s.Close()
+	var drop atomic.Bool
+	answered := make(chan struct{}, 1) // Redis answered the call whose reply is dropped
+	go func() {
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := s.Read(buf)
+			if n > 0 && drop.Load() {
+				select {
+				case answered <- struct{}{}:
+				default:
+				}
+			}
+			if n > 0 && !drop.Load() {
+				if _, werr := c.Write(buf[:n]); werr != nil {
+					return
+				}
+			}
+			if err != nil {
+				_ = c.Close()
+				return
+			}
+		}
+	}()
+	buf := make([]byte, 256<<10)
+	for {
+		n, err := c.Read(buf)
+		if err != nil {
+			return
+		}
+		chunk := buf[:n]
+		if left := p.loading.Load(); left > 0 && p.match(chunk) { // retries of the lost call only
+			k := int64(respCommands(chunk))
+			p.loading.Add(-k)
+			for range k {
+				if _, err := c.Write([]byte("-LOADING Redis is loading the dataset in memory\r\n")); err != nil {
+					return
+				}
+			}
+			continue
+		}
+		if p.armed.Load() && p.match(chunk) && p.armed.CompareAndSwap(true, false) {
+			drop.Store(true)
+			_, _ = s.Write(chunk)
+			// Let Redis run it and answer (the answer is dropped).
+			select {
+			case <-answered:
+			case <-time.After(2 * time.Second):
+			}
+			p.loading.Store(p.refuse) // go-redis's retries meet LOADING
+			p.once.Do(func() { close(p.fired) })
+			return // closes the client's connection: EOF, retried by go-redis
+		}
+		if _, err := s.Write(chunk); err != nil {
+			return
+		}
+	}
+}
+
+// A NewClient enqueue whose script ran but whose reply was lost (the node
+// died right after), and whose retries by go-redis then met LOADING (the
+// node restarting), must not be reported as a plain failure ("stored
+// nothing"): the task is stored. README: "none of the tasks reported failed
+// was stored"; a refused call is "not stored" only if it was never run.
+func TestLostReplyRetriedIntoLoadingIsOutcomeUnknown(t *testing.T) {
+	needRealRedis(t)
+	ctx := context.Background()
+	prefix := "a5r-" + uniq(t)
+	proxy := newLossProxy(t, redistest.Addr(), func(b []byte) bool {
+		return bytes.Contains(bytes.ToLower(b), []byte("eval")) && bytes.Contains(b, []byte(prefix+":{"))
+	})
+	rdb := redis.NewClient(&redis.Options{Addr: proxy.addr(), Protocol: 2, DisableIdentity: true}) // go-redis defaults: MaxRetries 3
+	t.Cleanup(func() { _ = rdb.Close() })
+	d, err := New(ctx, rdb, Config{Prefix: prefix, LockTimeout: 5 * time.Second, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	client := d.NewClient()
+	q := "a5r-" + uniq(t)
+	if _, err := client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"warm"}`)), asynq.Queue(q)); err != nil {
+		t.Fatal(err)
+	}
+	id := "a5-" + uniq(t)
+	proxy.armed.Store(true)
+	_, err = client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"x"}`)), asynq.Queue(q), asynq.TaskID(id))
+	select {
+	case <-proxy.fired:
+	default:
+		t.Fatalf("the proxy never saw the script (err %v)", err)
+	}
+	direct := newRDB(t)
+	stored, xerr := direct.Exists(ctx, store.TaskKey(q, id)).Result()
+	if xerr != nil {
+		t.Fatal(xerr)
+	}
+	t.Logf("enqueue error: %v; stored: %v", err, stored == 1)
+	if err != nil && !errors.Is(err, ErrOutcomeUnknown) && stored == 1 {
+		t.Fatalf("enqueue reported failed (%v), not ErrOutcomeUnknown, but task %s is stored: "+
+			"go-redis ran the script, lost the reply, retried and met LOADING; NotRun trusted the last error", err, id)
+	}
+}
+
+// The same loss, but the node serves again at once: go-redis's retry of
+// the NewClient script meets the task its first run stored, and the
+// script answers "the ID exists". That task is the caller's own (same
+// type, same payload, its lock): the answer must be created (or outcome
+// unknown), not a refusal saying another task holds the ID.
+func TestLostReplyRetriedMeetsItsOwnTaskNotAConflict(t *testing.T) {
+	needRealRedis(t)
+	ctx := context.Background()
+	prefix := "a5c-" + uniq(t)
+	proxy := newLossProxy(t, redistest.Addr(), func(b []byte) bool {
+		return bytes.Contains(bytes.ToLower(b), []byte("eval")) && bytes.Contains(b, []byte(prefix+":{"))
+	})
+	proxy.refuse = 0
+	rdb := redis.NewClient(&redis.Options{Addr: proxy.addr(), Protocol: 2, DisableIdentity: true})
+	t.Cleanup(func() { _ = rdb.Close() })
+	d, err := New(ctx, rdb, Config{Prefix: prefix, LockTimeout: 5 * time.Second, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	client := d.NewClient()
+	q := "a5c-" + uniq(t)
+	if _, err := client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"warm"}`)), asynq.Queue(q)); err != nil {
+		t.Fatal(err)
+	}
+	id := "a5-" + uniq(t)
+	proxy.armed.Store(true)
+	_, err = client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"x"}`)), asynq.Queue(q), asynq.TaskID(id))
+	select {
+	case <-proxy.fired:
+	default:
+		t.Fatalf("the proxy never saw the script (err %v)", err)
+	}
+	ti, ierr := asynq.NewInspectorFromRedisClient(newRDB(t)).GetTaskInfo(q, id)
+	if ierr != nil {
+		t.Skipf("task not stored (%v), enqueue %v: no case", ierr, err)
+	}
+	if err != nil && !errors.Is(err, ErrOutcomeUnknown) {
+		t.Fatalf("enqueue of %s answered %v, but the task stored under that ID is this very call's (%s %s, state %v)",
+			id, err, ti.Type, ti.Payload, ti.State)
+	}
+}
+
+// The same through WrapClient: asynq's enqueue script ran (the task is
+// stored), the reply was lost and go-redis's retries met LOADING, so asynq
+// answers "redis eval error: LOADING ...". The rollback must not give the
+// lock back without asking: the stored task would run with no lock, and
+// the next enqueue of its key would be admitted, a duplicate.
+func TestLostReplyOfAsynqsEnqueueKeepsTheLock(t *testing.T) {
+	needRealRedis(t)
+	ctx := context.Background()
+	prefix := "a5w-" + uniq(t)
+	q := "a5w-" + uniq(t)
+	proxy := newLossProxy(t, redistest.Addr(), func(b []byte) bool { // asynq's enqueue script (WrapClient's lock script names no pending list)
+		return bytes.Contains(bytes.ToLower(b), []byte("eval")) && bytes.Contains(b, []byte("asynq:{"+q+"}:pending"))
+	})
+	rdb := redis.NewClient(&redis.Options{Addr: proxy.addr(), Protocol: 2, DisableIdentity: true})
+	t.Cleanup(func() { _ = rdb.Close() })
+	d, err := New(ctx, rdb, Config{Prefix: prefix, LockTimeout: 5 * time.Second, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	ac := asynq.NewClientFromRedisClient(rdb)
+	client := d.WrapClient(ac)
+	if _, err := client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"warm"}`)), asynq.Queue(q)); err != nil {
+		t.Fatal(err)
+	}
+	task := asynq.NewTask("a5:job", []byte(`{"k":"x"}`))
+	proxy.armed.Store(true)
+	_, err = client.EnqueueContext(ctx, task, asynq.Queue(q))
+	select {
+	case <-proxy.fired:
+	default:
+		t.Fatalf("the proxy never saw asynq's script (err %v)", err)
+	}
+	t.Logf("first enqueue: %v", err)
+	insp := asynq.NewInspectorFromRedisClient(newRDB(t))
+	pending, _ := insp.ListPendingTasks(q)
+	n := 0
+	for _, ti := range pending {
+		if string(ti.Payload) == `{"k":"x"}` {
+			n++
+		}
+	}
+	if n == 0 {
+		t.Skipf("asynq's script did not store the task (err %v): no case", err)
+	}
+	proxy.loading.Store(0) // the node serves again
+	locks, _ := newRDB(t).Keys(ctx, store.NewKeys(prefix).LockPattern("")).Result()
+	t.Logf("after the first enqueue: %d stored, locks %v (one is the warm-up task's)", n, locks)
+	if len(locks) < 2 {
+		t.Errorf("the stored task's lock was given back: its key is unguarded while the task waits")
+	}
+	// The task of the key is stored; its duplicate must be refused.
+	info, err2 := client.EnqueueContext(ctx, task, asynq.Queue(q))
+	t.Logf("second enqueue: %v", err2)
+	pending, _ = insp.ListPendingTasks(q)
+	n = 0
+	for _, ti := range pending {
+		if string(ti.Payload) == `{"k":"x"}` {
+			n++
+		}
+	}
+	if n > 1 {
+		t.Fatalf("duplicate admitted: %d stored tasks of one key (second enqueue: %v, %v); the first enqueue's error %q was taken "+
+			"for 'not run' and its lock given back though asynq had stored the task", n, info, err2, err)
+	}
+}
+
+// A WrapClient lock counted under MaxPending whose asynq enqueue is refused
+// (its caller-chosen ID is taken) gives its waiting-set slot back: the next
+// key of the type is admitted.
+func TestRollbackFreesTheWaitingSlot(t *testing.T) {
+	needRealRedis(t)
+	ctx := context.Background()
+	rdb := newRDB(t)
+	d, err := New(ctx, rdb, Config{Prefix: "a5m-" + uniq(t), Logger: quietLogger(),
+		Rules: map[string]Rule{"a5:bounded": {MaxPending: 1}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	q := "a5m-" + uniq(t)
+	ac := asynq.NewClientFromRedisClient(rdb)
+	taken := "a5-taken-" + uniq(t)
+	if _, err := ac.EnqueueContext(ctx, asynq.NewTask("other", nil), asynq.Queue(q), asynq.TaskID(taken)); err != nil {
+		t.Fatal(err)
+	}
+	client := d.WrapClient(ac)
+	_, err = client.EnqueueContext(ctx, asynq.NewTask("a5:bounded", []byte(`{"k":1}`)), asynq.Queue(q), asynq.TaskID(taken))
+	if err == nil {
+		t.Fatal("enqueue under a taken ID succeeded")
+	}
+	if _, err := client.EnqueueContext(ctx, asynq.NewTask("a5:bounded", []byte(`{"k":2}`)), asynq.Queue(q)); err != nil {
+		t.Fatalf("the refused enqueue kept its waiting slot: %v", err)
+	}
+}
+
+// A caller-chosen ID of the library's own form is refused; one only shaped
+// like it (the earlier layout's dd-<fingerprint>-<random>, copied from an
+// old TaskInfo) is a caller's ID like any: its task runs under its key, and
+// another, never enqueued, key stays free.
+func TestCallerIDShapedLikeAnOldLibraryIDIsTheCallers(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{}))
+	ctx := context.Background()
+	if _, err := h.client.Enqueue(counterTask("b", 1, 1), asynq.Queue(h.queue), asynq.TaskID(store.NewPlainID())); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("caller-chosen ID of the library's own form: %v, want ErrInvalidOption", err)
+	}
+	keyA := h.keyOf(counterTask("a", 1, 1), h.queue)
+	own := "dd-" + fpOfLock(keyA) + "-0123456789abcdef0123"
+	info := h.enqueue(counterTask("b", 1, 1), asynq.TaskID(own))
+	if info.ID != own {
+		t.Fatalf("caller-chosen ID not honoured: %s", info.ID)
+	}
+	tr := newKeyTracker(counterKeyOf, 1)
+	h.serve(tr.handler(nil), nil)
+	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	waitFor(t, tr.starts, "key b runs")
+	if l, found, err := h.d.Lookup(ctx, counterTask("b", 1, 1), asynq.Queue(h.queue)); err != nil || !found || l.State != "running" {
+		t.Errorf("key b's lock while its task runs: %+v found=%v err=%v, want running", l, found, err)
+	}
+	if _, err := h.client.Submit(ctx, counterTask("a", 1, 2), asynq.Queue(h.queue)); err != nil {
+		t.Errorf("key a was never enqueued, but its first enqueue got: %v", err)
+	}
+}
+
+// README: "*dedup.Client has Enqueue, EnqueueContext, Close and Ping, as
+// *asynq.Client does"; Skip: "off … no lock at enqueue or at execution";
+// OptIn: "only deduplicate types with a rule". Where deduplication is off,
+// a task ID given to asynq.NewTask must keep asynq's meaning: the task is
+// stored under it, and a second enqueue of that ID is refused with
+// asynq.ErrTaskIDConflict, as asynq's own client does.
+func TestNewTaskIDHonouredWhereDedupIsOff(t *testing.T) {
+	cases := []struct {
+		name string
+		cfg  Config
+		opts []asynq.Option
+	}{
+		{"Skip", Config{}, []asynq.Option{Skip()}},
+		{"OptIn, type without a rule", Config{OptIn: true}, nil},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, c.cfg)
+			id := "order-" + uniq(t)
+			task := asynq.NewTask("a6:plain", []byte(`{"n":1}`), asynq.TaskID(id), asynq.Queue(h.queue))
+			// What asynq's own client does with it, in another queue.
+			other := asynq.NewTask("a6:plain", []byte(`{"n":1}`), asynq.TaskID(id), asynq.Queue(h.queue+"-asynq"))
+			if _, err := h.asynq.Enqueue(other); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := h.asynq.Enqueue(other); !errors.Is(err, asynq.ErrTaskIDConflict) {
+				t.Fatalf("asynq's client, same ID again: %v", err)
+			}
+			info, err := h.client.Enqueue(task, c.opts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if info.ID != id {
+				t.Errorf("stored under ID %q, want NewTask's %q", info.ID, id)
+			}
+			if _, err := h.client.Enqueue(task, c.opts...); !errors.Is(err, asynq.ErrTaskIDConflict) {
+				t.Errorf("same NewTask ID again: err = %v, want asynq.ErrTaskIDConflict (as *asynq.Client)", err)
+			}
+			if n := h.queueSize(h.queue); n != 1 {
+				t.Errorf("%d tasks stored for one task ID", n)
+			}
+		})
+	}
+}
+
+// README: "asynq refuses the enqueue → given back, owner-checked";
+// "once no task with an ID exists the ID can be used again … as asynq's
+// own client allows" (so while its record exists, it cannot); the matrix:
+// after "SkipRetry → archived", a second enqueue of the key gets "new task".
+// Re-enqueueing under the ID of an archived task (same payload) must be
+// refused as asynq refuses it (both paths alike), and must leave the key
+// free for the next enqueue.
+func TestReEnqueueUnderAnArchivedTasksIDIsRefusedLikeAsynq(t *testing.T) {
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		id := "job-" + uniq(t)
+		key := h.keyOf(counterTask("k", 1, 1), h.queue)
+		tr := newKeyTracker(counterKeyOf)
+		h.serve(tr.handler(func(r keyRun) error {
+			if r.seq == 1 {
+				return fmt.Errorf("bad input: %w", asynq.SkipRetry)
+			}
+			return nil
+		}), nil)
+		h.enqueue(counterTask("k", 1, 1), asynq.TaskID(id))
+		// (An archived task keeps its lock, orphaned: the key's next enqueue heals it.)
+		eventually(t, "the task is archived and its key orphaned", func() bool {
+			return h.taskState(id) == asynq.TaskStateArchived && h.lockState(key) == store.LockOrphaned
+		})
+		res, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID(id))
+		if !errors.Is(err, asynq.ErrTaskIDConflict) {
+			t.Errorf("re-enqueue under the archived task's ID: %+v (state %v), %v; want asynq.ErrTaskIDConflict, as asynq's client answers",
+				res, stateOf(res), err)
+		}
+		if st := h.lockState(key); st != "" && st != store.LockOrphaned {
+			t.Errorf("the refused re-enqueue left a lock %s (held by %s)", st, h.lockOwner(key))
+		}
+		if _, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue)); err != nil {
+			t.Errorf("next enqueue of the key after its task was archived: %v, want a new task", err)
+		}
+	})
+}
+
+func stateOf(res Result) string {
+	if res.Info == nil || res.Info.State == 0 {
+		return "-"
+	}
+	return res.Info.State.String()
+}
+
+// README: "one Lua script takes the lock or returns the holder: never an
+// empty holder". Many goroutines enqueue one new key at once, on both
+// paths: exactly one task, and every other call names it.
+func TestConcurrentFirstEnqueuesMakeOneTaskOnBothPaths(t *testing.T) {
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		const n = 32
+		var (
+			wg      sync.WaitGroup
+			mu      sync.Mutex
+			created []string
+			holders = map[string]int{}
+			other   []error
+		)
+		start := make(chan struct{})
+		for i := range n {
+			wg.Go(func() {
+				<-start
+				res, err := h.client.Submit(ctx, counterTask("k", 1, i), asynq.Queue(h.queue))
+				mu.Lock()
+				defer mu.Unlock()
+				var dup *DuplicateTaskError
+				switch {
+				case err == nil:
+					created = append(created, res.TaskID)
+				case errors.As(err, &dup):
+					holders[dup.TaskID]++
+				default:
+					other = append(other, err)
+				}
+			})
+		}
+		close(start)
+		wg.Wait()
+		if len(other) > 0 {
+			t.Errorf("unexpected errors: %v", other)
+		}
+		if len(created) != 1 {
+			t.Fatalf("created %v, want exactly one task", created)
+		}
+		if len(holders) != 1 || holders[created[0]] != n-1 {
+			t.Errorf("duplicates named %v, want %s %d times", holders, created[0], n-1)
+		}
+		if q := h.queueSize(h.queue); q != 1 {
+			t.Errorf("%d tasks stored", q)
+		}
+	})
+}
+
+// IDs of the library's own forms (dd-, dx-, df-, dk- and 20 hex digits;
+// da-<fingerprint>-…; a leading '~') are what the middleware reads a task's
+// lock from, so a caller may not choose one: ErrInvalidOption before any
+// lock is taken or task stored, whether given to the call or to
+// asynq.NewTask, on both paths, with Skip() too. Any other ID is the
+// caller's, even one that resembles an old form.
+func TestOwnIDFormsAreRefusedBeforeAnyLock(t *testing.T) {
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		task := counterTask("k", 1, 0)
+		fp := fpOfKey(h.keyOf(task, h.queue))
+		rnd := "0123456789abcdef0123"
+		for _, id := range []string{"dd-" + rnd, "dx-" + rnd, "df-" + rnd, "dk-" + rnd, "da-" + fp + "-" + rnd, "~w1:x"} {
+			for _, viaNewTask := range []bool{false, true} {
+				for _, skip := range []bool{false, true} {
+					tk, opts := task, []asynq.Option{asynq.Queue(h.queue)}
+					if viaNewTask {
+						tk = asynq.NewTask(task.Type(), task.Payload(), asynq.TaskID(id))
+					} else {
+						opts = append(opts, asynq.TaskID(id))
+					}
+					if skip {
+						opts = append(opts, Skip())
+					}
+					if _, err := h.client.Submit(ctx, tk, opts...); !errors.Is(err, ErrInvalidOption) {
+						t.Errorf("caller ID %q (NewTask %v, Skip %v): %v, want ErrInvalidOption", id, viaNewTask, skip, err)
+					}
+					if ls := h.locks(); len(ls) != 0 {
+						t.Fatalf("caller ID %q (NewTask %v, Skip %v): locks taken: %v", id, viaNewTask, skip, ls)
+					}
+				}
+			}
+		}
+		if n := h.queueSize(h.queue); n != 0 {
+			t.Fatalf("%d tasks stored for refused calls", n)
+		}
+		own := "dd-" + fp + "-" + rnd
+		res, err := h.client.Submit(ctx, task, asynq.Queue(h.queue), asynq.TaskID(own))
+		if err != nil || res.TaskID != own {
+			t.Fatalf("an ID of no form of the library's: %+v %v, want it honoured", res, err)
+		}
+		if dup := h.duplicateOf(counterTask("k", 1, 1)); dup.TaskID != own {
+			t.Fatalf("the key is held by %s, want %s", dup.TaskID, own)
+		}
+	})
+}
+
+// Under OptIn a type with no rule keeps asynq's task ID, and "A server
+// whose rules cover the type guards it as any task that arrives without a
+// lock": one process enqueues two tasks of one user under OptIn without a
+// rule; a server process has a rule for the type. Both run, once each,
+// never at once; neither ID was rewritten.
+func TestOptInUnruledTaskIsGuardedOnceByARuledServer(t *testing.T) {
+	srv := newHarness(t, Config{Rules: map[string]Rule{"a11:g": {Fields: []string{"user_id"}}}})
+	prod, err := New(context.Background(), srv.rdb, Config{Prefix: srv.prefix, OptIn: true, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = prod.Close() })
+	var ids []string
+	for i := range 2 {
+		info, err := prod.NewClient().Enqueue(asynq.NewTask("a11:g", fmt.Appendf(nil, `{"user_id":7,"n":%d}`, i)), asynq.Queue(srv.queue))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.HasPrefix(info.ID, "dx-") || strings.HasPrefix(info.ID, "dd-") {
+			t.Errorf("ID %s rewritten", info.ID)
+		}
+		ids = append(ids, info.ID)
+	}
+	var cur, peak atomic.Int32
+	var mu sync.Mutex
+	runs := map[string]int{}
+	first := make(chan struct{})
+	var once sync.Once
+	srv.serve(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		if c := cur.Add(1); c > peak.Load() {
+			peak.Store(c)
+		}
+		defer cur.Add(-1)
+		mu.Lock()
+		runs[id]++
+		mu.Unlock()
+		once.Do(func() {
+			close(first)
+			eventually(t, "the other task met the busy key", func() bool { return srv.d.Stats().Busy >= 1 })
+		})
+		return nil
+	}, nil)
+	<-first
+	eventually(t, "both ran", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(runs) == 2
+	})
+	eventually(t, "queue drained", func() bool { return srv.queueSize(srv.queue) == 0 })
+	mu.Lock()
+	defer mu.Unlock()
+	for _, id := range ids {
+		if runs[id] != 1 {
+			t.Errorf("%s ran %d times", id, runs[id])
+		}
+	}
+	if peak.Load() > 1 {
+		t.Errorf("two tasks of one key ran at once")
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -365,4 +366,239 @@ func TestClusterManualFailoverWithHandlersRunning(t *testing.T) {
 		t.Errorf("keys run twice at once: %v", overlap)
 	}
 	t.Logf("%d tasks accepted and run once each across the failover", len(accepted))
+}
+
+// After a master dies and its replica is promoted, and every queue's calls
+// succeed again, d.BreakerState() must say closed again ("reports the worst
+// of the masters' breakers", and the dead master is no longer one).
+func TestClusterBreakerClosesAfterFailover(t *testing.T) {
+	procs, c := redistest.OwnCluster(t, 3, true)
+	queues := queuesOnEveryMaster(t, c, "a5bk")
+	ctx := context.Background()
+	d, err := New(ctx, c, Config{Prefix: "a5b-" + uniq(t), LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
+		BreakerThreshold: 2, BreakerBackoff: Backoff{Min: 100 * time.Millisecond, Max: 300 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	client := d.NewClient()
+	for _, q := range queues {
+		if _, err := client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"warm"}`)), asynq.Queue(q)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dead := queues[0]
+	var replica *redis.Client
+	for i, p := range procs[:3] {
+		if p.Addr == masterOf(t, c, dead) {
+			replica = redis.NewClient(&redis.Options{Addr: procs[3+i].Addr})
+			t.Cleanup(func() { _ = replica.Close() })
+			p.Kill()
+		}
+	}
+	start := time.Now()
+	takeover := forcedTakeover(replica, start)
+	opened := false
+	ok := 0
+	for i := 0; ok < 20; i++ {
+		if time.Since(start) > 60*time.Second { // (a failover takes ~8 s; far more on a loaded machine)
+			t.Fatalf("the dead master's queue never recovered (breaker %v)", d.BreakerState())
+		}
+		takeover()
+		_, err := client.EnqueueContext(ctx, asynq.NewTask("a5:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
+		if d.BreakerState() == BreakerOpen {
+			opened = true
+		}
+		if err == nil {
+			ok++
+		} else {
+			ok = 0
+			time.Sleep(50 * time.Millisecond) // polling the recovery
+		}
+	}
+	if !opened {
+		t.Log("the breaker never opened (the promotion came first)")
+	}
+	for _, q := range queues {
+		if _, err := client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"after"}`)), asynq.Queue(q)); err != nil {
+			t.Fatalf("queue %s after the recovery: %v", q, err)
+		}
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for d.BreakerState() != BreakerClosed {
+		if time.Now().After(deadline) {
+			t.Fatalf("every queue enqueues again (20 in a row on the promoted master), but BreakerState() = %v, want closed: "+
+				"the dead master's shard (its old address) keeps its open breaker for ever", d.BreakerState())
+		}
+		_, _ = client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"poll"}`)), asynq.Queue(dead))
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// With one master dead, the heartbeat keeps renewing the locks of tasks
+// running on the other masters' queues ("the heartbeat renews each
+// master's locks in a pipeline of their own, concurrently"): such a lock
+// outlives several leases while its handler runs.
+func TestClusterHeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
+	procs, c := redistest.OwnCluster(t, 3, false)
+	queues := queuesOnEveryMaster(t, c, "a5hb")
+	ctx := context.Background()
+	const lease = 900 * time.Millisecond
+	d, err := New(ctx, c, Config{Prefix: "a5h-" + uniq(t), heartbeat: (lease) / 3, LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
+		BreakerThreshold: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	release := make(chan struct{})
+	started := make(chan string, 8)
+	srv := asynq.NewServerFromRedisClient(c, asynq.Config{
+		Concurrency: 4, Queues: map[string]int{queues[0]: 1, queues[1]: 1, queues[2]: 1},
+		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, ShutdownTimeout: time.Second,
+	})
+	if err := srv.Start(d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		q, _ := asynq.GetQueueName(ctx)
+		started <- q
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		return nil
+	}))); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	stop := func() { once.Do(func() { close(release); srv.Shutdown() }) }
+	t.Cleanup(stop)
+	client := d.WrapClient(asynq.NewClientFromRedisClient(c))
+	keys := map[string]string{}
+	for _, q := range queues[:2] {
+		info, err := client.EnqueueContext(ctx, asynq.NewTask("a5:long", []byte(`{"k":"`+q+`"}`)), asynq.Queue(q))
+		if err != nil {
+			t.Fatal(err)
+		}
+		keys[q] = taskLock(t, c, q, info.ID)
+	}
+	running := map[string]bool{}
+	for len(running) < 2 {
+		select {
+		case q := <-started:
+			running[q] = true
+		case <-time.After(10 * time.Second):
+			t.Fatalf("handlers never started (%v)", running)
+		}
+	}
+	dead, live := queues[0], queues[1]
+	for _, p := range procs {
+		if p.Addr == masterOf(t, c, dead) {
+			p.Kill()
+		}
+	}
+	killed := time.Now()
+	for time.Since(killed) < 4*lease { // the time under test: the live lock must outlive several leases
+		ttl, err := c.PTTL(ctx, keys[live]).Result()
+		if err != nil || ttl <= 0 {
+			t.Fatalf("%v after the kill of another master, the running task's lock on queue %s: ttl %v err %v (heartbeat stalled)",
+				time.Since(killed).Round(time.Millisecond), live, ttl, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// README (Failure modes): "a Cluster master dies | its queue's calls fail …;
+// the other masters' queues go on | errors on that queue only".
+//
+// On a Cluster, one master hangs just as a task of its queue succeeds
+// under a Cooldown, so that task's settle call (its cooling hold) hangs
+// (until LockTimeout). A task of a queue on a healthy master then succeeds:
+// its settle must not wait behind the hung one, so its key cools at once.
+func TestClusterSettleOnAHealthyMasterDoesNotWaitForAHungOne(t *testing.T) {
+	_, c := redistest.OwnCluster(t, 3, false)
+	ctx := context.Background()
+	queues := queuesOnEveryMaster(t, c, "a10")
+	hungQ, okQ := queues[0], queues[1]
+	prefix := "dd-" + uniq(t)
+	d, err := New(ctx, c, Config{Prefix: prefix, LockTimeout: 3 * time.Second, Logger: quietLogger(), Rules: counterRules(Rule{Cooldown: time.Hour}).Rules})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	hungNode, err := c.MasterForKey(ctx, "{"+hungQ+"}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := &scriptSeen{mark: lockKeyHex(prefix, hungQ, ""), seen: make(chan struct{})}
+	c.AddHook(redistest.CmdHook(seen.check))
+	// The hung queue's handler pauses its master, then succeeds.
+	_, _ = serveRaw(t, c, hungQ, d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		if err := hungNode.Do(context.Background(), "CLIENT", "PAUSE", 5000, "ALL").Err(); err != nil {
+			t.Errorf("CLIENT PAUSE: %v", err)
+		}
+		seen.armed.Store(true)
+		return nil
+	})), nil)
+	returned := make(chan time.Time, 1)
+	okMW := func(next asynq.Handler) asynq.Handler { // outside dedup's: runs after its settle
+		return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+			err := next.ProcessTask(ctx, t)
+			returned <- time.Now()
+			return err
+		})
+	}
+	_, _ = serveRaw(t, c, okQ, okMW(d.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }))), nil)
+	client := d.NewClient()
+	// The healthy queue is published in asynq's registry of queues now:
+	// that key (asynq:queues) has one slot, which may be the hung master's.
+	if err := d.store.PublishQueue(ctx, okQ); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.Enqueue(counterTask("h", 1, 1), asynq.Queue(hungQ)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, seen.seen, "the hung master's settle sent")
+	sentAt := time.Now()
+	okTask := counterTask("o", 1, 1)
+	if _, err := client.Enqueue(okTask, asynq.Queue(okQ)); err != nil {
+		t.Fatal(err)
+	}
+	at := waitFor(t, returned, "the healthy queue's task succeeds")
+	fp, err := d.fingerprintHex(okTask.Type(), okTask.Payload(), ptr(d.ruleFor(okTask.Type())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := lockKeyHex(prefix, okQ, fp)
+	cooling := func() bool { return strings.HasPrefix(c.Get(ctx, key).Val(), "~c:") }
+	// The settle is written before the handler's result reaches asynq: by
+	// the time the outer middleware sees the handler return, it is done.
+	took := time.Since(at)
+	t.Logf("the healthy queue's handler returned %v after the hung settle was sent", at.Sub(sentAt).Round(time.Millisecond))
+	if at.Sub(sentAt) > 2*time.Second {
+		t.Skip("the healthy queue's task itself ran late (asynq's own calls met the hung master): inconclusive")
+	}
+	if !cooling() {
+		t.Errorf("the key of a task on a healthy master does not cool %v after its handler returned: its settle waited behind the hung master's", took.Round(time.Millisecond))
+	}
+}
+
+// ptr is a pointer to a copy of v.
+func ptr[T any](v T) *T { return &v }
+
+// scriptSeen signals the first script call carrying a key with mark once armed.
+type scriptSeen struct {
+	mark  string
+	armed atomic.Bool
+	once  sync.Once
+	seen  chan struct{}
+}
+
+func (h *scriptSeen) check(cmd redis.Cmder) {
+	if !h.armed.Load() {
+		return
+	}
+	for _, a := range cmd.Args() {
+		if s, ok := a.(string); ok && strings.HasPrefix(s, h.mark) {
+			h.once.Do(func() { close(h.seen) })
+			return
+		}
+	}
 }

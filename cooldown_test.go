@@ -202,3 +202,352 @@ func TestCooldownAndDebounceRefusedWhereTheyCannotHold(t *testing.T) {
 		t.Fatalf("refused calls left %d locks, %d tasks", n, h.queueSize(h.queue))
 	}
 }
+
+// A handler that succeeds within its Timeout, but closer to its deadline
+// than LockTimeout (1 s), is settled "as given up" and rechecked later. Its
+// success must still start the cooldown: the README's matrix says success
+// means "duplicate, CoolingDown", and only deadlines that actually passed
+// count as failures.
+func TestCooldownStartsAfterASuccessCloseToTheDeadline(t *testing.T) {
+	h := newHarness(t, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: map[string]Rule{"digest:weekly": digestRule}})
+	rc := newRecorder(func(r run) error {
+		dl, ok := r.ctx.Deadline()
+		if !ok {
+			return errors.New("no deadline")
+		}
+		select { // the time under test: succeed 400 ms before the deadline
+		case <-time.After(time.Until(dl) - 400*time.Millisecond):
+			return nil
+		case <-r.ctx.Done():
+			return r.ctx.Err()
+		}
+	})
+	h.serve(rc.handler(), nil)
+	first := h.enqueue(digest(1, 1), asynq.Timeout(2*time.Second), asynq.Retention(time.Hour))
+	waitFor(t, rc.runs, "the digest runs")
+	eventually(t, "asynq completes the digest", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
+	ctx := context.Background()
+	eventually(t, "the lock is settled (cooling, or released by the recheck)", func() bool {
+		kl, found, err := h.d.Lookup(ctx, digest(1, 0), asynq.Queue(h.queue))
+		return err == nil && (!found || kl.State == "cooling")
+	})
+	coolingDup(t, h.client, digest(1, 2), h.queue, first.ID)
+}
+
+// A lock the Client moves to the queue its task landed in (an Enqueuer that
+// changes the queue) must keep the call's cooldown: the task's success then
+// cools the key.
+func TestCooldownSurvivesLockRelocation(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	c := h.d.WrapClient(queueMover{c: h.asynq, q: h.queue})
+	other := "elsewhere-" + uniq(t)
+	first, err := c.Enqueue(digest(1, 1), asynq.Queue(other))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.Queue != h.queue {
+		t.Fatalf("landed in %q, want %q", first.Queue, h.queue)
+	}
+	if r := waitFor(t, rc.runs, "the digest runs"); r.id != first.ID {
+		t.Fatalf("ran %s, want %s", r.id, first.ID)
+	}
+	h.settled(1)
+	// The key in the queue where the task ran cools down: a direct enqueue there is refused.
+	coolingDup(t, h.client, digest(1, 2), h.queue, first.ID)
+}
+
+// A duplicate that meets a cooling key after its lock was moved (the task
+// landed in another queue) must say CoolingDown, as every other enqueue of
+// a cooling key does ("whatever the conflict policy").
+func TestCooldownRelocatedDuplicateSaysCoolingDown(t *testing.T) {
+	var (
+		mu        sync.Mutex
+		decisions []Decision
+	)
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule},
+		OnDecision: func(d Decision) { mu.Lock(); decisions = append(decisions, d); mu.Unlock() }})
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	first := h.enqueue(digest(1, 1))
+	waitFor(t, rc.runs, "the digest runs")
+	h.settled(1)
+	coolingDup(t, h.client, digest(1, 2), h.queue, first.ID)
+
+	// Paused: a worker that took the moved task first would leave it to meet
+	// its key when it starts (relocate.go), and the call would say created.
+	if err := h.insp.PauseQueue(h.queue); err != nil {
+		t.Fatal(err)
+	}
+	c := h.d.WrapClient(queueMover{c: h.asynq, q: h.queue})
+	_, err := c.Enqueue(digest(1, 3), asynq.Queue("elsewhere-"+uniq(t)))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) {
+		t.Fatalf("enqueue landing in the cooling key's queue: %v, want a DuplicateTaskError", err)
+	}
+	if dup.TaskID != first.ID || !dup.CoolingDown || dup.FreeIn <= 0 {
+		t.Errorf("duplicate %+v, want CoolingDown after %s with FreeIn > 0", dup, first.ID)
+	}
+	mu.Lock()
+	last := decisions[len(decisions)-1]
+	mu.Unlock()
+	if !last.CoolingDown {
+		t.Errorf("last decision %+v, want CoolingDown", last)
+	}
+	if n := h.queueSize(h.queue); n != 0 {
+		t.Errorf("%d tasks left in the queue, want the duplicate taken back out", n)
+	}
+}
+
+// A Replace call must never fold into the task of a cooling key: the key's
+// task is done, and whatever waits under that ID is dropped when it
+// arrives (the lockless arrival rule). Here a plain asynq client reuses the
+// succeeded task's caller-chosen ID (asynq deleted its record), and a
+// Replace enqueue of the key comes next from the same process (which
+// remembers the holder).
+func TestCooldownKeyIsNeverFoldedIntoByReplace(t *testing.T) {
+	rule := digestRule
+	rule.OnConflict = Replace
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": rule}})
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	id := "digest-user-1-" + uniq(t)
+	first := h.enqueue(digest(1, 1), asynq.TaskID(id))
+	waitFor(t, rc.runs, "the digest runs")
+	h.settled(1)
+	coolingDup(t, h.client, digest(1, 2), h.queue, first.ID)
+	eventually(t, "asynq drops the done task's record", func() bool { return h.taskState(id) == 0 })
+
+	// Another service reuses the ID for a task due later.
+	if _, err := h.asynq.Enqueue(digest(1, 3), asynq.Queue(h.queue), asynq.TaskID(id), asynq.ProcessIn(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	res, err := h.client.Submit(context.Background(), digest(1, 4), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) || !dup.CoolingDown {
+		t.Fatalf("Replace at a cooling key: %+v, %v; want a CoolingDown duplicate (the payload would be dropped with the task it went into)", res, err)
+	}
+}
+
+// A caller-chosen task ID reused after its task succeeded meets the
+// cooldown like any other enqueue; Release ends it and the ID is usable
+// again.
+func TestCooldownMeetsACallerIDReusedAfterSuccess(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	settled := uint64(0)
+	for _, c := range []*Client{h.client, h.d.NewClient()} {
+		id := "digest-" + uniq(t)
+		user := 1
+		if c != h.client {
+			user = 2
+		}
+		first, err := c.Enqueue(digest(user, 1), asynq.Queue(h.queue), asynq.TaskID(id))
+		if err != nil || first.ID != id {
+			t.Fatalf("first: %v %v", first, err)
+		}
+		waitFor(t, rc.runs, "the digest runs")
+		settled++
+		h.settled(settled)
+		coolingDup(t, c, digest(user, 2), h.queue, id, asynq.TaskID(id))
+		coolingDup(t, c, digest(user, 3), h.queue, id, asynq.TaskID(id+"-other"))
+		coolingDup(t, c, digest(user, 4), h.queue, id)
+		if ok, err := h.d.Release(context.Background(), digest(user, 0), id, asynq.Queue(h.queue)); err != nil || !ok {
+			t.Fatalf("Release: %v %v", ok, err)
+		}
+		eventually(t, "asynq drops the done task's record", func() bool { return h.taskState(id) == 0 })
+		again, err := c.Enqueue(digest(user, 5), asynq.Queue(h.queue), asynq.TaskID(id))
+		if err != nil || again.ID != id {
+			t.Fatalf("after Release: %v %v", again, err)
+		}
+		if r := waitFor(t, rc.runs, "the reused ID runs"); r.id != id {
+			t.Fatalf("ran %s", r.id)
+		}
+		settled++
+		h.settled(settled)
+		coolingDup(t, c, digest(user, 6), h.queue, id)
+	}
+}
+
+// The execution-time guard: a task of a type whose Rule has a Cooldown,
+// enqueued by a plain asynq client, locks its key when it starts; its
+// success cools the key; enqueues are cooling duplicates of it, and later
+// plain arrivals are dropped, never run.
+func TestCooldownThroughTheExecutionGuard(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	plain, err := h.asynq.Enqueue(digest(1, 1), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := waitFor(t, rc.runs, "the plain task runs"); r.id != plain.ID {
+		t.Fatalf("ran %s", r.id)
+	}
+	h.settled(1)
+	coolingDup(t, h.client, digest(1, 2), h.queue, plain.ID)
+	coolingDup(t, h.d.NewClient(), digest(1, 3), h.queue, plain.ID)
+	kl, found, err := h.d.Lookup(context.Background(), digest(1, 0), asynq.Queue(h.queue))
+	if err != nil || !found || kl.State != "cooling" || kl.Holder != plain.ID {
+		t.Fatalf("Lookup: %+v %v %v", kl, found, err)
+	}
+	second, err := h.asynq.Enqueue(digest(1, 4), asynq.Queue(h.queue), asynq.Retention(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the second plain task is done", func() bool { return h.taskState(second.ID) == asynq.TaskStateCompleted })
+	select {
+	case r := <-rc.runs:
+		t.Fatalf("%s ran while its key cooled down", r.id)
+	default:
+	}
+}
+
+// Inspector operations: a scheduled task run now by the Inspector cools its
+// key on success; one archived or deleted while it waits frees its key at
+// once (NewClient).
+func TestCooldownFollowsInspectorRunArchiveAndDelete(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	c := h.d.NewClient()
+	ctx := context.Background()
+
+	sched, err := c.Enqueue(digest(1, 1), asynq.Queue(h.queue), asynq.ProcessIn(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.insp.RunTask(h.queue, sched.ID); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, rc.runs, "the run-now task")
+	h.settled(1)
+	coolingDup(t, c, digest(1, 2), h.queue, sched.ID)
+
+	for i, op := range []func(string, string) error{h.insp.ArchiveTask, h.insp.DeleteTask} {
+		user := 10 + i
+		w, err := c.Enqueue(digest(user, 1), asynq.Queue(h.queue), asynq.ProcessIn(time.Hour))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := op(h.queue, w.ID); err != nil {
+			t.Fatal(err)
+		}
+		n, err := c.Enqueue(digest(user, 2), asynq.Queue(h.queue), asynq.ProcessIn(time.Hour))
+		if err != nil {
+			t.Fatalf("user %d: enqueue after the waiting task was removed: %v", user, err)
+		}
+		if kl, found, err := h.d.Lookup(ctx, digest(user, 0), asynq.Queue(h.queue)); err != nil || !found || kl.Holder != n.ID || kl.State == "cooling" {
+			t.Fatalf("user %d: Lookup %+v %v %v", user, kl, found, err)
+		}
+	}
+}
+
+// MaxPending: a cooling key no longer counts as waiting, and it stays a
+// cooling duplicate (not ErrTooManyPending) when the bound is reached.
+func TestCooldownKeyIsNotCountedByMaxPending(t *testing.T) {
+	rule := digestRule
+	rule.MaxPending = 1
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": rule}})
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	first := h.enqueue(digest(1, 1))
+	waitFor(t, rc.runs, "first run")
+	h.settled(1)
+	h.enqueue(digest(2, 1), asynq.ProcessIn(time.Hour)) // fills the bound
+	coolingDup(t, h.client, digest(1, 2), h.queue, first.ID)
+	if _, err := h.client.Enqueue(digest(3, 1), asynq.Queue(h.queue)); !errors.Is(err, ErrTooManyPending) {
+		t.Fatalf("a third key: %v, want ErrTooManyPending", err)
+	}
+}
+
+// A per-call cooldown longer than the TTL keeps the lock through a delay
+// longer than the TTL, and after success until the cooldown (counted from
+// the enqueue) ends; a per-call cooldown that ended before the task
+// succeeded leaves nothing held.
+func TestCooldownPerCallIsCountedFromTheEnqueueNotTheTTL(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}}}})
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	ctx := context.Background()
+
+	start := time.Now()
+	long := h.enqueue(digest(1, 1), TTL(50*time.Millisecond), Cooldown(4*time.Second), asynq.ProcessIn(time.Second))
+	waitFor(t, rc.runs, "the long-cooldown task")
+	h.settled(1)
+	dup := coolingDup(t, h.client, digest(1, 2), h.queue, long.ID)
+	if dup.FreeIn > 4*time.Second-time.Since(start)+100*time.Millisecond {
+		t.Fatalf("FreeIn %v, want what is left of 4 s since the enqueue", dup.FreeIn)
+	}
+
+	short := h.enqueue(digest(2, 1), TTL(time.Hour), Cooldown(200*time.Millisecond), asynq.ProcessIn(time.Second))
+	if r := waitFor(t, rc.runs, "the short-cooldown task"); r.id != short.ID {
+		t.Fatalf("ran %s", r.id)
+	}
+	h.settled(2)
+	if _, found, err := h.d.Lookup(ctx, digest(2, 0), asynq.Queue(h.queue)); err != nil || found {
+		t.Fatalf("a cooldown over before the success left the key held: %v %v", found, err)
+	}
+	if s := h.d.Stats(); s.Cooling != 1 {
+		t.Fatalf("cooling %d, want 1", s.Cooling)
+	}
+}
+
+// Refused combinations, in any option order, leave neither lock nor task.
+func TestCooldownAndDebounceRefusedInAnyOptionOrderLeaveNothing(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{
+		"defer":   {Fields: []string{"user_id"}, OnConflict: Replace, OnRunning: RunningDefer},
+		"replace": {Fields: []string{"user_id"}, OnConflict: Replace},
+		"allow":   {Fields: []string{"user_id"}, OnRunning: RunningAllow},
+		"deb":     {Fields: []string{"user_id"}, OnConflict: Replace, Debounce: time.Minute},
+	}})
+	cases := map[string]struct {
+		typ  string
+		opts []asynq.Option
+	}{
+		"cooldown on defer":              {"defer", []asynq.Option{Cooldown(time.Minute)}},
+		"cooldown on allow":              {"allow", []asynq.Option{Cooldown(time.Minute)}},
+		"debounce on defer":              {"defer", []asynq.Option{Debounce(time.Minute)}},
+		"debounce then reject":           {"replace", []asynq.Option{Debounce(time.Minute), OnConflict(Reject)}},
+		"rule debounce, call reject":     {"deb", []asynq.Option{OnConflict(Reject)}},
+		"cooldown(-1) after a good one":  {"replace", []asynq.Option{Cooldown(time.Minute), Cooldown(-time.Second)}},
+		"debounce(0) with processin":     {"replace", []asynq.Option{asynq.ProcessIn(time.Minute), Debounce(0)}},
+		"debounce with caller id reject": {"replace", []asynq.Option{asynq.TaskID("x-" + uniq(t)), OnConflict(Reject), Debounce(time.Second)}},
+	}
+	for name, tc := range cases {
+		for _, c := range []*Client{h.client, h.d.NewClient()} {
+			_, err := c.Enqueue(profileSync(tc.typ, 1, 1), append([]asynq.Option{asynq.Queue(h.queue)}, tc.opts...)...)
+			if !errors.Is(err, ErrInvalidOption) {
+				t.Errorf("%s: %v, want ErrInvalidOption", name, err)
+			}
+		}
+	}
+	if n := len(h.locks()); n != 0 || h.queueSize(h.queue) != 0 {
+		t.Fatalf("refused calls left %d locks, %d tasks", n, h.queueSize(h.queue))
+	}
+}
+
+// A per-call Cooldown on a call folded (Replace) into the waiting task is not
+// applied: the key keeps the cooldown it was taken with (here none), and
+// Result.NotApplied names the call's Cooldown. The folded payload runs and
+// succeeds; the key is then free.
+func TestCooldownOfAFoldedCallIsNamedNotApplied(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, OnConflict: Replace}}})
+	rc := newRecorder(nil)
+	first := h.enqueue(digest(1, 1), asynq.ProcessIn(time.Hour))
+	res, err := h.client.Submit(context.Background(), digest(1, 2), asynq.Queue(h.queue), Cooldown(time.Hour))
+	if err != nil || res.Outcome != Replaced || res.TaskID != first.ID || len(res.NotApplied) != 1 || res.NotApplied[0] != "dedup.Cooldown(1h0m0s)" {
+		t.Fatalf("fold: %+v %v; want NotApplied naming the Cooldown", res, err)
+	}
+	h.serve(rc.handler(), nil)
+	if err := h.insp.RunTask(h.queue, first.ID); err != nil {
+		t.Fatal(err)
+	}
+	if r := waitFor(t, rc.runs, "the task runs"); string(r.task.Payload()) != `{"user_id":1,"seq":2}` {
+		t.Fatalf("ran with %s", r.task.Payload())
+	}
+	h.settled(1)
+	h.enqueue(digest(1, 3)) // the key was taken without a cooldown: free
+}

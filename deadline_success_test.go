@@ -2,9 +2,11 @@ package dedup
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -38,4 +40,82 @@ func TestWrapClientSuccessNearItsDeadlineFreesTheKeyAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+}
+
+// A handler that returns nil a hair before its Timeout: asynq's select
+// (processor.exec) may then find its context done before the handler's
+// result and retry the task. The key follows what asynq makes of the
+// attempt: every task asynq retries still holds its key (a release at that
+// success would leave it waiting for its retry with its key free), and every
+// task it completed frees it (the key's next enqueue heals a lock whose
+// holder asynq has completed). A control task, far from its deadline, is
+// released at its end.
+func TestSuccessAtTheDeadlineFollowsWhatAsynqMakesOfTheAttempt(t *testing.T) {
+	h := newHarness(t, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: counterRules(Rule{}).Rules})
+	const n = 30
+	rc := newRecorder(func(r run) error {
+		dl, _ := r.ctx.Deadline()
+		seq := decodeCounter(r.task).Seq
+		if seq >= 1000 { // control: returns nil well before the deadline
+			return nil
+		}
+		// Return nil between 0 and ~3 ms before the deadline.
+		time.Sleep(time.Until(dl) - time.Duration(seq)*100*time.Microsecond)
+		return nil
+	})
+	h.serve(rc.handler(), func(c *asynq.Config) {
+		c.Concurrency = n
+		retryInAnHour(c)
+	})
+	ids := make([]string, n)
+	for i := range n {
+		ids[i] = h.enqueue(counterTask(fmt.Sprint("k", i), 1, i), asynq.Timeout(time.Second), asynq.Retention(time.Hour)).ID
+	}
+	ctl := h.enqueue(counterTask("control", 1, 1000), asynq.Timeout(time.Minute), asynq.Retention(time.Hour))
+	for range n + 1 {
+		waitFor(t, rc.runs, "run")
+	}
+	h.settled(n + 1)
+	eventually(t, "the control task completes", func() bool { return h.taskState(ctl.ID) == asynq.TaskStateCompleted })
+	eventually(t, "the control task's key is free", func() bool {
+		return h.lockOwner(h.keyOf(counterTask("control", 1, 1000), h.queue)) == ""
+	})
+	eventually(t, "asynq moved every task on", func() bool {
+		for _, id := range ids {
+			if st := h.taskState(id); st != asynq.TaskStateRetry && st != asynq.TaskStateCompleted {
+				return false
+			}
+		}
+		return true
+	})
+	eventually(t, "completed tasks free their keys", func() bool {
+		for i, id := range ids {
+			key := h.keyOf(counterTask(fmt.Sprint("k", i), 1, i), h.queue)
+			if h.taskState(id) == asynq.TaskStateCompleted && h.lockOwner(key) == id && h.lockState(key) != store.LockOrphaned {
+				return false
+			}
+		}
+		return true
+	})
+	var retried, lost, stuck int
+	for i, id := range ids {
+		key := h.keyOf(counterTask(fmt.Sprint("k", i), 1, i), h.queue)
+		owner := h.lockOwner(key)
+		switch h.taskState(id) {
+		case asynq.TaskStateRetry:
+			retried++
+			if owner != id {
+				lost++
+				info, err := h.client.Enqueue(counterTask(fmt.Sprint("k", i), 1, 100+i), asynq.Queue(h.queue))
+				t.Errorf("task %s (returned nil %dµs before its deadline) waits for asynq's retry, but its lock owner is %q; a new enqueue of its key: %v %v",
+					id, i*100, owner, info != nil, err)
+			}
+		case asynq.TaskStateCompleted:
+			if owner == id && h.lockState(key) != store.LockOrphaned {
+				stuck++
+				t.Errorf("task %s (returned nil %dµs before its deadline) completed, but still holds its key", id, i*100)
+			}
+		}
+	}
+	t.Logf("%d of %d tasks retried by asynq; %d of them lost their lock; %d completed tasks still hold theirs", retried, n, lost, stuck)
 }

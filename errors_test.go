@@ -1,10 +1,14 @@
 package dedup
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/hibiken/asynq"
 )
 
 // Every invalid rule is reported in one order, the sentinel first, then
@@ -26,6 +30,200 @@ func TestRuleErrorsNameTheSentinelFirst(t *testing.T) {
 		}
 		if strings.Count(msg, "dedup:") != 1 {
 			t.Errorf("%s: %q names the package twice", name, msg)
+		}
+	}
+}
+
+// Errors: "Errors this package makes match one of them with errors.Is
+// and wrap their cause; errors … from a function you gave (MergeFunc,
+// KeyFunc) are returned wrapped"; bad input gets ErrInvalidOption "before
+// any lock is taken"; "a merge that changes the key's fields is refused
+// (ErrInvalidPayload)"; Release "(else ErrNotHolder)"; nothing locked or
+// enqueued for any of them.
+func TestErrorsMatchTheirSentinels(t *testing.T) {
+	errKeyFunc := errors.New("a6: key func failed")
+	errMerge := errors.New("a6: merge failed")
+	cfg := Config{Rules: map[string]Rule{
+		"a6:keyfunc": {KeyFunc: func(string, []byte) (string, error) { return "", errKeyFunc }},
+		"a6:defer":   {Fields: []string{"key"}, OnRunning: RunningDefer},
+		"counter":    {Fields: []string{"key"}},
+	}}
+	h := newHarness(t, cfg)
+	ctx := context.Background()
+	q := asynq.Queue(h.queue)
+	p := []byte(`{"key":"k","n":1,"seq":1}`)
+	cases := []struct {
+		name string
+		call func() error
+		want []error
+	}{
+		{"Fields()", func() error { _, err := h.client.Enqueue(counterTask("k", 1, 1), q, Fields()); return err }, []error{ErrInvalidOption}},
+		{"Fields(\"\")", func() error { _, err := h.client.Enqueue(counterTask("k", 1, 1), q, Fields("")); return err }, []error{ErrInvalidOption}},
+		{"Fields(\"a..b\")", func() error { _, err := h.client.Enqueue(counterTask("k", 1, 1), q, Fields("a..b")); return err }, []error{ErrInvalidOption}},
+		{"Key twice, different", func() error {
+			_, err := h.client.Enqueue(counterTask("k", 1, 1), q, Key("a"), Key("b"))
+			return err
+		}, []error{ErrInvalidOption}},
+		{"SharedKey then Key", func() error {
+			_, err := h.client.Enqueue(counterTask("k", 1, 1), q, SharedKey("a"), Key("a"))
+			return err
+		}, []error{ErrInvalidOption}},
+		{"Key(\"\")", func() error { _, err := h.client.Enqueue(counterTask("k", 1, 1), q, Key("")); return err }, []error{ErrInvalidOption}},
+		{"TTL(0)", func() error { _, err := h.client.Enqueue(counterTask("k", 1, 1), q, TTL(0)); return err }, []error{ErrInvalidOption}},
+		{"Cooldown(-1)", func() error { _, err := h.client.Enqueue(counterTask("k", 1, 1), q, Cooldown(-1)); return err }, []error{ErrInvalidOption}},
+		{"OnConflict(9)", func() error { _, err := h.client.Enqueue(counterTask("k", 1, 1), q, OnConflict(9)); return err }, []error{ErrInvalidOption}},
+		{"MergeWith(nil)", func() error { _, err := h.client.Enqueue(counterTask("k", 1, 1), q, MergeWith(nil)); return err }, []error{ErrInvalidOption}},
+		{"OnConflict(Replace) then MergeWith", func() error {
+			_, err := h.client.Enqueue(counterTask("k", 1, 1), q, OnConflict(Replace), MergeWith(addMerge))
+			return err
+		}, []error{ErrInvalidOption}},
+		{"Debounce with Reject", func() error { _, err := h.client.Enqueue(counterTask("k", 1, 1), q, Debounce(time.Second)); return err }, []error{ErrInvalidOption}},
+		{"Cooldown on a RunningDefer type", func() error {
+			_, err := h.client.Enqueue(asynq.NewTask("a6:defer", p), q, Cooldown(time.Hour))
+			return err
+		}, []error{ErrInvalidOption}},
+		{"Debounce on a RunningDefer type", func() error {
+			_, err := h.client.Enqueue(asynq.NewTask("a6:defer", p), q, OnConflict(Replace), Debounce(time.Second))
+			return err
+		}, []error{ErrInvalidOption}},
+		{"Group in the call", func() error { _, err := h.client.Enqueue(counterTask("k", 1, 1), q, asynq.Group("g")); return err }, []error{ErrInvalidOption}},
+		{"KeyFunc error", func() error { _, err := h.client.Enqueue(asynq.NewTask("a6:keyfunc", p), q); return err }, []error{ErrInvalidPayload, errKeyFunc}},
+		{"not JSON", func() error { _, err := h.client.Enqueue(asynq.NewTask("counter", []byte("{nope")), q); return err }, []error{ErrInvalidPayload}},
+		{"field missing", func() error { _, err := h.client.Enqueue(asynq.NewTask("counter", []byte(`{"n":1}`)), q); return err }, []error{ErrInvalidPayload, ErrFieldMissing}},
+		{"huge exponent", func() error {
+			_, err := h.client.Enqueue(asynq.NewTask("counter", []byte(`{"key":1e1000000001}`)), q)
+			return err
+		}, []error{ErrInvalidPayload}},
+		{"Lookup with Skip", func() error { _, _, err := h.d.Lookup(ctx, counterTask("k", 1, 1), q, Skip()); return err }, []error{ErrInvalidOption}},
+		{"Lookup, blank queue", func() error { _, _, err := h.d.Lookup(ctx, counterTask("k", 1, 1), asynq.Queue(" ")); return err }, []error{ErrInvalidOption}},
+		{"Release, not JSON", func() error {
+			_, err := h.d.Release(ctx, asynq.NewTask("counter", []byte("x")), "", q)
+			return err
+		}, []error{ErrInvalidPayload}},
+		{"WaitHolder(nil)", func() error { _, err := h.d.WaitHolder(ctx, nil); return err }, []error{ErrInvalidOption}},
+		{"New, brace in prefix", func() error { _, err := New(ctx, h.rdb, Config{Prefix: "a{b"}); return err }, []error{ErrInvalidOption}},
+		{"New, Merge rule without MergeFunc", func() error {
+			_, err := New(ctx, h.rdb, Config{Rules: map[string]Rule{"x": {OnConflict: Merge}}})
+			return err
+		}, []error{ErrInvalidOption}},
+		{"New, negative Debounce", func() error {
+			_, err := New(ctx, h.rdb, Config{Rules: map[string]Rule{"x": {OnConflict: Replace, Debounce: -time.Second}}})
+			return err
+		}, []error{ErrInvalidOption}},
+		{"New, unknown OnBusy", func() error {
+			_, err := New(ctx, h.rdb, Config{Rules: map[string]Rule{"x": {OnBusy: 7}}})
+			return err
+		}, []error{ErrInvalidOption}},
+		{"New, blank rule name", func() error {
+			_, err := New(ctx, h.rdb, Config{Rules: map[string]Rule{" ": {}}})
+			return err
+		}, []error{ErrInvalidOption}},
+	}
+	for _, c := range cases {
+		err := c.call()
+		if err == nil {
+			t.Errorf("%s: no error", c.name)
+			continue
+		}
+		for _, w := range c.want {
+			if !errors.Is(err, w) {
+				t.Errorf("%s: %v does not match %v", c.name, err, w)
+			}
+		}
+		if errors.Is(err, ErrUnavailable) {
+			t.Errorf("%s: %v matches ErrUnavailable: Redis is fine", c.name, err)
+		}
+	}
+	if l := h.locks(); len(l) != 0 {
+		t.Errorf("locks left by refused calls: %v", l)
+	}
+	if n := h.queueSize(h.queue); n != 0 {
+		t.Errorf("%d tasks stored by refused calls", n)
+	}
+	// With a holder: merge errors, a merge that changes the key, a wrong holder.
+	holder := h.enqueue(counterTask("k", 1, 1))
+	_, err := h.client.Enqueue(counterTask("k", 2, 2), q, MergeWith(func(_, _ []byte) ([]byte, error) { return nil, errMerge }))
+	if !errors.Is(err, errMerge) {
+		t.Errorf("MergeFunc's error: %v, want it wrapped", err)
+	}
+	_, err = h.client.Enqueue(counterTask("k", 2, 2), q, MergeWith(func(_, _ []byte) ([]byte, error) { return []byte(`{"key":"other"}`), nil }))
+	if !errors.Is(err, ErrInvalidPayload) {
+		t.Errorf("merge that changes the key: %v, want ErrInvalidPayload", err)
+	}
+	if _, err := h.d.Release(ctx, counterTask("k", 1, 1), "not-the-holder", q); !errors.Is(err, ErrNotHolder) {
+		t.Errorf("Release with a wrong holder: %v, want ErrNotHolder", err)
+	}
+	if _, err := h.client.Enqueue(counterTask("k", 1, 3), q); !errors.Is(err, ErrDuplicateTask) || !errors.Is(err, asynq.ErrDuplicateTask) {
+		t.Errorf("duplicate: %v", err)
+	}
+	ti, err := h.insp.GetTaskInfo(h.queue, holder.ID)
+	if err != nil || string(ti.Payload) != string(counterTask("k", 1, 1).Payload()) {
+		t.Errorf("the holder's payload changed after refused merges: %v %v", ti, err)
+	}
+}
+
+// Errors: "ErrUnavailable reports that Redis could not be reached";
+// "ErrOutcomeUnknown reports an enqueue that may or may not have stored
+// its task: a lock call that carried the task … failed after it was sent";
+// "errors … from the context … are returned wrapped". A call whose context
+// was cancelled before it was made reached no Redis: it is the caller's
+// cancellation, not an outage and not an unknown outcome.
+func TestCancelledCallIsNotAnOutage(t *testing.T) {
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		_, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("cancelled call: %v, want context.Canceled wrapped", err)
+		}
+		if errors.Is(err, ErrOutcomeUnknown) {
+			t.Errorf("cancelled call: %v matches ErrOutcomeUnknown, but it never reached Redis", err)
+		}
+		if errors.Is(err, ErrUnavailable) {
+			t.Errorf("cancelled call: %v matches ErrUnavailable, but Redis is up", err)
+		}
+		if n := h.queueSize(h.queue); n != 0 {
+			t.Errorf("%d tasks stored by a cancelled call", n)
+		}
+	})
+}
+
+// Rule errors read `dedup: invalid option: rule for "x": …` and match
+// ErrInvalidOption: every way a Rule can be invalid, with a type name that
+// needs quoting.
+func TestRuleErrorsNameTheRuleAndMatchErrInvalidOption(t *testing.T) {
+	h := newHarness(t, Config{})
+	merge := func(_, b []byte) ([]byte, error) { return b, nil }
+	many := make([]string, 65) // above jsonkey.MaxFields (64)
+	for i := range many {
+		many[i] = fmt.Sprintf("f%d", i)
+	}
+	typ := "a11:\"odd\"\nname"
+	for i, r := range []Rule{
+		{Fields: []string{""}},
+		{Fields: []string{"a..b"}},
+		{Fields: many},
+		{TTL: -time.Second},
+		{MaxPending: -1},
+		{OnConflict: 99},
+		{OnRunning: 99},
+		{OnBusy: 99},
+		{OnConflict: Merge},
+		{MergeFunc: merge},
+		{Cooldown: -time.Second},
+		{Cooldown: time.Hour, OnRunning: RunningAllow},
+		{Debounce: time.Second},
+		{Debounce: time.Second, OnConflict: Replace, OnRunning: RunningDefer},
+	} {
+		_, err := New(context.Background(), h.rdb, Config{Prefix: h.prefix, Logger: quietLogger(), Rules: map[string]Rule{typ: r}})
+		want := fmt.Sprintf("dedup: invalid option: rule for %q: ", typ)
+		switch {
+		case err == nil:
+			t.Errorf("%d: %+v accepted", i, r)
+		case !errors.Is(err, ErrInvalidOption):
+			t.Errorf("%d: %v does not match ErrInvalidOption", i, err)
+		case !strings.HasPrefix(err.Error(), want) || strings.Count(err.Error(), "invalid option") != 1 || strings.HasSuffix(err.Error(), ": "):
+			t.Errorf("%d: %q, want %q…", i, err, want)
 		}
 	}
 }

@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/hibiken/asynq"
 )
@@ -212,5 +215,253 @@ func TestOnFailureRefusesWhatItCannotDo(t *testing.T) {
 	}
 	if n := len(h.locks()); n != 0 {
 		t.Fatalf("%d locks left behind", n)
+	}
+}
+
+// An operator's archive of a waiting task is no failure (docs/policies.md):
+// the key frees, even under FailHoldUntilReleased, and Lookup says the lock
+// is orphaned (it heals), not failed.
+func TestFailHoldTreatsAnArchiveOfAWaitingTaskAsNoFailure(t *testing.T) {
+	h := newHarness(t, jobRules(Rule{OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	info := h.enqueue(jobTask("a", 1)) // no server: it waits
+	if err := h.insp.ArchiveTask(h.queue, info.ID); err != nil {
+		t.Fatal(err)
+	}
+	kl, found, err := h.d.Lookup(context.Background(), jobTask("a", 2), asynq.Queue(h.queue))
+	if err != nil || !found || kl.State != "orphaned" {
+		t.Errorf("Lookup after the archive: %+v %v %v, want orphaned", kl, found, err)
+	}
+	if _, err := h.client.Enqueue(jobTask("a", 2), asynq.Queue(h.queue)); err != nil {
+		t.Fatalf("enqueue after the operator archived %s: %v, want a new task", info.ID, err)
+	}
+}
+
+// A panic on the last retry is a final failure; the lock keeps "dedup:
+// handler panicked", never the panic's value (which may quote the payload;
+// asynq's record has it), as documented.
+func TestFailHoldKeepsAPanicOnTheLastRetryAsAPanic(t *testing.T) {
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	h.serve(func(context.Context, *asynq.Task) error { panic("disk on fire") }, nil)
+	info := h.enqueue(jobTask("panic", 1), asynq.MaxRetry(0), asynq.Retention(time.Hour))
+	eventually(t, "archived and held", func() bool {
+		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+	})
+	kl, found, err := h.d.Lookup(context.Background(), jobTask("panic", 2), asynq.Queue(h.queue))
+	if err != nil || !found || kl.State != "failed" || kl.LastError != errPanicked.Error() {
+		t.Fatalf("Lookup: state %q, LastError %q; want failed with %q", kl.State, kl.LastError, errPanicked)
+	}
+}
+
+// The last error is kept in the lock up to 1,000 bytes, cut at a character
+// and marked: an error of multi-byte text (and control characters) comes
+// back from Lookup (and so dedupctl show's "last error", and the lock
+// browser) as valid UTF-8, a prefix of the error's text. (Once, the scripts
+// cut it at 1000 bytes inside a character.)
+func TestFailHoldKeepsTheLastErrorAsValidText(t *testing.T) {
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	msg := "upstream said:\nstate            free\x1b[2J xy" + strings.Repeat("é", 600)
+	h.serve(func(context.Context, *asynq.Task) error { return fmt.Errorf("%s: %w", msg, asynq.SkipRetry) }, nil)
+	info := h.enqueue(jobTask("utf8", 1))
+	eventually(t, "held", func() bool { return h.d.Stats().FailureHeld == 1 })
+	kl, found, err := h.d.Lookup(context.Background(), jobTask("utf8", 2), asynq.Queue(h.queue))
+	if err != nil || !found || kl.State != "failed" || kl.Holder != info.ID {
+		t.Fatalf("Lookup: %+v %v %v", kl, found, err)
+	}
+	kept, cut := strings.CutSuffix(kl.LastError, "…") // documented: up to 1,000 bytes, cut at a character, marked
+	if !cut || !strings.HasPrefix(msg, kept) || len(kl.LastError) > 1000 || len(kept) < 900 {
+		t.Errorf("LastError %q is not the error's text cut as documented", kl.LastError)
+	}
+	t.Logf("LastError %d bytes: %q", len(kl.LastError), kl.LastError)
+	if !utf8.ValidString(kl.LastError) {
+		t.Errorf("LastError (%d bytes) is not valid UTF-8: ends %q", len(kl.LastError), kl.LastError[len(kl.LastError)-4:])
+	}
+}
+
+// A call folded into a waiting task leaves the key's failure policy as it
+// was; "Result.NotApplied names the call's options that were not applied":
+// both the folded call's Cooldown and its OnFailure.
+func TestOnFailureOfAFoldedCallIsNamedNotApplied(t *testing.T) {
+	h := newHarness(t, jobRules(Rule{OnConflict: Replace}))
+	h.client = h.d.NewClient()
+	first := h.enqueue(jobTask("f", 1))
+	res, err := h.client.Submit(context.Background(), jobTask("f", 2), asynq.Queue(h.queue), OnFailure(FailHoldUntilReleased, 0), Cooldown(time.Hour))
+	if err != nil || res.Outcome != Replaced || res.TaskID != first.ID {
+		t.Fatalf("Submit: %+v %v, want replaced into %s", res, err, first.ID)
+	}
+	named := strings.Join(res.NotApplied, " ")
+	if !strings.Contains(named, "dedup.Cooldown") {
+		t.Fatalf("NotApplied %v does not name the Cooldown", res.NotApplied)
+	}
+	if !strings.Contains(named, "dedup.OnFailure") {
+		t.Errorf("NotApplied %v does not name dedup.OnFailure, which the fold did not apply", res.NotApplied)
+	}
+}
+
+// Cooldown and FailHold together: success cools for the cooldown, a final
+// failure holds for FailureHold.
+func TestCooldownCoolsAndFailHoldHoldsOnOneKey(t *testing.T) {
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{Cooldown: time.Hour, OnFailure: FailHold, FailureHold: 10 * time.Minute}))
+	h.client = h.d.NewClient()
+	h.serve(func(_ context.Context, task *asynq.Task) error {
+		if decodeJob(task).Key == "bad" {
+			return asynq.SkipRetry
+		}
+		return nil
+	}, nil)
+	ok := h.enqueue(jobTask("ok", 1))
+	bad := h.enqueue(jobTask("bad", 1))
+	eventually(t, "both settled", func() bool { s := h.d.Stats(); return s.Cooling == 1 && s.FailureHeld == 1 })
+	_, err := h.client.Enqueue(jobTask("ok", 2), asynq.Queue(h.queue))
+	var d *DuplicateTaskError
+	if !errors.As(err, &d) || !d.CoolingDown || d.TaskID != ok.ID || d.FreeIn < 59*time.Minute || d.FreeIn > time.Hour {
+		t.Errorf("after success: %v, want cooling after %s for about the hour of the cooldown", err, ok.ID)
+	}
+	if d := failedDup(t, h.client, jobTask("bad", 2), h.queue, bad.ID); d.FreeIn > 10*time.Minute || d.FreeIn < 9*time.Minute {
+		t.Errorf("after failure: FreeIn %v, want the 10m of FailureHold", d.FreeIn)
+	}
+}
+
+// A failure whose lock owes a RunningDefer follow-up hands the key to the
+// follow-up, which runs; its success frees the key.
+func TestFailureHandsTheKeyToTheDeferFollowUp(t *testing.T) {
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnConflict: Replace, OnRunning: RunningDefer, OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	release := make(chan struct{})
+	ran := make(chan int, 4)
+	h.serve(func(_ context.Context, task *asynq.Task) error {
+		n := decodeJob(task).N
+		ran <- n
+		if n == 1 {
+			<-release
+			return asynq.SkipRetry
+		}
+		return nil
+	}, nil)
+	h.enqueue(jobTask("d", 1))
+	if n := waitFor(t, ran, "the first run"); n != 1 {
+		t.Fatalf("ran %d", n)
+	}
+	res, err := h.client.Submit(context.Background(), jobTask("d", 2), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("Submit while running: %+v %v, want a follow-up", res, err)
+	}
+	close(release)
+	if n := waitFor(t, ran, "the follow-up"); n != 2 {
+		t.Fatalf("ran %d, want the follow-up's payload", n)
+	}
+	eventually(t, "the key frees after the follow-up's success", func() bool {
+		_, err := h.client.Enqueue(jobTask("d", 3), asynq.Queue(h.queue))
+		return err == nil
+	})
+	if s := h.d.Stats(); s.FailureHeld != 0 {
+		t.Errorf("failure_held %d, want 0 (the key went to the follow-up)", s.FailureHeld)
+	}
+}
+
+// An operator releases a failed hold while the archived task runs again by
+// hand; a new task takes the key. The re-run failing again must not hold
+// the new task's key as its own failure.
+func TestFailHoldReleasedWhileTheTaskRunsAgainSparesTheNewTasksKey(t *testing.T) {
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	rerun := make(chan struct{})
+	ran := make(chan run, 8)
+	var attempts sync.Map
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		ran <- run{id: id, task: task}
+		n, _ := attempts.LoadOrStore(id, new(atomic.Int32))
+		if decodeJob(task).N == 1 {
+			if n.(*atomic.Int32).Add(1) == 2 {
+				<-rerun // the run by hand waits
+			}
+			return fmt.Errorf("still broken: %w", asynq.SkipRetry)
+		}
+		return nil
+	}, nil)
+	a := h.enqueue(jobTask("r", 1), asynq.Retention(time.Hour))
+	waitFor(t, ran, "the failing run")
+	eventually(t, "archived and held", func() bool {
+		return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+	})
+	if err := h.insp.RunTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, ran, "the run by hand")
+	if ok, err := h.d.Release(context.Background(), jobTask("r", 0), a.ID, asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("Release during the run by hand: %v %v", ok, err)
+	}
+	b := h.enqueue(jobTask("r", 2))
+	if r := waitFor(t, ran, "the new task"); r.id != b.ID {
+		t.Fatalf("ran %s, want %s", r.id, b.ID)
+	}
+	close(rerun)
+	eventually(t, "the run by hand failed again", func() bool { return h.taskState(a.ID) == asynq.TaskStateArchived })
+	eventually(t, "settled", func() bool { s := h.d.Stats(); return s.Released+s.FailureHeld+s.LockLost >= 3 })
+	kl, found, err := h.d.Lookup(context.Background(), jobTask("r", 3), asynq.Queue(h.queue))
+	if err != nil || (found && kl.State == "failed") {
+		t.Fatalf("after the new task succeeded and the released re-run failed: %+v %v %v, want no failed hold", kl, found, err)
+	}
+}
+
+// A failed hold does not keep a MaxPending slot: the key's task is not
+// waiting.
+func TestFailureHoldsDoNotFillMaxPending(t *testing.T) {
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{MaxPending: 1, OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
+	a := h.enqueue(jobTask("a", 1))
+	eventually(t, "held", func() bool { return h.d.Stats().FailureHeld == 1 })
+	failedDup(t, h.client, jobTask("a", 2), h.queue, a.ID)
+	if _, err := h.client.Enqueue(jobTask("b", 1), asynq.Queue(h.queue)); err != nil {
+		t.Fatalf("a new key with the only other key held after its failure: %v", err)
+	}
+	failedDup(t, h.client, jobTask("a", 3), h.queue, a.ID)
+}
+
+// An operator deletes the archived task that holds its key: the docs list
+// only Release as the way out ("held until someone releases it"), and
+// Lookup still says failed; Release still frees it.
+func TestFailHoldSurvivesTheDeletionOfTheArchivedHolder(t *testing.T) {
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHoldUntilReleased}))
+	h.client = h.d.NewClient()
+	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
+	a := h.enqueue(jobTask("del", 1))
+	eventually(t, "archived and held", func() bool {
+		return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+	})
+	if err := h.insp.DeleteTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	failedDup(t, h.client, jobTask("del", 2), h.queue, a.ID)
+	kl, found, _ := h.d.Lookup(context.Background(), jobTask("del", 2), asynq.Queue(h.queue))
+	if !found || kl.State != "failed" {
+		t.Fatalf("Lookup: %+v %v, want failed", kl, found)
+	}
+	if ok, err := h.d.Release(context.Background(), jobTask("del", 3), a.ID, asynq.Queue(h.queue)); !ok || err != nil {
+		t.Fatalf("Release: %v %v", ok, err)
+	}
+	h.enqueue(jobTask("del", 4))
+}
+
+// An attempt on its last retry that asynq gives up at its deadline, with a
+// handler that returns the context's error at once: held, failed, with an
+// error that says so.
+func TestFailHoldHoldsADeadlineOnTheLastRetry(t *testing.T) {
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailureHold: time.Hour}))
+	h.client = h.d.NewClient()
+	h.serve(func(ctx context.Context, _ *asynq.Task) error { <-ctx.Done(); return ctx.Err() }, nil)
+	info := h.enqueue(jobTask("dl", 1), asynq.MaxRetry(0), asynq.Timeout(time.Second))
+	eventually(t, "held after asynq archived it", func() bool {
+		_, err := h.client.Enqueue(jobTask("dl", 2), asynq.Queue(h.queue))
+		var de *DuplicateTaskError
+		return errors.As(err, &de) && de.Failed && de.TaskID == info.ID
+	})
+	kl, _, _ := h.d.Lookup(context.Background(), jobTask("dl", 3), asynq.Queue(h.queue))
+	if kl.State != "failed" || kl.LastError == "" {
+		t.Errorf("Lookup: %+v, want failed with an error", kl)
 	}
 }

@@ -306,3 +306,59 @@ func TestLookupReleaseAndPingAreBoundedByLockTimeoutWhileRedisHangs(t *testing.T
 		}
 	}
 }
+
+// README (Failure modes): a hung lock store never fails a task, and a plain
+// task's key needs no call of the library's to be freed: asynq's own done
+// script, which marks the task done, deletes the lock its record names.
+func TestHungLockStoreStillFreesAPlainTasksKeyAtSuccess(t *testing.T) {
+	h := newDirectHarness(t, Rule{})
+	ctx := context.Background()
+	proxy, sd := proxiedLockStore(t, h, Config{Rules: counterRules(Rule{}).Rules})
+	started, gate := make(chan string, 1), make(chan struct{})
+	serveRaw(t, h.rdb, h.queue, sd.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started <- id
+		<-gate
+		return nil
+	})), nil)
+	a := h.enqueue(counterTask("k", 1, 1))
+	requirePlainID(t, a.ID)
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	waitFor(t, started, "A runs")
+	proxy.stall() // the worker's lock store hangs
+	t.Cleanup(proxy.resume)
+	close(gate)
+	eventually(t, "A completed in asynq", func() bool { return h.taskState(a.ID) == 0 })
+	eventually(t, "A's key freed by asynq", func() bool { return h.rdb.Exists(ctx, key).Val() == 0 })
+	if st := sd.Stats(); st.RedisErrors != 0 {
+		t.Errorf("stats %+v: a plain task's end made a call to the hung lock store", st)
+	}
+}
+
+// A task whose key's policy acts only at enqueue costs the worker no
+// Redis call of the library's: with the library's own Redis connection
+// stalled, its attempt still runs, succeeds, and asynq's own done script
+// releases its key.
+func TestPlainTaskRunsWhileTheLibrarysRedisStalls(t *testing.T) {
+	h := newDirectHarness(t, Rule{})
+	proxy, sd := proxiedLockStore(t, h, Config{Rules: counterRules(Rule{}).Rules, LockTimeout: 3 * time.Second})
+	ran := make(chan string, 4)
+	serveRaw(t, h.rdb, h.queue, sd.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		ran <- id
+		return nil
+	})), nil)
+	task := counterTask("k", 1, 1)
+	a := h.enqueue(task)
+	requirePlainID(t, a.ID)
+	proxy.stall()
+	t.Cleanup(proxy.resume)
+	if id := waitFor(t, ran, "A runs while the library's Redis stalls"); id != a.ID {
+		t.Fatalf("ran %s", id)
+	}
+	key := h.keyOf(task, h.queue)
+	eventually(t, "asynq completes A and releases its key", func() bool { return h.rdb.Exists(context.Background(), key).Val() == 0 })
+	if st := sd.Stats(); st.RedisErrors != 0 || st.Released != 1 {
+		t.Errorf("stats %+v: want one release, no Redis error (the middleware made no call)", st)
+	}
+}

@@ -2,6 +2,8 @@ package dedup
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"log/slog"
 	"sync"
 	"testing"
@@ -179,4 +181,419 @@ func (h *harness) lockState(key string) string {
 		return ""
 	}
 	return ls[0].State()
+}
+
+// ---- shared by the tests of several behaviours ----
+
+// decisions records what Config.OnDecision hears.
+type decisions struct {
+	mu    sync.Mutex
+	heard []Decision
+}
+
+func (r *decisions) hook(d Decision) { r.mu.Lock(); r.heard = append(r.heard, d); r.mu.Unlock() }
+
+func (r *decisions) all() []Decision {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]Decision(nil), r.heard...)
+}
+
+// queueMover is an Enqueuer that puts every task in its own queue, whatever
+// the call said: the README's "an enqueuer that changes the queue", whose
+// lock the Client moves to where the task landed.
+type queueMover struct {
+	c *asynq.Client
+	q string
+}
+
+func (m queueMover) Enqueue(t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
+	return m.EnqueueContext(context.Background(), t, opts...)
+}
+
+func (m queueMover) EnqueueContext(ctx context.Context, t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
+	return m.c.EnqueueContext(ctx, t, append(append([]asynq.Option(nil), opts...), asynq.Queue(m.q))...)
+}
+
+// keyRun is one handler run seen by keyTracker.
+type keyRun struct {
+	id, key string
+	seq     int
+	retry   int
+	err     error // what the handler returned
+}
+
+// keyTracker is a handler that records every run per key, notes any two runs
+// of one key at once, and holds the runs of chosen sequence numbers until
+// the test opens their gate.
+type keyTracker struct {
+	keyOf func(*asynq.Task) string
+
+	mu       sync.Mutex
+	active   map[string][]string
+	overlaps []string
+	gates    map[int]chan struct{}
+	done     []keyRun
+
+	starts chan keyRun
+	ends   chan keyRun
+}
+
+func newKeyTracker(keyOf func(*asynq.Task) string, gated ...int) *keyTracker {
+	tr := &keyTracker{keyOf: keyOf, active: map[string][]string{}, gates: map[int]chan struct{}{},
+		starts: make(chan keyRun, 1000), ends: make(chan keyRun, 1000)}
+	for _, s := range gated {
+		tr.gates[s] = make(chan struct{})
+	}
+	return tr
+}
+
+// counterKeyOf keys counter tasks by their "key" field.
+func counterKeyOf(t *asynq.Task) string { return decodeCounter(t).Key }
+
+// open lets the held runs of seq return.
+func (tr *keyTracker) open(seq int) {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if g, ok := tr.gates[seq]; ok {
+		select {
+		case <-g:
+		default:
+			close(g)
+		}
+	}
+}
+
+// openAll opens every gate (for cleanups).
+func (tr *keyTracker) openAll() {
+	tr.mu.Lock()
+	seqs := make([]int, 0, len(tr.gates))
+	for s := range tr.gates {
+		seqs = append(seqs, s)
+	}
+	tr.mu.Unlock()
+	for _, s := range seqs {
+		tr.open(s)
+	}
+}
+
+func (tr *keyTracker) handler(result func(keyRun) error) asynq.HandlerFunc {
+	return func(ctx context.Context, t *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		n, _ := asynq.GetRetryCount(ctx)
+		r := keyRun{id: id, key: tr.keyOf(t), seq: decodeCounter(t).Seq, retry: n}
+		tr.mu.Lock()
+		if others := tr.active[r.key]; len(others) > 0 {
+			tr.overlaps = append(tr.overlaps, fmt.Sprintf("key %q: %s (seq %d) started while %v ran", r.key, id, r.seq, others))
+		}
+		tr.active[r.key] = append(tr.active[r.key], id)
+		gate := tr.gates[r.seq]
+		tr.mu.Unlock()
+		tr.starts <- r
+		if gate != nil {
+			select {
+			case <-gate:
+			case <-ctx.Done():
+			}
+		}
+		var err error
+		if result != nil {
+			err = result(r)
+		}
+		r.err = err
+		tr.mu.Lock()
+		ids := tr.active[r.key]
+		for i, x := range ids {
+			if x == id {
+				tr.active[r.key] = append(ids[:i:i], ids[i+1:]...)
+				break
+			}
+		}
+		tr.done = append(tr.done, r)
+		tr.mu.Unlock()
+		tr.ends <- r
+		return err
+	}
+}
+
+func (tr *keyTracker) overlapsSeen() []string {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	return append([]string(nil), tr.overlaps...)
+}
+
+// noSecondStart fails the test if another run starts within window (while
+// the first is held).
+func (tr *keyTracker) noSecondStart(t *testing.T, first keyRun, window time.Duration, why string) {
+	t.Helper()
+	select {
+	case r := <-tr.starts:
+		t.Errorf("%s: %s (seq %d, retry %d) started while %s (seq %d) was still running; overlaps: %v",
+			why, r.id, r.seq, r.retry, first.id, first.seq, tr.overlapsSeen())
+	case <-time.After(window):
+	}
+}
+
+// taskStateName names a task's asynq state ("gone" when asynq has no record).
+func taskStateName(h *harness, id string) string {
+	if s := h.taskState(id); s != 0 {
+		return s.String()
+	}
+	return "gone"
+}
+
+// seqRun is one handler run seen by seqTracker.
+type seqRun struct {
+	id       string
+	key      string
+	seq, n   int
+	retry    int
+	overlaps []string // runs of the same key going on when this one started
+}
+
+// seqTracker is a handler that reports every start and end, notes runs of
+// one key at once, and holds the runs of gated sequence numbers until the
+// test opens their gate.
+type seqTracker struct {
+	mu     sync.Mutex
+	active map[string][]string
+	gates  map[int]chan struct{}
+	seen   []seqRun
+	starts chan seqRun
+	ends   chan seqRun
+}
+
+func newSeqTracker(gated ...int) *seqTracker {
+	tr := &seqTracker{active: map[string][]string{}, gates: map[int]chan struct{}{},
+		starts: make(chan seqRun, 1000), ends: make(chan seqRun, 1000)}
+	for _, s := range gated {
+		tr.gates[s] = make(chan struct{})
+	}
+	return tr
+}
+
+func (tr *seqTracker) open(seq int) {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if g, ok := tr.gates[seq]; ok {
+		select {
+		case <-g:
+		default:
+			close(g)
+		}
+	}
+}
+
+func (tr *seqTracker) openAll() {
+	tr.mu.Lock()
+	var seqs []int
+	for s := range tr.gates {
+		seqs = append(seqs, s)
+	}
+	tr.mu.Unlock()
+	for _, s := range seqs {
+		tr.open(s)
+	}
+}
+
+// runs returns every run started so far.
+func (tr *seqTracker) runs() []seqRun {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	return append([]seqRun(nil), tr.seen...)
+}
+
+func (tr *seqTracker) handler() asynq.HandlerFunc {
+	return func(ctx context.Context, t *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		n, _ := asynq.GetRetryCount(ctx)
+		p := decodeCounter(t)
+		r := seqRun{id: id, key: p.Key, seq: p.Seq, n: p.N, retry: n}
+		tr.mu.Lock()
+		r.overlaps = append([]string(nil), tr.active[r.key]...)
+		tr.active[r.key] = append(tr.active[r.key], id)
+		tr.seen = append(tr.seen, r)
+		gate := tr.gates[r.seq]
+		tr.mu.Unlock()
+		tr.starts <- r
+		if gate != nil {
+			select {
+			case <-gate:
+			case <-ctx.Done():
+			}
+		}
+		tr.mu.Lock()
+		ids := tr.active[r.key]
+		for i, x := range ids {
+			if x == id {
+				tr.active[r.key] = append(ids[:i:i], ids[i+1:]...)
+				break
+			}
+		}
+		tr.mu.Unlock()
+		tr.ends <- r
+		return nil
+	}
+}
+
+// serveWith runs an asynq server on queue with d's middleware until the test
+// ends.
+func serveWith(t *testing.T, rdb redis.UniversalClient, d *Dedup, queue string, handler asynq.Handler, tweak func(*asynq.Config)) *asynq.Server {
+	t.Helper()
+	cfg := asynq.Config{
+		Concurrency:              10,
+		Queues:                   map[string]int{queue: 1},
+		TaskCheckInterval:        20 * time.Millisecond,
+		DelayedTaskCheckInterval: 100 * time.Millisecond,
+		LogLevel:                 asynq.FatalLevel,
+		ShutdownTimeout:          5 * time.Second,
+		IsFailure:                IsFailure,
+		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond },
+	}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	srv := asynq.NewServerFromRedisClient(rdb, cfg)
+	if err := srv.Start(d.Middleware()(handler)); err != nil {
+		t.Fatalf("server start: %v", err)
+	}
+	var once sync.Once
+	t.Cleanup(func() { once.Do(srv.Shutdown) })
+	return srv
+}
+
+// within polls cond until it holds or d passes; it reports whether it
+// held. For state asynq changes in Redis, which sends no signal.
+func within(d time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return true
+}
+
+// waitSeqStart waits up to d for a run of seq to start; nil if none did.
+func waitSeqStart(tr *seqTracker, seq int, d time.Duration) *seqRun {
+	timeout := time.After(d)
+	for {
+		select {
+		case r := <-tr.starts:
+			if r.seq == seq {
+				return &r
+			}
+		case <-timeout:
+			return nil
+		}
+	}
+}
+
+// metKeyHeld reports whether d's middleware has answered a task that met its
+// key held (busy, or superseded).
+func metKeyHeld(d *Dedup, n uint64) func() bool {
+	return func() bool { s := d.Stats(); return s.Busy+s.Superseded >= n }
+}
+
+// dueIn is how long until a scheduled task is due, or 0.
+func dueIn(h *harness, id string) time.Duration {
+	ti, err := h.insp.GetTaskInfo(h.queue, id)
+	if err != nil || ti.State != asynq.TaskStateScheduled {
+		return 0
+	}
+	return time.Until(ti.NextProcessAt).Round(time.Second)
+}
+
+// serveRaw starts an asynq server on queue with handler (already wrapped in
+// whatever middleware the test wants) and returns it with a shutdown that
+// runs once (also at cleanup).
+func serveRaw(t *testing.T, rdb redis.UniversalClient, queue string, handler asynq.Handler, tweak func(*asynq.Config)) (*asynq.Server, func()) {
+	t.Helper()
+	cfg := asynq.Config{
+		Concurrency:              10,
+		Queues:                   map[string]int{queue: 1},
+		TaskCheckInterval:        20 * time.Millisecond,
+		DelayedTaskCheckInterval: 100 * time.Millisecond,
+		LogLevel:                 asynq.FatalLevel,
+		ShutdownTimeout:          5 * time.Second,
+		IsFailure:                IsFailure,
+		RetryDelayFunc:           func(int, error, *asynq.Task) time.Duration { return time.Hour },
+	}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	srv := asynq.NewServerFromRedisClient(rdb, cfg)
+	if err := srv.Start(handler); err != nil {
+		t.Fatalf("server start: %v", err)
+	}
+	var once sync.Once
+	stop := func() { once.Do(srv.Shutdown) }
+	t.Cleanup(stop)
+	return srv, stop
+}
+
+// requirePlainID fails the test unless id is of the library's own plain
+// form: a task NewClient stored with its lock, whose attempts start with the
+// begin script shared between attempts (begin.go). The tests that call it
+// are about such tasks.
+func requirePlainID(t *testing.T, id string) {
+	t.Helper()
+	if store.KindOf(id) != store.IDPlain {
+		t.Fatalf("task ID %q is not the wrapper's own", id)
+	}
+}
+
+// newDirectHarness is a harness over counter tasks keyed by "key",
+// enqueuing through NewClient (the direct path, timed IDs).
+func newDirectHarness(t *testing.T, r Rule) *harness {
+	t.Helper()
+	h := newHarness(t, counterRules(r))
+	h.client = h.d.NewClient()
+	return h
+}
+
+// jobType is the type of jobTask's tasks; jobRules keys it on "key".
+const jobType = "job"
+
+// jobTask is a task of jobType for key, n telling its payloads apart.
+func jobTask(key string, n int) *asynq.Task {
+	return asynq.NewTask(jobType, fmt.Appendf(nil, `{"key":%q,"n":%d}`, key, n))
+}
+
+// jobPayload is jobTask's payload.
+type jobPayload struct {
+	Key string `json:"key"`
+	N   int    `json:"n"`
+}
+
+func decodeJob(task *asynq.Task) jobPayload {
+	var p jobPayload
+	_ = json.Unmarshal(task.Payload(), &p)
+	return p
+}
+
+// jobRulesQuickHeartbeat is jobRules with a one-second heartbeat, so that a
+// failure's hold settled on a guess is checked again soon (at the next
+// heartbeat, Lease/3).
+func jobRulesQuickHeartbeat(r Rule) Config {
+	cfg := jobRules(r)
+	cfg.heartbeat = (3 * time.Second) / 3
+	return cfg
+}
+
+// queueTasks counts the tasks of h's queue in any state.
+func queueTasks(t *testing.T, h *harness) int {
+	t.Helper()
+	qi, err := h.insp.GetQueueInfo(h.queue)
+	if err != nil {
+		return 0 // (no such queue yet)
+	}
+	return qi.Size
+}
+
+// jobRules is a Config whose one rule, r keyed on "key", is jobType's.
+func jobRules(r Rule) Config {
+	r.Fields = []string{"key"}
+	return Config{Rules: map[string]Rule{jobType: r}}
 }

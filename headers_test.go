@@ -3,6 +3,7 @@ package dedup
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"slices"
 	"testing"
@@ -125,4 +126,60 @@ func TestHeadersFingerprintAndKeyHash(t *testing.T) {
 			t.Fatalf("OptIn without a rule: %+v, %v", r, err)
 		}
 	}
+}
+
+// options.go: "Per-call options take effect ... given to the call or to the
+// task's asynq.NewTask"; headers.go: Headers is how a wrapper adds a trace
+// context. dedup.Headers given to asynq.NewTask as the task's only option of
+// this package works in Submit (the task stored with the headers), Enqueue,
+// EnqueueBatch, with Skip, Lookup and QueueOf, and panics in none. (Once,
+// they all dereferenced a nil rule: the headers were added without the rule
+// copy being made.)
+func TestHeadersAsNewTasksOnlyOptionWorkEverywhere(t *testing.T) {
+	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		try := func(what string, f func() error) {
+			t.Helper()
+			defer func() {
+				if p := recover(); p != nil {
+					t.Errorf("%s panicked: %v", what, p)
+				}
+			}()
+			if err := f(); err != nil {
+				t.Errorf("%s: %v", what, err)
+			}
+		}
+		hdr := map[string]string{"trace": "t-1"}
+		try("Submit", func() error {
+			r, err := h.client.Submit(ctx, batchJob("s", 1, Headers(hdr)), asynq.Queue(h.queue))
+			if err == nil {
+				if ti, gerr := h.insp.GetTaskInfo(h.queue, r.TaskID); gerr != nil || ti.Headers["trace"] != "t-1" {
+					return fmt.Errorf("stored %+v, %v; want NewTask's headers", ti, gerr)
+				}
+			}
+			return err
+		})
+		try("Enqueue", func() error {
+			_, err := h.client.Enqueue(batchJob("e", 1, Headers(hdr)), asynq.Queue(h.queue))
+			return err
+		})
+		try("EnqueueBatch", func() error {
+			out := h.client.EnqueueBatch(ctx, []*asynq.Task{batchJob("b", 1), batchJob("b2", 1, Headers(hdr))}, asynq.Queue(h.queue))
+			return errors.Join(out[0].Err, out[1].Err)
+		})
+		try("Skip", func() error {
+			_, err := h.client.Submit(ctx, batchJob("k", 1, Headers(hdr)), asynq.Queue(h.queue), Skip())
+			return err
+		})
+		try("Lookup", func() error {
+			_, _, err := h.d.Lookup(ctx, batchJob("s", 1, Headers(hdr)), asynq.Queue(h.queue))
+			return err
+		})
+		try("QueueOf", func() error {
+			if q := h.d.QueueOf(batchJob("s", 1, Headers(hdr)), asynq.Queue(h.queue)); q != h.queue {
+				return fmt.Errorf("QueueOf: %s, want %s", q, h.queue)
+			}
+			return nil
+		})
+	})
 }

@@ -165,3 +165,39 @@ func (s *syncBuffer) String() string {
 	defer s.mu.Unlock()
 	return s.b.String()
 }
+
+// A lock written with its task (the direct path, field v) whose
+// caller-chosen owner X was deleted by hand is "held by X" for a new call
+// with TaskID(X), which then enqueues X through the asynq client: a second
+// round trip, during which the lock names X, has v, and X is not stored.
+// Another producer's enqueue of the same key in that window must not take
+// the verified lock whose owner is gone: one of the two is a duplicate, and
+// the key has one task. The decorator's hook only makes the window
+// deterministic; with NewClient alone it is the time between the two round
+// trips.
+func TestCallerIDReEnqueueGapAdmitsNoSecondTaskOfTheKey(t *testing.T) {
+	h := newHarness(t, Config{}) // HealGrace: 1 min
+	nc := h.d.NewClient()
+	id := "welcome-" + h.queue
+	first, err := nc.Enqueue(userTask(1, ""), asynq.Queue(h.queue), asynq.TaskID(id))
+	if err != nil || first.ID != id {
+		t.Fatalf("first enqueue: %v %v", first, err)
+	}
+	if err := h.insp.DeleteTask(h.queue, id); err != nil {
+		t.Fatal(err)
+	}
+	var other Result
+	var otherErr error
+	wc := h.d.WrapClient(hookEnqueuer{next: h.asynq, before: func(ctx context.Context, _ *asynq.TaskInfo) {
+		// Another producer, while X is on its way to asynq.
+		other, otherErr = nc.Submit(ctx, userTask(1, ""), asynq.Queue(h.queue))
+	}})
+	again, err := wc.Enqueue(userTask(1, ""), asynq.Queue(h.queue), asynq.TaskID(id))
+	t.Logf("re-enqueue of %s: %v, err %v; the other producer: %+v, err %v", id, again != nil, err, other.Outcome, otherErr)
+	if err == nil && otherErr == nil {
+		t.Errorf("two tasks of one key accepted: %s and %s", again.ID, other.TaskID)
+	}
+	if n := h.queueSize(h.queue); n != 1 {
+		t.Errorf("%d live tasks of one key, want 1", n)
+	}
+}

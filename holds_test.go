@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -141,5 +143,92 @@ func TestFailHoldFreeInIsExact(t *testing.T) {
 	time.Sleep(time.Until(freeAt.Add(100 * time.Millisecond)))
 	if _, err := h.client.Enqueue(counterTask("k", 1, 4), asynq.Queue(h.queue)); err != nil {
 		t.Fatalf("enqueue once the first duplicate's FreeIn has passed: %v, want it accepted", err)
+	}
+}
+
+// docs/policies.md: "Once it succeeds, the key stays held until the window
+// ends, whatever becomes of the task's record". That holds between asynq
+// marking the task done and the success's settle landing too: with a Period
+// rule, or a per-call Cooldown or Period the server has no rule for ("the
+// server needs no configuration for it"), enqueues from other processes at
+// keys whose locks are older than HealGrace, hammering while the tasks
+// succeed, take no key. A Cooldown rule is the control. (Once, such a settle
+// went off the handler's path and landed a few ms after asynq completed the
+// task; an enqueue in between healed the lock and took the key.)
+func TestCooldownAndPeriodHoldTheKeyWhileTheSuccessSettles(t *testing.T) {
+	t.Run("Period rule", func(t *testing.T) {
+		enqueueAtKeysAsTheySucceed(t, jobRules(Rule{Period: 24 * time.Hour}))
+	})
+	t.Run("per-call Cooldown, no server rule", func(t *testing.T) {
+		enqueueAtKeysAsTheySucceed(t, Config{}, Fields("key"), Cooldown(24*time.Hour))
+	})
+	t.Run("per-call Period, no server rule", func(t *testing.T) {
+		enqueueAtKeysAsTheySucceed(t, Config{}, Fields("key"), Period(24*time.Hour, nil))
+	})
+	t.Run("control: Cooldown rule", func(t *testing.T) { // settled on the handler's path: holds
+		enqueueAtKeysAsTheySucceed(t, jobRules(Rule{Cooldown: 24 * time.Hour}))
+	})
+}
+
+// enqueueAtKeysAsTheySucceed runs tasks of a few keys, each held past
+// HealGrace, and enqueues their keys in tight loops from other processes'
+// clients while the tasks succeed; it fails if any enqueue took a key.
+func enqueueAtKeysAsTheySucceed(t *testing.T, cfg Config, opts ...asynq.Option) {
+	cfg.HealGrace = time.Second
+	h := newHarness(t, cfg)
+	h.client = h.d.NewClient()
+	opts = append([]asynq.Option{asynq.Queue(h.queue)}, opts...)
+	const keys = 4
+	var runs atomic.Int32
+	release := make(chan struct{})
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		runs.Add(1)
+		<-release
+		return nil
+	}, nil)
+	first := map[string]string{}
+	for k := range keys {
+		info, err := h.client.Enqueue(jobTask(fmt.Sprint(k), 0), opts...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		first[fmt.Sprint(k)] = info.ID
+	}
+	eventually(t, "the tasks run", func() bool { return runs.Load() == keys })
+	taken := time.Now()
+	eventually(t, "the locks are older than HealGrace", func() bool { return time.Since(taken) > 1200*time.Millisecond })
+	var (
+		created []string
+		mu      sync.Mutex
+		stop    = make(chan struct{})
+		wg      sync.WaitGroup
+	)
+	for i := range 2 * keys {
+		hh := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix, Rules: cfg.Rules, HealGrace: time.Second, Logger: quietLogger()})
+		c := hh.d.NewClient()
+		key := fmt.Sprint(i % keys)
+		wg.Go(func() {
+			for n := 1; ; n++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if info, err := c.Enqueue(jobTask(key, n), opts...); err == nil {
+					mu.Lock()
+					created = append(created, key+": "+info.ID)
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	close(release)
+	eventually(t, "the keys cool down", func() bool { return h.d.Stats().Cooling >= keys })
+	ended := time.Now()
+	eventually(t, "a moment of enqueues at the cooling keys", func() bool { return time.Since(ended) > 200*time.Millisecond })
+	close(stop)
+	wg.Wait()
+	if len(created) > 0 {
+		t.Fatalf("%d enqueues took a key in its window after its task succeeded (%v; holders %v), want none", len(created), created, first)
 	}
 }

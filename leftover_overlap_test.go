@@ -1,6 +1,9 @@
 package dedup
 
 import (
+	"context"
+	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -39,4 +42,83 @@ func TestRetryDoesNotRunBesideTheLeftoverHandlerOfItsGivenUpAttempt(t *testing.T
 			t.Fatalf("the retry of %s (retry %d) runs while the handler of its given-up attempt still runs", r.id, r.retry)
 		}
 	})
+}
+
+// README: a leftover handler of an old attempt "cannot renew or release:
+// every lock call checks the task ID and the attempt"; (Lock lifecycle)
+// "asynq gives the attempt up (… shutdown outlived) and the handler returns
+// later, whatever it returns | follows the task's record: held while asynq
+// will run the task again (retry, requeued by shutdown even on the last
+// attempt)".
+//
+// Server 1 runs A's first attempt and shuts down; the handler outlives
+// ShutdownTimeout and asynq puts A back, retry count still 0. Server 2 (a
+// Dedup of its own) runs A again: another first attempt. The leftover on
+// server 1 then returns nil, with MaxRetry(0) (a "final" attempt by asynq's
+// count): it must not release the lock of the attempt running on server 2,
+// and a duplicate of A's key is refused while A runs.
+func TestLeftoverOfAShutdownRequeueLeavesTheRunningAttemptsLock(t *testing.T) {
+	h := newDirectHarness(t, Rule{})
+	ctx := context.Background()
+	started1, leftoverGo, leftoverDone := make(chan string, 4), make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	_, stop1 := serveRaw(t, h.rdb, h.queue, h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started1 <- id
+		<-leftoverGo // ignores its context: outlives ShutdownTimeout
+		once.Do(func() { close(leftoverDone) })
+		return nil
+	})), func(c *asynq.Config) { c.Concurrency = 1; c.ShutdownTimeout = 300 * time.Millisecond })
+	t.Cleanup(func() {
+		select {
+		case <-leftoverGo:
+		default:
+			close(leftoverGo)
+		}
+	})
+	a := h.enqueue(counterTask("k", 1, 1), asynq.MaxRetry(0))
+	requirePlainID(t, a.ID)
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	waitFor(t, started1, "A on server 1")
+	stop1() // returns once ShutdownTimeout passed: A is put back
+	eventually(t, "A put back in the queue", func() bool { return h.taskState(a.ID) == asynq.TaskStatePending })
+
+	// Server 2 (another process: a Dedup of its own, same prefix).
+	d2, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Rules: counterRules(Rule{}).Rules, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d2.Close() })
+	started2, hold2 := make(chan string, 4), make(chan struct{})
+	t.Cleanup(func() { close(hold2) })
+	serveRaw(t, h.rdb, h.queue, d2.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started2 <- id
+		<-hold2
+		return nil
+	})), func(c *asynq.Config) { c.Concurrency = 1 })
+	if id := waitFor(t, started2, "A on server 2"); id != a.ID {
+		t.Fatalf("server 2 ran %s, want %s", id, a.ID)
+	}
+	if owner := h.lockOwner(key); owner != a.ID {
+		t.Fatalf("lock owner %q while A runs on server 2", owner)
+	}
+
+	close(leftoverGo) // the leftover on server 1 returns nil, long after asynq gave it up
+	<-leftoverDone
+	eventually(t, "the leftover's lock settled", func() bool {
+		st := h.d.Stats()
+		return st.Released+st.Held+st.LockLost+st.RedisErrors > 0
+	})
+	if h.taskState(a.ID) != asynq.TaskStateActive {
+		t.Fatalf("A is %v, want still active on server 2", h.taskState(a.ID))
+	}
+	if owner := h.lockOwner(key); owner != a.ID {
+		t.Errorf("A runs on server 2 but its lock is %q: the leftover attempt on server 1 (stats %+v) released it", owner, h.d.Stats())
+	}
+	info, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) {
+		t.Errorf("enqueue of A's key while A runs on server 2: %v (task %v), want a duplicate of %s", err, info, a.ID)
+	}
 }

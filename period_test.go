@@ -3,10 +3,13 @@ package dedup
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -160,5 +163,245 @@ func TestPeriodRefusesWhatItCannotKeep(t *testing.T) {
 	}
 	if n := len(h.locks()); n != 0 {
 		t.Fatalf("%d locks left behind", n)
+	}
+}
+
+// docs/policies.md: "Midnight is Location's ..., so days follow its
+// daylight-saving changes (a 23- or 25-hour day)"; windows tile time. In
+// zones whose daylight-saving time starts at midnight (America/Santiago,
+// America/Havana), that midnight does not exist (time.Date normalises it to
+// 23:00 the day before). A time in the evening before still lies in its own
+// window, the next window starts where it ends, and a success then cools
+// until the window's end. (Once, such a day window ended an hour early: a
+// key taken in its last hour cooled for a millisecond, and a second task ran
+// the same day.)
+func TestPeriodWindowsInZonesWhoseMidnightIsSkipped(t *testing.T) {
+	for _, c := range []struct {
+		zone string
+		at   string // the evening before DST starts at 00:00
+	}{
+		{"America/Santiago", "2026-09-05 23:30"},
+		{"America/Havana", "2026-03-07 23:30"},
+	} {
+		loc := mustZone(t, c.zone)
+		at, err := time.ParseInLocation("2006-01-02 15:04", c.at, loc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range []time.Duration{time.Hour, 24 * time.Hour, 7 * 24 * time.Hour} {
+			start, end := periodWindow(at, d, loc)
+			if at.Before(start) || !at.Before(end) {
+				t.Errorf("%s, %v windows: %v lies outside its window [%v, %v)", c.zone, d, at, start, end)
+				continue
+			}
+			if next, _ := periodWindow(end, d, loc); !next.Equal(end) {
+				t.Errorf("%s, %v windows: the window after [%v, %v) starts at %v", c.zone, d, start, end, next)
+			}
+			// What a taken lock records: held after success until the window ends.
+			r := resolved{period: d, loc: loc}
+			r.settleWindow(at)
+			if cool, _ := r.lockTerms(at); cool < 29*time.Minute { // the day's first instant is 30 min on
+				t.Errorf("%s, %v windows: a success at %v cools for %v, want until the window's end (30m on)", c.zone, d, at, cool)
+			}
+		}
+	}
+}
+
+// Period + FailHoldUntilReleased: the hold ends with the window at the
+// latest (the next window is another key), so no lock is left that no API
+// can reach.
+func TestPeriodFailureHoldEndsWithItsWindow(t *testing.T) {
+	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3})
+	h.client = h.d.NewClient()
+	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
+	const period = 6 * time.Second
+	opts := []asynq.Option{asynq.Queue(h.queue), Fields("key"), Period(period, nil), OnFailure(FailHoldUntilReleased, 0)}
+	// Enqueue early in a window, so that the failure is held before it ends.
+	eventually(t, "a window with 5 s left", func() bool { _, end := periodWindow(time.Now(), period, nil); return time.Until(end) > 5*time.Second })
+	if _, err := h.client.Enqueue(jobTask("w", 1), opts...); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "held after the failure, until its window ends", func() bool {
+		for _, k := range h.locks() {
+			if h.lockState(k) == store.LockFailed {
+				ttl := h.rdb.PTTL(context.Background(), k).Val()
+				return ttl > 0 && ttl <= period
+			}
+		}
+		return false
+	})
+	eventually(t, "no lock left after the window", func() bool { return len(h.locks()) == 0 })
+}
+
+// Bad per-call Period and OnFailure values fail with ErrInvalidOption on
+// both enqueue paths and leave no lock and no task; the largest valid ones
+// are taken, and bounded.
+func TestPeriodAndOnFailureBadValuesLeaveNothing(t *testing.T) {
+	bad := map[string][]asynq.Option{
+		"FailHold 0":                     {OnFailure(FailHold, 0)},
+		"FailHold negative":              {OnFailure(FailHold, -time.Second)},
+		"FailHold min int":               {OnFailure(FailHold, time.Duration(-1<<63))},
+		"Failure(-1)":                    {OnFailure(Failure(-1), 0)},
+		"Failure(3)":                     {OnFailure(Failure(3), time.Second)},
+		"FailRelease with a hold":        {OnFailure(FailRelease, -time.Second)},
+		"UntilReleased with a hold":      {OnFailure(FailHoldUntilReleased, -1)},
+		"Period 0":                       {Period(0, nil)},
+		"Period negative":                {Period(-time.Hour, nil)},
+		"Period 999ms":                   {Period(999*time.Millisecond, nil)},
+		"Period 25h":                     {Period(25*time.Hour, nil)},
+		"Period day and a ns":            {Period(24*time.Hour+1, nil)},
+		"Period past MaxLifetime":        {Period(MaxLifetime+24*time.Hour, nil)},
+		"Period max int":                 {Period(time.Duration(1<<63-1), nil)},
+		"Period with Cooldown":           {Period(time.Hour, nil), Cooldown(time.Minute)},
+		"Period with RunningDefer rule":  {Period(time.Hour, nil), asynq.Queue("")},
+		"Period, a good OnFailure after": {Period(time.Millisecond, nil), OnFailure(FailHold, time.Hour)},
+	}
+	for _, path := range []string{"wrap", "direct"} {
+		h := newHarness(t, Config{Rules: map[string]Rule{"job:defer": {OnConflict: Replace, OnRunning: RunningDefer}}})
+		if path == "direct" {
+			h.client = h.d.NewClient()
+		}
+		for name, opts := range bad {
+			task := jobTask(name, 1)
+			if name == "Period with RunningDefer rule" {
+				task, opts = asynq.NewTask("job:defer", []byte(`{}`)), opts[:1]
+			}
+			_, err := h.client.Enqueue(task, append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...)
+			if !errors.Is(err, ErrInvalidOption) {
+				t.Errorf("%s, %s: %v, want ErrInvalidOption", path, name, err)
+			}
+		}
+		if n := len(h.locks()); n != 0 {
+			t.Errorf("%s: %d locks left behind", path, n)
+		}
+		if n := queueTasks(t, h); n != 0 {
+			t.Errorf("%s: %d tasks enqueued", path, n)
+		}
+		// The largest values that are valid are taken, and bounded.
+		info, err := h.client.Enqueue(jobTask("huge", 1), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)), OnFailure(FailHold, time.Duration(1<<63-1)))
+		if err != nil {
+			t.Fatalf("%s: the largest Period and FailHold: %v", path, err)
+		}
+		kl, found, err := h.d.Lookup(context.Background(), jobTask("huge", 2), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)))
+		if err != nil || !found || kl.Holder != info.ID || kl.TTL <= 0 || kl.TTL > MaxLifetime || !kl.WindowStart.Before(time.Now()) || !kl.WindowEnd.After(time.Now()) {
+			t.Errorf("%s: Lookup of the largest Period: %+v %v %v", path, kl, found, err)
+		}
+	}
+}
+
+// Period with Replace, a caller-chosen task ID and WrapClient: folds while
+// the task waits, cools after its success for the rest of the window.
+func TestPeriodWithReplaceAndACallerIDCoolsAfterSuccess(t *testing.T) {
+	h := newHarness(t, jobRules(Rule{Period: 24 * time.Hour, OnConflict: Replace}))
+	first := h.enqueue(jobTask("c", 1), asynq.TaskID("digest-c-1"))
+	res, err := h.client.Submit(context.Background(), jobTask("c", 2), asynq.Queue(h.queue), asynq.TaskID("digest-c-2"))
+	if err != nil || res.Outcome != Replaced || res.TaskID != first.ID {
+		t.Fatalf("Submit while it waits: %+v %v", res, err)
+	}
+	ran := make(chan *asynq.Task, 2)
+	h.serve(func(_ context.Context, task *asynq.Task) error { ran <- task; return nil }, nil)
+	if n := decodeJob(waitFor(t, ran, "the run")).N; n != 2 {
+		t.Fatalf("ran payload %d, want the replaced 2", n)
+	}
+	eventually(t, "cooling", func() bool { return h.d.Stats().Cooling == 1 })
+	_, end := periodWindow(time.Now(), 24*time.Hour, nil)
+	_, err = h.client.Enqueue(jobTask("c", 3), asynq.Queue(h.queue), asynq.TaskID("digest-c-3"))
+	var d *DuplicateTaskError
+	if !errors.As(err, &d) || !d.CoolingDown || d.TaskID != first.ID {
+		t.Fatalf("enqueue after the success: %v, want cooling after %s", err, first.ID)
+	}
+	if left := time.Until(end); d.FreeIn > left+time.Second || d.FreeIn < left-time.Minute {
+		t.Errorf("FreeIn %v, want until the window's end (%v)", d.FreeIn, left)
+	}
+}
+
+// The window is the producer's clock at the enqueue: a task enqueued in
+// one 1 s window that starts in the next keeps its own window's key (Lookup
+// shows it), and once it succeeds after that window has ended its lock
+// goes: nothing is left behind, and the new window is a new key.
+func TestPeriodTaskThatStartsInTheNextWindowKeepsItsOwnWindow(t *testing.T) {
+	h := newHarness(t, Config{})
+	h.client = h.d.NewClient()
+	opts := []asynq.Option{asynq.Queue(h.queue), Fields("key"), Period(time.Second, nil)}
+	var (
+		first *asynq.TaskInfo
+		kl    KeyLock
+		end   time.Time
+	)
+	for {
+		var start time.Time
+		start, end = periodWindow(time.Now(), time.Second, nil)
+		var err error
+		if first, err = h.client.Enqueue(jobTask("n", 1), opts...); err != nil {
+			t.Fatal(err)
+		}
+		var found bool
+		kl, found, err = h.d.Lookup(context.Background(), jobTask("n", 2), opts...)
+		if time.Now().Before(end) {
+			if err != nil || !found || kl.Holder != first.ID || !kl.WindowStart.Equal(start) || !kl.WindowEnd.Equal(end) || kl.State != "waiting" {
+				t.Fatalf("Lookup: %+v %v %v, want waiting in [%v, %v)", kl, found, err, start, end)
+			}
+			break
+		}
+		// (crossed into the next window meanwhile: again)
+	}
+	ran := make(chan string, 2)
+	eventually(t, "the window is over", func() bool { return time.Now().After(end) })
+	h.serve(func(ctx context.Context, _ *asynq.Task) error { id, _ := asynq.GetTaskID(ctx); ran <- id; return nil }, nil)
+	if id := waitFor(t, ran, "the run"); id != first.ID {
+		t.Fatalf("ran %s", id)
+	}
+	eventually(t, "its lock is gone (its window is over)", func() bool { return len(h.locks()) == 0 })
+	next, err := h.client.Enqueue(jobTask("n", 3), opts...)
+	if err != nil || next.ID == first.ID {
+		t.Fatalf("enqueue in a later window: %v %v", next, err)
+	}
+}
+
+// Tasks that arrive without a lock (asynq's own client) are keyed by the
+// server's rule: with a Period, the second arrival in the window after the
+// first succeeded is dropped; with OnFailure, an arrival that fails for
+// good holds its key, and the Client's enqueue meets the hold.
+func TestPeriodAndOnFailureApplyToArrivalsWithoutALock(t *testing.T) {
+	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3, Rules: map[string]Rule{
+		"job:period": {Fields: []string{"key"}, Period: 24 * time.Hour},
+		"job:fail":   {Fields: []string{"key"}, OnFailure: FailHoldUntilReleased},
+	}})
+	h.client = h.d.NewClient()
+	ran := make(chan string, 4)
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		ran <- id
+		if task.Type() == "job:fail" {
+			return fmt.Errorf("no such account: %w", asynq.SkipRetry)
+		}
+		return nil
+	}, nil)
+	p1, err := h.asynq.Enqueue(asynq.NewTask("job:period", []byte(`{"key":"a","n":1}`)), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, ran, "the first arrival")
+	eventually(t, "it cools", func() bool { return h.d.Stats().Cooling == 1 })
+	_, err = h.asynq.Enqueue(asynq.NewTask("job:period", []byte(`{"key":"a","n":2}`)), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the second arrival is dropped", func() bool { return h.d.Stats().Busy == 1 })
+	select {
+	case id := <-ran:
+		t.Fatalf("the second arrival %s ran (first %s) in the same window", id, p1.ID)
+	default:
+	}
+	f1, err := h.asynq.Enqueue(asynq.NewTask("job:fail", []byte(`{"key":"b"}`)), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, ran, "the failing arrival")
+	eventually(t, "held", func() bool { return h.d.Stats().FailureHeld == 1 })
+	failedDup(t, h.client, asynq.NewTask("job:fail", []byte(`{"key":"b","n":2}`)), h.queue, f1.ID)
+	kl, _, _ := h.d.Lookup(context.Background(), asynq.NewTask("job:fail", []byte(`{"key":"b"}`)), asynq.Queue(h.queue))
+	if kl.State != "failed" || !strings.Contains(kl.LastError, "no such account") {
+		t.Errorf("Lookup: %+v", kl)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -542,4 +543,378 @@ func TestFoldReportsOptionsNotApplied(t *testing.T) {
 	if err != nil || res.NotApplied != nil {
 		t.Fatalf("a fold without asynq options: %+v %v", res, err)
 	}
+}
+
+// With Reject + RunningDefer, an enqueue that meets a running key whose
+// follow-up waits is refused as a duplicate OF THE FOLLOW-UP (README). The
+// Decision then names the follow-up as TaskID: its FollowUp field must say
+// so ("whether that task is a follow-up").
+func TestOnDecisionMarksADuplicateOfAFollowUp(t *testing.T) {
+	var rec decisions
+	cfg := counterRules(Rule{OnConflict: Reject, OnRunning: RunningDefer})
+	cfg.OnDecision = rec.hook
+	h := newHarness(t, cfg)
+	ctx := context.Background()
+	h.enqueue(counterTask("k", 1, 0))
+	release := make(chan struct{})
+	defer close(release)
+	rc := newRecorder(func(run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	waitFor(t, rc.runs, "first run")
+	d1, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || d1.Outcome != Deferred || !d1.FollowUp {
+		t.Fatalf("defer: %+v %v", d1, err)
+	}
+	_, err = h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) || dup.TaskID != d1.TaskID {
+		t.Fatalf("second enqueue: %v, want a duplicate of the follow-up %s", err, d1.TaskID)
+	}
+	heard := rec.all()
+	last := heard[len(heard)-1]
+	if last.Event != "duplicate" || last.TaskID != d1.TaskID || !last.FollowUp {
+		t.Fatalf("decision %+v: TaskID is the follow-up %s, but FollowUp = %v", last, d1.TaskID, last.FollowUp)
+	}
+}
+
+// Options given to asynq.NewTask are the call's options too: folded into
+// another task, they are not applied, and NotApplied must name them.
+func TestFoldNamesNewTaskOptionsNotApplied(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace}))
+	h.enqueue(counterTask("k", 1, 0))
+	task := asynq.NewTask("counter", counterTask("k", 1, 1).Payload(), asynq.MaxRetry(3))
+	res, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Replaced {
+		t.Fatalf("%+v %v", res, err)
+	}
+	if got := fmt.Sprint(res.NotApplied); got != "[MaxRetry(3)]" {
+		t.Fatalf("NotApplied = %s, want [MaxRetry(3)]: the holder kept its own MaxRetry", got)
+	}
+}
+
+// README: "RunningDefer never runs two tasks of a key at once"; "After a
+// failure with retries left it waits for the retry, so the newest payload
+// still runs last". Under load: producers per key, handlers that fail a
+// third of the time, Replace + RunningDefer on the direct path.
+func TestDeferUnderLoadNeverOverlapsAndEndsWithTheNewest(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	var rmu sync.Mutex
+	rng := rand.New(rand.NewPCG(6, 6))
+	tr := newKeyTracker(counterKeyOf)
+	h.serve(tr.handler(func(r keyRun) error {
+		rmu.Lock()
+		sleep, fail := time.Duration(rng.IntN(15))*time.Millisecond, rng.IntN(3) == 0
+		rmu.Unlock()
+		time.Sleep(sleep)
+		if fail {
+			return errors.New("flaky")
+		}
+		return nil
+	}), func(c *asynq.Config) { c.Concurrency = 8 })
+	const keys, n = 3, 60
+	var wg sync.WaitGroup
+	errs := make(chan error, keys*n)
+	for k := range keys {
+		wg.Go(func() {
+			for s := 1; s <= n; s++ {
+				_, err := h.client.Submit(ctx, counterTask(fmt.Sprint("k", k), 1, s), asynq.Queue(h.queue))
+				var dup *DuplicateTaskError
+				if err != nil && !errors.As(err, &dup) {
+					errs <- err
+				}
+				time.Sleep(time.Duration(s%4) * time.Millisecond)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Errorf("enqueue: %v", err)
+	}
+	eventually(t, "the queue drains", func() bool { return h.queueSize(h.queue) == 0 })
+	if o := tr.overlapsSeen(); len(o) > 0 {
+		t.Errorf("runs of one key overlapped: %v", o)
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	last := map[string]int{}
+	for _, r := range tr.done {
+		if r.err == nil {
+			last[r.key] = r.seq
+		}
+	}
+	for k := range keys {
+		key := fmt.Sprint("k", k)
+		if last[key] != n {
+			t.Errorf("key %s: last successful run had seq %d, want the newest, %d", key, last[key], n)
+		}
+	}
+}
+
+// slowEnqueuer is an Enqueuer whose first call takes a while (a decorator
+// that calls a slow service, a Redis hiccup with go-redis's retries).
+type slowEnqueuer struct {
+	c       *asynq.Client
+	delay   time.Duration
+	once    *sync.Once
+	entered chan struct{}
+}
+
+func (s slowEnqueuer) Enqueue(t *asynq.Task, o ...asynq.Option) (*asynq.TaskInfo, error) {
+	return s.EnqueueContext(context.Background(), t, o...)
+}
+
+func (s slowEnqueuer) EnqueueContext(ctx context.Context, t *asynq.Task, o ...asynq.Option) (*asynq.TaskInfo, error) {
+	slow := false
+	s.once.Do(func() { slow = true; close(s.entered) })
+	if slow {
+		time.Sleep(s.delay)
+	}
+	return s.c.EnqueueContext(ctx, t, o...)
+}
+
+// README: Merge: "concurrent producers never lose an update"; a Replace
+// or Merge that meets a holder whose WrapClient producer has not stored it
+// yet "waits for it, about 0.8 s in all, then is answered as a duplicate". A
+// Merge that meets a holder its producer stores within the wait merges;
+// one whose producer takes longer (a slow Enqueuer) is told it was not
+// merged (a DuplicateTaskError naming the holder), never silently dropped.
+func TestMergeIntoAHolderStillBeingStoredMergesOrSaysSo(t *testing.T) {
+	for _, tc := range []struct {
+		delay  time.Duration
+		merged bool
+	}{{200 * time.Millisecond, true}, {1500 * time.Millisecond, false}} {
+		t.Run(tc.delay.String(), func(t *testing.T) { mergeIntoHolderBeingStored(t, tc.delay, tc.merged) })
+	}
+}
+
+func mergeIntoHolderBeingStored(t *testing.T, delay time.Duration, merged bool) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Merge, MergeFunc: addMerge}))
+	ctx := context.Background()
+	se := slowEnqueuer{c: h.asynq, delay: delay, once: new(sync.Once), entered: make(chan struct{})}
+	c := h.d.WrapClient(se)
+	first := make(chan error, 1)
+	go func() {
+		_, err := c.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+		first <- err
+	}()
+	<-se.entered
+	res, err := c.Submit(ctx, counterTask("k", 2, 2), asynq.Queue(h.queue))
+	if err := <-first; err != nil {
+		t.Fatalf("first: %v", err)
+	}
+	var dup *DuplicateTaskError
+	switch {
+	case merged && (err != nil || res.Outcome != Merged):
+		t.Errorf("merge into the holder being stored: %+v, %v; want Merged (its n=2 is otherwise lost)", res, err)
+	case !merged && !errors.As(err, &dup):
+		t.Errorf("merge into a holder stored after the wait: %+v, %v; want a DuplicateTaskError (not merged, and told so)", res, err)
+	}
+}
+
+// README: "A call under the caller-chosen ID of the task that holds its
+// key meets that task as any call of the key does"; RunningDefer: "later
+// ones are folded into it"; "After a failure with retries left it waits
+// for the retry, so the newest payload still runs last"; "once no task with
+// an ID exists the ID can be used again". Caller-chosen IDs on every call
+// of a Replace + RunningDefer key whose holder fails once.
+func TestDeferWithCallerIDsAndARetry(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	ctx := context.Background()
+	q := asynq.Queue(h.queue)
+	tr := newKeyTracker(counterKeyOf, 1)
+	h.serve(tr.handler(func(r keyRun) error {
+		if r.seq == 1 && r.retry == 0 {
+			return errors.New("flaky")
+		}
+		return nil
+	}), nil)
+	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	idA, idB, idC := "a-"+uniq(t), "b-"+uniq(t), "c-"+uniq(t)
+	if _, err := h.client.Submit(ctx, counterTask("k", 1, 1), q, asynq.TaskID(idA)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, tr.starts, "the holder runs")
+	fb, err := h.client.Submit(ctx, counterTask("k", 1, 2), q, asynq.TaskID(idB))
+	if err != nil || fb.Outcome != Deferred {
+		t.Fatalf("B: %+v %v, want Deferred", fb, err)
+	}
+	fc, err := h.client.Submit(ctx, counterTask("k", 1, 3), q, asynq.TaskID(idC))
+	if err != nil || fc.Outcome != Replaced || fc.TaskID != fb.TaskID || !fc.FollowUp {
+		t.Fatalf("C: %+v %v, want Replaced into the follow-up %s", fc, err, fb.TaskID)
+	}
+	tr.open(1)
+	var runs []keyRun
+	for len(runs) < 3 {
+		runs = append(runs, waitFor(t, tr.ends, "runs"))
+	}
+	if runs[0].id != idA || runs[0].err == nil || runs[1].id != idA || runs[1].err != nil || runs[2].id != fb.TaskID || runs[2].seq != 3 {
+		t.Fatalf("runs %+v: want %s failing, %s again succeeding, then the follow-up %s with seq 3", runs, idA, idA, fb.TaskID)
+	}
+	eventually(t, "the queue drains", func() bool { return h.queueSize(h.queue) == 0 })
+	if extra := len(tr.ends); extra != 0 {
+		t.Errorf("%d more runs", extra)
+	}
+	eventually(t, "no lock is left", func() bool { return len(h.locks()) == 0 })
+	if n, _ := h.rdb.Keys(ctx, h.prefix+":*").Result(); len(n) != 0 {
+		t.Errorf("keys left behind: %v", n)
+	}
+	// The IDs are free again, each for a new task.
+	for i, id := range []string{idA, idB, idC} {
+		if r, err := h.client.Submit(ctx, counterTask(fmt.Sprint("n", i), 1, 9), q, asynq.TaskID(id)); err != nil || r.TaskID != id {
+			t.Errorf("ID %s reused: %+v %v", id, r, err)
+		}
+	}
+}
+
+// README: "RunningAllow frees the key when the task starts; the next
+// enqueue creates a new task". A RunningAllow task whose first attempt
+// failed starts its retry on a server of another process (with the type's
+// rule, which a server of a RunningAllow type needs: the lock goes when the
+// task starts, so a retry takes one by the server's own rule): the key is
+// free while the retry runs, as it was while the first attempt ran.
+func TestRunningAllowFreesTheKeyForARetry(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnRunning: RunningAllow}))
+	ctx := context.Background()
+	ds, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Logger: quietLogger(), Rules: counterRules(Rule{OnRunning: RunningAllow}).Rules})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ds.Close() })
+	hold := make(chan struct{})
+	tr := newKeyTracker(counterKeyOf)
+	serveWith(t, h.rdb, ds, h.queue, tr.handler(func(r keyRun) error {
+		if r.seq != 1 {
+			return nil
+		}
+		if r.retry == 0 {
+			return errors.New("flaky")
+		}
+		<-hold
+		return nil
+	}), nil)
+	t.Cleanup(func() { close(hold) })
+	h.enqueue(counterTask("k", 1, 1))
+	for {
+		r := waitFor(t, tr.starts, "the task runs")
+		if r.retry == 0 {
+			// While the first attempt runs, the key is free (RunningAllow).
+			continue
+		}
+		break
+	}
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Created {
+		t.Errorf("enqueue while the RunningAllow task's retry runs: %+v %v; want a new task (the key frees when the task starts)", res, err)
+	}
+}
+
+// README (When the key is already taken): RunningDefer "never runs two
+// tasks of a key at once. The first enqueue that meets a running key creates
+// one follow-up task, and later ones are folded into it … When the run ends
+// — success, revoke, or final failure — the follow-up is queued and takes
+// the lock". For a task NewClient stored with its lock, whose attempt began
+// before the follow-up was made: its end, however it ends, hands the key to
+// the follow-up, which runs last with the newest payload; every lock is
+// started and released once, none lost.
+func TestDeferFollowUpMadeDuringADirectTasksRunGetsTheKey(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		end  error
+	}{
+		{"success", nil},
+		{"RevokeTask", asynq.RevokeTask},
+		{"SkipRetry", fmt.Errorf("no: %w", asynq.SkipRetry)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
+			ctx := context.Background()
+			tr := newKeyTracker(counterKeyOf, 1)
+			t.Cleanup(tr.openAll)
+			serveWith(t, h.rdb, h.d, h.queue, tr.handler(func(r keyRun) error {
+				if r.seq == 1 {
+					return tc.end
+				}
+				return nil
+			}), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+			a := h.enqueue(counterTask("k", 1, 1))
+			requirePlainID(t, a.ID)
+			key := h.keyOf(counterTask("k", 1, 1), h.queue)
+			waitFor(t, tr.starts, "A runs")
+			if owner := h.lockOwner(key); owner != a.ID {
+				t.Fatalf("A runs, its key held by %q", owner)
+			}
+			r2, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+			if err != nil || r2.Outcome != Deferred {
+				t.Fatalf("enqueue while A runs: %+v, %v; want Deferred", r2, err)
+			}
+			r3, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+			if err != nil || r3.TaskID != r2.TaskID {
+				t.Fatalf("second enqueue while A runs: %+v, %v; want folded into %s", r3, err, r2.TaskID)
+			}
+			tr.open(1)
+			waitFor(t, tr.ends, "A ends")
+			next := waitFor(t, tr.starts, "the follow-up runs")
+			if next.id != r2.TaskID || next.seq != 3 {
+				t.Fatalf("after A ran %s seq %d, want the follow-up %s with seq 3", next.id, next.seq, r2.TaskID)
+			}
+			waitFor(t, tr.ends, "the follow-up ends")
+			eventually(t, "the key free after the follow-up", func() bool {
+				return h.rdb.Exists(ctx, key).Val() == 0 && h.rdb.Exists(ctx, modeKeyOf(key)).Val() == 0
+			})
+			if ov := tr.overlapsSeen(); len(ov) > 0 {
+				t.Fatalf("overlaps: %v", ov)
+			}
+			if st := h.d.Stats(); st.LockLost != 0 || st.Started != 2 || st.Released != 2 {
+				t.Fatalf("stats %+v: want 2 started, 2 released, none lost", st)
+			}
+			select {
+			case r := <-tr.starts:
+				t.Fatalf("unexpected run %+v", r)
+			default:
+			}
+		})
+	}
+}
+
+// README (Lock lifecycle): "success | released, … — or, with a
+// follow-up owed (RunningDefer), handed to it and the follow-up queued";
+// (Diagnostics) counters count each event once.
+//
+// A follow-up made while the holder runs: the holder's end (RunningDefer:
+// one settle call) must hand the key over and queue the follow-up; every
+// release counted once.
+func TestDeferFollowUpQueuedByTheHoldersBatchedRelease(t *testing.T) {
+	h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	gate := make(chan struct{})
+	started := make(chan int, 4)
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		seq := decodeCounter(task).Seq
+		started <- seq
+		if seq == 1 {
+			<-gate
+		}
+		return nil
+	}, nil)
+	a := h.enqueue(counterTask("k", 1, 1))
+	requirePlainID(t, a.ID)
+	if seq := waitFor(t, started, "A runs"); seq != 1 {
+		t.Fatalf("ran %d first", seq)
+	}
+	b, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatalf("enqueue while A runs (RunningDefer): %v", err)
+	}
+	close(gate)
+	if seq := waitFor(t, started, "the follow-up runs"); seq != 2 {
+		t.Fatalf("ran %d after A, want the follow-up (2)", seq)
+	}
+	eventually(t, "both releases counted", func() bool { return h.d.Stats().Released >= 2 })
+	if st := h.d.Stats(); st.Released != 2 || st.LockLost != 0 || st.RedisErrors != 0 || st.Started != 2 {
+		t.Errorf("stats %+v; want 2 started and released, no loss, no errors", st)
+	}
+	eventually(t, "no lock left", func() bool { return len(h.locks()) == 0 })
+	t.Logf("A %s, follow-up %s", a.ID, b.ID)
 }

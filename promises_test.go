@@ -1,12 +1,17 @@
 package dedup
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/redistest"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -443,4 +448,132 @@ func TestPromiseDirectLockFreeOnceItsTaskIsGone(t *testing.T) {
 		}
 		waitFor(t, rc.runs, "the unlocked arrival runs, its holder gone")
 	})
+}
+
+// oneDelayProxy forwards TCP to Redis; armed with a marker, it holds back
+// the first client chunk containing it for a while (one slow connection),
+// while other connections pass at once.
+type oneDelayProxy struct {
+	l      net.Listener
+	target string
+	mu     sync.Mutex
+	marker []byte
+	delay  time.Duration
+	hit    chan struct{}
+}
+
+func newOneDelayProxy(t *testing.T, target string) *oneDelayProxy {
+	p := &oneDelayProxy{target: target}
+	p.l = serveProxy(t, target, func(c, up net.Conn) {
+		go func() { _, _ = io.Copy(c, up); c.Close() }()
+		var hit chan struct{}
+		copyChunks(up, c, func(b []byte) {
+			p.mu.Lock()
+			hold := p.marker != nil && bytes.Contains(b, p.marker)
+			d := p.delay
+			if hold {
+				p.marker, hit = nil, p.hit
+			}
+			p.mu.Unlock()
+			if hold {
+				time.Sleep(d) // the delay under test: this call's bytes arrive late
+			}
+		}, func() {
+			if hit != nil {
+				close(hit)
+				hit = nil
+			}
+		})
+	})
+	return p
+}
+
+func (p *oneDelayProxy) arm(marker string, d time.Duration) <-chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.marker, p.delay, p.hit = []byte(marker), d, make(chan struct{})
+	return p.hit
+}
+
+// A direct-path lock call that carried its task and timed out never
+// reports failed for a stored task, and never stores it twice. Here the
+// call's bytes are slow on their connection, so the Inspector's "is it
+// stored now?", on another connection, overtakes them and finds nothing;
+// then the late script runs. The answer must be ErrOutcomeUnknown (the call
+// was sent and never answered), and with fail-open the task is stored once,
+// once in asynq's pending list, and never runs twice at once. (Once,
+// fail-closed answered a plain ErrUnavailable for a task stored anyway, and
+// fail-open enqueued the task again through asynq, after which the late
+// script stored the same ID a second time in the pending list.)
+func TestPromiseLateScriptOfATimedOutCallStoresTheTaskOnce(t *testing.T) {
+	needRealRedis(t)
+	for _, failOpen := range []bool{false, true} {
+		t.Run(fmt.Sprintf("failOpen=%v", failOpen), func(t *testing.T) {
+			proxy := newOneDelayProxy(t, redistest.Addr())
+			lrdb := redis.NewClient(&redis.Options{Addr: proxy.l.Addr().String(), PoolSize: 8, MaxRetries: -1})
+			t.Cleanup(func() { _ = lrdb.Close() })
+			h := newHarness(t, Config{})
+			d, err := New(context.Background(), lrdb, Config{Prefix: h.prefix, LockTimeout: 100 * time.Millisecond,
+				FailOpen: failOpen, BreakerThreshold: -1, Logger: quietLogger()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = d.Close() })
+			c := d.NewClient()
+			if _, err := c.Enqueue(userTask(0, ""), asynq.Queue(h.queue)); err != nil {
+				t.Fatal(err) // warm: queue registered, scripts loaded
+			}
+			hit := proxy.arm("late-marker", 400*time.Millisecond)
+			res, err := c.Submit(context.Background(), userTask(1, "late-marker"), asynq.Queue(h.queue))
+			t.Logf("answer: %+v, err %v", res, err)
+			<-hit
+			time.Sleep(50 * time.Millisecond)
+			stored := h.queueSize(h.queue) - 1
+			pend := h.rdb.LRange(context.Background(), "asynq:{"+h.queue+"}:pending", 0, -1).Val()
+			t.Logf("tasks stored for the call: %d; pending list %v", stored, pend)
+			seen := map[string]int{}
+			for _, id := range pend {
+				seen[id]++
+				if seen[id] > 1 {
+					t.Errorf("task %s is twice in asynq's pending list: it will be run twice", id)
+				}
+			}
+			if failOpen {
+				// Run the queue: the doubled entry runs the same task twice, at once.
+				var mu sync.Mutex
+				active, overlap := map[string]int{}, 0
+				runs := make(chan string, 10)
+				h.serve(func(ctx context.Context, tk *asynq.Task) error {
+					id, _ := asynq.GetTaskID(ctx)
+					mu.Lock()
+					active[id]++
+					if active[id] > 1 {
+						overlap++
+					}
+					mu.Unlock()
+					runs <- id
+					time.Sleep(300 * time.Millisecond)
+					mu.Lock()
+					active[id]--
+					mu.Unlock()
+					return nil
+				}, nil)
+				for range len(pend) {
+					waitFor(t, runs, "run")
+				}
+				time.Sleep(400 * time.Millisecond)
+				mu.Lock()
+				if overlap > 0 {
+					t.Errorf("the task ran twice at the same time (%d overlapping runs of one ID, one key)", overlap)
+				}
+				mu.Unlock()
+			}
+			switch {
+			case err != nil && stored > 0 && !errors.Is(err, ErrOutcomeUnknown):
+				t.Errorf("answered %v (not ErrOutcomeUnknown), but the task was stored", err)
+			case err == nil && res.Outcome == Created && stored == 0:
+				t.Errorf("answered created, nothing stored")
+			}
+		})
+	}
 }

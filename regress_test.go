@@ -12,7 +12,7 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// Regression tests for bugs found in review.
+// Regression tests: each keeps a behaviour that once broke, named for it.
 
 // Re-enqueueing under the same caller TaskID must not free the live task's lock.
 func TestRegressionCallerIDConflictKeepsLiveLock(t *testing.T) {

@@ -2,10 +2,13 @@ package dedup
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -37,7 +40,7 @@ func slowOuterServer(t *testing.T, h *harness, inner asynq.HandlerFunc, ended ch
 		}
 		return err
 	})
-	_, stop = a9Server(t, h.rdb, h.queue, outer, func(c *asynq.Config) {
+	_, stop = serveRaw(t, h.rdb, h.queue, outer, func(c *asynq.Config) {
 		c.Concurrency = 1 // the follow-up, once queued, waits for the next server
 		c.ShutdownTimeout = 300 * time.Millisecond
 	})
@@ -49,7 +52,7 @@ func slowOuterServer(t *testing.T, h *harness, inner asynq.HandlerFunc, ended ch
 // the follow-up that now holds its key ("never runs two tasks of a key at
 // once").
 func TestDeferHolderRequeuedAfterItsEndNeverRunsBesideItsFollowUp(t *testing.T) {
-	h := a9NewClientHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
 	ctx := context.Background()
 	release := make(chan struct{})
 	ended := make(chan string, 1)
@@ -114,7 +117,7 @@ func neverBoth(t *testing.T, h *harness, a, b string) {
 // that follows finds its own cooling key and does not run again"; at most one
 // successful run per window.
 func TestCooledTaskRequeuedAfterItsSuccessDoesNotRunAgain(t *testing.T) {
-	h := a9NewClientHarness(t, Rule{Cooldown: time.Hour})
+	h := newDirectHarness(t, Rule{Cooldown: time.Hour})
 	ended := make(chan string, 1)
 	stop := slowOuterServer(t, h, func(context.Context, *asynq.Task) error { return nil }, ended)
 	a := h.enqueue(counterTask("k", 1, 0))
@@ -163,4 +166,129 @@ func TestWrapClientTaskRequeuedAfterItsReleaseNeverRunsBesideTheKeysNextTask(t *
 	}
 	t.Logf("the key's next enqueue was accepted (%s) while %s, requeued, waits to run again", info.ID, a.ID)
 	neverBoth(t, h, a.ID, info.ID)
+}
+
+// README (Lock lifecycle): "a task locked at enqueue finds its key held by
+// another task, or cooling | retried until the key is free, never dropped or
+// folded"; the matrix: "the Inspector archives or deletes the task while it
+// waits | NewClient: new task at once".
+//
+// A waiting task A is archived by an operator; the key's next enqueue B
+// heals the lock and takes the key, and runs. The operator then runs A
+// again (Inspector.RunTask): A is still on its first attempt (asynq's
+// archive keeps the retry count), yet it meets the key held by B and never
+// runs beside it. (Once, a first attempt started "free", trusting a time
+// carried in its task ID, and A ran beside B with no lock of its own.)
+func TestArchivedWaitingTaskRunAgainNeverRunsBesideTheNewHolder(t *testing.T) {
+	h := newDirectHarness(t, Rule{})
+	a := h.enqueue(counterTask("k", 1, 1))
+	requirePlainID(t, a.ID)
+	if err := h.insp.ArchiveTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	b := h.enqueue(counterTask("k", 1, 2)) // heals: A is archived
+	tr := newKeyTracker(counterKeyOf, 1, 2)
+	t.Cleanup(tr.openAll)
+	serveWith(t, h.rdb, h.d, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	first := waitFor(t, tr.starts, "B runs")
+	if first.id != b.ID {
+		t.Fatalf("first run %s, want B %s", first.id, b.ID)
+	}
+	if err := h.insp.RunTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	tr.noSecondStart(t, first, 3*time.Second, "archived task "+a.ID+" run again by an operator while "+b.ID+" holds its key")
+}
+
+// The same, through asynq's own archiving: a first attempt that ends for
+// good with SkipRetry (or an error under MaxRetry(0)) is archived with retry
+// count 0, and its key is released (orphaned, healed at the next enqueue). A
+// task of the key B then takes the key and runs; an operator re-runs the
+// archived task (the usual fix after a bug). It meets the key held by B
+// (retried until free), never runs beside B.
+func TestTaskArchivedOnItsFirstAttemptRunAgainNeverRunsBesideTheNewHolder(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		opts []asynq.Option
+		err  error
+	}{
+		{"SkipRetry", nil, fmt.Errorf("bad input: %w", asynq.SkipRetry)},
+		{"MaxRetry(0)", []asynq.Option{asynq.MaxRetry(0)}, errors.New("boom")},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newDirectHarness(t, Rule{})
+			ctx := context.Background()
+			tr := newKeyTracker(counterKeyOf, 2)
+			t.Cleanup(tr.openAll)
+			serveWith(t, h.rdb, h.d, h.queue, tr.handler(func(r keyRun) error {
+				if r.seq == 1 && r.retry == 0 && r.id != "" {
+					if n, _ := h.rdb.Get(ctx, h.prefix+":a9:ran:"+r.id).Int(); n == 0 {
+						h.rdb.Set(ctx, h.prefix+":a9:ran:"+r.id, 1, time.Hour)
+						return tc.err
+					}
+				}
+				return nil
+			}), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+			a := h.enqueue(counterTask("k", 1, 1), tc.opts...)
+			requirePlainID(t, a.ID)
+			waitFor(t, tr.starts, "A's first attempt")
+			waitFor(t, tr.ends, "A's first attempt ends")
+			key := h.keyOf(counterTask("k", 1, 1), h.queue)
+			eventually(t, "A archived, its key orphaned", func() bool {
+				return h.taskState(a.ID) == asynq.TaskStateArchived && h.lockState(key) == store.LockOrphaned
+			})
+			b := h.enqueue(counterTask("k", 1, 2))
+			first := waitFor(t, tr.starts, "B runs")
+			if first.id != b.ID {
+				t.Fatalf("run %s, want B %s", first.id, b.ID)
+			}
+			if err := h.insp.RunTask(h.queue, a.ID); err != nil {
+				t.Fatal(err)
+			}
+			tr.noSecondStart(t, first, 3*time.Second, "archived task "+a.ID+" run again while "+b.ID+" runs")
+		})
+	}
+}
+
+// README (Lock API): "the holder, if alive, still runs … and takes the key
+// again when it starts if the key is free; if a task of its type has taken
+// the key since (the release marks the holder so), the holder gives way to
+// it"; (Lock lifecycle) "shutdown, the handler outliving ShutdownTimeout |
+// back in the queue".
+//
+// An operator releases the key of A while A runs. B takes the key and waits.
+// A's server shuts down, the handler outlives ShutdownTimeout, and asynq
+// puts A back with retry count 0 and its original message. On the next
+// server A meets B's key: the two never run at once.
+func TestReleasedRunningHolderRequeuedByShutdownNeverRunsBesideTheNewHolder(t *testing.T) {
+	h := newDirectHarness(t, Rule{})
+	ctx := context.Background()
+	started1, leftoverGo := make(chan string, 4), make(chan struct{})
+	_, stop1 := serveRaw(t, h.rdb, h.queue, h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started1 <- id
+		<-leftoverGo
+		return nil
+	})), func(c *asynq.Config) { c.Concurrency = 1; c.ShutdownTimeout = 300 * time.Millisecond })
+	t.Cleanup(func() { close(leftoverGo) })
+	a := h.enqueue(counterTask("k", 1, 1))
+	requirePlainID(t, a.ID)
+	waitFor(t, started1, "A runs on server 1")
+	if ok, err := h.d.Release(ctx, counterTask("k", 1, 1), "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("forced release: %v %v", ok, err)
+	}
+	b := h.enqueue(counterTask("k", 1, 2)) // the key is free: B takes it, and waits (server 1 is busy)
+	stop1()
+	eventually(t, "A put back in the queue", func() bool { return h.taskState(a.ID) == asynq.TaskStatePending })
+
+	d2, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Rules: counterRules(Rule{}).Rules, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d2.Close() })
+	tr := newKeyTracker(counterKeyOf, 1, 2)
+	t.Cleanup(tr.openAll)
+	serveWith(t, h.rdb, d2, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	first := waitFor(t, tr.starts, "the key's first run on server 2")
+	tr.noSecondStart(t, first, 3*time.Second, "released holder "+a.ID+" and "+b.ID+", which took the key since")
 }

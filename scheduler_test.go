@@ -846,3 +846,184 @@ func TestClusterSchedulerRunsEachFiringOnce(t *testing.T) {
 		_ = h.insp.DeleteQueue(q, true)
 	}
 }
+
+// Register refuses OnFailure ("Cooldown, Period or OnFailure (the Scheduler
+// sets the hold)"), OnFailure(FailRelease, 0) too, which the Scheduler's
+// FailHold would otherwise silently override.
+func TestSchedulerRegisterRefusesEveryOnFailure(t *testing.T) {
+	h := newHarness(t, Config{})
+	s := NewScheduler(h.d, nil)
+	if id, err := s.Register("@every 1m", jobTask("s", 1), OnFailure(FailRelease, 0)); !errors.Is(err, ErrInvalidOption) {
+		t.Errorf("Register with OnFailure(FailRelease, 0): entry %q, err %v; want ErrInvalidOption", id, err)
+	}
+}
+
+// docs/scheduler.md: "each firing once however many replicas run it". A
+// firing that fails for good keeps its key (FailHold) so that a replica
+// whose clock lags cannot enqueue it again; a firing revoked by its handler
+// (asynq.RevokeTask) keeps it too: the lagging replica's enqueue of the same
+// firing (the very options the first replica used) is a duplicate. (An
+// operator's delete frees the firing's key, as docs/scheduler.md says: not
+// tested here.)
+func TestSchedulerFiringRevokedByItsHandlerIsNotEnqueuedAgain(t *testing.T) {
+	for _, end := range []string{"revoked"} { // (an operator's delete frees the firing's key: docs/scheduler.md)
+		t.Run(end, func(t *testing.T) {
+			h := newHarness(t, Config{})
+			type firing struct {
+				task *asynq.Task
+				opts []asynq.Option
+			}
+			fired := make(chan firing, 10)
+			posted := make(chan error, 10)
+			s := NewScheduler(h.d, &SchedulerOpts{Logger: quietLogger(), PreEnqueueFunc: func(task *asynq.Task, opts []asynq.Option) {
+				fired <- firing{task, opts}
+			}, PostEnqueueFunc: func(info *asynq.TaskInfo, err error) { posted <- err }})
+			if _, err := s.Register("@every 1s", asynq.NewTask("job:report", nil), asynq.Queue(h.queue)); err != nil {
+				t.Fatal(err)
+			}
+			var ran atomic.Int32
+			if end == "revoked" {
+				h.serve(func(context.Context, *asynq.Task) error { ran.Add(1); return asynq.RevokeTask }, nil)
+			}
+			if err := s.Start(); err != nil {
+				t.Fatal(err)
+			}
+			f := waitFor(t, fired, "a firing")
+			if err := waitFor(t, posted, "the firing's enqueue"); err != nil {
+				t.Fatal(err)
+			}
+			s.Shutdown()
+			_, at, _ := SchedulerFiring(f.task)
+			entry, _, _ := SchedulerFiring(f.task)
+			id := func() string {
+				l, found, _ := h.d.Lookup(context.Background(), f.task, f.opts...)
+				if found {
+					return l.Holder
+				}
+				return ""
+			}
+			holder := ""
+			eventually(t, "the firing's task is stored", func() bool { holder = id(); return holder != "" })
+			if end == "revoked" {
+				eventually(t, "the firing ran and was revoked", func() bool { s := h.d.Stats(); return ran.Load() >= 1 && s.Released+s.Cooling >= 1 })
+			} else {
+				if err := h.insp.DeleteTask(h.queue, holder); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// A replica whose clock lags by 0.5 s (within MaxSkew) enqueues this firing now.
+			res, err := h.d.NewClient().Submit(context.Background(), f.task, f.opts...)
+			var dup *DuplicateTaskError
+			if !errors.As(err, &dup) {
+				t.Errorf("a lagging replica's enqueue of firing %s of entry %s after it was %s: %+v %v, want a duplicate",
+					at.Format(time.TimeOnly), entry[:8], end, res.Outcome, err)
+			}
+		})
+	}
+}
+
+// Register refuses a type whose rule has a Period (the firings' hold is a
+// Cooldown), and accepts one whose rule holds failures (the Scheduler's
+// FailHold overrides it).
+func TestSchedulerRegisterChecksTheTypesRule(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{
+		"job:period": {Period: time.Hour},
+		"job:held":   {OnFailure: FailHoldUntilReleased, MaxPending: 3},
+	}})
+	s := NewScheduler(h.d, nil)
+	if _, err := s.Register("@hourly", asynq.NewTask("job:period", nil)); !errors.Is(err, ErrInvalidOption) {
+		t.Errorf("a Period type: %v, want ErrInvalidOption", err)
+	}
+	if _, err := s.Register("@hourly", asynq.NewTask("job:held", nil)); err != nil {
+		t.Errorf("a FailHoldUntilReleased type: %v", err)
+	}
+}
+
+// Register, Unregister and Shutdown from many goroutines (run with -race):
+// once Shutdown and every Unregister have returned, nothing is enqueued.
+func TestSchedulerRegisterUnregisterAndShutdownRace(t *testing.T) {
+	h := newHarness(t, Config{})
+	s := NewScheduler(h.d, &SchedulerOpts{Logger: quietLogger()})
+	if err := s.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 20 {
+				id, err := s.Register("@every 1s", asynq.NewTask("job:race", fmt.Appendf(nil, "%d-%d", g, i)), asynq.Queue(h.queue))
+				if err != nil {
+					t.Errorf("Register: %v", err)
+					return
+				}
+				if i%2 == 0 {
+					if err := s.Unregister(id); err != nil {
+						t.Errorf("Unregister: %v", err)
+					}
+				}
+			}
+		})
+	}
+	wg.Go(func() { s.Shutdown() })
+	wg.Wait()
+	s.Shutdown()
+	size := queueTasks(t, h)
+	next := time.Now().Truncate(time.Second).Add(1500 * time.Millisecond)
+	eventually(t, "a firing time has passed", func() bool { return time.Now().After(next) })
+	if n := queueTasks(t, h); n != size {
+		t.Errorf("%d tasks enqueued after Shutdown returned", n-size)
+	}
+	if err := s.Start(); err == nil {
+		t.Error("Start after Shutdown: no error")
+	}
+}
+
+// Two Schedulers in one process, on one Dedup, with the same entry: each
+// firing runs once.
+func TestSchedulerTwoInOneProcessRunEachFiringOnce(t *testing.T) {
+	h := newHarness(t, Config{})
+	var (
+		mu    sync.Mutex
+		runs  = map[string]int{} // firing → runs
+		fresh = make(chan struct{}, 100)
+	)
+	h.serve(func(_ context.Context, task *asynq.Task) error {
+		_, at, ok := SchedulerFiring(task)
+		if !ok {
+			t.Errorf("a task without the scheduler's headers")
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if runs[at.String()]++; runs[at.String()] == 1 {
+			fresh <- struct{}{}
+		}
+		return nil
+	}, nil)
+	a := NewScheduler(h.d, &SchedulerOpts{Logger: quietLogger()})
+	b := NewScheduler(h.d, &SchedulerOpts{Logger: quietLogger()})
+	t.Cleanup(a.Shutdown)
+	t.Cleanup(b.Shutdown)
+	for _, s := range []*Scheduler{a, b} {
+		if _, err := s.Register("@every 1s", asynq.NewTask("job:twice", nil), asynq.Queue(h.queue)); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Start(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, fresh, "a firing")
+	waitFor(t, fresh, "another firing")
+	a.Shutdown()
+	b.Shutdown()
+	eventually(t, "every task ran", func() bool {
+		qi, err := h.insp.GetQueueInfo(h.queue)
+		return err == nil && qi.Pending+qi.Active+qi.Scheduled+qi.Retry == 0
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for at, n := range runs {
+		if n != 1 {
+			t.Errorf("firing %s ran %d times", at, n)
+		}
+	}
+}

@@ -860,3 +860,489 @@ func TestAllowedTaskRetriesWhateverHoldsItsKey(t *testing.T) {
 		})
 	}
 }
+
+// README: "a server whose Config.Prefix differs from the producer's
+// follows the producer's lock"; RunningDefer: one follow-up, queued when
+// the run ends, never two runs at once. A server of another prefix (and no
+// rules) runs a Replace + RunningDefer key of a producer.
+func TestServerWithAnotherPrefixHandsTheFollowUpOver(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	ctx := context.Background()
+	ds, err := New(ctx, h.rdb, Config{Prefix: h.prefix + "-srv", Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ds.Close() })
+	tr := newKeyTracker(counterKeyOf, 1)
+	serveWith(t, h.rdb, ds, h.queue, tr.handler(nil), nil)
+	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	holder := h.enqueue(counterTask("k", 1, 1))
+	waitFor(t, tr.starts, "the holder runs")
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("enqueue during the run: %+v %v, want Deferred behind %s", res, err, holder.ID)
+	}
+	res3, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+	if err != nil || res3.Outcome != Replaced || res3.TaskID != res.TaskID {
+		t.Fatalf("second enqueue during the run: %+v %v, want Replaced into the follow-up %s", res3, err, res.TaskID)
+	}
+	tr.open(1)
+	r := waitFor(t, tr.ends, "the holder ends")
+	if r.id != holder.ID {
+		t.Fatalf("first end %s, want the holder", r.id)
+	}
+	r = waitFor(t, tr.ends, "the follow-up runs")
+	if r.id != res.TaskID || r.seq != 3 {
+		t.Errorf("after the holder: %s with seq %d, want the follow-up %s with seq 3", r.id, r.seq, res.TaskID)
+	}
+	eventually(t, "the queue drains", func() bool { return h.queueSize(h.queue) == 0 })
+	if o := tr.overlapsSeen(); len(o) > 0 {
+		t.Errorf("overlaps: %v", o)
+	}
+	eventually(t, "no lock is left", func() bool { return len(h.locks()) == 0 })
+}
+
+// README: "RunningDefer never runs two tasks of a key at once. … When
+// the run ends … the follow-up is queued"; SkipBusy/BusyDrop is for "tasks
+// that arrive without a lock". An operator who runs the parked follow-up
+// now (Inspector.RunTask, asynqmon's "run") while its holder runs must not
+// lose the newest payload, whatever the busy policy.
+func TestRunNowOnAFollowUpKeepsTheNewestPayload(t *testing.T) {
+	for _, skipBusy := range []bool{false, true} {
+		t.Run(fmt.Sprintf("SkipBusy=%v", skipBusy), func(t *testing.T) {
+			cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+			cfg.SkipBusy = skipBusy
+			h := newHarness(t, cfg)
+			ctx := context.Background()
+			tr := newKeyTracker(counterKeyOf, 1)
+			h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 2 })
+			t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+			h.enqueue(counterTask("k", 1, 1))
+			waitFor(t, tr.starts, "the holder runs")
+			res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+			if err != nil || res.Outcome != Deferred {
+				t.Fatalf("%+v %v, want a follow-up", res, err)
+			}
+			if err := h.insp.RunTask(h.queue, res.TaskID); err != nil {
+				t.Fatalf("run the follow-up now: %v", err)
+			}
+			eventually(t, "the follow-up was picked up", func() bool {
+				s := h.taskState(res.TaskID)
+				return s != asynq.TaskStatePending && s != asynq.TaskStateScheduled && s != asynq.TaskStateActive
+			})
+			if o := tr.overlapsSeen(); len(o) > 0 {
+				t.Errorf("overlaps: %v", o)
+			}
+			tr.open(1)
+			deadline := time.After(6 * time.Second)
+			for {
+				select {
+				case r := <-tr.ends:
+					if r.seq == 2 {
+						return
+					}
+				case <-deadline:
+					t.Fatalf("the newest payload (seq 2, follow-up %s) never ran; follow-up state %v (busy counted %d)", res.TaskID, taskStateName(h, res.TaskID), h.d.Stats().Busy)
+				}
+			}
+		})
+	}
+}
+
+// Three modes at once. README (combinations): "every other mix … works
+// … Cooldown + Debounce: the debounced task's success cools the key"; "a
+// RunningDefer follow-up counts"; MaxPending: "enqueues folded into keys
+// already waiting always pass"; entries "leave when their task starts".
+func TestDebounceCooldownAndMaxPendingTogether(t *testing.T) {
+	const typ = "a6:sync"
+	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace,
+		Debounce: time.Second, Cooldown: time.Hour, MaxPending: 1}}})
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	q := asynq.Queue(h.queue)
+	tr := newKeyTracker(func(t *asynq.Task) string {
+		var p struct {
+			UserID int `json:"user_id"`
+		}
+		_ = json.Unmarshal(t.Payload(), &p)
+		return fmt.Sprint(p.UserID)
+	})
+	h.serve(tr.handler(nil), nil)
+	r1, err := h.client.Submit(ctx, profileSync(typ, 1, 1), q)
+	if err != nil || r1.Outcome != Created {
+		t.Fatalf("first: %+v %v", r1, err)
+	}
+	if r, err := h.client.Submit(ctx, profileSync(typ, 1, 2), q); err != nil || r.Outcome != Replaced || r.TaskID != r1.TaskID {
+		t.Fatalf("fold: %+v %v", r, err)
+	}
+	if _, err := h.client.Submit(ctx, profileSync(typ, 2, 1), q); !errors.Is(err, ErrTooManyPending) {
+		t.Fatalf("second key while one waits (MaxPending 1): %v, want ErrTooManyPending", err)
+	}
+	run := waitFor(t, tr.ends, "the debounced task runs")
+	if run.id != r1.TaskID || run.seq != 2 {
+		t.Fatalf("ran %s seq %d, want %s with seq 2", run.id, run.seq, r1.TaskID)
+	}
+	eventually(t, "the key cools down", func() bool {
+		_, err := h.client.Submit(ctx, profileSync(typ, 1, 3), q)
+		var dup *DuplicateTaskError
+		return errors.As(err, &dup) && dup.CoolingDown && dup.TaskID == r1.TaskID
+	})
+	if r, err := h.client.Submit(ctx, profileSync(typ, 2, 1), q); err != nil || r.Outcome != Created {
+		t.Fatalf("another key once the first ran (its slot left when it started): %+v %v", r, err)
+	}
+	if l, found, err := h.d.Lookup(ctx, profileSync(typ, 1, 9), q); err != nil || !found || l.State != "cooling" {
+		t.Errorf("Lookup of the cooling key: %+v %v %v", l, found, err)
+	}
+}
+
+// README (matrix): "the Inspector runs a scheduled task → runs now";
+// RunningDefer: "After a failure with retries left it waits for the retry,
+// so the newest payload still runs last". An operator runs a holder that
+// waits for its retry (with a follow-up owed) now: the holder's retry runs,
+// then the follow-up, never at once, and the newest payload last.
+func TestRunNowOnARetryingHolderThenItsFollowUp(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	ctx := context.Background()
+	tr := newKeyTracker(counterKeyOf, 1)
+	h.serve(tr.handler(func(r keyRun) error {
+		if r.seq == 1 && r.retry == 0 {
+			return errors.New("flaky")
+		}
+		return nil
+	}), retryInAnHour)
+	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	holder := h.enqueue(counterTask("k", 1, 1))
+	waitFor(t, tr.starts, "the holder runs")
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("%+v %v, want a follow-up", res, err)
+	}
+	tr.open(1)
+	eventually(t, "the holder waits for its retry", func() bool { return h.taskState(holder.ID) == asynq.TaskStateRetry })
+	if r, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue)); err != nil || r.TaskID != res.TaskID {
+		t.Fatalf("enqueue during the retry wait: %+v %v, want folded into the follow-up %s", r, err, res.TaskID)
+	}
+	if err := h.insp.RunTask(h.queue, holder.ID); err != nil {
+		t.Fatal(err)
+	}
+	var ends []keyRun
+	for len(ends) < 3 {
+		ends = append(ends, waitFor(t, tr.ends, "runs"))
+	}
+	if ends[1].id != holder.ID || ends[1].err != nil || ends[2].id != res.TaskID || ends[2].seq != 3 {
+		t.Fatalf("runs %+v: want the holder's retry, then the follow-up %s with seq 3", ends, res.TaskID)
+	}
+	if o := tr.overlapsSeen(); len(o) > 0 {
+		t.Errorf("overlaps: %v", o)
+	}
+	eventually(t, "no lock is left", func() bool { return len(h.locks()) == 0 })
+}
+
+// README: "a server whose prefix differs follows the producer's lock when
+// it finds none under its own"; lifecycle: "the key's own follow-up, run
+// early by an operator, is retried and runs after the holder";
+// RunningDefer "never runs two tasks of a key at once". On a server of
+// another prefix, an operator runs the parked follow-up now while its
+// holder runs: it must wait for the holder, not run beside it.
+func TestServerWithAnotherPrefixMakesAFollowUpRunEarlyWait(t *testing.T) {
+	rules := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}).Rules
+	h := newHarness(t, Config{Rules: rules})
+	ctx := context.Background()
+	server, err := New(ctx, h.rdb, Config{Prefix: h.prefix + "-srv", Rules: rules, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = server.Close() })
+	tr := newSeqTracker(0)
+	serveWith(t, h.rdb, server, h.queue, tr.handler(), nil)
+	t.Cleanup(tr.openAll)
+	first := h.enqueue(counterTask("k", 1, 0))
+	if r := waitFor(t, tr.starts, "the holder runs"); r.id != first.ID {
+		t.Fatalf("ran %s, want %s", r.id, first.ID)
+	}
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("update while running: %+v %v, want Deferred", res, err)
+	}
+	if err := h.insp.RunTask(h.queue, res.TaskID); err != nil {
+		t.Fatal(err)
+	}
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(15 * time.Second)
+wait:
+	for {
+		select {
+		case r := <-tr.starts:
+			t.Fatalf("the follow-up %s (seq %d) started while its holder %s ran (running beside it: %v)", r.id, r.seq, first.ID, r.overlaps)
+		case <-tick.C:
+			if server.Stats().Busy >= 1 {
+				break wait // it met its key held: it waits
+			}
+		case <-timeout:
+			t.Fatal("the follow-up run now was never picked up")
+		}
+	}
+	tr.open(0)
+	if r := waitSeqStart(tr, 1, 8*time.Second); r == nil {
+		t.Fatalf("the follow-up %s never ran after its holder", res.TaskID)
+	}
+}
+
+// README (Lock API): Release "deletes the lock …, never a task: the
+// holder, if alive, still runs … and takes the key again when it starts if
+// the key is free; if another task of the key holds it by then, the holder
+// meets its type's OnBusy as a busy task does"; "a server whose prefix
+// differs follows the producer's lock". On a server of another prefix, a
+// released holder that starts while the key's new task runs must meet it
+// (busy), not run beside it.
+func TestServerWithAnotherPrefixMakesAReleasedHolderMeetTheKey(t *testing.T) {
+	rules := counterRules(Rule{}).Rules
+	h := newHarness(t, Config{Rules: rules})
+	ctx := context.Background()
+	server, err := New(ctx, h.rdb, Config{Prefix: h.prefix + "-srv", Rules: rules, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = server.Close() })
+	released := h.enqueue(counterTask("k", 1, 1), asynq.ProcessIn(time.Hour))
+	if ok, err := h.d.Release(ctx, counterTask("k", 1, 1), released.ID, asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("Release: %v %v", ok, err)
+	}
+	next := h.enqueue(counterTask("k", 1, 2))
+	tr := newSeqTracker(2)
+	serveWith(t, h.rdb, server, h.queue, tr.handler(), nil)
+	t.Cleanup(tr.openAll)
+	if r := waitFor(t, tr.starts, "the key's new task runs"); r.id != next.ID {
+		t.Fatalf("ran %s, want %s", r.id, next.ID)
+	}
+	if err := h.insp.RunTask(h.queue, released.ID); err != nil {
+		t.Fatal(err)
+	}
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(15 * time.Second)
+	for {
+		select {
+		case r := <-tr.starts:
+			t.Fatalf("the released holder %s started while the key's task %s ran (beside: %v)", r.id, next.ID, r.overlaps)
+		case <-tick.C:
+			if server.Stats().Busy >= 1 {
+				return
+			}
+		case <-timeout:
+			t.Fatal("the released holder was never picked up")
+		}
+	}
+}
+
+// README (Configuration): "Every duration (in Config, a Rule or an option,
+// and what RetryDelayFunc returns) above dedup.MaxLifetime (100 years) is
+// taken as MaxLifetime, and lifetimes add up without wrapping, so
+// math.MaxInt64 means 'as long as can be'". Config.ConnectBackoff and
+// Config.BreakerBackoff are durations of the Config: "forever" must
+// neither panic nor wrap to no wait at all.
+func TestForeverBackoffsNeverWrap(t *testing.T) {
+	noPanic := func(t *testing.T, what string, f func()) (panicked bool) {
+		t.Helper()
+		defer func() {
+			if p := recover(); p != nil {
+				t.Errorf("%s panicked: %v", what, p)
+				panicked = true
+			}
+		}()
+		f()
+		return false
+	}
+	t.Run("Backoff.Delay", func(t *testing.T) {
+		forever := Backoff{Min: math.MaxInt64, Max: math.MaxInt64}
+		noPanic(t, "Backoff{MaxInt64, MaxInt64}.Delay(0)", func() { _ = forever.Delay(0) })
+		long := Backoff{Min: time.Hour, Max: math.MaxInt64}
+		zero := 0
+		for range 20 {
+			if long.Delay(40) == 0 {
+				zero++
+			}
+		}
+		if zero == 20 {
+			t.Errorf("Backoff{Min: 1h, Max: MaxInt64}.Delay(40) is always 0: the doubling wrapped (want a wait up to MaxLifetime)")
+		}
+	})
+	t.Run("New with ConnectBackoff forever", func(t *testing.T) {
+		rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+		t.Cleanup(func() { _ = rdb.Close() })
+		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		defer cancel()
+		var err error
+		if noPanic(t, "New with ConnectBackoff{MaxInt64, MaxInt64}", func() {
+			_, err = New(ctx, rdb, Config{ConnectAttempts: 3, ConnectBackoff: Backoff{Min: math.MaxInt64, Max: math.MaxInt64}, Logger: quietLogger()})
+		}) {
+			return
+		}
+		if !errors.Is(err, ErrUnavailable) {
+			t.Errorf("New against no Redis: %v, want ErrUnavailable", err)
+		}
+	})
+}
+
+// README (lifecycle): "the key's own follow-up, run early by an operator,
+// is retried and runs after the holder"; a last-attempt busy task is copied
+// (da-<fingerprint>-…), and a follow-up's copy takes its place in the lock;
+// RunningDefer "never runs two tasks of a key at once … When the run ends …
+// the follow-up is queued". A follow-up that inherits MaxRetry(0) and is run
+// now while its holder runs: its payload runs once, after the holder, never
+// beside it.
+func TestFollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *testing.T) {
+	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	cfg.heartbeat = (1500 * time.Millisecond) / 3
+	h := newHarness(t, cfg)
+	tr := newSeqTracker(0)
+	h.serve(tr.handler(), nil)
+	t.Cleanup(tr.openAll)
+	ctx := context.Background()
+	first := h.enqueue(counterTask("k", 1, 0), asynq.MaxRetry(0))
+	waitFor(t, tr.starts, "the holder runs")
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("update while running: %+v %v, want Deferred", res, err)
+	}
+	if err := h.insp.RunTask(h.queue, res.TaskID); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the follow-up meets its running holder", metKeyHeld(h.d, 1))
+	// Let the copy's first due time (one Lease) pass while the holder runs.
+	select {
+	case r := <-tr.starts:
+		t.Fatalf("%s (seq %d) started while the holder %s ran (beside: %v)", r.id, r.seq, first.ID, r.overlaps)
+	case <-time.After(2 * 3 * cfg.heartbeat): // time under test: the copy's due time passing
+	}
+	tr.open(0)
+	r := waitSeqStart(tr, 1, 8*time.Second)
+	if r == nil {
+		t.Fatalf("the follow-up's payload (seq 1) never ran after the holder; follow-up %s is %s", res.TaskID, taskStateName(h, res.TaskID))
+	}
+	if len(r.overlaps) > 0 {
+		t.Fatalf("%s ran beside %v", r.id, r.overlaps)
+	}
+	eventually(t, "the queue drains", func() bool { return h.queueSize(h.queue) == 0 })
+	n := 0
+	for _, x := range tr.runs() {
+		if x.seq == 1 {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Fatalf("the follow-up's payload ran %d times, want once: %+v", n, tr.runs())
+	}
+}
+
+// README (RunningDefer): "After a failure with retries left it waits for
+// the retry …; if an operator then deletes or archives the waiting task,
+// the server that held it queues the follow-up within a heartbeat". The
+// holder here has a caller-chosen ID (its lock found through its index).
+func TestFollowUpQueuedWhenItsRetryingCallerIDHolderIsDeleted(t *testing.T) {
+	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 2})
+	cfg.heartbeat = (1500 * time.Millisecond) / 3
+	h := newHarness(t, cfg)
+	fail := make(chan struct{})
+	rc := newRecorder(func(r run) error {
+		if decodeCounter(r.task).Seq == 0 {
+			<-fail
+			return errors.New("try again later")
+		}
+		return nil
+	})
+	h.serve(rc.handler(), retryInAnHour)
+	ctx := context.Background()
+	id := "a7-" + uniq(t)
+	h.enqueue(counterTask("k", 1, 0), asynq.TaskID(id))
+	waitFor(t, rc.runs, "the first attempt")
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("update while running: %+v %v, want Deferred", res, err)
+	}
+	close(fail)
+	h.settled(1)
+	eventually(t, "asynq schedules the retry", func() bool { return h.taskState(id) == asynq.TaskStateRetry })
+	if err := h.insp.DeleteTask(h.queue, id); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case r := <-rc.runs:
+		if r.id != res.TaskID || decodeCounter(r.task).Seq != 1 {
+			t.Fatalf("ran %s seq %d, want the follow-up %s", r.id, decodeCounter(r.task).Seq, res.TaskID)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatalf("the follow-up %s was not queued within a heartbeat (%v) of its holder's deletion: %s, due in %v",
+			res.TaskID, 3*cfg.heartbeat/3, taskStateName(h, res.TaskID), dueIn(h, res.TaskID))
+	}
+}
+
+// README (Failure modes): "Redis refuses the call before running it, for a
+// reason that refuses any copy too (NOPERM, …) → nothing was stored, and a
+// late copy would be refused as well: not 'outcome unknown' → ErrUnavailable
+// wrapping Redis's reply". A user whose ACL lacks asynq's task keys (the
+// README's ACL guidance not followed) is refused NOPERM on NewClient's
+// direct path: that is no unknown outcome.
+func TestNoPermOnTheDirectPathIsUnavailableNotUnknown(t *testing.T) {
+	needRealRedis(t)
+	admin := newRDB(t)
+	ctx := context.Background()
+	name := "a7-" + uniq(t)
+	prefix := "a7p-" + name
+	if err := admin.Do(ctx, "ACL", "SETUSER", name, "on", ">pw", "~"+prefix+":*", "~dedup:*", "~asynq:queues", "&*", "+@all").Err(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { admin.Do(context.Background(), "ACL", "DELUSER", name) })
+	rdb := redis.NewClient(&redis.Options{Addr: redistest.Addr(), Username: name, Password: "pw"})
+	t.Cleanup(func() { _ = rdb.Close() })
+	h := newHarnessOn(t, rdb, Config{Prefix: prefix, Rules: counterRules(Rule{}).Rules})
+	_, err := h.d.NewClient().Enqueue(counterTask("k", 1, 0), asynq.Queue(h.queue))
+	var re redis.Error
+	switch {
+	case err == nil:
+		t.Fatal("enqueue succeeded without access to asynq's keys")
+	case !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrOutcomeUnknown):
+		t.Fatalf("enqueue refused NOPERM: %v, want ErrUnavailable and not ErrOutcomeUnknown", err)
+	case !errors.As(err, &re):
+		t.Fatalf("enqueue refused NOPERM: %v, want Redis's reply kept as the cause", err)
+	}
+	if n := admin.LLen(ctx, store.PendingKey(h.queue)).Val(); n != 0 {
+		t.Fatalf("%d tasks stored", n)
+	}
+}
+
+// README (Choosing the key): Skip: "none: no lock at enqueue or at
+// execution"; "a server whose prefix differs follows the producer's lock
+// when it finds none under its own — a task locked at enqueue, or a
+// caller-chosen ID with an index under the other prefix"; Key layout:
+// "dedup:{<queue>}:i:<task ID> | lock of a caller-chosen task ID (or its
+// opt-out mark)". A task enqueued with Skip() under a caller-chosen ID must
+// run unguarded on a server of another prefix too: not be dropped as busy
+// (BusyDrop) because an unrelated arrival of its key runs.
+func TestServerWithAnotherPrefixRunsASkippedCallerIDUnguarded(t *testing.T) {
+	rules := counterRules(Rule{OnBusy: BusyDrop}).Rules
+	h := newHarness(t, Config{Rules: rules})
+	ctx := context.Background()
+	h.enqueue(counterTask("other", 1, 9), asynq.ProcessIn(time.Hour)) // registers the producer's prefix for the queue
+	server, err := New(ctx, h.rdb, Config{Prefix: h.prefix + "-srv", Rules: rules, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = server.Close() })
+	tr := newSeqTracker(1)
+	serveWith(t, h.rdb, server, h.queue, tr.handler(), nil)
+	t.Cleanup(tr.openAll)
+	// An arrival without a lock (a Scheduler firing) of key k runs, held.
+	if _, err := h.asynq.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, tr.starts, "the arrival runs")
+	id := "a7-skip-" + uniq(t)
+	if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID(id), Skip()); err != nil {
+		t.Fatal(err)
+	}
+	if r := waitSeqStart(tr, 2, 8*time.Second); r == nil {
+		t.Fatalf("the task %s enqueued with Skip() never ran: guarded at execution and dropped as busy (busy %d)", id, server.Stats().Busy)
+	}
+}

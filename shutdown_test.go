@@ -2,6 +2,7 @@ package dedup
 
 import (
 	"context"
+	"fmt"
 	"testing"
 
 	"github.com/hibiken/asynq"
@@ -42,5 +43,52 @@ func TestGracefulShutdownLeaksNothing(t *testing.T) {
 	eventually(t, "locks released", func() bool { return len(h.locks()) == 0 })
 	if s := h.d.Stats(); s.Released != 3 || s.LockLost != 0 {
 		t.Fatalf("stats %+v", s)
+	}
+}
+
+// README (Configuration): "Dedup.Close() stops the heartbeat: call it after
+// srv.Shutdown()"; (Failure modes) "graceful shutdown | handlers finish,
+// heartbeat stops, nothing leaks"; (Lock lifecycle) "success | released".
+// Releases go out after the handler, in batches: a Close right after
+// Shutdown still sends every one, counts each once, and leaves no lock.
+func TestCloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) {
+	const n = 60
+	h := newDirectHarness(t, Rule{})
+	ctx := context.Background()
+	d2, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Rules: counterRules(Rule{}).Rules, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d2.Close() })
+	gate := make(chan struct{})
+	started := make(chan string, n)
+	_, stop := serveRaw(t, h.rdb, h.queue, d2.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started <- id
+		<-gate
+		return nil
+	})), func(c *asynq.Config) { c.Concurrency = n })
+	keys := make([]string, n)
+	for i := range n {
+		info := h.enqueue(counterTask(fmt.Sprint("k", i), 1, i))
+		requirePlainID(t, info.ID)
+		keys[i] = h.keyOf(counterTask(fmt.Sprint("k", i), 1, i), h.queue)
+	}
+	for range n {
+		waitFor(t, started, "every task running")
+	}
+	close(gate)
+	stop()
+	_ = d2.Close()
+	st := d2.Stats()
+	if st.Started != n || st.Processed != n || st.Released != n || st.LockLost != 0 || st.RedisErrors != 0 {
+		t.Errorf("stats after Shutdown and Close: %+v; want %d started, processed and released", st, n)
+	}
+	left := 0
+	for _, k := range keys {
+		left += int(h.rdb.Exists(ctx, k).Val())
+	}
+	if left != 0 {
+		t.Errorf("%d of %d locks left after their tasks succeeded, Shutdown and Close", left, n)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
+	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
 )
@@ -358,4 +359,60 @@ func BenchmarkCount(b *testing.B) {
 			d.count("bench", evLocked)
 		}
 	})
+}
+
+// README (operations): a RunningAllow task counts started, released (only
+// when a lock was actually dropped as it started) and processed. A
+// RunningAllow task from asynq's own client (no lock to drop), one that
+// fails once (its retry finds no lock) and one that panics once: exact
+// counts, no release counted for nothing, nothing held.
+func TestRunningAllowCountsExactly(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"a11:allow": {Fields: []string{"user_id"}, OnRunning: RunningAllow}}})
+	var mu sync.Mutex
+	tries := map[string]int{}
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		mu.Lock()
+		tries[id]++
+		n := tries[id]
+		mu.Unlock()
+		switch {
+		case task.Type() == "a11:allow:fail" && n == 1:
+			return errors.New("a11: first attempt fails")
+		case task.Type() == "a11:allow:panic" && n == 1:
+			panic("a11: first attempt panics")
+		}
+		return nil
+	}, nil)
+	if _, err := h.asynq.Enqueue(asynq.NewTask("a11:allow:arrival", []byte(`{"user_id":1}`)), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	h.enqueue(asynq.NewTask("a11:allow:fail", []byte(`{"user_id":2}`)))
+	if _, err := h.d.NewClient().Enqueue(asynq.NewTask("a11:allow:panic", []byte(`{"user_id":3}`)), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][3]uint64{ // started, processed, released
+		"a11:allow:arrival": {1, 1, 0},
+		"a11:allow:fail":    {2, 2, 1},
+		"a11:allow:panic":   {2, 2, 1},
+	}
+	eventually(t, "every task done", func() bool {
+		by := h.d.StatsByType()
+		for typ, w := range want {
+			if by[typ].Processed < w[1] {
+				return false
+			}
+		}
+		return h.queueSize(h.queue) == 0
+	})
+	by := h.d.StatsByType()
+	for typ, w := range want {
+		s := by[typ]
+		if s.Started != w[0] || s.Processed != w[1] || s.Released != w[2] || s.Held != 0 || s.Busy != 0 || s.LockLost != 0 {
+			t.Errorf("%s: %v; want started %d processed %d released %d, nothing held, busy or lost", typ, s.Map(), w[0], w[1], w[2])
+		}
+	}
+	if len(h.locks()) != 0 {
+		t.Errorf("locks left: %v", h.locks())
+	}
 }

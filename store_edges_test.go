@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -365,4 +366,142 @@ func edgesCreated(t *testing.T, h *harness, key string, res Result, err error, d
 	if d := h.rdb.PTTL(context.Background(), key).Val(); d < time.Hour+delay-time.Minute {
 		t.Errorf("lock TTL %v does not cover the delay %v", d, delay)
 	}
+}
+
+// README: under OptIn "a type nothing deduplicates keeps asynq's task ID";
+// (lifecycle) "Once no task with an ID exists, the ID can be used again, for
+// any key, as asynq's own client allows"; (operations) Release: "a
+// caller-chosen ID keeps its index key".
+//
+// A ruled task is enqueued under a caller-chosen ID; an operator releases
+// its lock (the index stays, as documented) and deletes the task. The ID is
+// reused for a task of a type with no rule (OptIn). When that task runs, the
+// server must not follow the stale index and take the ruled key's lock for
+// it: the ruled key stays free, and its next enqueue is accepted.
+func TestStaleIndexOfACallerIDNeverLocksAnUnruledTask(t *testing.T) {
+	h := newHarness(t, Config{OptIn: true, Rules: map[string]Rule{"a11:ruled": {Fields: []string{"user_id"}}}})
+	ctx := context.Background()
+	ruled := asynq.NewTask("a11:ruled", []byte(`{"user_id":42}`))
+	id := "a11-job-" + uniq(t)
+	if _, err := h.client.Enqueue(ruled, asynq.Queue(h.queue), asynq.TaskID(id)); err != nil {
+		t.Fatal(err)
+	}
+	key := h.keyOf(ruled, h.queue)
+	if ok, err := h.d.Release(ctx, ruled, "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("Release: %v %v", ok, err)
+	}
+	if err := h.insp.DeleteTask(h.queue, id); err != nil {
+		t.Fatal(err)
+	}
+	free, err := h.client.Enqueue(asynq.NewTask("a11:free", []byte("x")), asynq.Queue(h.queue), asynq.TaskID(id))
+	if err != nil || free.ID != id {
+		t.Fatalf("reuse of the ID for an unruled type: %v %v", free, err)
+	}
+	running, gate := make(chan string, 4), make(chan struct{})
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		running <- task.Type()
+		if task.Type() == "a11:free" {
+			<-gate
+		}
+		return nil
+	}, nil)
+	defer close(gate)
+	if typ := waitFor(t, running, "the unruled task runs"); typ != "a11:free" {
+		t.Fatalf("ran %s", typ)
+	}
+	if o := h.lockOwner(key); o != "" {
+		t.Errorf("while the unruled task %s (type a11:free) runs, the lock of a11:ruled user 42 (%s) is held by %s (ty %q, kf %q)",
+			id, key, o, lockField(h, key, "ty"), lockField(h, key, "kf"))
+	}
+	if _, err := h.client.Enqueue(asynq.NewTask("a11:ruled", []byte(`{"user_id":42,"n":2}`)), asynq.Queue(h.queue)); err != nil {
+		t.Errorf("enqueue of a11:ruled user 42 while an unrelated unruled task runs: %v; want accepted", err)
+	}
+}
+
+// The modes passed in acquire's last, optional arguments all work:
+// Debounce with Merge and caller-chosen IDs on WrapClient (the due time of a
+// scheduled holder found by its index), MaxPending with a RunningDefer
+// follow-up, Cooldown with Replace under a caller-chosen ID.
+func TestModesPassedInAcquiresLastArgumentsWork(t *testing.T) {
+	ctx := context.Background()
+	sum := func(old, new []byte) ([]byte, error) {
+		return fmt.Appendf(nil, `{"user_id":1,"n":%d}`, len(old)+len(new)), nil
+	}
+	t.Run("debounce-merge-callerID-wrap", func(t *testing.T) {
+		h := newHarness(t, Config{Rules: map[string]Rule{"a11:deb": {Fields: []string{"user_id"}, OnConflict: Merge, MergeFunc: sum, Debounce: 3 * time.Second}}})
+		a, err := h.client.Submit(ctx, asynq.NewTask("a11:deb", []byte(`{"user_id":1,"n":1}`)), asynq.Queue(h.queue), asynq.TaskID("a11-deb-a"))
+		if err != nil || a.Outcome != Created {
+			t.Fatalf("A: %+v %v", a, err)
+		}
+		ti, err := h.insp.GetTaskInfo(h.queue, "a11-deb-a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		first := ti.NextProcessAt
+		eventually(t, "a second passes", func() bool { return time.Now().Unix() >= first.Unix()-1 })
+		b, err := h.client.Submit(ctx, asynq.NewTask("a11:deb", []byte(`{"user_id":1,"n":2}`)), asynq.Queue(h.queue), asynq.TaskID("a11-deb-b"))
+		if err != nil || b.Outcome != Merged || b.TaskID != "a11-deb-a" {
+			t.Fatalf("B: %+v %v; want merged into a11-deb-a", b, err)
+		}
+		ti, err = h.insp.GetTaskInfo(h.queue, "a11-deb-a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ti.NextProcessAt.After(first) {
+			t.Errorf("debounce did not move the due time: %v then %v", first, ti.NextProcessAt)
+		}
+		key := h.keyOf(asynq.NewTask("a11:deb", []byte(`{"user_id":1}`)), h.queue)
+		// (Folds are the only mode here: the record counts them, and keeps no type.)
+		if n := lockField(h, key, "n"); n != "1" {
+			t.Errorf("mode record n %q, want 1 fold", n)
+		}
+	})
+	t.Run("maxpending-defer", func(t *testing.T) {
+		h := newHarness(t, Config{Rules: map[string]Rule{"a11:mp": {Fields: []string{"user_id"}, OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 1}}})
+		h.client = h.d.NewClient()
+		started, gate := make(chan struct{}, 4), make(chan struct{})
+		h.serve(func(context.Context, *asynq.Task) error { started <- struct{}{}; <-gate; return nil }, func(c *asynq.Config) { c.Concurrency = 1 })
+		defer close(gate)
+		h.enqueue(asynq.NewTask("a11:mp", []byte(`{"user_id":1,"v":1}`)))
+		waitFor(t, started, "A runs")
+		res, err := h.client.Submit(ctx, asynq.NewTask("a11:mp", []byte(`{"user_id":1,"v":2}`)), asynq.Queue(h.queue))
+		if err != nil || res.Outcome != Deferred {
+			t.Fatalf("B: %+v %v", res, err)
+		}
+		_, err = h.client.Enqueue(asynq.NewTask("a11:mp", []byte(`{"user_id":2}`)), asynq.Queue(h.queue))
+		if !errors.Is(err, ErrTooManyPending) {
+			t.Errorf("a second key while the follow-up waits under MaxPending 1: %v, want ErrTooManyPending", err)
+		}
+		key := h.keyOf(asynq.NewTask("a11:mp", []byte(`{"user_id":1}`)), h.queue)
+		if b, ty := lockField(h, key, "b"), lockField(h, key, "ty"); b != "a11:mp" || ty != "a11:mp" {
+			t.Errorf("lock b %q ty %q", b, ty)
+		}
+	})
+	t.Run("cooldown-replace-callerID", func(t *testing.T) {
+		h := newHarness(t, Config{Rules: map[string]Rule{"a11:cr": {Fields: []string{"user_id"}, OnConflict: Replace, Cooldown: time.Hour}}})
+		h.client = h.d.NewClient()
+		a, err := h.client.Submit(ctx, asynq.NewTask("a11:cr", []byte(`{"user_id":1,"v":1}`)), asynq.Queue(h.queue), asynq.TaskID("a11-cr-a"))
+		if err != nil || a.Outcome != Created {
+			t.Fatalf("A: %+v %v", a, err)
+		}
+		b, err := h.client.Submit(ctx, asynq.NewTask("a11:cr", []byte(`{"user_id":1,"v":2}`)), asynq.Queue(h.queue), asynq.TaskID("a11-cr-b"))
+		if err != nil || b.Outcome != Replaced || b.TaskID != "a11-cr-a" {
+			t.Fatalf("B: %+v %v", b, err)
+		}
+		ran := make(chan string, 2)
+		h.serve(func(_ context.Context, task *asynq.Task) error { ran <- string(task.Payload()); return nil }, nil)
+		if p := waitFor(t, ran, "A runs"); !strings.Contains(p, `"v":2`) {
+			t.Errorf("ran %s, want v 2", p)
+		}
+		key := h.keyOf(asynq.NewTask("a11:cr", []byte(`{"user_id":1}`)), h.queue)
+		eventually(t, "the key cools", func() bool { return lockField(h, key, "k") != "" })
+		_, err = h.client.Enqueue(asynq.NewTask("a11:cr", []byte(`{"user_id":1,"v":3}`)), asynq.Queue(h.queue))
+		var dup *DuplicateTaskError
+		if !errors.As(err, &dup) || !dup.CoolingDown || dup.FreeIn < 50*time.Minute {
+			t.Errorf("enqueue during the cooldown: %v, want a cooling duplicate", err)
+		}
+		if cd, kf := lockField(h, key, "cd"), lockField(h, key, "kf"); cd == "" || kf != "f:user_id" {
+			t.Errorf("lock cd %q kf %q", cd, kf)
+		}
+	})
 }

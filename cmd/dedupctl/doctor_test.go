@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -224,5 +226,214 @@ func TestDoctorFixLeavesHoldsAlone(t *testing.T) {
 	}
 	if after := f.values(h.all()); !slices.Equal(after, before) {
 		t.Errorf("releasing them as stuck changed the holds: %q, were %q", after, before)
+	}
+}
+
+// README (operations): "An orphan younger than --grace … doctor lists it
+// too, marked left alone, and counts it in its summary"; "--fix never
+// releases a young one"; a lock show calls orphaned is reported or
+// explained; the summary says "it" for one. With one young orphan
+// (WrapClient, owner deleted: show says its task may not be stored yet), one
+// old orphan (NewClient, written with its task, which vanished without
+// asynq's scripts: they would release the lock its record names) and a
+// healthy lock: doctor, doctor --json and doctor --fix.
+func TestDoctorExplainsEveryOrphanAndFixesNoYoungOne(t *testing.T) {
+	f := newFixture(t, dedup.Config{})
+	young := f.enqueue(f.qa, "a11:doc", 1)
+	healthy := f.enqueue(f.qa, "a11:doc", 2)
+	old := f.orphaned(f.qa, "a11:doc", 3)
+	if err := f.insp.DeleteTask(f.qa, young.ID); err != nil {
+		t.Fatal(err)
+	}
+	if r := f.ok("show", f.lockOf(young)); !strings.Contains(r.stdout, "state            orphaned") ||
+		!strings.Contains(r.stdout, "missing (or not stored yet: the lock was taken before its task") {
+		t.Fatalf("show %s:\n%s", young.ID, r.stdout)
+	}
+	if r := f.ok("show", f.lockOf(old)); !strings.Contains(r.stdout, "state            orphaned") {
+		t.Fatalf("show %s:\n%s", old.ID, r.stdout)
+	}
+	r := f.ok("doctor")
+	want := "3 locks checked, 1 lock whose owner cannot run, 1 orphan younger than --grace 1m00s left alone; run with --fix to release it\n"
+	if !strings.HasSuffix(r.stdout, want) || !strings.Contains(r.stdout, young.ID) || !strings.Contains(r.stdout, "left alone") || !strings.Contains(r.stdout, old.ID) {
+		t.Errorf("doctor:\n%s\nwant it to end %q", r.stdout, want)
+	}
+	out := decode[doctorOutput](t, f.ok("--json", "doctor", "--fix"))
+	if out.Released != 1 || len(out.Findings) != 1 || out.Findings[0].Owner != old.ID || len(out.Young) != 1 || out.Young[0].Owner != young.ID || out.Grace != "1m00s" {
+		t.Errorf("doctor --fix: %+v", out)
+	}
+	if !f.exists(f.lockOf(young)) || !f.exists(f.lockOf(healthy)) || f.exists(f.lockOf(&asynq.TaskInfo{ID: old.ID, Queue: old.Queue})) {
+		t.Errorf("after --fix: young %v healthy %v old %v; want the old orphan alone released", f.exists(f.lockOf(young)), f.exists(f.lockOf(healthy)), f.exists(f.lockOf(old)))
+	}
+	r = f.ok("doctor", "--fix")
+	if !strings.Contains(r.stdout, "2 locks checked, 0 locks whose owner cannot run, 1 orphan younger than --grace 1m00s left alone, 0 released") {
+		t.Errorf("second doctor --fix:\n%s", r.stdout)
+	}
+}
+
+// doctor --fix runs Diagnose, then releases each lock found, "owner
+// checked". With a caller-chosen task ID, a producer that enqueues the key
+// again under the same ID between the two (the old owner's record was lost,
+// so the next enqueue heals the lock and takes it again, under the same
+// owner ID) must not have its live lock released: its task is pending and
+// will run, and a release would let the key's next enqueue in, a duplicate.
+// This test performs runDoctor's two steps with the enqueue between them.
+func TestDoctorFixLeavesALockRetakenUnderTheSameCallerChosenID(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	ctx := context.Background()
+	direct := f.d.NewClient()
+	id := "job-" + randHex(4)
+	task := asynq.NewTask("email:welcome", []byte(`{"user_id":7}`))
+	opts := []asynq.Option{asynq.Queue(f.qa), dedup.Fields("user_id")}
+	if _, err := direct.EnqueueContext(ctx, task, append(opts, asynq.TaskID(id))...); err != nil {
+		t.Fatal(err)
+	}
+	// A lossy failover lost the task (record and list), not its lock.
+	if err := f.rdb.Del(ctx, store.TaskKey(f.qa, id)).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.rdb.LRem(ctx, store.PendingKey(f.qa), 0, id).Err(); err != nil {
+		t.Fatal(err)
+	}
+	// doctor --fix, first step: find.
+	ls, err := store.ReadLocks(ctx, f.rdb, store.NewKeys(f.prefix), f.lockKeys())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ds, _, err := store.Diagnose(ctx, f.rdb, ls, 0, time.Now())
+	if err != nil || len(ds) != 1 || ds[0].Problem != store.ProblemGone {
+		t.Fatalf("diagnose: %+v %v, want the one lock gone", ds, err)
+	}
+	// Meanwhile the producer enqueues the key again, under the same ID.
+	res, err := direct.EnqueueContext(ctx, task, append(opts, asynq.TaskID(id))...)
+	if err != nil {
+		t.Fatalf("re-enqueue under the same ID: %v", err)
+	}
+	t.Logf("re-enqueue: %+v", res)
+	// doctor --fix, second step: release, as runDoctor does (ReleaseStuck,
+	// which re-checks the owner).
+	l := ds[0].Lock
+	rr, err := store.ReleaseKey(ctx, f.rdb, &store.Release{Lock: l.Key, Queue: l.Queue, Type: l.WaitType(), How: store.ReleaseStuck, Holder: l.Owner})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rr.Released {
+		// Show the consequence: the key's duplicate is admitted while its task waits.
+		_, derr := direct.EnqueueContext(ctx, task, opts...)
+		t.Fatalf("doctor --fix released the live lock of task %s, re-enqueued after the diagnosis under the same ID "+
+			"(release checks only the owner ID, not the lock's creation); a duplicate of the waiting task then gets: %v", id, derr)
+	}
+}
+
+// doctor reports no lock whose owner can run: a scheduled task, a task
+// with a caller-chosen ID (WrapClient and NewClient), a grouped
+// (aggregating) task, a task in retry, and a task that is running.
+func TestDoctorReportsNoLockWhoseOwnerCanRun(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	ctx := context.Background()
+	type one struct {
+		name string
+		id   string
+	}
+	var made []one
+	add := func(name string, c interface {
+		EnqueueContext(context.Context, *asynq.Task, ...asynq.Option) (*asynq.TaskInfo, error)
+	}, user int, opts ...asynq.Option) {
+		opts = append([]asynq.Option{asynq.Queue(f.qa), dedup.Fields("user_id")}, opts...)
+		info, err := c.EnqueueContext(ctx, asynq.NewTask("email:welcome", fmt.Appendf(nil, `{"user_id":%d}`, user)), opts...)
+		if err != nil {
+			t.Logf("%s: enqueue refused: %v (left out)", name, err)
+			return
+		}
+		made = append(made, one{name, info.ID})
+	}
+	add("scheduled", f.client, 1, asynq.ProcessIn(time.Hour))
+	add("caller ID (wrap)", f.client, 2, asynq.TaskID("wrap-"+randHex(4)))
+	add("caller ID (direct)", directEnq{f.d.NewClient()}, 3, asynq.TaskID("direct-"+randHex(4)))
+	add("grouped", f.client, 4, asynq.Group("g1"))
+	add("direct scheduled", directEnq{f.d.NewClient()}, 5, asynq.ProcessIn(time.Hour))
+	add("wrap retention", f.client, 6, asynq.Retention(time.Hour))
+	out := decode[doctorOutput](t, f.ok("--json", "doctor", "--grace", "0"))
+	if len(out.Findings) > 0 {
+		t.Fatalf("doctor reported locks whose owner can run: %+v (made %+v)", out.Findings, made)
+	}
+	if out.Checked != len(made) {
+		t.Errorf("doctor checked %d locks, want %d (%+v)", out.Checked, len(made), made)
+	}
+}
+
+type directEnq struct{ c *dedup.Client }
+
+func (d directEnq) EnqueueContext(ctx context.Context, t *asynq.Task, opts ...asynq.Option) (*asynq.TaskInfo, error) {
+	return d.c.EnqueueContext(ctx, t, opts...)
+}
+
+// README (dedupctl doctor): "--fix releases them owner-checked … tasks are
+// never touched, but for a RunningDefer follow-up the lock owes that still
+// waits: it takes the key and is queued now, as the end of its owner's run
+// would have done". The owner here has a caller-chosen ID (its lock found
+// through the lock header its record carries), failed once (held for its
+// retry an hour away) and was archived by an operator after its server
+// stopped.
+func TestDoctorFixHandsACallerIDOwnersKeyToItsFollowUp(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{
+		"report:build": {Fields: []string{"user_id"}, OnRunning: dedup.RunningDefer, OnConflict: dedup.Replace},
+	}})
+	ctx := context.Background()
+	release := make(chan struct{})
+	started := make(chan string, 10)
+	srv := asynq.NewServerFromRedisClient(f.rdb, asynq.Config{
+		Concurrency: 2, Queues: map[string]int{f.qa: 1}, LogLevel: asynq.FatalLevel,
+		TaskCheckInterval: 20 * time.Millisecond, ShutdownTimeout: 5 * time.Second,
+		IsFailure:      dedup.IsFailure,
+		RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return time.Hour },
+	})
+	if err := srv.Start(f.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		started <- id
+		<-release
+		return errors.New("try again later")
+	}))); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	stop := func() { once.Do(func() { close(release); srv.Shutdown() }) }
+	t.Cleanup(stop)
+	owner := "a7-owner-" + randHex(4)
+	if _, err := f.client.EnqueueContext(ctx, asynq.NewTask("report:build", []byte(`{"user_id":1,"seq":0}`)), asynq.Queue(f.qa), asynq.TaskID(owner)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the owner never ran")
+	}
+	res, err := f.client.Submit(ctx, asynq.NewTask("report:build", []byte(`{"user_id":1,"seq":1}`)), asynq.Queue(f.qa))
+	if err != nil || res.Outcome != dedup.Deferred {
+		t.Fatalf("update while running: %+v %v, want Deferred", res, err)
+	}
+	stop() // the attempt fails (retry in an hour) and the server stops: nobody watches the lock
+	deadline := time.Now().Add(10 * time.Second)
+	for f.taskState(f.qa, owner) != "retry" {
+		if time.Now().After(deadline) {
+			t.Fatalf("owner %s is %s, want retry", owner, f.taskState(f.qa, owner))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := f.insp.ArchiveTask(f.qa, owner); err != nil {
+		t.Fatal(err)
+	}
+	out := decode[doctorOutput](t, f.ok("--json", "doctor", "--fix", "--queue", f.qa))
+	if len(out.Findings) != 1 || !out.Findings[0].Released || out.Findings[0].FollowUp != res.TaskID {
+		t.Fatalf("doctor --fix: %+v, want the archived owner's lock released to its follow-up %s", out.Findings, res.TaskID)
+	}
+	if st := f.taskState(f.qa, res.TaskID); st != "pending" {
+		t.Fatalf("follow-up %s is %s, want pending (queued now)", res.TaskID, st)
+	}
+	again, err := f.client.Submit(ctx, asynq.NewTask("report:build", []byte(`{"user_id":1,"seq":2}`)), asynq.Queue(f.qa))
+	if err != nil || again.TaskID != res.TaskID || again.Outcome != dedup.Replaced {
+		t.Fatalf("the key's next update: %+v %v, want Replaced into the follow-up %s, which holds the key", again, err, res.TaskID)
 	}
 }

@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/asynq-dedup/dedup"
 	"github.com/asynq-dedup/dedup/internal/store"
@@ -120,5 +123,139 @@ func TestSameKeyTwoQueues(t *testing.T) {
 	f.ok("release", "--yes", "--task", a.ID)
 	if f.exists(f.lockOf(a)) || !f.exists(f.lockOf(b)) {
 		t.Errorf("release --task %s released the wrong lock", a.ID)
+	}
+}
+
+// README (dedupctl): "release deletes the lock only if its owner is still
+// the one it showed … note: holder … is still pending in asynq: releasing
+// deletes no task; it still runs, checking the key first (it takes it if
+// free, else gives way)". The owner here was enqueued under a caller-chosen
+// ID with a per-call dedup.Key; after the release another task of the key
+// is enqueued. When the released owner starts, it must take its own key
+// again (and wait, since it is held), not run beside the key's other task.
+func TestReleasedCallerIDOwnerTakesItsOwnKeyAgain(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	ctx := context.Background()
+	opts := []asynq.Option{asynq.Queue(f.qa), dedup.Key("tenant-7")}
+	ownerID := "a6-" + randHex(4)
+	if _, err := f.client.EnqueueContext(ctx, asynq.NewTask("report:build", []byte(`{"seq":1}`)), append(opts, asynq.TaskID(ownerID))...); err != nil {
+		t.Fatal(err)
+	}
+	keys := f.lockKeys()
+	if len(keys) != 1 {
+		t.Fatalf("locks %v, want one", keys)
+	}
+	r := f.run(nil, "release", "--yes", keys[0])
+	if r.code != 0 || !strings.Contains(r.stdout, "it still runs, checking the key first (it takes it if free, else gives way)") {
+		t.Fatalf("release: %v", r)
+	}
+	second, err := f.client.EnqueueContext(ctx, asynq.NewTask("report:build", []byte(`{"seq":2}`)), opts...)
+	if err != nil {
+		t.Fatalf("new task of the released key: %v", err)
+	}
+
+	var (
+		mu      sync.Mutex
+		running []string
+		overlap []string
+	)
+	started := make(chan string, 10)
+	release := make(chan struct{})
+	srv := asynq.NewServerFromRedisClient(f.rdb, asynq.Config{
+		Concurrency: 4, Queues: map[string]int{f.qa: 1}, LogLevel: asynq.FatalLevel,
+		TaskCheckInterval: 20 * time.Millisecond, DelayedTaskCheckInterval: 100 * time.Millisecond,
+		IsFailure:      dedup.IsFailure,
+		RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond },
+	})
+	err = srv.Start(f.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		mu.Lock()
+		if len(running) > 0 {
+			overlap = append(overlap, fmt.Sprintf("%s started while %v ran", id, running))
+		}
+		running = append(running, id)
+		mu.Unlock()
+		started <- id
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		mu.Lock()
+		for i, x := range running {
+			if x == id {
+				running = append(running[:i:i], running[i+1:]...)
+				break
+			}
+		}
+		mu.Unlock()
+		return nil
+	})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		close(release) // (before the shutdown, which waits for the handlers)
+		srv.Shutdown()
+	})
+	var first string
+	select {
+	case first = <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("nothing ran")
+	}
+	select {
+	case id := <-started:
+		mu.Lock()
+		defer mu.Unlock()
+		t.Errorf("key tenant-7: %s started while %s ran (released owner %s, new task %s); overlaps %v", id, first, ownerID, second.ID, overlap)
+	case <-time.After(3 * time.Second):
+	}
+}
+
+// README (Lock API, and release's own note): "A follow-up the lock owes
+// that waits is queued now", also while the owner runs (the owner's run no
+// longer holds the lock that would queue it at its end); dedupctl release
+// prints "follow-up task … is queued now". After `dedupctl release --yes` of
+// a running lock that owes a follow-up, and the run's end, the follow-up is
+// pending, not left parked.
+func TestReleaseOfARunningLockQueuesItsFollowUp(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{
+		"report:build": {Fields: []string{"user_id"}, OnRunning: dedup.RunningDefer, OnConflict: dedup.Replace},
+	}})
+	running := f.enqueue(f.qb, "report:build", 1)
+	started, finish := f.startServer(f.qb)
+	select {
+	case id := <-started:
+		if id != running.ID {
+			t.Fatalf("server ran %s, want %s", id, running.ID)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the server never ran the task")
+	}
+	key := f.lockOf(running)
+	f.waitRunning(key)
+	follow := f.enqueue(f.qb, "report:build", 1)
+	if follow.ID == running.ID {
+		t.Fatal("the second enqueue did not create a follow-up")
+	}
+	r := f.ok("release", "--yes", key)
+	if !strings.Contains(r.stdout, "is queued now") {
+		t.Fatalf("release's note:\n%s", r.stdout)
+	}
+	finish() // the run ends (nil), and the server stops: nothing takes the follow-up
+	deadline := time.Now().Add(3 * time.Second)
+	for f.taskState(f.qb, follow.ID) != "pending" {
+		if time.Now().After(deadline) {
+			ti, _ := f.insp.GetTaskInfo(f.qb, follow.ID)
+			due := ""
+			if ti != nil {
+				due = time.Until(ti.NextProcessAt).Round(time.Second).String()
+			}
+			t.Fatalf("after the released owner's run ended, its follow-up %s is %s (due in %s), want pending: release said it is queued now",
+				follow.ID, f.taskState(f.qb, follow.ID), due)
+		}
+		time.Sleep(20 * time.Millisecond) // asynq's record changes without a signal
 	}
 }

@@ -169,3 +169,139 @@ func TestListByTypeFindsAnOrphanWhoseKeyHasModes(t *testing.T) {
 		t.Errorf("show of the plain orphan: %+v", o.Info)
 	}
 }
+
+// lookup.go, operations.md: "bad input → exit 2 with a reason" (exit
+// status: "2 usage error"); "Bad lookups are refused with a reason, before
+// Redis is asked" (TestLookupRefusesBadInput). So too for input only the
+// library's key code rejects: a --payload that is not JSON with --fields, an
+// empty path in --fields, a --field path with an empty segment, a number
+// whose exponent the canonical form refuses, a --fields path missing from
+// --payload. Each is exit 2, on a live Redis and with Redis down (where the
+// operator is told what is wrong, not that Redis is unreachable).
+func TestLookupBadKeyInputIsAUsageErrorEvenWithRedisDown(t *testing.T) {
+	f := newFixture(t, dedup.Config{})
+	for _, args := range [][]string{
+		{"lookup", "--type", "t", "--payload", "not json", "--fields", "a"},
+		{"lookup", "--type", "t", "--payload", `{"a":1,"b":2}`, "--fields", "a,,b"},
+		{"lookup", "--type", "t", "--field", "a..b=1"},
+		{"lookup", "--type", "t", "--field", "n=1e99999999999"},
+		{"lookup", "--type", "t", "--payload", `{"b":1}`, "--fields", "a"},
+	} {
+		if r := f.run("", args...); r.code != exitUsage {
+			t.Errorf("%q on a live Redis: want exit %d (usage), got %v", args, exitUsage, r)
+		}
+		if r := runCmd("", append([]string{"--url", "redis://127.0.0.1:1/0"}, args...)...); r.code != exitUsage || strings.Contains(r.stderr, "cannot reach Redis") {
+			t.Errorf("%q with Redis down: want exit %d with the reason, got %v", args, exitUsage, r)
+		}
+	}
+}
+
+// lookup "finds exactly the lock Dedup.Lookup would (same fingerprint as
+// the enqueue), VALUE parsed as JSON when valid else a string"; keys.md's
+// canonical JSON. Numbers spelt 1 / 1.0 / 1e0 / 10e-1, strings with
+// escapes, nested objects and arrays given in another member order, --field
+// flags in another order than the enqueue's paths all find it; a big
+// integer one off, a number given as a string and another queue do not;
+// with Config.HashKey it is found only with the key. (The key has a mode, a
+// failure hold, so that its mode record keeps the key form "keyed on"
+// prints: a plain lock keeps none.)
+func TestLookupFindsTheLockFromAnyCanonicalSpelling(t *testing.T) {
+	f := newFixture(t, dedup.Config{})
+	ctx := context.Background()
+	payload := `{"n":1,"s":"é/","o":{"b":[1,2.0],"a":null},"big":9007199254740993,"deep":{"x":{"y":"z"}}}`
+	info, err := f.client.EnqueueContext(ctx, asynq.NewTask("a11:canon", []byte(payload)), asynq.Queue(f.qa),
+		dedup.Fields("n", "s", "o", "big", "deep.x.y"), dedup.OnFailure(dedup.FailHold, time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := [][]string{
+		{"--field", "n=1.0", "--field", `s="\u00e9\/"`, "--field", `o={"a":null,"b":[1e0,2]}`, "--field", "big=9007199254740993", "--field", "deep.x.y=z"},
+		{"--field", "deep.x.y=\"z\"", "--field", "big=9007199254740993", "--field", `o={"b":[10e-1,20e-1],"a":null}`, "--field", "s=é/", "--field", "n=1e0"},
+		{"--payload", `{"deep":{"x":{"y":"z"}},"big":9007199254740993,"o":{"a":null,"b":[1,2]},"s":"\u00e9/","n":100e-2,"extra":true}`, "--fields", "s,n,o,big,deep.x.y"},
+	}
+	for _, args := range found {
+		r := f.ok(append([]string{"lookup", "--type", "a11:canon", "--queue", f.qa}, args...)...)
+		if !strings.Contains(r.stdout, "owner            "+info.ID) || !strings.Contains(r.stdout, "keyed on         fields big, deep.x.y, n, o, s") {
+			t.Errorf("%q:\n%s", args, r.stdout)
+		}
+		if strings.Contains(r.stdout, "9007199254740993") || strings.Contains(r.stdout, "é") {
+			t.Errorf("%q: a key value is shown:\n%s", args, r.stdout)
+		}
+	}
+	for _, args := range [][]string{
+		{"--queue", f.qa, "--field", "n=1", "--field", `s="é/"`, "--field", `o={"a":null,"b":[1,2]}`, "--field", "big=9007199254740992", "--field", "deep.x.y=z"},
+		{"--queue", f.qa, "--field", "n=\"1\"", "--field", `s="é/"`, "--field", `o={"a":null,"b":[1,2]}`, "--field", "big=9007199254740993", "--field", "deep.x.y=z"},
+		{"--queue", f.qb, "--field", "n=1", "--field", `s="é/"`, "--field", `o={"a":null,"b":[1,2]}`, "--field", "big=9007199254740993", "--field", "deep.x.y=z"},
+	} {
+		f.fail(exitError, "no lock: the key is free", "", append([]string{"lookup", "--type", "a11:canon"}, args...)...)
+	}
+
+	// Config.HashKey: found only with it.
+	hk := newFixture(t, dedup.Config{HashKey: []byte("a11-secret-key-material")})
+	hinfo, err := hk.client.EnqueueContext(ctx, asynq.NewTask("a11:keyed", []byte(`{"u":"x y"}`)), asynq.Queue(hk.qa), dedup.Fields("u"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("A11_HASH_KEY", "a11-secret-key-material")
+	r := hk.ok("lookup", "--hash-key-env", "A11_HASH_KEY", "--type", "a11:keyed", "--field", "u=x y", "--queue", hk.qa)
+	if !strings.Contains(r.stdout, hinfo.ID) {
+		t.Errorf("with the hash key:\n%s", r.stdout)
+	}
+	hk.fail(exitError, "no lock", "", "lookup", "--type", "a11:keyed", "--field", "u=x y", "--queue", hk.qa)
+}
+
+// show prints one lock "in full", one row per item; the lock keeps its task
+// type verbatim. Under the default Config every type is deduplicated, so any
+// service that can enqueue into asynq chooses the type a lock records: a
+// type holding a newline and rows of its own (an owner, a state) cannot
+// forge lines of show's and list's output that an operator (or a script
+// reading it) would take for the lock's; --json keeps it whole.
+func TestShowAndListKeepAHostileTypeOnItsOwnRow(t *testing.T) {
+	f := newFixture(t, dedup.Config{})
+	typ := "a11:x\nowner            dd-0000000000000000-forgedforgedforged00\nstate            waiting"
+	info, err := f.client.Enqueue(asynq.NewTask(typ, []byte("p")), asynq.Queue(f.qa))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := f.ok("show", f.lockOf(info))
+	if n := strings.Count(r.stdout, "\nowner  "); n != 1 || strings.Contains(r.stdout, "forged") && !strings.Contains(r.stdout, `\n`) {
+		t.Errorf("show prints %d owner rows (a type forged one):\n%s", n, r.stdout)
+	}
+	r = f.ok("list", "--type", typ)
+	if strings.Count(r.stdout, "\n") != 3 { // header, one row, "1 lock"
+		t.Errorf("list --type prints %d lines for one lock:\n%s", strings.Count(r.stdout, "\n"), r.stdout)
+	}
+	// The type is still findable, whole, with --json.
+	if out := decode[showOutput](t, f.ok("--json", "show", f.lockOf(info))); out.Type != typ {
+		t.Errorf("--json type %q", out.Type)
+	}
+}
+
+// "show/lookup print keyed on … and never a key's value"; "list --type T
+// finds a lock whose owner's asynq record is gone" (a key with modes: its
+// mode record keeps the type; a plain lock's type goes with its owner's
+// record). A per-call Fields overriding a rule's Key, on a type with a comma
+// and 1 KB of name, its owner gone: list --type and lookup find it and say
+// fields, and the rule's explicit key never shows.
+func TestLookupOfAnOverriddenRuleNamesItsFieldsNeverItsKey(t *testing.T) {
+	typ := "a11:a,b<script>" + strings.Repeat("t", 1024)
+	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{typ: {Key: "secret-rule-key", OnFailure: dedup.FailHold, FailureHold: time.Hour}}})
+	info, err := f.d.NewClient().Enqueue(asynq.NewTask(typ, []byte(`{"tenant":{"id":"secret-tenant"}}`)), asynq.Queue(f.qa), dedup.Fields("tenant.id"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.lockOf(info) // (read while its record names it)
+	f.vanish(info)
+	r := f.ok("list", "--type", typ)
+	if !strings.Contains(r.stdout, info.ID) || !strings.Contains(r.stdout, "orphaned") {
+		t.Errorf("list --type:\n%s", r.stdout)
+	}
+	r = f.ok("lookup", "--type", typ, "--field", "tenant.id=secret-tenant", "--queue", f.qa)
+	if !strings.Contains(r.stdout, "keyed on         fields tenant.id") || !strings.Contains(r.stdout, info.ID) {
+		t.Errorf("lookup:\n%s", r.stdout)
+	}
+	if strings.Contains(r.stdout, "secret") {
+		t.Errorf("a key value shown:\n%s", r.stdout)
+	}
+	f.fail(exitError, "no lock", "", "lookup", "--type", typ, "--key", "secret-rule-key", "--queue", f.qa)
+}

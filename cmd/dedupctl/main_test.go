@@ -1069,3 +1069,22 @@ func TestCoolingLock(t *testing.T) {
 		t.Errorf("show cooling lock:\n%s", r.stdout)
 	}
 }
+
+// lockKeys lists the keys of every lock under the fixture's prefix.
+func (f *fixture) lockKeys() []string {
+	f.t.Helper()
+	ks, err := f.rdb.Keys(context.Background(), store.NewKeys(f.prefix).LockPattern("")).Result()
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return ks
+}
+
+// taskState names a task's asynq state ("gone" when asynq has no record).
+func (f *fixture) taskState(queue, id string) string {
+	ti, err := f.insp.GetTaskInfo(queue, id)
+	if err != nil {
+		return "gone"
+	}
+	return ti.State.String()
+}

@@ -10,8 +10,9 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// Adversarial tests of commits 0e9f824 (placement, ErrTasksElsewhere) and
-// bba6c49 (field v: locks written with their task heal without HealGrace).
+// Placement (placement.go): whether the tasks a WrapClient's enqueuer, or a
+// server's, stores live in the Dedup's Redis. Tasks elsewhere get
+// ErrTasksElsewhere, as their locks could not be checked against them.
 
 // hookEnqueuer is a user's decorator over an asynq client: it calls before
 // just ahead of handing the task on, and after once asynq has stored it.
@@ -35,20 +36,16 @@ func (e hookEnqueuer) EnqueueContext(ctx context.Context, t *asynq.Task, o ...as
 	return info, err
 }
 
-// Placement, false negative. README: "the first accepted enqueue checks
-// where its task is; if it is elsewhere, ... every later deduplicated call
-// fails with ErrTasksElsewhere"; failure modes: "never a duplicate admitted
-// by a healed lock".
-//
-// placement.check decides "elsewhere" only when the task is missing AND the
-// queue is not in the Dedup's Redis's asynq:queues. When the Dedup's Redis
-// knows the queue (it is "default", or anything on that Redis ever
-// enqueued to it: here the Dedup's own NewClient, as during a migration
-// between two Redis), the missing task counts as "undecided"; after 64 such
-// enqueues the client is declared "here" for good. So a WrapClient over
-// another Redis is never refused, and its locks heal after HealGrace:
-// duplicates are admitted.
-func TestAdversary2WrapElsewhereQueueKnownHere(t *testing.T) {
+// README: "the first accepted enqueue checks where its task is; if it is
+// elsewhere, ... every later deduplicated call fails with ErrTasksElsewhere";
+// failure modes: "never a duplicate admitted by a healed lock". A WrapClient
+// over another Redis is refused even when the Dedup's Redis knows the queue
+// (here its own NewClient used it, as during a migration between two Redis),
+// and a lock of its aged past HealGrace admits no duplicate. (Once, a known
+// queue made the missing task "undecided", and after 64 such enqueues the
+// client was taken for "here": never refused, its locks healed, duplicates
+// admitted.)
+func TestPlacementRefusesAWrapClientOnAnotherRedisWhenTheQueueIsKnownHere(t *testing.T) {
 	needRealRedis(t)
 	h := newHarness(t, Config{})
 	// The Dedup's Redis knows the queue: the Dedup's own client used it.
@@ -73,15 +70,15 @@ func TestAdversary2WrapElsewhereQueueKnownHere(t *testing.T) {
 	t.Logf("tasks pending in the other Redis: %d", n)
 }
 
-// Placement, false negative. README: "A server whose tasks are not in the
-// Dedup's Redis gets the same error from the middleware for every task, and
-// runs none". The decision is kept per Dedup (d.place), not per server: one
-// Dedup whose middleware first ran a task of a server on its own Redis
-// never checks again, so a second server on another Redis (queues sharded
-// over two Redis, one Dedup) runs its tasks, with locks whose owner checks
-// read the wrong Redis: once a running lock is older than HealGrace, a
-// second task of the key takes it over and runs beside the first.
-func TestAdversary2SharedDedupSecondServerElsewhere(t *testing.T) {
+// README: "A server whose tasks are not in the Dedup's Redis gets the same
+// error from the middleware for every task, and runs none". The decision is
+// the server's, not the Dedup's: one Dedup whose middleware ran a task of a
+// server on its own Redis still refuses the tasks of a second server on
+// another Redis (queues sharded over two Redis, one Dedup) with
+// ErrTasksElsewhere. Otherwise their locks' owner checks read the wrong
+// Redis, and a second task of a key runs beside the first once the lock is
+// older than HealGrace.
+func TestPlacementRefusesASecondServerOnAnotherRedisOfASharedDedup(t *testing.T) {
 	needRealRedis(t)
 	h := newHarness(t, Config{})
 	rcA := newRecorder(nil)
@@ -157,51 +154,10 @@ func TestAdversary2SharedDedupSecondServerElsewhere(t *testing.T) {
 	}
 }
 
-// Field v, two live tasks of one key. A lock written by the direct path
-// (v=1) whose caller-chosen owner X was deleted by hand is "held by X" for
-// a new call with TaskID(X) (acquire.lua: holder == stored, reply {2}), which
-// then enqueues X through the asynq client: a second round trip, during
-// which the lock names X, has v, and X is not stored. Another producer's
-// enqueue of the same key in that window finds a verified lock whose owner
-// is gone and takes the key at once. Before field v, the lock younger than
-// HealGrace covered this gap. The decorator's hook only makes the window
-// deterministic; with NewClient alone it is the time between the two round
-// trips.
-//
-// Expected: the concurrent enqueue is a duplicate of X (or X's call is);
-// one task of the key. Observed: both are created.
-func TestAdversary2CallerIDReenqueueGapHealsVerifiedLock(t *testing.T) {
-	h := newHarness(t, Config{}) // HealGrace: 1 min
-	nc := h.d.NewClient()
-	id := "welcome-" + h.queue
-	first, err := nc.Enqueue(userTask(1, ""), asynq.Queue(h.queue), asynq.TaskID(id))
-	if err != nil || first.ID != id {
-		t.Fatalf("first enqueue: %v %v", first, err)
-	}
-	if err := h.insp.DeleteTask(h.queue, id); err != nil {
-		t.Fatal(err)
-	}
-	var other Result
-	var otherErr error
-	wc := h.d.WrapClient(hookEnqueuer{next: h.asynq, before: func(ctx context.Context, _ *asynq.TaskInfo) {
-		// Another producer, while X is on its way to asynq.
-		other, otherErr = nc.Submit(ctx, userTask(1, ""), asynq.Queue(h.queue))
-	}})
-	again, err := wc.Enqueue(userTask(1, ""), asynq.Queue(h.queue), asynq.TaskID(id))
-	t.Logf("re-enqueue of %s: %v, err %v; the other producer: %+v, err %v", id, again != nil, err, other.Outcome, otherErr)
-	if err == nil && otherErr == nil {
-		t.Errorf("two tasks of one key accepted: %s and %s", again.ID, other.TaskID)
-	}
-	if n := h.queueSize(h.queue); n != 1 {
-		t.Errorf("%d live tasks of one key, want 1", n)
-	}
-}
-
-// Placement, false positive (passes: kept as a guard). A same-Redis
-// WrapClient whose first task is run and deleted (Retention 0) before the
-// placement check reads it: the queue is known in asynq:queues, so the
-// check stays undecided and nothing is refused.
-func TestAdversary2FastWorkerBeforePlacementCheck(t *testing.T) {
+// A same-Redis WrapClient whose first task is run and deleted (Retention 0)
+// before the placement check reads it: the queue is known in asynq:queues,
+// so the check stays undecided and nothing is refused.
+func TestPlacementCheckAfterAFastWorkerRefusesNothing(t *testing.T) {
 	h := newHarness(t, Config{})
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)
@@ -218,15 +174,14 @@ func TestAdversary2FastWorkerBeforePlacementCheck(t *testing.T) {
 	}
 }
 
-// Placement, false positive. asynq's client registers a queue in
-// asynq:queues once per client (rdb.queuesPublished), not per enqueue. If
-// the set loses the queue while a long-lived asynq client lives on (an
-// operator deletes the empty queue in asynqmon; Redis restarted without
-// persistence), a WrapClient over that client, on the Dedup's own Redis,
-// whose first task is run and deleted before the check (a fast worker,
-// Retention 0) is judged "elsewhere": every later deduplicated call fails
-// with ErrTasksElsewhere, for the life of the client.
-func TestAdversary2QueueForgottenFastWorkerRefusesSameRedis(t *testing.T) {
+// asynq's client registers a queue in asynq:queues once per client, not per
+// enqueue. If the set loses the queue while a long-lived asynq client lives
+// on (an operator deletes the empty queue in asynqmon; Redis restarted
+// without persistence), a WrapClient over that client, on the Dedup's own
+// Redis, whose first task is run and deleted before the check (a fast
+// worker, Retention 0), is still not judged "elsewhere": its later calls are
+// accepted.
+func TestPlacementOnTheSameRedisSurvivesAForgottenQueue(t *testing.T) {
 	h := newHarness(t, Config{})
 	if _, err := h.asynq.Enqueue(asynq.NewTask("warmup", nil), asynq.Queue(h.queue)); err != nil {
 		t.Fatal(err) // the long-lived asynq client has published the queue
