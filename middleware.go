@@ -369,8 +369,13 @@ func (d *Dedup) attemptFor(ctx context.Context, queue, id string, t *asynq.Task)
 				// and a worker took it before the call could move it: it
 				// meets its key in the queue it runs in, as it starts, and
 				// gives it back at its end (relocate.go).
+				// Its modes' terms were written in the other queue's slot:
+				// the key here takes its type's rule's (a per-call option's
+				// are lost), from now.
 				l.ref.Lock = store.NewKeys(prefix).Lock(queue, fp)
 				l.flags += store.Flags([]byte{store.FlagStart, store.FlagRelease})
+				r := d.ruleFor(typ)
+				l.mode = termsOf(&r, typ, id, time.Now(), true).mode
 			}
 			return l
 		}

@@ -804,10 +804,10 @@ func TestFastPathRunReleasedMidwayLeavesTheNewHoldersLock(t *testing.T) {
 	}
 }
 
-// README (matrix): "a leftover handler of an old attempt … its renewals
-// and release carry an old token and change nothing". Attempt 0 outlives
-// its Timeout; asynq retries; attempt 1 (begin again) holds the lock; the
-// leftover returns nil and must not release attempt 1's lock.
+// A task locked at enqueue (NewClient) whose attempt 0 outlives its
+// Timeout: asynq retries it, and the retry waits for the leftover handler
+// (leftover_overlap_test.go). The leftover then returns nil: that must not
+// free the key, which stays the task's while its retry runs.
 func TestFastPathLeftoverAttemptLeavesTheRetrysLock(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{}))
 	h.client = h.d.NewClient()
@@ -818,13 +818,16 @@ func TestFastPathLeftoverAttemptLeavesTheRetrysLock(t *testing.T) {
 	h.serve(tr.handler(), nil)
 	a := h.enqueue(counterTask("k", 1, 1), asynq.Timeout(time.Second))
 	waitFor(t, tr.starts, "attempt 0")
-	r := waitFor(t, tr.starts, "attempt 1 after the timeout")
+	eventually(t, "asynq gives attempt 0 up", func() bool {
+		ti, err := h.insp.GetTaskInfo(h.queue, a.ID)
+		return err == nil && ti.Retried > 0
+	})
+	tr.open(1, 0) // the leftover returns nil
+	waitFor(t, tr.ends, "the leftover ends")
+	r := waitFor(t, tr.starts, "attempt 1")
 	if r.id != a.ID || r.retry != 1 {
 		t.Fatalf("ran %s retry %d, want %s retry 1", r.id, r.retry, a.ID)
 	}
-	tr.open(1, 0) // the leftover returns nil
-	waitFor(t, tr.ends, "the leftover ends")
-	eventually(t, "the leftover settled", func() bool { return h.d.Stats().Processed >= 1 })
 	if s := lookupState(t, h, counterTask("k", 1, 1)); s != "running:"+a.ID {
 		t.Fatalf("after the leftover returned Lookup says %q, want running:%s (attempt 1 runs)", s, a.ID)
 	}

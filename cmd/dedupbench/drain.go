@@ -61,7 +61,7 @@ type drainResult struct {
 	drain     time.Duration
 	redisCPU  time.Duration // Redis main thread, over the drain; 0 if unread
 	cnt       counts        // through the shared client, over the drain
-	lib       int64         // the library's own commands (its own client's), over the drain; -1 if unread
+	lib       int64         // Redis's commands less the counted clients' calls (scripts' inner commands, the library's own client's calls), over the drain; -1 if unread
 	processed int64
 	errs      int64
 	samples   []string
@@ -123,9 +123,10 @@ func (e *env) timeDrain(ctx context.Context, q string, srv *asynq.Server, h asyn
 	if cpu1, err := redisCPU(ctx, e.poll); err == nil && cerr == nil {
 		r.redisCPU = cpu1 - cpu0
 	}
-	// Redis counts every client's commands; the shared client's (asynq's,
-	// and the library's when it uses that client) and the poll client's are
-	// counted here: the rest are the library's own client's.
+	// Redis counts every client's commands, and every command a script
+	// runs; the shared client's (asynq's, and the library's when it uses
+	// that client) and the poll client's calls are counted here: the rest
+	// are the scripts' commands and the library's own client's calls.
 	r.lib = -1
 	if tot1, err := redisCommands(ctx, e.poll); err == nil && terr == nil {
 		r.lib = (tot1 - tot0) - r.cnt.cmds - e.pcnt.snapshot().sub(p0).cmds
@@ -274,7 +275,7 @@ func (rep *report) writeDrain(w io.Writer, cfg config) (errs []string) {
 	fmt.Fprintf(w, "\nworker side: %s unique tasks enqueued first, then one asynq server (Concurrency %d, handler %s, TaskCheckInterval %v)\n"+
 		"works them off; tasks/s and Redis main-thread CPU per task over the drain, ratios to the plain server's in the same round\n"+
 		"(medians of %d rounds, range min–max); per task through the shared client: script calls (asynq's own included), commands, round trips;\n"+
-		"lib: the library's own client's commands per task (Redis's count less the counted clients'; 0 when the library uses the shared client)\n",
+		"lib: Redis's commands per task less the counted clients' own calls: the commands run inside scripts (asynq's too: a plain server's are the floor) and the library's own client's calls\n",
 		commas(int64(cfg.drainTasks)), cfg.drainWorkers, workDesc(cfg.drainWork), cfg.e2eCheck, rep.Meta.Rounds)
 	fmt.Fprintf(w, "  %-22s %8s %5s %-12s %9s %9s %-12s %8s %8s %8s %6s\n", "", "tasks/s", "ratio", " (range)", "rds µs", "rds ratio", " (range)", "scripts", "cmds", "rtts", "lib")
 	for _, s := range rep.Drain {
