@@ -132,6 +132,7 @@ func TestCooldownOnlyAfterSuccess(t *testing.T) {
 	waitFor(t, rc.runs, "first run")
 	waitFor(t, rc.runs, "second run")
 	h.settled(2)
+	h.asynqDone()
 	h.enqueue(digest(1, 2), asynq.ProcessIn(time.Hour))
 	h.enqueue(digest(2, 2), asynq.ProcessIn(time.Hour))
 	if s := h.d.Stats(); s.Cooling != 0 {
@@ -549,5 +550,6 @@ func TestCooldownOfAFoldedCallIsNamedNotApplied(t *testing.T) {
 		t.Fatalf("ran with %s", r.task.Payload())
 	}
 	h.settled(1)
+	h.asynqDone()
 	h.enqueue(digest(1, 3)) // the key was taken without a cooldown: free
 }

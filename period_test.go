@@ -137,9 +137,12 @@ func TestPeriodFreesTheKeyWhenItsTaskFailsForGood(t *testing.T) {
 	h.client = h.d.NewClient()
 	rc := newRecorder(func(run) error { return asynq.SkipRetry })
 	h.serve(rc.handler(), nil)
-	h.enqueue(digest(1, 1))
+	info := h.enqueue(digest(1, 1))
 	waitFor(t, rc.runs, "the failing run")
-	eventually(t, "released", func() bool { return h.d.Stats().Released == 1 })
+	// (The middleware counts the release; asynq's archive is what frees the key.)
+	eventually(t, "released and archived", func() bool {
+		return h.d.Stats().Released == 1 && h.taskState(info.ID) == asynq.TaskStateArchived
+	})
 	if _, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue)); err != nil {
 		t.Fatalf("enqueue after the failure: %v", err)
 	}

@@ -53,6 +53,18 @@ func (h *harness) cancelUntil(id, what string, state asynq.TaskState) {
 	})
 }
 
+// asynqDone waits until no task of the harness's queue is active: asynq has
+// recorded every attempt's end (its done script, after the middleware
+// returned, drops a plain task's lock; its archive keeps one for the key's
+// next enqueue to heal).
+func (h *harness) asynqDone() {
+	h.t.Helper()
+	eventually(h.t, "asynq records every attempt's end", func() bool {
+		qi, err := h.insp.GetQueueInfo(h.queue)
+		return err == nil && qi.Active == 0
+	})
+}
+
 // settled waits until the middleware has settled n attempts (held, released or cooling).
 func (h *harness) settled(n uint64) {
 	h.t.Helper()
