@@ -102,9 +102,9 @@ func (s *settings) settle(ctx context.Context, span trace.Span, queue, id string
 
 // attemptAttrs describes the attempt's lock.
 func attemptAttrs(a *dedup.Attempt) []attribute.KeyValue {
-	kv := []attribute.KeyValue{AttrOutcome.String(a.Outcome.String())}
-	if a.Fingerprint != "" {
-		kv = append(kv, AttrKeyHash.String(a.Fingerprint), AttrArrived.Bool(a.Arrived))
+	kv := []attribute.KeyValue{AttrOutcome.String(a.Outcome.String()), AttrArrived.Bool(a.Arrived)}
+	if a.Fingerprint != "" { // (a plain task's lock is asynq's: the middleware does not read it)
+		kv = append(kv, AttrKeyHash.String(a.Fingerprint))
 	}
 	if a.Holder != "" {
 		kv = append(kv, AttrHolder.String(a.Holder))

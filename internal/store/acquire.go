@@ -108,6 +108,7 @@ type acquireStep struct {
 	h       hint // the holder and follow-up the next call passes
 	n       int  // calls answered statusNeed so far
 	general bool // the next call is acquire.lua (else take.lua)
+	fold    bool // the next call is fold.lua (before acquire.lua: a Replace into the hint's holder)
 	sends   bool // the next take carries the task (Direct)
 	frees   int  // calls answered statusFree so far
 }
@@ -119,11 +120,20 @@ func (s *Store) newAcquireStep(a *Acquire) acquireStep {
 	// leaves the task out (it answers statusFree if the key turns out free).
 	st.general = st.h.holder != "" && (a.OnWaiting != FoldReject || a.Defers)
 	st.sends = a.Direct && (st.h.holder == "" || a.Caller)
+	// The common Replace, into a waiting holder this process has met: the
+	// small fold.lua first, acquire.lua if it finds anything else.
+	st.fold = st.general && a.OnWaiting == FoldReplace && !a.Defers && a.DebounceDue == 0 && !a.Caller &&
+		KindOf(st.h.holder) != IDOther
 	return st
 }
 
 // next returns a's next call: the script, its KEYS and ARGV.
 func (st *acquireStep) next(s *Store, a *Acquire) (*redis.Script, []string, []any) {
+	if st.fold {
+		r := &a.Ref
+		return s.sc.fold, []string{r.Lock, r.Mode(), TaskKey(r.Queue, st.h.holder)},
+			[]any{st.h.holder, payloadField(a.Payload), typeField(r.Type)}
+	}
 	if st.general {
 		keys, args := a.general(s, &st.h, st.n > 0)
 		return s.sc.acquire, keys, args
@@ -141,6 +151,12 @@ func (st *acquireStep) read(s *Store, a *Acquire, v any, err error) (res Acquire
 	rep, err := parseReply(v)
 	if err != nil {
 		return AcquireResult{}, false, err
+	}
+	if st.fold { // fold.lua: written, or acquire.lua next
+		st.fold = false
+		if rep.status != StatusReplaced {
+			return AcquireResult{}, true, nil
+		}
 	}
 	switch rep.status {
 	case statusFree: // free (healed, or freed since the hint): take it, with the task

@@ -26,6 +26,8 @@ var (
 	takeSrc string
 	//go:embed lua/acquire.lua
 	acquireSrc string
+	//go:embed lua/fold.lua
+	foldSrc string
 	//go:embed lua/merge.lua
 	mergeSrc string
 	//go:embed lua/start.lua
@@ -52,11 +54,11 @@ const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
 
 // scriptSet holds the scripts, in one of two builds.
 type scriptSet struct {
-	take, acquire, merge, start, settle, extend, release, again, prune, withdraw *redis.Script
+	take, acquire, fold, merge, start, settle, extend, release, again, prune, withdraw *redis.Script
 }
 
 func (s *scriptSet) all() []*redis.Script {
-	return []*redis.Script{s.take, s.acquire, s.merge, s.start, s.settle, s.extend, s.release, s.again, s.prune, s.withdraw}
+	return []*redis.Script{s.take, s.acquire, s.fold, s.merge, s.start, s.settle, s.extend, s.release, s.again, s.prune, s.withdraw}
 }
 
 var (
@@ -75,7 +77,7 @@ func scripts() *scriptSet {
 func buildScripts(checked bool) *scriptSet {
 	b := func(src string) *redis.Script { return redis.NewScript(source(src, checked)) }
 	return &scriptSet{
-		take: b(takeSrc), acquire: b(acquireSrc), merge: b(mergeSrc), start: b(startSrc), settle: b(settleSrc),
+		take: b(takeSrc), acquire: b(acquireSrc), fold: b(foldSrc), merge: b(mergeSrc), start: b(startSrc), settle: b(settleSrc),
 		extend: b(extendSrc), release: b(releaseSrc), again: b(againSrc), prune: b(pruneSrc), withdraw: b(withdrawSrc),
 	}
 }
@@ -113,12 +115,12 @@ func source(body string, checked bool) string {
 func LibScript(body string) *redis.Script { return redis.NewScript(source(libMarker+"\n"+body, true)) }
 
 // ScriptHash is the SHA1 by which Redis knows the script of an operation
-// ("take", "acquire", "merge", "start", "settle", "extend", "release",
+// ("take", "acquire", "fold", "merge", "start", "settle", "extend", "release",
 // "again"), in the build a Store created now uses; for tests that count
 // commands.
 func ScriptHash(op string) string {
 	sc := scripts()
-	m := map[string]*redis.Script{"take": sc.take, "acquire": sc.acquire, "merge": sc.merge, "start": sc.start,
+	m := map[string]*redis.Script{"take": sc.take, "acquire": sc.acquire, "fold": sc.fold, "merge": sc.merge, "start": sc.start,
 		"settle": sc.settle, "extend": sc.extend, "release": sc.release, "again": sc.again}
 	if s, ok := m[op]; ok {
 		return s.Hash()

@@ -1,0 +1,33 @@
+-- fold: write a new payload into the waiting task that holds a key, when the
+-- caller knows which task that is: the common Replace, in as few steps as it
+-- takes (acquire.lua does the same and everything else). Any other case (another
+-- holder or lock form, a follow-up owed, the task not waiting, not of this
+-- type, or of a shape pb_splice does not read) changes nothing and says so:
+-- the caller runs acquire.lua.
+--
+-- KEYS[1]  the lock; KEYS[2] the key's mode record; KEYS[3] asynq record of ARGV[1]
+-- ARGV[1]  the holder the caller expects (an ID the library made)
+-- ARGV[2]  the new payload as an encoded TaskMessage field 2 ('' when empty)
+-- ARGV[3]  the task type as an encoded TaskMessage field 1: a payload only
+--          lands in a task of its own type
+--
+-- Reply: {3, holder, state, ''}  written (state: the holder's asynq state),
+--                                and counted as acquire.lua's count does
+--        {11}                    nothing done: run acquire.lua
+if call('GET', KEYS[1]) ~= ARGV[1] then return {11} end
+local m = call('HMGET', KEYS[2], 'id', 'f')
+if m[2] then return {11} end
+local t = call('HMGET', KEYS[3], 'state', 'msg')
+local state, msg = t[1], t[2]
+if (state ~= 'pending' and state ~= 'scheduled' and state ~= 'retry') or not msg
+  or string.sub(msg, 1, #ARGV[3]) ~= ARGV[3] then
+  return {11}
+end
+-- @pb
+local new = pb_splice(msg, ARGV[2])
+if not new then return {11} end
+if new ~= msg then call('HSET', KEYS[3], 'msg', new) end -- (the same payload again, as is common: no write)
+if m[1] ~= ARGV[1] then call('HSET', KEYS[2], 'id', ARGV[1], 'n', 1) else call('HINCRBY', KEYS[2], 'n', 1) end
+local left = call('PTTL', KEYS[1]) -- (the mode record lives as long as the lock)
+if left > 0 then call('PEXPIRE', KEYS[2], left) elseif left == -1 then call('PERSIST', KEYS[2]) end
+return {3, ARGV[1], state, ''}
