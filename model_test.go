@@ -681,7 +681,7 @@ func (m *modelRun) enqueueWith(t *rapid.T, fault bool) {
 func (m *modelRun) expectEnqueueFault(t *rapid.T, e *enqCall, fired []string, res Result, err error) {
 	t.Helper()
 	what := e.String() + ", its lock call failing"
-	if len(fired) != 1 || (fired[0] != "script:take" && fired[0] != "script:acquire") {
+	if len(fired) != 1 || (fired[0] != "script:take" && fired[0] != "script:acquire" && fired[0] != "script:fold") {
 		m.diverge(t, "enqueue: the first Redis call is not the lock script", "%s: failed commands %v", what, fired)
 	}
 	if e.same && e.direct && fired[0] == "script:take" {
@@ -1648,7 +1648,7 @@ type modelFaults struct {
 
 func newModelFaults() *modelFaults {
 	f := &modelFaults{scripts: map[string]string{}}
-	for _, name := range []string{"take", "acquire", "merge", "start", "settle", "extend", "release", "again"} {
+	for _, name := range []string{"take", "acquire", "fold", "merge", "start", "settle", "extend", "release", "again"} {
 		f.scripts[store.ScriptHash(name)] = name
 	}
 	return f
