@@ -918,3 +918,87 @@ func TestDeferFollowUpQueuedByTheHoldersBatchedRelease(t *testing.T) {
 	eventually(t, "no lock left", func() bool { return len(h.locks()) == 0 })
 	t.Logf("A %s, follow-up %s", a.ID, b.ID)
 }
+
+// A Replace into a holder this process met (the fold fast path) lands only in
+// a holder that still waits: one an operator archived, deleted or released
+// since is not written into, and the call makes a new task. (Deleted: on the
+// direct path; a wrapped enqueue's key, taken before its task was stored,
+// reads a missing record as not stored yet until HealGrace has passed.)
+func TestReplaceFoldFastPathSkipsAHolderArchivedDeletedOrReleasedSince(t *testing.T) {
+	for _, how := range []string{"archive", "delete", "release"} {
+		t.Run(how, func(t *testing.T) {
+			paths := bothPaths
+			if how == "delete" {
+				paths = func(t *testing.T, cfg Config, test func(*testing.T, *harness)) {
+					h := newHarness(t, cfg)
+					h.client = h.d.NewClient()
+					test(t, h)
+				}
+			}
+			paths(t, counterRules(Rule{OnConflict: Replace}), func(t *testing.T, h *harness) {
+				ctx := context.Background()
+				submit := func(seq int) Result {
+					t.Helper()
+					res, err := h.client.Submit(ctx, counterTask("k", 1, seq), asynq.Queue(h.queue))
+					if err != nil {
+						t.Fatalf("submit %d: %v", seq, err)
+					}
+					return res
+				}
+				a := submit(1)
+				if r := submit(2); r.Outcome != Replaced || r.TaskID != a.TaskID {
+					t.Fatalf("second submit: %v into %s, want replaced into %s", r.Outcome, r.TaskID, a.TaskID)
+				}
+				var err error
+				switch how {
+				case "archive":
+					err = h.insp.ArchiveTask(h.queue, a.TaskID)
+				case "delete":
+					err = h.insp.DeleteTask(h.queue, a.TaskID)
+				case "release":
+					var ok bool
+					ok, err = h.d.Release(ctx, counterTask("k", 1, 0), a.TaskID, asynq.Queue(h.queue))
+					if err == nil && !ok {
+						t.Fatal("release: not released")
+					}
+				}
+				if err != nil {
+					t.Fatalf("%s: %v", how, err)
+				}
+				r := submit(3)
+				if r.Outcome != Created || r.TaskID == a.TaskID {
+					t.Fatalf("after %s: %v into %s, want a new task", how, r.Outcome, r.TaskID)
+				}
+				if how != "delete" {
+					if p := decodeCounter(asynq.NewTask("counter", []byte(h.payloadOf(a.TaskID)))); p.Seq != 2 {
+						t.Fatalf("the %sd holder's payload now has seq %d, want 2", how, p.Seq)
+					}
+				}
+			})
+		})
+	}
+}
+
+// Under a key shared by two types, a Replace of one type into a waiting
+// holder of the other (met before, so the fold fast path is tried) is a
+// duplicate naming the holder, which keeps its payload.
+func TestReplaceFoldFastPathRefusesAHolderOfAnotherTypeUnderASharedKey(t *testing.T) {
+	r := Rule{OnConflict: Replace, Key: "one", Shared: true}
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": r, "other": r}})
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	a, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 2; i++ { // (the second meets the holder through the hint)
+		_, err = h.client.Submit(ctx, asynq.NewTask("other", []byte(`{"seq":9}`)), asynq.Queue(h.queue))
+		var dup *DuplicateTaskError
+		if !errors.As(err, &dup) || dup.TaskID != a.TaskID || dup.Type != "other" || dup.CoolingDown || dup.Failed {
+			t.Fatalf("other type's replace %d: %v (%+v), want a duplicate of %s", i, err, dup, a.TaskID)
+		}
+	}
+	if p := decodeCounter(asynq.NewTask("counter", []byte(h.payloadOf(a.TaskID)))); p.Seq != 1 {
+		t.Fatalf("holder's payload has seq %d, want 1", p.Seq)
+	}
+}

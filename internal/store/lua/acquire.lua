@@ -63,6 +63,9 @@ if holder then
   -- Its caller-chosen ID may name another key's task now: this key's is gone.
   local moved = state and not belongs(K.H, holder, kind, K.L)
   if moved then state, hmsg = nil, nil end
+  -- Put back after its end was settled (a shutdown), it will not run again:
+  -- as good as done, so its lock heals rather than taking folds or refusing.
+  if waiting(state) and ended(hmsg) then state, hmsg = 'completed', nil end
   if m[1] == holder and m[6] and (not state or state == 'archived' or state == 'active') then
     -- It failed for good and holds the key (OnFailure): archived, deleted since,
     -- or about to be archived (its hold is written first).
