@@ -3,6 +3,7 @@ package dedup
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -113,5 +114,62 @@ func TestDeferUpdateAfterANearDeadlineSuccessPutBackByAShutdownIsNotLost(t *test
 	h.serve(func(_ context.Context, t *asynq.Task) error { ran <- decodeCounter(t).Seq; return nil }, nil)
 	if seq := waitFor(t, ran, "the update's run"); seq != 2 {
 		t.Fatalf("ran seq %d, want the update (2)", seq)
+	}
+}
+
+// RunningDefer: a holder whose handler succeeded near its deadline leaves its
+// lock for asynq's record; should asynq then take the attempt as given up
+// (the deadline passed before it recorded the success) and retry the task,
+// the retry still holds its key under RunningDefer: an update while it runs
+// is deferred behind it, not refused.
+func TestDeferUpdateWhileANearDeadlineSuccessIsRetriedIsDeferred(t *testing.T) {
+	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	cfg.LockTimeout = 10 * time.Second // every attempt of a 1 s Timeout ends near its deadline
+	h := newHarness(t, cfg)
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	started, release := make(chan int, 4), make(chan struct{})
+	var attempt atomic.Int32
+	mw := h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		started <- decodeCounter(task).Seq
+		if n, _ := asynq.GetRetryCount(ctx); n > 0 && decodeCounter(task).Seq == 1 {
+			<-release // the retry runs until the test lets it end
+		}
+		return nil
+	}))
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{
+		Concurrency: 2, Queues: map[string]int{h.queue: 1}, TaskCheckInterval: 20 * time.Millisecond,
+		LogLevel: asynq.FatalLevel, IsFailure: IsFailure,
+		RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond },
+	})
+	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		err := mw.ProcessTask(ctx, task)
+		if attempt.Add(1) == 1 {
+			<-ctx.Done() // the success settled; asynq sees the deadline first
+		}
+		return err
+	})
+	if err := srv.Start(outer); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	defer close(release)
+
+	a := h.enqueue(counterTask("k", 1, 1), asynq.Timeout(time.Second), asynq.MaxRetry(3))
+	if seq := waitFor(t, started, "the first run"); seq != 1 {
+		t.Fatalf("ran seq %d", seq)
+	}
+	if seq := waitFor(t, started, "the retry"); seq != 1 {
+		t.Fatalf("ran seq %d, want the holder's retry", seq)
+	}
+	if s := h.taskState(a.ID); s != asynq.TaskStateActive {
+		t.Fatalf("holder state %v, want active (its retry runs)", s)
+	}
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.Timeout(time.Second))
+	if err != nil {
+		t.Fatalf("update while the holder's retry runs: %v", err)
+	}
+	if res.Outcome != Deferred {
+		t.Fatalf("update: %v into %s, want deferred", res.Outcome, res.TaskID)
 	}
 }

@@ -86,7 +86,9 @@ if out == 'fail' and mine and m[4] then
   end
   return {1, 'failed'}
 end
-if out ~= 'fail' and mine then call('DEL', K.M) end -- (the key's mode ends with its task)
+-- (The key's mode ends with its task; but for a lock left because asynq may yet
+-- retry the task, the mode stays with it, so that the retry keeps it.)
+if out ~= 'fail' and mine and A[6] ~= 'a' then call('DEL', K.M) end
 if out ~= 'fail' and A[6] ~= 'a' then
   -- Released now rather than by asynq's done moments later: until then its
   -- record still says active, and the key would read as held by a running task
