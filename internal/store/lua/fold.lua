@@ -21,7 +21,7 @@ local t = call('HMGET', KEYS[3], 'state', 'msg')
 local state, msg = t[1], t[2]
 if (state ~= 'pending' and state ~= 'scheduled' and state ~= 'retry') or not msg
   or string.sub(msg, 1, #ARGV[3]) ~= ARGV[3]
-  or string.find(msg, '\10\10dedup-lost\18\5ended', 1, true) then -- (put back after its end: it will not run)
+  or ended(msg) then -- (put back after its end: it will not run)
   return {11}
 end
 -- @pb

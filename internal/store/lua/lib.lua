@@ -155,14 +155,6 @@ local function mark(rec, reason)
   if msg and not string.find(msg, field, 1, true) then call('HSET', rec, 'msg', msg .. field) end
 end
 
--- ended reports whether the stored message msg is marked ended (settle.lua's
--- mark after a success or revoke): asynq put the task back before it recorded
--- that end (a shutdown), and it will not run again, so a lock it holds while it
--- waits is orphaned.
-local function ended(msg)
-  return msg and string.find(msg, '\10\10dedup-lost\18\5ended', 1, true) ~= nil
-end
-
 -- outlived reports whether a mode record's o (unix ms, by the server's clock)
 -- says a handler of its holder that asynq gave up still runs.
 local function outlived(o)

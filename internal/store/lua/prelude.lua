@@ -18,3 +18,11 @@ local function holder_of(v)
   if not i then return v, '' end
   return string.sub(v, i + 1), string.sub(v, 2, 2), tonumber(string.sub(v, 3, i - 1)) or 0
 end
+
+-- ended reports whether the stored message msg carries the header dedup-lost:
+-- ended (lib.lua's mark, after a success or revoke; task.go's LostEnded):
+-- asynq put the task back before it recorded that end (a shutdown), and it
+-- will not run again, so a lock it holds while it waits is orphaned.
+local function ended(msg)
+  return msg and string.find(msg, '\10\10dedup-lost\18\5ended', 1, true) ~= nil
+end
