@@ -2,10 +2,8 @@ package dedup
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"os"
-	"strconv"
 	"testing"
 	"time"
 
@@ -46,23 +44,7 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	os.Setenv(store.CheckKeysEnv, "1") // every script refuses a key it was not given
-	atLeastParallel(4)
 	os.Exit(redistest.Main(m, "dedup"))
-}
-
-// atLeastParallel lets n parallel tests run at once, unless -parallel was
-// given: the parallel tests here mostly wait (asynq's recoverer, a killed
-// worker's lease, a scheduler's next second), and go test's default is
-// GOMAXPROCS, two on a small machine.
-func atLeastParallel(n int) {
-	flag.Parse()
-	given := false
-	flag.Visit(func(f *flag.Flag) { given = given || f.Name == "test.parallel" })
-	if p := flag.Lookup("test.parallel"); p != nil && !given {
-		if cur, err := strconv.Atoi(p.Value.String()); err == nil && cur < n {
-			_ = p.Value.Set(strconv.Itoa(n))
-		}
-	}
 }
 
 // Shorthands for the shared test helpers.
