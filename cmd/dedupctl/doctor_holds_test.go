@@ -53,6 +53,15 @@ func TestDoctorFixLeavesAFailureHoldWhoseHoldersIDWasReusedForAnotherKey(t *test
 	keyA := store.NewKeys(f.prefix).Lock(f.qa, a.Fingerprint)
 	<-done
 	f.waitState(keyA, store.LockFailed)
+	// (The hold is written before the result reaches asynq: wait for its archive.)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if ti, err := f.insp.GetTaskInfo(f.qa, id); err == nil && ti.State == asynq.TaskStateArchived {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s never archived", id)
+		}
+	}
 	if err := f.insp.DeleteTask(f.qa, id); err != nil { // tidying the archive: the hold stays
 		t.Fatal(err)
 	}
