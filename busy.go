@@ -163,7 +163,10 @@ func (d *Dedup) retryBusy(ctx context.Context, t *asynq.Task, l *lease, holder s
 	berr := &BusyError{TaskID: l.ref.ID, Holder: holder, Key: d.lockKey(&l.ref)}
 	n, _ := asynq.GetRetryCount(ctx)
 	max, _ := asynq.GetMaxRetry(ctx)
-	if n < max {
+	if n < max || holder == l.ref.ID {
+		// (Busy behind a handler of its own attempt that asynq gave up, which
+		// still runs: that handler holds the key and does the work; a copy
+		// would wait as a second task of the key. asynq archives this one.)
 		return berr
 	}
 	id := store.NewAgainID(l.ref.FP)
