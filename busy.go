@@ -71,11 +71,17 @@ func (d *Dedup) busyPolicy(r *resolved) Busy {
 // holder's: of a Replace type it is superseded (not run: the holder
 // carries the newer payload); of a Merge type its type's policy applies
 // but for dropping (its units are its own); of a Reject type its type's
-// policy applies, as to an arrival.
+// policy applies, as to an arrival. And a task busy behind a handler of
+// its own that asynq gave up is retried, whatever the policy.
 func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, st *store.StartResult) error {
 	holder := st.Holder
 	policy := d.busyPolicy(r)
 	switch released := l.lost == store.LostReleased && d.sameType(ctx, &l.ref, holder); {
+	case holder == l.ref.ID:
+		// Busy behind a handler of its own attempt that asynq gave up, which
+		// still runs and does the work: dropping it would lose the work should
+		// that handler fail, and folding it would owe the key a second run.
+		policy = BusyRetry
 	case l.arrived:
 	case released && r.conflict == Replace:
 		return d.superseded(t, l, holder)

@@ -450,3 +450,68 @@ func TestRunningAllowLastRetryBehindARunningHolderIsNotDropped(t *testing.T) {
 		})
 	}
 }
+
+// A task that arrived without a lock, put back by a shutdown its handler
+// outlived, meets that handler (still running) as its key's holder when a
+// new server hands it out. Whatever its OnBusy it is returned as busy, and
+// archived on its last attempt: the handler does the work. A drop would
+// lose the work should that handler fail; a fold (a follow-up behind the
+// handler) or a last-attempt copy would run it a second time.
+func TestBusyBehindItsOwnGivenUpHandlerIsRetriedWhateverThePolicy(t *testing.T) {
+	for _, busy := range []Busy{BusyDrop, BusyFold} {
+		for _, maxRetry := range []int{3, 0} {
+			t.Run(fmt.Sprintf("%v/MaxRetry(%d)", busy, maxRetry), func(t *testing.T) {
+				h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, OnBusy: busy}))
+				started, leftover := make(chan string, 4), make(chan struct{})
+				var once sync.Once
+				finish := func() { once.Do(func() { close(leftover) }) }
+				t.Cleanup(finish)
+				handler := h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+					id, _ := asynq.GetTaskID(ctx)
+					started <- id
+					<-leftover // ignores its context: outlives ShutdownTimeout
+					return nil
+				}))
+				_, stop1 := serveRaw(t, h.rdb, h.queue, handler, func(c *asynq.Config) { c.ShutdownTimeout = 200 * time.Millisecond })
+				a, err := h.asynq.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.MaxRetry(maxRetry))
+				if err != nil {
+					t.Fatal(err)
+				}
+				waitFor(t, started, "the arrival's first run")
+				stop1() // asynq puts the task back; its handler goes on
+				serveRaw(t, h.rdb, h.queue, handler, nil)
+
+				want := asynq.TaskStateRetry
+				if maxRetry == 0 {
+					want = asynq.TaskStateArchived
+				}
+				eventually(t, "the task meets its own handler and is returned as busy", func() bool { return h.d.Stats().Busy >= 1 })
+				eventually(t, "asynq records the busy attempt", func() bool { return h.taskState(a.ID) != asynq.TaskStateActive })
+				if got := h.taskState(a.ID); got != want {
+					t.Errorf("%s is in state %d after meeting its own running handler (0: gone), want %v", a.ID, int(got), want)
+				}
+				if n := queueTasks(t, h); n != 1 {
+					t.Errorf("the queue holds %d tasks, want only %s: a fold or a copy owes the key a second run", n, a.ID)
+				}
+				if len(started) > 0 {
+					t.Errorf("the task ran again beside its own handler")
+				}
+				// The handler's late success: asynq gave its attempt up, so the
+				// key follows asynq's record of the task: held by it while it
+				// waits for its retry (an enqueue folds into it), free for the
+				// next enqueue once it is archived.
+				finish()
+				eventually(t, "the handler's end settled", func() bool { return h.d.Stats().Held >= 1 })
+				res, err := h.d.NewClient().Submit(context.Background(), counterTask("k", 2, 2), asynq.Queue(h.queue))
+				switch {
+				case err != nil:
+					t.Errorf("enqueue of the key after the handler ended: %v", err)
+				case maxRetry > 0 && (res.Outcome != Replaced || res.TaskID != a.ID):
+					t.Errorf("enqueue of the key while %s waits for its retry: %v into %s, want replaced into it", a.ID, res.Outcome, res.TaskID)
+				case maxRetry == 0 && res.Outcome != Created:
+					t.Errorf("enqueue of the key after %s was archived: %v into %s, want created", a.ID, res.Outcome, res.TaskID)
+				}
+			})
+		}
+	}
+}
