@@ -136,7 +136,7 @@ func startStuckWorker(t *testing.T, h *harness) (kill func()) {
 // would 30 s after its worker died: a server started now recovers it at once.
 func expireAsynqLease(t *testing.T, h *harness, id string) {
 	t.Helper()
-	lease := "asynq:{" + h.queue + "}:lease"
+	lease := store.LeaseKey(h.queue)
 	if n, err := h.rdb.ZAddXX(context.Background(), lease, redis.Z{Score: float64(time.Now().Add(-time.Minute).Unix()), Member: id}).Result(); err != nil || n != 0 {
 		t.Fatalf("ZADD XX %s: %v %v", lease, n, err)
 	}

@@ -107,24 +107,6 @@ func (w *faultWorker) stop(t *testing.T) {
 	}
 }
 
-// TestFaultWorkerKilled SIGKILLs a worker process in the middle of a handler
-// and checks the whole recovery:
-//
-//   - the lock is still held right after the kill (a duplicate is refused)
-//     and frees within about one Lease, while asynq still believes the task
-//     is running (its own lease is 30 s): the key does not wait for the 1 h
-//     TTL, nor for asynq;
-//   - a new task for the key is then accepted and runs on a second worker;
-//   - asynq's recoverer (which takes lease-expired tasks only once the lease
-//     is more than 30 s gone, so ~60 s after the kill) puts the killed task
-//     back; its retry meets the running new task, is deferred by the
-//     execution-time guard (ErrKeyBusy) without using up a retry, and runs
-//     to completion once the new task is done;
-//   - no two handlers ever ran the key at once (intervals recorded in Redis
-//     by both processes, on the Redis clock).
-//
-// It takes a little over a minute: asynq's 30 s lease plus its 30 s recovery
-// margin are hard-coded.
 // faultRecords reads what the worker processes of h's fault test recorded:
 // all records, and whether one of a kind, worker and task exists.
 func faultRecords(t *testing.T, h *harness) (events func() []faultEvent, seen func(kind, worker, id string) bool) {
@@ -153,9 +135,26 @@ func faultRecords(t *testing.T, h *harness) (events func() []faultEvent, seen fu
 	return events, seen
 }
 
+// TestFaultWorkerKilled SIGKILLs a worker process in the middle of a handler
+// and checks the whole recovery:
+//
+//   - the key stays with the killed worker's task (a duplicate is refused,
+//     naming it) while asynq still believes the task is running, past the
+//     library's heartbeats: its lock is asynq's unique key;
+//   - asynq's recoverer puts the killed task back as a retry, which a second
+//     worker runs, finding the key its own; its success frees the key (the
+//     crash counts as a retry);
+//   - a new task of the key is then accepted and runs;
+//   - no two handlers ever ran the key at once (intervals recorded in Redis
+//     by both processes, on the Redis clock).
+//
+// asynq's 30 s lease and 30 s recovery margin are hard-coded: the test ages
+// the dead worker's lease (expireAsynqLease) rather than wait that minute,
+// and the second worker's recoverer, which runs as the server starts,
+// recovers the task.
 func TestFaultWorkerKilled(t *testing.T) {
 	needRealRedis(t)
-	t.Parallel() // a minute of waiting for asynq's recoverer, beside TestCooldownSurvivesAWorkerCrash's
+	t.Parallel() // mostly waiting for processes
 	const lease = 1200 * time.Millisecond
 	h := newHarness(t, Config{heartbeat: (lease) / 3, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay }})
 	ctx := context.Background()
@@ -178,6 +177,7 @@ func TestFaultWorkerKilled(t *testing.T) {
 	key := h.keyOf(job("block"), h.queue, keyOpt)
 	faultPoll(t, 30*time.Second, "worker A runs the first task", func() bool { return seen("start", "A", firstTask.ID) })
 	a.kill()
+	killed := time.Now()
 	if err := faultRecord(ctx, h.rdb, h.prefix, "killed", "A", firstTask.ID, 0); err != nil {
 		t.Fatal(err)
 	}
@@ -188,13 +188,13 @@ func TestFaultWorkerKilled(t *testing.T) {
 	if owner := h.lockOwner(key); owner != firstTask.ID {
 		t.Fatalf("lock owner %q after the kill, want %s", owner, firstTask.ID)
 	}
-	b := startFaultWorker(t, redistest.Addr(), h.prefix, h.queue, lease, "B")
-	// asynq's recoverer moves the killed task to retry once its asynq lease
-	// (30 s, last extended before the kill) has been expired for 30 s. It
-	// runs at a server's start (too early here) and then every minute: B's
-	// second pass, a minute after B started, is the first that finds it.
+	faultPoll(t, 10*time.Second, "three of the library's heartbeats pass after the kill", func() bool { return time.Since(killed) > 3*lease })
 	refused("while asynq has not recovered it")
-	faultPoll(t, 100*time.Second, "worker B runs the recovered task", func() bool { return seen("end", "B", firstTask.ID) })
+	// asynq's recoverer moves the killed task to retry once its asynq lease
+	// has been expired for 30 s; it runs as a server starts.
+	expireAsynqLease(t, h, firstTask.ID)
+	b := startFaultWorker(t, redistest.Addr(), h.prefix, h.queue, lease, "B")
+	faultPoll(t, 30*time.Second, "worker B runs the recovered task", func() bool { return seen("end", "B", firstTask.ID) })
 	faultPoll(t, 30*time.Second, "the recovered task completed", func() bool { return h.taskState(firstTask.ID) == asynq.TaskStateCompleted })
 	faultPoll(t, 10*time.Second, "lock released", func() bool { return h.rdb.Exists(ctx, key).Val() == 0 })
 	second := h.enqueue(job("once"), keyOpt, asynq.Retention(time.Hour))
@@ -212,7 +212,7 @@ func TestFaultWorkerKilled(t *testing.T) {
 // which runs once, last, with the newest payload; never two at once.
 func TestFaultDeferFollowUpRunsAfterADeadWorkersTask(t *testing.T) {
 	needRealRedis(t)
-	t.Parallel() // a minute of waiting for asynq's recoverer, beside the other crash tests
+	t.Parallel() // mostly waiting for processes
 	const lease = 1200 * time.Millisecond
 	h := newHarness(t, Config{heartbeat: (lease) / 3, RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return faultRetryDelay },
 		Rules: map[string]Rule{faultTaskType: {Fields: []string{"user_id"}, OnConflict: Replace, OnRunning: RunningDefer}}})
@@ -237,8 +237,9 @@ func TestFaultDeferFollowUpRunsAfterADeadWorkersTask(t *testing.T) {
 	if err != nil || r.Outcome != Replaced || r.TaskID != f.TaskID {
 		t.Fatalf("enqueue after the kill: %+v %v, want replaced into the follow-up %s", r, err, f.TaskID)
 	}
+	expireAsynqLease(t, h, holder.ID) // as a minute after the kill: B's recoverer retries it as B starts
 	b := startFaultWorker(t, redistest.Addr(), h.prefix, h.queue, lease, "B")
-	faultPoll(t, 100*time.Second, "the follow-up runs", func() bool { return seen("end", "B", f.TaskID) })
+	faultPoll(t, 30*time.Second, "the follow-up runs", func() bool { return seen("end", "B", f.TaskID) })
 	b.stop(t)
 	evs := events()
 	checkFaultIntervals(t, evs)
@@ -850,8 +851,9 @@ func TestCooldownSurvivesAWorkerCrash(t *testing.T) {
 		t.Fatalf("after the kill: %+v, want a plain duplicate of the crashed task %s", dup, first.ID)
 	}
 
+	expireAsynqLease(t, h, first.ID) // as a minute after the kill: B's recoverer retries it as B starts
 	startFaultWorker(t, redistest.Addr(), h.prefix, h.queue, lease, "B")
-	faultPoll(t, 100*time.Second, "the recovered task runs on B", func() bool { return seen("end", "B", first.ID) })
+	faultPoll(t, 30*time.Second, "the recovered task runs on B", func() bool { return seen("end", "B", first.ID) })
 	faultPoll(t, 10*time.Second, "the key cools down", func() bool {
 		kl, found, err := h.d.Lookup(ctx, job("x"), keyOpt, asynq.Queue(h.queue))
 		return err == nil && found && kl.State == "cooling"

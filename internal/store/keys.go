@@ -170,6 +170,11 @@ func RetryKey(queue string) string { return "asynq:{" + queue + "}:retry" }
 // ActiveKey is asynq's list of the tasks of queue being processed.
 func ActiveKey(queue string) string { return "asynq:{" + queue + "}:active" }
 
+// LeaseKey is asynq's sorted set of the active tasks of queue, by the unix
+// second their worker's lease on them ends (its recoverer retries a task
+// whose lease ended more than 30 s ago).
+func LeaseKey(queue string) string { return "asynq:{" + queue + "}:lease" }
+
 // ProcessedKey is asynq's count of the queue's tasks it completed
 // (processed_total, incremented whether the task is kept or deleted).
 func ProcessedKey(queue string) string { return "asynq:{" + queue + "}:processed" }
