@@ -6,6 +6,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"io/fs"
 	"net"
 	"strconv"
 	"strings"
@@ -1400,5 +1404,83 @@ func TestOptInUnruledTaskIsGuardedOnceByARuledServer(t *testing.T) {
 	}
 	if peak.Load() > 1 {
 		t.Errorf("two tasks of one key ran at once")
+	}
+}
+
+// optInOptions are the per-call options that ask for deduplication: under
+// Config.OptIn each opts a call in. notOptInOptions are the two that do not:
+// Skip (it asks for none) and Headers (a transport concern: dedupotel adds it
+// to every call). Every option function of the package is in one of them
+// (TestOptInEveryOptionIsAccountedFor), so docs and behaviour cannot drift.
+var (
+	optInOptions = map[string]asynq.Option{
+		"Cooldown": Cooldown(time.Hour), "Debounce": Debounce(time.Second), "OnConflict": OnConflict(Replace),
+		"TTL": TTL(time.Hour), "WaitForRoom": WaitForRoom(), "Fields": Fields("a"), "Key": Key("k"),
+		"SharedKey": SharedKey("k"), "Period": Period(time.Hour, nil), "OnFailure": OnFailure(FailHold, time.Hour),
+		"MergeWith": MergeWith(func(_, n []byte) ([]byte, error) { return n, nil }),
+	}
+	notOptInOptions = map[string]asynq.Option{"Skip": Skip(), "Headers": Headers(map[string]string{"x": "y"})}
+)
+
+// Under OptIn, a call that passes this package's options (other than Skip
+// and Headers) asks for deduplication: it is never silently enqueued
+// without it.
+func TestOptInPerCallOptionsAreNeverSilentlyIgnored(t *testing.T) {
+	for name, o := range optInOptions {
+		t.Run(name, func(t *testing.T) {
+			h := newHarness(t, Config{OptIn: true})
+			task := asynq.NewTask("plain", []byte(`{"a":1}`))
+			first, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue), o)
+			if err != nil && !errors.Is(err, ErrInvalidOption) {
+				t.Fatalf("first: %v", err)
+			}
+			if err != nil {
+				return // refused with a clear error: not silent
+			}
+			second, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue), o)
+			if err == nil && second.Outcome == Created {
+				t.Fatalf("two identical calls with %v both created tasks (%s, %s): the option was ignored", o, first.TaskID, second.TaskID)
+			}
+		})
+	}
+}
+
+// Under OptIn, Skip and Headers leave a call of a type without a rule as
+// asynq would enqueue it: two identical calls create two tasks.
+func TestOptInSkipAndHeadersDoNotOptACallIn(t *testing.T) {
+	h := newHarness(t, Config{OptIn: true})
+	for name, o := range notOptInOptions {
+		for range 2 {
+			r, err := h.client.Submit(context.Background(), asynq.NewTask("plain", []byte(`{"a":1}`)), asynq.Queue(h.queue), o)
+			if err != nil || r.Outcome != Created || r.Fingerprint != "" {
+				t.Fatalf("%s under OptIn, a type without a rule: %+v, %v; want created, not deduplicated", name, r, err)
+			}
+		}
+	}
+}
+
+// Every exported function of the package that returns an asynq.Option is
+// in optInOptions or notOptInOptions, so what opts a call in is decided
+// (and tested) for each.
+func TestOptInEveryOptionIsAccountedFor(t *testing.T) {
+	pkgs, err := parser.ParseDir(token.NewFileSet(), ".", func(fi fs.FileInfo) bool { return !strings.HasSuffix(fi.Name(), "_test.go") }, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range pkgs["dedup"].Files {
+		for _, decl := range f.Decls {
+			fn, ok := decl.(*ast.FuncDecl)
+			if !ok || fn.Recv != nil || !fn.Name.IsExported() || fn.Type.Results == nil || len(fn.Type.Results.List) != 1 {
+				continue
+			}
+			if sel, ok := fn.Type.Results.List[0].Type.(*ast.SelectorExpr); !ok || sel.Sel.Name != "Option" {
+				continue
+			}
+			_, in := optInOptions[fn.Name.Name]
+			_, out := notOptInOptions[fn.Name.Name]
+			if !in && !out {
+				t.Errorf("option %s: decide whether it opts a call in under Config.OptIn, then add it to optInOptions or notOptInOptions", fn.Name.Name)
+			}
+		}
 	}
 }

@@ -66,12 +66,12 @@ type Config struct {
 	Rules map[string]Rule
 
 	// OptIn makes deduplication apply only to types that have a rule (that is
-	// not Skip) or to calls that pass one of this package's options other
-	// than Skip (Fields, Key, SharedKey, TTL, OnConflict, MergeWith,
-	// WaitForRoom, Cooldown, Debounce: each asks for deduplication, so none
-	// is ignored). A call opted in without a rule or key option is keyed on
-	// its whole payload. Default false: every type is deduplicated on its
-	// whole payload.
+	// not Skip) or to calls that pass one of this package's options but Skip
+	// and Headers: each of the others asks for deduplication, so none is
+	// ignored; Headers is a transport concern (dedupotel adds it to every
+	// call). A call opted in without a rule or key option is keyed on its
+	// whole payload. Default false: every type is deduplicated on its whole
+	// payload.
 	OptIn bool
 
 	// RetryDelayFunc must return (an upper bound of) the delay your

@@ -332,28 +332,6 @@ func TestForeverDurationsNeverWrap(t *testing.T) {
 	})
 }
 
-// Under OptIn, a call that passes this package's options (other than Skip)
-// asks for deduplication: it is never silently enqueued without it.
-func TestOptInPerCallOptionsAreNeverSilentlyIgnored(t *testing.T) {
-	for _, o := range []asynq.Option{Cooldown(time.Hour), Debounce(time.Second), OnConflict(Replace), TTL(time.Hour), WaitForRoom()} {
-		t.Run(o.String(), func(t *testing.T) {
-			h := newHarness(t, Config{OptIn: true})
-			task := asynq.NewTask("plain", []byte(`{"a":1}`))
-			first, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue), o)
-			if err != nil && !errors.Is(err, ErrInvalidOption) {
-				t.Fatalf("first: %v", err)
-			}
-			if err != nil {
-				return // refused with a clear error: not silent
-			}
-			second, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue), o)
-			if err == nil && second.Outcome == Created {
-				t.Fatalf("two identical calls with %v both created tasks (%s, %s): the option was ignored", o, first.TaskID, second.TaskID)
-			}
-		})
-	}
-}
-
 // Per-call options follow their precedence whatever their order.
 func TestMergeOptionsInAnyOrder(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{}))
