@@ -285,11 +285,9 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	release, near := l.flags.Has(store.FlagRelease), d.nearDeadline(ctx)
 	s := &store.Settle{End: store.EndSuccess, TTL: d.ttlOf(r), Release: release && !near, Loosen: near}
 	switch {
-	case errors.Is(err, context.Canceled) && ctx.Err() != nil && n >= maxRetry && l.flags.Has(store.FlagFail) && !l.flags.Has(store.FlagDefer):
+	case errors.Is(err, context.Canceled) && ctx.Err() != nil && n >= maxRetry && l.calls(&store.Settle{End: store.EndFail}) && d.archived(ctx, &l.ref):
 		// CancelProcessing or a lost lease on the last retry: asynq archives
-		// the task, and its failure hold is written. (A handler outliving a
-		// shutdown returns after asynq put the task back: its next run finds
-		// the key its own, and a success frees it.)
+		// the task; its failure hold is written, its follow-up queued.
 		s.End, s.Err = store.EndFail, failureText(err)
 	case errors.Is(err, context.Canceled) && ctx.Err() != nil:
 		// Cancelled (a shutdown that requeues the task, CancelProcessing, a
@@ -308,6 +306,37 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	}
 	return s
 }
+
+// archived reports whether asynq archives a task whose handler's context
+// was cancelled on its last retry, as it does after CancelProcessing or a
+// lost lease, rather than putting it back: a shutdown requeues the task
+// before it cancels the context, so its record is pending by then. asynq
+// archives at the moment it cancels, so the record is read until it says
+// either, within LockTimeout; else (unread, or active again on another
+// worker) the key is held as for a retry, and the heartbeat settles it.
+func (d *Dedup) archived(ctx context.Context, ref *store.Ref) bool {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), d.cfg.LockTimeout)
+	defer cancel()
+	for i := 0; ; i++ {
+		_, _, state, found, err := d.store.StoredTask(ctx, ref.Queue, ref.ID)
+		switch {
+		case err == nil && found && state == store.StateArchived:
+			return true
+		case err != nil || !found || state != store.StateActive:
+			return false
+		}
+		t := time.NewTimer(archiveBackoff.Delay(i))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return false
+		case <-t.C:
+		}
+	}
+}
+
+// archiveBackoff paces archived's reads of a record asynq is archiving.
+var archiveBackoff = Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
 
 // nearDeadline reports whether the attempt's deadline comes before a
 // settle call could finish: asynq may then take the attempt as given up and

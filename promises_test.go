@@ -115,9 +115,12 @@ func TestPromiseKeyHeldWhenHandlerOutlivesShutdown(t *testing.T) {
 }
 
 // A holder cancelled on its last attempt is archived by asynq; the
-// follow-up it owed is queued at once, not parked for the holder's retry.
+// follow-up it owed is queued at once, not parked for the holder's retry
+// (nor left for a heartbeat to find: there is none within the test).
 func TestPromiseFollowUpQueuedWhenHolderEndsForGood(t *testing.T) {
-	bothPaths(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
+	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	cfg.heartbeat = time.Hour
+	bothPaths(t, cfg, func(t *testing.T, h *harness) {
 		rc := newRecorder(func(r run) error {
 			if decodeCounter(r.task).Seq == 0 {
 				<-r.ctx.Done()

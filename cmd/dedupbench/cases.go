@@ -33,6 +33,7 @@ type env struct {
 	ac    *asynq.Client
 	d     *dedup.Dedup
 	dc    *dedup.Client
+	wc    *dedup.Client // through asynq's client: the path of an asynq other than the pinned one
 	insp  *asynq.Inspector
 	de2e  *dedup.Dedup  // a second Dedup for the end-to-end servers (its heartbeat runs)
 	poll  *redis.Client // client for polling queue lengths and INFO, counted apart (pcnt)
@@ -166,6 +167,15 @@ var allCases = []*caseDef{
 		op: func(ctx context.Context, e *env, opts []asynq.Option) error {
 			s := e.next()
 			res, err := e.dc.Submit(ctx, asynq.NewTask(typeDedup, payload(e.cfg.payload, s, traceOf(s))), opts...)
+			return wantOutcome(res, err, dedup.Created)
+		},
+	},
+	{
+		name: "accepted-asynq", title: "dedup accepted, asynq's client",
+		opts: func(q string) []asynq.Option { return []asynq.Option{asynq.Queue(q), dedup.Fields("user_id")} },
+		op: func(ctx context.Context, e *env, opts []asynq.Option) error {
+			s := e.next()
+			res, err := e.wc.Submit(ctx, asynq.NewTask(typeDedup, payload(e.cfg.payload, s, traceOf(s))), opts...)
 			return wantOutcome(res, err, dedup.Created)
 		},
 	},

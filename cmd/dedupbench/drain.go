@@ -43,16 +43,18 @@ type drainVariant struct {
 	viaDedup         bool // enqueued by the Dedup's client (else asynq's own: the execution guard keys them)
 	middleware       bool
 	unique           bool // enqueued with asynq.Unique (asynq's own lock, released by asynq's done script)
+	wrapped          bool // enqueued by WrapClient over asynq's client (NewClient's path with an asynq other than the pinned one)
 }
 
 var drainVariants = []drainVariant{
-	{"plain", "plain asynq server", typeDrainPlain, false, false, false},
-	{"unique", "asynq.Unique, plain", typeDrainPlain, false, false, true},
-	{"reject", "middleware, Reject", typeDrainReject, true, true, false},
-	{"guard", "middleware, guard", typeDrainReject, false, true, false},
-	{"replace", "middleware, Replace", typeDrainReplace, true, true, false},
-	{"defer", "middleware, Defer", typeDrainDefer, true, true, false},
-	{"cooldown", "middleware, Cooldown", typeDrainCooldown, true, true, false},
+	{"plain", "plain asynq server", typeDrainPlain, false, false, false, false},
+	{"unique", "asynq.Unique, plain", typeDrainPlain, false, false, true, false},
+	{"reject", "middleware, Reject", typeDrainReject, true, true, false, false},
+	{"reject-asynq", "middleware, Reject, asynq's client", typeDrainReject, true, true, false, true},
+	{"guard", "middleware, guard", typeDrainReject, false, true, false, false},
+	{"replace", "middleware, Replace", typeDrainReplace, true, true, false, false},
+	{"defer", "middleware, Defer", typeDrainDefer, true, true, false, false},
+	{"cooldown", "middleware, Cooldown", typeDrainCooldown, true, true, false, false},
 }
 
 // drainResult is one drain.
@@ -141,6 +143,8 @@ func (e *env) fillDrain(ctx context.Context, q string, v drainVariant, r *drainR
 		task := asynq.NewTask(v.typ, payload(e.cfg.payload, e.seq.Add(1), traceOf(i)))
 		var err error
 		switch {
+		case v.wrapped:
+			_, err = e.wc.EnqueueContext(ctx, task, asynq.Queue(q))
 		case v.viaDedup:
 			_, err = e.dc.EnqueueContext(ctx, task, asynq.Queue(q))
 		case v.unique:
