@@ -384,7 +384,7 @@ func newEnv(ctx context.Context, cfg config, opts *redis.Options) (*env, error) 
 		}
 	}
 	e.ac = asynq.NewClientFromRedisClient(e.rdb)
-	e.dc = e.d.NewClient() // one shared Redis: accepted enqueues take one round trip
+	e.dc = e.d.NewClient()      // one shared Redis: accepted enqueues take one round trip
 	e.wc = e.d.WrapClient(e.ac) // the lock, then asynq's enqueue: what NewClient does with another asynq
 	e.insp = asynq.NewInspectorFromRedisClient(e.rdb)
 	return e, nil
