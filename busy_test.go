@@ -188,7 +188,7 @@ func TestBusyLastAttemptCopyKeepsItsPerCallKey(t *testing.T) {
 			}
 			tr := newKeyTracker(func(*asynq.Task) string { return "the key" }, 2)
 			h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4 })
-			t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+			t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 			first := waitFor(t, tr.starts, "the key's first run")
 			if first.id != b.ID {
 				t.Fatalf("first run %s (seq %d), want the key's holder %s", first.id, first.seq, b.ID)
@@ -501,7 +501,7 @@ func TestBusyBehindItsOwnGivenUpHandlerIsRetriedWhateverThePolicy(t *testing.T) 
 				// waits for its retry (an enqueue folds into it), free for the
 				// next enqueue once it is archived.
 				finish()
-				eventually(t, "the handler's end settled", func() bool { return h.d.Stats().Held >= 1 })
+				h.settled(1) // the handler's end
 				res, err := h.d.NewClient().Submit(context.Background(), counterTask("k", 2, 2), asynq.Queue(h.queue))
 				switch {
 				case err != nil:

@@ -1149,7 +1149,7 @@ func TestCallerIDShapedLikeAnOldLibraryIDIsTheCallers(t *testing.T) {
 	}
 	tr := newKeyTracker(counterKeyOf, 1)
 	h.serve(tr.handler(nil), nil)
-	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 	waitFor(t, tr.starts, "key b runs")
 	if l, found, err := h.d.Lookup(ctx, counterTask("b", 1, 1), asynq.Queue(h.queue)); err != nil || !found || l.State != "running" {
 		t.Errorf("key b's lock while its task runs: %+v found=%v err=%v, want running", l, found, err)

@@ -322,16 +322,23 @@ func (tr *keyTracker) overlapsSeen() []string {
 	return append([]string(nil), tr.overlaps...)
 }
 
-// noSecondStart fails the test if another run starts within window (while
-// the first is held).
-func (tr *keyTracker) noSecondStart(t *testing.T, first keyRun, window time.Duration, why string) {
+// noSecondStart fails the test if another run of the key starts while
+// first runs (its handler blocked): it waits until asynq has answered
+// every other task of h's queue that could run (none pending, none active
+// but first), so the middleware has decided each.
+func (tr *keyTracker) noSecondStart(t *testing.T, h *harness, first keyRun, why string) {
 	t.Helper()
-	select {
-	case r := <-tr.starts:
-		t.Errorf("%s: %s (seq %d, retry %d) started while %s (seq %d) was still running; overlaps: %v",
-			why, r.id, r.seq, r.retry, first.id, first.seq, tr.overlapsSeen())
-	case <-time.After(window):
-	}
+	eventually(t, "every other task of the queue answered while "+first.id+" runs", func() bool {
+		select {
+		case r := <-tr.starts:
+			t.Errorf("%s: %s (seq %d, retry %d) started while %s (seq %d) was still running; overlaps: %v",
+				why, r.id, r.seq, r.retry, first.id, first.seq, tr.overlapsSeen())
+			return true
+		default:
+		}
+		qi, err := h.insp.GetQueueInfo(h.queue)
+		return err == nil && qi.Pending == 0 && qi.Active <= 1
+	})
 }
 
 // taskStateName names a task's asynq state ("gone" when asynq has no record).

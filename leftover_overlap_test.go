@@ -90,13 +90,13 @@ func TestLeftoverOfAShutdownRequeueLeavesTheRunningAttemptsLock(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = d2.Close() })
 	started2, hold2 := make(chan string, 4), make(chan struct{})
-	t.Cleanup(func() { close(hold2) })
 	serveRaw(t, h.rdb, h.queue, d2.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
 		id, _ := asynq.GetTaskID(ctx)
 		started2 <- id
 		<-hold2
 		return nil
 	})), func(c *asynq.Config) { c.Concurrency = 1 })
+	t.Cleanup(func() { close(hold2) }) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 	if id := waitFor(t, started2, "A on server 2"); id != a.ID {
 		t.Fatalf("server 2 ran %s, want %s", id, a.ID)
 	}

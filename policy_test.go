@@ -731,7 +731,7 @@ func TestDeferWithCallerIDsAndARetry(t *testing.T) {
 		}
 		return nil
 	}), nil)
-	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 	idA, idB, idC := "a-"+uniq(t), "b-"+uniq(t), "c-"+uniq(t)
 	if _, err := h.client.Submit(ctx, counterTask("k", 1, 1), q, asynq.TaskID(idA)); err != nil {
 		t.Fatal(err)
@@ -832,13 +832,13 @@ func TestDeferFollowUpMadeDuringADirectTasksRunGetsTheKey(t *testing.T) {
 			h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
 			ctx := context.Background()
 			tr := newKeyTracker(counterKeyOf, 1)
-			t.Cleanup(tr.openAll)
 			serveWith(t, h.rdb, h.d, h.queue, tr.handler(func(r keyRun) error {
 				if r.seq == 1 {
 					return tc.end
 				}
 				return nil
 			}), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+			t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 			a := h.enqueue(counterTask("k", 1, 1))
 			requirePlainID(t, a.ID)
 			key := h.keyOf(counterTask("k", 1, 1), h.queue)

@@ -37,7 +37,7 @@ func TestReleasedNewClientHolderTakesOrGivesWay(t *testing.T) {
 		h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
 		t.Cleanup(tr.openAll)
 		first := waitFor(t, tr.starts, "the key's first run")
-		tr.noSecondStart(t, first, 3*time.Second, "tasks "+a.ID+" and "+b.ID+" of one key")
+		tr.noSecondStart(t, h, first, "tasks "+a.ID+" and "+b.ID+" of one key")
 	})
 }
 
@@ -77,9 +77,9 @@ func TestForcedReleaseKeepsACallerIDHolderOnItsKey(t *testing.T) {
 	}
 	tr := newKeyTracker(func(*asynq.Task) string { return "tenant-7" }, 1, 2)
 	h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4 })
-	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 	first := waitFor(t, tr.starts, "the key's first run")
-	tr.noSecondStart(t, first, 3*time.Second, fmt.Sprintf("tasks %s and %s of key tenant-7", a.ID, b.ID))
+	tr.noSecondStart(t, h, first, fmt.Sprintf("tasks %s and %s of key tenant-7", a.ID, b.ID))
 }
 
 // README: Release "deletes the lock with its index key and MaxPending
@@ -137,7 +137,7 @@ func TestForcedReleaseDuringARetryWaitStillRunsTheNewest(t *testing.T) {
 	}), func(c *asynq.Config) {
 		c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return 2 * time.Second }
 	})
-	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 	holder := h.enqueue(counterTask("k", 1, 1))
 	waitFor(t, tr.starts, "the holder runs")
 	res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))

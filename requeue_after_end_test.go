@@ -188,8 +188,8 @@ func TestArchivedWaitingTaskRunAgainNeverRunsBesideTheNewHolder(t *testing.T) {
 	}
 	b := h.enqueue(counterTask("k", 1, 2)) // heals: A is archived
 	tr := newKeyTracker(counterKeyOf, 1, 2)
-	t.Cleanup(tr.openAll)
 	serveWith(t, h.rdb, h.d, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 	first := waitFor(t, tr.starts, "B runs")
 	if first.id != b.ID {
 		t.Fatalf("first run %s, want B %s", first.id, b.ID)
@@ -197,7 +197,7 @@ func TestArchivedWaitingTaskRunAgainNeverRunsBesideTheNewHolder(t *testing.T) {
 	if err := h.insp.RunTask(h.queue, a.ID); err != nil {
 		t.Fatal(err)
 	}
-	tr.noSecondStart(t, first, 3*time.Second, "archived task "+a.ID+" run again by an operator while "+b.ID+" holds its key")
+	tr.noSecondStart(t, h, first, "archived task "+a.ID+" run again by an operator while "+b.ID+" holds its key")
 }
 
 // The same, through asynq's own archiving: a first attempt that ends for
@@ -219,7 +219,6 @@ func TestTaskArchivedOnItsFirstAttemptRunAgainNeverRunsBesideTheNewHolder(t *tes
 			h := newDirectHarness(t, Rule{})
 			ctx := context.Background()
 			tr := newKeyTracker(counterKeyOf, 2)
-			t.Cleanup(tr.openAll)
 			serveWith(t, h.rdb, h.d, h.queue, tr.handler(func(r keyRun) error {
 				if r.seq == 1 && r.retry == 0 && r.id != "" {
 					if n, _ := h.rdb.Get(ctx, h.prefix+":a9:ran:"+r.id).Int(); n == 0 {
@@ -229,6 +228,7 @@ func TestTaskArchivedOnItsFirstAttemptRunAgainNeverRunsBesideTheNewHolder(t *tes
 				}
 				return nil
 			}), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+			t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 			a := h.enqueue(counterTask("k", 1, 1), tc.opts...)
 			requirePlainID(t, a.ID)
 			waitFor(t, tr.starts, "A's first attempt")
@@ -245,7 +245,7 @@ func TestTaskArchivedOnItsFirstAttemptRunAgainNeverRunsBesideTheNewHolder(t *tes
 			if err := h.insp.RunTask(h.queue, a.ID); err != nil {
 				t.Fatal(err)
 			}
-			tr.noSecondStart(t, first, 3*time.Second, "archived task "+a.ID+" run again while "+b.ID+" runs")
+			tr.noSecondStart(t, h, first, "archived task "+a.ID+" run again while "+b.ID+" runs")
 		})
 	}
 }
@@ -287,8 +287,8 @@ func TestReleasedRunningHolderRequeuedByShutdownNeverRunsBesideTheNewHolder(t *t
 	}
 	t.Cleanup(func() { _ = d2.Close() })
 	tr := newKeyTracker(counterKeyOf, 1, 2)
-	t.Cleanup(tr.openAll)
 	serveWith(t, h.rdb, d2, h.queue, tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 	first := waitFor(t, tr.starts, "the key's first run on server 2")
-	tr.noSecondStart(t, first, 3*time.Second, "released holder "+a.ID+" and "+b.ID+", which took the key since")
+	tr.noSecondStart(t, h, first, "released holder "+a.ID+" and "+b.ID+", which took the key since")
 }

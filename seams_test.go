@@ -853,7 +853,7 @@ func TestServerWithAnotherPrefixHandsTheFollowUpOver(t *testing.T) {
 	t.Cleanup(func() { _ = ds.Close() })
 	tr := newKeyTracker(counterKeyOf, 1)
 	serveWith(t, h.rdb, ds, h.queue, tr.handler(nil), nil)
-	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 	holder := h.enqueue(counterTask("k", 1, 1))
 	waitFor(t, tr.starts, "the holder runs")
 	res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
@@ -894,7 +894,7 @@ func TestRunNowOnAFollowUpKeepsTheNewestPayload(t *testing.T) {
 			ctx := context.Background()
 			tr := newKeyTracker(counterKeyOf, 1)
 			h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 2 })
-			t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+			t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 			h.enqueue(counterTask("k", 1, 1))
 			waitFor(t, tr.starts, "the holder runs")
 			res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
@@ -988,7 +988,7 @@ func TestRunNowOnARetryingHolderThenItsFollowUp(t *testing.T) {
 		}
 		return nil
 	}), retryInAnHour)
-	t.Cleanup(tr.openAll) // (before the server shuts down: cleanups run last first)
+	t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
 	holder := h.enqueue(counterTask("k", 1, 1))
 	waitFor(t, tr.starts, "the holder runs")
 	res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
