@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -57,6 +58,52 @@ func TestLookupFindsTheLockByTypeAndKey(t *testing.T) {
 	}
 	f.fail(exitError, "no lock: the key is free", "", "lookup", "--type", "email:welcome", "--field", "user_id=43", "--field", "tenant.id=t7", "--queue", f.qa)
 	f.fail(exitError, "no lock: the key is free", "", "lookup", "--type", "email:welcome", "--field", "user_id=\"42\"", "--field", "tenant.id=t7", "--queue", f.qa)
+}
+
+// Without --queue, lookup looks in every queue asynq knows: it finds a lock
+// held in a queue other than default, says in which queues it found the
+// key's locks, shows each, and says where it looked when the key is free.
+func TestLookupWithoutQueueFindsTheLockInAnyQueue(t *testing.T) {
+	f := newFixture(t, dedup.Config{})
+	a := f.enqueue(f.qa, "email:welcome", 42)
+	lookup := []string{"lookup", "--type", "email:welcome", "--field", "user_id=42"}
+	r := f.ok(lookup...)
+	for _, want := range []string{"found in 1 of ", " queues searched: " + f.qa + "\n\nkey ",
+		"queue            " + f.qa + "\n", "owner            " + a.ID + "\n"} {
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("lookup of a lock in queue %s lacks %q:\n%s", f.qa, want, r.stdout)
+		}
+	}
+	// The same key in a second queue is a lock of its own: both are shown.
+	b := f.enqueue(f.qb, "email:welcome", 42)
+	r = f.ok(lookup...)
+	if want := "found in 2 of "; !strings.Contains(r.stdout, want) || !strings.Contains(r.stdout, " queues searched: "+f.qa+", "+f.qb+"\n") {
+		t.Errorf("lookup of the key's locks in %s and %s:\n%s", f.qa, f.qb, r.stdout)
+	}
+	for _, id := range []string{a.ID, b.ID} {
+		if !strings.Contains(r.stdout, "owner            "+id+"\n") {
+			t.Errorf("lookup lacks the lock owned by %s:\n%s", id, r.stdout)
+		}
+	}
+	o := decode[lookupOutput](t, f.ok(append([]string{"--json"}, lookup...)...))
+	if len(o.Locks) != 2 || o.Locks[0].Queue != f.qa || o.Locks[0].Owner != a.ID || o.Locks[1].Queue != f.qb || o.Locks[1].Owner != b.ID {
+		t.Errorf("lookup --json: %+v", o.Locks)
+	}
+	for _, q := range []string{f.qa, f.qb, "default"} {
+		if !slices.Contains(o.Searched, q) {
+			t.Errorf("lookup --json: searched %v, not %s", o.Searched, q)
+		}
+	}
+	// --queue narrows the search to that queue, and prints the lock as show does.
+	r = f.ok(append(lookup, "--queue", f.qb)...)
+	if !strings.HasPrefix(r.stdout, "key ") || !strings.Contains(r.stdout, "owner            "+b.ID+"\n") || strings.Contains(r.stdout, a.ID) {
+		t.Errorf("lookup --queue %s:\n%s", f.qb, r.stdout)
+	}
+	r = f.fail(exitError, "no lock: the key is free in every queue (", "", "lookup", "--type", "email:welcome", "--field", "user_id=43")
+	if !strings.Contains(r.stderr, f.qa) || !strings.Contains(r.stderr, "default") {
+		t.Errorf("a free key's lookup does not say where it looked: %s", r.stderr)
+	}
+	f.fail(exitError, "no lock: the key is free in queue "+f.qa, "", "lookup", "--type", "email:welcome", "--field", "user_id=43", "--queue", f.qa)
 }
 
 // A plain lock (a key whose policy acts only at enqueue) has no mode

@@ -52,12 +52,21 @@ func taskQueues(ctx context.Context, src Source, task, queue string) ([]string, 
 	if queue != "" {
 		return []string{queue}, nil
 	}
-	all, err := bounded(ctx, asynq.NewInspectorFromRedisClient(src.RDB).Queues)
+	all, err := AsynqQueues(ctx, src)
 	if err != nil {
-		return nil, fmt.Errorf("list asynq queues: %w", err)
+		return nil, err
 	}
 	if len(all) == 0 {
 		return nil, fmt.Errorf("no lock for task %q: asynq knows no queues (pass --queue)", task)
+	}
+	return all, nil
+}
+
+// AsynqQueues lists the queues asynq knows, sorted.
+func AsynqQueues(ctx context.Context, src Source) ([]string, error) {
+	all, err := bounded(ctx, asynq.NewInspectorFromRedisClient(src.RDB).Queues)
+	if err != nil {
+		return nil, fmt.Errorf("list asynq queues: %w", err)
 	}
 	sort.Strings(all)
 	return all, nil

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"strings"
 
 	"github.com/asynq-dedup/dedup"
@@ -74,12 +75,62 @@ func (f *KeySpec) Task() (*asynq.Task, []asynq.Option, error) {
 // LockKey finds, through Dedup.Lookup, the lock key task would take with
 // opts; "" when the key is free.
 func LockKey(ctx context.Context, rdb redis.UniversalClient, prefix string, hashKey []byte, task *asynq.Task, opts []asynq.Option) (string, error) {
-	d, err := dedup.New(ctx, rdb, dedup.Config{Prefix: prefix, HashKey: hashKey, ConnectAttempts: 1,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	d, err := lookupDedup(ctx, rdb, prefix, hashKey)
 	if err != nil {
 		return "", err
 	}
 	defer d.Close()
+	return lookupKey(ctx, d, task, opts)
+}
+
+// KeyLocks are the locks of one key that FindKeyLocks found.
+type KeyLocks struct {
+	Searched []string // the queues looked in, sorted
+	Keys     []string // the lock keys found, in the order of Searched
+}
+
+// FindKeyLocks finds, through Dedup.Lookup, the locks task would take with
+// opts: in queue, or, for "", in each queue asynq knows and "default" (the
+// key is the same in each queue, its lock the queue's own).
+func FindKeyLocks(ctx context.Context, src Source, prefix string, hashKey []byte, task *asynq.Task, opts []asynq.Option, queue string) (*KeyLocks, error) {
+	out := &KeyLocks{Searched: []string{queue}}
+	if queue == "" {
+		all, err := AsynqQueues(ctx, src)
+		if err != nil {
+			return nil, err
+		}
+		if !slices.Contains(all, "default") {
+			all = append(all, "default")
+			slices.Sort(all)
+		}
+		out.Searched = all
+	}
+	d, err := lookupDedup(ctx, src.RDB, prefix, hashKey)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	for _, q := range out.Searched {
+		key, err := lookupKey(ctx, d, task, append(slices.Clip(opts), asynq.Queue(q))) // the last asynq.Queue wins
+		if err != nil {
+			return nil, err
+		}
+		if key != "" {
+			out.Keys = append(out.Keys, key)
+		}
+	}
+	return out, nil
+}
+
+// lookupDedup is a Dedup to look keys up with: it takes no lock.
+func lookupDedup(ctx context.Context, rdb redis.UniversalClient, prefix string, hashKey []byte) (*dedup.Dedup, error) {
+	return dedup.New(ctx, rdb, dedup.Config{Prefix: prefix, HashKey: hashKey, ConnectAttempts: 1,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+}
+
+// lookupKey is the key of the lock task would take with opts, through
+// d.Lookup; "" when the key is free.
+func lookupKey(ctx context.Context, d *dedup.Dedup, task *asynq.Task, opts []asynq.Option) (string, error) {
 	kl, found, err := d.Lookup(ctx, task, opts...)
 	if errors.Is(err, dedup.ErrInvalidPayload) || errors.Is(err, dedup.ErrInvalidOption) {
 		return "", Usagef("%v", err) // what CheckFields cannot see (a number out of range)
