@@ -5,13 +5,11 @@ import (
 	"net/http"
 	"net/url"
 	"sort"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/asynq-dedup/dedup"
 	"github.com/asynq-dedup/dedup/internal/lockview"
-	"github.com/asynq-dedup/dedup/internal/store"
 )
 
 // base is what every page shows: where it is mounted and what it may do.
@@ -160,7 +158,6 @@ type lockView struct {
 	CooldownLeft string
 	Payload      string
 	ShowPayload  bool
-	RawFields    [][2]string
 }
 
 func (h *Handler) lock(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
@@ -187,20 +184,10 @@ func (h *Handler) showLock(ctx context.Context, w http.ResponseWriter, t *lockvi
 		c := time.Unix(l.Created, 0).UTC()
 		v.Created, v.Age = c.Format(time.RFC3339), lockview.FmtDuration(now.Sub(c))
 	}
-	if ms, err := strconv.ParseInt(l.Fields[store.FieldCoolEnd], 10, 64); err == nil {
-		if left := time.UnixMilli(ms).Sub(now); left > 0 {
-			v.CooldownLeft = lockview.FmtDuration(left)
-		} else {
-			v.CooldownLeft = "over"
-		}
-	}
+	v.CooldownLeft = lockview.CooldownLeft(l, now)
 	if h.opts.PayloadFormatter != nil && d.OwnerTask.Exists {
 		v.ShowPayload, v.Payload = true, h.opts.PayloadFormatter.FormatPayload(d.OwnerTask.Type, d.OwnerTask.Payload)
 	}
-	for k, val := range l.Fields {
-		v.RawFields = append(v.RawFields, [2]string{k, val})
-	}
-	sort.Slice(v.RawFields, func(i, j int) bool { return v.RawFields[i][0] < v.RawFields[j][0] })
 	return h.render(w, http.StatusOK, "lock", v)
 }
 

@@ -318,6 +318,20 @@ func holdNote(l *Info) string {
 	return ""
 }
 
+// CooldownLeft says how long the key's cooldown has left at now, or "over";
+// "" for a key without one. A key cools down until then if its task
+// succeeds (Cooldown, Period).
+func CooldownLeft(l *Info, now time.Time) string {
+	ms, err := strconv.ParseInt(l.Fields[store.FieldCoolEnd], 10, 64)
+	if err != nil {
+		return ""
+	}
+	if left := time.UnixMilli(ms).Sub(now); left > 0 {
+		return FmtDuration(left)
+	}
+	return "over"
+}
+
 // runningPolicy says a running policy in words; "" for the default
 // (reject: a duplicate enqueued while the holder runs is refused).
 func runningPolicy(rp store.Running) string {
