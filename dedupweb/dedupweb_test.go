@@ -106,6 +106,40 @@ func TestSearchFindsAUsersLock(t *testing.T) {
 	}
 }
 
+// Search by type and key without a queue looks in every queue, as dedupctl
+// lookup does: a lock held in a queue other than default opens; a key with
+// a lock in several queues lists each; a free key says where it looked.
+func TestSearchWithoutQueueFindsTheLockInAnyQueue(t *testing.T) {
+	w := webtest.New(t)
+	a := w.Enqueue(w.QA, "email:welcome", 42)
+	srv := w.Serve(dedupweb.Options{})
+	search := srv.URL + "/search?" + url.Values{"type": {"email:welcome"}, "field": {"user_id=42"}}.Encode()
+	resp, err := noRedirect.Get(search)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	lockPath := "/lock?" + url.Values{"key": {w.LockOf(a)}}.Encode()
+	if resp.StatusCode != http.StatusSeeOther || resp.Header.Get("Location") != lockPath {
+		t.Errorf("search of a lock in queue %s: %d to %q, want 303 to %q", w.QA, resp.StatusCode, resp.Header.Get("Location"), lockPath)
+	}
+	b := w.Enqueue(w.QB, "email:welcome", 42)
+	code, body := get(t, http.DefaultClient, search)
+	if code != http.StatusOK || !strings.Contains(body, `<p id="found">The key has a lock in each of 2 queues:</p>`) {
+		t.Errorf("search of a key with a lock in %s and %s: %d\n%s", w.QA, w.QB, code, body)
+	}
+	for _, info := range []*asynq.TaskInfo{a, b} {
+		href := `href="/lock?` + url.Values{"key": {w.LockOf(info)}}.Encode() + `"`
+		if !strings.Contains(body, href) {
+			t.Errorf("search lists no link %s:\n%s", href, body)
+		}
+	}
+	code, body = get(t, http.DefaultClient, srv.URL+"/search?"+url.Values{"type": {"email:welcome"}, "field": {"user_id=43"}}.Encode())
+	if code != http.StatusNotFound || !strings.Contains(body, "no lock: the key is free in every queue (") || !strings.Contains(body, w.QA) {
+		t.Errorf("search of a free key in every queue: %d\n%s", code, body)
+	}
+}
+
 // A lock's page shows its holder with the holder's state in asynq (linked
 // to asynqmon), folds, age, TTL and, for a key with modes (here a failure
 // hold), the key form by field names and the policy; never the payload

@@ -73,8 +73,8 @@ func runLookup(a *app, f *lockview.KeySpec, hashKeyEnv string) error {
 		if err != nil {
 			return err
 		}
-		if len(found.Keys) == 0 {
-			return noKeyLock(found.Searched)
+		if err := found.Err(); err != nil {
+			return err
 		}
 		out := lookupOutput{Searched: found.Searched}
 		for _, key := range found.Keys {
@@ -123,16 +123,4 @@ func printLookup(a *app, out lookupOutput, oneQueue bool) error {
 		printShow(a.stdout, l, now)
 	}
 	return nil
-}
-
-// noKeyLock says the key is free in every queue searched.
-func noKeyLock(searched []string) error {
-	if len(searched) == 1 {
-		return fmt.Errorf("no lock: the key is free in queue %s", text(searched[0]))
-	}
-	quoted := make([]string, len(searched))
-	for i, q := range searched {
-		quoted[i] = text(q)
-	}
-	return fmt.Errorf("no lock: the key is free in every queue (%d searched: %s)", len(searched), strings.Join(quoted, ", "))
 }

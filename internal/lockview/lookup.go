@@ -8,7 +8,9 @@ import (
 	"io"
 	"log/slog"
 	"slices"
+	"strconv"
 	"strings"
+	"unicode"
 
 	"github.com/asynq-dedup/dedup"
 	"github.com/asynq-dedup/dedup/internal/jsonkey"
@@ -72,21 +74,36 @@ func (f *KeySpec) Task() (*asynq.Task, []asynq.Option, error) {
 	return asynq.NewTask(f.Type, payload), append(opts, dedup.Fields(paths...)), err
 }
 
-// LockKey finds, through Dedup.Lookup, the lock key task would take with
-// opts; "" when the key is free.
-func LockKey(ctx context.Context, rdb redis.UniversalClient, prefix string, hashKey []byte, task *asynq.Task, opts []asynq.Option) (string, error) {
-	d, err := lookupDedup(ctx, rdb, prefix, hashKey)
-	if err != nil {
-		return "", err
-	}
-	defer d.Close()
-	return lookupKey(ctx, d, task, opts)
-}
-
 // KeyLocks are the locks of one key that FindKeyLocks found.
 type KeyLocks struct {
 	Searched []string // the queues looked in, sorted
 	Keys     []string // the lock keys found, in the order of Searched
+}
+
+// Err says, when no lock was found, that the key is free in the queues
+// searched; nil when one was.
+func (k *KeyLocks) Err() error {
+	switch {
+	case len(k.Keys) > 0:
+		return nil
+	case len(k.Searched) == 1:
+		return fmt.Errorf("no lock: the key is free in queue %s", Printable(k.Searched[0]))
+	}
+	names := make([]string, len(k.Searched))
+	for i, q := range k.Searched {
+		names[i] = Printable(q)
+	}
+	return fmt.Errorf("no lock: the key is free in every queue (%d searched: %s)", len(names), strings.Join(names, ", "))
+}
+
+// Printable is a name read from Redis (a type, a queue, an ID, a key) as
+// one visible token: with a control character (a newline, a tab) it is
+// quoted, so that it can neither forge lines nor columns.
+func Printable(s string) string {
+	if strings.IndexFunc(s, func(r rune) bool { return !unicode.IsPrint(r) }) >= 0 {
+		return strconv.Quote(s)
+	}
+	return s
 }
 
 // FindKeyLocks finds, through Dedup.Lookup, the locks task would take with
