@@ -390,6 +390,7 @@ type purgeRuns struct {
 	ran     chan<- purgeRun
 }
 
+// Handle sends the firing of a purge the replica ran, then passes r on.
 func (h purgeRuns) Handle(ctx context.Context, r slog.Record) error {
 	if r.Message == "task done" {
 		r.Attrs(func(a slog.Attr) bool {
@@ -405,10 +406,12 @@ func (h purgeRuns) Handle(ctx context.Context, r slog.Record) error {
 	return h.Handler.Handle(ctx, r)
 }
 
+// WithAttrs keeps the handler a purgeRuns.
 func (h purgeRuns) WithAttrs(as []slog.Attr) slog.Handler {
 	return purgeRuns{h.Handler.WithAttrs(as), h.replica, h.ran}
 }
 
+// WithGroup keeps the handler a purgeRuns.
 func (h purgeRuns) WithGroup(name string) slog.Handler {
 	return purgeRuns{h.Handler.WithGroup(name), h.replica, h.ran}
 }
