@@ -106,6 +106,40 @@ func TestSearchFindsAUsersLock(t *testing.T) {
 	}
 }
 
+// Search by type and key without a queue looks in every queue, as dedupctl
+// lookup does: a lock held in a queue other than default opens; a key with
+// a lock in several queues lists each; a free key says where it looked.
+func TestSearchWithoutQueueFindsTheLockInAnyQueue(t *testing.T) {
+	w := webtest.New(t)
+	a := w.Enqueue(w.QA, "email:welcome", 42)
+	srv := w.Serve(dedupweb.Options{})
+	search := srv.URL + "/search?" + url.Values{"type": {"email:welcome"}, "field": {"user_id=42"}}.Encode()
+	resp, err := noRedirect.Get(search)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	lockPath := "/lock?" + url.Values{"key": {w.LockOf(a)}}.Encode()
+	if resp.StatusCode != http.StatusSeeOther || resp.Header.Get("Location") != lockPath {
+		t.Errorf("search of a lock in queue %s: %d to %q, want 303 to %q", w.QA, resp.StatusCode, resp.Header.Get("Location"), lockPath)
+	}
+	b := w.Enqueue(w.QB, "email:welcome", 42)
+	code, body := get(t, http.DefaultClient, search)
+	if code != http.StatusOK || !strings.Contains(body, `<p id="found">The key has a lock in each of 2 queues:</p>`) {
+		t.Errorf("search of a key with a lock in %s and %s: %d\n%s", w.QA, w.QB, code, body)
+	}
+	for _, info := range []*asynq.TaskInfo{a, b} {
+		href := `href="/lock?` + url.Values{"key": {w.LockOf(info)}}.Encode() + `"`
+		if !strings.Contains(body, href) {
+			t.Errorf("search lists no link %s:\n%s", href, body)
+		}
+	}
+	code, body = get(t, http.DefaultClient, srv.URL+"/search?"+url.Values{"type": {"email:welcome"}, "field": {"user_id=43"}}.Encode())
+	if code != http.StatusNotFound || !strings.Contains(body, "no lock: the key is free in every queue (") || !strings.Contains(body, w.QA) {
+		t.Errorf("search of a free key in every queue: %d\n%s", code, body)
+	}
+}
+
 // A lock's page shows its holder with the holder's state in asynq (linked
 // to asynqmon), folds, age, TTL and, for a key with modes (here a failure
 // hold), the key form by field names and the policy; never the payload
@@ -436,25 +470,43 @@ func TestDoctorFixLeavesHoldsAlone(t *testing.T) {
 	}
 }
 
-// A lock's page says its running policy in words, never the mode record's
-// code for it.
-func TestLockPageSaysTheRunningPolicyInWords(t *testing.T) {
+// A lock's page prints the key's policies in words only: what it does
+// while its task runs, a cooldown, a failure hold, a period's window, the
+// waiting set; never the mode record's codes.
+func TestLockPagePrintsPoliciesInWordsOnly(t *testing.T) {
 	w := webtest.NewWithRules(t, map[string]dedup.Rule{
-		"report:build": {Fields: []string{"user_id"}, OnRunning: dedup.RunningDefer, OnConflict: dedup.Replace},
-		"report:live":  {Fields: []string{"user_id"}, OnRunning: dedup.RunningAllow},
+		"report:build":  {Fields: []string{"user_id"}, OnRunning: dedup.RunningDefer, OnConflict: dedup.Replace},
+		"report:live":   {Fields: []string{"user_id"}, OnRunning: dedup.RunningAllow},
+		"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour},
+		"crm:sync":      {Fields: []string{"user_id"}, OnFailure: dedup.FailHoldUntilReleased, MaxPending: 3},
+		"stats:daily":   {Fields: []string{"user_id"}, Period: 24 * time.Hour},
 	})
 	srv := w.Serve(dedupweb.Options{})
-	for typ, want := range map[string]string{
-		"report:build": "<dt>running policy</dt><dd>defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends</dd>",
-		"report:live":  "<dt>running policy</dt><dd>allow: the key frees when its task starts, so a duplicate enqueued while it runs is a new task</dd>",
+	for typ, want := range map[string][]string{
+		"report:build":  {"<dt>while running</dt><dd>defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends</dd>"},
+		"report:live":   {"<dt>while running</dt><dd>allow: the key frees when its task starts, so a duplicate enqueued while it runs is a new task</dd>"},
+		"digest:weekly": {"<dt>cooldown left</dt><dd>59m"},
+		"crm:sync":      {"<dt>on failure</dt><dd>hold until released</dd>", "<dt>waiting set</dt>"},
+		"stats:daily":   {"<dt>window</dt><dd>"},
 	} {
 		info := w.Enqueue(w.QA, typ, 1)
-		_, body := get(t, http.DefaultClient, srv.URL+"/lock?"+url.Values{"key": {w.LockOf(info)}}.Encode())
-		if !strings.Contains(body, want) {
-			t.Errorf("%s lock page lacks %q", typ, want)
+		fields, err := w.RDB.HGetAll(context.Background(), store.ModeOf(w.LockOf(info))).Result()
+		if err != nil || len(fields) == 0 {
+			t.Fatalf("%s: no mode record to print (%v)", typ, err)
 		}
-		if regexp.MustCompile(`running policy</dt><dd>[^<]*\([ad]\)`).MatchString(body) {
-			t.Errorf("%s lock page shows the policy's code", typ)
+		_, body := get(t, http.DefaultClient, srv.URL+"/lock?"+url.Values{"key": {w.LockOf(info)}}.Encode())
+		for _, s := range want {
+			if !strings.Contains(body, s) {
+				t.Errorf("%s lock page lacks %q", typ, s)
+			}
+		}
+		for k := range fields {
+			if strings.Contains(body, `<td class="mono">`+k+"</td>") {
+				t.Errorf("%s lock page prints the mode record's field %s", typ, k)
+			}
+		}
+		if regexp.MustCompile(`running policy|Raw fields|\([ad]\)`).MatchString(body) {
+			t.Errorf("%s lock page prints a policy's code:\n%s", typ, body)
 		}
 	}
 }

@@ -5,13 +5,11 @@ import (
 	"net/http"
 	"net/url"
 	"sort"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/asynq-dedup/dedup"
 	"github.com/asynq-dedup/dedup/internal/lockview"
-	"github.com/asynq-dedup/dedup/internal/store"
 )
 
 // base is what every page shows: where it is mounted and what it may do.
@@ -160,7 +158,6 @@ type lockView struct {
 	CooldownLeft string
 	Payload      string
 	ShowPayload  bool
-	RawFields    [][2]string
 }
 
 func (h *Handler) lock(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
@@ -187,51 +184,49 @@ func (h *Handler) showLock(ctx context.Context, w http.ResponseWriter, t *lockvi
 		c := time.Unix(l.Created, 0).UTC()
 		v.Created, v.Age = c.Format(time.RFC3339), lockview.FmtDuration(now.Sub(c))
 	}
-	if ms, err := strconv.ParseInt(l.Fields[store.FieldCoolEnd], 10, 64); err == nil {
-		if left := time.UnixMilli(ms).Sub(now); left > 0 {
-			v.CooldownLeft = lockview.FmtDuration(left)
-		} else {
-			v.CooldownLeft = "over"
-		}
-	}
+	v.CooldownLeft = lockview.CooldownLeft(l, now)
 	if h.opts.PayloadFormatter != nil && d.OwnerTask.Exists {
 		v.ShowPayload, v.Payload = true, h.opts.PayloadFormatter.FormatPayload(d.OwnerTask.Type, d.OwnerTask.Payload)
 	}
-	for k, val := range l.Fields {
-		v.RawFields = append(v.RawFields, [2]string{k, val})
-	}
-	sort.Slice(v.RawFields, func(i, j int) bool { return v.RawFields[i][0] < v.RawFields[j][0] })
 	return h.render(w, http.StatusOK, "lock", v)
 }
 
-// searchView is the search page, with the last query and what went wrong.
+// searchView is the search page, with the last query and what went wrong,
+// or the locks a key has in several queues.
 type searchView struct {
 	base
 	Q     url.Values
 	Error string
+	Found []string // lock keys
 }
 
 // search finds a lock by lock key, by task ID, or by type and key (as
-// dedupctl lookup), and shows it; without a query it shows the forms.
+// dedupctl lookup), and shows it; a key with a lock in several queues
+// lists them; without a query it shows the forms.
 func (h *Handler) search(ctx context.Context, w http.ResponseWriter, r *http.Request) error {
 	q := r.URL.Query()
 	v := searchView{base: h.base("Search"), Q: q}
 	var (
-		t   *lockview.Target
-		err error
+		keys []string
+		err  error
 	)
 	switch {
 	case strings.TrimSpace(q.Get("lock")) != "":
-		t, err = lockview.ByKey(h.opts.Prefix, strings.TrimSpace(q.Get("lock")))
+		keys, err = keyOf(lockview.ByKey(h.opts.Prefix, strings.TrimSpace(q.Get("lock"))))
 	case strings.TrimSpace(q.Get("task")) != "":
-		t, err = lockview.ByTask(ctx, h.src, h.opts.Prefix, strings.TrimSpace(q.Get("task")), strings.TrimSpace(q.Get("queue")))
+		keys, err = keyOf(lockview.ByTask(ctx, h.src, h.opts.Prefix, strings.TrimSpace(q.Get("task")), strings.TrimSpace(q.Get("queue"))))
 	case strings.TrimSpace(q.Get("type")) != "":
-		t, err = h.byKeySpec(ctx, q)
+		keys, err = h.byKeySpec(ctx, q)
 	default:
 		return h.render(w, http.StatusOK, "search", v)
 	}
-	if err == nil {
-		http.Redirect(w, r, h.opts.RootPath+"/lock?"+url.Values{"key": {t.Key}}.Encode(), http.StatusSeeOther)
+	switch {
+	case err != nil:
+	case len(keys) > 1:
+		v.Found = keys
+		return h.render(w, http.StatusOK, "search", v)
+	default:
+		http.Redirect(w, r, h.opts.RootPath+"/lock?"+url.Values{"key": {keys[0]}}.Encode(), http.StatusSeeOther)
 		return nil
 	}
 	v.Error = err.Error()
@@ -242,8 +237,18 @@ func (h *Handler) search(ctx context.Context, w http.ResponseWriter, r *http.Req
 	return h.render(w, status, "search", v)
 }
 
-// byKeySpec finds the lock a task of the query's type and key would take.
-func (h *Handler) byKeySpec(ctx context.Context, q url.Values) (*lockview.Target, error) {
+// keyOf is the key of the lock t names, as a list of one.
+func keyOf(t *lockview.Target, err error) ([]string, error) {
+	if err != nil {
+		return nil, err
+	}
+	return []string{t.Key}, nil
+}
+
+// byKeySpec finds the locks a task of the query's type and key would take:
+// in the query's queue, else in every queue (as dedupctl lookup); at least
+// one, else an error.
+func (h *Handler) byKeySpec(ctx context.Context, q url.Values) ([]string, error) {
 	spec := lockview.KeySpec{Type: strings.TrimSpace(q.Get("type")), Payload: strings.TrimSpace(q.Get("payload")),
 		Fields: strings.TrimSpace(q.Get("fields")), Key: q.Get("key"), Shared: q.Get("shared") != "", Queue: strings.TrimSpace(q.Get("queue"))}
 	for _, v := range q["field"] {
@@ -257,14 +262,14 @@ func (h *Handler) byKeySpec(ctx context.Context, q url.Values) (*lockview.Target
 	if err != nil {
 		return nil, err
 	}
-	key, err := lockview.LockKey(ctx, h.rdb, h.opts.Prefix, h.opts.HashKey, task, opts)
+	found, err := lockview.FindKeyLocks(ctx, h.src, h.opts.Prefix, h.opts.HashKey, task, opts, spec.Queue)
 	if err != nil {
 		return nil, err
 	}
-	if key == "" {
-		return nil, &httpError{http.StatusNotFound, "no lock: the key is free"}
+	if err := found.Err(); err != nil {
+		return nil, &httpError{http.StatusNotFound, err.Error()}
 	}
-	return &lockview.Target{Key: key}, nil
+	return found.Keys, nil
 }
 
 // doctorView is the doctor's report.

@@ -5,10 +5,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"strconv"
 	"strings"
 	"text/tabwriter"
-	"unicode"
 
 	"github.com/asynq-dedup/dedup/internal/lockview"
 )
@@ -164,12 +162,7 @@ func orDash(s string) string {
 // text prints a name read from Redis (a type, an ID, a key) as one visible
 // token: with a control character (a newline, a tab) it is quoted, so that
 // it can neither forge lines nor columns.
-func text(s string) string {
-	if strings.IndexFunc(s, func(r rune) bool { return !unicode.IsPrint(r) }) >= 0 {
-		return strconv.Quote(s)
-	}
-	return s
-}
+func text(s string) string { return lockview.Printable(s) }
 
 func plural(n int, one, many string) string {
 	if n == 1 {

@@ -2,8 +2,8 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
+	"fmt"
 	"os"
 	"strings"
 	"time"
@@ -24,7 +24,9 @@ func lookupCommand() *command {
 		summary:  "the lock a task of type T with that key would take, found by its key (as Dedup.Lookup)",
 		help: `Finds a lock by what it is about: the task type and the key an enqueue of
 that task would choose, as Dedup.Lookup does, and shows it as show does.
-Exit status 1 with "no lock" when the key is free.
+Without --queue it looks in every queue asynq knows (and default), says in
+which it found a lock, and shows each. Exit status 1 with "no lock" when
+the key is free.
 
   --field PATH=VALUE   keys on these JSON paths (dedup.Fields), with the payload
                        made of them: a VALUE that is JSON (42, true, "42", {...})
@@ -45,7 +47,7 @@ environment variable named by --hash-key-env.`,
 			fs.StringVar(&f.Fields, "fields", "", "with --payload: comma-separated `paths` to key on")
 			fs.StringVar(&f.Key, "key", "", "an explicit `key`")
 			fs.BoolVar(&f.Shared, "shared", false, "with --key: a key shared across types (dedup.SharedKey)")
-			fs.StringVar(&f.Queue, "queue", "default", "the task's `queue`")
+			fs.StringVar(&f.Queue, "queue", "", "only the task's `queue` (default: every queue asynq knows)")
 			fs.StringVar(&hashKeyEnv, "hash-key-env", "", "environment variable `NAME` holding Config.HashKey")
 			return func(a *app, _ []string) error {
 				f.Field = []string(field)
@@ -67,26 +69,58 @@ func runLookup(a *app, f *lockview.KeySpec, hashKeyEnv string) error {
 		}
 	}
 	return a.withConn(func(ctx context.Context, c *conn) error {
-		key, err := lockview.LockKey(ctx, c.rdb, a.g.prefix, hashKey, task, opts)
+		found, err := lockview.FindKeyLocks(ctx, c.src(), a.g.prefix, hashKey, task, opts, f.Queue)
 		if err != nil {
 			return err
 		}
-		if key == "" {
-			return errors.New("no lock: the key is free")
-		}
-		t := &lockview.Target{Key: key}
-		l, err := lockview.ReadOne(ctx, c.src(), a.g.prefix, t)
-		if err != nil {
+		if err := found.Err(); err != nil {
 			return err
 		}
-		out, err := lockview.Describe(ctx, c.src(), a.g.prefix, l, t)
-		if err != nil {
-			return err
+		out := lookupOutput{Searched: found.Searched}
+		for _, key := range found.Keys {
+			t := &lockview.Target{Key: key}
+			l, err := lockview.ReadOne(ctx, c.src(), a.g.prefix, t)
+			if err != nil {
+				return err
+			}
+			d, err := lockview.Describe(ctx, c.src(), a.g.prefix, l, t)
+			if err != nil {
+				return err
+			}
+			out.Locks = append(out.Locks, d)
 		}
-		if a.g.json {
-			return writeJSON(a.stdout, out)
-		}
-		printShow(a.stdout, out, time.Now())
-		return nil
+		return printLookup(a, out, f.Queue != "")
 	})
+}
+
+// lookupOutput is what lookup found without --queue: the queues it
+// searched and the key's lock in each queue that holds one.
+type lookupOutput struct {
+	Searched []string      `json:"searched_queues"`
+	Locks    []*showOutput `json:"locks"`
+}
+
+// printLookup prints the locks found. With --queue (one queue) it prints
+// the lock as show does; else first where it found them.
+func printLookup(a *app, out lookupOutput, oneQueue bool) error {
+	switch {
+	case oneQueue && a.g.json:
+		return writeJSON(a.stdout, out.Locks[0])
+	case a.g.json:
+		return writeJSON(a.stdout, out)
+	case !oneQueue:
+		queues := make([]string, len(out.Locks))
+		for i, l := range out.Locks {
+			queues[i] = text(l.Queue)
+		}
+		fmt.Fprintf(a.stdout, "found in %d of %d queues searched: %s\n", len(out.Locks), len(out.Searched), strings.Join(queues, ", "))
+	}
+	now := time.Now()
+	for i, l := range out.Locks {
+		if !oneQueue || i > 0 {
+			fmt.Fprintln(a.stdout)
+		}
+		printShow(a.stdout, l, now)
+	}
+	return nil
 }

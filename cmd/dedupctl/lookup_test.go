@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -59,6 +60,52 @@ func TestLookupFindsTheLockByTypeAndKey(t *testing.T) {
 	f.fail(exitError, "no lock: the key is free", "", "lookup", "--type", "email:welcome", "--field", "user_id=\"42\"", "--field", "tenant.id=t7", "--queue", f.qa)
 }
 
+// Without --queue, lookup looks in every queue asynq knows: it finds a lock
+// held in a queue other than default, says in which queues it found the
+// key's locks, shows each, and says where it looked when the key is free.
+func TestLookupWithoutQueueFindsTheLockInAnyQueue(t *testing.T) {
+	f := newFixture(t, dedup.Config{})
+	a := f.enqueue(f.qa, "email:welcome", 42)
+	lookup := []string{"lookup", "--type", "email:welcome", "--field", "user_id=42"}
+	r := f.ok(lookup...)
+	for _, want := range []string{"found in 1 of ", " queues searched: " + f.qa + "\n\nkey ",
+		"queue            " + f.qa + "\n", "owner            " + a.ID + "\n"} {
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("lookup of a lock in queue %s lacks %q:\n%s", f.qa, want, r.stdout)
+		}
+	}
+	// The same key in a second queue is a lock of its own: both are shown.
+	b := f.enqueue(f.qb, "email:welcome", 42)
+	r = f.ok(lookup...)
+	if want := "found in 2 of "; !strings.Contains(r.stdout, want) || !strings.Contains(r.stdout, " queues searched: "+f.qa+", "+f.qb+"\n") {
+		t.Errorf("lookup of the key's locks in %s and %s:\n%s", f.qa, f.qb, r.stdout)
+	}
+	for _, id := range []string{a.ID, b.ID} {
+		if !strings.Contains(r.stdout, "owner            "+id+"\n") {
+			t.Errorf("lookup lacks the lock owned by %s:\n%s", id, r.stdout)
+		}
+	}
+	o := decode[lookupOutput](t, f.ok(append([]string{"--json"}, lookup...)...))
+	if len(o.Locks) != 2 || o.Locks[0].Queue != f.qa || o.Locks[0].Owner != a.ID || o.Locks[1].Queue != f.qb || o.Locks[1].Owner != b.ID {
+		t.Errorf("lookup --json: %+v", o.Locks)
+	}
+	for _, q := range []string{f.qa, f.qb, "default"} {
+		if !slices.Contains(o.Searched, q) {
+			t.Errorf("lookup --json: searched %v, not %s", o.Searched, q)
+		}
+	}
+	// --queue narrows the search to that queue, and prints the lock as show does.
+	r = f.ok(append(lookup, "--queue", f.qb)...)
+	if !strings.HasPrefix(r.stdout, "key ") || !strings.Contains(r.stdout, "owner            "+b.ID+"\n") || strings.Contains(r.stdout, a.ID) {
+		t.Errorf("lookup --queue %s:\n%s", f.qb, r.stdout)
+	}
+	r = f.fail(exitError, "no lock: the key is free in every queue (", "", "lookup", "--type", "email:welcome", "--field", "user_id=43")
+	if !strings.Contains(r.stderr, f.qa) || !strings.Contains(r.stderr, "default") {
+		t.Errorf("a free key's lookup does not say where it looked: %s", r.stderr)
+	}
+	f.fail(exitError, "no lock: the key is free in queue "+f.qa, "", "lookup", "--type", "email:welcome", "--field", "user_id=43", "--queue", f.qa)
+}
+
 // A plain lock (a key whose policy acts only at enqueue) has no mode
 // record: lookup and show say so, print no key form, and say what asynq
 // says of its holder: its state, and its type from its record.
@@ -99,30 +146,48 @@ func TestShowOfAPlainLockSaysItsHoldersStateFromAsynq(t *testing.T) {
 	}
 }
 
-// show and lookup say a key's running policy in words, never the mode
-// record's code for it.
-func TestShowSaysTheRunningPolicyInWords(t *testing.T) {
+// show and lookup print a key's policies in words only: what it does while
+// its task runs, a cooldown, a failure hold, a period's window, the waiting
+// set; never the mode record's codes (its fields are --json's).
+func TestShowPrintsPoliciesInWordsOnly(t *testing.T) {
 	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{
-		"report:build": {Fields: []string{"user_id"}, OnRunning: dedup.RunningDefer, OnConflict: dedup.Replace},
-		"report:live":  {Fields: []string{"user_id"}, OnRunning: dedup.RunningAllow},
+		"report:build":  {Fields: []string{"user_id"}, OnRunning: dedup.RunningDefer, OnConflict: dedup.Replace},
+		"report:live":   {Fields: []string{"user_id"}, OnRunning: dedup.RunningAllow},
+		"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour},
+		"crm:sync":      {Fields: []string{"user_id"}, OnFailure: dedup.FailHoldUntilReleased, MaxPending: 3},
+		"stats:daily":   {Fields: []string{"user_id"}, Period: 24 * time.Hour},
 	}})
-	for typ, want := range map[string]string{
-		"report:build": "running policy   defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends\n",
-		"report:live":  "running policy   allow: the key frees when its task starts, so a duplicate enqueued while it runs is a new task\n",
+	for typ, want := range map[string][]string{
+		"report:build":  {"while running    defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends\n"},
+		"report:live":   {"while running    allow: the key frees when its task starts, so a duplicate enqueued while it runs is a new task\n"},
+		"digest:weekly": {"cooldown left    59m"},
+		"crm:sync":      {"on failure       hold until released\n", "waiting set      "},
+		"stats:daily":   {"window           "},
 	} {
 		info := f.enqueue(f.qa, typ, 1)
-		for _, args := range [][]string{{"show", f.lockOf(info)}, {"lookup", "--type", typ, "--field", "user_id=1", "--queue", f.qa}} {
-			r := f.ok(args...)
-			if !strings.Contains(r.stdout, want) {
-				t.Errorf("%s of %s lacks %q:\n%s", args[0], typ, want, r.stdout)
-			}
-			if regexp.MustCompile(`running policy +[^\n]*\([ad]\)`).MatchString(r.stdout) {
-				t.Errorf("%s of %s shows the policy's code:\n%s", args[0], typ, r.stdout)
-			}
-		}
 		o := decode[showOutput](t, f.ok("--json", "show", f.lockOf(info)))
-		if o.RunningPolicy != strings.TrimSpace(strings.TrimPrefix(want, "running policy   ")) {
-			t.Errorf("show --json of %s: running policy %q", typ, o.RunningPolicy)
+		if len(o.Fields) == 0 {
+			t.Fatalf("%s: the lock has no mode record to print", typ)
+		}
+		cmds := [][]string{{"show", f.lockOf(info)}, {"lookup", "--type", typ, "--field", "user_id=1", "--queue", f.qa}}
+		if typ == "stats:daily" {
+			cmds = cmds[:1] // a period key is the window's too: dedupctl, which knows no rule, cannot build it
+		}
+		for _, args := range cmds {
+			r := f.ok(args...)
+			for _, w := range want {
+				if !strings.Contains(r.stdout, w) {
+					t.Errorf("%s of %s lacks %q:\n%s", args[0], typ, w, r.stdout)
+				}
+			}
+			for k, v := range o.Fields {
+				if strings.Contains(r.stdout, k+"="+v) {
+					t.Errorf("%s of %s prints the mode record's field %s=%s:\n%s", args[0], typ, k, v, r.stdout)
+				}
+			}
+			if regexp.MustCompile(`running policy|\([ad]\)|\nfields `).MatchString(r.stdout) {
+				t.Errorf("%s of %s prints a policy's code:\n%s", args[0], typ, r.stdout)
+			}
 		}
 	}
 }

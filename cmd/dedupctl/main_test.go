@@ -9,7 +9,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
+	"reflect"
+	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -677,7 +682,7 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 
 	r = f.ok("show", runKey)
 	for _, want := range []string{"state            running", "owner in asynq   active (retried 0/25)", "follow-up        " + follow.ID + ": scheduled (retried 0/25, runs in ",
-		"running policy   defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends",
+		"while running    defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends",
 		"mode record      " + store.ModeOf(runKey)} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("show running lock lacks %q:\n%s", want, r.stdout)
@@ -723,7 +728,6 @@ func TestShow(t *testing.T) {
 		"owner in asynq   pending (retried 0/25)",
 		"coalesced        2",
 		"TTL left         59m",
-		"fields           id=" + welcome[0].ID + " n=2",
 		"mode record      " + store.ModeOf(key),
 	} {
 		if !strings.Contains(r.stdout, want) {
@@ -959,7 +963,7 @@ func TestStats(t *testing.T) {
 	r := f.ok("stats")
 	for _, want := range []string{
 		fmt.Sprintf("Counters flushed to Redis under prefix %q", f.prefix),
-		"TYPE", "LOCKED", "DUPLICATE", "COALESCED", "email:welcome", "report:build", "TOTAL",
+		"EVENT", "email:welcome", "report:build", "TOTAL",
 		"Live locks: 5 (5 waiting)",
 		"\n\nTop coalesced keys:\nKEY",
 		o.Top[0].Key,
@@ -967,6 +971,64 @@ func TestStats(t *testing.T) {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("stats text lacks %q:\n%s", want, r.stdout)
 		}
+	}
+}
+
+// stats prints in text every counter that --json prints, with the same
+// values: a row per event, a column per type and their total.
+func TestStatsTextShowsEveryCounterOfTheJSON(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	f.setup()
+	if _, err := f.client.Enqueue(asynq.NewTask("report:build", []byte(`{"user_id":1}`)), asynq.Queue(f.qb), dedup.Fields("user_id")); err == nil {
+		t.Fatal("duplicate accepted")
+	}
+	if err := f.d.FlushStats(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	o := decode[statsOutput](t, f.ok("--json", "stats"))
+	text := f.ok("stats").stdout
+	for _, e := range slices.Sorted(maps.Keys(o.Totals)) {
+		if !regexp.MustCompile(`(?m)(^|\s)` + regexp.QuoteMeta(e) + `(\s|$)`).MatchString(strings.ToLower(text)) {
+			t.Errorf("the text lacks the counter %s, which --json prints", e)
+		}
+	}
+	got := map[string]map[string]uint64{} // column (a type, or TOTAL) → event → count
+	var columns []string
+	var events []string
+	_, table, _ := strings.Cut(text, "since the first flush):\n")
+	table, _, _ = strings.Cut(table, "\n\n")
+	for i, line := range strings.Split(table, "\n") {
+		cells := strings.Fields(line)
+		if i == 0 {
+			if len(cells) == 0 || cells[0] != "EVENT" {
+				t.Fatalf("the counters' table has no header:\n%s", text)
+			}
+			columns = cells[1:]
+			continue
+		}
+		if len(cells) != len(columns)+1 {
+			t.Fatalf("row %q has %d cells, want %d:\n%s", line, len(cells), len(columns)+1, text)
+		}
+		events = append(events, cells[0])
+		for j, c := range columns {
+			n, err := strconv.ParseUint(cells[j+1], 10, 64)
+			if err != nil {
+				t.Fatalf("row %q: %v", line, err)
+			}
+			if got[c] == nil {
+				got[c] = map[string]uint64{}
+			}
+			got[c][cells[0]] = n
+		}
+	}
+	want := maps.Clone(o.Types)
+	want["TOTAL"] = o.Totals
+	if !slices.Equal(columns, []string{"email:welcome", "report:build", "TOTAL"}) || !reflect.DeepEqual(got, want) {
+		t.Errorf("the text's counters differ from the JSON's:\ntext %v\njson %v\n%s", got, want, text)
+	}
+	if !slices.Equal(events, dedup.EventNames()) {
+		t.Errorf("the text's rows are %v, want every event in dedup.EventNames order %v", events, dedup.EventNames())
 	}
 }
 

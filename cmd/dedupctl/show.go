@@ -5,8 +5,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"sort"
-	"strings"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/lockview"
@@ -112,17 +110,19 @@ func printShow(w io.Writer, o *showOutput, now time.Time) {
 	}
 	row("TTL left", o.TTL)
 	row("coalesced", fmt.Sprintf("%d", o.Coalesced))
-	printPolicies(row, o)
+	printPolicies(row, o, now)
 }
 
-// printPolicies prints what the key's mode record says, or that it has
-// none: then the lock is its holder's alone, and its state the holder's.
-func printPolicies(row func(k, v string), o *showOutput) {
+// printPolicies prints, in words, what the key's mode record says, or that
+// it has none: then the lock is its holder's alone, and its state the
+// holder's. The record's raw fields are for --json (fields).
+func printPolicies(row func(k, v string), o *showOutput, now time.Time) {
 	if o.FollowUpTask != nil {
 		row("follow-up", o.FollowUpTask.ID+": "+o.FollowUpTask.Note)
 	}
-	for _, r := range [][2]string{{"running policy", o.RunningPolicy}, {"payload version", o.PayloadVersion},
-		{"on failure", o.OnFailure}, {"last error", o.LastError}, {"window", o.Window}, {"waiting set", o.WaitingSet}} {
+	for _, r := range [][2]string{{"while running", o.RunningPolicy}, {"payload version", o.PayloadVersion},
+		{"cooldown left", lockview.CooldownLeft(&o.Info, now)}, {"on failure", o.OnFailure}, {"last error", o.LastError},
+		{"window", o.Window}, {"waiting set", o.WaitingSet}} {
 		if r[1] != "" {
 			row(r[0], r[1])
 		}
@@ -132,14 +132,4 @@ func printPolicies(row func(k, v string), o *showOutput) {
 		return
 	}
 	row("mode record", o.ModeKey)
-	names := make([]string, 0, len(o.Fields))
-	for k := range o.Fields {
-		names = append(names, k)
-	}
-	sort.Strings(names)
-	var fields []string
-	for _, k := range names {
-		fields = append(fields, text(k)+"="+text(o.Fields[k]))
-	}
-	row("fields", strings.Join(fields, " "))
 }

@@ -45,8 +45,8 @@ func statsCommand() *command {
 		synopsis: "[--top N] [--count N]",
 		summary:  "flushed counters per task type, and the most coalesced live locks",
 		help: `Prints the counters that processes flushed to Redis (Dedup.StartFlusher,
-read with dedup.ReadStats): totals per task type since the first flush, for
-the events that happened at all. Then the live locks by state and the --top
+read with dedup.ReadStats): every counter that --json prints, a row per
+event, with its total per task type since the first flush. Then the live locks by state and the --top
 locks with the most coalesced enqueues (field n), found by a full SCAN of
 the lock keys (on every master with --cluster).`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
@@ -154,50 +154,43 @@ func printStats(w io.Writer, o statsOutput) {
 	printTop(w, o.Top)
 }
 
-// printCounters prints the flushed counters as a table: a row per task type
-// (and their total), a column per event that happened.
+// printCounters prints the flushed counters as a table: a row per event,
+// every one of dedup.EventNames (the names --json keys its counters by),
+// in that order; a column per task type, and their total.
 func printCounters(w io.Writer, o statsOutput) {
 	if len(o.Types) == 0 {
 		fmt.Fprintln(w, noCounters)
 		return
 	}
-	events := eventsSeen(o.Totals)
 	types := slices.Sorted(maps.Keys(o.Types))
 	fmt.Fprintf(w, "Counters flushed to Redis under prefix %q (all processes, since the first flush):\n", o.Prefix)
-	// Numbers align right, type names left: pad the names to one width.
-	width := typeWidth(types)
+	events := dedup.EventNames()
+	// Numbers align right, event names left: pad the names to one width.
+	width := len("EVENT")
+	for _, e := range events {
+		width = max(width, len(e))
+	}
 	pad := func(s string) string { return s + strings.Repeat(" ", width-len(s)) }
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(tw, "%s\t%s\t\n", pad("TYPE"), strings.ToUpper(strings.Join(events, "\t")))
-	line := func(name string, m map[string]uint64) {
-		fmt.Fprint(tw, name)
-		for _, e := range events {
-			fmt.Fprintf(tw, "\t%d", m[e])
+	fmt.Fprint(tw, pad("EVENT"))
+	for _, t := range types {
+		fmt.Fprintf(tw, "\t%s", typeName(t))
+	}
+	if len(types) > 1 {
+		fmt.Fprint(tw, "\tTOTAL")
+	}
+	fmt.Fprintln(tw, "\t")
+	for _, e := range events {
+		fmt.Fprint(tw, pad(e))
+		for _, t := range types {
+			fmt.Fprintf(tw, "\t%d", o.Types[t][e])
+		}
+		if len(types) > 1 {
+			fmt.Fprintf(tw, "\t%d", o.Totals[e])
 		}
 		fmt.Fprintln(tw, "\t")
 	}
-	for _, t := range types {
-		line(pad(typeName(t)), o.Types[t])
-	}
-	if len(types) > 1 {
-		line(pad("TOTAL"), o.Totals)
-	}
 	_ = tw.Flush()
-	if len(events) == 0 {
-		fmt.Fprintln(w, "(every counter is 0)")
-	}
-}
-
-// eventsSeen lists the events that happened, in dedup.EventNames order:
-// columns of zeros would only hide the others.
-func eventsSeen(totals map[string]uint64) []string {
-	var events []string
-	for _, e := range dedup.EventNames() {
-		if totals[e] > 0 {
-			events = append(events, e)
-		}
-	}
-	return events
 }
 
 func printLockCounts(w io.Writer, l lockCounts) {
@@ -232,12 +225,4 @@ func typeName(t string) string {
 		return "(no type)"
 	}
 	return text(t)
-}
-
-func typeWidth(types []string) int {
-	w := len("TOTAL")
-	for _, t := range types {
-		w = max(w, len(typeName(t)))
-	}
-	return w
 }

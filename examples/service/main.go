@@ -1,6 +1,6 @@
 // Command service is a small HTTP service, meant to be copied, that enqueues asynq tasks through
-// dedup; an asynq server runs them behind dedup's middleware, which also locks an asynq
-// Scheduler's tasks; SIGINT or SIGTERM stops it cleanly.
+// dedup; an asynq server runs them behind dedup's middleware, and dedup's Scheduler enqueues a
+// periodic task once per firing however many replicas run; SIGINT or SIGTERM stops it cleanly.
 //
 //	POST /welcome?user=42    Reject: 202, or 409 naming the task that holds the key
 //	POST /reindex?user=42    Debounce: a burst runs once, 2 s after it ends
@@ -8,6 +8,7 @@
 //	PUT  /profile/42         Replace + RunningDefer: the latest JSON body wins
 //	GET  /profile/42/synced  the profile the last sync saw
 //	GET  /metrics            dedup's counters (Prometheus); dedupctl stats reads their flushes
+//	every minute             sessions:purge, run once per firing across replicas (dedup.Scheduler)
 //
 //	go run ./examples/service                                    # on an embedded Redis (miniredis)
 //	REDIS_URL=redis://127.0.0.1:6379/0 go run ./examples/service  # on your Redis
@@ -45,19 +46,20 @@ const (
 	typeReindex = "search:reindex"
 	typeReport  = "report:hourly"
 	typeProfile = "profile:sync"
+	typePurge   = "sessions:purge"
 )
 
 // options configures run; main takes defaultOptions, -listen and REDIS_URL.
 type options struct {
 	Listen       string        // HTTP address
 	RedisURL     string        // redis://host:port/db; "" starts an embedded miniredis
-	ReportEvery  string        // the Scheduler's cron spec for tenant 1's report
+	PurgeEvery   string        // the Scheduler's cron spec for sessions:purge
 	PollInterval time.Duration // how often asynq looks for new tasks and for due ones
 	Logger       *slog.Logger
 }
 
 func defaultOptions() options {
-	return options{Listen: "127.0.0.1:8080", ReportEvery: "@every 1m", PollInterval: time.Second,
+	return options{Listen: "127.0.0.1:8080", PurgeEvery: "@every 1m", PollInterval: time.Second,
 		Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))}
 }
 
@@ -80,7 +82,7 @@ var rules = map[string]dedup.Rule{
 	typeWelcome: {Fields: []string{"user_id"}},
 	// Each request of a burst replaces the payload and pushes the run back 2 s.
 	typeReindex: {Fields: []string{"user_id"}, OnConflict: dedup.Replace, Debounce: 2 * time.Second},
-	// One report per tenant an hour (counted from its enqueue), from HTTP and the Scheduler alike.
+	// One report per tenant an hour, counted from its enqueue: 409 while it waits or runs, then 429.
 	typeReport: {Fields: []string{"tenant_id"}, Cooldown: time.Hour},
 	// Latest wins; updates during a sync wait in one follow-up sync.
 	typeProfile: {Fields: []string{"user_id"}, OnConflict: dedup.Replace, OnRunning: dedup.RunningDefer},
@@ -97,18 +99,17 @@ func run(ctx context.Context, o options) error {
 		o.RedisURL = "redis://" + mr.Addr()
 	}
 	opt, err := redis.ParseURL(o.RedisURL)
-	conn, err2 := asynq.ParseRedisURI(o.RedisURL)
-	if err := errors.Join(err, err2); err != nil {
+	if err != nil {
 		return fmt.Errorf("REDIS_URL (want redis://host:port/db): %w", err)
 	}
 	opt.ContextTimeoutEnabled = true // dedup then bounds its lock calls on the caller's goroutine
 	rdb := redis.NewClient(opt)
 	defer rdb.Close()
-	return serve(ctx, o, rdb, conn)
+	return serve(ctx, o, rdb)
 }
 
 // serve runs the service on rdb. Its deferred calls stop what it starts, in reverse.
-func serve(ctx context.Context, o options, rdb *redis.Client, conn asynq.RedisConnOpt) error {
+func serve(ctx context.Context, o options, rdb *redis.Client) error {
 	ln, err := net.Listen("tcp", o.Listen) // before the workers start: fail early
 	if err != nil {
 		return err
@@ -131,25 +132,25 @@ func serve(ctx context.Context, o options, rdb *redis.Client, conn asynq.RedisCo
 		return fmt.Errorf("asynq server: %w", err)
 	}
 	defer srv.Shutdown() // waits for running handlers
-	sch, err := startScheduler(conn, o)
+	sch, err := startScheduler(d, o.PurgeEvery)
 	if err != nil {
 		return err
 	}
-	defer sch.Shutdown()
+	defer sch.Shutdown() // before d.Close: it enqueues through d
 	return serveHTTP(ctx, o.Logger, ln, s.routes(d))
 }
 
-// startScheduler asks for tenant 1's report on a schedule, through asynq's own
-// client: the middleware locks each task as it starts (dropped while cooling).
-func startScheduler(conn asynq.RedisConnOpt, o options) (*asynq.Scheduler, error) {
-	// Not NewSchedulerFromRedisClient, whose Shutdown logs an error (asynq v0.26.0). Start first: only a started one closes.
-	sch := asynq.NewScheduler(conn, &asynq.SchedulerOpts{Logger: asynqLogger{o.Logger}})
-	if err := sch.Start(); err != nil {
-		return nil, fmt.Errorf("asynq scheduler: %w", err)
+// startScheduler enqueues a purge on the cron spec. Every replica runs the
+// same entry; dedup's Scheduler keys each firing itself (the type needs no
+// rule), so one replica enqueues it and the others are refused. asynq's own
+// Scheduler would enqueue each firing once per replica.
+func startScheduler(d *dedup.Dedup, spec string) (*dedup.Scheduler, error) {
+	sch := dedup.NewScheduler(d, nil) // nil: UTC, clocks up to a minute apart (MaxSkew)
+	if _, err := sch.Register(spec, asynq.NewTask(typePurge, nil)); err != nil {
+		return nil, fmt.Errorf("schedule %q: %w", spec, err) // dedup.ErrInvalidOption
 	}
-	if _, err := sch.Register(o.ReportEvery, asynq.NewTask(typeReport, []byte(`{"tenant_id":1}`))); err != nil {
-		sch.Shutdown()
-		return nil, fmt.Errorf("schedule %q: %w", o.ReportEvery, err)
+	if err := sch.Start(); err != nil {
+		return nil, err
 	}
 	return sch, nil
 }
@@ -270,13 +271,19 @@ func (s *service) tasks(d *dedup.Dedup) *asynq.ServeMux {
 	mux.HandleFunc(typeReindex, s.done)
 	mux.HandleFunc(typeReport, s.done)
 	mux.HandleFunc(typeProfile, s.syncProfile)
+	mux.HandleFunc(typePurge, s.done)
 	return mux
 }
 
-// done logs a finished task. As a handler it stands for the email, reindex, report.
+// done logs a finished task, and the firing a scheduled one was enqueued
+// for. As a handler it stands for the email, reindex, report and purge.
 func (s *service) done(ctx context.Context, t *asynq.Task) error {
 	id, _ := asynq.GetTaskID(ctx)
-	s.log.InfoContext(ctx, "task done", "type", t.Type(), "task_id", id)
+	attrs := []any{"type", t.Type(), "task_id", id}
+	if _, at, ok := dedup.SchedulerFiring(t); ok {
+		attrs = append(attrs, "firing", at)
+	}
+	s.log.InfoContext(ctx, "task done", attrs...)
 	return nil
 }
 

@@ -42,15 +42,16 @@ type svc struct {
 	stop func() // cancels run and checks that it shut down cleanly
 }
 
-// start runs the service with test-sized options, adjusted by tweak, and
-// waits until it answers /metrics. The cleanup stops it and fails the test
-// if run returned an error or anything was logged at WARN or above.
+// start runs the service on a Redis database of its own; see startOn.
 func start(t *testing.T, tweak func(*options)) *svc {
 	t.Helper()
-	addr, err := redistest.FreeAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
+	return startOn(t, newDB(t), tweak)
+}
+
+// newDB returns the URL of an empty database: the next of the
+// redis-server's, flushed, or a miniredis of the test's own.
+func newDB(t *testing.T) string {
+	t.Helper()
 	redisAddr, db := redistest.Addr(), 0
 	if redisAddr != "" {
 		db = 1 + int(tests.Add(1)-1)%15
@@ -58,15 +59,34 @@ func start(t *testing.T, tweak func(*options)) *svc {
 		redisAddr = miniredis.RunT(t).Addr()
 	}
 	rdb := redis.NewClient(&redis.Options{Addr: redisAddr, DB: db})
-	t.Cleanup(func() { _ = rdb.Close() })
+	defer rdb.Close()
 	if err := rdb.FlushDB(context.Background()).Err(); err != nil {
 		t.Fatal(err)
 	}
+	return fmt.Sprintf("redis://%s/%d", redisAddr, db)
+}
+
+// startOn runs the service on the Redis at redisURL with test-sized
+// options, adjusted by tweak, and waits until it answers /metrics (its
+// Scheduler runs by then). The cleanup stops it and fails the test if run
+// returned an error or anything was logged at WARN or above.
+func startOn(t *testing.T, redisURL string, tweak func(*options)) *svc {
+	t.Helper()
+	addr, err := redistest.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt, err := redis.ParseURL(redisURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rdb := redis.NewClient(opt)
+	t.Cleanup(func() { _ = rdb.Close() })
 	s := &svc{t: t, base: "http://" + addr, insp: asynq.NewInspectorFromRedisClient(rdb), logs: &syncBuffer{}}
 
 	o := defaultOptions()
-	o.Listen, o.RedisURL = addr, fmt.Sprintf("redis://%s/%d", redisAddr, db)
-	o.PollInterval, o.ReportEvery = 20*time.Millisecond, "@every 1h"
+	o.Listen, o.RedisURL = addr, redisURL
+	o.PollInterval, o.PurgeEvery = 20*time.Millisecond, "@yearly" // no purge during a test unless it asks
 	o.Logger = slog.New(slog.NewTextHandler(s.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	if tweak != nil {
 		tweak(&o)
@@ -308,21 +328,92 @@ func TestMetricsServeDedupCounters(t *testing.T) {
 	}
 }
 
-// The Scheduler asks for tenant 1's report every second, through asynq's own
-// client. The first firing runs and starts the report's cooldown; the
-// middleware drops the later ones (dedup counts them as busy), and an HTTP
-// request for the same tenant meets the same cooling key.
-func TestScheduledReportsAreDeduplicatedWhenTheyStart(t *testing.T) {
-	s := start(t, func(o *options) { o.ReportEvery = "@every 1s" })
-	busy := `dedup_events_total{event="busy",type="report:hourly"}`
-	redistest.Eventually(t, "a scheduled report is dropped", func() bool { return s.metric(busy) >= 1 })
-	if n := s.runs(typeReport); n != 1 {
-		t.Fatalf("report ran %v times, want 1", n)
+// Two replicas of the service, each with its own Redis client, Dedup,
+// asynq server and Scheduler (as two processes would), share one Redis and
+// schedule the same purge every second: each firing runs once, and the
+// other replica's enqueue of it is refused. The replicas' logs tell the
+// test each purge they ran, with its firing.
+func TestTwoReplicasRunEachScheduledFiringOnce(t *testing.T) {
+	redisURL := newDB(t)
+	ran := make(chan purgeRun, 64)
+	replicas := make([]*svc, 2)
+	for i := range replicas {
+		replicas[i] = startOn(t, redisURL, func(o *options) {
+			o.PurgeEvery = "@every 1s"
+			o.Logger = slog.New(purgeRuns{o.Logger.Handler(), i, ran})
+		})
 	}
-	r := s.do("POST", "/report?tenant=1", "").want(t, http.StatusTooManyRequests, "report for the scheduled tenant")
-	if r.header.Get("Retry-After") == "" {
-		t.Fatalf("no Retry-After")
+	both := time.Now()            // both Schedulers run: each enqueues every later firing
+	runs := map[time.Time][]int{} // firing → the replicas that ran it
+	var firings []time.Time       // after both, in the order their first run came
+	// A firing's second run would come within a poll interval of its first;
+	// the next firing's run is the signal that it did not.
+	for len(firings) < 4 {
+		r := redistest.WaitFor(t, ran, "a purge to run")
+		if !r.firing.After(both) {
+			continue
+		}
+		if _, seen := runs[r.firing]; !seen {
+			firings = append(firings, r.firing)
+		}
+		runs[r.firing] = append(runs[r.firing], r.replica)
 	}
+	for _, f := range firings[:3] {
+		if n := len(runs[f]); n != 1 {
+			t.Errorf("firing %s ran %d times (replicas %v), want once", f.Format(time.TimeOnly), n, runs[f])
+		}
+	}
+	if f := firings; !f[1].Equal(f[0].Add(time.Second)) || !f[2].Equal(f[1].Add(time.Second)) {
+		t.Errorf("firings %v, want one a second", f)
+	}
+	// Each of those firings was enqueued by one replica and refused to the other.
+	var refused float64
+	for _, s := range replicas {
+		refused += s.metric(`dedup_events_total{event="duplicate",type="` + typePurge + `"}`)
+	}
+	if refused < 3 {
+		t.Errorf("%v enqueues of a firing refused to the other replica, want at least 3 (one per firing)", refused)
+	}
+}
+
+// purgeRun is one purge a replica ran: the firing it was enqueued for.
+type purgeRun struct {
+	replica int
+	firing  time.Time
+}
+
+// purgeRuns is a slog.Handler that passes every record on to Handler and
+// sends each purge the replica ran ("task done" with a firing) to ran.
+type purgeRuns struct {
+	slog.Handler
+	replica int
+	ran     chan<- purgeRun
+}
+
+// Handle sends the firing of a purge the replica ran, then passes r on.
+func (h purgeRuns) Handle(ctx context.Context, r slog.Record) error {
+	if r.Message == "task done" {
+		r.Attrs(func(a slog.Attr) bool {
+			if a.Key == "firing" {
+				select {
+				case h.ran <- purgeRun{h.replica, a.Value.Time()}:
+				default: // the test has what it needs
+				}
+			}
+			return true
+		})
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+// WithAttrs keeps the handler a purgeRuns.
+func (h purgeRuns) WithAttrs(as []slog.Attr) slog.Handler {
+	return purgeRuns{h.Handler.WithAttrs(as), h.replica, h.ran}
+}
+
+// WithGroup keeps the handler a purgeRuns.
+func (h purgeRuns) WithGroup(name string) slog.Handler {
+	return purgeRuns{h.Handler.WithGroup(name), h.replica, h.ran}
 }
 
 // Run on the embedded miniredis (no REDIS_URL), as `go run` does.
@@ -342,7 +433,7 @@ func TestCancelShutsDownCleanly(t *testing.T) {
 	// HTTP first, then the Scheduler, then the asynq server (dedup and Redis
 	// close silently after it).
 	log, at := s.logs.String(), -1
-	for _, step := range []string{`msg="shutting down"`, `msg="Scheduler stopped"`, `msg="Starting graceful shutdown"`, `msg=Exiting`} {
+	for _, step := range []string{`msg="shutting down"`, `msg="dedup: scheduler stopped"`, `msg="Starting graceful shutdown"`, `msg=Exiting`} {
 		i := strings.Index(log, step)
 		if i <= at {
 			t.Fatalf("log lacks %s after the step before it:\n%s", step, log)

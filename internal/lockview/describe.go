@@ -52,12 +52,21 @@ func taskQueues(ctx context.Context, src Source, task, queue string) ([]string, 
 	if queue != "" {
 		return []string{queue}, nil
 	}
-	all, err := bounded(ctx, asynq.NewInspectorFromRedisClient(src.RDB).Queues)
+	all, err := AsynqQueues(ctx, src)
 	if err != nil {
-		return nil, fmt.Errorf("list asynq queues: %w", err)
+		return nil, err
 	}
 	if len(all) == 0 {
 		return nil, fmt.Errorf("no lock for task %q: asynq knows no queues (pass --queue)", task)
+	}
+	return all, nil
+}
+
+// AsynqQueues lists the queues asynq knows, sorted.
+func AsynqQueues(ctx context.Context, src Source) ([]string, error) {
+	all, err := bounded(ctx, asynq.NewInspectorFromRedisClient(src.RDB).Queues)
+	if err != nil {
+		return nil, fmt.Errorf("list asynq queues: %w", err)
 	}
 	sort.Strings(all)
 	return all, nil
@@ -307,6 +316,20 @@ func holdNote(l *Info) string {
 		return "or not stored yet: the lock was taken before its task, which its producer stores next; it heals once older than the heal grace"
 	}
 	return ""
+}
+
+// CooldownLeft says how long the key's cooldown has left at now, or "over";
+// "" for a key without one. A key cools down until then if its task
+// succeeds (Cooldown, Period).
+func CooldownLeft(l *Info, now time.Time) string {
+	ms, err := strconv.ParseInt(l.Fields[store.FieldCoolEnd], 10, 64)
+	if err != nil {
+		return ""
+	}
+	if left := time.UnixMilli(ms).Sub(now); left > 0 {
+		return FmtDuration(left)
+	}
+	return "over"
 }
 
 // runningPolicy says a running policy in words; "" for the default

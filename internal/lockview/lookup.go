@@ -7,7 +7,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
+	"strconv"
 	"strings"
+	"unicode"
 
 	"github.com/asynq-dedup/dedup"
 	"github.com/asynq-dedup/dedup/internal/jsonkey"
@@ -71,15 +74,80 @@ func (f *KeySpec) Task() (*asynq.Task, []asynq.Option, error) {
 	return asynq.NewTask(f.Type, payload), append(opts, dedup.Fields(paths...)), err
 }
 
-// LockKey finds, through Dedup.Lookup, the lock key task would take with
-// opts; "" when the key is free.
-func LockKey(ctx context.Context, rdb redis.UniversalClient, prefix string, hashKey []byte, task *asynq.Task, opts []asynq.Option) (string, error) {
-	d, err := dedup.New(ctx, rdb, dedup.Config{Prefix: prefix, HashKey: hashKey, ConnectAttempts: 1,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+// KeyLocks are the locks of one key that FindKeyLocks found.
+type KeyLocks struct {
+	Searched []string // the queues looked in, sorted
+	Keys     []string // the lock keys found, in the order of Searched
+}
+
+// Err says, when no lock was found, that the key is free in the queues
+// searched; nil when one was.
+func (k *KeyLocks) Err() error {
+	switch {
+	case len(k.Keys) > 0:
+		return nil
+	case len(k.Searched) == 1:
+		return fmt.Errorf("no lock: the key is free in queue %s", Printable(k.Searched[0]))
+	}
+	names := make([]string, len(k.Searched))
+	for i, q := range k.Searched {
+		names[i] = Printable(q)
+	}
+	return fmt.Errorf("no lock: the key is free in every queue (%d searched: %s)", len(names), strings.Join(names, ", "))
+}
+
+// Printable is a name read from Redis (a type, a queue, an ID, a key) as
+// one visible token: with a control character (a newline, a tab) it is
+// quoted, so that it can neither forge lines nor columns.
+func Printable(s string) string {
+	if strings.IndexFunc(s, func(r rune) bool { return !unicode.IsPrint(r) }) >= 0 {
+		return strconv.Quote(s)
+	}
+	return s
+}
+
+// FindKeyLocks finds, through Dedup.Lookup, the locks task would take with
+// opts: in queue, or, for "", in each queue asynq knows and "default" (the
+// key is the same in each queue, its lock the queue's own).
+func FindKeyLocks(ctx context.Context, src Source, prefix string, hashKey []byte, task *asynq.Task, opts []asynq.Option, queue string) (*KeyLocks, error) {
+	out := &KeyLocks{Searched: []string{queue}}
+	if queue == "" {
+		all, err := AsynqQueues(ctx, src)
+		if err != nil {
+			return nil, err
+		}
+		if !slices.Contains(all, "default") {
+			all = append(all, "default")
+			slices.Sort(all)
+		}
+		out.Searched = all
+	}
+	d, err := lookupDedup(ctx, src.RDB, prefix, hashKey)
 	if err != nil {
-		return "", err
+		return nil, err
 	}
 	defer d.Close()
+	for _, q := range out.Searched {
+		key, err := lookupKey(ctx, d, task, append(slices.Clip(opts), asynq.Queue(q))) // the last asynq.Queue wins
+		if err != nil {
+			return nil, err
+		}
+		if key != "" {
+			out.Keys = append(out.Keys, key)
+		}
+	}
+	return out, nil
+}
+
+// lookupDedup is a Dedup to look keys up with: it takes no lock.
+func lookupDedup(ctx context.Context, rdb redis.UniversalClient, prefix string, hashKey []byte) (*dedup.Dedup, error) {
+	return dedup.New(ctx, rdb, dedup.Config{Prefix: prefix, HashKey: hashKey, ConnectAttempts: 1,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+}
+
+// lookupKey is the key of the lock task would take with opts, through
+// d.Lookup; "" when the key is free.
+func lookupKey(ctx context.Context, d *dedup.Dedup, task *asynq.Task, opts []asynq.Option) (string, error) {
 	kl, found, err := d.Lookup(ctx, task, opts...)
 	if errors.Is(err, dedup.ErrInvalidPayload) || errors.Is(err, dedup.ErrInvalidOption) {
 		return "", Usagef("%v", err) // what CheckFields cannot see (a number out of range)
