@@ -102,7 +102,16 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 		if err := ctx.Err(); err != nil {
 			return nil, waitCtxErr(taskID, err, lastErr)
 		}
-		v, err := d.store.Foreign(ctx, store.TaskKey(queue, taskID), func() (any, error) { return d.insp.GetTaskInfo(queue, taskID) })
+		v, err := d.store.Foreign(ctx, store.TaskKey(queue, taskID), func() (any, error) {
+			info, err := d.insp.GetTaskInfo(queue, taskID)
+			if errors.Is(err, asynq.ErrTaskNotFound) || errors.Is(err, asynq.ErrQueueNotFound) {
+				return notFound{err}, nil // Redis answered: not a failure for the breaker
+			}
+			return info, err
+		})
+		if nf, ok := v.(notFound); ok {
+			err = nf.err
+		}
 		info, _ := v.(*asynq.TaskInfo)
 		switch {
 		case err == nil && info != nil:
@@ -149,6 +158,10 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 		}
 	}
 }
+
+// notFound carries asynq's answer that a waited-for task or its queue does
+// not exist through the breaker as a success: Redis answered.
+type notFound struct{ err error }
 
 func waitCtxErr(taskID string, ctxErr, lastErr error) error {
 	if lastErr != nil {

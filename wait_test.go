@@ -154,8 +154,11 @@ func TestWaitResultContext(t *testing.T) {
 
 // An ID that asynq does not know and no lock names ends the wait at once;
 // so does a queue that does not exist. Bad arguments are refused.
+//
+// asynq's "not found" is Redis answering: waits for missing tasks never
+// open the circuit breaker, which would fail the enqueues that follow.
 func TestWaitResultUnknownTask(t *testing.T) {
-	h := newHarness(t, Config{})
+	h := newHarness(t, Config{BreakerThreshold: 2})
 	h.enqueue(userTask(6, "")) // the queue exists
 	for _, c := range []struct{ queue, id string }{
 		{h.queue, store.NewPlainID()},
@@ -172,6 +175,12 @@ func TestWaitResultUnknownTask(t *testing.T) {
 	}
 	if _, err := h.d.WaitHolder(context.Background(), nil); !errors.Is(err, ErrInvalidOption) {
 		t.Fatalf("nil dup: %v", err)
+	}
+	if n := h.d.Stats().BreakerOpen; n != 0 {
+		t.Errorf("the breaker opened %d times while WaitResult polled for missing tasks", n)
+	}
+	if _, err := h.client.Enqueue(userTask(7, ""), asynq.Queue(h.queue)); err != nil {
+		t.Errorf("enqueue after waits for missing tasks: %v", err)
 	}
 }
 
