@@ -162,6 +162,7 @@ func TestBusyFoldKeepsThePerCallKey(t *testing.T) {
 // copied; the copy must stay on the key it was enqueued with, and so never
 // run beside the key's running task.
 func TestBusyLastAttemptCopyKeepsItsPerCallKey(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	cases := []struct {
 		name string
 		cfg  Config

@@ -35,6 +35,7 @@ func profileSync(typ string, user, seq int) *asynq.Task {
 // paced to last longer than Debounce, so a due time that did not move with
 // each enqueue would run the task in the middle of it.
 func TestDebounceBurstRunsOnceWithTheLastPayload(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	const (
 		typ   = "profile:sync"
 		d     = 2 * time.Second

@@ -116,6 +116,7 @@ func TestDocsListEveryEvent(t *testing.T) {
 // least parse, as declarations or as statements. Both are gofmt-ed. Blocks
 // that are not Go carry another language tag.
 func TestDocsGoBlocks(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	var files []docBlock
 	n := 0
 	for _, name := range docFiles(t) {

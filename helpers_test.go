@@ -2,8 +2,10 @@ package dedup
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
+	"strconv"
 	"testing"
 	"time"
 
@@ -44,7 +46,21 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	os.Setenv(store.CheckKeysEnv, "1") // every script refuses a key it was not given
+	waitingTestsInParallel(4)
 	os.Exit(redistest.Main(m, "dedup"))
+}
+
+// waitingTestsInParallel runs n parallel tests at once unless -parallel
+// says otherwise: the tests marked parallel spend their time waiting on
+// asynq's clocks and child processes, not on the CPU (go test's default is
+// GOMAXPROCS).
+func waitingTestsInParallel(n int) {
+	flag.Parse()
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == "test.parallel" })
+	if !set {
+		_ = flag.Set("test.parallel", strconv.Itoa(n))
+	}
 }
 
 // Shorthands for the shared test helpers.

@@ -156,6 +156,7 @@ func TestFailHoldFreeInIsExact(t *testing.T) {
 // went off the handler's path and landed a few ms after asynq completed the
 // task; an enqueue in between healed the lock and took the key.)
 func TestCooldownAndPeriodHoldTheKeyWhileTheSuccessSettles(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	t.Run("Period rule", func(t *testing.T) {
 		enqueueAtKeysAsTheySucceed(t, jobRules(Rule{Period: 24 * time.Hour}))
 	})

@@ -18,6 +18,7 @@ import (
 // from healing under the leftover. The retry's start checks the key (it is
 // run again): it must not run beside the leftover handler of its own key.
 func TestRetryDoesNotRunBesideTheLeftoverHandlerOfItsGivenUpAttempt(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
 		release := make(chan struct{})
 		defer close(release)

@@ -75,6 +75,7 @@ import (
 // itself during a run (lifetimes are an hour and more); expiry and ageing
 // are steps.
 func TestModel(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	needRealRedis(t)
 	rapidDefault(t, "rapid.checks", "500")
 	rapidDefault(t, "rapid.steps", "30")

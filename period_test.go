@@ -214,6 +214,7 @@ func TestPeriodWindowsInZonesWhoseMidnightIsSkipped(t *testing.T) {
 // latest (the next window is another key), so no lock is left that no API
 // can reach.
 func TestPeriodFailureHoldEndsWithItsWindow(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3})
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)

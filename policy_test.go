@@ -48,6 +48,7 @@ func addMerge(old, new []byte) ([]byte, error) {
 }
 
 func TestReplaceCoalescesWaitingTasks(t *testing.T) {
+	t.Parallel()     // mostly waiting: beside the other waiting tests
 	needRealRedis(t) // 10,000 Lua calls: seconds on redis-server, minutes on miniredis
 	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}, OnConflict: Replace}}})
 	const keys, perKey, producers = 1000, 10, 8

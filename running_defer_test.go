@@ -123,6 +123,7 @@ func TestDeferUpdateAfterANearDeadlineSuccessPutBackByAShutdownIsNotLost(t *test
 // the retry still holds its key under RunningDefer: an update while it runs
 // is deferred behind it, not refused.
 func TestDeferUpdateWhileANearDeadlineSuccessIsRetriedIsDeferred(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
 	cfg.LockTimeout = 10 * time.Second // every attempt of a 1 s Timeout ends near its deadline
 	h := newHarness(t, cfg)

@@ -64,6 +64,7 @@ func holdRun(seq int, then error) (*recorder, chan struct{}) {
 // whose debounced task waits is folded into it (BusyFold): the key runs
 // once, with the newest payload.
 func TestBusyFoldFoldsIntoADebouncedHolder(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	rule := Rule{Fields: []string{"user_id"}, OnConflict: Replace, Debounce: 2 * time.Second, OnBusy: BusyFold}
 	bothPaths(t, Config{Rules: map[string]Rule{"sync:profile": rule}}, func(t *testing.T, h *harness) {
 		rc := newRecorder(nil)
@@ -85,6 +86,7 @@ func TestBusyFoldFoldsIntoADebouncedHolder(t *testing.T) {
 // The same with a Cooldown type: the arrival's payload is folded into the
 // waiting holder, so the window's one run carries it.
 func TestBusyFoldFoldsIntoAWaitingCooldownHolder(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	rule := Rule{Fields: []string{"user_id"}, OnConflict: Replace, Cooldown: time.Minute, OnBusy: BusyFold}
 	bothPaths(t, Config{Rules: map[string]Rule{"digest:weekly": rule}}, func(t *testing.T, h *harness) {
 		rc := newRecorder(nil)

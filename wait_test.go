@@ -158,6 +158,7 @@ func TestWaitResultContext(t *testing.T) {
 // asynq's "not found" is Redis answering: waits for missing tasks never
 // open the circuit breaker, which would fail the enqueues that follow.
 func TestWaitResultUnknownTask(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
 	h := newHarness(t, Config{BreakerThreshold: 2})
 	h.enqueue(userTask(6, "")) // the queue exists
 	for _, c := range []struct{ queue, id string }{
