@@ -98,7 +98,9 @@ func (r Running) code() store.Running {
 // stored payload as it was and is returned to the caller.
 type MergeFunc func(old, new []byte) ([]byte, error)
 
-// Outcome says what an enqueue did.
+// Outcome says what an enqueue did. The zero Outcome, printed "none", is
+// that of a call that returned an error (rejected, refused or failed: see
+// the error), as in a failed BatchResult.
 type Outcome int
 
 const (
@@ -114,8 +116,12 @@ const (
 	Deferred
 )
 
+// String returns the outcome's name: "created", "replaced", "merged",
+// "deferred", or "none" for the zero Outcome.
 func (o Outcome) String() string {
 	switch o {
+	case 0:
+		return "none"
 	case Created:
 		return "created"
 	case Replaced:
