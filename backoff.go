@@ -2,7 +2,6 @@ package dedup
 
 import (
 	"context"
-	"fmt"
 	"math/rand/v2"
 	"time"
 
@@ -41,7 +40,7 @@ func connect(ctx context.Context, rdb redis.UniversalClient, attempts int, b Bac
 			select {
 			case <-ctx.Done():
 				t.Stop()
-				return fmt.Errorf("%w: connect: %w (last error: %w)", ErrUnavailable, ctx.Err(), err)
+				return errorf("%w: connect: %w (last error: %w)", ErrUnavailable, ctx.Err(), err)
 			case <-t.C:
 			}
 		}
@@ -52,8 +51,8 @@ func connect(ctx context.Context, rdb redis.UniversalClient, attempts int, b Bac
 			return nil
 		}
 		if ctx.Err() != nil {
-			return fmt.Errorf("%w: connect: %w (last error: %w)", ErrUnavailable, ctx.Err(), err)
+			return errorf("%w: connect: %w (last error: %w)", ErrUnavailable, ctx.Err(), err)
 		}
 	}
-	return fmt.Errorf("%w: connect: no answer after %d attempts: %w", ErrUnavailable, attempts, err)
+	return errorf("%w: connect: no answer after %d attempts: %w", ErrUnavailable, attempts, err)
 }

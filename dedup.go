@@ -3,7 +3,6 @@ package dedup
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"reflect"
 	"runtime/debug"
@@ -64,7 +63,7 @@ type Dedup struct {
 // then go through asynq's own client.
 func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, error) {
 	if isNil(rdb) {
-		return nil, fmt.Errorf("%w: nil redis client", ErrInvalidOption)
+		return nil, errorf("%w: nil redis client", ErrInvalidOption)
 	}
 	c, err := cfg.withDefaults()
 	if err != nil {
@@ -226,11 +225,11 @@ func boundedCopy(rdb redis.UniversalClient) redis.UniversalClient {
 // client yourself and use New with asynq.NewClientFromRedisClient).
 func NewFromRedisConnOpt(ctx context.Context, opt asynq.RedisConnOpt, cfg Config) (*Dedup, error) {
 	if opt == nil {
-		return nil, fmt.Errorf("%w: nil asynq.RedisConnOpt", ErrInvalidOption)
+		return nil, errorf("%w: nil asynq.RedisConnOpt", ErrInvalidOption)
 	}
 	rdb, ok := opt.MakeRedisClient().(redis.UniversalClient)
 	if !ok || isNil(rdb) {
-		return nil, fmt.Errorf("%w: %T does not make a go-redis v9 client", ErrInvalidOption, opt)
+		return nil, errorf("%w: %T does not make a go-redis v9 client", ErrInvalidOption, opt)
 	}
 	d, err := New(ctx, rdb, cfg)
 	if err != nil {

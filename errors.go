@@ -3,6 +3,7 @@ package dedup
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/hibiken/asynq"
@@ -12,6 +13,8 @@ import (
 // errors.Is and wrap their cause; errors from asynq (such as
 // asynq.ErrTaskIDConflict), from the context, or from a function you gave
 // (MergeFunc, KeyFunc) are returned wrapped, so errors.Is finds them too.
+// Every error's text begins "dedup: ", once, however many of the package's
+// errors it wraps.
 var (
 	// ErrDuplicateTask reports that another task holds the key. The error is
 	// always a *DuplicateTaskError, which also matches asynq.ErrDuplicateTask.
@@ -151,11 +154,66 @@ func IsFailure(err error) bool {
 
 // unavailable wraps a Redis error so it matches ErrUnavailable and the cause.
 func unavailable(op string, err error) error {
-	return fmt.Errorf("%w: %s: %w", ErrUnavailable, op, err)
+	return errorf("%w: %s: %w", ErrUnavailable, op, err)
 }
 
-// wrapped is an error whose message is reworded (ruleError) but which
-// still matches, with errors.Is and errors.As, everything err does.
+// outcomeUnknown is the error of a call about task id that may have
+// stored it: it failed with callErr (nil: a call that answered, whose
+// task is looked for) and the look whether it stored the task failed with
+// lookErr, or (nil) found nothing yet. It matches ErrOutcomeUnknown and
+// ErrUnavailable.
+func outcomeUnknown(id string, callErr, lookErr error) error {
+	switch {
+	case callErr == nil:
+		return errorf("%w (task %s): asking whether it was stored: %w", errUnknown, id, lookErr)
+	case lookErr == nil:
+		return errorf("%w (task %s): %w; not stored yet, but the call may still run", errUnknown, id, callErr)
+	}
+	return errorf("%w (task %s): %w; asking whether it ran: %w", errUnknown, id, callErr, lookErr)
+}
+
+// errUnknown reads as ErrOutcomeUnknown, and matches ErrUnavailable too.
+var errUnknown = &wrapped{msg: ErrOutcomeUnknown.Error(), err: errors.Join(ErrOutcomeUnknown, ErrUnavailable)}
+
+// prefix begins the text of every error of this package.
+const prefix = "dedup: "
+
+// errorf is fmt.Errorf for this package's errors: its text begins with
+// prefix once. An error of the package's (or of internal/store's) named
+// inside reads without its own prefix; %w keeps every error wrapped for
+// errors.Is and errors.As, the prefixed ones included.
+func errorf(format string, args ...any) error {
+	for i, a := range args {
+		if e, ok := a.(error); ok && e != nil {
+			args[i] = inner{e}
+		}
+	}
+	err := fmt.Errorf(format, args...)
+	msg := err.Error()
+	if !strings.HasPrefix(msg, prefix) {
+		msg = prefix + msg
+	}
+	return &wrapped{msg: msg, err: err}
+}
+
+// inner is an error named inside another of this package's: its text
+// without the prefix.
+type inner struct{ err error }
+
+func (e inner) Error() string { return unprefixed(e.err) }
+func (e inner) Unwrap() error { return e.err }
+
+// unprefixed is err's text without a leading prefix.
+func unprefixed(err error) string {
+	if err == nil {
+		return "<nil>"
+	}
+	return strings.TrimPrefix(err.Error(), prefix)
+}
+
+// wrapped is an error whose message is reworded (errorf, ruleError) but
+// which still matches, with errors.Is and errors.As, err and everything
+// err does.
 type wrapped struct {
 	msg string
 	err error

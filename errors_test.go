@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // Every invalid rule is reported in one order, the sentinel first, then
@@ -226,4 +227,71 @@ func TestRuleErrorsNameTheRuleAndMatchErrInvalidOption(t *testing.T) {
 			t.Errorf("%d: %q, want %q…", i, err, want)
 		}
 	}
+}
+
+// Every error this package makes names it once, at the start of its text
+// ("dedup: "), whatever it wraps, and still matches its sentinels (and its
+// causes) with errors.Is.
+func TestErrorTextsNameThePackageOnce(t *testing.T) {
+	cfg := counterRules(Rule{})
+	cfg.Rules["cron:job"] = Rule{OnRunning: RunningAllow}
+	h := newHarness(t, cfg)
+	ctx := context.Background()
+	q := asynq.Queue(h.queue)
+	check := func(name string, err error, want ...error) {
+		t.Helper()
+		t.Logf("%s: %v", name, err)
+		switch {
+		case err == nil:
+			t.Errorf("%s: no error", name)
+			return
+		case !strings.HasPrefix(err.Error(), "dedup: ") || strings.Count(err.Error(), "dedup:") != 1:
+			t.Errorf("%s: %q, want \"dedup: \" once, at the start", name, err)
+		}
+		for _, w := range want {
+			if !errors.Is(err, w) {
+				t.Errorf("%s: %v does not match %v", name, err, w)
+			}
+		}
+	}
+	_, err := h.client.Enqueue(asynq.NewTask("counter", []byte(`{"n":1}`)), q)
+	check("field missing", err, ErrInvalidPayload, ErrFieldMissing)
+	var pe *PayloadError
+	if errors.As(err, &pe) && err.Error() != `dedup: task "counter": field "key": selected field missing` {
+		t.Errorf("field missing: %q", err)
+	}
+	_, err = h.client.Enqueue(asynq.NewTask("counter", []byte(`{nope`)), q)
+	check("not JSON", err, ErrInvalidPayload)
+	_, err = h.client.Enqueue(counterTask("k", 1, 1), q, Key(""))
+	check("Key(\"\")", err, ErrInvalidOption)
+	_, err = h.client.Enqueue(asynq.NewTask("counter", []byte(`{"key":"k"}`), Key("")), q)
+	check("Key(\"\") given to NewTask", err, ErrInvalidOption)
+	_, err = New(ctx, h.rdb, Config{Rules: map[string]Rule{"x": {TTL: -1}}})
+	check("negative TTL", err, ErrInvalidOption)
+	s := NewScheduler(h.d, nil)
+	_, err = s.Register("@every 1m", asynq.NewTask("cron:job", nil))
+	check("Scheduler.Register of a RunningAllow type", err, ErrInvalidOption)
+	h.enqueue(counterTask("k", 1, 1))
+	_, err = h.client.Enqueue(counterTask("k", 1, 2), q)
+	check("duplicate", err, ErrDuplicateTask, asynq.ErrDuplicateTask)
+	check("busy", &BusyError{TaskID: "a", Holder: "b"}, ErrKeyBusy)
+
+	// A stalled Redis: a direct-path call that carried its task times out
+	// (outcome unknown), and the breaker (threshold 1) then opens.
+	proxy, d, hh := hungDedup(t, Config{BreakerThreshold: 1}, func(o *redis.Options) { o.MaxRetries = -1 })
+	t.Cleanup(func() { _ = d.Close() })
+	c := d.NewClient()
+	if _, err := c.Enqueue(userTask(0, ""), asynq.Queue(hh.queue)); err != nil {
+		t.Fatal(err)
+	}
+	proxy.stall()
+	defer proxy.resume()
+	_, err = c.Enqueue(userTask(1, ""), asynq.Queue(hh.queue))
+	check("outcome unknown", err, ErrOutcomeUnknown, ErrUnavailable, context.DeadlineExceeded)
+	_, err = c.Enqueue(userTask(2, ""), asynq.Queue(hh.queue))
+	check("circuit open", err, ErrCircuitOpen, ErrUnavailable)
+	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err = d.WaitResult(wctx, hh.queue, "some-task")
+	check("WaitResult while Redis stalls", err, context.DeadlineExceeded)
 }

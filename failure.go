@@ -93,11 +93,11 @@ func OnFailure(f Failure, hold time.Duration) asynq.Option {
 func failHold(f Failure, hold time.Duration) (time.Duration, error) {
 	switch {
 	case f < FailRelease || f > FailHoldUntilReleased:
-		return 0, fmt.Errorf("%w: unknown OnFailure %v", ErrInvalidOption, f)
+		return 0, errorf("%w: unknown OnFailure %v", ErrInvalidOption, f)
 	case f == FailHold && hold <= 0:
-		return 0, fmt.Errorf("%w: OnFailure FailHold needs a positive hold (FailureHold), not %v", ErrInvalidOption, hold)
+		return 0, errorf("%w: OnFailure FailHold needs a positive hold (FailureHold), not %v", ErrInvalidOption, hold)
 	case f != FailHold && hold != 0:
-		return 0, fmt.Errorf("%w: a hold of %v goes with OnFailure FailHold only, not %s", ErrInvalidOption, hold, f.goName())
+		return 0, errorf("%w: a hold of %v goes with OnFailure FailHold only, not %s", ErrInvalidOption, hold, f.goName())
 	case f == FailHold:
 		return lifetime(hold), nil
 	case f == FailHoldUntilReleased:

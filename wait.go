@@ -3,7 +3,6 @@ package dedup
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"time"
 
@@ -81,7 +80,7 @@ func (d *Dedup) WaitResult(ctx context.Context, queue, taskID string) (*asynq.Ta
 // It fails with ErrInvalidOption for a nil dup.
 func (d *Dedup) WaitHolder(ctx context.Context, dup *DuplicateTaskError) (*asynq.TaskInfo, error) {
 	if dup == nil {
-		return nil, fmt.Errorf("%w: WaitHolder: nil DuplicateTaskError", ErrInvalidOption)
+		return nil, errorf("%w: WaitHolder: nil DuplicateTaskError", ErrInvalidOption)
 	}
 	return d.waitResult(ctx, dup.Queue, dup.TaskID, dup.Key, nil)
 }
@@ -91,7 +90,7 @@ func (d *Dedup) WaitHolder(ctx context.Context, dup *DuplicateTaskError) (*asynq
 // found while it may still be stored), for tests.
 func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPoll func(asynq.TaskState)) (*asynq.TaskInfo, error) {
 	if queue == "" || taskID == "" {
-		return nil, fmt.Errorf("%w: WaitResult needs a queue and a task ID", ErrInvalidOption)
+		return nil, errorf("%w: WaitResult needs a queue and a task ID", ErrInvalidOption)
 	}
 	var (
 		lastErr  error
@@ -114,7 +113,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 			case asynq.TaskStateCompleted:
 				return info, nil
 			case asynq.TaskStateArchived:
-				return info, fmt.Errorf("%w: task %s in queue %q was archived; last error: %s", ErrTaskFailed, taskID, queue, info.LastErr)
+				return info, errorf("%w: task %s in queue %q was archived; last error: %s", ErrTaskFailed, taskID, queue, info.LastErr)
 			}
 		case errors.Is(err, asynq.ErrTaskNotFound), errors.Is(err, asynq.ErrQueueNotFound):
 			locked, lerr := d.lockNames(ctx, key, taskID)
@@ -128,7 +127,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 				missing = time.Now()
 			}
 			if !locked || time.Since(missing) > d.cfg.HealGrace || (key == "" && time.Since(missing) > unknownGrace) {
-				return nil, fmt.Errorf("%w: task %s in queue %q: %w", ErrResultUnavailable, taskID, queue, err)
+				return nil, errorf("%w: task %s in queue %q: %w", ErrResultUnavailable, taskID, queue, err)
 			}
 			if onPoll != nil {
 				onPoll(0)
@@ -152,9 +151,9 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 
 func waitCtxErr(taskID string, ctxErr, lastErr error) error {
 	if lastErr != nil {
-		return fmt.Errorf("dedup: wait for task %s: %w (last error: %w)", taskID, ctxErr, unavailable("wait", lastErr))
+		return errorf("dedup: wait for task %s: %w (last error: %w)", taskID, ctxErr, unavailable("wait", lastErr))
 	}
-	return fmt.Errorf("dedup: wait for task %s: %w", taskID, ctxErr)
+	return errorf("dedup: wait for task %s: %w", taskID, ctxErr)
 }
 
 // unknownGrace is how long WaitResult waits for a missing task whose lock
