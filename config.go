@@ -43,7 +43,9 @@ type Config struct {
 	// middleware, Lookup, Release, Ping, the flusher), so a slow Redis
 	// cannot hang it; an enqueue whose call may have stored its task asks
 	// once more whether it did (ErrOutcomeUnknown), so it may take twice
-	// as long. Default DefaultLockTimeout (1 s). It holds whatever the
+	// as long. A call waiting for a connection that Redis refuses ends at
+	// once (ErrUnavailable), on a single-node client. Default
+	// DefaultLockTimeout (1 s). It holds whatever the
 	// client's options: a client without go-redis's
 	// Options.ContextTimeoutEnabled is copied into one more client (one more
 	// connection pool) with it set, which the library uses for its own
@@ -122,7 +124,8 @@ type Config struct {
 	BreakerBackoff Backoff
 
 	// ConnectAttempts bounds the PINGs New makes before giving up (the
-	// context bounds them too). Default 5.
+	// context bounds them too); a refused login or permission is not
+	// retried. Default 5.
 	ConnectAttempts int
 
 	// ConnectBackoff spaces the PINGs. Default: 100 ms doubling to 5 s, with

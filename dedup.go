@@ -47,10 +47,15 @@ type Dedup struct {
 // New checks that Redis answers (PING with backoff, bounded by ctx and
 // Config.ConnectAttempts), loads the lock scripts and returns a Dedup. It
 // fails with an error matching ErrInvalidOption for a bad Config, or
-// ErrUnavailable (wrapping the last Redis error) when Redis does not answer.
+// ErrUnavailable (wrapping the last Redis error) when Redis does not answer
+// or refuses the login (not retried).
 //
 // rdb may be the same client asynq uses: a single node, Sentinel failover
-// or Cluster client. New does not take ownership of it.
+// or Cluster client. New does not take ownership of it. On a
+// *redis.Client (rdb, or the library's copy of it) it adds a hook that
+// watches the client's dials, once per client, and changes no command: a
+// library call waiting for a connection that Redis refuses then ends at
+// once, with the dial's error.
 //
 // With the zero Config every task type that passes through a Client is
 // deduplicated on its whole payload: identical enqueues of any type are

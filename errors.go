@@ -6,15 +6,17 @@ import (
 	"strings"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
 // Sentinel errors. Errors this package makes match one of them with
 // errors.Is and wrap their cause; errors from asynq (such as
-// asynq.ErrTaskIDConflict), from the context, or from a function you gave
-// (MergeFunc, KeyFunc) are returned wrapped, so errors.Is finds them too.
-// Every error's text begins "dedup: ", once, however many of the package's
-// errors it wraps.
+// asynq.ErrTaskIDConflict), from Redis (go-redis's, such as a
+// *net.OpError for a refused connection), from the context, or from a
+// function you gave (MergeFunc, KeyFunc) are returned wrapped, so
+// errors.Is and errors.As find them too. Every error's text begins
+// "dedup: ", once, however many of the package's errors it wraps.
 var (
 	// ErrDuplicateTask reports that another task holds the key. The error is
 	// always a *DuplicateTaskError, which also matches asynq.ErrDuplicateTask.
@@ -35,17 +37,30 @@ var (
 	ErrInvalidOption = errors.New("dedup: invalid option")
 
 	// ErrUnavailable reports that Redis could not be reached for a lock
-	// operation (fail-closed) or at start-up. It wraps the Redis error.
+	// operation (fail-closed) or at start-up, and that the call stored
+	// nothing: it was not sent (a refused connection, a name that does not
+	// resolve, a failed TLS handshake, the breaker open), or Redis refused
+	// it before running it. It wraps the Redis error, and its text quotes
+	// it ("dedup: redis unavailable: acquire: dial tcp …: connect:
+	// connection refused"). When Redis refuses the login (WRONGPASS,
+	// NOAUTH) or the user's ACL the call (NOPERM), the text says so
+	// instead ("dedup: redis refused authentication: WRONGPASS …", "dedup:
+	// redis denied permission: NOPERM …"), and nothing retries it (New
+	// fails at its first PING). A call that may have reached Redis and run
+	// is ErrOutcomeUnknown instead.
 	ErrUnavailable = errors.New("dedup: redis unavailable")
 
 	// ErrOutcomeUnknown reports an enqueue that may or may not have stored
 	// its task: a lock call that carried the task (Dedup.NewClient's direct
-	// path) failed after it was sent, and the task was not found stored
-	// (the call may still run late) or Redis could not be asked. The error
-	// also matches ErrUnavailable; the call's task ID is in its text, and
-	// asynq's Inspector tells once Redis answers. FailOpen does not enqueue
-	// such a call again, which could store it twice; the call, if it runs
-	// late, never stores a task that exists.
+	// path) failed after it may have reached Redis (a connection lost or a
+	// deadline passed mid-call), and the task was not found stored (the
+	// call may still run late) or Redis could not be asked. A call that
+	// cannot have been sent (a connection refused, see ErrUnavailable) is
+	// never ErrOutcomeUnknown. The error also matches ErrUnavailable; the
+	// call's task ID is in its text, and asynq's Inspector tells once Redis
+	// answers. FailOpen does not enqueue such a call again, which could
+	// store it twice; the call, if it runs late, never stores a task that
+	// exists.
 	ErrOutcomeUnknown = errors.New("dedup: outcome unknown: the task may have been stored")
 
 	// ErrCircuitOpen is the cause of a lock call refused without asking
@@ -152,9 +167,31 @@ func IsFailure(err error) bool {
 	return err != nil && !errors.Is(err, ErrKeyBusy)
 }
 
-// unavailable wraps a Redis error so it matches ErrUnavailable and the cause.
+// unavailable wraps a Redis error so it matches ErrUnavailable and the
+// cause; a refused login or permission says so (refusalOf).
 func unavailable(op string, err error) error {
+	if r := refusalOf(err); r != nil {
+		return errorf("%w: %w", r, err)
+	}
 	return errorf("%w: %s: %w", ErrUnavailable, op, err)
+}
+
+// Redis refusing the client itself: ErrUnavailable, read as what it is.
+var (
+	errLoginRefused      = &wrapped{msg: "dedup: redis refused authentication", err: ErrUnavailable}
+	errPermissionRefused = &wrapped{msg: "dedup: redis denied permission", err: ErrUnavailable}
+)
+
+// refusalOf is errLoginRefused or errPermissionRefused for err that is such
+// a refusal (which no retry changes), else nil.
+func refusalOf(err error) error {
+	switch {
+	case store.LoginRefused(err):
+		return errLoginRefused
+	case store.PermissionRefused(err):
+		return errPermissionRefused
+	}
+	return nil
 }
 
 // outcomeUnknown is the error of a call about task id that may have

@@ -89,7 +89,9 @@ func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err erro
 		// "created" or "unknown", never "failed"; and not fail-open, which
 		// would enqueue it a second time. Unless Redis refused it before
 		// running it, for a reason that refuses any late copy too (ACL, out
-		// of memory): then nothing was stored, and nothing will be.
+		// of memory): then nothing was stored, and nothing will be. (A
+		// call that never reached Redis, such as one whose connection was
+		// refused, is not sent: store.Unreached.)
 		uerr := unavailable("acquire", err)
 		ti, lerr := c.landed(ctx, k, uerr)
 		switch refused := store.Refused(err); {

@@ -61,7 +61,9 @@ var waitBackoff = Backoff{Min: 25 * time.Millisecond, Max: time.Second}
 //     once, then at growing intervals up to one second, with jitter. asynq's
 //     Inspector takes no context, so one poll in flight is bounded by the
 //     Redis client's own timeouts, not by ctx. Redis errors are retried
-//     until ctx is done: give ctx a deadline.
+//     until ctx is done (give ctx a deadline), except a refused login or
+//     permission (WRONGPASS, NOAUTH, NOPERM), which ends the wait at once
+//     with an error matching ErrUnavailable.
 //   - The task waited for is the one that held the key when the duplicate
 //     was rejected. A retried task is the same task; a task that fails for
 //     good gives ErrTaskFailed, and the caller decides whether to enqueue
@@ -132,6 +134,8 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 			if onPoll != nil {
 				onPoll(0)
 			}
+		case refusalOf(err) != nil: // no later poll would be let in either
+			return nil, errorf("wait for task %s: %w", taskID, unavailable("wait", err))
 		default:
 			if ctx.Err() == nil { // not just the wait ending mid-poll
 				lastErr = err
