@@ -2,10 +2,10 @@ package dedup
 
 import (
 	"context"
-	"fmt"
 	"math/rand/v2"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -32,8 +32,13 @@ func (b Backoff) Delay(n int) time.Duration {
 
 // connect PINGs Redis until it answers, the context ends or attempts run out.
 // Failed attempts leave nothing behind: go-redis returns each connection to
-// its pool or closes it.
+// its pool or closes it. A refused login or permission (WRONGPASS, NOAUTH,
+// NOPERM) ends it at once: Redis answered, and answers the same to every
+// retry. A PING that waits for a connection go-redis cannot make ends as
+// soon as a dial fails (store.WatchDials), so a refused connection reads as
+// such, not as a deadline.
 func connect(ctx context.Context, rdb redis.UniversalClient, attempts int, b Backoff, timeout time.Duration) error {
+	watch := store.WatchDials(rdb)
 	var err error
 	for n := 0; n < attempts; n++ {
 		if n > 0 {
@@ -41,19 +46,22 @@ func connect(ctx context.Context, rdb redis.UniversalClient, attempts int, b Bac
 			select {
 			case <-ctx.Done():
 				t.Stop()
-				return fmt.Errorf("%w: connect: %w (last error: %w)", ErrUnavailable, ctx.Err(), err)
+				return errorf("%w: connect: %w (last error: %w)", ErrUnavailable, ctx.Err(), err)
 			case <-t.C:
 			}
 		}
 		pctx, cancel := context.WithTimeout(ctx, timeout)
-		err = rdb.Ping(pctx).Err()
+		w := watch.Enter(ctx, cancel)
+		err = w.Leave(rdb.Ping(pctx).Err())
 		cancel()
-		if err == nil {
+		switch {
+		case err == nil:
 			return nil
-		}
-		if ctx.Err() != nil {
-			return fmt.Errorf("%w: connect: %w (last error: %w)", ErrUnavailable, ctx.Err(), err)
+		case refusalOf(err) != nil:
+			return unavailable("connect", err)
+		case ctx.Err() != nil:
+			return errorf("%w: connect: %w (last error: %w)", ErrUnavailable, ctx.Err(), err)
 		}
 	}
-	return fmt.Errorf("%w: connect: no answer after %d attempts: %w", ErrUnavailable, attempts, err)
+	return errorf("%w: connect: no answer after %d attempts: %w", ErrUnavailable, attempts, err)
 }

@@ -2,7 +2,6 @@ package dedup
 
 import (
 	"context"
-	"fmt"
 	"sync"
 	"sync/atomic"
 
@@ -82,7 +81,7 @@ func (c *Client) EnqueueBatch(ctx context.Context, tasks []*asynq.Task, opts ...
 	out := make([]BatchResult, len(tasks))
 	if err := ctx.Err(); err != nil {
 		for i, t := range tasks {
-			out[i].Err = fmt.Errorf("dedup: enqueue %q: %w", typeOf(t), err)
+			out[i].Err = errorf("dedup: enqueue %q: %w", typeOf(t), err)
 		}
 		return out
 	}

@@ -2,7 +2,6 @@ package dedup
 
 import (
 	"context"
-	"fmt"
 	"reflect"
 	"strings"
 	"sync"
@@ -93,7 +92,7 @@ func (k *call) ownOptions(own []asynq.Option, rule **resolved) error {
 	for _, o := range own {
 		if ov, ok := o.(option); ok {
 			if err := k.applyOption(ov, rule); err != nil {
-				return fmt.Errorf("%w (given to asynq.NewTask)", err)
+				return errorf("%w (given to asynq.NewTask)", err)
 			}
 			n++
 		}
@@ -102,7 +101,7 @@ func (k *call) ownOptions(own []asynq.Option, rule **resolved) error {
 		return nil
 	}
 	if err := (*rule).endLayer(); err != nil {
-		return fmt.Errorf("%w (given to asynq.NewTask)", err)
+		return errorf("%w (given to asynq.NewTask)", err)
 	}
 	return nil
 }
@@ -185,7 +184,7 @@ func (k *call) messageOption(o asynq.Option) bool {
 func (k *call) chooseQueue(d *Dedup) error {
 	switch {
 	case k.explicitQueue && strings.TrimSpace(k.queue) == "":
-		return fmt.Errorf("%w: blank queue name", ErrInvalidOption)
+		return errorf("%w: blank queue name", ErrInvalidOption)
 	case k.explicitQueue:
 	case k.taskQueue != "": // asynq.NewTask's queue, which the call does not override
 		k.queue = k.taskQueue
@@ -196,7 +195,7 @@ func (k *call) chooseQueue(d *Dedup) error {
 		}
 	}
 	if k.blankID {
-		return fmt.Errorf("%w: blank task ID", ErrInvalidOption)
+		return errorf("%w: blank task ID", ErrInvalidOption)
 	}
 	return nil
 }
@@ -207,7 +206,7 @@ func (k *call) chooseQueue(d *Dedup) error {
 func (c *Client) prepare(ctx context.Context, k *call) error {
 	d := c.d
 	if k.conflicting != "" {
-		return fmt.Errorf("%w: %s cannot be combined with deduplication (use dedup.Skip() to enqueue this call without it)", ErrInvalidOption, k.conflicting)
+		return errorf("%w: %s cannot be combined with deduplication (use dedup.Skip() to enqueue this call without it)", ErrInvalidOption, k.conflicting)
 	}
 	if err := k.rule.checkModes(); err != nil {
 		return err
@@ -228,7 +227,7 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 		id = store.NewPlainID()
 		k.pass = append(k.pass, asynq.TaskID(id))
 	case store.Reserved(id):
-		return fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, df-, dk-, da-, dx-, or a leading '~')", ErrInvalidOption, id)
+		return errorf("%w: task ID %q has the form of this package's own IDs (dd-, df-, dk-, da-, dx-, or a leading '~')", ErrInvalidOption, id)
 	}
 	direct := c.canDirect(ctx, k)
 	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Lock: d.store.Keys().Lock(k.queue, fp)}
@@ -379,10 +378,10 @@ func (k *call) storedInfo() *asynq.TaskInfo {
 // task ID given to NewTask, if any.
 func checkTask(t *asynq.Task) (conflicting, queue, id string, err error) {
 	if t == nil {
-		return "", "", "", fmt.Errorf("%w: nil task", ErrInvalidOption)
+		return "", "", "", errorf("%w: nil task", ErrInvalidOption)
 	}
 	if strings.TrimSpace(t.Type()) == "" {
-		return "", "", "", fmt.Errorf("%w: blank task type", ErrInvalidOption)
+		return "", "", "", errorf("%w: blank task type", ErrInvalidOption)
 	}
 	opts, _ := taskOpts(t)
 	for _, o := range opts {
@@ -392,12 +391,12 @@ func checkTask(t *asynq.Task) (conflicting, queue, id string, err error) {
 		switch v, _ := o.Value().(string); o.Type() {
 		case asynq.QueueOpt:
 			if strings.TrimSpace(v) == "" {
-				return "", "", "", fmt.Errorf("%w: blank queue name in NewTask", ErrInvalidOption)
+				return "", "", "", errorf("%w: blank queue name in NewTask", ErrInvalidOption)
 			}
 			queue = v
 		case asynq.TaskIDOpt:
 			if strings.TrimSpace(v) == "" {
-				return "", "", "", fmt.Errorf("%w: blank task ID in NewTask", ErrInvalidOption)
+				return "", "", "", errorf("%w: blank task ID in NewTask", ErrInvalidOption)
 			}
 			id = v
 		case asynq.UniqueOpt, asynq.GroupOpt:

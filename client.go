@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 
 	"github.com/asynq-dedup/dedup/internal/store"
@@ -168,7 +167,7 @@ func (c *Client) begin(ctx context.Context, k *call, task *asynq.Task, opts []as
 		return false, err
 	}
 	if err := ctx.Err(); err != nil { // the caller gave up before the call began: not an outage
-		return false, fmt.Errorf("dedup: enqueue %q: %w", k.typ, err)
+		return false, errorf("dedup: enqueue %q: %w", k.typ, err)
 	}
 	if !c.d.active(&k.rule) {
 		return false, nil
@@ -201,7 +200,7 @@ func (c *Client) complete(ctx context.Context, k *call, res Result, n next, err 
 func (c *Client) enqueueUnlocked(ctx context.Context, k *call) (Result, error) {
 	switch {
 	case store.Reserved(k.callerID):
-		return Result{}, fmt.Errorf("%w: task ID %q has the form of this package's own IDs (dd-, df-, dk-, da-, dx-, or a leading '~')", ErrInvalidOption, k.callerID)
+		return Result{}, errorf("%w: task ID %q has the form of this package's own IDs (dd-, df-, dk-, da-, dx-, or a leading '~')", ErrInvalidOption, k.callerID)
 	case !k.rule.skip:
 		// OptIn and no rule: nothing here is deduplicated, so the task stays
 		// as asynq makes it. (A server whose rules cover the type guards it
@@ -303,13 +302,7 @@ func (c *Client) landed(ctx context.Context, k *call, callErr error) (*asynq.Tas
 	switch {
 	case err != nil:
 		d.count(k.typ, evRedisError)
-		if callErr == nil {
-			return nil, fmt.Errorf("%w: %w (task %s): asking whether it was stored: %w", ErrUnavailable, ErrOutcomeUnknown, id, err)
-		}
-		if errors.Is(callErr, ErrUnavailable) {
-			return nil, fmt.Errorf("%w (task %s): %w; asking whether it ran: %w", ErrOutcomeUnknown, id, callErr, err)
-		}
-		return nil, fmt.Errorf("%w: %w (task %s): %w; asking whether it ran: %w", ErrUnavailable, ErrOutcomeUnknown, id, callErr, err)
+		return nil, outcomeUnknown(id, callErr, err)
 	case !found || typ != k.typ || !bytes.Equal(payload, k.task.Payload()):
 		return nil, nil // not stored, or a different task has this (caller-chosen) ID: ours never landed
 	}
@@ -325,7 +318,7 @@ func (c *Client) landed(ctx context.Context, k *call, callErr error) (*asynq.Tas
 // Unique duplicate) is a failure to reach Redis: it matches ErrUnavailable.
 func enqueueError(typ string, err error) error {
 	if errors.Is(err, asynq.ErrTaskIDConflict) || errors.Is(err, asynq.ErrDuplicateTask) {
-		return fmt.Errorf("dedup: enqueue %q: %w", typ, err)
+		return errorf("dedup: enqueue %q: %w", typ, err)
 	}
-	return fmt.Errorf("%w: enqueue %q: %w", ErrUnavailable, typ, err)
+	return errorf("%w: enqueue %q: %w", ErrUnavailable, typ, err)
 }

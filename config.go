@@ -43,7 +43,9 @@ type Config struct {
 	// middleware, Lookup, Release, Ping, the flusher), so a slow Redis
 	// cannot hang it; an enqueue whose call may have stored its task asks
 	// once more whether it did (ErrOutcomeUnknown), so it may take twice
-	// as long. Default DefaultLockTimeout (1 s). It holds whatever the
+	// as long. A call waiting for a connection that Redis refuses ends at
+	// once (ErrUnavailable), on a single-node client. Default
+	// DefaultLockTimeout (1 s). It holds whatever the
 	// client's options: a client without go-redis's
 	// Options.ContextTimeoutEnabled is copied into one more client (one more
 	// connection pool) with it set, which the library uses for its own
@@ -122,7 +124,8 @@ type Config struct {
 	BreakerBackoff Backoff
 
 	// ConnectAttempts bounds the PINGs New makes before giving up (the
-	// context bounds them too). Default 5.
+	// context bounds them too); a refused login or permission is not
+	// retried. Default 5.
 	ConnectAttempts int
 
 	// ConnectBackoff spaces the PINGs. Default: 100 ms doubling to 5 s, with
@@ -260,11 +263,11 @@ func (c *Config) withDefaults() (Config, error) {
 		cfg.Prefix = DefaultPrefix
 	}
 	if strings.ContainsAny(cfg.Prefix, "{}") {
-		return cfg, fmt.Errorf("%w: Prefix %q contains a brace", ErrInvalidOption, cfg.Prefix)
+		return cfg, errorf("%w: Prefix %q contains a brace", ErrInvalidOption, cfg.Prefix)
 	}
 	for name, d := range map[string]*time.Duration{"TTL": &cfg.TTL, "LockTimeout": &cfg.LockTimeout, "HealGrace": &cfg.HealGrace} {
 		if *d < 0 {
-			return cfg, fmt.Errorf("%w: %s is negative", ErrInvalidOption, name)
+			return cfg, errorf("%w: %s is negative", ErrInvalidOption, name)
 		}
 		*d = lifetime(*d)
 	}
@@ -353,26 +356,26 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 	out := make(map[string]*resolved, len(rules))
 	for typ, r := range rules {
 		if strings.TrimSpace(typ) == "" {
-			return nil, fmt.Errorf("%w: a rule with a blank name would match every type (asynq's ServeMux refuses such patterns too)", ErrInvalidOption)
+			return nil, errorf("%w: a rule with a blank name would match every type (asynq's ServeMux refuses such patterns too)", ErrInvalidOption)
 		}
 		fs, err := compileFields(r.Fields)
 		if err != nil {
 			return nil, ruleError(typ, err)
 		}
 		if r.TTL < 0 {
-			return nil, fmt.Errorf("%w: rule for %q: negative TTL", ErrInvalidOption, typ)
+			return nil, errorf("%w: rule for %q: negative TTL", ErrInvalidOption, typ)
 		}
 		if r.MaxPending < 0 {
-			return nil, fmt.Errorf("%w: rule for %q: negative MaxPending", ErrInvalidOption, typ)
+			return nil, errorf("%w: rule for %q: negative MaxPending", ErrInvalidOption, typ)
 		}
 		if r.OnConflict < Reject || r.OnConflict > Merge || r.OnRunning < RunningReject || r.OnRunning > RunningDefer {
-			return nil, fmt.Errorf("%w: rule for %q: unknown policy", ErrInvalidOption, typ)
+			return nil, errorf("%w: rule for %q: unknown policy", ErrInvalidOption, typ)
 		}
 		if r.OnBusy < BusyRetry || r.OnBusy > BusyFold {
-			return nil, fmt.Errorf("%w: rule for %q: unknown OnBusy", ErrInvalidOption, typ)
+			return nil, errorf("%w: rule for %q: unknown OnBusy", ErrInvalidOption, typ)
 		}
 		if (r.OnConflict == Merge) != (r.MergeFunc != nil) {
-			return nil, fmt.Errorf("%w: rule for %q: OnConflict Merge and MergeFunc go together", ErrInvalidOption, typ)
+			return nil, errorf("%w: rule for %q: OnConflict Merge and MergeFunc go together", ErrInvalidOption, typ)
 		}
 		res := &resolved{
 			skip: r.Skip, fields: fs, missingAsNull: r.MissingAsNull,

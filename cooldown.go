@@ -33,7 +33,7 @@ func Cooldown(d time.Duration) asynq.Option {
 	desc := fmt.Sprintf("dedup.Cooldown(%v)", d)
 	return option{desc: desc, apply: func(r *resolved) error {
 		if d <= 0 {
-			return fmt.Errorf("%w: Cooldown %v is not positive", ErrInvalidOption, d)
+			return errorf("%w: Cooldown %v is not positive", ErrInvalidOption, d)
 		}
 		r.cooldown, r.optedIn = lifetime(d), true
 		r.callKept = append(r.callKept[:len(r.callKept):len(r.callKept)], desc) // (a copy: the rule's slice is shared)
@@ -59,19 +59,19 @@ func firingHold(hold time.Duration) asynq.Option {
 func (r *resolved) checkModes() error {
 	switch {
 	case r.cooldown < 0 || r.debounce < 0:
-		return fmt.Errorf("%w: negative Cooldown or Debounce", ErrInvalidOption)
+		return errorf("%w: negative Cooldown or Debounce", ErrInvalidOption)
 	case r.cooldown > 0 && r.running != RunningReject:
-		return fmt.Errorf("%w: Cooldown needs OnRunning RunningReject (%v would run the key again within the cooldown)", ErrInvalidOption, r.running)
+		return errorf("%w: Cooldown needs OnRunning RunningReject (%v would run the key again within the cooldown)", ErrInvalidOption, r.running)
 	case r.period > 0 && r.running != RunningReject:
-		return fmt.Errorf("%w: Period needs OnRunning RunningReject (%v would run the key again within the window)", ErrInvalidOption, r.running)
+		return errorf("%w: Period needs OnRunning RunningReject (%v would run the key again within the window)", ErrInvalidOption, r.running)
 	case r.failHold != 0 && r.running == RunningAllow:
-		return fmt.Errorf("%w: OnFailure's hold needs a running policy that keeps the key while its task runs (RunningAllow frees it as the task starts: no key is left to hold after a failure)", ErrInvalidOption)
+		return errorf("%w: OnFailure's hold needs a running policy that keeps the key while its task runs (RunningAllow frees it as the task starts: no key is left to hold after a failure)", ErrInvalidOption)
 	case r.period > 0 && r.cooldown > 0:
-		return fmt.Errorf("%w: Period and Cooldown cannot be combined (a key cools down until its window ends)", ErrInvalidOption)
+		return errorf("%w: Period and Cooldown cannot be combined (a key cools down until its window ends)", ErrInvalidOption)
 	case r.debounce > 0 && r.conflict == Reject:
-		return fmt.Errorf("%w: Debounce needs OnConflict Replace or Merge (a rejected enqueue has nothing to debounce)", ErrInvalidOption)
+		return errorf("%w: Debounce needs OnConflict Replace or Merge (a rejected enqueue has nothing to debounce)", ErrInvalidOption)
 	case r.debounce > 0 && r.running == RunningDefer:
-		return fmt.Errorf("%w: Debounce cannot be combined with RunningDefer", ErrInvalidOption)
+		return errorf("%w: Debounce cannot be combined with RunningDefer", ErrInvalidOption)
 	}
 	return nil
 }

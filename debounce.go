@@ -27,7 +27,7 @@ import (
 func Debounce(d time.Duration) asynq.Option {
 	return option{desc: fmt.Sprintf("dedup.Debounce(%v)", d), apply: func(r *resolved) error {
 		if d <= 0 {
-			return fmt.Errorf("%w: Debounce %v is not positive", ErrInvalidOption, d)
+			return errorf("%w: Debounce %v is not positive", ErrInvalidOption, d)
 		}
 		r.debounce, r.optedIn = lifetime(d), true
 		return nil

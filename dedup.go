@@ -3,7 +3,6 @@ package dedup
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"reflect"
 	"runtime/debug"
@@ -48,10 +47,15 @@ type Dedup struct {
 // New checks that Redis answers (PING with backoff, bounded by ctx and
 // Config.ConnectAttempts), loads the lock scripts and returns a Dedup. It
 // fails with an error matching ErrInvalidOption for a bad Config, or
-// ErrUnavailable (wrapping the last Redis error) when Redis does not answer.
+// ErrUnavailable (wrapping the last Redis error) when Redis does not answer
+// or refuses the login (not retried).
 //
 // rdb may be the same client asynq uses: a single node, Sentinel failover
-// or Cluster client. New does not take ownership of it.
+// or Cluster client. New does not take ownership of it. On a
+// *redis.Client (rdb, or the library's copy of it) it adds a hook that
+// watches the client's dials, once per client, and changes no command: a
+// library call waiting for a connection that Redis refuses then ends at
+// once, with the dial's error.
 //
 // With the zero Config every task type that passes through a Client is
 // deduplicated on its whole payload: identical enqueues of any type are
@@ -64,7 +68,7 @@ type Dedup struct {
 // then go through asynq's own client.
 func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, error) {
 	if isNil(rdb) {
-		return nil, fmt.Errorf("%w: nil redis client", ErrInvalidOption)
+		return nil, errorf("%w: nil redis client", ErrInvalidOption)
 	}
 	c, err := cfg.withDefaults()
 	if err != nil {
@@ -226,11 +230,11 @@ func boundedCopy(rdb redis.UniversalClient) redis.UniversalClient {
 // client yourself and use New with asynq.NewClientFromRedisClient).
 func NewFromRedisConnOpt(ctx context.Context, opt asynq.RedisConnOpt, cfg Config) (*Dedup, error) {
 	if opt == nil {
-		return nil, fmt.Errorf("%w: nil asynq.RedisConnOpt", ErrInvalidOption)
+		return nil, errorf("%w: nil asynq.RedisConnOpt", ErrInvalidOption)
 	}
 	rdb, ok := opt.MakeRedisClient().(redis.UniversalClient)
 	if !ok || isNil(rdb) {
-		return nil, fmt.Errorf("%w: %T does not make a go-redis v9 client", ErrInvalidOption, opt)
+		return nil, errorf("%w: %T does not make a go-redis v9 client", ErrInvalidOption, opt)
 	}
 	d, err := New(ctx, rdb, cfg)
 	if err != nil {

@@ -3,15 +3,20 @@ package dedup
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
 // Sentinel errors. Errors this package makes match one of them with
 // errors.Is and wrap their cause; errors from asynq (such as
-// asynq.ErrTaskIDConflict), from the context, or from a function you gave
-// (MergeFunc, KeyFunc) are returned wrapped, so errors.Is finds them too.
+// asynq.ErrTaskIDConflict), from Redis (go-redis's, such as a
+// *net.OpError for a refused connection), from the context, or from a
+// function you gave (MergeFunc, KeyFunc) are returned wrapped, so
+// errors.Is and errors.As find them too. Every error's text begins
+// "dedup: ", once, however many of the package's errors it wraps.
 var (
 	// ErrDuplicateTask reports that another task holds the key. The error is
 	// always a *DuplicateTaskError, which also matches asynq.ErrDuplicateTask.
@@ -32,17 +37,30 @@ var (
 	ErrInvalidOption = errors.New("dedup: invalid option")
 
 	// ErrUnavailable reports that Redis could not be reached for a lock
-	// operation (fail-closed) or at start-up. It wraps the Redis error.
+	// operation (fail-closed) or at start-up, and that the call stored
+	// nothing: it was not sent (a refused connection, a name that does not
+	// resolve, a failed TLS handshake, the breaker open), or Redis refused
+	// it before running it. It wraps the Redis error, and its text quotes
+	// it ("dedup: redis unavailable: acquire: dial tcp …: connect:
+	// connection refused"). When Redis refuses the login (WRONGPASS,
+	// NOAUTH) or the user's ACL the call (NOPERM), the text says so
+	// instead ("dedup: redis refused authentication: WRONGPASS …", "dedup:
+	// redis denied permission: NOPERM …"), and nothing retries it (New
+	// fails at its first PING). A call that may have reached Redis and run
+	// is ErrOutcomeUnknown instead.
 	ErrUnavailable = errors.New("dedup: redis unavailable")
 
 	// ErrOutcomeUnknown reports an enqueue that may or may not have stored
 	// its task: a lock call that carried the task (Dedup.NewClient's direct
-	// path) failed after it was sent, and the task was not found stored
-	// (the call may still run late) or Redis could not be asked. The error
-	// also matches ErrUnavailable; the call's task ID is in its text, and
-	// asynq's Inspector tells once Redis answers. FailOpen does not enqueue
-	// such a call again, which could store it twice; the call, if it runs
-	// late, never stores a task that exists.
+	// path) failed after it may have reached Redis (a connection lost or a
+	// deadline passed mid-call), and the task was not found stored (the
+	// call may still run late) or Redis could not be asked. A call that
+	// cannot have been sent (a connection refused, see ErrUnavailable) is
+	// never ErrOutcomeUnknown. The error also matches ErrUnavailable; the
+	// call's task ID is in its text, and asynq's Inspector tells once Redis
+	// answers. FailOpen does not enqueue such a call again, which could
+	// store it twice; the call, if it runs late, never stores a task that
+	// exists.
 	ErrOutcomeUnknown = errors.New("dedup: outcome unknown: the task may have been stored")
 
 	// ErrCircuitOpen is the cause of a lock call refused without asking
@@ -149,13 +167,90 @@ func IsFailure(err error) bool {
 	return err != nil && !errors.Is(err, ErrKeyBusy)
 }
 
-// unavailable wraps a Redis error so it matches ErrUnavailable and the cause.
+// unavailable wraps a Redis error so it matches ErrUnavailable and the
+// cause; a refused login or permission says so (refusalOf).
 func unavailable(op string, err error) error {
-	return fmt.Errorf("%w: %s: %w", ErrUnavailable, op, err)
+	if r := refusalOf(err); r != nil {
+		return errorf("%w: %w", r, err)
+	}
+	return errorf("%w: %s: %w", ErrUnavailable, op, err)
 }
 
-// wrapped is an error whose message is reworded (ruleError) but which
-// still matches, with errors.Is and errors.As, everything err does.
+// Redis refusing the client itself: ErrUnavailable, read as what it is.
+var (
+	errLoginRefused      = &wrapped{msg: "dedup: redis refused authentication", err: ErrUnavailable}
+	errPermissionRefused = &wrapped{msg: "dedup: redis denied permission", err: ErrUnavailable}
+)
+
+// refusalOf is errLoginRefused or errPermissionRefused for err that is such
+// a refusal (which no retry changes), else nil.
+func refusalOf(err error) error {
+	switch {
+	case store.LoginRefused(err):
+		return errLoginRefused
+	case store.PermissionRefused(err):
+		return errPermissionRefused
+	}
+	return nil
+}
+
+// outcomeUnknown is the error of a call about task id that may have
+// stored it: it failed with callErr (nil: a call that answered, whose
+// task is looked for) and the look whether it stored the task failed with
+// lookErr, or (nil) found nothing yet. It matches ErrOutcomeUnknown and
+// ErrUnavailable.
+func outcomeUnknown(id string, callErr, lookErr error) error {
+	switch {
+	case callErr == nil:
+		return errorf("%w (task %s): asking whether it was stored: %w", errUnknown, id, lookErr)
+	case lookErr == nil:
+		return errorf("%w (task %s): %w; not stored yet, but the call may still run", errUnknown, id, callErr)
+	}
+	return errorf("%w (task %s): %w; asking whether it ran: %w", errUnknown, id, callErr, lookErr)
+}
+
+// errUnknown reads as ErrOutcomeUnknown, and matches ErrUnavailable too.
+var errUnknown = &wrapped{msg: ErrOutcomeUnknown.Error(), err: errors.Join(ErrOutcomeUnknown, ErrUnavailable)}
+
+// prefix begins the text of every error of this package.
+const prefix = "dedup: "
+
+// errorf is fmt.Errorf for this package's errors: its text begins with
+// prefix once. An error of the package's (or of internal/store's) named
+// inside reads without its own prefix; %w keeps every error wrapped for
+// errors.Is and errors.As, the prefixed ones included.
+func errorf(format string, args ...any) error {
+	for i, a := range args {
+		if e, ok := a.(error); ok && e != nil {
+			args[i] = inner{e}
+		}
+	}
+	err := fmt.Errorf(format, args...)
+	msg := err.Error()
+	if !strings.HasPrefix(msg, prefix) {
+		msg = prefix + msg
+	}
+	return &wrapped{msg: msg, err: err}
+}
+
+// inner is an error named inside another of this package's: its text
+// without the prefix.
+type inner struct{ err error }
+
+func (e inner) Error() string { return unprefixed(e.err) }
+func (e inner) Unwrap() error { return e.err }
+
+// unprefixed is err's text without a leading prefix.
+func unprefixed(err error) string {
+	if err == nil {
+		return "<nil>"
+	}
+	return strings.TrimPrefix(err.Error(), prefix)
+}
+
+// wrapped is an error whose message is reworded (errorf, ruleError) but
+// which still matches, with errors.Is and errors.As, err and everything
+// err does.
 type wrapped struct {
 	msg string
 	err error

@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // Every invalid rule is reported in one order, the sentinel first, then
@@ -226,4 +228,167 @@ func TestRuleErrorsNameTheRuleAndMatchErrInvalidOption(t *testing.T) {
 			t.Errorf("%d: %q, want %q…", i, err, want)
 		}
 	}
+}
+
+// An enqueue while Redis refuses connections (the server is gone) sent
+// nothing: it is ErrUnavailable, not ErrOutcomeUnknown; it says why
+// ("connection refused"), keeps the dial error for errors.As, and comes
+// back well within LockTimeout, before and after the breaker opens; with
+// the caller's client (ContextTimeoutEnabled) and with the library's own
+// copy of it alike.
+func TestEnqueueWithRedisRefusingConnectionsIsUnavailableAndSaysWhy(t *testing.T) {
+	for _, shared := range []bool{true, false} {
+		t.Run(fmt.Sprintf("ContextTimeoutEnabled=%v", shared), func(t *testing.T) {
+			p, rdb := ownRedis(t, func(o *redis.Options) { o.ContextTimeoutEnabled = shared })
+			d, err := New(context.Background(), rdb, Config{Logger: quietLogger()}) // LockTimeout 1 s, breaker after 5 failures
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = d.Close() })
+			c, q := d.NewClient(), asynq.Queue("q-"+uniq(t))
+			if _, err := c.Enqueue(userTask(0, ""), q); err != nil {
+				t.Fatal(err) // warm: the queue is registered, connections pooled
+			}
+			p.Kill() // nothing listens on its port now
+			for i := 1; i <= 7; i++ {
+				start := time.Now()
+				_, err := c.Enqueue(userTask(i, ""), q)
+				took := time.Since(start)
+				var op *net.OpError
+				switch {
+				case !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrOutcomeUnknown):
+					t.Fatalf("enqueue %d: %v, want ErrUnavailable and not ErrOutcomeUnknown: nothing can have been sent", i, err)
+				case !strings.Contains(err.Error(), "connection refused"):
+					t.Fatalf("enqueue %d: %q does not say the connection was refused", i, err)
+				case !errors.As(err, &op) || op.Op != "dial":
+					t.Fatalf("enqueue %d: %v does not keep the dial error (got %#v)", i, err, op)
+				case strings.Count(err.Error(), "dedup:") != 1:
+					t.Fatalf("enqueue %d: %q names the package more than once", i, err)
+				case took > DefaultLockTimeout/2:
+					t.Fatalf("enqueue %d answered after %v: a refused connection is known at once, not at LockTimeout (%v)", i, took, DefaultLockTimeout)
+				}
+				t.Logf("enqueue %d: %v after %v", i, err, took.Round(time.Millisecond))
+			}
+		})
+	}
+}
+
+// An enqueue that Redis refuses to authenticate (the password changed)
+// sent nothing: it is ErrUnavailable, not ErrOutcomeUnknown, says
+// "redis refused authentication" with Redis's own reply, keeps that reply
+// for errors.As, and comes back at once.
+func TestEnqueueWithAWrongPasswordIsUnavailableAndNamesAuthentication(t *testing.T) {
+	_, rdb := ownRedis(t, nil, "--requirepass", "old-secret")
+	admin := redis.NewClient(rdb.Options())
+	t.Cleanup(func() { _ = admin.Close() })
+	ctx := context.Background()
+	d, err := New(ctx, rdb, Config{Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	c, q := d.NewClient(), asynq.Queue("q-"+uniq(t))
+	if _, err := c.Enqueue(userTask(0, ""), q); err != nil {
+		t.Fatal(err)
+	}
+	// The password changes, and every connection but the admin's is cut:
+	// the Dedup's next connections log in with the old one.
+	if err := admin.ConfigSet(ctx, "requirepass", "new-secret").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := admin.Do(ctx, "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes").Err(); err != nil {
+		t.Fatal(err)
+	}
+	for i := 1; i <= 3; i++ {
+		start := time.Now()
+		_, err := c.Enqueue(userTask(i, ""), q)
+		took := time.Since(start)
+		var re redis.Error
+		switch {
+		case !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrOutcomeUnknown):
+			t.Fatalf("enqueue %d: %v, want ErrUnavailable and not ErrOutcomeUnknown", i, err)
+		case !strings.HasPrefix(err.Error(), "dedup: redis refused authentication: WRONGPASS"):
+			t.Fatalf("enqueue %d: %q, want it to begin \"dedup: redis refused authentication: WRONGPASS\"", i, err)
+		case !errors.As(err, &re) || !strings.HasPrefix(re.Error(), "WRONGPASS"):
+			t.Fatalf("enqueue %d: %v does not keep Redis's reply", i, err)
+		case took > DefaultLockTimeout/2:
+			t.Fatalf("enqueue %d answered after %v", i, took)
+		}
+	}
+}
+
+// Every error this package makes names it once, at the start of its text
+// ("dedup: "), whatever it wraps, and still matches its sentinels (and its
+// causes) with errors.Is.
+func TestErrorTextsNameThePackageOnce(t *testing.T) {
+	cfg := counterRules(Rule{})
+	cfg.Rules["cron:job"] = Rule{OnRunning: RunningAllow}
+	h := newHarness(t, cfg)
+	ctx := context.Background()
+	q := asynq.Queue(h.queue)
+	check := func(name string, err error, want ...error) {
+		t.Helper()
+		t.Logf("%s: %v", name, err)
+		switch {
+		case err == nil:
+			t.Errorf("%s: no error", name)
+			return
+		case !strings.HasPrefix(err.Error(), "dedup: ") || strings.Count(err.Error(), "dedup:") != 1:
+			t.Errorf("%s: %q, want \"dedup: \" once, at the start", name, err)
+		}
+		for _, w := range want {
+			if !errors.Is(err, w) {
+				t.Errorf("%s: %v does not match %v", name, err, w)
+			}
+		}
+	}
+	_, err := h.client.Enqueue(asynq.NewTask("counter", []byte(`{"n":1}`)), q)
+	check("field missing", err, ErrInvalidPayload, ErrFieldMissing)
+	var pe *PayloadError
+	if errors.As(err, &pe) && err.Error() != `dedup: task "counter": field "key": selected field missing` {
+		t.Errorf("field missing: %q", err)
+	}
+	_, err = h.client.Enqueue(asynq.NewTask("counter", []byte(`{nope`)), q)
+	check("not JSON", err, ErrInvalidPayload)
+	_, err = h.client.Enqueue(counterTask("k", 1, 1), q, Key(""))
+	check("Key(\"\")", err, ErrInvalidOption)
+	_, err = h.client.Enqueue(asynq.NewTask("counter", []byte(`{"key":"k"}`), Key("")), q)
+	check("Key(\"\") given to NewTask", err, ErrInvalidOption)
+	_, err = New(ctx, h.rdb, Config{Rules: map[string]Rule{"x": {TTL: -1}}})
+	check("negative TTL", err, ErrInvalidOption)
+	s := NewScheduler(h.d, nil)
+	_, err = s.Register("@every 1m", asynq.NewTask("cron:job", nil))
+	check("Scheduler.Register of a RunningAllow type", err, ErrInvalidOption)
+	h.enqueue(counterTask("k", 1, 1))
+	_, err = h.client.Enqueue(counterTask("k", 1, 2), q)
+	check("duplicate", err, ErrDuplicateTask, asynq.ErrDuplicateTask)
+	check("busy", &BusyError{TaskID: "a", Holder: "b"}, ErrKeyBusy)
+
+	dead := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	t.Cleanup(func() { _ = dead.Close() })
+	_, err = New(ctx, dead, Config{ConnectAttempts: 1, Logger: quietLogger()})
+	check("New, nothing listening", err, ErrUnavailable)
+	var op *net.OpError
+	if !errors.As(err, &op) {
+		t.Errorf("New, nothing listening: %v does not keep the dial error", err)
+	}
+
+	// A stalled Redis: a direct-path call that carried its task times out
+	// (outcome unknown), and the breaker (threshold 1) then opens.
+	proxy, d, hh := hungDedup(t, Config{BreakerThreshold: 1}, func(o *redis.Options) { o.MaxRetries = -1 })
+	t.Cleanup(func() { _ = d.Close() })
+	c := d.NewClient()
+	if _, err := c.Enqueue(userTask(0, ""), asynq.Queue(hh.queue)); err != nil {
+		t.Fatal(err)
+	}
+	proxy.stall()
+	defer proxy.resume()
+	_, err = c.Enqueue(userTask(1, ""), asynq.Queue(hh.queue))
+	check("outcome unknown", err, ErrOutcomeUnknown, ErrUnavailable, context.DeadlineExceeded)
+	_, err = c.Enqueue(userTask(2, ""), asynq.Queue(hh.queue))
+	check("circuit open", err, ErrCircuitOpen, ErrUnavailable)
+	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err = d.WaitResult(wctx, hh.queue, "some-task")
+	check("WaitResult while Redis stalls", err, context.DeadlineExceeded)
 }

@@ -41,7 +41,23 @@ const (
 	FailHoldUntilReleased
 )
 
+// String returns the policy's name: "release", "hold" or
+// "hold_until_released".
 func (f Failure) String() string {
+	switch f {
+	case FailRelease:
+		return "release"
+	case FailHold:
+		return "hold"
+	case FailHoldUntilReleased:
+		return "hold_until_released"
+	}
+	return fmt.Sprintf("Failure(%d)", int(f))
+}
+
+// goName is f as Go code names it ("FailHold"), for the description of an
+// OnFailure option.
+func (f Failure) goName() string {
 	switch f {
 	case FailRelease:
 		return "FailRelease"
@@ -60,7 +76,7 @@ func (f Failure) String() string {
 // waiting task leaves that key's policy as it was. With Config.OptIn it
 // opts the call in.
 func OnFailure(f Failure, hold time.Duration) asynq.Option {
-	desc := fmt.Sprintf("dedup.OnFailure(%v, %v)", f, hold)
+	desc := fmt.Sprintf("dedup.OnFailure(%s, %v)", f.goName(), hold)
 	return option{desc: desc, apply: func(r *resolved) error {
 		d, err := failHold(f, hold)
 		if err != nil {
@@ -77,11 +93,11 @@ func OnFailure(f Failure, hold time.Duration) asynq.Option {
 func failHold(f Failure, hold time.Duration) (time.Duration, error) {
 	switch {
 	case f < FailRelease || f > FailHoldUntilReleased:
-		return 0, fmt.Errorf("%w: unknown OnFailure %v", ErrInvalidOption, f)
+		return 0, errorf("%w: unknown OnFailure %v", ErrInvalidOption, f)
 	case f == FailHold && hold <= 0:
-		return 0, fmt.Errorf("%w: OnFailure FailHold needs a positive hold (FailureHold), not %v", ErrInvalidOption, hold)
+		return 0, errorf("%w: OnFailure FailHold needs a positive hold (FailureHold), not %v", ErrInvalidOption, hold)
 	case f != FailHold && hold != 0:
-		return 0, fmt.Errorf("%w: a hold of %v goes with OnFailure FailHold only, not %v", ErrInvalidOption, hold, f)
+		return 0, errorf("%w: a hold of %v goes with OnFailure FailHold only, not %s", ErrInvalidOption, hold, f.goName())
 	case f == FailHold:
 		return lifetime(hold), nil
 	case f == FailHoldUntilReleased:

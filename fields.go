@@ -86,7 +86,7 @@ func fieldsKey(paths []string) (string, bool) {
 func newFieldsOption(paths []string) option {
 	fs, err := compileFields(paths)
 	if err == nil && fs == nil {
-		err = fmt.Errorf("%w: Fields needs at least one path", ErrInvalidOption)
+		err = errorf("%w: Fields needs at least one path", ErrInvalidOption)
 	}
 	var form string // once per option, not per call
 	if fs != nil {
@@ -110,7 +110,7 @@ func newFieldsOption(paths []string) option {
 func compileFields(paths []string) (*jsonkey.Fields, error) {
 	fs, err := jsonkey.Compile(paths)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidOption, err)
+		return nil, errorf("%w: %w", ErrInvalidOption, err)
 	}
 	return fs, nil
 }
@@ -125,9 +125,9 @@ type PayloadError struct {
 
 func (e *PayloadError) Error() string {
 	if e.Field != "" {
-		return fmt.Sprintf("dedup: task %q: field %q: %v", e.Type, e.Field, e.Err)
+		return fmt.Sprintf("dedup: task %q: field %q: %s", e.Type, e.Field, unprefixed(e.Err))
 	}
-	return fmt.Sprintf("dedup: task %q: %v", e.Type, e.Err)
+	return fmt.Sprintf("dedup: task %q: %s", e.Type, unprefixed(e.Err))
 }
 
 // Is reports whether target is ErrInvalidPayload.

@@ -5,7 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
-	"fmt"
+	"errors"
 	"io"
 	"time"
 
@@ -36,6 +36,10 @@ const (
 	kindFields = 'f'
 	kindKey    = 'k'
 )
+
+// errEmptyKey is the cause in a *PayloadError of a key option or KeyFunc
+// that gave an empty key.
+var errEmptyKey = errors.New("empty dedup key")
 
 // keyForm says how r chooses a key, as a lock records it (store's
 // KeyForm): which kind of key, and the field names, never the material.
@@ -125,7 +129,7 @@ func fingerprintStream(buf *[256]byte, typ string, payload []byte, r *resolved) 
 			key = k
 		}
 		if key == "" {
-			return nil, nil, "", &PayloadError{Type: typ, Err: fmt.Errorf("empty dedup key")}
+			return nil, nil, "", &PayloadError{Type: typ, Err: errEmptyKey}
 		}
 		return append(b, kindKey), nil, key, nil
 	case r.fields != nil:

@@ -3,7 +3,6 @@ package dedup
 import (
 	"cmp"
 	"context"
-	"fmt"
 	"log/slog"
 	"time"
 
@@ -33,7 +32,7 @@ const DefaultFlushInterval = 10 * time.Second
 // ErrInvalidOption for a negative interval or after Close.
 func (d *Dedup) StartFlusher(interval time.Duration) error {
 	if interval < 0 {
-		return fmt.Errorf("%w: flush interval %v is negative", ErrInvalidOption, interval)
+		return errorf("%w: flush interval %v is negative", ErrInvalidOption, interval)
 	}
 	if interval == 0 {
 		interval = DefaultFlushInterval
@@ -42,7 +41,7 @@ func (d *Dedup) StartFlusher(interval time.Duration) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
-		return fmt.Errorf("%w: StartFlusher called after Close", ErrInvalidOption)
+		return errorf("%w: StartFlusher called after Close", ErrInvalidOption)
 	}
 	if m.flusher != nil {
 		m.flusher.stop() // flushes; the next loop goes on from there

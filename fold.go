@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"time"
 
@@ -70,7 +69,7 @@ func (c *Client) acquired(ctx context.Context, k *call, res store.AcquireResult,
 		// The caller's context ended while it waited for room: the answer
 		// is still "no room", whichever call the end interrupted.
 		c.d.count(k.typ, evOverBound)
-		return Result{}, done, fmt.Errorf("%w: waited for room: %w", ErrTooManyPending, ctx.Err())
+		return Result{}, done, errorf("%w: waited for room: %w", ErrTooManyPending, ctx.Err())
 	}
 	if err != nil {
 		return c.acquireFailed(ctx, k, res.Sent, err)
@@ -82,7 +81,7 @@ func (c *Client) acquired(ctx context.Context, k *call, res store.AcquireResult,
 // fail-open (the execution-time guard still locks the task).
 func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err error) (Result, next, error) {
 	if errors.Is(err, store.ErrMoving) {
-		return Result{}, done, fmt.Errorf("%w: %q: %w", ErrContention, k.typ, err)
+		return Result{}, done, errorf("%w: %q: %w", ErrContention, k.typ, err)
 	}
 	if sent {
 		// The script carried the task and may run, and store it, after the
@@ -90,7 +89,9 @@ func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err erro
 		// "created" or "unknown", never "failed"; and not fail-open, which
 		// would enqueue it a second time. Unless Redis refused it before
 		// running it, for a reason that refuses any late copy too (ACL, out
-		// of memory): then nothing was stored, and nothing will be.
+		// of memory): then nothing was stored, and nothing will be. (A
+		// call that never reached Redis, such as one whose connection was
+		// refused, is not sent: store.Unreached.)
 		uerr := unavailable("acquire", err)
 		ti, lerr := c.landed(ctx, k, uerr)
 		switch refused := store.Refused(err); {
@@ -99,11 +100,11 @@ func (c *Client) acquireFailed(ctx context.Context, k *call, sent bool, err erro
 		case lerr != nil && !refused: // (refused: no copy ran, whatever the look says)
 			return Result{}, done, lerr
 		case !refused:
-			return Result{}, done, fmt.Errorf("%w: %w (task %s; not stored yet, but the call may still run)", uerr, ErrOutcomeUnknown, k.ref.ID)
+			return Result{}, done, outcomeUnknown(k.ref.ID, uerr, nil)
 		}
 	}
 	if cerr := ctx.Err(); cerr != nil && errors.Is(err, cerr) {
-		return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, err) // the caller's own end, not an outage
+		return Result{}, done, errorf("dedup: enqueue %q: %w", k.typ, err) // the caller's own end, not an outage
 	}
 	if !c.d.onRedisError(ctx, "acquire", k.typ, err) {
 		return Result{}, done, unavailable("acquire", err)
@@ -148,9 +149,9 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	case store.StatusOver:
 		return c.waitRoom(ctx, k, res, w)
 	case store.StatusBroken:
-		return Result{}, done, fmt.Errorf("%w: %s", ErrIncompatible, res.Reason)
+		return Result{}, done, errorf("%w: %s", ErrIncompatible, res.Reason)
 	}
-	return Result{}, done, fmt.Errorf("dedup: unexpected acquire status %d", res.Status)
+	return Result{}, done, errorf("dedup: unexpected acquire status %d", res.Status)
 }
 
 // idTaken answers a call whose task ID already holds the key (StatusSelf:
@@ -181,7 +182,7 @@ func (c *Client) idTaken(ctx context.Context, k *call, st store.Status) (Result,
 		}
 		return Result{}, enqueue, nil
 	}
-	return Result{}, done, fmt.Errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)
+	return Result{}, done, errorf("dedup: enqueue %q: %w", k.typ, asynq.ErrTaskIDConflict)
 }
 
 // ownHolder answers a call that met its own task holding the key: a
@@ -298,7 +299,7 @@ func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w 
 	d := c.d
 	merged, err := k.rule.merge(res.Payload, k.task.Payload())
 	if err != nil {
-		return Result{}, done, fmt.Errorf("dedup: merge %q into task %s: %w", k.typ, res.Task, err)
+		return Result{}, done, errorf("dedup: merge %q into task %s: %w", k.typ, res.Task, err)
 	}
 	if mfp, err := d.fingerprintHex(k.typ, merged, &k.rule); err != nil || mfp != k.ref.FP {
 		return Result{}, done, &PayloadError{Type: k.typ, Err: errMergeChangedKey}
@@ -310,12 +311,12 @@ func (c *Client) merge(ctx context.Context, k *call, res store.AcquireResult, w 
 		d.count(k.typ, evRedisError)
 		return Result{}, done, unavailable("merge", err)
 	case cr.Broken != "":
-		return Result{}, done, fmt.Errorf("%w: %s", ErrIncompatible, cr.Broken)
+		return Result{}, done, errorf("%w: %s", ErrIncompatible, cr.Broken)
 	case cr.Written:
 		return c.folded(k, Merged, evMerged, res.Task, merged, cr.State, res.FollowUp), done, nil
 	}
 	if w.merges++; w.merges >= maxMergeAttempts {
-		return Result{}, done, fmt.Errorf("%w: %q into task %s after %d attempts", ErrContention, k.typ, res.Task, w.merges)
+		return Result{}, done, errorf("%w: %q into task %s after %d attempts", ErrContention, k.typ, res.Task, w.merges)
 	}
 	return Result{}, again, nil
 }
@@ -327,7 +328,7 @@ func (c *Client) waitReserved(ctx context.Context, k *call, res store.AcquireRes
 		return Result{}, done, c.duplicate(k, res)
 	}
 	if err := sleep(ctx, reservedBackoff.Delay(w.reserved)); err != nil {
-		return Result{}, done, fmt.Errorf("dedup: waiting for task %s to be stored: %w", res.Task, err)
+		return Result{}, done, errorf("dedup: waiting for task %s to be stored: %w", res.Task, err)
 	}
 	return Result{}, again, nil
 }
@@ -345,11 +346,11 @@ func (c *Client) waitRoom(ctx context.Context, k *call, res store.AcquireResult,
 	}
 	if !k.rule.waitForRoom {
 		c.d.count(k.typ, evOverBound)
-		return Result{}, done, fmt.Errorf("%w: %d keys of %q already waiting in queue %q", ErrTooManyPending, waiting, k.typ, k.queue)
+		return Result{}, done, errorf("%w: %d keys of %q already waiting in queue %q", ErrTooManyPending, waiting, k.typ, k.queue)
 	}
 	if err := sleep(ctx, roomBackoff.Delay(w.room)); err != nil {
 		c.d.count(k.typ, evOverBound)
-		return Result{}, done, fmt.Errorf("%w: waited for room: %w", ErrTooManyPending, err)
+		return Result{}, done, errorf("%w: waited for room: %w", ErrTooManyPending, err)
 	}
 	w.room++
 	return Result{}, again, nil

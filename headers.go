@@ -1,7 +1,6 @@
 package dedup
 
 import (
-	"fmt"
 	"maps"
 
 	"github.com/asynq-dedup/dedup/internal/store"
@@ -53,7 +52,7 @@ func (k *call) applyHeaders() error {
 	}
 	opts, ok := taskOpts(k.task)
 	if !ok {
-		return fmt.Errorf("%w: this asynq version's task options cannot be read, so the task cannot be made again with its headers", ErrInvalidOption)
+		return errorf("%w: this asynq version's task options cannot be read, so the task cannot be made again with its headers", ErrInvalidOption)
 	}
 	h := make(map[string]string, len(own)+len(k.headers))
 	maps.Copy(h, own)

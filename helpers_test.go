@@ -73,8 +73,8 @@ func newRDB(t testing.TB) redis.UniversalClient { return redistest.Client(t) }
 func needRealRedis(t testing.TB)                { redistest.NeedReal(t) }
 func uniq(t testing.TB) string                  { return redistest.Uniq(t) }
 func freeAddr() (string, error)                 { return redistest.FreeAddr() }
-func ownRedis(t *testing.T, tweak func(*redis.Options)) (*redisProc, *redis.Client) {
-	return redistest.Own(t, tweak)
+func ownRedis(t *testing.T, tweak func(*redis.Options), extra ...string) (*redisProc, *redis.Client) {
+	return redistest.Own(t, tweak, extra...)
 }
 
 // proxiedLockStore gives h a Dedup whose lock calls reach the shared Redis

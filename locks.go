@@ -3,7 +3,6 @@ package dedup
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/store"
@@ -40,7 +39,7 @@ func (d *Dedup) lockKeyOf(task *asynq.Task, opts []asynq.Option) (store.Ref, err
 		return store.Ref{}, err
 	}
 	if !d.active(&k.rule) {
-		return store.Ref{}, fmt.Errorf("%w: deduplication is off for this task (Skip, or OptIn without a rule)", ErrInvalidOption)
+		return store.Ref{}, errorf("%w: deduplication is off for this task (Skip, or OptIn without a rule)", ErrInvalidOption)
 	}
 	fp, err := d.fingerprintHex(k.typ, task.Payload(), &k.rule)
 	if err != nil {
@@ -105,7 +104,7 @@ func (d *Dedup) Release(ctx context.Context, task *asynq.Task, holder string, op
 	case err != nil:
 		return false, unavailable("release", err)
 	case !res.Released && res.Holder != "":
-		return false, fmt.Errorf("%w: %s holds %s, not %s", ErrNotHolder, res.Holder, rel.Lock, holder)
+		return false, errorf("%w: %s holds %s, not %s", ErrNotHolder, res.Holder, rel.Lock, holder)
 	}
 	if res.Released {
 		d.store.Forget(rel.Lock)

@@ -205,7 +205,7 @@ func (d *Dedup) elsewhere(t *asynq.Task, id string) error {
 	if d.warnedElsewhere.CompareAndSwap(false, true) {
 		d.log.Error("dedup: the asynq server running the middleware stores its tasks in another Redis than the Dedup's; its tasks are refused (ErrTasksElsewhere)", slog.String("type", t.Type()), slog.String("task_id", id))
 	}
-	return fmt.Errorf("%w: task %s is not stored in the Dedup's Redis; run the server and the Dedup on one Redis (or one Cluster)", ErrTasksElsewhere, id)
+	return errorf("%w: task %s is not stored in the Dedup's Redis; run the server and the Dedup on one Redis (or one Cluster)", ErrTasksElsewhere, id)
 }
 
 // unlocked runs the handler without a lock after a Redis error, if

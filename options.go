@@ -47,10 +47,10 @@ func SharedKey(key string) asynq.Option {
 func keyOption(name, key string, shared bool) asynq.Option {
 	return option{desc: name + "(…)", apply: func(r *resolved) error {
 		if key == "" {
-			return fmt.Errorf("%w: %s: empty key", ErrInvalidOption, name)
+			return errorf("%w: %s: empty key", ErrInvalidOption, name)
 		}
 		if r.callKey != "" && (r.callKey != name || r.key != key) {
-			return fmt.Errorf("%w: %s and %s in one call: give one key", ErrInvalidOption, r.callKey, name)
+			return errorf("%w: %s and %s in one call: give one key", ErrInvalidOption, r.callKey, name)
 		}
 		r.key, r.hasKey, r.keyFunc, r.fields, r.shared, r.optedIn = key, true, nil, nil, shared, true
 		r.form = ""
@@ -66,7 +66,7 @@ func keyOption(name, key string, shared bool) asynq.Option {
 func TTL(d time.Duration) asynq.Option {
 	return option{desc: fmt.Sprintf("dedup.TTL(%v)", d), apply: func(r *resolved) error {
 		if d <= 0 {
-			return fmt.Errorf("%w: TTL %v is not positive", ErrInvalidOption, d)
+			return errorf("%w: TTL %v is not positive", ErrInvalidOption, d)
 		}
 		r.ttl, r.optedIn = lifetime(d), true
 		return nil

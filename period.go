@@ -49,11 +49,11 @@ func checkPeriod(d time.Duration) error {
 	const day = 24 * time.Hour
 	switch {
 	case d < time.Second:
-		return fmt.Errorf("%w: Period %v is shorter than a second", ErrInvalidOption, d)
+		return errorf("%w: Period %v is shorter than a second", ErrInvalidOption, d)
 	case d > MaxLifetime:
-		return fmt.Errorf("%w: Period %v is longer than MaxLifetime (%v)", ErrInvalidOption, d, MaxLifetime)
+		return errorf("%w: Period %v is longer than MaxLifetime (%v)", ErrInvalidOption, d, MaxLifetime)
 	case d >= day && d%day != 0:
-		return fmt.Errorf("%w: Period %v is a day or more but not whole days", ErrInvalidOption, d)
+		return errorf("%w: Period %v is a day or more but not whole days", ErrInvalidOption, d)
 	}
 	return nil
 }

@@ -2,7 +2,6 @@ package dedup
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
 	"sync/atomic"
 )
@@ -38,7 +37,7 @@ func (p *placement) refused() error {
 	if p.state.Load() != placeElsewhere {
 		return nil
 	}
-	return fmt.Errorf("%w: the enqueuer given to WrapClient stores its tasks in another Redis than the Dedup's; use one Redis (or one Cluster) for both", ErrTasksElsewhere)
+	return errorf("%w: the enqueuer given to WrapClient stores its tasks in another Redis than the Dedup's; use one Redis (or one Cluster) for both", ErrTasksElsewhere)
 }
 
 // placeProbe is what an enqueue read before it enqueued: how many tasks of

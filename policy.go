@@ -98,7 +98,9 @@ func (r Running) code() store.Running {
 // stored payload as it was and is returned to the caller.
 type MergeFunc func(old, new []byte) ([]byte, error)
 
-// Outcome says what an enqueue did.
+// Outcome says what an enqueue did. The zero Outcome, printed "none", is
+// that of a call that returned an error (rejected, refused or failed: see
+// the error), as in a failed BatchResult.
 type Outcome int
 
 const (
@@ -114,8 +116,12 @@ const (
 	Deferred
 )
 
+// String returns the outcome's name: "created", "replaced", "merged",
+// "deferred", or "none" for the zero Outcome.
 func (o Outcome) String() string {
 	switch o {
+	case 0:
+		return "none"
 	case Created:
 		return "created"
 	case Replaced:
@@ -180,7 +186,7 @@ func KeyHash(lockKey string) string {
 func OnConflict(c Conflict) asynq.Option {
 	return option{desc: "dedup.OnConflict(" + c.String() + ")", apply: func(r *resolved) error {
 		if c < Reject || c > Merge {
-			return fmt.Errorf("%w: unknown Conflict %d", ErrInvalidOption, int(c))
+			return errorf("%w: unknown Conflict %d", ErrInvalidOption, int(c))
 		}
 		r.callConflict, r.callConflictSet, r.optedIn = c, true, true
 		return nil
@@ -193,7 +199,7 @@ func OnConflict(c Conflict) asynq.Option {
 func MergeWith(fn MergeFunc) asynq.Option {
 	return option{desc: "dedup.MergeWith(…)", apply: func(r *resolved) error {
 		if fn == nil {
-			return fmt.Errorf("%w: MergeWith(nil)", ErrInvalidOption)
+			return errorf("%w: MergeWith(nil)", ErrInvalidOption)
 		}
 		r.callMerge, r.optedIn = fn, true
 		return nil
@@ -208,7 +214,7 @@ func (r *resolved) settleConflict() error {
 		return err
 	}
 	if r.conflict == Merge && r.merge == nil {
-		return fmt.Errorf("%w: OnConflict(Merge) without a merge function (use MergeWith, or Rule.MergeFunc)", ErrInvalidOption)
+		return errorf("%w: OnConflict(Merge) without a merge function (use MergeWith, or Rule.MergeFunc)", ErrInvalidOption)
 	}
 	return nil
 }
@@ -219,7 +225,7 @@ func (r *resolved) settleConflict() error {
 func (r *resolved) takeConflict() error {
 	switch {
 	case r.callMerge != nil && r.callConflictSet && r.callConflict != Merge:
-		return fmt.Errorf("%w: MergeWith and OnConflict(%v) in one call", ErrInvalidOption, r.callConflict)
+		return errorf("%w: MergeWith and OnConflict(%v) in one call", ErrInvalidOption, r.callConflict)
 	case r.callMerge != nil:
 		r.conflict, r.merge = Merge, r.callMerge
 	case r.callConflictSet:

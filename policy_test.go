@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -1003,5 +1004,42 @@ func TestReplaceFoldFastPathRefusesAHolderOfAnotherTypeUnderASharedKey(t *testin
 	}
 	if p := decodeCounter(asynq.NewTask("counter", []byte(h.payloadOf(a.TaskID)))); p.Seq != 1 {
 		t.Fatalf("holder's payload has seq %d, want 1", p.Seq)
+	}
+}
+
+// Every enum of the package prints a word for each of its values, its zero
+// value included: a failed BatchResult prints its Outcome as "none", not
+// "Outcome(0)".
+func TestEnumsPrintAWordForEveryValueZeroIncluded(t *testing.T) {
+	word := func(s string) bool {
+		for _, r := range s {
+			if (r < 'a' || r > 'z') && r != '_' {
+				return false
+			}
+		}
+		return s != ""
+	}
+	values := map[string][]fmt.Stringer{
+		"Outcome":        {Outcome(0), Created, Replaced, Merged, Deferred},
+		"Conflict":       {Conflict(0), Replace, Merge},
+		"Running":        {Running(0), RunningAllow, RunningDefer},
+		"Busy":           {Busy(0), BusyDrop, BusyFold},
+		"Failure":        {Failure(0), FailHold, FailHoldUntilReleased},
+		"BreakerState":   {BreakerState(0), BreakerOpen, BreakerProbing},
+		"AttemptOutcome": {AttemptOutcome(0), AttemptSuperseded},
+	}
+	for typ, vs := range values {
+		for _, v := range vs {
+			if s := v.String(); !word(s) {
+				t.Errorf("%s %d prints %q, want a word", typ, v, s)
+			}
+		}
+	}
+	if s := Outcome(0).String(); s != "none" {
+		t.Errorf("the zero Outcome prints %q, want \"none\"", s)
+	}
+	failed := BatchResult{Err: ErrUnavailable}
+	if s := fmt.Sprintf("%v", failed); !strings.Contains(s, "none") || strings.Contains(s, "Outcome(") {
+		t.Errorf("a failed BatchResult prints %s", s)
 	}
 }

@@ -78,7 +78,7 @@ type ReportConfig struct {
 // with ErrInvalidOption for a negative setting or after Close.
 func (d *Dedup) StartReporter(cfg ReportConfig) error {
 	if cfg.Window < 0 || cfg.TopK < 0 || cfg.MaxKeys < 0 {
-		return fmt.Errorf("%w: ReportConfig has a negative setting", ErrInvalidOption)
+		return errorf("%w: ReportConfig has a negative setting", ErrInvalidOption)
 	}
 	if cfg.Window == 0 {
 		cfg.Window = DefaultReportWindow
@@ -107,7 +107,7 @@ func (d *Dedup) startReporter(cfg ReportConfig, tick <-chan time.Time, stopTick 
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
-		return fmt.Errorf("%w: StartReporter called after Close", ErrInvalidOption)
+		return errorf("%w: StartReporter called after Close", ErrInvalidOption)
 	}
 	if m.repLoop != nil {
 		m.repLoop.stop() // logs the window so far

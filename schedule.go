@@ -1,7 +1,6 @@
 package dedup
 
 import (
-	"fmt"
 	"strings"
 	"time"
 
@@ -58,7 +57,7 @@ func (s cronSchedule) canon() string { return s.text + " in " + s.loc.String() }
 func parseSchedule(spec string, loc *time.Location) (schedule, error) {
 	s, err := cron.ParseStandard(spec)
 	if err != nil {
-		return nil, fmt.Errorf("%w: cron spec %q: %w", ErrInvalidOption, spec, err)
+		return nil, errorf("%w: cron spec %q: %w", ErrInvalidOption, spec, err)
 	}
 	switch v := s.(type) {
 	case cron.ConstantDelaySchedule:
@@ -69,7 +68,7 @@ func parseSchedule(spec string, loc *time.Location) (schedule, error) {
 		}
 		return cronSchedule{spec: v, loc: loc, text: strings.Join(strings.Fields(withoutZone(spec)), " ")}, nil
 	}
-	return nil, fmt.Errorf("%w: cron spec %q: unknown schedule %T", ErrInvalidOption, spec, s)
+	return nil, errorf("%w: cron spec %q: unknown schedule %T", ErrInvalidOption, spec, s)
 }
 
 // withoutZone strips a TZ= or CRON_TZ= prefix.

@@ -6,7 +6,6 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
-	"fmt"
 	"log/slog"
 	"maps"
 	"os"
@@ -173,7 +172,7 @@ func (s *Scheduler) Register(cronspec string, task *asynq.Task, opts ...asynq.Op
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, ok := s.entries[e.id]; ok {
-		return "", fmt.Errorf("%w: Scheduler.Register: entry %s (the same schedule, type, payload and queue) is registered already", ErrInvalidOption, e.id)
+		return "", errorf("%w: Scheduler.Register: entry %s (the same schedule, type, payload and queue) is registered already", ErrInvalidOption, e.id)
 	}
 	s.entries[e.id] = e
 	if s.state == schedRunning {
@@ -190,7 +189,7 @@ func (s *Scheduler) Unregister(entryID string) error {
 	delete(s.entries, entryID)
 	s.mu.Unlock()
 	if !ok {
-		return fmt.Errorf("dedup: Scheduler.Unregister: no entry %q", entryID)
+		return errorf("dedup: Scheduler.Unregister: no entry %q", entryID)
 	}
 	e.halt()
 	return nil
@@ -379,18 +378,18 @@ func (e *schedEntry) firing(at time.Time, hold time.Duration) (*asynq.Task, []as
 // newEntry parses and checks an entry.
 func (s *Scheduler) newEntry(spec string, task *asynq.Task, opts []asynq.Option) (*schedEntry, error) {
 	if task == nil {
-		return nil, fmt.Errorf("%w: Scheduler.Register: nil task", ErrInvalidOption)
+		return nil, errorf("%w: Scheduler.Register: nil task", ErrInvalidOption)
 	}
 	sch, err := parseSchedule(spec, s.opts.Location)
 	if err != nil {
 		return nil, err
 	}
 	if sch.next(s.now()).IsZero() {
-		return nil, fmt.Errorf("%w: cron spec %q: never fires", ErrInvalidOption, spec)
+		return nil, errorf("%w: cron spec %q: never fires", ErrInvalidOption, spec)
 	}
 	own, ok := taskOpts(task)
 	if !ok {
-		return nil, fmt.Errorf("%w: Scheduler.Register: this asynq version's task options cannot be read", ErrInvalidOption)
+		return nil, errorf("%w: Scheduler.Register: this asynq version's task options cannot be read", ErrInvalidOption)
 	}
 	all := append(slices.Clip(own), opts...) // asynq applies NewTask's options first
 	if err := refuseOptions(all); err != nil {
@@ -413,14 +412,14 @@ func (s *Scheduler) check(e *schedEntry) error {
 	switch {
 	case err != nil:
 	case !s.d.active(&k.rule):
-		err = fmt.Errorf("%w: the type's rule turns deduplication off (Skip): every replica would enqueue every firing", ErrInvalidOption)
+		err = errorf("%w: the type's rule turns deduplication off (Skip): every replica would enqueue every firing", ErrInvalidOption)
 	case k.conflicting != "":
-		err = fmt.Errorf("%w: %s cannot be combined with deduplication", ErrInvalidOption, k.conflicting)
+		err = errorf("%w: %s cannot be combined with deduplication", ErrInvalidOption, k.conflicting)
 	default:
 		err = firingRule(&k.rule)
 	}
 	if err != nil {
-		return fmt.Errorf("dedup: Scheduler.Register %q: %w", e.typ, err)
+		return errorf("dedup: Scheduler.Register %q: %w", e.typ, err)
 	}
 	return nil
 }
@@ -430,11 +429,11 @@ func (s *Scheduler) check(e *schedEntry) error {
 func firingRule(r *resolved) error {
 	switch {
 	case r.running != RunningReject:
-		return fmt.Errorf("%w: the type's rule has OnRunning %v: a firing's key is held until its window ends, whatever its task does", ErrInvalidOption, r.running)
+		return errorf("%w: the type's rule has OnRunning %v: a firing's key is held until its window ends, whatever its task does", ErrInvalidOption, r.running)
 	case r.debounce > 0:
-		return fmt.Errorf("%w: the type's rule has a Debounce, which would move a firing", ErrInvalidOption)
+		return errorf("%w: the type's rule has a Debounce, which would move a firing", ErrInvalidOption)
 	case r.period > 0:
-		return fmt.Errorf("%w: the type's rule has a Period: a firing's key is the entry's and the firing's", ErrInvalidOption)
+		return errorf("%w: the type's rule has a Period: a firing's key is the entry's and the firing's", ErrInvalidOption)
 	}
 	return nil
 }
@@ -447,7 +446,7 @@ func refuseOptions(opts []asynq.Option) error {
 			continue
 		}
 		if why := refusal(o); why != "" {
-			return fmt.Errorf("%w: Scheduler.Register: %s %s", ErrInvalidOption, o.String(), why)
+			return errorf("%w: Scheduler.Register: %s %s", ErrInvalidOption, o.String(), why)
 		}
 	}
 	return nil

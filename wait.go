@@ -3,7 +3,6 @@ package dedup
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"time"
 
@@ -62,7 +61,9 @@ var waitBackoff = Backoff{Min: 25 * time.Millisecond, Max: time.Second}
 //     once, then at growing intervals up to one second, with jitter. asynq's
 //     Inspector takes no context, so one poll in flight is bounded by the
 //     Redis client's own timeouts, not by ctx. Redis errors are retried
-//     until ctx is done: give ctx a deadline.
+//     until ctx is done (give ctx a deadline), except a refused login or
+//     permission (WRONGPASS, NOAUTH, NOPERM), which ends the wait at once
+//     with an error matching ErrUnavailable.
 //   - The task waited for is the one that held the key when the duplicate
 //     was rejected. A retried task is the same task; a task that fails for
 //     good gives ErrTaskFailed, and the caller decides whether to enqueue
@@ -81,7 +82,7 @@ func (d *Dedup) WaitResult(ctx context.Context, queue, taskID string) (*asynq.Ta
 // It fails with ErrInvalidOption for a nil dup.
 func (d *Dedup) WaitHolder(ctx context.Context, dup *DuplicateTaskError) (*asynq.TaskInfo, error) {
 	if dup == nil {
-		return nil, fmt.Errorf("%w: WaitHolder: nil DuplicateTaskError", ErrInvalidOption)
+		return nil, errorf("%w: WaitHolder: nil DuplicateTaskError", ErrInvalidOption)
 	}
 	return d.waitResult(ctx, dup.Queue, dup.TaskID, dup.Key, nil)
 }
@@ -91,7 +92,7 @@ func (d *Dedup) WaitHolder(ctx context.Context, dup *DuplicateTaskError) (*asynq
 // found while it may still be stored), for tests.
 func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPoll func(asynq.TaskState)) (*asynq.TaskInfo, error) {
 	if queue == "" || taskID == "" {
-		return nil, fmt.Errorf("%w: WaitResult needs a queue and a task ID", ErrInvalidOption)
+		return nil, errorf("%w: WaitResult needs a queue and a task ID", ErrInvalidOption)
 	}
 	var (
 		lastErr  error
@@ -123,7 +124,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 			case asynq.TaskStateCompleted:
 				return info, nil
 			case asynq.TaskStateArchived:
-				return info, fmt.Errorf("%w: task %s in queue %q was archived; last error: %s", ErrTaskFailed, taskID, queue, info.LastErr)
+				return info, errorf("%w: task %s in queue %q was archived; last error: %s", ErrTaskFailed, taskID, queue, info.LastErr)
 			}
 		case errors.Is(err, asynq.ErrTaskNotFound), errors.Is(err, asynq.ErrQueueNotFound):
 			locked, lerr := d.lockNames(ctx, key, taskID)
@@ -137,11 +138,13 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 				missing = time.Now()
 			}
 			if !locked || time.Since(missing) > d.cfg.HealGrace || (key == "" && time.Since(missing) > unknownGrace) {
-				return nil, fmt.Errorf("%w: task %s in queue %q: %w", ErrResultUnavailable, taskID, queue, err)
+				return nil, errorf("%w: task %s in queue %q: %w", ErrResultUnavailable, taskID, queue, err)
 			}
 			if onPoll != nil {
 				onPoll(0)
 			}
+		case refusalOf(err) != nil: // no later poll would be let in either
+			return nil, errorf("wait for task %s: %w", taskID, unavailable("wait", err))
 		default:
 			if ctx.Err() == nil { // not just the wait ending mid-poll
 				lastErr = err
@@ -165,9 +168,9 @@ type notFound struct{ err error }
 
 func waitCtxErr(taskID string, ctxErr, lastErr error) error {
 	if lastErr != nil {
-		return fmt.Errorf("dedup: wait for task %s: %w (last error: %w)", taskID, ctxErr, unavailable("wait", lastErr))
+		return errorf("dedup: wait for task %s: %w (last error: %w)", taskID, ctxErr, unavailable("wait", lastErr))
 	}
-	return fmt.Errorf("dedup: wait for task %s: %w", taskID, ctxErr)
+	return errorf("dedup: wait for task %s: %w", taskID, ctxErr)
 }
 
 // unknownGrace is how long WaitResult waits for a missing task whose lock

@@ -199,17 +199,19 @@ func (p *Proc) Kill() {
 }
 
 // Own starts a redis-server of the test's own (for what must not touch the
-// shared one: SCRIPT FLUSH, a kill) and returns it with a client (with
-// ContextTimeoutEnabled); tweak may adjust the client's options. It skips without a real redis-server.
-func Own(t *testing.T, tweak func(*redis.Options)) (*Proc, *redis.Client) {
+// shared one: SCRIPT FLUSH, a kill), with extra arguments after the
+// defaults (such as "--requirepass", "pw"), and returns it with a client
+// (with ContextTimeoutEnabled, and the password of a --requirepass); tweak
+// may adjust the client's options. It skips without a real redis-server.
+func Own(t *testing.T, tweak func(*redis.Options), extra ...string) (*Proc, *redis.Client) {
 	t.Helper()
 	NeedReal(t)
-	p, err := Spawn("")
+	p, err := Spawn("", extra...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(p.Kill)
-	o := &redis.Options{Addr: p.Addr, ContextTimeoutEnabled: true}
+	o := &redis.Options{Addr: p.Addr, Password: passwordOf(extra), ContextTimeoutEnabled: true}
 	if tweak != nil {
 		tweak(o)
 	}

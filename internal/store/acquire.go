@@ -76,7 +76,8 @@ type AcquireResult struct {
 	Stored   bool          // StatusTaken: the task (Message) was stored with the lock
 	// Sent: with an error, the failed call carried the task to store with
 	// the lock (Direct), so it may be stored (even if the last answer was a
-	// refusal: go-redis retries calls that may have run).
+	// refusal: go-redis retries calls that may have run). Not for a call
+	// that never reached Redis (Unreached) or that the breaker refused.
 	Sent bool
 }
 
@@ -146,7 +147,8 @@ func (st *acquireStep) next(s *Store, a *Acquire) (*redis.Script, []string, []an
 // that a needs another call.
 func (st *acquireStep) read(s *Store, a *Acquire, v any, err error) (res AcquireResult, more bool, _ error) {
 	if err != nil {
-		return AcquireResult{Sent: !st.general && st.sends && !errors.Is(err, s.cfg.ErrCircuitOpen)}, false, err
+		sent := !st.general && st.sends && !errors.Is(err, s.cfg.ErrCircuitOpen) && !Unreached(err)
+		return AcquireResult{Sent: sent}, false, err
 	}
 	rep, err := parseReply(v)
 	if err != nil {

@@ -122,8 +122,8 @@ func (s *Store) acquirePipeline(ctx context.Context, sh *shard, calls []*acquire
 		live[j] = &c.req
 	}
 	v, err := s.guard(ctx, sh, func() (any, error) {
-		return s.direct(ctx, func(c context.Context) (any, error) {
-			pipeScripts(c, s.Client(), live)
+		return s.watched(ctx, func(c context.Context, w Watched) (any, error) {
+			pipeScripts(c, s.Client(), live, w.explain)
 			rs := make([]batchRes, len(live))
 			for j, r := range live {
 				rs[j] = <-r.done // (pipeScripts answered every call)
@@ -132,7 +132,7 @@ func (s *Store) acquirePipeline(ctx context.Context, sh *shard, calls []*acquire
 		})
 	})
 	rs, _ := v.([]batchRes)
-	sent := !errors.Is(err, s.cfg.ErrCircuitOpen)
+	sent := !errors.Is(err, s.cfg.ErrCircuitOpen) && !Unreached(err)
 	for j, c := range calls {
 		if rs != nil {
 			c.res, c.sent = rs[j], true

@@ -60,6 +60,7 @@ type batchRes struct {
 
 type batcher struct {
 	rdb     redis.UniversalClient
+	watch   *DialWatch // nil: rdb's dials are not watched
 	max     int
 	timeout time.Duration // bounds each call and each pipeline
 	slot    chan struct{} // one token per batch in flight
@@ -69,8 +70,8 @@ type batcher struct {
 	batches sync.Pool // *[]*batchReq
 }
 
-func newBatcher(rdb redis.UniversalClient, max int, timeout time.Duration) *batcher {
-	b := &batcher{rdb: rdb, max: max, timeout: timeout, slot: make(chan struct{}, slots),
+func newBatcher(rdb redis.UniversalClient, watch *DialWatch, max int, timeout time.Duration) *batcher {
+	b := &batcher{rdb: rdb, watch: watch, max: max, timeout: timeout, slot: make(chan struct{}, slots),
 		reqs: make(chan *batchReq), stopped: make(chan struct{})}
 	b.batches.New = func() any { s := make([]*batchReq, 0, max); return &s }
 	return b
@@ -248,19 +249,24 @@ func hashTag(key string) string {
 }
 
 // execLive sends live requests (callers waiting) as one pipeline, or one
-// call for one, and answers each.
+// call for one, and answers each (a failed dial ends either at once:
+// reach.go).
 func (b *batcher) execLive(live []*batchReq) {
 	if len(live) == 1 {
 		r := live[0]
 		ctx, cancel := context.WithTimeout(r.ctx, b.timeout) // its caller's alone: its cancellation counts
+		w := b.watch.Enter(r.ctx, cancel)
 		v, err := r.s.Run(ctx, b.rdb, r.keys, r.args...).Result()
+		err = w.Leave(err)
 		cancel()
 		r.done <- batchRes{v, err}
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), b.timeout)
 	defer cancel()
-	pipeScripts(ctx, b.rdb, live)
+	w := b.watch.Enter(context.Background(), cancel)
+	defer w.Leave(nil)
+	pipeScripts(ctx, b.rdb, live, w.explain)
 }
 
 // pipeScripts sends live, script calls whose keys share one hash slot, as
@@ -269,8 +275,10 @@ func (b *batcher) execLive(live []*batchReq) {
 // ASK) is sent again alone through the Cluster client, which follows the
 // redirection; scripts missing from the server's cache (NOSCRIPT: Redis
 // restarted, or SCRIPT FLUSH) are sent again whole, with EVAL, which
-// caches them. It does not look at the calls' own contexts.
-func pipeScripts(ctx context.Context, rdb redis.UniversalClient, live []*batchReq) {
+// caches them. It does not look at the calls' own contexts. Each answer's
+// error goes through explain (Watched.explain: the failed dial that ended
+// ctx).
+func pipeScripts(ctx context.Context, rdb redis.UniversalClient, live []*batchReq, explain func(error) error) {
 	node := nodeFor(ctx, rdb, live[0].keys[0])
 	cmds := make([]*redis.Cmd, len(live))
 	pipe := node.Pipeline()
@@ -288,9 +296,9 @@ func pipeScripts(ctx context.Context, rdb redis.UniversalClient, live []*batchRe
 			// the redirection (and learns the new slot map).
 			r := live[i]
 			v, err := r.s.Run(ctx, rdb, r.keys, r.args...).Result()
-			r.done <- batchRes{v, err}
+			r.done <- batchRes{v, explain(err)}
 		default:
-			live[i].done <- batchRes{c.Val(), c.Err()}
+			live[i].done <- batchRes{c.Val(), explain(c.Err())}
 		}
 	}
 	if len(retry) == 0 {
@@ -303,6 +311,6 @@ func pipeScripts(ctx context.Context, rdb redis.UniversalClient, live []*batchRe
 	}
 	_, _ = pipe.Exec(ctx)
 	for _, i := range retry {
-		live[i].done <- batchRes{cmds[i].Val(), cmds[i].Err()}
+		live[i].done <- batchRes{cmds[i].Val(), explain(cmds[i].Err())}
 	}
 }

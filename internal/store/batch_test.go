@@ -102,7 +102,7 @@ func TestBatcherBatchesWaitingCalls(t *testing.T) {
 	}
 	g := newGate(slots)
 	rdb.AddHook(g)
-	b := newBatcher(rdb, 64, 10*time.Second)
+	b := newBatcher(rdb, nil, 64, 10*time.Second)
 	defer b.stop()
 	defer g.open()
 
@@ -157,7 +157,7 @@ func TestBatcherAbandonedCallNotSent(t *testing.T) {
 	rdb := redistest.Client(t)
 	g := newGate(slots)
 	rdb.AddHook(g)
-	b := newBatcher(rdb, 64, 10*time.Second)
+	b := newBatcher(rdb, nil, 64, 10*time.Second)
 	defer b.stop()
 	defer g.open()
 	key := redistest.Uniq(t)
@@ -194,7 +194,7 @@ func TestBatcherNoScript(t *testing.T) {
 	_, rdb := redistest.Own(t, nil) // a script cache without this script: a server of its own
 	g := newGate(slots)
 	rdb.AddHook(g)
-	b := newBatcher(rdb, 64, 10*time.Second)
+	b := newBatcher(rdb, nil, 64, 10*time.Second)
 	defer b.stop()
 	defer g.open()
 	fresh := redis.NewScript(`return 'fresh:' .. ARGV[1]`) // never loaded

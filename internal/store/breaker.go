@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -44,6 +45,7 @@ type breaker struct {
 	failures  int
 	opens     int // consecutive openings, for the backoff
 	openUntil time.Time
+	last      error // the failure that opened it last
 }
 
 // allow reports whether a call may go to Redis now.
@@ -98,13 +100,26 @@ func (b *breaker) record(parent context.Context, err error) (fault bool) {
 	if b.state == BreakerProbing || (b.state == BreakerClosed && b.failures >= b.threshold) {
 		wait := b.wait(b.opens)
 		b.opens++
-		b.state, b.openUntil = BreakerOpen, b.clock().Add(wait)
+		b.state, b.openUntil, b.last = BreakerOpen, b.clock().Add(wait), err
 		b.log.Warn("dedup: Redis failing; circuit open, lock calls fail fast", slog.Int("consecutive_failures", b.failures), slog.Duration("retry_in", wait), slog.Any("error", err))
 		if b.onOpen != nil {
 			b.onOpen()
 		}
 	}
 	return true
+}
+
+// refusal is the error of a call the breaker refused: open, which it
+// wraps with the failure that opened the breaker, so that the refusal
+// says why (and errors.Is and errors.As find that failure too).
+func (b *breaker) refusal(open error) error {
+	b.mu.Lock()
+	last := b.last
+	b.mu.Unlock()
+	if last == nil {
+		return open
+	}
+	return fmt.Errorf("%w (last failure: %w)", open, last)
 }
 
 func (b *breaker) clock() time.Time {

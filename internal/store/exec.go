@@ -62,18 +62,21 @@ type Store struct {
 type conn struct {
 	rdb     redis.UniversalClient
 	bounded bool
+	watch   *DialWatch // nil: rdb's dials are not watched (reach.go)
 }
 
-func newConn(rdb redis.UniversalClient) *conn { return &conn{rdb: rdb, bounded: ContextTimeouts(rdb)} }
+func newConn(rdb redis.UniversalClient, watch *DialWatch) *conn {
+	return &conn{rdb: rdb, bounded: ContextTimeouts(rdb), watch: watch}
+}
 
 // New returns a Store over rdb, which should have ContextTimeoutEnabled. It
-// does not take ownership of rdb.
+// does not take ownership of rdb; it watches rdb's dials (WatchDials).
 func New(rdb redis.UniversalClient, cfg Config) *Store {
 	if cfg.Recheck == 0 {
 		cfg.Recheck = DefaultRecheck
 	}
 	s := &Store{keys: NewKeys(cfg.Prefix), cfg: cfg, sc: scripts()}
-	s.conn.Store(newConn(rdb))
+	s.conn.Store(newConn(rdb, WatchDials(rdb)))
 	s.sh = newShards(rdb, s.newShard)
 	return s
 }
@@ -83,21 +86,21 @@ func (s *Store) newShard() *shard {
 	cfg := &s.cfg
 	sh := &shard{br: &breaker{threshold: cfg.BreakerThreshold, wait: cfg.BreakerWait, log: cfg.Logger, onOpen: cfg.OnBreakerOpen}}
 	if c := s.conn.Load(); cfg.MaxBatch > 0 && c.bounded {
-		sh.batch = newBatcher(c.rdb, cfg.MaxBatch, cfg.LockTimeout)
+		sh.batch = newBatcher(c.rdb, c.watch, cfg.MaxBatch, cfg.LockTimeout)
 	}
 	return sh
 }
 
 // Close makes later calls go straight to Redis, through fallback (the
-// caller may then close the client the Store was made with). It does not
-// close a Redis client.
+// caller may then close the client the Store was made with), whose dials
+// it does not watch. It does not close a Redis client.
 func (s *Store) Close(fallback redis.UniversalClient) {
 	for _, sh := range s.sh.all() {
 		if sh.batch != nil {
 			sh.batch.stop()
 		}
 	}
-	s.conn.Store(newConn(fallback))
+	s.conn.Store(newConn(fallback, nil))
 }
 
 // Client is the Store's Redis client.
@@ -167,20 +170,23 @@ func (s *Store) Do(ctx context.Context, route string, fn func(ctx context.Contex
 
 // Foreign runs fn, a call through a client this package does not drive
 // (asynq's Inspector takes no context), through the breaker of route's node
-// (as Do), and leaves it running when ctx or LockTimeout ends first. Like
-// Do's, fn returns its result.
+// (as Do), and leaves it running when ctx or LockTimeout ends first, or a
+// dial of the Store's client fails (reach.go). Like Do's, fn returns its
+// result.
 func (s *Store) Foreign(ctx context.Context, route string, fn func() (any, error)) (any, error) {
 	return s.guard(ctx, s.sh.forKey(ctx, route), func() (any, error) {
 		lctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
 		defer cancel()
-		return abandonable(lctx, func(context.Context) (any, error) { return fn() })
+		w := s.conn.Load().watch.Enter(ctx, cancel)
+		v, err := abandonable(lctx, func(context.Context) (any, error) { return fn() })
+		return v, w.Leave(err)
 	})
 }
 
 // guard runs send through sh's circuit breaker and records its outcome.
 func (s *Store) guard(ctx context.Context, sh *shard, send func() (any, error)) (any, error) {
 	if !sh.br.allow() {
-		return nil, s.cfg.ErrCircuitOpen
+		return nil, sh.br.refusal(s.cfg.ErrCircuitOpen)
 	}
 	v, err := send()
 	if sh.br.record(ctx, err) {
@@ -189,14 +195,30 @@ func (s *Store) guard(ctx context.Context, sh *shard, send func() (any, error)) 
 	return v, err
 }
 
-// direct makes one call, bounded by LockTimeout.
+// direct makes one call, bounded by LockTimeout, and ended at once by a
+// failed dial (reach.go).
 func (s *Store) direct(ctx context.Context, fn func(context.Context) (any, error)) (any, error) {
+	return s.watched(ctx, func(c context.Context, _ Watched) (any, error) { return fn(c) })
+}
+
+// watched is direct for a call that answers others too (a pipeline's
+// callers), which w.explain tells about a failed dial that ended it.
+func (s *Store) watched(ctx context.Context, fn func(context.Context, Watched) (any, error)) (any, error) {
 	lctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
 	defer cancel()
-	if s.conn.Load().bounded {
-		return fn(lctx)
+	c := s.conn.Load()
+	w := c.watch.Enter(ctx, cancel)
+	call := func(cc context.Context) (any, error) { return fn(cc, w) }
+	var (
+		v   any
+		err error
+	)
+	if c.bounded {
+		v, err = call(lctx)
+	} else {
+		v, err = abandonable(lctx, call)
 	}
-	return abandonable(lctx, fn)
+	return v, w.Leave(err)
 }
 
 // abandonable returns when call does or ctx ends, whichever comes first;
