@@ -415,6 +415,15 @@ func (d *Dedup) attemptFor(ctx context.Context, queue, id string, t *asynq.Task)
 		return nil
 	case store.IDPlain, store.IDKept: // its record names its lock (LockOf)
 		return l
+	case store.IDFollow:
+		// A follow-up of a holder that arrived without a lock carries no
+		// lock header: its record names its lock (LockOf), its message does
+		// not (asynq's scripts do not release it), and its type's rule gives
+		// its terms.
+		r := d.ruleFor(typ)
+		tm := termsOf(&r, typ, id, time.Now(), true)
+		l.flags, l.mode = tm.flags, tm.mode
+		return l
 	case store.IDAgain: // a busy arrival's copy: the key its original met
 		fp, _ := store.ParseAgainID(id)
 		l.ref.FP, l.ref.Lock = fp, d.store.Keys().Lock(queue, fp)

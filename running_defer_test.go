@@ -174,3 +174,44 @@ func TestDeferUpdateWhileANearDeadlineSuccessIsRetriedIsDeferred(t *testing.T) {
 		t.Fatalf("update: %v into %s, want deferred", res.Outcome, res.TaskID)
 	}
 }
+
+// A follow-up owed by a holder that arrived without a lock (asynq's own
+// client, the execution guard keyed it) is as much the key's as any: run
+// early by an operator while the holder runs, it waits for the holder; the
+// holder's end hands it the key, and its own end hands the key to the
+// follow-up it owes in turn. (Its message names no lock: it once ran
+// unchecked, beside the holder.)
+func TestDeferFollowUpOfAnArrivalWaitsForItsHolderAndHandsTheKeyOn(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	tr := newKeyTracker(counterKeyOf, 1, 2)
+	h.serve(tr.handler(nil), func(c *asynq.Config) { c.Concurrency = 4; retryInAnHour(c) })
+	t.Cleanup(tr.openAll) // (after the server: it runs first, so the shutdown waits for no blocked handler)
+	arrival, err := h.asynq.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := waitFor(t, tr.starts, "the arrival runs")
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update while the arrival runs: %+v %v, want a follow-up", f, err)
+	}
+	if err := h.insp.RunTask(h.queue, f.TaskID); err != nil {
+		t.Fatal(err)
+	}
+	tr.noSecondStart(t, h, first, "follow-up "+f.TaskID+" run early while its holder "+arrival.ID+" runs")
+	tr.open(1)
+	second := waitFor(t, tr.starts, "the follow-up runs after its holder")
+	if second.id != f.TaskID {
+		t.Fatalf("ran %s after the holder, want the follow-up %s", second.id, f.TaskID)
+	}
+	g, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+	if err != nil || g.Outcome != Deferred {
+		t.Fatalf("update while the follow-up runs: %+v %v, want a follow-up of it", g, err)
+	}
+	tr.open(2)
+	if third := waitFor(t, tr.starts, "the follow-up's own follow-up runs"); third.id != g.TaskID {
+		t.Fatalf("ran %s after the follow-up, want %s", third.id, g.TaskID)
+	}
+}

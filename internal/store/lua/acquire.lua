@@ -131,8 +131,10 @@ if live then
   end
   local park = tonumber(A[14])
   call('HSET', K.N, 'msg', copy, 'state', 'scheduled')
-  local u = call('HGET', K.H, 'unique_key')
-  if u then call('HSET', K.N, 'unique_key', u) end
+  -- It names its lock, as a task stored with its lock does (so that asynq's
+  -- delete takes it with the follow-up, and its start finds it), even where
+  -- its holder, which arrived without a lock, names none.
+  call('HSET', K.N, 'unique_key', K.L)
   call('ZADD', K.S, now + park, A[9])
   call('HSET', K.M, 'f', A[9])
   count(K.L, K.M, m[1], holder)
