@@ -172,16 +172,20 @@ func TestRetryRunsHoldingLock(t *testing.T) {
 	eventually(t, "lock released", func() bool { return h.lockOwner(h.keyOf(task, h.queue)) == "" })
 }
 
+// A handler that runs longer than the lock's TTL keeps its key: the
+// heartbeat (every TTL/3) lengthens the lock while it runs.
 func TestHandlerOutlivesTTL(t *testing.T) {
-	h := newHarness(t, Config{TTL: 300 * time.Millisecond, heartbeat: (300 * time.Millisecond) / 3})
+	t.Parallel() // mostly waiting: beside the other waiting tests
+	const ttl = 1500 * time.Millisecond // (a heartbeat may be late by 2 of its 500 ms beats under load)
+	h := newHarness(t, Config{TTL: ttl, heartbeat: ttl / 3})
 	release := make(chan struct{})
 	rc := newRecorder(func(r run) error { <-release; return nil })
 	h.serve(rc.handler(), nil)
 	task := userTask(1, "")
 	info := h.enqueue(task)
 	waitFor(t, rc.runs, "run")
-	// Let several TTLs and leases pass: only the heartbeat keeps the lock.
-	time.Sleep(1200 * time.Millisecond)
+	// Let two TTLs pass: only the heartbeat keeps the lock.
+	time.Sleep(2 * ttl)
 	var dup *DuplicateTaskError
 	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
 		t.Fatalf("enqueue while the long handler runs: err = %v, want duplicate of %s", err, info.ID)
