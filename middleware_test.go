@@ -175,7 +175,7 @@ func TestRetryRunsHoldingLock(t *testing.T) {
 // A handler that runs longer than the lock's TTL keeps its key: the
 // heartbeat (every TTL/3) lengthens the lock while it runs.
 func TestHandlerOutlivesTTL(t *testing.T) {
-	t.Parallel() // mostly waiting: beside the other waiting tests
+	t.Parallel()                        // mostly waiting: beside the other waiting tests
 	const ttl = 1500 * time.Millisecond // (a heartbeat may be late by 2 of its 500 ms beats under load)
 	h := newHarness(t, Config{TTL: ttl, heartbeat: ttl / 3})
 	release := make(chan struct{})
