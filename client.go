@@ -42,7 +42,7 @@ type Client struct {
 // next's enqueue. NewClient saves one.
 //
 // next must store its tasks in the Dedup's Redis (or Cluster): locks are
-// checked against asynq's record of their owner there. The first accepted
+// checked against asynq's record of their holder there. The first accepted
 // enqueues check that their task is there (see placement.go); once one is
 // found in another Redis, its task stays enqueued and locked, and every
 // later deduplicated call fails with ErrTasksElsewhere.
@@ -123,7 +123,7 @@ func (c *Client) Enqueue(task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInf
 // use Submit to tell the cases apart. A payload the rule cannot fingerprint gives a
 // *PayloadError; a bad option ErrInvalidOption; in both cases nothing is
 // locked or enqueued. If asynq refuses the task, the lock is given back
-// (owner-checked) — unless the task turns out to be stored after all, as when
+// (holder-checked) — unless the task turns out to be stored after all, as when
 // go-redis retried an enqueue that had landed: then its TaskInfo is returned.
 //
 // The lock lives in the queue the call names (asynq.Queue), else in the one

@@ -225,7 +225,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 		t.Errorf("recovered %v after the promotion; want within 5 s (a slot map reload and a breaker probe)", lag)
 	}
 	var dup *DuplicateTaskError
-	if _, err := client.EnqueueContext(ctx, before, asynq.Queue(dead)); !errors.As(err, &dup) || dup.TaskID != first.ID {
+	if _, err := client.EnqueueContext(ctx, before, asynq.Queue(dead)); !errors.As(err, &dup) || dup.Holder != first.ID {
 		t.Fatalf("duplicate of the task written before the kill: %v, want a DuplicateTaskError naming %s", err, first.ID)
 	}
 	// No lock is left whose owner cannot run (what dedupctl doctor looks for).

@@ -239,13 +239,13 @@ type Rule struct {
 
 	// OnFailure: what becomes of the key when its task fails for good
 	// (archived after its last retry, or SkipRetry): FailRelease frees it
-	// (the default), FailHold keeps it held for FailureHold, and
+	// (the default), FailHold keeps it held for FailHoldFor, and
 	// FailHoldUntilReleased until someone releases it. See Failure.
 	OnFailure Failure
 
-	// FailureHold is how long FailHold holds the key after the failure;
+	// FailHoldFor is how long FailHold holds the key after the failure;
 	// it goes with OnFailure FailHold only. Default 0.
-	FailureHold time.Duration
+	FailHoldFor time.Duration
 
 	// MaxPending bounds how many keys of this type may wait in one queue at
 	// once; an enqueue of a new key beyond it fails with ErrTooManyPending
@@ -380,7 +380,7 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 			conflict: r.OnConflict, merge: r.MergeFunc, running: r.OnRunning, maxPending: r.MaxPending, busy: r.OnBusy,
 			cooldown: min(r.Cooldown, MaxLifetime), debounce: min(r.Debounce, MaxLifetime),
 		}
-		if res.failHold, err = failHold(r.OnFailure, r.FailureHold); err != nil {
+		if res.failHold, err = failHold(r.OnFailure, r.FailHoldFor); err != nil {
 			return nil, ruleError(typ, err)
 		}
 		if r.Period != 0 {

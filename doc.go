@@ -30,7 +30,7 @@
 // keys, so deduplication is per queue, as with asynq.Unique, and works on a
 // single node, Sentinel and Cluster. The tasks must be stored in the same
 // Redis as the locks, since each lock is checked against asynq's record of
-// its owner task (ErrTasksElsewhere otherwise). The lock is an efficiency measure, not
+// its holder task (ErrTasksElsewhere otherwise). The lock is an efficiency measure, not
 // an exactly-once guarantee: a Redis failover can lose a lock written just
 // before it. Make handlers idempotent where effects must happen once.
 package dedup

@@ -30,7 +30,7 @@ var policyRules = map[string]Rule{
 	"RunningAllow": {OnRunning: RunningAllow},
 	"Cooldown":     {Cooldown: time.Hour},
 	"Period":       {Period: 24 * time.Hour},
-	"FailHold":     {OnFailure: FailHold, FailureHold: time.Hour},
+	"FailHold":     {OnFailure: FailHold, FailHoldFor: time.Hour},
 	"Debounce":     {OnConflict: Replace, Debounce: 100 * time.Millisecond},
 }
 

@@ -20,7 +20,7 @@ import (
 // it, as it does at a cooling key. The holder's last error is kept in the
 // lock (Lookup, dedupctl show, the lock browser). Dedup.Release (dedupctl
 // release, the lock browser's release) frees it by hand; running the
-// archived task again (Inspector.RunTask) makes it the key's running owner
+// archived task again (Inspector.RunTask) makes it the key's running holder
 // again.
 //
 // One case holds nothing: a worker killed during the task's last attempt.
@@ -79,7 +79,7 @@ func failHold(f Failure, hold time.Duration) (time.Duration, error) {
 	case f < FailRelease || f > FailHoldUntilReleased:
 		return 0, fmt.Errorf("%w: unknown OnFailure %v", ErrInvalidOption, f)
 	case f == FailHold && hold <= 0:
-		return 0, fmt.Errorf("%w: OnFailure FailHold needs a positive hold (FailureHold), not %v", ErrInvalidOption, hold)
+		return 0, fmt.Errorf("%w: OnFailure FailHold needs a positive hold (FailHoldFor), not %v", ErrInvalidOption, hold)
 	case f != FailHold && hold != 0:
 		return 0, fmt.Errorf("%w: a hold of %v goes with OnFailure FailHold only, not %v", ErrInvalidOption, hold, f)
 	case f == FailHold:

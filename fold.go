@@ -135,7 +135,7 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	case store.StatusCooling:
 		return Result{}, done, c.duplicate(k, res)
 	case store.StatusReplaced:
-		return c.folded(k, Replaced, evCoalesced, res.Task, k.task.Payload(), res.State, res.FollowUp), done, nil
+		return c.folded(k, Replaced, evReplaced, res.Task, k.task.Payload(), res.State, res.FollowUp), done, nil
 	case store.StatusDeferred:
 		return c.folded(k, Deferred, evDeferred, res.Task, k.task.Payload(), "scheduled", true), done, nil
 	case store.StatusMerge:
@@ -229,9 +229,9 @@ func (c *Client) duplicate(k *call, res store.AcquireResult) error {
 	cooling := res.Status == store.StatusCooling && !res.Failed
 	if !k.rule.quiet {
 		c.d.count(k.typ, evDuplicate)
-		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: res.Lock, TaskID: res.Task, FollowUp: res.FollowUp, CoolingDown: cooling, Failed: res.Failed})
+		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: res.Lock, TaskID: res.Task, FollowUp: res.FollowUp, CoolingDown: cooling, FailHeld: res.Failed})
 	}
-	return &DuplicateTaskError{TaskID: res.Task, Queue: k.queue, Type: k.typ, Key: res.Lock, CoolingDown: cooling, Failed: res.Failed, FreeIn: res.Cooling}
+	return &DuplicateTaskError{Holder: res.Task, Queue: k.queue, Type: k.typ, Key: res.Lock, CoolingDown: cooling, FailHeld: res.Failed, FreeIn: res.Cooling}
 }
 
 // folded describes the task a call was folded into, from what the lock
@@ -239,7 +239,7 @@ func (c *Client) duplicate(k *call, res store.AcquireResult) error {
 func (c *Client) folded(k *call, o Outcome, ev event, id string, payload []byte, state string, followUp bool) Result {
 	if !k.rule.quiet { // (a busy arrival folded by the middleware is counted as busy)
 		c.d.count(k.typ, ev)
-		c.d.noteCoalesced(k.typ, k.ref.FP, k.rule.key)
+		c.d.noteFold(k.typ, k.ref.FP, k.rule.key)
 	}
 	if c.d.cfg.OnDecision != nil && !k.rule.quiet {
 		c.d.decide(Decision{Event: eventNames[ev], Type: k.typ, Queue: k.queue, Key: c.d.lockKey(&k.ref), TaskID: id, FollowUp: followUp})

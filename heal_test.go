@@ -87,7 +87,7 @@ func TestRequirePassPassesThrough(t *testing.T) {
 	h := newHarnessOn(t, rdb, Config{})
 	info := h.enqueue(userTask(1, ""))
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("with the password: err = %v", err)
 	}
 }

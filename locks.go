@@ -86,7 +86,7 @@ func (d *Dedup) Lookup(ctx context.Context, task *asynq.Task, opts ...asynq.Opti
 // so that when it runs it checks the key first (and gives way to a task of
 // its type that took the key since). A follow-up the key owes that waits
 // is queued now, even while the holder runs (its payload is the newest).
-// Held keys are released too: a cooldown, a failure hold. It reports
+// Held keys are released too: a cooldown, a fail hold. It reports
 // whether a lock was released (false: the key was free).
 func (d *Dedup) Release(ctx context.Context, task *asynq.Task, holder string, opts ...asynq.Option) (bool, error) {
 	rel := &store.Release{How: store.ReleaseHolder, Holder: holder, Grace: d.cfg.HealGrace}

@@ -287,7 +287,7 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	switch {
 	case errors.Is(err, context.Canceled) && ctx.Err() != nil && n >= maxRetry && l.calls(&store.Settle{End: store.EndFail}) && d.archived(ctx, &l.ref):
 		// CancelProcessing or a lost lease on the last retry: asynq archives
-		// the task; its failure hold is written, its follow-up queued.
+		// the task; its fail hold is written, its follow-up queued.
 		s.End, s.Err = store.EndFail, failureText(err)
 	case errors.Is(err, context.Canceled) && ctx.Err() != nil:
 		// Cancelled (a shutdown that requeues the task, CancelProcessing, a
@@ -364,7 +364,7 @@ func (d *Dedup) report(typ string, l *lease, res store.SettleResult, err error, 
 	case res.Cooling:
 		d.count(typ, evCooling)
 	case res.Failed:
-		d.count(typ, evFailureHeld)
+		d.count(typ, evFailHeld)
 	case res.Held:
 		d.count(typ, evHeld)
 		if res.Follow != "" {

@@ -130,7 +130,7 @@ func TestLockLifecycleOnOutcomes(t *testing.T) {
 					t.Fatalf("lock TTL %v across retry, want retry delay + TTL", ttl)
 				}
 				var dup *DuplicateTaskError
-				if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+				if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 					t.Fatalf("enqueue during retry wait: err = %v, want duplicate of %s", err, info.ID)
 				}
 				return
@@ -183,7 +183,7 @@ func TestHandlerOutlivesTTL(t *testing.T) {
 	// Let several TTLs and leases pass: only the heartbeat keeps the lock.
 	time.Sleep(1200 * time.Millisecond)
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("enqueue while the long handler runs: err = %v, want duplicate of %s", err, info.ID)
 	}
 	close(release)
@@ -256,7 +256,7 @@ func TestLeftoverAttemptCannotTouchLock(t *testing.T) {
 		t.Fatalf("after the leftover returned: owner %q, want %q (its second attempt runs)", owner, info.ID)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("enqueue while the second attempt runs: %v, want a duplicate of %s", err, info.ID)
 	}
 	close(releaseSecond)
@@ -297,7 +297,7 @@ func TestScheduledTask(t *testing.T) {
 		t.Fatalf("scheduled lock TTL %v does not cover the delay", ttl)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("err = %v, want duplicate of the scheduled task", err)
 	}
 	if r := waitFor(t, rc.runs, "scheduled run"); r.id != info.ID {
@@ -385,7 +385,7 @@ func TestUnlockedTaskTakesLockAtStart(t *testing.T) {
 	}
 	waitFor(t, rc.runs, "run")
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(userTask(3, "from-api"), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(userTask(3, "from-api"), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("err = %v, want duplicate of the running unlocked task %s", err, info.ID)
 	}
 	close(release)

@@ -15,7 +15,7 @@ import (
 // runs), and once it succeeds the key stays held until the window ends
 // (*DuplicateTaskError with CoolingDown set, as a Cooldown), whatever
 // becomes of the task's record. A new window is a new key. A task that
-// fails for good frees the key, unless OnFailure holds it. Unlike
+// fails for good frees the key, unless OnFail holds it. Unlike
 // Cooldown, which counts from the take, a window is a fixed bucket of the
 // calendar: a task taken at 23:59 does not block one at 00:01.
 //

@@ -346,7 +346,7 @@ func (s *Scheduler) fire(ctx context.Context, e *schedEntry, at, following time.
 	case err == nil:
 		s.log.Debug("dedup: scheduler enqueued a firing", append(attrs, slog.String("task_id", res.TaskID))...)
 	case errors.As(err, &dup):
-		s.log.Debug("dedup: scheduler: another replica enqueued this firing", append(attrs, slog.String("holder", dup.TaskID))...)
+		s.log.Debug("dedup: scheduler: another replica enqueued this firing", append(attrs, slog.String("holder", dup.Holder))...)
 	case errors.Is(err, context.Canceled) && errors.Is(ctx.Err(), context.Canceled): // Unregister, Shutdown
 		s.log.Debug("dedup: scheduler stopped during an enqueue", append(attrs, slog.Any("error", err))...)
 	default:

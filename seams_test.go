@@ -204,7 +204,7 @@ func TestSameCallerIDFoldsLikeAnyCall(t *testing.T) {
 			h.enqueue(counterTask("k", 1, 1), asynq.TaskID(id))
 			_, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID(id))
 			var dup *DuplicateTaskError
-			if !errors.As(err, &dup) || dup.TaskID != id || !errors.Is(err, asynq.ErrTaskIDConflict) {
+			if !errors.As(err, &dup) || dup.Holder != id || !errors.Is(err, asynq.ErrTaskIDConflict) {
 				t.Fatalf("second call with the holder's ID: %v, want a DuplicateTaskError naming %s that also matches asynq.ErrTaskIDConflict", err, id)
 			}
 		})
@@ -290,8 +290,8 @@ func TestForeverDurationsNeverWrap(t *testing.T) {
 		if ttl := pttl(t, h.rdb, h.keyOf(counterTask("k", 1, 1), h.queue)); ttl < time.Hour {
 			t.Fatalf("lock TTL %v, want at least an hour", ttl)
 		}
-		if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.TaskID != info.ID {
-			t.Fatalf("duplicate of %s, want %s", dup.TaskID, info.ID)
+		if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.Holder != info.ID {
+			t.Fatalf("duplicate of %s, want %s", dup.Holder, info.ID)
 		}
 	})
 	t.Run("Config.TTL across a retry", func(t *testing.T) {
@@ -301,8 +301,8 @@ func TestForeverDurationsNeverWrap(t *testing.T) {
 		first := h.enqueue(counterTask("k", 1, 1))
 		waitFor(t, rc.runs, "the first attempt")
 		h.settled(1)
-		if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.TaskID != first.ID {
-			t.Fatalf("duplicate of %s, want %s, which waits for its retry", dup.TaskID, first.ID)
+		if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.Holder != first.ID {
+			t.Fatalf("duplicate of %s, want %s, which waits for its retry", dup.Holder, first.ID)
 		}
 	})
 	t.Run("options and config", func(t *testing.T) {
@@ -560,8 +560,8 @@ func TestDoctorFixQueuesTheFollowUpOfALockItReleases(t *testing.T) {
 	if st := h.taskState(res.TaskID); st != asynq.TaskStatePending {
 		t.Fatalf("follow-up %s is %v, want pending (queued now)", res.TaskID, st)
 	}
-	if dup := h.duplicateOf(counterTask("k", 1, 2), OnConflict(Reject)); dup.TaskID != res.TaskID {
-		t.Fatalf("the key is held by %s, want the follow-up %s", dup.TaskID, res.TaskID)
+	if dup := h.duplicateOf(counterTask("k", 1, 2), OnConflict(Reject)); dup.Holder != res.TaskID {
+		t.Fatalf("the key is held by %s, want the follow-up %s", dup.Holder, res.TaskID)
 	}
 }
 
@@ -963,7 +963,7 @@ func TestDebounceCooldownAndMaxPendingTogether(t *testing.T) {
 	eventually(t, "the key cools down", func() bool {
 		_, err := h.client.Submit(ctx, profileSync(typ, 1, 3), q)
 		var dup *DuplicateTaskError
-		return errors.As(err, &dup) && dup.CoolingDown && dup.TaskID == r1.TaskID
+		return errors.As(err, &dup) && dup.CoolingDown && dup.Holder == r1.TaskID
 	})
 	if r, err := h.client.Submit(ctx, profileSync(typ, 2, 1), q); err != nil || r.Outcome != Created {
 		t.Fatalf("another key once the first ran (its slot left when it started): %+v %v", r, err)

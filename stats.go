@@ -34,15 +34,15 @@ type Stats struct {
 	RedisErrors uint64 `event:"redis_error"`  // failed lock calls
 	FailOpen    uint64 `event:"fail_open"`    // calls that went on without a lock, Config.FailOpen
 	Unguarded   uint64 `event:"unguarded"`    // attempts run unlocked: key could not be computed at execution
-	Coalesced   uint64 `event:"coalesced"`    // enqueues whose payload replaced a waiting task's, Replace
+	Replaced    uint64 `event:"replaced"`     // enqueues whose payload replaced a waiting task's, Replace
 	Merged      uint64 `event:"merged"`       // enqueues merged into a waiting task's payload, Merge
-	Deferred    uint64 `event:"deferred"`     // enqueues that created the follow-up of a running key (Defer); later folds into it count as coalesced or merged
+	Deferred    uint64 `event:"deferred"`     // enqueues that created the follow-up of a running key (Defer); later folds into it count as replaced or merged
 	OverBound   uint64 `event:"over_bound"`   // new keys refused because MaxPending keys were waiting
 	Processed   uint64 `event:"processed"`    // started attempts that finished
 	BreakerOpen uint64 `event:"breaker_open"` // times the circuit breaker opened
 	Superseded  uint64 `event:"superseded"`   // attempts not run: the task lost its lock to a newer payload of its key (its follow-up, Replace + Defer; or, an operator having released it, a Replace task of its type that took the key since)
 	Cooling     uint64 `event:"cooling"`      // locks kept after their task succeeded, until its Cooldown ends
-	FailureHeld uint64 `event:"failure_held"` // locks kept after their task failed for good (OnFailure)
+	FailHeld    uint64 `event:"fail_held"`    // locks kept after their task failed for good (OnFailure)
 }
 
 // event is one countable thing: the index of its Stats field.
@@ -61,7 +61,7 @@ const (
 	evRedisError  = event(unsafe.Offsetof(Stats{}.RedisErrors) / counterSize)
 	evFailOpen    = event(unsafe.Offsetof(Stats{}.FailOpen) / counterSize)
 	evUnguarded   = event(unsafe.Offsetof(Stats{}.Unguarded) / counterSize)
-	evCoalesced   = event(unsafe.Offsetof(Stats{}.Coalesced) / counterSize)
+	evReplaced    = event(unsafe.Offsetof(Stats{}.Replaced) / counterSize)
 	evMerged      = event(unsafe.Offsetof(Stats{}.Merged) / counterSize)
 	evDeferred    = event(unsafe.Offsetof(Stats{}.Deferred) / counterSize)
 	evOverBound   = event(unsafe.Offsetof(Stats{}.OverBound) / counterSize)
@@ -69,7 +69,7 @@ const (
 	evBreakerOpen = event(unsafe.Offsetof(Stats{}.BreakerOpen) / counterSize)
 	evSuperseded  = event(unsafe.Offsetof(Stats{}.Superseded) / counterSize)
 	evCooling     = event(unsafe.Offsetof(Stats{}.Cooling) / counterSize)
-	evFailureHeld = event(unsafe.Offsetof(Stats{}.FailureHeld) / counterSize)
+	evFailHeld    = event(unsafe.Offsetof(Stats{}.FailHeld) / counterSize)
 
 	counterSize = unsafe.Sizeof(uint64(0))
 	numEvents   = event(unsafe.Sizeof(Stats{}) / counterSize)
@@ -149,7 +149,7 @@ type metrics struct {
 	byType sync.Map // string → *counterSet
 
 	// rep is the running hot-key reporter, nil when there is none, so that
-	// noteCoalesced costs one atomic load when reporting is off.
+	// noteFold costs one atomic load when reporting is off.
 	rep atomic.Pointer[reporter]
 
 	mu      sync.Mutex // guards flusher, repLoop and closed

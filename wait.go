@@ -83,7 +83,7 @@ func (d *Dedup) WaitHolder(ctx context.Context, dup *DuplicateTaskError) (*asynq
 	if dup == nil {
 		return nil, fmt.Errorf("%w: WaitHolder: nil DuplicateTaskError", ErrInvalidOption)
 	}
-	return d.waitResult(ctx, dup.Queue, dup.TaskID, dup.Key, nil)
+	return d.waitResult(ctx, dup.Queue, dup.Holder, dup.Key, nil)
 }
 
 // waitResult is WaitResult for the task holding the lock key ("" when not

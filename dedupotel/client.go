@@ -130,7 +130,7 @@ func failed(span trace.Span, err error) {
 		if dup.CoolingDown {
 			decision = "cooling"
 		}
-		span.SetAttributes(AttrDecision.String(decision), AttrHolder.String(dup.TaskID), AttrKeyHash.String(dedup.KeyHash(dup.Key)))
+		span.SetAttributes(AttrDecision.String(decision), AttrHolder.String(dup.Holder), AttrKeyHash.String(dedup.KeyHash(dup.Key)))
 	case errors.Is(err, dedup.ErrTooManyPending):
 		span.SetAttributes(AttrDecision.String("over_bound"))
 	default:

@@ -1,12 +1,12 @@
 // Package dedupweb is a lock browser for github.com/asynq-dedup/dedup: an
 // http.Handler to mount next to asynqmon. It shows the held locks per queue
 // and type with their states, the per-minute counters of the last hour
-// (written by Dedup.StartFlusher), one lock in full with its owner task's
-// state in asynq, and the locks whose owner cannot run (the doctor). Locks
+// (written by Dedup.StartFlusher), one lock in full with its holder task's
+// state in asynq, and the locks whose holder cannot run (the doctor). Locks
 // can be searched by type and key fields, by task ID or by key.
 //
 // It is read-only unless Options.AllowRelease is set; then it also
-// releases one lock, or what the doctor found, owner-checked, by POST only,
+// releases one lock, or what the doctor found, holder-checked, by POST only,
 // with a CSRF token and a confirmation page, through Options.Authorize.
 // Every name read from Redis is escaped by html/template; payloads are
 // shown only through Options.PayloadFormatter. The pages need no
@@ -78,7 +78,7 @@ type Options struct {
 	// (<root>/queues/<queue>/tasks/<id>). Default "": no links.
 	AsynqmonRoot string
 
-	// PayloadFormatter shows the owner task's payload on a lock page.
+	// PayloadFormatter shows the holder task's payload on a lock page.
 	// Default nil: payloads are never shown (they may hold personal data).
 	PayloadFormatter PayloadFormatter
 

@@ -89,7 +89,7 @@ var counters = []struct {
 }{
 	{"locked", func(s dedup.Stats) uint64 { return s.Locked }},
 	{"duplicate", func(s dedup.Stats) uint64 { return s.Duplicates }},
-	{"folds", func(s dedup.Stats) uint64 { return s.Coalesced + s.Merged + s.Deferred }},
+	{"folds", func(s dedup.Stats) uint64 { return s.Replaced + s.Merged + s.Deferred }},
 	{"busy", func(s dedup.Stats) uint64 { return s.Busy }},
 	{"released", func(s dedup.Stats) uint64 { return s.Released }},
 }
@@ -185,8 +185,8 @@ func (h *Handler) showLock(ctx context.Context, w http.ResponseWriter, t *lockvi
 		v.Created, v.Age = c.Format(time.RFC3339), lockview.FmtDuration(now.Sub(c))
 	}
 	v.CooldownLeft = lockview.CooldownLeft(l, now)
-	if h.opts.PayloadFormatter != nil && d.OwnerTask.Exists {
-		v.ShowPayload, v.Payload = true, h.opts.PayloadFormatter.FormatPayload(d.OwnerTask.Type, d.OwnerTask.Payload)
+	if h.opts.PayloadFormatter != nil && d.HolderTask.Exists {
+		v.ShowPayload, v.Payload = true, h.opts.PayloadFormatter.FormatPayload(d.HolderTask.Type, d.HolderTask.Payload)
 	}
 	return h.render(w, http.StatusOK, "lock", v)
 }

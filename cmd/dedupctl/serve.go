@@ -32,7 +32,7 @@ func serveCommand() *command {
 		help: `Serves the web lock browser of package dedupweb: the locks by queue, type
 and state, the counters of the last hour, each lock in full, search, and the
 doctor. It is read-only unless --allow-release: then a lock page offers an
-owner-checked release, and the doctor page a release of what it found, each
+holder-checked release, and the doctor page a release of what it found, each
 by POST with a CSRF token after a confirmation page.
 
 It has no authentication of its own: keep --listen on a loopback address (the

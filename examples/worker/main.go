@@ -324,7 +324,7 @@ func (t *tally) add(u update, res dedup.Result, err error) {
 	case errors.As(err, &dup):
 		t.Rejected++
 		if t.SampleHolder == "" {
-			t.SampleHolder = dup.TaskID
+			t.SampleHolder = dup.Holder
 		}
 		// Code written for asynq.Unique checks this; it keeps working.
 		if !errors.Is(err, asynq.ErrDuplicateTask) {
