@@ -166,7 +166,7 @@ func TestFailHoldWhenAsynqArchivesAnAttemptThatOutlivedItsDeadline(t *testing.T)
 	})
 }
 
-func TestRunningAHeldTaskAgainByHandMakesItTheOwnerAgain(t *testing.T) {
+func TestRunningAHeldTaskAgainByHandMakesItTheHolderAgain(t *testing.T) {
 	h := newHarness(t, failRules(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	fail := make(chan bool, 2)

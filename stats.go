@@ -21,7 +21,8 @@ import (
 // counts one event, and its tag is the event's stable name, which is the
 // key of Stats.Map, the field of the stats hashes in Redis (ReadStats) and
 // the "event" label of the Prometheus collector (package dedupprom). A name
-// is never changed: flushed totals would split.
+// is not changed lightly: the two renamed so far (docs/glossary.md) are
+// still read from stats hashes flushed under their former names.
 type Stats struct {
 	Locked      uint64 `event:"locked"`       // enqueues that took a lock
 	Duplicates  uint64 `event:"duplicate"`    // enqueues rejected with DuplicateTaskError
@@ -196,20 +197,27 @@ func (d *Dedup) typeCounts() map[string]counts {
 	return out
 }
 
-// statsOf reads a stats hash: fields that are not event names or do not
-// hold a count are ignored.
+// renamedEvents are the former names of renamed events (docs/glossary.md):
+// stats hashes flushed before the rename keep them, and statsOf adds their
+// counts to the event's, so totals do not split.
+var renamedEvents = map[string]event{"coalesced": evReplaced, "failure_held": evFailHeld}
+
+// statsOf reads a stats hash: fields that are not event names (or former
+// names) or do not hold a count are ignored.
 func statsOf(h map[string]string) Stats {
 	var s Stats
 	for f, v := range h {
 		e, ok := eventByName[f]
 		if !ok {
-			continue
+			if e, ok = renamedEvents[f]; !ok {
+				continue
+			}
 		}
 		n, err := strconv.ParseUint(v, 10, 64)
 		if err != nil {
 			continue
 		}
-		*s.field(e) = n
+		*s.field(e) += n
 	}
 	return s
 }

@@ -330,6 +330,21 @@ func TestReadStatsIgnoresForeignFields(t *testing.T) {
 	}
 }
 
+// TestReadStatsAddsRenamedEvents: a stats hash flushed before the rename
+// of coalesced (replaced) and failure_held (fail_held) keeps its counts.
+func TestReadStatsAddsRenamedEvents(t *testing.T) {
+	rdb := newRDB(t)
+	prefix := uniq(t)
+	ctx := context.Background()
+	rdb.SAdd(ctx, statsTypesKey(prefix), "t")
+	rdb.HSet(ctx, statsKey(prefix, "t"), "coalesced", "4", "replaced", "2", "failure_held", "1")
+	got := readStats(t, rdb, prefix)
+	want := map[string]Stats{"t": {Replaced: 6, FailHeld: 1}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("ReadStats = %+v, want %+v", got, want)
+	}
+}
+
 func TestReadStatsDefaultPrefixAndErrors(t *testing.T) {
 	mr := miniredis.RunT(t)
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})

@@ -20,7 +20,7 @@ import (
 // says pending while no list holds it (what a forced slot migration
 // leaves), leaves alone a healthy waiting lock, a running one and a
 // cooling one, and with --fix releases exactly the two it found.
-func TestDoctorFindsAndFixesLocksWhoseOwnerCannotRun(t *testing.T) {
+func TestDoctorFindsAndFixesLocksWhoseHolderCannotRun(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{
 		"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour},

@@ -141,7 +141,7 @@ func TestShowOfAPlainLockSaysItsHoldersStateFromAsynq(t *testing.T) {
 	defer srv.Shutdown()
 	f.waitState(f.lockOf(info), "retry-wait")
 	r := f.ok("show", f.lockOf(info))
-	if !strings.Contains(r.stdout, "state            retry-wait") || !strings.Contains(r.stdout, "holder in asynq   retry (retried 1/25, runs in ") {
+	if !strings.Contains(r.stdout, "state            retry-wait") || !strings.Contains(r.stdout, "holder in asynq  retry (retried 1/25, runs in ") {
 		t.Errorf("show of a plain lock whose holder waits for its retry:\n%s", r.stdout)
 	}
 }
@@ -318,18 +318,18 @@ func TestLookupFindsTheLockFromAnyCanonicalSpelling(t *testing.T) {
 // show prints one lock "in full", one row per item; the lock keeps its task
 // type verbatim. Under the default Config every type is deduplicated, so any
 // service that can enqueue into asynq chooses the type a lock records: a
-// type holding a newline and rows of its own (an holder, a state) cannot
+// type holding a newline and rows of its own (a holder, a state) cannot
 // forge lines of show's and list's output that an operator (or a script
 // reading it) would take for the lock's; --json keeps it whole.
 func TestShowAndListKeepAHostileTypeOnItsOwnRow(t *testing.T) {
 	f := newFixture(t, dedup.Config{})
-	typ := "a11:x\nowner            dd-0000000000000000-forgedforgedforged00\nstate            waiting"
+	typ := "a11:x\nholder           dd-0000000000000000-forgedforgedforged00\nstate            waiting"
 	info, err := f.client.Enqueue(asynq.NewTask(typ, []byte("p")), asynq.Queue(f.qa))
 	if err != nil {
 		t.Fatal(err)
 	}
 	r := f.ok("show", f.lockOf(info))
-	if n := strings.Count(r.stdout, "\nowner  "); n != 1 || strings.Contains(r.stdout, "forged") && !strings.Contains(r.stdout, `\n`) {
+	if n := strings.Count(r.stdout, "\nholder  "); n != 1 || strings.Contains(r.stdout, "forged") && !strings.Contains(r.stdout, `\n`) {
 		t.Errorf("show prints %d holder rows (a type forged one):\n%s", n, r.stdout)
 	}
 	r = f.ok("list", "--type", typ)

@@ -681,7 +681,7 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 	}
 
 	r = f.ok("show", runKey)
-	for _, want := range []string{"state            running", "holder in asynq   active (retried 0/25)", "follow-up        " + follow.ID + ": scheduled (retried 0/25, runs in ",
+	for _, want := range []string{"state            running", "holder in asynq  active (retried 0/25)", "follow-up        " + follow.ID + ": scheduled (retried 0/25, runs in ",
 		"while running    defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends",
 		"mode record      " + store.ModeOf(runKey)} {
 		if !strings.Contains(r.stdout, want) {
@@ -689,7 +689,7 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 		}
 	}
 	r = f.ok("show", f.lockOf(orphan))
-	if !strings.Contains(r.stdout, "holder in asynq   missing (the lock is orphaned; it heals at the next enqueue)") || !strings.Contains(r.stdout, "state            orphaned") {
+	if !strings.Contains(r.stdout, "holder in asynq  missing (the lock is orphaned; it heals at the next enqueue)") || !strings.Contains(r.stdout, "state            orphaned") {
 		t.Errorf("show orphaned lock:\n%s", r.stdout)
 	}
 	so := decode[showOutput](t, f.ok("--json", "show", f.lockOf(orphan)))
@@ -1100,7 +1100,7 @@ func TestRetryWait(t *testing.T) {
 		t.Fatalf("failed attempt: %+v", out.Locks)
 	}
 	r := f.ok("show", f.lockOf(info))
-	if !strings.Contains(r.stdout, "holder in asynq   retry (retried 1/25, runs in 59m") || !strings.Contains(r.stdout, "last error: smtp: 421 try again later") {
+	if !strings.Contains(r.stdout, "holder in asynq  retry (retried 1/25, runs in 59m") || !strings.Contains(r.stdout, "last error: smtp: 421 try again later") {
 		t.Errorf("show of a lock waiting for a retry:\n%s", r.stdout)
 	}
 }

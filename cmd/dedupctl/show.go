@@ -52,7 +52,7 @@ func showCommand() *command {
 		synopsis: "KEY | --task ID [--queue Q]",
 		summary:  "one lock in full, and whether its holder task still exists in asynq",
 		help: `Shows one lock in full: every field, TTL left, and what asynq says about its
-holder task (and its owed follow-up). An holder that is missing, completed or
+holder task (and its owed follow-up). A holder that is missing, completed or
 archived means the lock is orphaned: the library heals it at the key's next
 enqueue.
 
