@@ -190,21 +190,24 @@ type Rule struct {
 	Skip bool
 
 	// OnConflict: what an enqueue does when the key's task is waiting.
-	// Default Reject.
+	// Default Reject. The four policies (OnConflict, OnRunning, OnBusy,
+	// OnFailure) side by side, with which a call may set:
+	// docs/glossary.md#policies.
 	OnConflict Conflict
 
 	// MergeFunc is required with OnConflict: Merge.
 	MergeFunc MergeFunc
 
 	// OnRunning: what an enqueue does when the key's task is running.
-	// Default RunningReject. Recorded with the key (and RunningAllow in the
+	// Default RunningReject; per type only (docs/glossary.md#policies). Recorded with the key (and RunningAllow in the
 	// task's header), so the server needs no matching configuration.
 	OnRunning Running
 
 	// OnBusy: what the server's middleware does with a task of this type
 	// that arrives without a lock (Scheduler, other services) and finds
 	// its key held: retry it later, drop it, or fold it into the holder.
-	// Default BusyRetry (BusyDrop with Config.SkipBusy).
+	// Default BusyRetry (BusyDrop with Config.SkipBusy); per type only
+	// (docs/glossary.md#policies).
 	OnBusy Busy
 
 	// Cooldown keeps the key held after its task succeeds, until Cooldown
@@ -240,7 +243,8 @@ type Rule struct {
 	// OnFailure: what becomes of the key when its task fails for good
 	// (archived after its last retry, or SkipRetry): FailRelease frees it
 	// (the default), FailHold keeps it held for FailHoldFor, and
-	// FailHoldUntilReleased until someone releases it. See Failure.
+	// FailHoldUntilReleased until someone releases it. See Failure and
+	// docs/glossary.md#policies.
 	OnFailure Failure
 
 	// FailHoldFor is how long FailHold holds the key after the failure;
