@@ -118,7 +118,7 @@ func TestBreakerWithHungRedis(t *testing.T) {
 	defer lrdb.Close()
 	d, err := New(context.Background(), lrdb, Config{
 		LockTimeout: 100 * time.Millisecond, BreakerThreshold: 3,
-		BreakerBackoff: Backoff{Min: 50 * time.Millisecond, Max: 100 * time.Millisecond}, Logger: quietLogger(),
+		breakerBackoff: backoff{Min: 50 * time.Millisecond, Max: 100 * time.Millisecond}, Logger: quietLogger(),
 	})
 	if err != nil {
 		t.Fatal(err)

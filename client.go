@@ -59,7 +59,7 @@ func (d *Dedup) WrapClient(next Enqueuer) *Client {
 // lock exists without its task. Other tasks go through the asynq client.
 // Config.NoDirectEnqueue turns this off.
 func (d *Dedup) NewClient() *Client {
-	c := &Client{d: d, next: asynq.NewClientFromRedisClient(d.rdb), direct: !d.cfg.NoDirectEnqueue, ownNext: true}
+	c := &Client{d: d, next: asynq.NewClientFromRedisClient(d.rdb), direct: !d.cfg.noDirectEnqueue, ownNext: true}
 	c.place.state.Store(placeHere)
 	return c
 }

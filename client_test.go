@@ -475,7 +475,7 @@ func TestNewErrors(t *testing.T) {
 	}
 	dead := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
 	defer dead.Close()
-	_, err := New(context.Background(), dead, Config{ConnectAttempts: 3, ConnectBackoff: Backoff{Min: time.Millisecond, Max: 4 * time.Millisecond}, Logger: quietLogger()})
+	_, err := New(context.Background(), dead, Config{connectAttempts: 3, connectBackoff: backoff{Min: time.Millisecond, Max: 4 * time.Millisecond}, Logger: quietLogger()})
 	if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "3 attempts") {
 		t.Fatalf("unreachable: %v", err)
 	}
@@ -638,7 +638,7 @@ func TestNewFromRedisConnOpt(t *testing.T) {
 	}
 	// Port 1: nothing listens there (a port from freeAddr could be taken
 	// meanwhile by a redis-server another test package starts).
-	if _, err := NewFromRedisConnOpt(ctx, asynq.RedisClientOpt{Addr: "127.0.0.1:1"}, Config{ConnectAttempts: 1, Logger: quietLogger()}); !errors.Is(err, ErrUnavailable) {
+	if _, err := NewFromRedisConnOpt(ctx, asynq.RedisClientOpt{Addr: "127.0.0.1:1"}, Config{connectAttempts: 1, Logger: quietLogger()}); !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("unreachable: %v", err)
 	}
 }
@@ -805,7 +805,7 @@ func TestNewFromRedisConnOptWithANilClientIsInvalid(t *testing.T) {
 						err = fmt.Errorf("panic: %v", r)
 					}
 				}()
-				_, err = NewFromRedisConnOpt(context.Background(), connOpt{c}, Config{ConnectAttempts: 1, Logger: quietLogger()})
+				_, err = NewFromRedisConnOpt(context.Background(), connOpt{c}, Config{connectAttempts: 1, Logger: quietLogger()})
 			}()
 			if !errors.Is(err, ErrInvalidOption) {
 				t.Fatalf("err = %v, want ErrInvalidOption", err)

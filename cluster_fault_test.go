@@ -141,7 +141,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	queues := queuesOnEveryMaster(t, c, "promo")
 	ctx := context.Background()
 	d, err := New(ctx, c, Config{Prefix: "dd-" + uniq(t), LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
-		BreakerBackoff: Backoff{Min: 100 * time.Millisecond, Max: 500 * time.Millisecond}})
+		breakerBackoff: backoff{Min: 100 * time.Millisecond, Max: 500 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -376,7 +376,7 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	queues := queuesOnEveryMaster(t, c, "a5bk")
 	ctx := context.Background()
 	d, err := New(ctx, c, Config{Prefix: "a5b-" + uniq(t), LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
-		BreakerThreshold: 2, BreakerBackoff: Backoff{Min: 100 * time.Millisecond, Max: 300 * time.Millisecond}})
+		BreakerThreshold: 2, breakerBackoff: backoff{Min: 100 * time.Millisecond, Max: 300 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -505,7 +505,7 @@ func TestFaultRedisRestartUnderLoad(t *testing.T) {
 	const concurrency = 8
 	retryDelay := func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond }
 	d, err := New(ctx, rdb, Config{Prefix: prefix, heartbeat: (2 * time.Second) / 3, LockTimeout: 500 * time.Millisecond,
-		HealGrace: time.Second, RetryDelayFunc: retryDelay, Logger: quietLogger()})
+		healGrace: time.Second, RetryDelayFunc: retryDelay, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}

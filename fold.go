@@ -39,10 +39,10 @@ const maxMergeAttempts = 32
 // caller should wait out.
 const maxReservedWaits = 20
 
-var reservedBackoff = Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
+var reservedBackoff = backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
 
 // roomBackoff spaces the polls of WaitForRoom.
-var roomBackoff = Backoff{Min: 10 * time.Millisecond, Max: time.Second}
+var roomBackoff = backoff{Min: 10 * time.Millisecond, Max: time.Second}
 
 // lock runs the acquire script until its answer is final: the call is
 // answered (a duplicate, a fold, a task the script stored itself), or the
@@ -326,7 +326,7 @@ func (c *Client) waitReserved(ctx context.Context, k *call, res store.AcquireRes
 	if w.reserved++; w.reserved > maxReservedWaits {
 		return Result{}, done, c.duplicate(k, res)
 	}
-	if err := sleep(ctx, reservedBackoff.Delay(w.reserved)); err != nil {
+	if err := sleep(ctx, reservedBackoff.delay(w.reserved)); err != nil {
 		return Result{}, done, fmt.Errorf("dedup: waiting for task %s to be stored: %w", res.Task, err)
 	}
 	return Result{}, again, nil
@@ -347,7 +347,7 @@ func (c *Client) waitRoom(ctx context.Context, k *call, res store.AcquireResult,
 		c.d.count(k.typ, evOverBound)
 		return Result{}, done, fmt.Errorf("%w: %d keys of %q already waiting in queue %q", ErrTooManyPending, waiting, k.typ, k.queue)
 	}
-	if err := sleep(ctx, roomBackoff.Delay(w.room)); err != nil {
+	if err := sleep(ctx, roomBackoff.delay(w.room)); err != nil {
 		c.d.count(k.typ, evOverBound)
 		return Result{}, done, fmt.Errorf("%w: waited for room: %w", ErrTooManyPending, err)
 	}

@@ -78,7 +78,7 @@ func TestRequirePassPassesThrough(t *testing.T) {
 	defer p.Kill()
 	noauth := redis.NewClient(&redis.Options{Addr: p.Addr, MaxRetries: -1})
 	defer noauth.Close()
-	_, err = New(context.Background(), noauth, Config{ConnectAttempts: 1, Logger: quietLogger()})
+	_, err = New(context.Background(), noauth, Config{connectAttempts: 1, Logger: quietLogger()})
 	if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "NOAUTH") {
 		t.Fatalf("without the password: err = %v, want ErrUnavailable wrapping NOAUTH", err)
 	}

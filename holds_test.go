@@ -174,7 +174,7 @@ func TestCooldownAndPeriodHoldTheKeyWhileTheSuccessSettles(t *testing.T) {
 // HealGrace, and enqueues their keys in tight loops from other processes'
 // clients while the tasks succeed; it fails if any enqueue took a key.
 func enqueueAtKeysAsTheySucceed(t *testing.T, cfg Config, opts ...asynq.Option) {
-	cfg.HealGrace = time.Second
+	cfg.healGrace = time.Second
 	h := newHarness(t, cfg)
 	h.client = h.d.NewClient()
 	opts = append([]asynq.Option{asynq.Queue(h.queue)}, opts...)
@@ -204,7 +204,7 @@ func enqueueAtKeysAsTheySucceed(t *testing.T, cfg Config, opts ...asynq.Option) 
 		wg      sync.WaitGroup
 	)
 	for i := range 2 * keys {
-		hh := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix, Rules: cfg.Rules, HealGrace: time.Second, Logger: quietLogger()})
+		hh := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix, Rules: cfg.Rules, healGrace: time.Second, Logger: quietLogger()})
 		c := hh.d.NewClient()
 		key := fmt.Sprint(i % keys)
 		wg.Go(func() {

@@ -89,7 +89,7 @@ func (d *Dedup) Lookup(ctx context.Context, task *asynq.Task, opts ...asynq.Opti
 // Held keys are released too: a cooldown, a fail hold. It reports
 // whether a lock was released (false: the key was free).
 func (d *Dedup) Release(ctx context.Context, task *asynq.Task, holder string, opts ...asynq.Option) (bool, error) {
-	rel := &store.Release{How: store.ReleaseHolder, Holder: holder, Grace: d.cfg.HealGrace}
+	rel := &store.Release{How: store.ReleaseHolder, Holder: holder, Grace: d.cfg.healGrace}
 	if holder == "" {
 		rel.How = store.ReleaseForce
 	}

@@ -326,7 +326,7 @@ func (d *Dedup) archived(ctx context.Context, ref *store.Ref) bool {
 		case err != nil || !found || state != store.StateActive:
 			return false
 		}
-		t := time.NewTimer(archiveBackoff.Delay(i))
+		t := time.NewTimer(archiveBackoff.delay(i))
 		select {
 		case <-ctx.Done():
 			t.Stop()
@@ -337,7 +337,7 @@ func (d *Dedup) archived(ctx context.Context, ref *store.Ref) bool {
 }
 
 // archiveBackoff paces archived's reads of a record asynq is archiving.
-var archiveBackoff = Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
+var archiveBackoff = backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
 
 // nearDeadline reports whether the attempt's deadline comes before a
 // settle call could finish: asynq may then take the attempt as given up and

@@ -126,7 +126,7 @@ func TestLockLifecycleOnOutcomes(t *testing.T) {
 				if owner := h.lockOwner(key); owner != info.ID {
 					t.Fatalf("lock owner %q across retry, want %q", owner, info.ID)
 				}
-				if ttl := pttl(t, h.rdb, key); ttl < time.Hour+DefaultTTL-time.Minute {
+				if ttl := pttl(t, h.rdb, key); ttl < time.Hour+defaultTTL-time.Minute {
 					t.Fatalf("lock TTL %v across retry, want retry delay + TTL", ttl)
 				}
 				var dup *DuplicateTaskError

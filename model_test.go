@@ -181,7 +181,7 @@ type modelWorld struct {
 func newModelWorld(t *testing.T) *modelWorld {
 	cfg := Config{
 		TTL:              modelTTL,
-		HealGrace:        modelGrace, // never reached by the clock: the Age step ages a lock
+		healGrace:        modelGrace, // never reached by the clock: the Age step ages a lock
 		LockTimeout:      10 * time.Second,
 		RetryDelayFunc:   func(int, error, *asynq.Task) time.Duration { return modelRetry },
 		Rules:            map[string]Rule{modelType: {Fields: []string{"k"}}},

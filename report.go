@@ -14,20 +14,20 @@ import (
 
 // Defaults of ReportConfig.
 const (
-	DefaultReportWindow  = time.Minute
-	DefaultReportTopK    = 10
-	DefaultReportMaxKeys = 10000
+	defaultReportWindow  = time.Minute
+	defaultReportTopK    = 10
+	defaultReportMaxKeys = 10000
 )
 
 // ReportConfig configures the hot-key report (Dedup.StartReporter). The zero
 // value is ready to use.
 type ReportConfig struct {
 	// Window is how often the report is logged; each report covers the
-	// window since the previous one. Default DefaultReportWindow (1 minute).
+	// window since the previous one. Default 1 minute.
 	Window time.Duration
 
 	// TopK is how many of the most folded keys each type's report lists.
-	// Default DefaultReportTopK (10).
+	// Default 10.
 	TopK int
 
 	// MaxKeys bounds the distinct keys counted in one window, all types
@@ -35,7 +35,7 @@ type ReportConfig struct {
 	// room for the new one (the Space-Saving algorithm): a key that makes up
 	// more than 1/MaxKeys of the window's folds is never dropped, and a
 	// listed count may be too high by at most the "overcount" logged beside
-	// it. Default DefaultReportMaxKeys (10,000).
+	// it. Default 10,000.
 	MaxKeys int
 
 	// ExplicitKeys logs the explicit key (dedup.Key, dedup.SharedKey,
@@ -81,7 +81,7 @@ func (d *Dedup) StartReporter(cfg ReportConfig) error {
 		return fmt.Errorf("%w: ReportConfig has a negative setting", ErrInvalidOption)
 	}
 	if cfg.Window == 0 {
-		cfg.Window = DefaultReportWindow
+		cfg.Window = defaultReportWindow
 	}
 	t := time.NewTicker(cfg.Window)
 	if err := d.startReporter(cfg, t.C, t.Stop); err != nil {
@@ -95,10 +95,10 @@ func (d *Dedup) StartReporter(cfg ReportConfig) error {
 // the ticks).
 func (d *Dedup) startReporter(cfg ReportConfig, tick <-chan time.Time, stopTick func()) error {
 	if cfg.TopK == 0 {
-		cfg.TopK = DefaultReportTopK
+		cfg.TopK = defaultReportTopK
 	}
 	if cfg.MaxKeys == 0 {
-		cfg.MaxKeys = DefaultReportMaxKeys
+		cfg.MaxKeys = defaultReportMaxKeys
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = d.log

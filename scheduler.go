@@ -29,9 +29,9 @@ import (
 // succeeds until no replica whose clock lags by up to MaxSkew can still
 // produce that firing. See docs/scheduler.md.
 
-// DefaultMaxSkew is SchedulerOpts.MaxSkew's default: one minute, far above
+// defaultMaxSkew is SchedulerOpts.MaxSkew's default: one minute, far above
 // what NTP-synchronised hosts drift apart.
-const DefaultMaxSkew = time.Minute
+const defaultMaxSkew = time.Minute
 
 // Headers of the tasks a Scheduler enqueues, so a handler can tell which
 // firing it runs (SchedulerFiring reads them). They are added to the task's
@@ -58,7 +58,7 @@ type SchedulerOpts struct {
 	// succeeds, until (next firing − this firing) + MaxSkew after it was
 	// taken, so that a replica whose clock lags by up to MaxSkew finds it
 	// held. Replicas further apart may run a firing twice. Default
-	// DefaultMaxSkew (1 minute), also when zero or negative.
+	// 1 minute, also when zero or negative.
 	MaxSkew time.Duration
 
 	// PreEnqueueFunc, if set, is called before each enqueue of a firing,
@@ -135,7 +135,7 @@ func NewScheduler(d *Dedup, opts *SchedulerOpts) *Scheduler {
 		o.Location = time.UTC
 	}
 	if o.MaxSkew <= 0 {
-		o.MaxSkew = DefaultMaxSkew
+		o.MaxSkew = defaultMaxSkew
 	}
 	if o.Logger == nil {
 		o.Logger = d.log
@@ -407,7 +407,7 @@ func (s *Scheduler) newEntry(spec string, task *asynq.Task, opts []asynq.Option)
 // check composes a firing of e as an enqueue will, so that what would fail
 // at every firing fails at Register instead.
 func (s *Scheduler) check(e *schedEntry) error {
-	task, opts := e.firing(e.sched.next(s.now()), DefaultMaxSkew)
+	task, opts := e.firing(e.sched.next(s.now()), defaultMaxSkew)
 	var k call
 	err := s.client.compose(&k, task, opts)
 	switch {

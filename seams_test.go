@@ -319,7 +319,7 @@ func TestForeverDurationsNeverWrap(t *testing.T) {
 				_ = info
 			}
 		}
-		for _, cfg := range []Config{{heartbeat: (math.MaxInt64) / 3}, {HealGrace: math.MaxInt64}, {LockTimeout: math.MaxInt64}, {Rules: map[string]Rule{"x": {Cooldown: math.MaxInt64}}}, {Rules: map[string]Rule{"x": {TTL: math.MaxInt64}}}} {
+		for _, cfg := range []Config{{heartbeat: (math.MaxInt64) / 3}, {healGrace: math.MaxInt64}, {LockTimeout: math.MaxInt64}, {Rules: map[string]Rule{"x": {Cooldown: math.MaxInt64}}}, {Rules: map[string]Rule{"x": {TTL: math.MaxInt64}}}} {
 			cfg.Logger = quietLogger()
 			d, err := New(context.Background(), h.rdb, cfg)
 			if err != nil && !errors.Is(err, ErrInvalidOption) {
@@ -1133,12 +1133,12 @@ func TestForeverBackoffsNeverWrap(t *testing.T) {
 		return false
 	}
 	t.Run("Backoff.Delay", func(t *testing.T) {
-		forever := Backoff{Min: math.MaxInt64, Max: math.MaxInt64}
-		noPanic(t, "Backoff{MaxInt64, MaxInt64}.Delay(0)", func() { _ = forever.Delay(0) })
-		long := Backoff{Min: time.Hour, Max: math.MaxInt64}
+		forever := backoff{Min: math.MaxInt64, Max: math.MaxInt64}
+		noPanic(t, "Backoff{MaxInt64, MaxInt64}.Delay(0)", func() { _ = forever.delay(0) })
+		long := backoff{Min: time.Hour, Max: math.MaxInt64}
 		zero := 0
 		for range 20 {
-			if long.Delay(40) == 0 {
+			if long.delay(40) == 0 {
 				zero++
 			}
 		}
@@ -1153,7 +1153,7 @@ func TestForeverBackoffsNeverWrap(t *testing.T) {
 		defer cancel()
 		var err error
 		if noPanic(t, "New with ConnectBackoff{MaxInt64, MaxInt64}", func() {
-			_, err = New(ctx, rdb, Config{ConnectAttempts: 3, ConnectBackoff: Backoff{Min: math.MaxInt64, Max: math.MaxInt64}, Logger: quietLogger()})
+			_, err = New(ctx, rdb, Config{connectAttempts: 3, connectBackoff: backoff{Min: math.MaxInt64, Max: math.MaxInt64}, Logger: quietLogger()})
 		}) {
 			return
 		}

@@ -234,7 +234,7 @@ type MinuteStats struct {
 const MaxStatsMinutes = 120
 
 // ReadMinuteStats returns, for each task type with flushed counters under
-// prefix ("" means DefaultPrefix), what the flushes added in each of the n
+// prefix ("" means defaultPrefix), what the flushes added in each of the n
 // minutes up to and including the one of end, oldest first: n entries per
 // type, zero where nothing was flushed. A flush counts in the minute it ran
 // (so with a 10 s interval a count lands at most 10 s late). n is clamped
@@ -242,7 +242,7 @@ const MaxStatsMinutes = 120
 // Errors match ErrUnavailable.
 func ReadMinuteStats(ctx context.Context, rdb redis.UniversalClient, prefix string, end time.Time, n int) (map[string][]MinuteStats, error) {
 	if prefix == "" {
-		prefix = DefaultPrefix
+		prefix = defaultPrefix
 	}
 	n = min(max(n, 1), MaxStatsMinutes)
 	keys := store.NewKeys(prefix)

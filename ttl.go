@@ -25,11 +25,11 @@ import (
 // 2⁵³ ms) never overflow.
 const MaxLifetime = 100 * 365 * 24 * time.Hour
 
-// MaxDefaultRetryDelay is the upper bound of asynq.DefaultRetryDelayFunc,
+// maxDefaultRetryDelay is the upper bound of asynq.DefaultRetryDelayFunc,
 // n⁴ + 15 + 29·(n+1) seconds for the n-th retry. It is Config.RetryDelayFunc's
 // default: the middleware cannot see the delay asynq picks, so it holds the
 // lock for the longest one asynq's default can pick.
-func MaxDefaultRetryDelay(n int, _ error, _ *asynq.Task) time.Duration {
+func maxDefaultRetryDelay(n int, _ error, _ *asynq.Task) time.Duration {
 	n = min(max(n, 0), 10000) // (10,000⁴ s is far beyond MaxLifetime; no int64 overflow)
 	s := int64(n)*int64(n)*int64(n)*int64(n) + 15 + 29*int64(n+1)
 	return lifetime(time.Duration(min(s, int64(MaxLifetime/time.Second))) * time.Second)

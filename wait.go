@@ -28,7 +28,7 @@ var (
 
 // waitBackoff spaces the polls of WaitResult: 25 ms doubling to 1 s, with
 // full jitter so that many waiters of one task spread out.
-var waitBackoff = Backoff{Min: 25 * time.Millisecond, Max: time.Second}
+var waitBackoff = backoff{Min: 25 * time.Millisecond, Max: time.Second}
 
 // WaitResult waits until the task taskID of queue has run to its end, and
 // returns its TaskInfo: for a completed task, info.Result holds what its
@@ -127,7 +127,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 			if missing.IsZero() {
 				missing = time.Now()
 			}
-			if !locked || time.Since(missing) > d.cfg.HealGrace || (key == "" && time.Since(missing) > unknownGrace) {
+			if !locked || time.Since(missing) > d.cfg.healGrace || (key == "" && time.Since(missing) > unknownGrace) {
 				return nil, fmt.Errorf("%w: task %s in queue %q: %w", ErrResultUnavailable, taskID, queue, err)
 			}
 			if onPoll != nil {
@@ -139,7 +139,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 			}
 			d.log.Debug("dedup: WaitResult poll failed", slog.String("task_id", taskID), slog.Any("error", err))
 		}
-		t := time.NewTimer(waitBackoff.Delay(attempts))
+		t := time.NewTimer(waitBackoff.delay(attempts))
 		attempts++
 		select {
 		case <-ctx.Done():

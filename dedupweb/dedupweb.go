@@ -24,7 +24,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/asynq-dedup/dedup"
 	"github.com/asynq-dedup/dedup/internal/lockview"
 	"github.com/redis/go-redis/v9"
 )
@@ -53,7 +52,7 @@ type Options struct {
 	RootPath string
 
 	// Prefix is the deployment's Config.Prefix. Default "" means
-	// dedup.DefaultPrefix ("dedup").
+	// "dedup", the library's default.
 	Prefix string
 
 	// AllowRelease enables the actions: releasing one lock and releasing
@@ -96,7 +95,7 @@ type Options struct {
 	PageSize int
 
 	// DoctorGrace leaves orphans younger than it alone, as dedupctl
-	// doctor --grace (the application's Config.HealGrace). Default 0 means
+	// doctor --grace (the library's heal grace, 1 minute). Default 0 means
 	// one minute.
 	DoctorGrace time.Duration
 
@@ -120,7 +119,7 @@ type Handler struct {
 // while it serves a request; it does not own rdb.
 func New(rdb redis.UniversalClient, opts Options) *Handler {
 	if opts.Prefix == "" {
-		opts.Prefix = dedup.DefaultPrefix
+		opts.Prefix = "dedup"
 	}
 	opts.RootPath = strings.TrimRight(opts.RootPath, "/")
 	opts.AsynqmonRoot = strings.TrimRight(opts.AsynqmonRoot, "/")

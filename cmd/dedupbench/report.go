@@ -9,8 +9,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/asynq-dedup/dedup"
 )
 
 type meta struct {
@@ -479,7 +477,7 @@ func depVersion(path string) string {
 func batchDesc(n int) string {
 	switch {
 	case n == 0:
-		return fmt.Sprintf("%d (default)", dedup.DefaultMaxBatch)
+		return "64 (default)"
 	case n < 0:
 		return "off"
 	}

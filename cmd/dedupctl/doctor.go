@@ -44,7 +44,7 @@ Exit status 0 whether or not locks were found.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
 			o := &doctorFlags{}
 			fs.BoolVar(&o.fix, "fix", false, "release the locks found")
-			fs.DurationVar(&o.grace, "grace", time.Minute, "leave orphans younger than this alone (Config.HealGrace)")
+			fs.DurationVar(&o.grace, "grace", time.Minute, "leave orphans younger than this alone (the library's heal grace, 1 minute)")
 			fs.StringVar(&o.typ, "type", "", "only locks of this task `type`")
 			fs.StringVar(&o.queue, "queue", "", "only locks of this `queue`")
 			return func(a *app, _ []string) error { return runDoctor(a, o) }

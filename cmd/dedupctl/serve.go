@@ -44,7 +44,7 @@ Redis work of each request. It runs until interrupted (SIGINT, SIGTERM).`,
 			fs.StringVar(&o.root, "root", "", "URL `path` to serve under, such as /dedup")
 			fs.StringVar(&o.asynqmon, "asynqmon", "", "asynqmon's root `URL`, to link tasks to it")
 			fs.BoolVar(&o.allowRelease, "allow-release", false, "allow releasing locks from the pages")
-			fs.DurationVar(&o.grace, "grace", time.Minute, "the doctor leaves orphans younger than this alone (Config.HealGrace)")
+			fs.DurationVar(&o.grace, "grace", time.Minute, "the doctor leaves orphans younger than this alone (the library's heal grace, 1 minute)")
 			return func(a *app, _ []string) error { return runServe(a, o) }
 		},
 	}

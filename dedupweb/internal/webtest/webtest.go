@@ -116,7 +116,7 @@ func (w *World) Exists(key string) bool {
 
 // Orphan deletes a task's asynq record through the Inspector. A lock
 // WrapClient took names its task, which asynq's client stored next, so it
-// stays: orphaned, though for HealGrace (and a minute, as the lock's state
+// stays: orphaned, though for the heal grace (and a minute, as the lock's state
 // says) its task might not be stored yet.
 func (w *World) Orphan(info *asynq.TaskInfo) {
 	w.T.Helper()
