@@ -11,7 +11,7 @@ import (
 
 // backoff is an exponential backoff with full jitter: the n-th wait (from 0)
 // is a random duration in [0, min(Max, Min·2ⁿ)]. Min and Max above
-// MaxLifetime are taken as MaxLifetime, so no doubling wraps.
+// maxLifetime are taken as maxLifetime, so no doubling wraps.
 type backoff struct {
 	Min time.Duration // first ceiling; must be positive
 	Max time.Duration // cap; at least Min
@@ -21,7 +21,7 @@ type backoff struct {
 func (b backoff) delay(n int) time.Duration {
 	ceil, top := lifetime(b.Min), lifetime(b.Max)
 	for i := 0; i < n && ceil < top; i++ {
-		ceil *= 2 // (both ≤ MaxLifetime, far below half of int64's range: no overflow)
+		ceil *= 2 // (both ≤ maxLifetime, far below half of int64's range: no overflow)
 	}
 	ceil = min(ceil, top)
 	if ceil <= 0 {

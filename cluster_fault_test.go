@@ -96,7 +96,7 @@ func TestClusterDeadMasterStaysItsOwnProblem(t *testing.T) {
 			t.Fatalf("queue %s on the dead master: %v, want ErrUnavailable", dead, err)
 		}
 	}
-	if st := d.BreakerState(); st != BreakerOpen {
+	if st := d.breakerState(); st != breakerOpen {
 		t.Fatalf("breaker state %v after the dead master's failures, want open (its node's)", st)
 	}
 	// With the dead master's breaker open, the others go on.
@@ -402,11 +402,11 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	ok := 0
 	for i := 0; ok < 20; i++ {
 		if time.Since(start) > 60*time.Second { // (a failover takes ~8 s; far more on a loaded machine)
-			t.Fatalf("the dead master's queue never recovered (breaker %v)", d.BreakerState())
+			t.Fatalf("the dead master's queue never recovered (breaker %v)", d.breakerState())
 		}
 		takeover()
 		_, err := client.EnqueueContext(ctx, asynq.NewTask("a5:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
-		if d.BreakerState() == BreakerOpen {
+		if d.breakerState() == breakerOpen {
 			opened = true
 		}
 		if err == nil {
@@ -425,10 +425,10 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 		}
 	}
 	deadline := time.Now().Add(3 * time.Second)
-	for d.BreakerState() != BreakerClosed {
+	for d.breakerState() != breakerClosed {
 		if time.Now().After(deadline) {
 			t.Fatalf("every queue enqueues again (20 in a row on the promoted master), but BreakerState() = %v, want closed: "+
-				"the dead master's shard (its old address) keeps its open breaker for ever", d.BreakerState())
+				"the dead master's shard (its old address) keeps its open breaker for ever", d.breakerState())
 		}
 		_, _ = client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"poll"}`)), asynq.Queue(dead))
 		time.Sleep(50 * time.Millisecond)

@@ -385,7 +385,7 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 			skip: r.Skip, fields: fs, missingAsNull: r.MissingAsNull,
 			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: lifetime(r.TTL), optedIn: true,
 			conflict: r.OnConflict, merge: r.MergeFunc, running: r.OnRunning, maxPending: r.MaxPending, busy: r.OnBusy,
-			cooldown: min(r.Cooldown, MaxLifetime), debounce: min(r.Debounce, MaxLifetime),
+			cooldown: min(r.Cooldown, maxLifetime), debounce: min(r.Debounce, maxLifetime),
 		}
 		if res.failHold, err = failHold(r.OnFailure, r.FailHoldFor); err != nil {
 			return nil, ruleError(typ, err)

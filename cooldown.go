@@ -28,7 +28,7 @@ import (
 // type's rule: if this call takes the key, once its task succeeds the key
 // stays held until d after this enqueue. A call folded into a waiting task
 // leaves that key's cooldown as it was (Result.NotApplied names it). Above
-// MaxLifetime it is MaxLifetime. With Config.OptIn it opts the call in.
+// 100 years it is 100 years. With Config.OptIn it opts the call in.
 func Cooldown(d time.Duration) asynq.Option {
 	desc := fmt.Sprintf("dedup.Cooldown(%v)", d)
 	return option{desc: desc, apply: func(r *resolved) error {

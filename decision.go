@@ -9,7 +9,7 @@ import (
 // another task, or a task that reached the server and met a busy key. It
 // never carries a payload.
 type Decision struct {
-	// Event names what happened, as the counters do (EventNames):
+	// Event names what happened, as the counters do (Stats.Map):
 	// "duplicate", "replaced" (Replace), "merged", "deferred" (a new
 	// follow-up of a running task) or "busy" (the execution-time guard).
 	Event string

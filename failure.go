@@ -55,7 +55,7 @@ func (f Failure) String() string {
 
 // OnFailure sets this call's failure policy (see Rule.OnFailure),
 // overriding the type's rule: hold is how long FailHold holds the key
-// (above MaxLifetime it is MaxLifetime) and must be 0 for the other
+// (above 100 years it is 100 years) and must be 0 for the other
 // policies. It applies when this call takes the key; a call folded into a
 // waiting task leaves that key's policy as it was. With Config.OptIn it
 // opts the call in.

@@ -183,3 +183,10 @@ func TestHeadersAsNewTasksOnlyOptionWorkEverywhere(t *testing.T) {
 		})
 	})
 }
+
+// KeyHash is the fingerprint a lock key ends with (what dedupotel puts on
+// a duplicate's span).
+func KeyHash(lockKey string) string {
+	_, _, fp, _ := store.ParseLockKey(lockKey)
+	return fp
+}

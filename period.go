@@ -50,8 +50,8 @@ func checkPeriod(d time.Duration) error {
 	switch {
 	case d < time.Second:
 		return fmt.Errorf("%w: Period %v is shorter than a second", ErrInvalidOption, d)
-	case d > MaxLifetime:
-		return fmt.Errorf("%w: Period %v is longer than MaxLifetime (%v)", ErrInvalidOption, d, MaxLifetime)
+	case d > maxLifetime:
+		return fmt.Errorf("%w: Period %v is longer than MaxLifetime (%v)", ErrInvalidOption, d, maxLifetime)
 	case d >= day && d%day != 0:
 		return fmt.Errorf("%w: Period %v is a day or more but not whole days", ErrInvalidOption, d)
 	}

@@ -253,7 +253,7 @@ func TestPeriodAndOnFailureBadValuesLeaveNothing(t *testing.T) {
 		"Period 999ms":                   {Period(999*time.Millisecond, nil)},
 		"Period 25h":                     {Period(25*time.Hour, nil)},
 		"Period day and a ns":            {Period(24*time.Hour+1, nil)},
-		"Period past MaxLifetime":        {Period(MaxLifetime+24*time.Hour, nil)},
+		"Period past MaxLifetime":        {Period(maxLifetime+24*time.Hour, nil)},
 		"Period max int":                 {Period(time.Duration(1<<63-1), nil)},
 		"Period with Cooldown":           {Period(time.Hour, nil), Cooldown(time.Minute)},
 		"Period with RunningDefer rule":  {Period(time.Hour, nil), asynq.Queue("")},
@@ -281,12 +281,12 @@ func TestPeriodAndOnFailureBadValuesLeaveNothing(t *testing.T) {
 			t.Errorf("%s: %d tasks enqueued", path, n)
 		}
 		// The largest values that are valid are taken, and bounded.
-		info, err := h.client.Enqueue(jobTask("huge", 1), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)), OnFailure(FailHold, time.Duration(1<<63-1)))
+		info, err := h.client.Enqueue(jobTask("huge", 1), asynq.Queue(h.queue), Fields("key"), Period(maxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)), OnFailure(FailHold, time.Duration(1<<63-1)))
 		if err != nil {
 			t.Fatalf("%s: the largest Period and FailHold: %v", path, err)
 		}
-		kl, found, err := h.d.Lookup(context.Background(), jobTask("huge", 2), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)))
-		if err != nil || !found || kl.Holder != info.ID || kl.TTL <= 0 || kl.TTL > MaxLifetime || !kl.WindowStart.Before(time.Now()) || !kl.WindowEnd.After(time.Now()) {
+		kl, found, err := h.d.Lookup(context.Background(), jobTask("huge", 2), asynq.Queue(h.queue), Fields("key"), Period(maxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)))
+		if err != nil || !found || kl.Holder != info.ID || kl.TTL <= 0 || kl.TTL > maxLifetime || !kl.WindowStart.Before(time.Now()) || !kl.WindowEnd.After(time.Now()) {
 			t.Errorf("%s: Lookup of the largest Period: %+v %v %v", path, kl, found, err)
 		}
 	}

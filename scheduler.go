@@ -37,12 +37,12 @@ const defaultMaxSkew = time.Minute
 // firing it runs (SchedulerFiring reads them). They are added to the task's
 // own headers (asynq.NewTaskWithHeaders), replacing any of the same name.
 const (
-	// SchedulerEntryHeader holds the ID of the entry that enqueued the task,
+	// schedulerEntryHeader holds the ID of the entry that enqueued the task,
 	// as Scheduler.Register returned it.
-	SchedulerEntryHeader = "dedup-scheduler-entry"
-	// SchedulerFiringHeader holds the firing the task was enqueued for:
+	schedulerEntryHeader = "dedup-scheduler-entry"
+	// schedulerFiringHeader holds the firing the task was enqueued for:
 	// RFC 3339 in UTC, whole seconds ("2025-01-31T09:00:00Z").
-	SchedulerFiringHeader = "dedup-scheduler-firing"
+	schedulerFiringHeader = "dedup-scheduler-firing"
 )
 
 // SchedulerOpts configures a Scheduler. The zero value (or nil) is ready to
@@ -152,7 +152,7 @@ func NewScheduler(d *Dedup, opts *SchedulerOpts) *Scheduler {
 // The entry ID is a hash of the schedule (and the time zone it is read in),
 // the task's type and payload and its queue: every replica that registers
 // the same entry gets the same ID, and its tasks carry it
-// (SchedulerEntryHeader). "@every d" fires at the multiples of d since the
+// (header dedup-scheduler-entry). "@every d" fires at the multiples of d since the
 // Unix epoch, not every d from its start as in asynq, so that replicas agree.
 //
 // The options are checked once, here, composed with the type's rule as
@@ -256,8 +256,8 @@ func (s *Scheduler) Shutdown() {
 // task for, read from its headers; ok is false for a task without them.
 func SchedulerFiring(task *asynq.Task) (entryID string, at time.Time, ok bool) {
 	h := task.Headers()
-	entryID = h[SchedulerEntryHeader]
-	at, err := time.Parse(time.RFC3339, h[SchedulerFiringHeader])
+	entryID = h[schedulerEntryHeader]
+	at, err := time.Parse(time.RFC3339, h[schedulerFiringHeader])
 	if entryID == "" || err != nil {
 		return "", time.Time{}, false
 	}
@@ -325,7 +325,7 @@ func (s *Scheduler) sleepUntil(ctx context.Context, t time.Time) bool {
 // and reports the outcome to the hooks. The enqueue must end before the
 // next firing is due.
 func (s *Scheduler) fire(ctx context.Context, e *schedEntry, at, following time.Time) {
-	hold := MaxLifetime
+	hold := maxLifetime
 	if !following.IsZero() {
 		hold = following.Sub(at) + s.opts.MaxSkew
 		var cancel context.CancelFunc
@@ -363,8 +363,8 @@ func (s *Scheduler) fire(ctx context.Context, e *schedEntry, at, following time.
 func (e *schedEntry) firing(at time.Time, hold time.Duration) (*asynq.Task, []asynq.Option) {
 	h := make(map[string]string, len(e.headers)+2)
 	maps.Copy(h, e.headers)
-	h[SchedulerEntryHeader] = e.id
-	h[SchedulerFiringHeader] = at.UTC().Format(time.RFC3339)
+	h[schedulerEntryHeader] = e.id
+	h[schedulerFiringHeader] = at.UTC().Format(time.RFC3339)
 	opts := make([]asynq.Option, 0, len(e.opts)+4)
 	opts = append(opts, e.opts...)
 	opts = append(opts,

@@ -98,17 +98,8 @@ func (s *Stats) field(e event) *uint64 {
 	return reflect.ValueOf(s).Elem().Field(int(e)).Addr().Interface().(*uint64)
 }
 
-// EventNames returns the names of the counters of Stats (its fields'
-// "event" tags), in the order of its fields. They are the keys of
-// Stats.Map, the fields of the stats hashes in Redis and the "event" label
-// of the Prometheus collector (package dedupprom).
-func EventNames() []string {
-	out := make([]string, numEvents)
-	copy(out, eventNames[:])
-	return out
-}
-
-// Map returns the counters keyed by their EventNames.
+// Map returns the counters keyed by their names (the fields' "event"
+// tags).
 func (s Stats) Map() map[string]uint64 {
 	out := make(map[string]uint64, numEvents)
 	for e := range numEvents {

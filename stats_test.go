@@ -71,7 +71,7 @@ func TestEventNamesCoverStats(t *testing.T) {
 		*f = uint64(e) + 1
 	}
 	m := s.Map()
-	for i, name := range EventNames() {
+	for i, name := range eventNames[:] {
 		if m[name] != uint64(i)+1 {
 			t.Fatalf("Map()[%q] = %d, want %d", name, m[name], i+1)
 		}

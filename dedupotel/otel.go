@@ -61,7 +61,7 @@ const (
 	// (dedup.Result.NotApplied): option names, never their values' payloads.
 	AttrNotApplied = attribute.Key("dedup.not_applied")
 	// AttrBreaker is the circuit breaker's state after the call
-	// (Dedup.BreakerState): closed, open or probing.
+	// (read through internal/hook): closed, open or probing.
 	AttrBreaker = attribute.Key("dedup.breaker")
 	// AttrLinked is false on a folded enqueue whose link could not be
 	// recorded for the task's consumer span (Redis failed).

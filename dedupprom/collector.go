@@ -12,7 +12,7 @@
 //	dedup_events_total{type="email:send",event="locked"} 1520
 //	dedup_events_total{type="email:send",event="replaced"} 311
 //
-// The events are those of dedup.EventNames (the fields of dedup.Stats). Sum
+// The events are the fields of dedup.Stats (the keys of Stats.Map). Sum
 // over processes in PromQL; the fold ratio of a type is, for example,
 //
 //	sum by (type) (rate(dedup_events_total{event=~"replaced|merged|deferred"}[5m]))

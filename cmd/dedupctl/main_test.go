@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/lockview"
 	"github.com/asynq-dedup/dedup/internal/store"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
@@ -1027,8 +1028,8 @@ func TestStatsTextShowsEveryCounterOfTheJSON(t *testing.T) {
 	if !slices.Equal(columns, []string{"email:welcome", "report:build", "TOTAL"}) || !reflect.DeepEqual(got, want) {
 		t.Errorf("the text's counters differ from the JSON's:\ntext %v\njson %v\n%s", got, want, text)
 	}
-	if !slices.Equal(events, dedup.EventNames()) {
-		t.Errorf("the text's rows are %v, want every event in dedup.EventNames order %v", events, dedup.EventNames())
+	if !slices.Equal(events, lockview.EventNames()) {
+		t.Errorf("the text's rows are %v, want every event in lockview.EventNames order %v", events, lockview.EventNames())
 	}
 }
 

@@ -155,7 +155,7 @@ func printStats(w io.Writer, o statsOutput) {
 }
 
 // printCounters prints the flushed counters as a table: a row per event,
-// every one of dedup.EventNames (the names --json keys its counters by),
+// every one of lockview.EventNames (the names --json keys its counters by),
 // in that order; a column per task type, and their total.
 func printCounters(w io.Writer, o statsOutput) {
 	if len(o.Types) == 0 {
@@ -164,7 +164,7 @@ func printCounters(w io.Writer, o statsOutput) {
 	}
 	types := slices.Sorted(maps.Keys(o.Types))
 	fmt.Fprintf(w, "Counters flushed to Redis under prefix %q (all processes, since the first flush):\n", o.Prefix)
-	events := dedup.EventNames()
+	events := lockview.EventNames()
 	// Numbers align right, event names left: pad the names to one width.
 	width := len("EVENT")
 	for _, e := range events {
