@@ -1,9 +1,15 @@
 package dedup
 
-import "github.com/asynq-dedup/dedup/internal/hook"
+import (
+	"github.com/asynq-dedup/dedup/internal/hook"
+	"github.com/hibiken/asynq"
+)
 
+// init fills internal/hook, through which dedupotel reads what the API
+// does not offer.
 func init() {
 	hook.BreakerState = func(d any) string { return d.(*Dedup).breakerState().String() }
+	hook.QueueOf = func(d any, task *asynq.Task, opts ...asynq.Option) string { return d.(*Dedup).queueOf(task, opts...) }
 }
 
 // breakerState is the circuit breaker's state.

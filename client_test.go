@@ -700,12 +700,12 @@ func TestQueueOfIsTheQueueSubmitUses(t *testing.T) {
 		{asynq.NewTask("q:of", nil, asynq.Queue("from-task")), []asynq.Option{asynq.Queue("from-call")}, "from-call"},
 		{asynq.NewTask("q:of", nil), []asynq.Option{asynq.Queue(" ")}, "default"}, // refused by Submit
 	} {
-		if got := h.d.QueueOf(tc.task, tc.opts...); got != tc.want {
+		if got := h.d.queueOf(tc.task, tc.opts...); got != tc.want {
 			t.Errorf("QueueOf(%v) = %q, want %q", tc.opts, got, tc.want)
 		}
 	}
 	info, err := h.d.NewClient().Enqueue(asynq.NewTask("q:of", []byte("x"), asynq.Queue(h.queue)))
-	if err != nil || info.Queue != h.d.QueueOf(asynq.NewTask("q:of", nil, asynq.Queue(h.queue))) {
+	if err != nil || info.Queue != h.d.queueOf(asynq.NewTask("q:of", nil, asynq.Queue(h.queue))) {
 		t.Fatalf("Enqueue to %v (%v), QueueOf says %q", info, err, h.queue)
 	}
 }

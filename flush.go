@@ -20,7 +20,7 @@ const defaultFlushInterval = 10 * time.Second
 // pipelined round trip (one per node on Redis Cluster) of HINCRBYs of what
 // was counted since the last flush, into one hash per task type (and, by
 // one script call per type, into that type's hash of the current minute,
-// kept two hours: ReadMinuteStats), bounded by Config.LockTimeout; it runs on its own goroutine, never on an enqueue or
+// kept two hours, for the web overview), bounded by Config.LockTimeout; it runs on its own goroutine, never on an enqueue or
 // a handler. A failed flush is
 // logged and its counts are kept for the next one; Close stops the flusher
 // and flushes one last time.

@@ -176,7 +176,7 @@ func TestHeadersAsNewTasksOnlyOptionWorkEverywhere(t *testing.T) {
 			return err
 		})
 		try("QueueOf", func() error {
-			if q := h.d.QueueOf(batchJob("s", 1, Headers(hdr)), asynq.Queue(h.queue)); q != h.queue {
+			if q := h.d.queueOf(batchJob("s", 1, Headers(hdr)), asynq.Queue(h.queue)); q != h.queue {
 				return fmt.Errorf("QueueOf: %s, want %s", q, h.queue)
 			}
 			return nil

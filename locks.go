@@ -49,11 +49,11 @@ func (d *Dedup) lockKeyOf(task *asynq.Task, opts []asynq.Option) (store.Ref, err
 	return store.Ref{Queue: k.queue, FP: fp, Type: k.typ, Lock: d.store.Keys().Lock(k.queue, fp)}, nil
 }
 
-// QueueOf returns the queue an enqueue of task with opts would use, as
+// queueOf returns the queue an enqueue of task with opts would use, as
 // Client.Submit chooses it: the call's asynq.Queue, else the one given to
 // asynq.NewTask, else the one tasks of its type last landed in, else
 // "default" (also for a task or options Submit would refuse).
-func (d *Dedup) QueueOf(task *asynq.Task, opts ...asynq.Option) string {
+func (d *Dedup) queueOf(task *asynq.Task, opts ...asynq.Option) string {
 	var k call
 	if task == nil || (&Client{d: d}).compose(&k, task, opts) != nil || k.queue == "" {
 		return "default"

@@ -182,7 +182,7 @@ func queueOf(d *dedup.Dedup, task *asynq.Task, opts []asynq.Option, res dedup.Re
 	case errors.As(err, &dup) && dup.Queue != "":
 		return dup.Queue
 	}
-	return d.QueueOf(task, opts...)
+	return hook.QueueOf(d, task, opts...)
 }
 
 // keyHash is the fingerprint a lock key ends with; "" for a string that

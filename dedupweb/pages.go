@@ -67,7 +67,7 @@ func (h *Handler) overview(ctx context.Context, w http.ResponseWriter, r *http.R
 		}
 		v.Total += t.Total
 	}
-	byType, err := dedup.ReadMinuteStats(ctx, h.rdb, h.opts.Prefix, h.now(), overviewMinutes)
+	byType, err := lockview.ReadMinuteStats(ctx, h.rdb, h.opts.Prefix, h.now(), overviewMinutes)
 	if err != nil {
 		return err
 	}
@@ -94,7 +94,7 @@ var counters = []struct {
 	{"released", func(s dedup.Stats) uint64 { return s.Released }},
 }
 
-func chartsOf(typ string, ms []dedup.MinuteStats) typeCharts {
+func chartsOf(typ string, ms []lockview.MinuteStats) typeCharts {
 	tc := typeCharts{Type: typ}
 	for _, c := range counters {
 		vals := make([]uint64, len(ms))
