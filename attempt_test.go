@@ -3,10 +3,12 @@ package dedup
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/attempt"
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
@@ -15,19 +17,19 @@ import (
 type attemptRun struct {
 	id    string
 	retry int
-	a     Attempt
+	a     attempt.Attempt
 }
 
 // serveAttempts runs a server on h's queue whose handler is the middleware
-// wrapped by a recorder of each attempt's Attempt (WithAttempt), until the
+// wrapped by a recorder of each attempt's attempt.Attempt (WithAttempt), until the
 // test ends. Each attempt is reported once the middleware has returned.
 func (h *harness) serveAttempts(handler asynq.HandlerFunc) <-chan attemptRun {
 	h.t.Helper()
 	out := make(chan attemptRun, 100)
 	inner := h.d.Middleware()(handler)
 	outer := asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
-		var a Attempt
-		err := inner.ProcessTask(WithAttempt(ctx, &a), t)
+		var a attempt.Attempt
+		err := inner.ProcessTask(attempt.With(ctx, &a), t)
 		id, _ := asynq.GetTaskID(ctx)
 		n, _ := asynq.GetRetryCount(ctx)
 		out <- attemptRun{id: id, retry: n, a: a}
@@ -80,7 +82,7 @@ func TestWithAttemptHeldReleasedFollowUp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r := nextAttempt(t, runs, first.TaskID); r.a.Outcome != AttemptHeld || r.a.Fingerprint != first.Fingerprint || r.a.Arrived {
+	if r := nextAttempt(t, runs, first.TaskID); r.a.Outcome != attempt.Held || r.a.Fingerprint != first.Fingerprint || r.a.Arrived {
 		t.Fatalf("failed attempt: %+v, want held under %s", r.a, first.Fingerprint)
 	}
 	waitFor(t, running, "the retry to run")
@@ -90,23 +92,23 @@ func TestWithAttemptHeldReleasedFollowUp(t *testing.T) {
 	}
 	close(finish)
 	r := nextAttempt(t, runs, first.TaskID)
-	if r.a.Outcome != AttemptReleased || r.a.FollowUp != follow.TaskID || r.retry != 1 {
+	if r.a.Outcome != attempt.Released || r.a.FollowUp != follow.TaskID || r.retry != 1 {
 		t.Fatalf("retry: %+v (retry %d), want released queueing follow-up %s", r.a, r.retry, follow.TaskID)
 	}
-	if r := nextAttempt(t, runs, follow.TaskID); r.a.Outcome != AttemptReleased || r.a.FollowUp != "" || r.a.Fingerprint != first.Fingerprint {
+	if r := nextAttempt(t, runs, follow.TaskID); r.a.Outcome != attempt.Released || r.a.FollowUp != "" || r.a.Fingerprint != first.Fingerprint {
 		t.Fatalf("follow-up: %+v, want released", r.a)
 	}
 }
 
 // TestWithAttemptBusy: a task that arrives without a lock (asynq's own client)
 // and meets its key held by a waiting task is dropped, folded or retried by
-// its type's Busy policy, and its Attempt names the holder.
+// its type's Busy policy, and its attempt.Attempt names the holder.
 func TestWithAttemptBusy(t *testing.T) {
 	rule := func(b Busy) Rule { return Rule{Fields: []string{"k"}, OnBusy: b} }
 	h := newHarness(t, Config{Rules: map[string]Rule{"at:drop": rule(BusyDrop), "at:fold": rule(BusyFold), "at:retry": rule(BusyRetry)}})
 	ctx := context.Background()
 	runs := h.serveAttempts(func(context.Context, *asynq.Task) error { return nil })
-	want := map[string]AttemptOutcome{"at:drop": AttemptBusyDropped, "at:fold": AttemptBusyFolded, "at:retry": AttemptBusyRetried}
+	want := map[string]attempt.Outcome{"at:drop": attempt.BusyDropped, "at:fold": attempt.BusyFolded, "at:retry": attempt.BusyRetried}
 	for typ, outcome := range want {
 		holder, err := h.client.Submit(ctx, asynq.NewTask(typ, []byte(`{"k":1}`)), asynq.Queue(h.queue), asynq.ProcessIn(time.Hour))
 		if err != nil {
@@ -136,11 +138,11 @@ func TestWithAttemptUnlockedAllowedCooling(t *testing.T) {
 	cases := []struct {
 		typ  string
 		opts []asynq.Option
-		want AttemptOutcome
+		want attempt.Outcome
 	}{
-		{"at:plain", []asynq.Option{Skip()}, AttemptNotLocked},
-		{"at:allow", nil, AttemptAllowed},
-		{"at:cool", nil, AttemptCooling},
+		{"at:plain", []asynq.Option{Skip()}, attempt.NotLocked},
+		{"at:allow", nil, attempt.Allowed},
+		{"at:cool", nil, attempt.Cooling},
 	}
 	for _, c := range cases {
 		res, err := h.client.Submit(ctx, asynq.NewTask(c.typ, []byte(`{"k":1}`)), append(c.opts, asynq.Queue(h.queue))...)
@@ -159,18 +161,18 @@ func TestWithAttemptUnusedCostsNothing(t *testing.T) {
 	ctx := context.WithValue(context.Background(), struct{ k int }{1}, "v")
 	l := &lease{}
 	allocs := testing.AllocsPerRun(100, func() {
-		a := attemptOf(ctx)
-		a.set(AttemptReleased)
-		a.other(AttemptBusyDropped, "x")
-		a.locked(l)
-		a.settled(store.SettleResult{Owned: true}, nil)
+		a := attempt.Of(ctx)
+		a.Set(attempt.Released)
+		a.Other(attempt.BusyDropped, "x")
+		a.Locked(l.ref.FP, l.arrived)
+		a.Settled(store.SettleResult{Owned: true}, nil)
 	})
-	if allocs != 0 || attemptOf(ctx) != nil || attemptOf(WithAttempt(ctx, nil)) != nil {
+	if allocs != 0 || attempt.Of(ctx) != nil || attempt.Of(attempt.With(ctx, nil)) != nil {
 		t.Fatalf("allocs = %v, want 0", allocs)
 	}
-	for o := AttemptNone; o <= AttemptSuperseded; o++ {
-		if s := o.String(); s == "" || s[0] == 'A' {
-			t.Errorf("AttemptOutcome(%d) has no name: %q", int(o), s)
+	for o := attempt.None; o <= attempt.Superseded; o++ {
+		if s := o.String(); s == "" || strings.HasPrefix(s, "attempt.") {
+			t.Errorf("attempt.Outcome(%d) has no name: %q", int(o), s)
 		}
 	}
 }

@@ -9,19 +9,19 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Backoff is an exponential backoff with full jitter: the n-th wait (from 0)
+// backoff is an exponential backoff with full jitter: the n-th wait (from 0)
 // is a random duration in [0, min(Max, Min·2ⁿ)]. Min and Max above
-// MaxLifetime are taken as MaxLifetime, so no doubling wraps.
-type Backoff struct {
+// maxLifetime are taken as maxLifetime, so no doubling wraps.
+type backoff struct {
 	Min time.Duration // first ceiling; must be positive
 	Max time.Duration // cap; at least Min
 }
 
-// Delay returns the wait before retry n (n ≥ 0).
-func (b Backoff) Delay(n int) time.Duration {
+// delay returns the wait before retry n (n ≥ 0).
+func (b backoff) delay(n int) time.Duration {
 	ceil, top := lifetime(b.Min), lifetime(b.Max)
 	for i := 0; i < n && ceil < top; i++ {
-		ceil *= 2 // (both ≤ MaxLifetime, far below half of int64's range: no overflow)
+		ceil *= 2 // (both ≤ maxLifetime, far below half of int64's range: no overflow)
 	}
 	ceil = min(ceil, top)
 	if ceil <= 0 {
@@ -37,12 +37,12 @@ func (b Backoff) Delay(n int) time.Duration {
 // retry. A PING that waits for a connection go-redis cannot make ends as
 // soon as a dial fails (store.WatchDials), so a refused connection reads as
 // such, not as a deadline.
-func connect(ctx context.Context, rdb redis.UniversalClient, attempts int, b Backoff, timeout time.Duration) error {
+func connect(ctx context.Context, rdb redis.UniversalClient, attempts int, b backoff, timeout time.Duration) error {
 	watch := store.WatchDials(rdb)
 	var err error
 	for n := 0; n < attempts; n++ {
 		if n > 0 {
-			t := time.NewTimer(b.Delay(n - 1))
+			t := time.NewTimer(b.delay(n - 1))
 			select {
 			case <-ctx.Done():
 				t.Stop()

@@ -27,9 +27,9 @@ func TestNewDoesNotRetryARefusedLogin(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			rdb := redis.NewClient(&redis.Options{Addr: p.Addr, Password: pw})
 			t.Cleanup(func() { _ = rdb.Close() })
-			backoff := Backoff{Min: time.Second, Max: time.Second} // a retry would wait up to this
+			backoff := backoff{Min: time.Second, Max: time.Second} // a retry would wait up to this
 			start := time.Now()
-			_, err := New(context.Background(), rdb, Config{ConnectAttempts: 5, ConnectBackoff: backoff, Logger: quietLogger()})
+			_, err := New(context.Background(), rdb, Config{connectAttempts: 5, connectBackoff: backoff, Logger: quietLogger()})
 			took := time.Since(start)
 			var re redis.Error
 			switch {
@@ -61,7 +61,7 @@ func TestNewWithAnUntrustedTLSCertificateSaysTheHandshakeFailed(t *testing.T) {
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Listener.Addr().String(), TLSConfig: &tls.Config{ServerName: "127.0.0.1"}})
 	t.Cleanup(func() { _ = rdb.Close() })
 	start := time.Now()
-	_, err := New(context.Background(), rdb, Config{ConnectAttempts: 1, Logger: quietLogger()})
+	_, err := New(context.Background(), rdb, Config{connectAttempts: 1, Logger: quietLogger()})
 	took := time.Since(start)
 	var cv *tls.CertificateVerificationError
 	switch {
@@ -69,7 +69,7 @@ func TestNewWithAnUntrustedTLSCertificateSaysTheHandshakeFailed(t *testing.T) {
 		t.Fatalf("New: %v, want ErrUnavailable", err)
 	case !errors.As(err, &cv) || !strings.Contains(err.Error(), "tls: "):
 		t.Fatalf("New: %v, want the TLS handshake's error", err)
-	case took > DefaultLockTimeout/2:
+	case took > defaultLockTimeout/2:
 		t.Fatalf("New failed after %v, not at the failed handshake", took)
 	}
 	t.Logf("New: %v", err)

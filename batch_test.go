@@ -133,7 +133,7 @@ func TestEnqueueBatchAnswersEachTaskAsSubmitWould(t *testing.T) {
 		}
 	}
 	var dup *DuplicateTaskError
-	if r := out[1]; !errors.As(r.Err, &dup) || dup.TaskID != held.ID || !errors.Is(r.Err, asynq.ErrDuplicateTask) {
+	if r := out[1]; !errors.As(r.Err, &dup) || dup.Holder != held.ID || !errors.Is(r.Err, asynq.ErrDuplicateTask) {
 		t.Errorf("held key: %+v, want a duplicate of %s", r, held.ID)
 	}
 	for _, i := range []int{2, 7} {
@@ -232,7 +232,7 @@ func TestEnqueueBatchSameKeyTwiceFirstWins(t *testing.T) {
 				t.Fatalf("first of each key: %+v, %+v; want created", out[0], out[1])
 			}
 			var dup *DuplicateTaskError
-			if !errors.As(out[2].Err, &dup) || dup.TaskID != out[0].TaskID {
+			if !errors.As(out[2].Err, &dup) || dup.Holder != out[0].TaskID {
 				t.Fatalf("second user task: %+v, want a duplicate of the first, %s", out[2], out[0].TaskID)
 			}
 			for _, r := range out[3:] {
@@ -428,7 +428,7 @@ func TestNewTaskDedupOptionsApplyToTheTask(t *testing.T) {
 		t.Fatalf("stored task %+v, %v; want NewTask's dedup.Headers", ti, err)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Submit(ctx, user(1, "b", Fields("user_id")), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != first.TaskID {
+	if _, err := h.client.Submit(ctx, user(1, "b", Fields("user_id")), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != first.TaskID {
 		t.Fatalf("same user, NewTask's Fields: %v, want a duplicate of %s", err, first.TaskID)
 	}
 	if _, err := h.client.Submit(ctx, user(1, "c", Fields("user_id")), asynq.Queue(h.queue), Key("k")); err != nil {
@@ -448,7 +448,7 @@ func TestNewTaskDedupOptionsApplyToTheTask(t *testing.T) {
 		t.Fatalf("NewTask's invalid option: %v, want ErrInvalidOption naming NewTask", err)
 	}
 	out := h.client.EnqueueBatch(ctx, []*asynq.Task{user(5, "a", Key("five")), user(6, "b", Key("five")), user(7, "c", Skip())}, asynq.Queue(h.queue))
-	if out[0].Err != nil || !errors.As(out[1].Err, &dup) || dup.TaskID != out[0].TaskID || out[2].Err != nil || out[2].Fingerprint != "" {
+	if out[0].Err != nil || !errors.As(out[1].Err, &dup) || dup.Holder != out[0].TaskID || out[2].Err != nil || out[2].Fingerprint != "" {
 		t.Fatalf("batch of per-task options: %+v", out)
 	}
 }
@@ -544,7 +544,7 @@ func TestEnqueueBatchOfKeysHeldElsewhereIsTwoPipelines(t *testing.T) {
 	trips := locksOnly(log.take(), h.prefix)
 	for i, r := range out {
 		var dup *DuplicateTaskError
-		if !errors.As(r.Err, &dup) || dup.TaskID != held[i] {
+		if !errors.As(r.Err, &dup) || dup.Holder != held[i] {
 			t.Fatalf("task %d: %+v, want a duplicate of %s", i, r, held[i])
 		}
 	}
@@ -745,7 +745,7 @@ func TestEnqueueBatchFirstTaskOfAKeyWinsOverAStaleHolder(t *testing.T) {
 			t.Errorf("first task (Replace, the key free): %+v, want created", out[0])
 		}
 		var dup *DuplicateTaskError
-		if !errors.As(out[1].Err, &dup) || dup.TaskID != out[0].TaskID {
+		if !errors.As(out[1].Err, &dup) || dup.Holder != out[0].TaskID {
 			t.Errorf("second task (Reject): %+v, want a duplicate of the first (%s)", out[1], out[0].TaskID)
 		}
 		l, found, err := h.d.Lookup(ctx, batchJob("k", 0), asynq.Queue(h.queue))
@@ -1326,7 +1326,7 @@ func TestEnqueueBatchSameTaskTwiceAndNilOptions(t *testing.T) {
 			t.Fatalf("first of each: %+v", out[:2])
 		}
 		for _, i := range []int{2, 4} {
-			if !errors.As(out[i].Err, &dup) || dup.TaskID != out[0].TaskID {
+			if !errors.As(out[i].Err, &dup) || dup.Holder != out[0].TaskID {
 				t.Errorf("task %d: %+v, want a duplicate of %s", i, out[i], out[0].TaskID)
 			}
 		}

@@ -1,31 +1,43 @@
 package dedup
 
-// BreakerState is the circuit breaker's state.
-type BreakerState int
-
-const (
-	// BreakerClosed: lock calls go to Redis.
-	BreakerClosed BreakerState = iota
-	// BreakerOpen: lock calls fail at once with ErrCircuitOpen.
-	BreakerOpen
-	// BreakerProbing: one call is testing whether Redis is back.
-	BreakerProbing
+import (
+	"github.com/asynq-dedup/dedup/internal/hook"
+	"github.com/hibiken/asynq"
 )
 
-func (s BreakerState) String() string {
+// init fills internal/hook, through which dedupotel reads what the API
+// does not offer.
+func init() {
+	hook.BreakerState = func(d any) string { return d.(*Dedup).breakerState().String() }
+	hook.QueueOf = func(d any, task *asynq.Task, opts ...asynq.Option) string { return d.(*Dedup).queueOf(task, opts...) }
+}
+
+// breakerState is the circuit breaker's state.
+type breakerState int
+
+const (
+	// breakerClosed: lock calls go to Redis.
+	breakerClosed breakerState = iota
+	// breakerOpen: lock calls fail at once with ErrCircuitOpen.
+	breakerOpen
+	// breakerProbing: one call is testing whether Redis is back.
+	breakerProbing
+)
+
+func (s breakerState) String() string {
 	switch s {
-	case BreakerClosed:
+	case breakerClosed:
 		return "closed"
-	case BreakerOpen:
+	case breakerOpen:
 		return "open"
-	case BreakerProbing:
+	case breakerProbing:
 		return "probing"
 	}
 	return "unknown"
 }
 
-// BreakerState reports the circuit breaker's state. On Redis Cluster each
+// breakerState reports the circuit breaker's state. On Redis Cluster each
 // master has a breaker of its own (a master that fails stops only the
 // calls for its slots); this reports the worst: open if any is open, else
 // probing if any probes, else closed.
-func (d *Dedup) BreakerState() BreakerState { return BreakerState(d.store.BreakerState()) }
+func (d *Dedup) breakerState() breakerState { return breakerState(d.store.BreakerState()) }

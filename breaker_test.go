@@ -118,7 +118,7 @@ func TestBreakerWithHungRedis(t *testing.T) {
 	defer lrdb.Close()
 	d, err := New(context.Background(), lrdb, Config{
 		LockTimeout: 100 * time.Millisecond, BreakerThreshold: 3,
-		BreakerBackoff: Backoff{Min: 50 * time.Millisecond, Max: 100 * time.Millisecond}, Logger: quietLogger(),
+		breakerBackoff: backoff{Min: 50 * time.Millisecond, Max: 100 * time.Millisecond}, Logger: quietLogger(),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -148,7 +148,7 @@ func TestBreakerWithHungRedis(t *testing.T) {
 		_, err := c.Enqueue(userTask(5, ""), asynq.Queue(h.queue))
 		return err == nil
 	})
-	if st := d.BreakerState(); st != BreakerClosed {
+	if st := d.breakerState(); st != breakerClosed {
 		t.Fatalf("state %v", st)
 	}
 	if n := h.queueSize(h.queue); n != 2 {
@@ -186,11 +186,11 @@ func TestBatcherClosedAndOff(t *testing.T) {
 
 // The root package's breaker states are the store's.
 func TestBreakerStateValues(t *testing.T) {
-	for st, want := range map[store.BreakerState]BreakerState{
-		store.BreakerClosed: BreakerClosed, store.BreakerOpen: BreakerOpen, store.BreakerProbing: BreakerProbing,
+	for st, want := range map[store.BreakerState]breakerState{
+		store.BreakerClosed: breakerClosed, store.BreakerOpen: breakerOpen, store.BreakerProbing: breakerProbing,
 	} {
-		if BreakerState(st) != want {
-			t.Errorf("store state %d is %v here, want %v", st, BreakerState(st), want)
+		if breakerState(st) != want {
+			t.Errorf("store state %d is %v here, want %v", st, breakerState(st), want)
 		}
 	}
 }

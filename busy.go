@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/attempt"
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
@@ -94,14 +95,14 @@ func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, 
 	dec := Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.ref.Queue, Key: d.lockKey(&l.ref), TaskID: holder}
 	switch policy {
 	case BusyDrop:
-		l.rec.other(AttemptBusyDropped, holder)
+		l.rec.Other(attempt.BusyDropped, holder)
 		dec.Dropped = true
 		d.decide(dec)
 		d.log.Info("dedup: dropped task, key held by another task", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
 		return nil
 	case BusyFold:
 		if res, ok := d.foldBusy(ctx, t, &l.ref); ok {
-			l.rec.other(AttemptBusyFolded, res.TaskID)
+			l.rec.Other(attempt.BusyFolded, res.TaskID)
 			dec.TaskID, dec.FollowUp = res.TaskID, res.FollowUp
 			d.decide(dec)
 			d.log.Info("dedup: busy task folded into the key's task", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("into", res.TaskID), slog.String("outcome", res.Outcome.String()))
@@ -109,7 +110,7 @@ func (d *Dedup) busy(ctx context.Context, t *asynq.Task, r *resolved, l *lease, 
 		}
 	}
 	d.decide(dec)
-	l.rec.other(AttemptBusyRetried, holder)
+	l.rec.Other(attempt.BusyRetried, holder)
 	return d.retryBusy(ctx, t, l, holder)
 }
 
@@ -123,7 +124,7 @@ func (d *Dedup) sameType(ctx context.Context, ref *store.Ref, holder string) boo
 // superseded answers a task whose lock an operator released, meeting a
 // task of its type that took the key since: it does not run.
 func (d *Dedup) superseded(t *asynq.Task, l *lease, holder string) error {
-	l.rec.other(AttemptSuperseded, holder)
+	l.rec.Other(attempt.Superseded, holder)
 	d.count(t.Type(), evSuperseded)
 	d.log.Info("dedup: not run: an operator released the task's lock, and a task of its type took the key since", slog.String("type", t.Type()), slog.String("task_id", l.ref.ID), slog.String("holder", holder))
 	return nil

@@ -19,7 +19,7 @@ import (
 
 // A busy arrival folded into its holder (BusyFold) is ONE decision: a
 // "busy" one naming the task now carrying its payload. It must not also be
-// reported (and counted) as an enqueue "coalesced" that nobody made.
+// reported (and counted) as an enqueue "replaced" that nobody made.
 func TestBusyFoldIsOneDecision(t *testing.T) {
 	var rec decisions
 	cfg := counterRules(Rule{OnBusy: BusyFold})
@@ -42,8 +42,8 @@ func TestBusyFoldIsOneDecision(t *testing.T) {
 	if len(heard) != 1 || heard[0] != want {
 		t.Fatalf("OnDecision heard %+v, want only %+v", heard, want)
 	}
-	if s := h.d.StatsByType()["counter"]; s.Coalesced != 0 || s.Busy != 1 {
-		t.Fatalf("counted coalesced %d, busy %d: the busy fold counted as an enqueue too", s.Coalesced, s.Busy)
+	if s := h.d.StatsByType()["counter"]; s.Replaced != 0 || s.Busy != 1 {
+		t.Fatalf("counted replaced %d, busy %d: the busy fold counted as an enqueue too", s.Replaced, s.Busy)
 	}
 }
 

@@ -9,13 +9,13 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// A failure hold is the archived task's, "also once an operator deletes it"
+// A fail hold is the archived task's, "also once an operator deletes it"
 // (policies.md, OnFailure), and FailHoldUntilReleased holds "until someone
 // releases it". lifecycle.md, Task IDs: "Once no task with an ID exists, the
 // ID can be used again, for any key, as asynq's own client allows." So a
 // caller-chosen ID whose archived task held key A, deleted by an operator
 // and then used again for a task of key B, must leave key A's hold alone.
-func TestFailureHoldOfADeletedCallerIDSurvivesTheIDsReuseForAnotherKey(t *testing.T) {
+func TestFailHoldOfADeletedCallerIDSurvivesTheIDsReuseForAnotherKey(t *testing.T) {
 	bothPaths(t, counterRules(Rule{OnFailure: FailHoldUntilReleased}), func(t *testing.T, h *harness) {
 		id := "job-" + uniq(t)
 		rc := newRecorder(func(r run) error {
@@ -32,7 +32,7 @@ func TestFailureHoldOfADeletedCallerIDSurvivesTheIDsReuseForAnotherKey(t *testin
 		if err := h.insp.DeleteTask(h.queue, id); err != nil { // the operator tidies the archive
 			t.Fatal(err)
 		}
-		if dup := h.duplicateOf(counterTask("a", 1, 2)); !dup.Failed || dup.TaskID != id {
+		if dup := h.duplicateOf(counterTask("a", 1, 2)); !dup.FailHeld || dup.Holder != id {
 			t.Fatalf("key a after its archived holder was deleted: %+v, want still failure-held by %s", dup, id)
 		}
 		// The ID is free in asynq again: the caller uses it for key b, which waits.
@@ -41,7 +41,7 @@ func TestFailureHoldOfADeletedCallerIDSurvivesTheIDsReuseForAnotherKey(t *testin
 		}
 		_, err := h.client.Enqueue(counterTask("a", 1, 3), asynq.Queue(h.queue))
 		var dup *DuplicateTaskError
-		if !errors.As(err, &dup) || !dup.Failed {
+		if !errors.As(err, &dup) || !dup.FailHeld {
 			t.Fatalf("key a once its holder's ID names a task of key b: %v (lock %q), want still failure-held until released",
 				err, h.lockState(keyA))
 		}
@@ -56,7 +56,7 @@ func TestFailureHoldOfADeletedCallerIDSurvivesTheIDsReuseForAnotherKey(t *testin
 // it succeeds, and the key is free. (Once, the failure's settle deleted the
 // ID's index key, the run by hand went unguarded, and its success left the
 // key held forever.)
-func TestFailureHeldCallerIDTaskRunAgainByHandFreesTheKeyOnSuccess(t *testing.T) {
+func TestFailHeldCallerIDTaskRunAgainByHandFreesTheKeyOnSuccess(t *testing.T) {
 	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3})
 	h.client = h.d.NewClient()
 	fail := make(chan bool, 2)
@@ -78,7 +78,7 @@ func TestFailureHeldCallerIDTaskRunAgainByHandFreesTheKeyOnSuccess(t *testing.T)
 	}
 	waitFor(t, ran, "the failing run")
 	eventually(t, "archived and held", func() bool {
-		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailHeld == 1
 	})
 	if err := h.insp.RunTask(h.queue, info.ID); err != nil {
 		t.Fatal(err)

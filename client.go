@@ -41,7 +41,7 @@ type Client struct {
 // next's enqueue. NewClient saves one.
 //
 // next must store its tasks in the Dedup's Redis (or Cluster): locks are
-// checked against asynq's record of their owner there. The first accepted
+// checked against asynq's record of their holder there. The first accepted
 // enqueues check that their task is there (see placement.go); once one is
 // found in another Redis, its task stays enqueued and locked, and every
 // later deduplicated call fails with ErrTasksElsewhere.
@@ -58,7 +58,7 @@ func (d *Dedup) WrapClient(next Enqueuer) *Client {
 // lock exists without its task. Other tasks go through the asynq client.
 // Config.NoDirectEnqueue turns this off.
 func (d *Dedup) NewClient() *Client {
-	c := &Client{d: d, next: asynq.NewClientFromRedisClient(d.rdb), direct: !d.cfg.NoDirectEnqueue, ownNext: true}
+	c := &Client{d: d, next: asynq.NewClientFromRedisClient(d.rdb), direct: !d.cfg.noDirectEnqueue, ownNext: true}
 	c.place.state.Store(placeHere)
 	return c
 }
@@ -122,7 +122,7 @@ func (c *Client) Enqueue(task *asynq.Task, opts ...asynq.Option) (*asynq.TaskInf
 // use Submit to tell the cases apart. A payload the rule cannot fingerprint gives a
 // *PayloadError; a bad option ErrInvalidOption; in both cases nothing is
 // locked or enqueued. If asynq refuses the task, the lock is given back
-// (owner-checked) — unless the task turns out to be stored after all, as when
+// (holder-checked) — unless the task turns out to be stored after all, as when
 // go-redis retried an enqueue that had landed: then its TaskInfo is returned.
 //
 // The lock lives in the queue the call names (asynq.Queue), else in the one

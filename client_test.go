@@ -89,7 +89,7 @@ func TestEnqueueContentionOneWinner(t *testing.T) {
 	win := winners[0]
 	key := h.keyOf(userTask(42, ""), h.queue, Fields("user_id"))
 	for _, d := range dups {
-		if d.TaskID != win.ID || d.Queue != h.queue || d.Type != "user:reindex" || d.Key != key {
+		if d.Holder != win.ID || d.Queue != h.queue || d.Type != "user:reindex" || d.Key != key {
 			t.Fatalf("duplicate error %+v does not name the winner %s in %s (key %s)", d, win.ID, h.queue, key)
 		}
 	}
@@ -339,7 +339,7 @@ func TestCallerTaskIDHonoured(t *testing.T) {
 		t.Fatalf("task ID %q, want my-own-id", info.ID)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(userTask(5, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != "my-own-id" {
+	if _, err := h.client.Enqueue(userTask(5, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != "my-own-id" {
 		t.Fatalf("duplicate of a caller-ID task: err = %v", err)
 	}
 	if ti, err := h.insp.GetTaskInfo(h.queue, "my-own-id"); err != nil || ti.Headers[store.HeaderLock] == "" {
@@ -413,7 +413,7 @@ func TestAmbiguousEnqueueKeepsLock(t *testing.T) {
 		t.Fatalf("lock owner %q, want %q", owner, info.ID)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(userTask(3, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(userTask(3, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("err = %v, want duplicate of %s", err, info.ID)
 	}
 }
@@ -436,13 +436,13 @@ func TestQueueSetInNewTask(t *testing.T) {
 		t.Fatalf("lock left in the default queue, owner %q", owner)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(task); !errors.As(err, &dup) || dup.TaskID != info.ID || dup.Queue != other {
+	if _, err := h.client.Enqueue(task); !errors.As(err, &dup) || dup.Holder != info.ID || dup.Queue != other {
 		t.Fatalf("err = %v, want duplicate of %s in %s", err, info.ID, other)
 	}
 	// A duplicate that lands in a queue other than the one guessed is taken back out.
 	h2 := newHarnessOn(t, h.rdb, Config{Prefix: h.prefix})
 	_, err = h2.client.Enqueue(task)
-	if !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("fresh client, duplicate in NewTask's queue: err = %v", err)
 	}
 	if n := h.queueSize(other); n != 1 {
@@ -475,7 +475,7 @@ func TestNewErrors(t *testing.T) {
 	}
 	dead := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
 	defer dead.Close()
-	_, err := New(context.Background(), dead, Config{ConnectAttempts: 3, ConnectBackoff: Backoff{Min: time.Millisecond, Max: 4 * time.Millisecond}, Logger: quietLogger()})
+	_, err := New(context.Background(), dead, Config{connectAttempts: 3, connectBackoff: backoff{Min: time.Millisecond, Max: 4 * time.Millisecond}, Logger: quietLogger()})
 	if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "3 attempts") {
 		t.Fatalf("unreachable: %v", err)
 	}
@@ -535,8 +535,8 @@ func TestCallKeyBeatsCallFieldsWhateverTheOrder(t *testing.T) {
 		}
 	}
 	first := h.enqueue(userTask(1, ""), Fields("user_id"), Key("tenant-7"))
-	if dup := h.duplicateOf(userTask(2, ""), Key("tenant-7"), Fields("user_id")); dup.TaskID != first.ID {
-		t.Fatalf("another user under the same explicit key: duplicate of %s, want %s", dup.TaskID, first.ID)
+	if dup := h.duplicateOf(userTask(2, ""), Key("tenant-7"), Fields("user_id")); dup.Holder != first.ID {
+		t.Fatalf("another user under the same explicit key: duplicate of %s, want %s", dup.Holder, first.ID)
 	}
 	for _, opts := range [][]asynq.Option{{Key("a"), SharedKey("a")}, {SharedKey("a"), Key("a")}, {Key("a"), Key("b")}} {
 		if _, err := h.client.Enqueue(userTask(3, ""), append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...); !errors.Is(err, ErrInvalidOption) {
@@ -560,14 +560,14 @@ func TestRulesMatchTypePrefixesLikeServeMux(t *testing.T) {
 		return asynq.NewTask(typ, []byte(`{"to":"`+to+`","trace":"`+trace+`"}`))
 	}
 	first := h.enqueue(mail("email:reset", "a@x", "1"))
-	if dup := h.duplicateOf(mail("email:reset", "a@x", "2")); dup.TaskID != first.ID {
-		t.Fatalf("email:reset keyed by the \"email:\" rule's field: duplicate of %s, want %s", dup.TaskID, first.ID)
+	if dup := h.duplicateOf(mail("email:reset", "a@x", "2")); dup.Holder != first.ID {
+		t.Fatalf("email:reset keyed by the \"email:\" rule's field: duplicate of %s, want %s", dup.Holder, first.ID)
 	}
 	h.enqueue(mail("email:welcome", "a@x", "1"))
 	h.enqueue(mail("email:welcome", "a@x", "1")) // the exact rule wins: Skip
 	weekly := h.enqueue(mail("email:digest:weekly", "a@x", "1"))
-	if dup := h.duplicateOf(mail("email:digest:weekly", "b@x", "2")); dup.TaskID != weekly.ID {
-		t.Fatalf("the longest prefix wins (Key): duplicate of %s, want %s", dup.TaskID, weekly.ID)
+	if dup := h.duplicateOf(mail("email:digest:weekly", "b@x", "2")); dup.Holder != weekly.ID {
+		t.Fatalf("the longest prefix wins (Key): duplicate of %s, want %s", dup.Holder, weekly.ID)
 	}
 	h.enqueue(mail("emailer", "a@x", "1"))
 	h.enqueue(mail("emailer", "a@x", "2")) // no rule: the whole payload, which differs
@@ -624,7 +624,7 @@ func TestNewFromRedisConnOpt(t *testing.T) {
 		t.Fatal(err)
 	}
 	var dup *DuplicateTaskError
-	if _, err := c.Enqueue(userTask(1, ""), asynq.Queue("q-"+name)); !errors.As(err, &dup) || dup.TaskID != first.ID {
+	if _, err := c.Enqueue(userTask(1, ""), asynq.Queue("q-"+name)); !errors.As(err, &dup) || dup.Holder != first.ID {
 		t.Fatalf("duplicate: %v", err)
 	}
 	if err := d.Close(); err != nil {
@@ -638,7 +638,7 @@ func TestNewFromRedisConnOpt(t *testing.T) {
 	}
 	// Port 1: nothing listens there (a port from freeAddr could be taken
 	// meanwhile by a redis-server another test package starts).
-	if _, err := NewFromRedisConnOpt(ctx, asynq.RedisClientOpt{Addr: "127.0.0.1:1"}, Config{ConnectAttempts: 1, Logger: quietLogger()}); !errors.Is(err, ErrUnavailable) {
+	if _, err := NewFromRedisConnOpt(ctx, asynq.RedisClientOpt{Addr: "127.0.0.1:1"}, Config{connectAttempts: 1, Logger: quietLogger()}); !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("unreachable: %v", err)
 	}
 }
@@ -700,12 +700,12 @@ func TestQueueOfIsTheQueueSubmitUses(t *testing.T) {
 		{asynq.NewTask("q:of", nil, asynq.Queue("from-task")), []asynq.Option{asynq.Queue("from-call")}, "from-call"},
 		{asynq.NewTask("q:of", nil), []asynq.Option{asynq.Queue(" ")}, "default"}, // refused by Submit
 	} {
-		if got := h.d.QueueOf(tc.task, tc.opts...); got != tc.want {
+		if got := h.d.queueOf(tc.task, tc.opts...); got != tc.want {
 			t.Errorf("QueueOf(%v) = %q, want %q", tc.opts, got, tc.want)
 		}
 	}
 	info, err := h.d.NewClient().Enqueue(asynq.NewTask("q:of", []byte("x"), asynq.Queue(h.queue)))
-	if err != nil || info.Queue != h.d.QueueOf(asynq.NewTask("q:of", nil, asynq.Queue(h.queue))) {
+	if err != nil || info.Queue != h.d.queueOf(asynq.NewTask("q:of", nil, asynq.Queue(h.queue))) {
 		t.Fatalf("Enqueue to %v (%v), QueueOf says %q", info, err, h.queue)
 	}
 }
@@ -805,7 +805,7 @@ func TestNewFromRedisConnOptWithANilClientIsInvalid(t *testing.T) {
 						err = fmt.Errorf("panic: %v", r)
 					}
 				}()
-				_, err = NewFromRedisConnOpt(context.Background(), connOpt{c}, Config{ConnectAttempts: 1, Logger: quietLogger()})
+				_, err = NewFromRedisConnOpt(context.Background(), connOpt{c}, Config{connectAttempts: 1, Logger: quietLogger()})
 			}()
 			if !errors.Is(err, ErrInvalidOption) {
 				t.Fatalf("err = %v, want ErrInvalidOption", err)
@@ -1275,7 +1275,7 @@ func TestConcurrentFirstEnqueuesMakeOneTaskOnBothPaths(t *testing.T) {
 				case err == nil:
 					created = append(created, res.TaskID)
 				case errors.As(err, &dup):
-					holders[dup.TaskID]++
+					holders[dup.Holder]++
 				default:
 					other = append(other, err)
 				}
@@ -1339,8 +1339,8 @@ func TestOwnIDFormsAreRefusedBeforeAnyLock(t *testing.T) {
 		if err != nil || res.TaskID != own {
 			t.Fatalf("an ID of no form of the library's: %+v %v, want it honoured", res, err)
 		}
-		if dup := h.duplicateOf(counterTask("k", 1, 1)); dup.TaskID != own {
-			t.Fatalf("the key is held by %s, want %s", dup.TaskID, own)
+		if dup := h.duplicateOf(counterTask("k", 1, 1)); dup.Holder != own {
+			t.Fatalf("the key is held by %s, want %s", dup.Holder, own)
 		}
 	})
 }

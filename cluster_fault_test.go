@@ -96,7 +96,7 @@ func TestClusterDeadMasterStaysItsOwnProblem(t *testing.T) {
 			t.Fatalf("queue %s on the dead master: %v, want ErrUnavailable", dead, err)
 		}
 	}
-	if st := d.BreakerState(); st != BreakerOpen {
+	if st := d.breakerState(); st != breakerOpen {
 		t.Fatalf("breaker state %v after the dead master's failures, want open (its node's)", st)
 	}
 	// With the dead master's breaker open, the others go on.
@@ -141,7 +141,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	queues := queuesOnEveryMaster(t, c, "promo")
 	ctx := context.Background()
 	d, err := New(ctx, c, Config{Prefix: "dd-" + uniq(t), LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
-		BreakerBackoff: Backoff{Min: 100 * time.Millisecond, Max: 500 * time.Millisecond}})
+		breakerBackoff: backoff{Min: 100 * time.Millisecond, Max: 500 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -225,7 +225,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 		t.Errorf("recovered %v after the promotion; want within 5 s (a slot map reload and a breaker probe)", lag)
 	}
 	var dup *DuplicateTaskError
-	if _, err := client.EnqueueContext(ctx, before, asynq.Queue(dead)); !errors.As(err, &dup) || dup.TaskID != first.ID {
+	if _, err := client.EnqueueContext(ctx, before, asynq.Queue(dead)); !errors.As(err, &dup) || dup.Holder != first.ID {
 		t.Fatalf("duplicate of the task written before the kill: %v, want a DuplicateTaskError naming %s", err, first.ID)
 	}
 	// No lock is left whose owner cannot run (what dedupctl doctor looks for).
@@ -376,7 +376,7 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	queues := queuesOnEveryMaster(t, c, "a5bk")
 	ctx := context.Background()
 	d, err := New(ctx, c, Config{Prefix: "a5b-" + uniq(t), LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
-		BreakerThreshold: 2, BreakerBackoff: Backoff{Min: 100 * time.Millisecond, Max: 300 * time.Millisecond}})
+		BreakerThreshold: 2, breakerBackoff: backoff{Min: 100 * time.Millisecond, Max: 300 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -402,11 +402,11 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	ok := 0
 	for i := 0; ok < 20; i++ {
 		if time.Since(start) > 60*time.Second { // (a failover takes ~8 s; far more on a loaded machine)
-			t.Fatalf("the dead master's queue never recovered (breaker %v)", d.BreakerState())
+			t.Fatalf("the dead master's queue never recovered (breaker %v)", d.breakerState())
 		}
 		takeover()
 		_, err := client.EnqueueContext(ctx, asynq.NewTask("a5:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
-		if d.BreakerState() == BreakerOpen {
+		if d.breakerState() == breakerOpen {
 			opened = true
 		}
 		if err == nil {
@@ -425,10 +425,10 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 		}
 	}
 	deadline := time.Now().Add(3 * time.Second)
-	for d.BreakerState() != BreakerClosed {
+	for d.breakerState() != breakerClosed {
 		if time.Now().After(deadline) {
 			t.Fatalf("every queue enqueues again (20 in a row on the promoted master), but BreakerState() = %v, want closed: "+
-				"the dead master's shard (its old address) keeps its open breaker for ever", d.BreakerState())
+				"the dead master's shard (its old address) keeps its open breaker for ever", d.breakerState())
 		}
 		_, _ = client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"poll"}`)), asynq.Queue(dead))
 		time.Sleep(50 * time.Millisecond)

@@ -127,10 +127,10 @@ func TestClusterEndToEnd(t *testing.T) {
 		// Duplicates rejected with the holder's ID, in every master's slot.
 		first := h.enqueue(userTask(1, "a"), asynq.ProcessIn(time.Hour))
 		var dup *DuplicateTaskError
-		if _, err := h.client.Enqueue(userTask(1, "b"), asynq.Queue(q)); !errors.As(err, &dup) || dup.TaskID != first.ID {
+		if _, err := h.client.Enqueue(userTask(1, "b"), asynq.Queue(q)); !errors.As(err, &dup) || dup.Holder != first.ID {
 			t.Fatalf("queue %s: err = %v, want duplicate of %s", q, err, first.ID)
 		}
-		// Replace coalesces into the waiting (scheduled) task.
+		// Replace folds into the waiting (scheduled) task.
 		w := h.enqueue(counterTask("w", 1, 1), asynq.ProcessIn(time.Hour))
 		res, err := h.client.Submit(context.Background(), counterTask("w", 1, 2), asynq.Queue(q))
 		if err != nil || res.Outcome != Replaced || res.TaskID != w.ID {

@@ -205,7 +205,7 @@ func (m policyMix) rule() Rule {
 		r.Period = 24 * time.Hour
 	}
 	if m.failHold {
-		r.OnFailure, r.FailureHold = FailHold, time.Hour
+		r.OnFailure, r.FailHoldFor = FailHold, time.Hour
 	}
 	return r
 }

@@ -13,14 +13,14 @@ import (
 
 // Defaults. Each Config field's comment says which applies when it is zero.
 const (
-	DefaultPrefix      = "dedup"
-	DefaultTTL         = time.Hour
-	DefaultLockTimeout = time.Second
-	DefaultHealGrace   = time.Minute
+	defaultPrefix      = "dedup"
+	defaultTTL         = time.Hour
+	defaultLockTimeout = time.Second
+	defaultHealGrace   = time.Minute
 )
 
-// DefaultMaxBatch is Config.MaxBatch's default.
-const DefaultMaxBatch = 64
+// defaultMaxBatch is Config.MaxBatch's default.
+const defaultMaxBatch = 64
 
 // Config configures a Dedup. The zero value is ready to use: every type that
 // passes through the wrapper is deduplicated on its whole payload.
@@ -35,7 +35,7 @@ type Config struct {
 	// deleted, say) expires after this long. It counts from the enqueue
 	// while the task waits (for ProcessIn/ProcessAt tasks, from the time
 	// they are due), and covers a retry's delay; the heartbeat extends it
-	// while a handler runs long. Default DefaultTTL, one hour: set it above
+	// while a handler runs long. Default one hour: set it above
 	// your queues' longest wait.
 	TTL time.Duration
 
@@ -44,21 +44,12 @@ type Config struct {
 	// cannot hang it; an enqueue whose call may have stored its task asks
 	// once more whether it did (ErrOutcomeUnknown), so it may take twice
 	// as long. A call waiting for a connection that Redis refuses ends at
-	// once (ErrUnavailable), on a single-node client. Default
-	// DefaultLockTimeout (1 s). It holds whatever the
+	// once (ErrUnavailable), on a single-node client. Default 1 s. It holds whatever the
 	// client's options: a client without go-redis's
 	// Options.ContextTimeoutEnabled is copied into one more client (one more
 	// connection pool) with it set, which the library uses for its own
 	// calls.
 	LockTimeout time.Duration
-
-	// HealGrace is how old a lock taken before its task was stored (by a
-	// Client over asynq's own client: WrapClient, or NewClient when it
-	// cannot store tasks itself) must be before it is treated as orphaned
-	// when its task does not exist in asynq. It covers the gap between
-	// taking the lock and asynq storing the task. Default DefaultHealGrace
-	// (1 minute).
-	HealGrace time.Duration
 
 	// Rules sets per-task-type fields, TTL, key and opt-out. Per-call options
 	// override them. A name matches as asynq's ServeMux patterns do: the
@@ -109,34 +100,16 @@ type Config struct {
 	// MaxBatch is the most lock calls sent to Redis as one pipeline. Calls
 	// made while every sender is busy are batched (auto-pipelining), which
 	// cuts Redis's per-call cost under load; a call never waits for a batch
-	// to fill. Default DefaultMaxBatch (64); negative turns batching off, so
+	// to fill. Default 64; negative turns batching off, so
 	// each call makes its own round trip from the calling goroutine.
 	MaxBatch int
 
 	// BreakerThreshold is how many consecutive Redis failures open the
 	// circuit breaker, after which lock calls fail at once (ErrCircuitOpen)
-	// until a probe succeeds. On Redis Cluster each master has its own
-	// breaker. Default 5; negative disables the breaker.
+	// until a probe succeeds; the probes are spaced 500 ms doubling to 30 s,
+	// with full jitter. On Redis Cluster each master has its own breaker.
+	// Default 5; negative disables the breaker.
 	BreakerThreshold int
-
-	// BreakerBackoff spaces the probes while the breaker is open. Default:
-	// 500 ms doubling to 30 s, with full jitter (never below Min).
-	BreakerBackoff Backoff
-
-	// ConnectAttempts bounds the PINGs New makes before giving up (the
-	// context bounds them too); a refused login or permission is not
-	// retried. Default 5.
-	ConnectAttempts int
-
-	// ConnectBackoff spaces the PINGs. Default: 100 ms doubling to 5 s, with
-	// full jitter.
-	ConnectBackoff Backoff
-
-	// NoDirectEnqueue makes a Client from NewClient always enqueue through
-	// asynq's client. By default, for a task without asynq.NewTask options,
-	// its lock script also stores the task in asynq's own layout (v0.26.0):
-	// one round trip instead of two. Default false.
-	NoDirectEnqueue bool
 
 	// HashKey, if set, switches fingerprints from 64-bit xxhash to a keyed
 	// 128-bit hash (HMAC-SHA-256, truncated), for deployments where payload
@@ -160,8 +133,36 @@ type Config struct {
 	// given payload contents. Default slog.Default().
 	Logger *slog.Logger
 
+	// The fields below are fixed for users (their defaults apply); the
+	// package's tests set them.
+
+	// healGrace is how old a lock taken before its task was stored (by a
+	// Client over asynq's own client: WrapClient, or NewClient when it
+	// cannot store tasks itself) must be before it is treated as orphaned
+	// when its task does not exist in asynq. It covers the gap between
+	// taking the lock and asynq storing the task. Default 1 minute.
+	healGrace time.Duration
+
+	// breakerBackoff spaces the probes while the breaker is open. Default:
+	// 500 ms doubling to 30 s, with full jitter (never below Min).
+	breakerBackoff backoff
+
+	// connectAttempts bounds the PINGs New makes before giving up (the
+	// context bounds them too). Default 5.
+	connectAttempts int
+
+	// connectBackoff spaces the PINGs. Default: 100 ms doubling to 5 s, with
+	// full jitter.
+	connectBackoff backoff
+
+	// noDirectEnqueue makes a Client from NewClient always enqueue through
+	// asynq's client. By default, for a task without asynq.NewTask options,
+	// its lock script also stores the task in asynq's own layout (v0.26.0):
+	// one round trip instead of two. Default false.
+	noDirectEnqueue bool
+
 	// heartbeat is how often the heartbeat looks at running handlers
-	// (DefaultHeartbeat); the package's tests shorten it.
+	// (defaultHeartbeat); the package's tests shorten it.
 	heartbeat time.Duration
 }
 
@@ -193,21 +194,24 @@ type Rule struct {
 	Skip bool
 
 	// OnConflict: what an enqueue does when the key's task is waiting.
-	// Default Reject.
+	// Default Reject. The four policies (OnConflict, OnRunning, OnBusy,
+	// OnFailure) side by side, with which a call may set:
+	// docs/glossary.md#policies.
 	OnConflict Conflict
 
 	// MergeFunc is required with OnConflict: Merge.
 	MergeFunc MergeFunc
 
 	// OnRunning: what an enqueue does when the key's task is running.
-	// Default RunningReject. Recorded with the key (and RunningAllow in the
+	// Default RunningReject; per type only (docs/glossary.md#policies). Recorded with the key (and RunningAllow in the
 	// task's header), so the server needs no matching configuration.
 	OnRunning Running
 
 	// OnBusy: what the server's middleware does with a task of this type
 	// that arrives without a lock (Scheduler, other services) and finds
 	// its key held: retry it later, drop it, or fold it into the holder.
-	// Default BusyRetry (BusyDrop with Config.SkipBusy).
+	// Default BusyRetry (BusyDrop with Config.SkipBusy); per type only
+	// (docs/glossary.md#policies).
 	OnBusy Busy
 
 	// Cooldown keeps the key held after its task succeeds, until Cooldown
@@ -242,13 +246,14 @@ type Rule struct {
 
 	// OnFailure: what becomes of the key when its task fails for good
 	// (archived after its last retry, or SkipRetry): FailRelease frees it
-	// (the default), FailHold keeps it held for FailureHold, and
-	// FailHoldUntilReleased until someone releases it. See Failure.
+	// (the default), FailHold keeps it held for FailHoldFor, and
+	// FailHoldUntilReleased until someone releases it. See Failure and
+	// docs/glossary.md#policies.
 	OnFailure Failure
 
-	// FailureHold is how long FailHold holds the key after the failure;
+	// FailHoldFor is how long FailHold holds the key after the failure;
 	// it goes with OnFailure FailHold only. Default 0.
-	FailureHold time.Duration
+	FailHoldFor time.Duration
 
 	// MaxPending bounds how many keys of this type may wait in one queue at
 	// once; an enqueue of a new key beyond it fails with ErrTooManyPending
@@ -260,46 +265,46 @@ type Rule struct {
 func (c *Config) withDefaults() (Config, error) {
 	cfg := *c
 	if cfg.Prefix == "" {
-		cfg.Prefix = DefaultPrefix
+		cfg.Prefix = defaultPrefix
 	}
 	if strings.ContainsAny(cfg.Prefix, "{}") {
 		return cfg, errorf("%w: Prefix %q contains a brace", ErrInvalidOption, cfg.Prefix)
 	}
-	for name, d := range map[string]*time.Duration{"TTL": &cfg.TTL, "LockTimeout": &cfg.LockTimeout, "HealGrace": &cfg.HealGrace} {
+	for name, d := range map[string]*time.Duration{"TTL": &cfg.TTL, "LockTimeout": &cfg.LockTimeout, "HealGrace": &cfg.healGrace} {
 		if *d < 0 {
 			return cfg, errorf("%w: %s is negative", ErrInvalidOption, name)
 		}
 		*d = lifetime(*d)
 	}
 	if cfg.TTL == 0 {
-		cfg.TTL = DefaultTTL
+		cfg.TTL = defaultTTL
 	}
 	if cfg.heartbeat <= 0 {
-		cfg.heartbeat = DefaultHeartbeat
+		cfg.heartbeat = defaultHeartbeat
 	}
 	if cfg.LockTimeout == 0 {
-		cfg.LockTimeout = DefaultLockTimeout
+		cfg.LockTimeout = defaultLockTimeout
 	}
-	if cfg.HealGrace == 0 {
-		cfg.HealGrace = DefaultHealGrace
+	if cfg.healGrace == 0 {
+		cfg.healGrace = defaultHealGrace
 	}
 	if cfg.RetryDelayFunc == nil {
-		cfg.RetryDelayFunc = MaxDefaultRetryDelay
+		cfg.RetryDelayFunc = maxDefaultRetryDelay
 	}
-	if cfg.ConnectAttempts == 0 {
-		cfg.ConnectAttempts = 5
+	if cfg.connectAttempts == 0 {
+		cfg.connectAttempts = 5
 	}
-	if cfg.ConnectBackoff == (Backoff{}) {
-		cfg.ConnectBackoff = Backoff{Min: 100 * time.Millisecond, Max: 5 * time.Second}
+	if cfg.connectBackoff == (backoff{}) {
+		cfg.connectBackoff = backoff{Min: 100 * time.Millisecond, Max: 5 * time.Second}
 	}
 	if cfg.MaxBatch == 0 {
-		cfg.MaxBatch = DefaultMaxBatch
+		cfg.MaxBatch = defaultMaxBatch
 	}
 	if cfg.BreakerThreshold == 0 {
 		cfg.BreakerThreshold = 5
 	}
-	if cfg.BreakerBackoff == (Backoff{}) {
-		cfg.BreakerBackoff = Backoff{Min: 500 * time.Millisecond, Max: 30 * time.Second}
+	if cfg.breakerBackoff == (backoff{}) {
+		cfg.breakerBackoff = backoff{Min: 500 * time.Millisecond, Max: 30 * time.Second}
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -381,9 +386,9 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 			skip: r.Skip, fields: fs, missingAsNull: r.MissingAsNull,
 			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: lifetime(r.TTL), optedIn: true,
 			conflict: r.OnConflict, merge: r.MergeFunc, running: r.OnRunning, maxPending: r.MaxPending, busy: r.OnBusy,
-			cooldown: min(r.Cooldown, MaxLifetime), debounce: min(r.Debounce, MaxLifetime),
+			cooldown: min(r.Cooldown, maxLifetime), debounce: min(r.Debounce, maxLifetime),
 		}
-		if res.failHold, err = failHold(r.OnFailure, r.FailureHold); err != nil {
+		if res.failHold, err = failHold(r.OnFailure, r.FailHoldFor); err != nil {
 			return nil, ruleError(typ, err)
 		}
 		if r.Period != 0 {

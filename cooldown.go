@@ -28,7 +28,7 @@ import (
 // type's rule: if this call takes the key, once its task succeeds the key
 // stays held until d after this enqueue. A call folded into a waiting task
 // leaves that key's cooldown as it was (Result.NotApplied names it). Above
-// MaxLifetime it is MaxLifetime. With Config.OptIn it opts the call in.
+// 100 years it is 100 years. With Config.OptIn it opts the call in.
 func Cooldown(d time.Duration) asynq.Option {
 	desc := fmt.Sprintf("dedup.Cooldown(%v)", d)
 	return option{desc: desc, apply: func(r *resolved) error {
@@ -53,7 +53,7 @@ func firingHold(hold time.Duration) asynq.Option {
 
 // checkModes refuses the holds and debounce where they would break their
 // promise: a cooldown with a running policy that starts a second run in
-// the window, a failure hold of a key freed as its task starts, a debounce
+// the window, a fail hold of a key freed as its task starts, a debounce
 // without a fold to debounce or with a follow-up whose due time its
 // holder's end owns.
 func (r *resolved) checkModes() error {
@@ -81,7 +81,7 @@ func (r *resolved) checkModes() error {
 // as the enqueue would have been rejected.
 func (d *Dedup) cooling(t *asynq.Task, l *store.Ref, holder string, left time.Duration, failed bool) error {
 	d.count(t.Type(), evBusy)
-	d.decide(Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.Queue, Key: d.lockKey(l), TaskID: holder, Dropped: true, CoolingDown: !failed, Failed: failed})
+	d.decide(Decision{Event: eventNames[evBusy], Type: t.Type(), Queue: l.Queue, Key: d.lockKey(l), TaskID: holder, Dropped: true, CoolingDown: !failed, FailHeld: failed})
 	why := "dedup: dropped task, its key cools down after its last task succeeded"
 	if failed {
 		why = "dedup: dropped task, its key is held after its last task failed (OnFailure)"

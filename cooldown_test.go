@@ -26,7 +26,7 @@ func coolingDup(t *testing.T, c *Client, task *asynq.Task, queue, holder string,
 	if !errors.As(err, &dup) || !errors.Is(err, asynq.ErrDuplicateTask) {
 		t.Fatalf("enqueue: %v, want a DuplicateTaskError", err)
 	}
-	if dup.TaskID != holder || !dup.CoolingDown || dup.FreeIn <= 0 || dup.FreeIn > time.Hour {
+	if dup.Holder != holder || !dup.CoolingDown || dup.FreeIn <= 0 || dup.FreeIn > time.Hour {
 		t.Fatalf("duplicate %+v, want task %s cooling down for (0, 1h]", dup, holder)
 	}
 	return dup
@@ -160,7 +160,7 @@ func TestCooldownSurvivesARetry(t *testing.T) {
 	first := h.enqueue(digest(1, 1))
 	<-failed
 	dup := h.duplicateOf(digest(1, 2))
-	if dup.TaskID != first.ID || dup.CoolingDown {
+	if dup.Holder != first.ID || dup.CoolingDown {
 		t.Fatalf("during the retry wait: %+v, want a plain duplicate of %s", dup, first.ID)
 	}
 	if r := waitFor(t, rc.runs, "first run"); r.retry != 0 {
@@ -287,7 +287,7 @@ func TestCooldownRelocatedDuplicateSaysCoolingDown(t *testing.T) {
 	if !errors.As(err, &dup) {
 		t.Fatalf("enqueue landing in the cooling key's queue: %v, want a DuplicateTaskError", err)
 	}
-	if dup.TaskID != first.ID || !dup.CoolingDown || dup.FreeIn <= 0 {
+	if dup.Holder != first.ID || !dup.CoolingDown || dup.FreeIn <= 0 {
 		t.Errorf("duplicate %+v, want CoolingDown after %s with FreeIn > 0", dup, first.ID)
 	}
 	mu.Lock()

@@ -89,7 +89,7 @@ func TestKilledWorkersLeftoverHandlerHoldsAnArchivedTasksKeyOnlyUntilItsNoteLaps
 			t.Fatal(err)
 		case time.Since(killed) > 3*leftoverHeartbeat+2*time.Second:
 			t.Fatalf("the key's next enqueue %v after the archived task's worker died: duplicate of %s (lock %q, %v left)",
-				time.Since(killed).Round(time.Millisecond), dup.TaskID, h.lockState(key), h.rdb.PTTL(ctx, key).Val())
+				time.Since(killed).Round(time.Millisecond), dup.Holder, h.lockState(key), h.rdb.PTTL(ctx, key).Val())
 		}
 		time.Sleep(50 * time.Millisecond) // the note lapses by the clock: nothing to wait on
 	}
@@ -151,7 +151,7 @@ func expireAsynqLease(t *testing.T, h *harness, id string) {
 // enqueue meanwhile "is refused, naming it".
 func TestFailHoldDoesNotHoldTheKeyOfATaskWhoseWorkerWasKilledOnItsLastAttempt(t *testing.T) {
 	needRealRedis(t)
-	h := newHarness(t, counterRules(Rule{OnFailure: FailHold, FailureHold: time.Hour}))
+	h := newHarness(t, counterRules(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}))
 	h.client = h.d.NewClient()
 	ctx := context.Background()
 	kill := startStuckWorker(t, h)
@@ -160,7 +160,7 @@ func TestFailHoldDoesNotHoldTheKeyOfATaskWhoseWorkerWasKilledOnItsLastAttempt(t 
 		t.Fatalf("the worker never ran %s: %v %v", a.ID, v, err)
 	}
 	kill()
-	if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.TaskID != a.ID || dup.Failed {
+	if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.Holder != a.ID || dup.FailHeld {
 		t.Fatalf("enqueue right after the kill: %+v, want a plain duplicate of %s", dup, a.ID)
 	}
 	expireAsynqLease(t, h, a.ID)
@@ -169,7 +169,7 @@ func TestFailHoldDoesNotHoldTheKeyOfATaskWhoseWorkerWasKilledOnItsLastAttempt(t 
 	eventually(t, "asynq's recoverer archives the task", func() bool { return h.taskState(a.ID) == asynq.TaskStateArchived })
 	// (Another producer: this one answers from the lock alone for a second
 	// after it read the holder's record, as lifecycle.md, Healing, says.)
-	d2, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Rules: counterRules(Rule{OnFailure: FailHold, FailureHold: time.Hour}).Rules, Logger: quietLogger()})
+	d2, err := New(ctx, h.rdb, Config{Prefix: h.prefix, Rules: counterRules(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}).Rules, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}

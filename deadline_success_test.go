@@ -35,7 +35,7 @@ func TestWrapClientSuccessNearItsDeadlineFreesTheKeyAtOnce(t *testing.T) {
 	var dup *DuplicateTaskError
 	if errors.As(err, &dup) {
 		t.Fatalf("the key's next enqueue after %s succeeded: duplicate of %s (lock %q): the lock waits out HealGrace (%v) instead of healing at once",
-			a.ID, dup.TaskID, h.lockState(h.keyOf(counterTask("k", 1, 0), h.queue)), DefaultHealGrace)
+			a.ID, dup.Holder, h.lockState(h.keyOf(counterTask("k", 1, 0), h.queue)), defaultHealGrace)
 	}
 	if err != nil {
 		t.Fatal(err)

@@ -23,7 +23,7 @@ import (
 
 // Debounce sets this call's debounce delay (see Rule.Debounce), overriding
 // the type's rule. The call's policy must fold (Replace or Merge). Above
-// MaxLifetime it is MaxLifetime. With Config.OptIn it opts the call in.
+// 100 years it is 100 years. With Config.OptIn it opts the call in.
 func Debounce(d time.Duration) asynq.Option {
 	return option{desc: fmt.Sprintf("dedup.Debounce(%v)", d), apply: func(r *resolved) error {
 		if d <= 0 {

@@ -329,7 +329,7 @@ func TestDebounceSharedKeyOfAnotherTypeLeavesTheTaskAlone(t *testing.T) {
 	before := h.rdb.ZScore(ctx, sched, res.TaskID).Val()
 	_, err = h.client.Submit(ctx, profileSync("deb:b", 1, 2), asynq.Queue(h.queue), SharedKey("k"))
 	var dup *DuplicateTaskError
-	if !errors.As(err, &dup) || dup.TaskID != res.TaskID {
+	if !errors.As(err, &dup) || dup.Holder != res.TaskID {
 		t.Fatalf("other type: %v, want a duplicate of %s", err, res.TaskID)
 	}
 	if after := h.rdb.ZScore(ctx, sched, res.TaskID).Val(); after != before {
@@ -506,7 +506,7 @@ func TestDebounceFoldNeverPullsAScheduledTaskEarlier(t *testing.T) {
 // scheduled moves its due time to d after that enqueue … rounded up: the
 // task never comes due before d has passed since the last fold … A fold
 // never moves a due time earlier (a holder scheduled later by its own
-// ProcessIn keeps it)". Through Merge's compare-and-set path (coalesce).
+// ProcessIn keeps it)". Through Merge's compare-and-set path (fold).
 func TestDebounceMergeFoldsMoveTheDueTimeOnlyLater(t *testing.T) {
 	rule := Rule{Fields: []string{"key"}, OnConflict: Merge, MergeFunc: addMerge, Debounce: 1500 * time.Millisecond}
 	bothPaths(t, Config{Rules: map[string]Rule{"counter": rule}}, func(t *testing.T, h *harness) {

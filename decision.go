@@ -9,8 +9,8 @@ import (
 // another task, or a task that reached the server and met a busy key. It
 // never carries a payload.
 type Decision struct {
-	// Event names what happened, as the counters do (EventNames):
-	// "duplicate", "coalesced" (Replace), "merged", "deferred" (a new
+	// Event names what happened, as the counters do (Stats.Map):
+	// "duplicate", "replaced" (Replace), "merged", "deferred" (a new
 	// follow-up of a running task) or "busy" (the execution-time guard).
 	Event string
 	// Type and Queue of the task the decision was about.
@@ -19,7 +19,7 @@ type Decision struct {
 	// digits of the hashed key), never the key's own text.
 	Key string
 	// TaskID is the task holding the key (duplicate, busy) or carrying the
-	// payload now (coalesced, merged, deferred).
+	// payload now (replaced, merged, deferred).
 	TaskID string
 	// FollowUp is true when TaskID is the follow-up of a running task
 	// (RunningDefer), not the key's waiting task.
@@ -30,9 +30,9 @@ type Decision struct {
 	// CoolingDown is true when the key is held after its task succeeded
 	// (Cooldown, Period): TaskID is that task.
 	CoolingDown bool
-	// Failed is true when the key is held after its task failed for good
+	// FailHeld is true when the key is held after its task failed for good
 	// (OnFailure): TaskID is that task.
-	Failed bool
+	FailHeld bool
 }
 
 // decide tells Config.OnDecision, if set. The hook runs on the caller's

@@ -82,16 +82,16 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 	if own != nil {
 		lib = own
 	}
-	if err := connect(ctx, lib, c.ConnectAttempts, c.ConnectBackoff, c.LockTimeout); err != nil {
+	if err := connect(ctx, lib, c.connectAttempts, c.connectBackoff, c.LockTimeout); err != nil {
 		if own != nil {
 			_ = own.Close()
 		}
 		return nil, err
 	}
-	if v, ok := linkedAsynq(); ok && !knownLayout(v) && !c.NoDirectEnqueue {
+	if v, ok := linkedAsynq(); ok && !knownLayout(v) && !c.noDirectEnqueue {
 		c.Logger.Warn("dedup: linked asynq is not the version whose task layout this package writes; enqueues go through asynq's client",
 			slog.String("asynq", v), slog.String("known", store.AsynqVersion))
-		c.NoDirectEnqueue = true
+		c.noDirectEnqueue = true
 	}
 	d := &Dedup{rdb: rdb, own: own, cfg: c, rules: rules, prefixes: longestFirst(rules), log: c.Logger, insp: asynq.NewInspectorFromRedisClient(rdb)}
 	d.store = store.New(lib, d.storeConfig())
@@ -141,13 +141,13 @@ func linkedAsynq() (v string, ok bool) {
 func (d *Dedup) storeConfig() store.Config {
 	c := d.cfg
 	return store.Config{
-		Prefix: c.Prefix, LockTimeout: c.LockTimeout, HealGrace: c.HealGrace,
+		Prefix: c.Prefix, LockTimeout: c.LockTimeout, HealGrace: c.healGrace,
 		MaxBatch: c.MaxBatch, BreakerThreshold: c.BreakerThreshold,
 		BreakerWait: func(opens int) time.Duration {
 			if opens == 0 {
-				return c.BreakerBackoff.Min
+				return c.breakerBackoff.Min
 			}
-			return max(c.BreakerBackoff.Delay(opens), c.BreakerBackoff.Min)
+			return max(c.breakerBackoff.delay(opens), c.breakerBackoff.Min)
 		},
 		ErrCircuitOpen: ErrCircuitOpen,
 		OnBreakerOpen:  func() { d.count("", evBreakerOpen) },

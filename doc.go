@@ -30,7 +30,37 @@
 // keys, so deduplication is per queue, as with asynq.Unique, and works on a
 // single node, Sentinel and Cluster. The tasks must be stored in the same
 // Redis as the locks, since each lock is checked against asynq's record of
-// its owner task (ErrTasksElsewhere otherwise). The lock is an efficiency measure, not
+// its holder task (ErrTasksElsewhere otherwise). The lock is an efficiency measure, not
 // an exactly-once guarantee: a Redis failover can lose a lock written just
-// before it. Make handlers idempotent where effects must happen once.
+// before it. Make handlers idempotent where effects must happen once.//
+// # The API by task
+//
+// Set up: New (or NewFromRedisConnOpt) with a Config, whose Rules hold a
+// Rule per task type; Dedup.Close.
+//
+// Enqueue: Dedup.NewClient or Dedup.WrapClient (over any Enqueuer) make a
+// Client; Client.Enqueue, EnqueueContext, Submit (its Result says the
+// Outcome: Created, Replaced, Merged, Deferred) and EnqueueBatch
+// (BatchResult); Client.Ping, Client.Close. Per-call options: Key,
+// SharedKey, Fields, Skip, TTL, OnConflict, MergeWith (a MergeFunc),
+// Cooldown, Debounce, Period, OnFailure, WaitForRoom, Headers. The
+// policies: Conflict (Reject, Replace, Merge), Running (RunningReject,
+// RunningDefer, RunningAllow), Busy (BusyRetry, BusyDrop, BusyFold),
+// Failure (FailRelease, FailHold, FailHoldUntilReleased); one table of
+// them is in docs/glossary.md. A duplicate is a *DuplicateTaskError
+// naming its Holder; Dedup.WaitHolder and Dedup.WaitResult wait for a
+// task's result. Errors match the Err* sentinels (a bad payload is a
+// *PayloadError).
+//
+// Serve: Dedup.Middleware on the asynq server, with IsFailure as its
+// asynq.Config.IsFailure; a task that meets its key busy gets a
+// *BusyError (ErrKeyBusy). NewScheduler (SchedulerOpts) enqueues one task
+// per firing across replicas; SchedulerFiring reads which firing a task
+// is.
+//
+// Operate: Dedup.Lookup (a KeyLock) and Dedup.Release; counters:
+// Dedup.Stats, Dedup.StatsByType (Stats, Stats.Map), Dedup.StartFlusher,
+// Dedup.FlushStats and ReadStats across processes; Dedup.StartReporter
+// (ReportConfig) logs the hot keys; Config.OnDecision sees each Decision.
+// Beside the package: dedupctl, dedupweb, dedupprom and dedupotel.
 package dedup

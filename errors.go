@@ -92,8 +92,8 @@ var (
 	// ErrTasksElsewhere reports a Client made by WrapClient whose enqueuer
 	// stores tasks in another Redis than the Dedup's, or a server whose
 	// tasks are not in the Dedup's Redis. Locks are checked against asynq's
-	// record of their owner task in the lock's Redis; with the tasks
-	// elsewhere every owner would look gone and duplicates would be
+	// record of their holder task in the lock's Redis; with the tasks
+	// elsewhere every holder would look gone and duplicates would be
 	// admitted, so deduplicated calls are refused instead (nothing locked
 	// or enqueued; a server does not run the task). A WrapClient finds out
 	// from its first accepted enqueues, the middleware from each task's
@@ -109,32 +109,32 @@ var (
 // the key. It matches both ErrDuplicateTask and asynq.ErrDuplicateTask, so
 // code written for asynq.Unique keeps working.
 type DuplicateTaskError struct {
-	TaskID string // the task holding the key
+	Holder string // the task holding the key
 	Queue  string // the queue the lock belongs to
 	Type   string // the rejected task's type
 	Key    string // the Redis key of the lock
-	// CoolingDown: TaskID succeeded, and the key stays held for its
+	// CoolingDown: Holder succeeded, and the key stays held for its
 	// Cooldown (or Period); FreeIn is how long it has left, as Redis
 	// counted at the call.
 	CoolingDown bool
-	// Failed: TaskID failed for good, and the key stays held (OnFailure)
+	// FailHeld: Holder failed for good, and the key stays held (OnFailure)
 	// for FreeIn more; a negative FreeIn: until released by hand.
-	Failed bool
-	FreeIn time.Duration
+	FailHeld bool
+	FreeIn   time.Duration
 
-	ownID bool // TaskID is the call's own caller-chosen ID
+	ownID bool // Holder is the call's own caller-chosen ID
 }
 
 func (e *DuplicateTaskError) Error() string {
 	switch {
 	case e.CoolingDown:
-		return fmt.Sprintf("dedup: duplicate task: type %q in queue %q cools down after task %s for %v more", e.Type, e.Queue, e.TaskID, e.FreeIn)
-	case e.Failed && e.FreeIn < 0:
-		return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held after task %s failed, until released", e.Type, e.Queue, e.TaskID)
-	case e.Failed:
-		return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held after task %s failed, for %v more", e.Type, e.Queue, e.TaskID, e.FreeIn)
+		return fmt.Sprintf("dedup: duplicate task: type %q in queue %q cools down after task %s for %v more", e.Type, e.Queue, e.Holder, e.FreeIn)
+	case e.FailHeld && e.FreeIn < 0:
+		return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held after task %s failed, until released", e.Type, e.Queue, e.Holder)
+	case e.FailHeld:
+		return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held after task %s failed, for %v more", e.Type, e.Queue, e.Holder, e.FreeIn)
 	}
-	return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held by task %s", e.Type, e.Queue, e.TaskID)
+	return fmt.Sprintf("dedup: duplicate task: type %q in queue %q is held by task %s", e.Type, e.Queue, e.Holder)
 }
 
 // Is reports whether target is ErrDuplicateTask or asynq.ErrDuplicateTask;

@@ -264,8 +264,8 @@ func TestEnqueueWithRedisRefusingConnectionsIsUnavailableAndSaysWhy(t *testing.T
 					t.Fatalf("enqueue %d: %v does not keep the dial error (got %#v)", i, err, op)
 				case strings.Count(err.Error(), "dedup:") != 1:
 					t.Fatalf("enqueue %d: %q names the package more than once", i, err)
-				case took > DefaultLockTimeout/2:
-					t.Fatalf("enqueue %d answered after %v: a refused connection is known at once, not at LockTimeout (%v)", i, took, DefaultLockTimeout)
+				case took > defaultLockTimeout/2:
+					t.Fatalf("enqueue %d answered after %v: a refused connection is known at once, not at LockTimeout (%v)", i, took, defaultLockTimeout)
 				}
 				t.Logf("enqueue %d: %v after %v", i, err, took.Round(time.Millisecond))
 			}
@@ -311,7 +311,7 @@ func TestEnqueueWithAWrongPasswordIsUnavailableAndNamesAuthentication(t *testing
 			t.Fatalf("enqueue %d: %q, want it to begin \"dedup: redis refused authentication: WRONGPASS\"", i, err)
 		case !errors.As(err, &re) || !strings.HasPrefix(re.Error(), "WRONGPASS"):
 			t.Fatalf("enqueue %d: %v does not keep Redis's reply", i, err)
-		case took > DefaultLockTimeout/2:
+		case took > defaultLockTimeout/2:
 			t.Fatalf("enqueue %d answered after %v", i, took)
 		}
 	}
@@ -366,7 +366,7 @@ func TestErrorTextsNameThePackageOnce(t *testing.T) {
 
 	dead := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
 	t.Cleanup(func() { _ = dead.Close() })
-	_, err = New(ctx, dead, Config{ConnectAttempts: 1, Logger: quietLogger()})
+	_, err = New(ctx, dead, Config{connectAttempts: 1, Logger: quietLogger()})
 	check("New, nothing listening", err, ErrUnavailable)
 	var op *net.OpError
 	if !errors.As(err, &op) {

@@ -30,7 +30,7 @@ var policyRules = map[string]Rule{
 	"RunningAllow": {OnRunning: RunningAllow},
 	"Cooldown":     {Cooldown: time.Hour},
 	"Period":       {Period: 24 * time.Hour},
-	"FailHold":     {OnFailure: FailHold, FailureHold: time.Hour},
+	"FailHold":     {OnFailure: FailHold, FailHoldFor: time.Hour},
 	"Debounce":     {OnConflict: Replace, Debounce: 100 * time.Millisecond},
 }
 
@@ -63,7 +63,7 @@ func TestEventsPerPolicyMatchTheDocs(t *testing.T) {
 
 // eventsOfOneRun enqueues two tasks of one key of type typ under rule
 // before a server runs them, waits for the run to be settled, and returns
-// the events counted for typ, in EventNames' order.
+// the events counted for typ, in eventNames' order.
 func eventsOfOneRun(t *testing.T, typ string, rule Rule) []string {
 	h := newHarness(t, Config{OptIn: true, Rules: map[string]Rule{typ: rule}})
 	client := h.d.NewClient()
@@ -89,13 +89,13 @@ func eventsOfOneRun(t *testing.T, typ string, rule Rule) []string {
 			got = append(got, name)
 		}
 	}
-	order := EventNames()
+	order := eventNames[:]
 	slices.SortFunc(got, func(a, b string) int { return slices.Index(order, a) - slices.Index(order, b) })
 	return got
 }
 
 // readEventsTable reads the events table: policy → its events, in
-// EventNames' order.
+// eventNames' order.
 func readEventsTable(t *testing.T) map[string][]string {
 	t.Helper()
 	b, err := os.ReadFile(eventsDoc)
@@ -107,7 +107,7 @@ func readEventsTable(t *testing.T) map[string][]string {
 	if i < 0 {
 		t.Fatalf("%s: no %q", eventsDoc, eventsHeading)
 	}
-	order := EventNames()
+	order := eventNames[:]
 	names := regexp.MustCompile("`([a-z_]+)`")
 	table := map[string][]string{}
 	inTable := false

@@ -38,7 +38,7 @@ func Example() {
 	_, err = client.EnqueueContext(ctx, again, asynq.Queue("critical"), dedup.Fields("user_id"))
 	var dup *dedup.DuplicateTaskError
 	if errors.As(err, &dup) {
-		fmt.Println("duplicate of the first:", dup.TaskID == info.ID, "in queue", dup.Queue)
+		fmt.Println("duplicate of the first:", dup.Holder == info.ID, "in queue", dup.Queue)
 	}
 	fmt.Println("matches asynq.ErrDuplicateTask:", errors.Is(err, asynq.ErrDuplicateTask))
 
@@ -160,7 +160,7 @@ func ExampleConfig_onDecision() {
 	}
 	// Output:
 	// outcome: created
-	// decision: coalesced profile:sync
+	// decision: replaced profile:sync
 	// outcome: replaced
 }
 
@@ -288,7 +288,7 @@ func ExampleRule_cooldown() {
 		_, err = client.EnqueueContext(ctx, task)
 		time.Sleep(time.Millisecond)
 	}
-	fmt.Println("held by the digest that was sent:", dup.TaskID == first.ID)
+	fmt.Println("held by the digest that was sent:", dup.Holder == first.ID)
 	fmt.Println("frees within the week:", dup.FreeIn > 6*24*time.Hour && dup.FreeIn <= 7*24*time.Hour)
 	srv.Shutdown()
 	d.Close()
@@ -459,7 +459,7 @@ func ExampleClient_EnqueueBatch() {
 		var dup *dedup.DuplicateTaskError
 		switch {
 		case errors.As(r.Err, &dup):
-			fmt.Printf("%d: duplicate of task 0: %v\n", i, dup.TaskID == results[0].TaskID)
+			fmt.Printf("%d: duplicate of task 0: %v\n", i, dup.Holder == results[0].TaskID)
 		case r.Err != nil:
 			fmt.Printf("%d: invalid payload: %v\n", i, errors.Is(r.Err, dedup.ErrInvalidPayload))
 		default:

@@ -20,7 +20,7 @@ import (
 // it, as it does at a cooling key. The holder's last error is kept in the
 // lock (Lookup, dedupctl show, the lock browser). Dedup.Release (dedupctl
 // release, the lock browser's release) frees it by hand; running the
-// archived task again (Inspector.RunTask) makes it the key's running owner
+// archived task again (Inspector.RunTask) makes it the key's running holder
 // again.
 //
 // One case holds nothing: a worker killed during the task's last attempt.
@@ -71,7 +71,7 @@ func (f Failure) goName() string {
 
 // OnFailure sets this call's failure policy (see Rule.OnFailure),
 // overriding the type's rule: hold is how long FailHold holds the key
-// (above MaxLifetime it is MaxLifetime) and must be 0 for the other
+// (above 100 years it is 100 years) and must be 0 for the other
 // policies. It applies when this call takes the key; a call folded into a
 // waiting task leaves that key's policy as it was. With Config.OptIn it
 // opts the call in.
@@ -95,7 +95,7 @@ func failHold(f Failure, hold time.Duration) (time.Duration, error) {
 	case f < FailRelease || f > FailHoldUntilReleased:
 		return 0, errorf("%w: unknown OnFailure %v", ErrInvalidOption, f)
 	case f == FailHold && hold <= 0:
-		return 0, errorf("%w: OnFailure FailHold needs a positive hold (FailureHold), not %v", ErrInvalidOption, hold)
+		return 0, errorf("%w: OnFailure FailHold needs a positive hold (FailHoldFor), not %v", ErrInvalidOption, hold)
 	case f != FailHold && hold != 0:
 		return 0, errorf("%w: a hold of %v goes with OnFailure FailHold only, not %s", ErrInvalidOption, hold, f.goName())
 	case f == FailHold:

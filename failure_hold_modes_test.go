@@ -9,12 +9,12 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// A failure hold needs a key to hold: RunningAllow frees the key as its task
+// A fail hold needs a key to hold: RunningAllow frees the key as its task
 // starts, so the mix is refused (configuration.md, supported combinations),
 // as a rule and per call, before anything is locked or stored.
 func TestFailHoldWithRunningAllowIsRefused(t *testing.T) {
 	h := newHarness(t, counterRules(Rule{OnRunning: RunningAllow}))
-	if _, err := New(context.Background(), h.rdb, counterRules(Rule{OnRunning: RunningAllow, OnFailure: FailHold, FailureHold: time.Hour})); !errors.Is(err, ErrInvalidOption) {
+	if _, err := New(context.Background(), h.rdb, counterRules(Rule{OnRunning: RunningAllow, OnFailure: FailHold, FailHoldFor: time.Hour})); !errors.Is(err, ErrInvalidOption) {
 		t.Fatalf("a rule with RunningAllow and FailHold: %v, want ErrInvalidOption", err)
 	}
 	_, err := h.client.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue), OnFailure(FailHoldUntilReleased, 0))
@@ -33,7 +33,7 @@ func TestFailHoldWithRunningAllowIsRefused(t *testing.T) {
 // final failure (… OnFailure may hold it)". Inspector.CancelProcessing on
 // the last retry makes asynq archive the task; its handler then fails.
 func TestFailHoldHoldsWhenCancelProcessingEndsTheLastRetry(t *testing.T) {
-	bothPaths(t, counterRules(Rule{OnFailure: FailHold, FailureHold: time.Hour}), func(t *testing.T, h *harness) {
+	bothPaths(t, counterRules(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}), func(t *testing.T, h *harness) {
 		release := make(chan struct{})
 		rc := newRecorder(func(run) error { <-release; return errors.New("crm: 503") })
 		h.serve(rc.handler(), nil)
@@ -44,7 +44,7 @@ func TestFailHoldHoldsWhenCancelProcessingEndsTheLastRetry(t *testing.T) {
 		h.settled(1)
 		_, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue))
 		var dup *DuplicateTaskError
-		if !errors.As(err, &dup) || !dup.Failed || dup.TaskID != a.ID {
+		if !errors.As(err, &dup) || !dup.FailHeld || dup.Holder != a.ID {
 			t.Fatalf("enqueue after asynq archived the cancelled last attempt: %v (stats %+v), want a failure-held duplicate of %s", err, h.d.Stats(), a.ID)
 		}
 	})

@@ -28,23 +28,23 @@ func failedDup(t *testing.T, c *Client, task *asynq.Task, q, holder string, opts
 	t.Helper()
 	_, err := c.Enqueue(task, append([]asynq.Option{asynq.Queue(q)}, opts...)...)
 	var de *DuplicateTaskError
-	if !errors.As(err, &de) || !de.Failed || de.CoolingDown || de.TaskID != holder || !errors.Is(err, ErrDuplicateTask) {
+	if !errors.As(err, &de) || !de.FailHeld || de.CoolingDown || de.Holder != holder || !errors.Is(err, ErrDuplicateTask) {
 		t.Fatalf("enqueue after the failure: %v (%+v), want a failed hold by %s", err, de, holder)
 	}
 	return de
 }
 
 func TestFailHoldKeepsTheKeyAfterRetriesAreExhausted(t *testing.T) {
-	bothPaths(t, failRules(Rule{OnFailure: FailHold, FailureHold: time.Hour}), func(t *testing.T, h *harness) {
+	bothPaths(t, failRules(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}), func(t *testing.T, h *harness) {
 		rc := newRecorder(func(run) error { return errors.New("boom: upstream said no") })
 		h.serve(rc.handler(), nil)
 		info := h.enqueue(counterTask("a", 1, 0), asynq.MaxRetry(1))
 		waitFor(t, rc.runs, "first attempt")
 		waitFor(t, rc.runs, "last attempt")
-		eventually(t, "archived and held", func() bool { return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1 })
+		eventually(t, "archived and held", func() bool { return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailHeld == 1 })
 		de := failedDup(t, h.client, counterTask("a", 2, 0), h.queue, info.ID)
 		if de.FreeIn <= 59*time.Minute || de.FreeIn > time.Hour {
-			t.Fatalf("FreeIn %v, want about the hour of FailureHold", de.FreeIn)
+			t.Fatalf("FreeIn %v, want about the hour of FailHoldFor", de.FreeIn)
 		}
 		kl, found, err := h.d.Lookup(context.Background(), counterTask("a", 3, 0), asynq.Queue(h.queue))
 		if err != nil || !found || kl.State != "failed" || kl.Holder != info.ID || !strings.Contains(kl.LastError, "upstream said no") {
@@ -62,7 +62,7 @@ func TestFailHoldUntilReleasedHoldsAfterSkipRetryUntilReleasedByHand(t *testing.
 		h.serve(rc.handler(), nil)
 		info := h.enqueue(counterTask("b", 1, 0))
 		waitFor(t, rc.runs, "the only attempt")
-		eventually(t, "held after the failure", func() bool { return h.d.Stats().FailureHeld == 1 })
+		eventually(t, "held after the failure", func() bool { return h.d.Stats().FailHeld == 1 })
 		if de := failedDup(t, h.client, counterTask("b", 2, 0), h.queue, info.ID); de.FreeIn >= 0 {
 			t.Fatalf("FreeIn %v, want negative (until released)", de.FreeIn)
 		}
@@ -91,7 +91,7 @@ func TestFailurePolicyIsRecordedSoTheServerNeedsNoRule(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, rc.runs, "the attempt")
-	eventually(t, "held", func() bool { return h.d.Stats().FailureHeld == 1 })
+	eventually(t, "held", func() bool { return h.d.Stats().FailHeld == 1 })
 	failedDup(t, c, userTask(5, "again"), h.queue, info.ID, Fields("user_id"))
 	// Without the option, the same failure releases.
 	other, err := c.Enqueue(userTask(6, ""), asynq.Queue(h.queue), Fields("user_id"))
@@ -137,15 +137,15 @@ func TestFailHoldDoesNotHoldRevokedDeletedOrSucceededTasks(t *testing.T) {
 			t.Fatalf("%s: enqueue after it ended: %v", key, err)
 		}
 	}
-	if s := h.d.Stats(); s.FailureHeld != 0 {
-		t.Fatalf("failure_held %d, want 0", s.FailureHeld)
+	if s := h.d.Stats(); s.FailHeld != 0 {
+		t.Fatalf("fail_held %d, want 0", s.FailHeld)
 	}
 }
 
 // A handler that ignores its deadline holds the key while it runs; once it
 // returns, asynq's record (archived) decides, whatever it returned.
 func TestFailHoldWhenAsynqArchivesAnAttemptThatOutlivedItsDeadline(t *testing.T) {
-	h := newHarness(t, failRules(Rule{OnFailure: FailHold, FailureHold: time.Hour}))
+	h := newHarness(t, failRules(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}))
 	h.client = h.d.NewClient()
 	release := make(chan struct{})
 	rc := newRecorder(func(run) error { <-release; return nil }) // ignores its context
@@ -155,18 +155,18 @@ func TestFailHoldWhenAsynqArchivesAnAttemptThatOutlivedItsDeadline(t *testing.T)
 	eventually(t, "archived by asynq", func() bool { return h.taskState(info.ID) == asynq.TaskStateArchived })
 	_, err := h.client.Enqueue(counterTask("slow", 2, 0), asynq.Queue(h.queue))
 	var de *DuplicateTaskError
-	if !errors.As(err, &de) || de.Failed || de.TaskID != info.ID {
+	if !errors.As(err, &de) || de.FailHeld || de.Holder != info.ID {
 		t.Fatalf("enqueue while the given-up handler still runs: %v, want held by %s (running)", err, info.ID)
 	}
 	close(release)
 	eventually(t, "held after the failure", func() bool {
 		_, err := h.client.Enqueue(counterTask("slow", 2, 0), asynq.Queue(h.queue))
 		var de *DuplicateTaskError
-		return errors.As(err, &de) && de.Failed
+		return errors.As(err, &de) && de.FailHeld
 	})
 }
 
-func TestRunningAHeldTaskAgainByHandMakesItTheOwnerAgain(t *testing.T) {
+func TestRunningAHeldTaskAgainByHandMakesItTheHolderAgain(t *testing.T) {
 	h := newHarness(t, failRules(Rule{OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	fail := make(chan bool, 2)
@@ -182,7 +182,7 @@ func TestRunningAHeldTaskAgainByHandMakesItTheOwnerAgain(t *testing.T) {
 	info := h.enqueue(counterTask("c", 1, 0), asynq.Retention(time.Hour))
 	waitFor(t, rc.runs, "the failing attempt")
 	eventually(t, "archived and held", func() bool {
-		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailHeld == 1
 	})
 	if err := h.insp.RunTask(h.queue, info.ID); err != nil {
 		t.Fatal(err)
@@ -199,9 +199,9 @@ func TestRunningAHeldTaskAgainByHandMakesItTheOwnerAgain(t *testing.T) {
 func TestOnFailureRefusesWhatItCannotDo(t *testing.T) {
 	for _, r := range []Rule{
 		{OnFailure: FailHold},
-		{OnFailure: FailHold, FailureHold: -time.Second},
-		{OnFailure: FailRelease, FailureHold: time.Second},
-		{OnFailure: FailHoldUntilReleased, FailureHold: time.Second},
+		{OnFailure: FailHold, FailHoldFor: -time.Second},
+		{OnFailure: FailRelease, FailHoldFor: time.Second},
+		{OnFailure: FailHoldUntilReleased, FailHoldFor: time.Second},
 		{OnFailure: Failure(9)},
 	} {
 		_, err := New(context.Background(), newRDB(t), Config{Rules: map[string]Rule{"t": r}, Logger: quietLogger()})
@@ -247,7 +247,7 @@ func TestFailHoldKeepsAPanicOnTheLastRetryAsAPanic(t *testing.T) {
 	h.serve(func(context.Context, *asynq.Task) error { panic("disk on fire") }, nil)
 	info := h.enqueue(jobTask("panic", 1), asynq.MaxRetry(0), asynq.Retention(time.Hour))
 	eventually(t, "archived and held", func() bool {
-		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailHeld == 1
 	})
 	kl, found, err := h.d.Lookup(context.Background(), jobTask("panic", 2), asynq.Queue(h.queue))
 	if err != nil || !found || kl.State != "failed" || kl.LastError != errPanicked.Error() {
@@ -266,7 +266,7 @@ func TestFailHoldKeepsTheLastErrorAsValidText(t *testing.T) {
 	msg := "upstream said:\nstate            free\x1b[2J xy" + strings.Repeat("é", 600)
 	h.serve(func(context.Context, *asynq.Task) error { return fmt.Errorf("%s: %w", msg, asynq.SkipRetry) }, nil)
 	info := h.enqueue(jobTask("utf8", 1))
-	eventually(t, "held", func() bool { return h.d.Stats().FailureHeld == 1 })
+	eventually(t, "held", func() bool { return h.d.Stats().FailHeld == 1 })
 	kl, found, err := h.d.Lookup(context.Background(), jobTask("utf8", 2), asynq.Queue(h.queue))
 	if err != nil || !found || kl.State != "failed" || kl.Holder != info.ID {
 		t.Fatalf("Lookup: %+v %v %v", kl, found, err)
@@ -302,9 +302,9 @@ func TestOnFailureOfAFoldedCallIsNamedNotApplied(t *testing.T) {
 }
 
 // Cooldown and FailHold together: success cools for the cooldown, a final
-// failure holds for FailureHold.
+// fail holds for FailHoldFor.
 func TestCooldownCoolsAndFailHoldHoldsOnOneKey(t *testing.T) {
-	h := newHarness(t, jobRulesQuickHeartbeat(Rule{Cooldown: time.Hour, OnFailure: FailHold, FailureHold: 10 * time.Minute}))
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{Cooldown: time.Hour, OnFailure: FailHold, FailHoldFor: 10 * time.Minute}))
 	h.client = h.d.NewClient()
 	h.serve(func(_ context.Context, task *asynq.Task) error {
 		if decodeJob(task).Key == "bad" {
@@ -314,14 +314,14 @@ func TestCooldownCoolsAndFailHoldHoldsOnOneKey(t *testing.T) {
 	}, nil)
 	ok := h.enqueue(jobTask("ok", 1))
 	bad := h.enqueue(jobTask("bad", 1))
-	eventually(t, "both settled", func() bool { s := h.d.Stats(); return s.Cooling == 1 && s.FailureHeld == 1 })
+	eventually(t, "both settled", func() bool { s := h.d.Stats(); return s.Cooling == 1 && s.FailHeld == 1 })
 	_, err := h.client.Enqueue(jobTask("ok", 2), asynq.Queue(h.queue))
 	var d *DuplicateTaskError
-	if !errors.As(err, &d) || !d.CoolingDown || d.TaskID != ok.ID || d.FreeIn < 59*time.Minute || d.FreeIn > time.Hour {
+	if !errors.As(err, &d) || !d.CoolingDown || d.Holder != ok.ID || d.FreeIn < 59*time.Minute || d.FreeIn > time.Hour {
 		t.Errorf("after success: %v, want cooling after %s for about the hour of the cooldown", err, ok.ID)
 	}
 	if d := failedDup(t, h.client, jobTask("bad", 2), h.queue, bad.ID); d.FreeIn > 10*time.Minute || d.FreeIn < 9*time.Minute {
-		t.Errorf("after failure: FreeIn %v, want the 10m of FailureHold", d.FreeIn)
+		t.Errorf("after failure: FreeIn %v, want the 10m of FailHoldFor", d.FreeIn)
 	}
 }
 
@@ -357,8 +357,8 @@ func TestFailureHandsTheKeyToTheDeferFollowUp(t *testing.T) {
 		_, err := h.client.Enqueue(jobTask("d", 3), asynq.Queue(h.queue))
 		return err == nil
 	})
-	if s := h.d.Stats(); s.FailureHeld != 0 {
-		t.Errorf("failure_held %d, want 0 (the key went to the follow-up)", s.FailureHeld)
+	if s := h.d.Stats(); s.FailHeld != 0 {
+		t.Errorf("fail_held %d, want 0 (the key went to the follow-up)", s.FailHeld)
 	}
 }
 
@@ -386,7 +386,7 @@ func TestFailHoldReleasedWhileTheTaskRunsAgainSparesTheNewTasksKey(t *testing.T)
 	a := h.enqueue(jobTask("r", 1), asynq.Retention(time.Hour))
 	waitFor(t, ran, "the failing run")
 	eventually(t, "archived and held", func() bool {
-		return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+		return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailHeld == 1
 	})
 	if err := h.insp.RunTask(h.queue, a.ID); err != nil {
 		t.Fatal(err)
@@ -401,7 +401,7 @@ func TestFailHoldReleasedWhileTheTaskRunsAgainSparesTheNewTasksKey(t *testing.T)
 	}
 	close(rerun)
 	eventually(t, "the run by hand failed again", func() bool { return h.taskState(a.ID) == asynq.TaskStateArchived })
-	eventually(t, "settled", func() bool { s := h.d.Stats(); return s.Released+s.FailureHeld+s.LockLost >= 3 })
+	eventually(t, "settled", func() bool { s := h.d.Stats(); return s.Released+s.FailHeld+s.LockLost >= 3 })
 	kl, found, err := h.d.Lookup(context.Background(), jobTask("r", 3), asynq.Queue(h.queue))
 	if err != nil || (found && kl.State == "failed") {
 		t.Fatalf("after the new task succeeded and the released re-run failed: %+v %v %v, want no failed hold", kl, found, err)
@@ -410,12 +410,12 @@ func TestFailHoldReleasedWhileTheTaskRunsAgainSparesTheNewTasksKey(t *testing.T)
 
 // A failed hold does not keep a MaxPending slot: the key's task is not
 // waiting.
-func TestFailureHoldsDoNotFillMaxPending(t *testing.T) {
+func TestFailHoldsDoNotFillMaxPending(t *testing.T) {
 	h := newHarness(t, jobRulesQuickHeartbeat(Rule{MaxPending: 1, OnFailure: FailHoldUntilReleased}))
 	h.client = h.d.NewClient()
 	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
 	a := h.enqueue(jobTask("a", 1))
-	eventually(t, "held", func() bool { return h.d.Stats().FailureHeld == 1 })
+	eventually(t, "held", func() bool { return h.d.Stats().FailHeld == 1 })
 	failedDup(t, h.client, jobTask("a", 2), h.queue, a.ID)
 	if _, err := h.client.Enqueue(jobTask("b", 1), asynq.Queue(h.queue)); err != nil {
 		t.Fatalf("a new key with the only other key held after its failure: %v", err)
@@ -432,7 +432,7 @@ func TestFailHoldSurvivesTheDeletionOfTheArchivedHolder(t *testing.T) {
 	h.serve(func(context.Context, *asynq.Task) error { return asynq.SkipRetry }, nil)
 	a := h.enqueue(jobTask("del", 1))
 	eventually(t, "archived and held", func() bool {
-		return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailureHeld == 1
+		return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailHeld == 1
 	})
 	if err := h.insp.DeleteTask(h.queue, a.ID); err != nil {
 		t.Fatal(err)
@@ -452,14 +452,14 @@ func TestFailHoldSurvivesTheDeletionOfTheArchivedHolder(t *testing.T) {
 // handler that returns the context's error at once: held, failed, with an
 // error that says so.
 func TestFailHoldHoldsADeadlineOnTheLastRetry(t *testing.T) {
-	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailureHold: time.Hour}))
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}))
 	h.client = h.d.NewClient()
 	h.serve(func(ctx context.Context, _ *asynq.Task) error { <-ctx.Done(); return ctx.Err() }, nil)
 	info := h.enqueue(jobTask("dl", 1), asynq.MaxRetry(0), asynq.Timeout(time.Second))
 	eventually(t, "held after asynq archived it", func() bool {
 		_, err := h.client.Enqueue(jobTask("dl", 2), asynq.Queue(h.queue))
 		var de *DuplicateTaskError
-		return errors.As(err, &de) && de.Failed && de.TaskID == info.ID
+		return errors.As(err, &de) && de.FailHeld && de.Holder == info.ID
 	})
 	kl, _, _ := h.d.Lookup(context.Background(), jobTask("dl", 3), asynq.Queue(h.queue))
 	if kl.State != "failed" || kl.LastError == "" {

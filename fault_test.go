@@ -167,7 +167,7 @@ func TestFaultWorkerKilled(t *testing.T) {
 	refused := func(when string) {
 		t.Helper()
 		var dup *DuplicateTaskError
-		if _, err := h.client.Enqueue(job("dup"), asynq.Queue(h.queue), keyOpt); !errors.As(err, &dup) || dup.TaskID != first(t, h, events) {
+		if _, err := h.client.Enqueue(job("dup"), asynq.Queue(h.queue), keyOpt); !errors.As(err, &dup) || dup.Holder != first(t, h, events) {
 			t.Fatalf("enqueue %s: err = %v, want a duplicate of the killed worker's task", when, err)
 		}
 	}
@@ -505,7 +505,7 @@ func TestFaultRedisRestartUnderLoad(t *testing.T) {
 	const concurrency = 8
 	retryDelay := func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond }
 	d, err := New(ctx, rdb, Config{Prefix: prefix, heartbeat: (2 * time.Second) / 3, LockTimeout: 500 * time.Millisecond,
-		HealGrace: time.Second, RetryDelayFunc: retryDelay, Logger: quietLogger()})
+		healGrace: time.Second, RetryDelayFunc: retryDelay, Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -637,7 +637,7 @@ func TestFaultRedisRestartUnderLoad(t *testing.T) {
 			case errors.As(err, &dup):
 				// Held: legitimate only by a task that exists (its enqueue
 				// landed, the reply was lost), else it must heal soon.
-				if _, gerr := insp.GetTaskInfo(queue, dup.TaskID); gerr == nil {
+				if _, gerr := insp.GetTaskInfo(queue, dup.Holder); gerr == nil {
 					landed++
 					return true
 				}
@@ -757,8 +757,8 @@ func TestFaultLockRedisDownFailOpen(t *testing.T) {
 		_, err = client.EnqueueContext(ctx, task, asynq.Queue(queue), asynq.ProcessIn(time.Hour))
 		switch {
 		case errors.As(err, &dup):
-			if dup.TaskID != info.ID {
-				t.Fatalf("duplicate of %s, want of %s", dup.TaskID, info.ID)
+			if dup.Holder != info.ID {
+				t.Fatalf("duplicate of %s, want of %s", dup.Holder, info.ID)
 			}
 			return true
 		case err != nil:
@@ -847,7 +847,7 @@ func TestCooldownSurvivesAWorkerCrash(t *testing.T) {
 		t.Fatal(err)
 	}
 	faultPoll(t, 10*time.Second, "three leases pass after the kill", func() bool { return time.Since(killed) > 3*lease })
-	if dup := h.duplicateOf(job("dup"), keyOpt); dup.TaskID != first.ID || dup.CoolingDown {
+	if dup := h.duplicateOf(job("dup"), keyOpt); dup.Holder != first.ID || dup.CoolingDown {
 		t.Fatalf("after the kill: %+v, want a plain duplicate of the crashed task %s", dup, first.ID)
 	}
 

@@ -10,16 +10,16 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// DefaultFlushInterval is the interval StartFlusher uses when given 0.
-const DefaultFlushInterval = 10 * time.Second
+// defaultFlushInterval is the interval StartFlusher uses when given 0.
+const defaultFlushInterval = 10 * time.Second
 
 // StartFlusher starts adding this process's counters to totals in Redis
-// every interval (default DefaultFlushInterval when 0), so that ReadStats
+// every interval (default 10 s when 0), so that ReadStats
 // sees the counts of every process that flushes. Each flush is one
 // pipelined round trip (one per node on Redis Cluster) of HINCRBYs of what
 // was counted since the last flush, into one hash per task type (and, by
 // one script call per type, into that type's hash of the current minute,
-// kept two hours: ReadMinuteStats), bounded by Config.LockTimeout; it runs on its own goroutine, never on an enqueue or
+// kept two hours, for the web overview), bounded by Config.LockTimeout; it runs on its own goroutine, never on an enqueue or
 // a handler. A failed flush is
 // logged and its counts are kept for the next one; Close stops the flusher
 // and flushes one last time.
@@ -35,7 +35,7 @@ func (d *Dedup) StartFlusher(interval time.Duration) error {
 		return errorf("%w: flush interval %v is negative", ErrInvalidOption, interval)
 	}
 	if interval == 0 {
-		interval = DefaultFlushInterval
+		interval = defaultFlushInterval
 	}
 	m := &d.stats
 	m.mu.Lock()
@@ -172,7 +172,7 @@ func (d *Dedup) markFlushed(ps []*pendingFlush, saddErr error) error {
 
 // ReadStats returns the totals per task type that every process with a
 // flusher (Dedup.StartFlusher) has added to Redis under prefix (""
-// means DefaultPrefix), since the first flush. It needs no Dedup, so an
+// means "dedup"), since the first flush. It needs no Dedup, so an
 // operator tool can call it with any client of the same Redis. Counts a
 // process has not flushed yet (at most one flush interval's) are missing.
 // Delete the keys "<prefix>:stats:types" and "<prefix>:stats:type:<type>"
@@ -180,7 +180,7 @@ func (d *Dedup) markFlushed(ps []*pendingFlush, saddErr error) error {
 // not hold a count are ignored. Errors match ErrUnavailable.
 func ReadStats(ctx context.Context, rdb redis.UniversalClient, prefix string) (map[string]Stats, error) {
 	if prefix == "" {
-		prefix = DefaultPrefix
+		prefix = defaultPrefix
 	}
 	keys := store.NewKeys(prefix)
 	types, err := rdb.SMembers(ctx, keys.StatsTypes()).Result()

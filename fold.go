@@ -38,10 +38,10 @@ const maxMergeAttempts = 32
 // caller should wait out.
 const maxReservedWaits = 20
 
-var reservedBackoff = Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
+var reservedBackoff = backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
 
 // roomBackoff spaces the polls of WaitForRoom.
-var roomBackoff = Backoff{Min: 10 * time.Millisecond, Max: time.Second}
+var roomBackoff = backoff{Min: 10 * time.Millisecond, Max: time.Second}
 
 // lock runs the acquire script until its answer is final: the call is
 // answered (a duplicate, a fold, a task the script stored itself), or the
@@ -136,7 +136,7 @@ func (c *Client) outcome(ctx context.Context, k *call, res store.AcquireResult, 
 	case store.StatusCooling:
 		return Result{}, done, c.duplicate(k, res)
 	case store.StatusReplaced:
-		return c.folded(k, Replaced, evCoalesced, res.Task, k.task.Payload(), res.State, res.FollowUp), done, nil
+		return c.folded(k, Replaced, evReplaced, res.Task, k.task.Payload(), res.State, res.FollowUp), done, nil
 	case store.StatusDeferred:
 		return c.folded(k, Deferred, evDeferred, res.Task, k.task.Payload(), "scheduled", true), done, nil
 	case store.StatusMerge:
@@ -230,9 +230,9 @@ func (c *Client) duplicate(k *call, res store.AcquireResult) error {
 	cooling := res.Status == store.StatusCooling && !res.Failed
 	if !k.rule.quiet {
 		c.d.count(k.typ, evDuplicate)
-		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: res.Lock, TaskID: res.Task, FollowUp: res.FollowUp, CoolingDown: cooling, Failed: res.Failed})
+		c.d.decide(Decision{Event: eventNames[evDuplicate], Type: k.typ, Queue: k.queue, Key: res.Lock, TaskID: res.Task, FollowUp: res.FollowUp, CoolingDown: cooling, FailHeld: res.Failed})
 	}
-	return &DuplicateTaskError{TaskID: res.Task, Queue: k.queue, Type: k.typ, Key: res.Lock, CoolingDown: cooling, Failed: res.Failed, FreeIn: res.Cooling}
+	return &DuplicateTaskError{Holder: res.Task, Queue: k.queue, Type: k.typ, Key: res.Lock, CoolingDown: cooling, FailHeld: res.Failed, FreeIn: res.Cooling}
 }
 
 // folded describes the task a call was folded into, from what the lock
@@ -240,7 +240,7 @@ func (c *Client) duplicate(k *call, res store.AcquireResult) error {
 func (c *Client) folded(k *call, o Outcome, ev event, id string, payload []byte, state string, followUp bool) Result {
 	if !k.rule.quiet { // (a busy arrival folded by the middleware is counted as busy)
 		c.d.count(k.typ, ev)
-		c.d.noteCoalesced(k.typ, k.ref.FP, k.rule.key)
+		c.d.noteFold(k.typ, k.ref.FP, k.rule.key)
 	}
 	if c.d.cfg.OnDecision != nil && !k.rule.quiet {
 		c.d.decide(Decision{Event: eventNames[ev], Type: k.typ, Queue: k.queue, Key: c.d.lockKey(&k.ref), TaskID: id, FollowUp: followUp})
@@ -327,7 +327,7 @@ func (c *Client) waitReserved(ctx context.Context, k *call, res store.AcquireRes
 	if w.reserved++; w.reserved > maxReservedWaits {
 		return Result{}, done, c.duplicate(k, res)
 	}
-	if err := sleep(ctx, reservedBackoff.Delay(w.reserved)); err != nil {
+	if err := sleep(ctx, reservedBackoff.delay(w.reserved)); err != nil {
 		return Result{}, done, errorf("dedup: waiting for task %s to be stored: %w", res.Task, err)
 	}
 	return Result{}, again, nil
@@ -348,7 +348,7 @@ func (c *Client) waitRoom(ctx context.Context, k *call, res store.AcquireResult,
 		c.d.count(k.typ, evOverBound)
 		return Result{}, done, errorf("%w: %d keys of %q already waiting in queue %q", ErrTooManyPending, waiting, k.typ, k.queue)
 	}
-	if err := sleep(ctx, roomBackoff.Delay(w.room)); err != nil {
+	if err := sleep(ctx, roomBackoff.delay(w.room)); err != nil {
 		c.d.count(k.typ, evOverBound)
 		return Result{}, done, errorf("%w: waited for room: %w", ErrTooManyPending, err)
 	}

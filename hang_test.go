@@ -86,7 +86,7 @@ func TestHeartbeatRecoversAfterHang(t *testing.T) {
 		goleak.VerifyNone(t, ignore, goleak.IgnoreTopFunction("internal/poll.runtime_pollWait"))
 	})
 	proxy, d, h := hungDedup(t, Config{heartbeat: (600 * time.Millisecond) / 3, BreakerThreshold: 2,
-		BreakerBackoff: Backoff{Min: 50 * time.Millisecond, Max: 100 * time.Millisecond}}, func(o *redis.Options) { o.MaxRetries = -1 })
+		breakerBackoff: backoff{Min: 50 * time.Millisecond, Max: 100 * time.Millisecond}}, func(o *redis.Options) { o.MaxRetries = -1 })
 	release := make(chan struct{})
 	running := make(chan string, 1)
 	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 2, Queues: map[string]int{h.queue: 1},
@@ -136,7 +136,7 @@ func TestFlappingRedisNoRaceNoLeak(t *testing.T) {
 	})
 	for _, ctxTimeouts := range []bool{false, true} {
 		proxy, d, h := hungDedup(t, Config{LockTimeout: 80 * time.Millisecond, heartbeat: (300 * time.Millisecond) / 3, BreakerThreshold: 3,
-			BreakerBackoff: Backoff{Min: 20 * time.Millisecond, Max: 80 * time.Millisecond}}, func(o *redis.Options) {
+			breakerBackoff: backoff{Min: 20 * time.Millisecond, Max: 80 * time.Millisecond}}, func(o *redis.Options) {
 			o.ContextTimeoutEnabled = ctxTimeouts
 			o.MaxRetries = -1
 			o.ReadTimeout = 300 * time.Millisecond

@@ -21,7 +21,7 @@ func TestKeyedHash(t *testing.T) {
 		t.Fatalf("lock %s not owned by %s", key, info.ID)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(userTask(1, "b"), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(userTask(1, "b"), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("err = %v, want duplicate", err)
 	}
 	// Another secret gives other keys: the key space depends on the secret.

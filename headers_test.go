@@ -176,10 +176,17 @@ func TestHeadersAsNewTasksOnlyOptionWorkEverywhere(t *testing.T) {
 			return err
 		})
 		try("QueueOf", func() error {
-			if q := h.d.QueueOf(batchJob("s", 1, Headers(hdr)), asynq.Queue(h.queue)); q != h.queue {
+			if q := h.d.queueOf(batchJob("s", 1, Headers(hdr)), asynq.Queue(h.queue)); q != h.queue {
 				return fmt.Errorf("QueueOf: %s, want %s", q, h.queue)
 			}
 			return nil
 		})
 	})
+}
+
+// KeyHash is the fingerprint a lock key ends with (what dedupotel puts on
+// a duplicate's span).
+func KeyHash(lockKey string) string {
+	_, _, fp, _ := store.ParseLockKey(lockKey)
+	return fp
 }

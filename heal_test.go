@@ -78,7 +78,7 @@ func TestRequirePassPassesThrough(t *testing.T) {
 	defer p.Kill()
 	noauth := redis.NewClient(&redis.Options{Addr: p.Addr, MaxRetries: -1})
 	defer noauth.Close()
-	_, err = New(context.Background(), noauth, Config{ConnectAttempts: 1, Logger: quietLogger()})
+	_, err = New(context.Background(), noauth, Config{connectAttempts: 1, Logger: quietLogger()})
 	if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "NOAUTH") {
 		t.Fatalf("without the password: err = %v, want ErrUnavailable wrapping NOAUTH", err)
 	}
@@ -87,7 +87,7 @@ func TestRequirePassPassesThrough(t *testing.T) {
 	h := newHarnessOn(t, rdb, Config{})
 	info := h.enqueue(userTask(1, ""))
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("with the password: err = %v", err)
 	}
 }

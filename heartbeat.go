@@ -10,12 +10,12 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// DefaultHeartbeat is how often the heartbeat looks at the running
+// defaultHeartbeat is how often the heartbeat looks at the running
 // handlers: a handler that has run this long gets its key's lifetime
 // extended (to its TTL from then, and again each time half of that has
 // passed), so a lock never expires under a handler however long it runs,
 // while the short handlers that are most of them cost nothing.
-const DefaultHeartbeat = 10 * time.Second
+const defaultHeartbeat = 10 * time.Second
 
 // heartbeater extends the locks of the long-running attempts of one Dedup,
 // from one goroutine.

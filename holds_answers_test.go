@@ -14,8 +14,8 @@ import (
 // *DuplicateTaskError whose Failed is set"; docs/batch.md: EnqueueBatch
 // answers each task as Submit would. A batch into a failure-held key and a
 // cooling key gets the same answers as single calls.
-func TestEnqueueBatchAnswersFailureHeldAndCoolingKeysAsSubmitDoes(t *testing.T) {
-	bothPaths(t, counterRules(Rule{OnFailure: FailHold, FailureHold: time.Hour, Cooldown: time.Hour}), func(t *testing.T, h *harness) {
+func TestEnqueueBatchAnswersFailHeldAndCoolingKeysAsSubmitDoes(t *testing.T) {
+	bothPaths(t, counterRules(Rule{OnFailure: FailHold, FailHoldFor: time.Hour, Cooldown: time.Hour}), func(t *testing.T, h *harness) {
 		rc := newRecorder(func(r run) error {
 			if decodeCounter(r.task).Key == "fails" {
 				return fmt.Errorf("no: %w", asynq.SkipRetry)
@@ -32,10 +32,10 @@ func TestEnqueueBatchAnswersFailureHeldAndCoolingKeysAsSubmitDoes(t *testing.T) 
 		h.asynqDone() // (until asynq archives it, the failed task reads as running to a take)
 		res := h.client.EnqueueBatch(context.Background(), []*asynq.Task{counterTask("fails", 1, 2), counterTask("cools", 1, 2)}, asynq.Queue(h.queue))
 		var d0, d1 *DuplicateTaskError
-		if !errors.As(res[0].Err, &d0) || !d0.Failed || d0.TaskID != failed.ID || d0.FreeIn <= 59*time.Minute {
+		if !errors.As(res[0].Err, &d0) || !d0.FailHeld || d0.Holder != failed.ID || d0.FreeIn <= 59*time.Minute {
 			t.Errorf("batch into the failure-held key: %+v, want Failed naming %s with about an hour left", res[0].Err, failed.ID)
 		}
-		if !errors.As(res[1].Err, &d1) || !d1.CoolingDown || d1.TaskID != cooled.ID || d1.FreeIn <= 59*time.Minute {
+		if !errors.As(res[1].Err, &d1) || !d1.CoolingDown || d1.Holder != cooled.ID || d1.FreeIn <= 59*time.Minute {
 			t.Errorf("batch into the cooling key: %+v, want CoolingDown naming %s with about an hour left", res[1].Err, cooled.ID)
 		}
 		for i, r := range res {
@@ -67,7 +67,7 @@ func TestCooldownKeyHeldAcrossAPanicAndCooledByTheRetrysSuccess(t *testing.T) {
 		key := h.keyOf(counterTask("k", 1, 1), h.queue)
 		eventually(t, "the key cools", func() bool { return h.lockState(key) == "cooling" })
 		dup := h.duplicateOf(counterTask("k", 1, 2))
-		if !dup.CoolingDown || dup.TaskID != a.ID {
+		if !dup.CoolingDown || dup.Holder != a.ID {
 			t.Fatalf("after the retry's success: %+v, want cooling, naming %s", dup, a.ID)
 		}
 		if left := time.Until(taken.Add(time.Hour)); dup.FreeIn > left+time.Second || dup.FreeIn < left-5*time.Second {

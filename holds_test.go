@@ -13,7 +13,7 @@ import (
 )
 
 // Holds are the truth: a hold a policy keeps past its task (a cooldown, a
-// period window, a failure hold) is written before the handler's result
+// period window, a fail hold) is written before the handler's result
 // reaches asynq, lives exactly as long as the lock's PTTL (which FreeIn
 // reads), and nothing later (a heartbeat, a heal, a shutdown) shortens or
 // stretches it.
@@ -52,7 +52,7 @@ func TestCooldownAndPeriodHoldTheirWindowAfterASuccessJustBeforeTheTimeout(t *te
 				for until := time.Now().Add(2 * time.Second); time.Now().Before(until); time.Sleep(100 * time.Millisecond) {
 					_, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue))
 					var dup *DuplicateTaskError
-					if !errors.As(err, &dup) || !dup.CoolingDown || dup.TaskID != first.ID {
+					if !errors.As(err, &dup) || !dup.CoolingDown || dup.Holder != first.ID {
 						t.Fatalf("enqueue within the window: %v, want %s cooling down", err, first.ID)
 					}
 				}
@@ -66,17 +66,17 @@ func TestCooldownAndPeriodHoldTheirWindowAfterASuccessJustBeforeTheTimeout(t *te
 	}
 }
 
-// A failure hold is written before asynq archives the task: a graceful
+// A fail hold is written before asynq archives the task: a graceful
 // shutdown of the worker right after the final failure (the Dedup closed
 // too) cannot lose it. The lock lives exactly the hold, not the interim
 // TTL (1 s here).
-func TestFailureHoldSurvivesAShutdownRightAfterTheFinalFailure(t *testing.T) {
+func TestFailHoldSurvivesAShutdownRightAfterTheFinalFailure(t *testing.T) {
 	for _, c := range []struct {
 		onFailure Failure
 		hold      time.Duration
 	}{{FailHold, time.Hour}, {FailHoldUntilReleased, 0}} {
 		t.Run(c.onFailure.String(), func(t *testing.T) {
-			cfg := counterRules(Rule{OnFailure: c.onFailure, FailureHold: c.hold, TTL: time.Second})
+			cfg := counterRules(Rule{OnFailure: c.onFailure, FailHoldFor: c.hold, TTL: time.Second})
 			h := newHarness(t, cfg)
 			returning := make(chan struct{})
 			srv := h.serve(func(context.Context, *asynq.Task) error {
@@ -109,7 +109,7 @@ func TestFailureHoldSurvivesAShutdownRightAfterTheFinalFailure(t *testing.T) {
 			t.Cleanup(func() { _ = d2.Close() })
 			_, err = d2.NewClient().Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue))
 			var dup *DuplicateTaskError
-			if !errors.As(err, &dup) || !dup.Failed || dup.TaskID != a.ID {
+			if !errors.As(err, &dup) || !dup.FailHeld || dup.Holder != a.ID {
 				t.Fatalf("enqueue after the shutdown: %v, want a duplicate of %s held after its failure", err, a.ID)
 			}
 		})
@@ -122,14 +122,14 @@ func TestFailureHoldSurvivesAShutdownRightAfterTheFinalFailure(t *testing.T) {
 func TestFailHoldFreeInIsExact(t *testing.T) {
 	const hold = 4 * time.Second
 	// (A heartbeat shorter than the hold: a beat must not restart it.)
-	h := newHarness(t, Config{heartbeat: time.Second, Rules: counterRules(Rule{OnFailure: FailHold, FailureHold: hold}).Rules})
+	h := newHarness(t, Config{heartbeat: time.Second, Rules: counterRules(Rule{OnFailure: FailHold, FailHoldFor: hold}).Rules})
 	h.serve(func(context.Context, *asynq.Task) error { return errors.New("failed for good") }, nil)
 	a := h.enqueue(counterTask("k", 1, 1), asynq.MaxRetry(0))
 	eventually(t, "asynq archives the task", func() bool { return h.taskState(a.ID) == asynq.TaskStateArchived })
 	_, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue))
 	asked := time.Now()
 	var dup *DuplicateTaskError
-	if !errors.As(err, &dup) || !dup.Failed {
+	if !errors.As(err, &dup) || !dup.FailHeld {
 		t.Fatalf("enqueue during the hold: %v, want a failure-held duplicate", err)
 	}
 	freeAt := asked.Add(dup.FreeIn)
@@ -175,7 +175,7 @@ func TestCooldownAndPeriodHoldTheKeyWhileTheSuccessSettles(t *testing.T) {
 // HealGrace, and enqueues their keys in tight loops from other processes'
 // clients while the tasks succeed; it fails if any enqueue took a key.
 func enqueueAtKeysAsTheySucceed(t *testing.T, cfg Config, opts ...asynq.Option) {
-	cfg.HealGrace = time.Second
+	cfg.healGrace = time.Second
 	h := newHarness(t, cfg)
 	h.client = h.d.NewClient()
 	opts = append([]asynq.Option{asynq.Queue(h.queue)}, opts...)
@@ -205,7 +205,7 @@ func enqueueAtKeysAsTheySucceed(t *testing.T, cfg Config, opts ...asynq.Option) 
 		wg      sync.WaitGroup
 	)
 	for i := range 2 * keys {
-		hh := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix, Rules: cfg.Rules, HealGrace: time.Second, Logger: quietLogger()})
+		hh := newHarnessOn(t, newRDB(t), Config{Prefix: h.prefix, Rules: cfg.Rules, healGrace: time.Second, Logger: quietLogger()})
 		c := hh.d.NewClient()
 		key := fmt.Sprint(i % keys)
 		wg.Go(func() {

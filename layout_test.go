@@ -99,7 +99,7 @@ func TestOrphanedLockHeals(t *testing.T) {
 	third := h.enqueue(task)
 	// A live owner is never healed, however old its lock.
 	h.ageLock(key)
-	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != third.ID {
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != third.ID {
 		t.Fatalf("live owner: err = %v, want duplicate of %s", err, third.ID)
 	}
 }

@@ -37,7 +37,7 @@ var lcPolicies = []lcPolicy{
 	{"Cooldown", Rule{Cooldown: time.Hour}},
 	{"Debounce", Rule{OnConflict: Replace, Debounce: 2 * time.Second}}, // overrides the rows' ProcessIn: due in 2 s
 	{"Period", Rule{Period: 24 * time.Hour}},
-	{"FailHold", Rule{OnFailure: FailHold, FailureHold: time.Hour}},
+	{"FailHold", Rule{OnFailure: FailHold, FailHoldFor: time.Hour}},
 }
 
 // lcClass is where an ending leaves the first task.
@@ -353,12 +353,12 @@ func (w *lcWorld) checkSecond(t *testing.T, e *lcEnding, c *lcCell) {
 	res, err := c.client.Submit(context.Background(), c.task(2), asynq.Queue(w.h.queue))
 	var dup *DuplicateTaskError
 	switch {
-	case want == 0 && (!errors.As(err, &dup) || dup.TaskID != c.first.ID):
+	case want == 0 && (!errors.As(err, &dup) || dup.Holder != c.first.ID):
 		t.Errorf("%s: second enqueue: %+v, %v; want a duplicate of %s", c.typ, res, err, c.first.ID)
 	case want == 0 && dup.CoolingDown != c.cools(e):
 		t.Errorf("%s: duplicate's CoolingDown is %v", c.typ, dup.CoolingDown)
-	case want == 0 && dup.Failed != c.failHeld(e):
-		t.Errorf("%s: duplicate's Failed is %v", c.typ, dup.Failed)
+	case want == 0 && dup.FailHeld != c.failHeld(e):
+		t.Errorf("%s: duplicate's Failed is %v", c.typ, dup.FailHeld)
 	case want != 0 && (err != nil || res.Outcome != want):
 		t.Errorf("%s: second enqueue: %+v, %v; want outcome %v", c.typ, res, err, want)
 	case want != 0 && firstHolds && res.TaskID != c.first.ID:

@@ -48,11 +48,11 @@ func (d *Dedup) lockKeyOf(task *asynq.Task, opts []asynq.Option) (store.Ref, err
 	return store.Ref{Queue: k.queue, FP: fp, Type: k.typ, Lock: d.store.Keys().Lock(k.queue, fp)}, nil
 }
 
-// QueueOf returns the queue an enqueue of task with opts would use, as
+// queueOf returns the queue an enqueue of task with opts would use, as
 // Client.Submit chooses it: the call's asynq.Queue, else the one given to
 // asynq.NewTask, else the one tasks of its type last landed in, else
 // "default" (also for a task or options Submit would refuse).
-func (d *Dedup) QueueOf(task *asynq.Task, opts ...asynq.Option) string {
+func (d *Dedup) queueOf(task *asynq.Task, opts ...asynq.Option) string {
 	var k call
 	if task == nil || (&Client{d: d}).compose(&k, task, opts) != nil || k.queue == "" {
 		return "default"
@@ -85,10 +85,10 @@ func (d *Dedup) Lookup(ctx context.Context, task *asynq.Task, opts ...asynq.Opti
 // so that when it runs it checks the key first (and gives way to a task of
 // its type that took the key since). A follow-up the key owes that waits
 // is queued now, even while the holder runs (its payload is the newest).
-// Held keys are released too: a cooldown, a failure hold. It reports
+// Held keys are released too: a cooldown, a fail hold. It reports
 // whether a lock was released (false: the key was free).
 func (d *Dedup) Release(ctx context.Context, task *asynq.Task, holder string, opts ...asynq.Option) (bool, error) {
-	rel := &store.Release{How: store.ReleaseHolder, Holder: holder, Grace: d.cfg.HealGrace}
+	rel := &store.Release{How: store.ReleaseHolder, Holder: holder, Grace: d.cfg.healGrace}
 	if holder == "" {
 		rel.How = store.ReleaseForce
 	}

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/attempt"
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
@@ -68,10 +69,10 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 	if !ok1 || !ok2 {
 		return next.ProcessTask(ctx, t) // not run by an asynq server
 	}
-	rec := attemptOf(ctx) // nil unless a wrapper asked (WithAttempt)
+	rec := attempt.Of(ctx) // nil unless a wrapper asked (attempt.With)
 	l := d.attemptFor(ctx, queue, id, t)
 	if l == nil {
-		rec.set(AttemptNotLocked)
+		rec.Set(attempt.NotLocked)
 		return next.ProcessTask(ctx, t)
 	}
 	l.rec = rec
@@ -79,12 +80,12 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		// An earlier attempt ended and settled the key (a success or revoke),
 		// and asynq put the task back before it recorded that (a shutdown):
 		// it is done.
-		rec.set(AttemptReleased)
+		rec.Set(attempt.Released)
 		d.log.Info("dedup: not run again: an attempt of the task already ended and settled its key", slog.String("type", t.Type()), slog.String("task_id", id))
 		return nil
 	}
 	if !d.storedHere(ctx, queue, id) {
-		rec.set(AttemptRefused)
+		rec.Set(attempt.Refused)
 		return d.elsewhere(t, id)
 	}
 	rule := d.ruleFor(t.Type())
@@ -94,7 +95,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		}
 	}
 	if !l.mustStart() {
-		rec.locked(l)
+		rec.Locked(l.ref.FP, l.arrived)
 	}
 	d.count(t.Type(), evStarted)
 	return d.run(ctx, t, next, &rule, l)
@@ -110,13 +111,13 @@ func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, ru
 	case !found:
 		return false, nil // (a plain task whose record names no lock: a Scheduler firing's)
 	}
-	l.rec.locked(l)
+	l.rec.Locked(l.ref.FP, l.arrived)
 	st, err := d.store.Start(ctx, &store.Start{Ref: l.ref, TTL: d.ttlOf(rule), Allow: l.allows(rule), Mode: l.mode})
 	switch {
 	case err != nil:
 		return true, d.unlocked(ctx, "start", t, next, err)
 	case st.Status == store.StatusElsewhere:
-		l.rec.set(AttemptRefused)
+		l.rec.Set(attempt.Refused)
 		return true, d.elsewhere(t, l.ref.ID)
 	case st.Status == store.StatusAllowed:
 		if !st.New {
@@ -131,11 +132,11 @@ func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, ru
 	case st.Status == store.StatusCooling && st.Holder == l.ref.ID:
 		// It succeeded already, after asynq had given that attempt up: its
 		// key cools down, and the task is not run again.
-		l.rec.set(AttemptCooling)
+		l.rec.Set(attempt.Cooling)
 		d.count(t.Type(), evCooling)
 		return true, nil
 	case st.Status == store.StatusCooling && l.arrived:
-		l.rec.other(AttemptBusyDropped, st.Holder)
+		l.rec.Other(attempt.BusyDropped, st.Holder)
 		return true, d.cooling(t, &l.ref, st.Holder, st.Cooling, st.Failed)
 	case st.Status != store.StatusTaken:
 		return true, d.busy(ctx, t, rule, l, &st)
@@ -192,8 +193,8 @@ func (d *Dedup) lockOf(ctx context.Context, l *lease) (bool, error) {
 
 // runAllowed runs an attempt of a RunningAllow type, which holds no lock
 // while it runs; it is counted as started and processed as any other.
-func (d *Dedup) runAllowed(ctx context.Context, t *asynq.Task, next asynq.Handler, rec *Attempt) error {
-	rec.set(AttemptAllowed)
+func (d *Dedup) runAllowed(ctx context.Context, t *asynq.Task, next asynq.Handler, rec *attempt.Attempt) error {
+	rec.Set(attempt.Allowed)
 	d.count(t.Type(), evStarted)
 	defer d.count(t.Type(), evProcessed) // (a panic too, as run counts it)
 	return next.ProcessTask(ctx, t)
@@ -211,12 +212,12 @@ func (d *Dedup) elsewhere(t *asynq.Task, id string) error {
 // unlocked runs the handler without a lock after a Redis error, if
 // fail-open allows it.
 func (d *Dedup) unlocked(ctx context.Context, op string, t *asynq.Task, next asynq.Handler, err error) error {
-	rec := attemptOf(ctx)
+	rec := attempt.Of(ctx)
 	if d.onRedisError(ctx, op, t.Type(), err) {
-		rec.set(AttemptFailOpen)
+		rec.Set(attempt.FailOpen)
 		return next.ProcessTask(ctx, t)
 	}
-	rec.set(AttemptRefused)
+	rec.Set(attempt.Refused)
 	return unavailable(op, err)
 }
 
@@ -254,17 +255,17 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 		// asynq's scripts release the key (success, revoke) or keep it for
 		// the key's next enqueue to heal (a final failure, archived).
 		d.count(typ, evReleased)
-		l.rec.set(AttemptReleased)
+		l.rec.Set(attempt.Released)
 		return
 	}
 	if !d.findLock(ctx, l) {
-		l.rec.set(AttemptReleased)
+		l.rec.Set(attempt.Released)
 		return
 	}
 	s.Ref = l.ref
 	res, serr := d.store.Settle(context.WithoutCancel(ctx), s)
 	d.report(typ, l, res, serr, live, s.Due)
-	l.rec.settled(res, serr)
+	l.rec.Settled(res, serr)
 }
 
 // settleOf describes the end of an attempt as asynq sees it (processor.go):
@@ -287,7 +288,7 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	switch {
 	case errors.Is(err, context.Canceled) && ctx.Err() != nil && n >= maxRetry && l.calls(&store.Settle{End: store.EndFail}) && d.archived(ctx, &l.ref):
 		// CancelProcessing or a lost lease on the last retry: asynq archives
-		// the task; its failure hold is written, its follow-up queued.
+		// the task; its fail hold is written, its follow-up queued.
 		s.End, s.Err = store.EndFail, failureText(err)
 	case errors.Is(err, context.Canceled) && ctx.Err() != nil:
 		// Cancelled (a shutdown that requeues the task, CancelProcessing, a
@@ -325,7 +326,7 @@ func (d *Dedup) archived(ctx context.Context, ref *store.Ref) bool {
 		case err != nil || !found || state != store.StateActive:
 			return false
 		}
-		t := time.NewTimer(archiveBackoff.Delay(i))
+		t := time.NewTimer(archiveBackoff.delay(i))
 		select {
 		case <-ctx.Done():
 			t.Stop()
@@ -336,7 +337,7 @@ func (d *Dedup) archived(ctx context.Context, ref *store.Ref) bool {
 }
 
 // archiveBackoff paces archived's reads of a record asynq is archiving.
-var archiveBackoff = Backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
+var archiveBackoff = backoff{Min: time.Millisecond, Max: 50 * time.Millisecond}
 
 // nearDeadline reports whether the attempt's deadline comes before a
 // settle call could finish: asynq may then take the attempt as given up and
@@ -364,7 +365,7 @@ func (d *Dedup) report(typ string, l *lease, res store.SettleResult, err error, 
 	case res.Cooling:
 		d.count(typ, evCooling)
 	case res.Failed:
-		d.count(typ, evFailureHeld)
+		d.count(typ, evFailHeld)
 	case res.Held:
 		d.count(typ, evHeld)
 		if res.Follow != "" {
@@ -502,7 +503,7 @@ type lease struct {
 	lost    string      // the task lost its key while it waited (store.HeaderLost)
 	ttl     time.Duration
 	cancel  context.CancelCauseFunc
-	rec     *Attempt // what the middleware did, for a wrapper (WithAttempt); nil: not asked
+	rec     *attempt.Attempt // what the middleware did, for a wrapper (attempt.With); nil: not asked
 
 	refMu        sync.Mutex  // orders lockOf's write of ref.Lock and ref.FP
 	mu           sync.Mutex  // guards returned (outlived runs on its own goroutine)

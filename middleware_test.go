@@ -126,11 +126,11 @@ func TestLockLifecycleOnOutcomes(t *testing.T) {
 				if owner := h.lockOwner(key); owner != info.ID {
 					t.Fatalf("lock owner %q across retry, want %q", owner, info.ID)
 				}
-				if ttl := pttl(t, h.rdb, key); ttl < time.Hour+DefaultTTL-time.Minute {
+				if ttl := pttl(t, h.rdb, key); ttl < time.Hour+defaultTTL-time.Minute {
 					t.Fatalf("lock TTL %v across retry, want retry delay + TTL", ttl)
 				}
 				var dup *DuplicateTaskError
-				if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+				if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 					t.Fatalf("enqueue during retry wait: err = %v, want duplicate of %s", err, info.ID)
 				}
 				return
@@ -187,7 +187,7 @@ func TestHandlerOutlivesTTL(t *testing.T) {
 	// Let two TTLs pass: only the heartbeat keeps the lock.
 	time.Sleep(2 * ttl)
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("enqueue while the long handler runs: err = %v, want duplicate of %s", err, info.ID)
 	}
 	close(release)
@@ -260,7 +260,7 @@ func TestLeftoverAttemptCannotTouchLock(t *testing.T) {
 		t.Fatalf("after the leftover returned: owner %q, want %q (its second attempt runs)", owner, info.ID)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("enqueue while the second attempt runs: %v, want a duplicate of %s", err, info.ID)
 	}
 	close(releaseSecond)
@@ -301,7 +301,7 @@ func TestScheduledTask(t *testing.T) {
 		t.Fatalf("scheduled lock TTL %v does not cover the delay", ttl)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("err = %v, want duplicate of the scheduled task", err)
 	}
 	if r := waitFor(t, rc.runs, "scheduled run"); r.id != info.ID {
@@ -389,7 +389,7 @@ func TestUnlockedTaskTakesLockAtStart(t *testing.T) {
 	}
 	waitFor(t, rc.runs, "run")
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(userTask(3, "from-api"), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != info.ID {
+	if _, err := h.client.Enqueue(userTask(3, "from-api"), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("err = %v, want duplicate of the running unlocked task %s", err, info.ID)
 	}
 	close(release)

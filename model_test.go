@@ -182,7 +182,7 @@ type modelWorld struct {
 func newModelWorld(t *testing.T) *modelWorld {
 	cfg := Config{
 		TTL:              modelTTL,
-		HealGrace:        modelGrace, // never reached by the clock: the Age step ages a lock
+		healGrace:        modelGrace, // never reached by the clock: the Age step ages a lock
 		LockTimeout:      10 * time.Second,
 		RetryDelayFunc:   func(int, error, *asynq.Task) time.Duration { return modelRetry },
 		Rules:            map[string]Rule{modelType: {Fields: []string{"k"}}},
@@ -715,7 +715,7 @@ func (m *modelRun) expectEnqueue(t *rapid.T, e *enqCall, plan enqPlan, res Resul
 			m.diverge(t, "enqueue: the same payload again is not answered with its task", "%s", got)
 		}
 	case enqDup:
-		if !errors.As(err, &dup) || dup.TaskID != plan.h.id {
+		if !errors.As(err, &dup) || dup.Holder != plan.h.id {
 			m.diverge(t, "enqueue: not the duplicate the model names", "%s", got)
 		}
 		if !errors.Is(err, ErrDuplicateTask) || !errors.Is(err, asynq.ErrDuplicateTask) || dup.Key != m.keys[e.k] || dup.Queue != m.queue {
@@ -726,7 +726,7 @@ func (m *modelRun) expectEnqueue(t *rapid.T, e *enqCall, plan enqPlan, res Resul
 			m.diverge(t, "enqueue: not replaced into the holder the model names", "%s (%s)", got, plan.st)
 		}
 	case enqReserved:
-		if err == nil || (errors.As(err, &dup) && dup.TaskID != plan.h.id) {
+		if err == nil || (errors.As(err, &dup) && dup.Holder != plan.h.id) {
 			m.diverge(t, "enqueue: not the wait for an unstored holder", "%s", got)
 		}
 	case enqConflict:

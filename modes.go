@@ -13,7 +13,7 @@ import (
 // or ends need two things more, worked out here once per call: the flags
 // the task carries (so that the middleware knows, without a Redis call,
 // which calls its attempts make) and the key's mode record (the state
-// those calls read: a cooldown's end, a failure hold, the running policy,
+// those calls read: a cooldown's end, a fail hold, the running policy,
 // the waiting set that counts the key, and the type and key form operators
 // read).
 

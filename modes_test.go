@@ -283,7 +283,7 @@ func TestModeRecordKeepsOddTypeNamesVerbatim(t *testing.T) {
 	types := []string{"a11:line\nbreak", "a11:a,b", "<script>alert(1)</script>", "a11:" + strings.Repeat("x", 1024), "a11:\"q\" \t=", "a11:é\u2028"}
 	rules := map[string]Rule{}
 	for _, typ := range types {
-		rules[typ] = Rule{OnFailure: FailHold, FailureHold: time.Hour} // (a mode: the key keeps a mode record)
+		rules[typ] = Rule{OnFailure: FailHold, FailHoldFor: time.Hour} // (a mode: the key keeps a mode record)
 	}
 	h := newHarness(t, Config{Rules: rules})
 	ctx := context.Background()

@@ -7,7 +7,7 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// OptionType is the asynq.OptionType of every per-call option of this
+// optionType is the asynq.optionType of every per-call option of this
 // package. It lies outside asynq's own constants, so asynq ignores these
 // options; the Client removes them before asynq sees the list anyway.
 //
@@ -16,7 +16,7 @@ import (
 // asynq.NewTask (the call's override the task's), and in Scheduler.Register.
 // asynq's own Client and Scheduler drop them silently; use Config.Rules for
 // tasks enqueued that way.
-const OptionType asynq.OptionType = 0x6464
+const optionType asynq.OptionType = 0x6464
 
 // option is a per-call option. It implements asynq.Option.
 type option struct {
@@ -26,7 +26,7 @@ type option struct {
 }
 
 func (o option) String() string            { return o.desc }
-func (o option) Type() asynq.OptionType    { return OptionType }
+func (o option) Type() asynq.OptionType    { return optionType }
 func (o option) Value() any                { return o.desc }
 func (o option) applyTo(r *resolved) error { return o.apply(r) }
 
@@ -62,7 +62,7 @@ func keyOption(name, key string, shared bool) asynq.Option {
 
 // TTL sets how long this call's lock lasts while the task waits, overriding
 // the type's rule and Config.TTL. With ProcessIn/ProcessAt the delay is added.
-// Above MaxLifetime it is MaxLifetime. With Config.OptIn it opts the call in.
+// Above 100 years it is 100 years. With Config.OptIn it opts the call in.
 func TTL(d time.Duration) asynq.Option {
 	return option{desc: fmt.Sprintf("dedup.TTL(%v)", d), apply: func(r *resolved) error {
 		if d <= 0 {

@@ -214,11 +214,11 @@ func (w *osWorld) refused(s *osSpec, sub *osSubmit, recheck bool) {
 		return
 	}
 	// Invariant 4: did a lock whose owner is gone refuse it?
-	st := w.state(dup.Queue, dup.TaskID)
+	st := w.state(dup.Queue, dup.Holder)
 	if !goneState(st) {
 		return
 	}
-	holder := w.taskOf(dup.Queue, dup.TaskID)
+	holder := w.taskOf(dup.Queue, dup.Holder)
 	value, _ := w.h.rdb.Get(context.Background(), dup.Key).Result()
 	p := store.ParseValue(value)
 	m.mu.Lock()
@@ -228,9 +228,9 @@ func (w *osWorld) refused(s *osSpec, sub *osSubmit, recheck bool) {
 	// it is HealGrace old (its time is in whole seconds).
 	stored := p.Kind != store.HoldWrap
 	age := time.Since(p.At)
-	hlabel := dup.TaskID
+	hlabel := dup.Holder
 	if holder != nil {
-		hlabel = holder.label + " " + dup.TaskID
+		hlabel = holder.label + " " + dup.Holder
 	}
 	if holder != nil && m.zombieRuns(holder) {
 		// docs/lifecycle.md: a handler asynq gave up that still runs keeps
@@ -252,7 +252,7 @@ func (w *osWorld) refused(s *osSpec, sub *osSubmit, recheck bool) {
 	m.log = append(m.log, fmt.Sprintf("  · refused by %s, whose task is %s: once more after a second (a process may answer from the lock alone for that long)", hlabel, orMissing(st)))
 	m.mu.Unlock()
 	time.Sleep(1100 * time.Millisecond) // the library's documented window (store.DefaultRecheck), not a wait for a signal
-	if st := w.state(dup.Queue, dup.TaskID); goneState(st) {
+	if st := w.state(dup.Queue, dup.Holder); goneState(st) {
 		again := *s
 		w.submit(&again, false)
 	}

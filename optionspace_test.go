@@ -287,7 +287,7 @@ func describeRule(r Rule) string {
 }
 
 func (w *osWorld) baseConfig(rules map[string]Rule) Config {
-	return Config{TTL: osTTL, heartbeat: (osLease) / 3, HealGrace: osHealGrace, Rules: rules, OnDecision: w.decide,
+	return Config{TTL: osTTL, heartbeat: (osLease) / 3, healGrace: osHealGrace, Rules: rules, OnDecision: w.decide,
 		RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return osDedupRetry }}
 }
 

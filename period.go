@@ -15,7 +15,7 @@ import (
 // runs), and once it succeeds the key stays held until the window ends
 // (*DuplicateTaskError with CoolingDown set, as a Cooldown), whatever
 // becomes of the task's record. A new window is a new key. A task that
-// fails for good frees the key, unless OnFailure holds it. Unlike
+// fails for good frees the key, unless OnFail holds it. Unlike
 // Cooldown, which counts from the take, a window is a fixed bucket of the
 // calendar: a task taken at 23:59 does not block one at 00:01.
 //
@@ -50,8 +50,8 @@ func checkPeriod(d time.Duration) error {
 	switch {
 	case d < time.Second:
 		return errorf("%w: Period %v is shorter than a second", ErrInvalidOption, d)
-	case d > MaxLifetime:
-		return errorf("%w: Period %v is longer than MaxLifetime (%v)", ErrInvalidOption, d, MaxLifetime)
+	case d > maxLifetime:
+		return errorf("%w: Period %v is longer than 100 years", ErrInvalidOption, d)
 	case d >= day && d%day != 0:
 		return errorf("%w: Period %v is a day or more but not whole days", ErrInvalidOption, d)
 	}

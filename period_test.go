@@ -88,7 +88,7 @@ func TestPeriodTakesTheKeyOncePerWindowWhateverBecomesOfTheTask(t *testing.T) {
 		start, end := periodWindow(time.Now(), 24*time.Hour, nil)
 		_, err = h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue))
 		var dup *DuplicateTaskError
-		if !errors.As(err, &dup) || !dup.CoolingDown || dup.TaskID != first.ID {
+		if !errors.As(err, &dup) || !dup.CoolingDown || dup.Holder != first.ID {
 			t.Fatalf("enqueue after the success: %v, want cooling after %s", err, first.ID)
 		}
 		if left := time.Until(end); dup.FreeIn > left+time.Second || dup.FreeIn < left-time.Minute {
@@ -120,7 +120,7 @@ func TestPeriodStartsANewKeyInTheNextWindow(t *testing.T) {
 			continue // the second call crossed into the next window: try again
 		}
 		var dup *DuplicateTaskError
-		if !errors.As(err, &dup) || dup.TaskID != first.ID {
+		if !errors.As(err, &dup) || dup.Holder != first.ID {
 			t.Fatalf("second enqueue in the window: %v, want held by %s", err, first.ID)
 		}
 		time.Sleep(time.Until(end)) // the window is wall-clock time: wait for it to end
@@ -213,7 +213,7 @@ func TestPeriodWindowsInZonesWhoseMidnightIsSkipped(t *testing.T) {
 // Period + FailHoldUntilReleased: the hold ends with the window at the
 // latest (the next window is another key), so no lock is left that no API
 // can reach.
-func TestPeriodFailureHoldEndsWithItsWindow(t *testing.T) {
+func TestPeriodFailHoldEndsWithItsWindow(t *testing.T) {
 	t.Parallel() // mostly waiting: beside the other waiting tests
 	h := newHarness(t, Config{heartbeat: (3 * time.Second) / 3})
 	h.client = h.d.NewClient()
@@ -254,7 +254,7 @@ func TestPeriodAndOnFailureBadValuesLeaveNothing(t *testing.T) {
 		"Period 999ms":                   {Period(999*time.Millisecond, nil)},
 		"Period 25h":                     {Period(25*time.Hour, nil)},
 		"Period day and a ns":            {Period(24*time.Hour+1, nil)},
-		"Period past MaxLifetime":        {Period(MaxLifetime+24*time.Hour, nil)},
+		"Period past MaxLifetime":        {Period(maxLifetime+24*time.Hour, nil)},
 		"Period max int":                 {Period(time.Duration(1<<63-1), nil)},
 		"Period with Cooldown":           {Period(time.Hour, nil), Cooldown(time.Minute)},
 		"Period with RunningDefer rule":  {Period(time.Hour, nil), asynq.Queue("")},
@@ -282,12 +282,12 @@ func TestPeriodAndOnFailureBadValuesLeaveNothing(t *testing.T) {
 			t.Errorf("%s: %d tasks enqueued", path, n)
 		}
 		// The largest values that are valid are taken, and bounded.
-		info, err := h.client.Enqueue(jobTask("huge", 1), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)), OnFailure(FailHold, time.Duration(1<<63-1)))
+		info, err := h.client.Enqueue(jobTask("huge", 1), asynq.Queue(h.queue), Fields("key"), Period(maxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)), OnFailure(FailHold, time.Duration(1<<63-1)))
 		if err != nil {
 			t.Fatalf("%s: the largest Period and FailHold: %v", path, err)
 		}
-		kl, found, err := h.d.Lookup(context.Background(), jobTask("huge", 2), asynq.Queue(h.queue), Fields("key"), Period(MaxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)))
-		if err != nil || !found || kl.Holder != info.ID || kl.TTL <= 0 || kl.TTL > MaxLifetime || !kl.WindowStart.Before(time.Now()) || !kl.WindowEnd.After(time.Now()) {
+		kl, found, err := h.d.Lookup(context.Background(), jobTask("huge", 2), asynq.Queue(h.queue), Fields("key"), Period(maxLifetime/(24*time.Hour)*24*time.Hour, time.FixedZone("odd", 5*3600+1)))
+		if err != nil || !found || kl.Holder != info.ID || kl.TTL <= 0 || kl.TTL > maxLifetime || !kl.WindowStart.Before(time.Now()) || !kl.WindowEnd.After(time.Now()) {
 			t.Errorf("%s: Lookup of the largest Period: %+v %v %v", path, kl, found, err)
 		}
 	}
@@ -311,7 +311,7 @@ func TestPeriodWithReplaceAndACallerIDCoolsAfterSuccess(t *testing.T) {
 	_, end := periodWindow(time.Now(), 24*time.Hour, nil)
 	_, err = h.client.Enqueue(jobTask("c", 3), asynq.Queue(h.queue), asynq.TaskID("digest-c-3"))
 	var d *DuplicateTaskError
-	if !errors.As(err, &d) || !d.CoolingDown || d.TaskID != first.ID {
+	if !errors.As(err, &d) || !d.CoolingDown || d.Holder != first.ID {
 		t.Fatalf("enqueue after the success: %v, want cooling after %s", err, first.ID)
 	}
 	if left := time.Until(end); d.FreeIn > left+time.Second || d.FreeIn < left-time.Minute {
@@ -402,7 +402,7 @@ func TestPeriodAndOnFailureApplyToArrivalsWithoutALock(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, ran, "the failing arrival")
-	eventually(t, "held", func() bool { return h.d.Stats().FailureHeld == 1 })
+	eventually(t, "held", func() bool { return h.d.Stats().FailHeld == 1 })
 	failedDup(t, h.client, asynq.NewTask("job:fail", []byte(`{"key":"b","n":2}`)), h.queue, f1.ID)
 	kl, _, _ := h.d.Lookup(context.Background(), asynq.NewTask("job:fail", []byte(`{"key":"b"}`)), asynq.Queue(h.queue))
 	if kl.State != "failed" || !strings.Contains(kl.LastError, "no such account") {

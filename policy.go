@@ -170,15 +170,6 @@ type Result struct {
 	FailOpen bool
 }
 
-// KeyHash returns the fingerprint a lock key ends with (such as
-// DuplicateTaskError.Key, BusyError.Key, Decision.Key): the key hashed,
-// as Result.Fingerprint holds it. It returns "" for a string that does
-// not end as a lock key does.
-func KeyHash(lockKey string) string {
-	_, _, fp, _ := store.ParseLockKey(lockKey)
-	return fp
-}
-
 // OnConflict sets this call's policy for a key held by a waiting task,
 // overriding the type's rule. Merge needs a merge function: the call's
 // MergeWith, or the type's Rule.MergeFunc. With Config.OptIn it opts the

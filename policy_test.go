@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/attempt"
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
@@ -48,7 +49,7 @@ func addMerge(old, new []byte) ([]byte, error) {
 	return json.Marshal(a)
 }
 
-func TestReplaceCoalescesWaitingTasks(t *testing.T) {
+func TestReplaceFoldsIntoWaitingTasks(t *testing.T) {
 	t.Parallel()     // mostly waiting: beside the other waiting tests
 	needRealRedis(t) // 10,000 Lua calls: seconds on redis-server, minutes on miniredis
 	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}, OnConflict: Replace}}})
@@ -129,7 +130,7 @@ func TestReplaceCoalescesWaitingTasks(t *testing.T) {
 		tasks, err := h.insp.ListCompletedTasks(h.queue, asynq.PageSize(10))
 		return err == nil && len(tasks) > 0 && string(tasks[0].Result) == "seq="+strconv.Itoa(perKey-1)
 	})
-	if s := h.d.StatsByType()["counter"]; s.Coalesced != keys*(perKey-1) || s.Locked != keys {
+	if s := h.d.StatsByType()["counter"]; s.Replaced != keys*(perKey-1) || s.Locked != keys {
 		t.Fatalf("stats %+v", s)
 	}
 }
@@ -503,10 +504,10 @@ func TestOnDecisionHearsDuplicatesFoldsAndBusy(t *testing.T) {
 	defer mu.Unlock()
 	key := h.keyOf(counterTask("k", 0, 0), h.queue)
 	want := []Decision{
-		{Event: "coalesced", TaskID: first.ID},
+		{Event: "replaced", TaskID: first.ID},
 		{Event: "duplicate", TaskID: first.ID},
 		{Event: "deferred", TaskID: d1.TaskID, FollowUp: true},
-		{Event: "coalesced", TaskID: d1.TaskID, FollowUp: true},
+		{Event: "replaced", TaskID: d1.TaskID, FollowUp: true},
 		{Event: "busy", TaskID: first.ID},
 	}
 	if len(heard) != len(want) {
@@ -524,8 +525,8 @@ func TestOnDecisionHearsDuplicatesFoldsAndBusy(t *testing.T) {
 func TestOnDecisionPanicDoesNotFailTheCall(t *testing.T) {
 	h := newHarness(t, Config{OnDecision: func(Decision) { panic("hook") }})
 	first := h.enqueue(userTask(1, ""))
-	if dup := h.duplicateOf(userTask(1, "")); dup.TaskID != first.ID {
-		t.Fatalf("duplicate of %s, want %s", dup.TaskID, first.ID)
+	if dup := h.duplicateOf(userTask(1, "")); dup.Holder != first.ID {
+		t.Fatalf("duplicate of %s, want %s", dup.Holder, first.ID)
 	}
 }
 
@@ -569,7 +570,7 @@ func TestOnDecisionMarksADuplicateOfAFollowUp(t *testing.T) {
 	}
 	_, err = h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
 	var dup *DuplicateTaskError
-	if !errors.As(err, &dup) || dup.TaskID != d1.TaskID {
+	if !errors.As(err, &dup) || dup.Holder != d1.TaskID {
 		t.Fatalf("second enqueue: %v, want a duplicate of the follow-up %s", err, d1.TaskID)
 	}
 	heard := rec.all()
@@ -998,7 +999,7 @@ func TestReplaceFoldFastPathRefusesAHolderOfAnotherTypeUnderASharedKey(t *testin
 	for i := 0; i < 2; i++ { // (the second meets the holder through the hint)
 		_, err = h.client.Submit(ctx, asynq.NewTask("other", []byte(`{"seq":9}`)), asynq.Queue(h.queue))
 		var dup *DuplicateTaskError
-		if !errors.As(err, &dup) || dup.TaskID != a.TaskID || dup.Type != "other" || dup.CoolingDown || dup.Failed {
+		if !errors.As(err, &dup) || dup.Holder != a.TaskID || dup.Type != "other" || dup.CoolingDown || dup.FailHeld {
 			t.Fatalf("other type's replace %d: %v (%+v), want a duplicate of %s", i, err, dup, a.TaskID)
 		}
 	}
@@ -1020,13 +1021,13 @@ func TestEnumsPrintAWordForEveryValueZeroIncluded(t *testing.T) {
 		return s != ""
 	}
 	values := map[string][]fmt.Stringer{
-		"Outcome":        {Outcome(0), Created, Replaced, Merged, Deferred},
-		"Conflict":       {Conflict(0), Replace, Merge},
-		"Running":        {Running(0), RunningAllow, RunningDefer},
-		"Busy":           {Busy(0), BusyDrop, BusyFold},
-		"Failure":        {Failure(0), FailHold, FailHoldUntilReleased},
-		"BreakerState":   {BreakerState(0), BreakerOpen, BreakerProbing},
-		"AttemptOutcome": {AttemptOutcome(0), AttemptSuperseded},
+		"Outcome":         {Outcome(0), Created, Replaced, Merged, Deferred},
+		"Conflict":        {Conflict(0), Replace, Merge},
+		"Running":         {Running(0), RunningAllow, RunningDefer},
+		"Busy":            {Busy(0), BusyDrop, BusyFold},
+		"Failure":         {Failure(0), FailHold, FailHoldUntilReleased},
+		"breakerState":    {breakerState(0), breakerOpen, breakerProbing},
+		"attempt.Outcome": {attempt.Outcome(0), attempt.Superseded},
 	}
 	for typ, vs := range values {
 		for _, v := range vs {

@@ -68,7 +68,7 @@ func (h *harness) asynqDone() {
 // settled waits until the middleware has settled n attempts (held, released or cooling).
 func (h *harness) settled(n uint64) {
 	h.t.Helper()
-	eventually(h.t, "attempt settled", func() bool { s := h.d.Stats(); return s.Held+s.Released+s.Cooling+s.FailureHeld >= n })
+	eventually(h.t, "attempt settled", func() bool { s := h.d.Stats(); return s.Held+s.Released+s.Cooling+s.FailHeld >= n })
 }
 
 // heldAfterGiveUp runs a task whose handler ignores its context and
@@ -85,8 +85,8 @@ func heldAfterGiveUp(t *testing.T, tweak func(*asynq.Config), opt asynq.Option, 
 		giveUp(t, h, srv, first.ID)
 		close(release) // the handler reports success after asynq gave up on it
 		h.settled(1)
-		if dup := h.duplicateOf(counterTask("k", 1, 1)); dup.TaskID != first.ID {
-			t.Fatalf("duplicate of %s, want %s, which asynq runs again", dup.TaskID, first.ID)
+		if dup := h.duplicateOf(counterTask("k", 1, 1)); dup.Holder != first.ID {
+			t.Fatalf("duplicate of %s, want %s, which asynq runs again", dup.Holder, first.ID)
 		}
 	})
 }
@@ -227,7 +227,7 @@ func TestPromisePayloadOnlyLandsInItsOwnType(t *testing.T) {
 				for i := range 3 { // the second and third go through this process's hint
 					_, err := h.client.Enqueue(asynq.NewTask("invoice:build", []byte(`{"invoice":42}`)), asynq.Queue(h.queue))
 					var dup *DuplicateTaskError
-					if !errors.As(err, &dup) || dup.TaskID != email.ID {
+					if !errors.As(err, &dup) || dup.Holder != email.ID {
 						t.Fatalf("enqueue %d of another type: %v, want a duplicate of %s", i, err, email.ID)
 					}
 				}
@@ -242,7 +242,7 @@ func TestPromisePayloadOnlyLandsInItsOwnType(t *testing.T) {
 				waitFor(t, rc.runs, "email runs")
 				_, err := h.client.Enqueue(asynq.NewTask("invoice:build", []byte(`{"invoice":43}`)), asynq.Queue(h.queue))
 				var dup *DuplicateTaskError
-				if !errors.As(err, &dup) || dup.TaskID != email.ID {
+				if !errors.As(err, &dup) || dup.Holder != email.ID {
 					t.Fatalf("enqueue behind the running email: %v, want a duplicate of %s", err, email.ID)
 				}
 				if n := h.queueSize(h.queue); n != 1 {
@@ -445,8 +445,8 @@ func TestPromiseDirectLockFreeOnceItsTaskIsGone(t *testing.T) {
 		if err := h.insp.DeleteTask(h.queue, first.ID); err != nil {
 			t.Fatal(err)
 		}
-		if dup := h.duplicateOf(userTask(1, "")); dup.TaskID != first.ID {
-			t.Fatalf("duplicate of %s, want %s (a lock younger than HealGrace)", dup.TaskID, first.ID)
+		if dup := h.duplicateOf(userTask(1, "")); dup.Holder != first.ID {
+			t.Fatalf("duplicate of %s, want %s (a lock younger than HealGrace)", dup.Holder, first.ID)
 		}
 	})
 	t.Run("a task arriving without a lock takes it at once", func(t *testing.T) {

@@ -30,7 +30,7 @@ func TestRegressionCallerIDConflictKeepsLiveLock(t *testing.T) {
 		t.Fatalf("lock owner %q, want %q", owner, first.ID)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != first.ID {
+	if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != first.ID {
 		t.Fatalf("third enqueue: err = %v, want duplicate of %s", err, first.ID)
 	}
 }
@@ -75,7 +75,7 @@ func TestRegressionShutdownOnLastAttemptHolds(t *testing.T) {
 		t.Fatalf("task state %v after shutdown, want pending (requeued)", st)
 	}
 	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.TaskID != first.ID {
+	if _, err := h.client.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != first.ID {
 		t.Fatalf("err = %v, want duplicate of the requeued %s", err, first.ID)
 	}
 }

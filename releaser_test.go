@@ -26,7 +26,7 @@ func TestReleasedNewClientHolderTakesOrGivesWay(t *testing.T) {
 			t.Fatalf("Lookup while the released task runs: %+v, %v, %v; want running, held by %s", l, found, err, a.ID)
 		}
 		var dup *DuplicateTaskError
-		if _, err := h.client.Enqueue(counterTask("k", 1, 2), opts...); !errors.As(err, &dup) || dup.TaskID != a.ID {
+		if _, err := h.client.Enqueue(counterTask("k", 1, 2), opts...); !errors.As(err, &dup) || dup.Holder != a.ID {
 			t.Fatalf("duplicate while the released task runs: %v; want one naming %s", err, a.ID)
 		}
 	})

@@ -26,7 +26,7 @@ func TestRelocatedDuplicateIsHeardByOnDecision(t *testing.T) {
 	again := asynq.NewTask("user:reindex", userTask(7, "").Payload(), asynq.Queue(h.queue))
 	_, err := h.client.Enqueue(again)
 	var dup *DuplicateTaskError
-	if !errors.As(err, &dup) || dup.TaskID != first.ID {
+	if !errors.As(err, &dup) || dup.Holder != first.ID {
 		t.Fatalf("enqueue with the queue in NewTask: %v, want a duplicate of %s", err, first.ID)
 	}
 	heard := rec.all()

@@ -14,28 +14,28 @@ import (
 
 // Defaults of ReportConfig.
 const (
-	DefaultReportWindow  = time.Minute
-	DefaultReportTopK    = 10
-	DefaultReportMaxKeys = 10000
+	defaultReportWindow  = time.Minute
+	defaultReportTopK    = 10
+	defaultReportMaxKeys = 10000
 )
 
 // ReportConfig configures the hot-key report (Dedup.StartReporter). The zero
 // value is ready to use.
 type ReportConfig struct {
 	// Window is how often the report is logged; each report covers the
-	// window since the previous one. Default DefaultReportWindow (1 minute).
+	// window since the previous one. Default 1 minute.
 	Window time.Duration
 
-	// TopK is how many of the most coalesced keys each type's report lists.
-	// Default DefaultReportTopK (10).
+	// TopK is how many of the most folded keys each type's report lists.
+	// Default 10.
 	TopK int
 
 	// MaxKeys bounds the distinct keys counted in one window, all types
 	// together (about 150 bytes each). Past it the least counted key makes
 	// room for the new one (the Space-Saving algorithm): a key that makes up
-	// more than 1/MaxKeys of the window's coalesces is never dropped, and a
+	// more than 1/MaxKeys of the window's folds is never dropped, and a
 	// listed count may be too high by at most the "overcount" logged beside
-	// it. Default DefaultReportMaxKeys (10,000).
+	// it. Default 10,000.
 	MaxKeys int
 
 	// ExplicitKeys logs the explicit key (dedup.Key, dedup.SharedKey,
@@ -54,17 +54,17 @@ type ReportConfig struct {
 
 // StartReporter starts logging, every cfg.Window, one record per task type
 // that had enqueues in the window: the enqueue attempts that reached a lock,
-// how many of them were coalesced (Replace), merged (Merge), deferred
-// (Defer) or rejected as duplicates, the coalescing ratio
+// how many of them were replaced (Replace), merged (Merge), deferred
+// (Defer) or rejected as duplicates, the fold ratio
 //
-//	(coalesced + merged + deferred) / (locked + coalesced + merged + deferred + duplicates)
+//	(replaced + merged + deferred) / (locked + replaced + merged + deferred + duplicates)
 //
-// and the type's most coalesced keys of the window, by fingerprint (16 hex
+// and the type's most folded keys of the window, by fingerprint (16 hex
 // digits, the lock key's last part) and count. For example, with
 // slog.NewJSONHandler:
 //
-//	{"level":"INFO","msg":"dedup: coalescing report","type":"email:digest","window":"1m0s",
-//	 "attempts":120,"locked":20,"coalesced":95,"merged":0,"deferred":0,"duplicates":5,
+//	{"level":"INFO","msg":"dedup: fold report","type":"email:digest","window":"1m0s",
+//	 "attempts":120,"locked":20,"replaced":95,"merged":0,"deferred":0,"duplicates":5,
 //	 "ratio":0.7917,"keys":20,"top":[{"fingerprint":"9f2c…","count":40},…]}
 //
 // "keys" is the number of the type's keys counted in the window; "evicted",
@@ -72,7 +72,7 @@ type ReportConfig struct {
 // made room for others. Explicit keys are logged only with
 // ReportConfig.ExplicitKeys, payloads never.
 //
-// The reporter is off until started; while it is off, coalesces cost nothing
+// The reporter is off until started; while it is off, folds cost nothing
 // to track. Calling StartReporter again logs the window so far and starts
 // anew with cfg. Close logs the last, partial window and stops it. It fails
 // with ErrInvalidOption for a negative setting or after Close.
@@ -81,7 +81,7 @@ func (d *Dedup) StartReporter(cfg ReportConfig) error {
 		return errorf("%w: ReportConfig has a negative setting", ErrInvalidOption)
 	}
 	if cfg.Window == 0 {
-		cfg.Window = DefaultReportWindow
+		cfg.Window = defaultReportWindow
 	}
 	t := time.NewTicker(cfg.Window)
 	if err := d.startReporter(cfg, t.C, t.Stop); err != nil {
@@ -95,10 +95,10 @@ func (d *Dedup) StartReporter(cfg ReportConfig) error {
 // the ticks).
 func (d *Dedup) startReporter(cfg ReportConfig, tick <-chan time.Time, stopTick func()) error {
 	if cfg.TopK == 0 {
-		cfg.TopK = DefaultReportTopK
+		cfg.TopK = defaultReportTopK
 	}
 	if cfg.MaxKeys == 0 {
-		cfg.MaxKeys = DefaultReportMaxKeys
+		cfg.MaxKeys = defaultReportMaxKeys
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = d.log
@@ -119,17 +119,17 @@ func (d *Dedup) startReporter(cfg ReportConfig, tick <-chan time.Time, stopTick 
 	return nil
 }
 
-// noteCoalesced records that an enqueue was folded into the task holding a
+// noteFold records that an enqueue was folded into the task holding a
 // key (Replace, Merge or Defer), for the hot-key report. key is the explicit
 // key when the call used one, else "". It is cheap and safe for concurrent
 // use; with no reporter running it returns at once.
-func (d *Dedup) noteCoalesced(typ, fpHex, key string) {
+func (d *Dedup) noteFold(typ, fpHex, key string) {
 	if r := d.stats.rep.Load(); r != nil {
 		r.note(typ, fpHex, key)
 	}
 }
 
-// reporter tracks the most coalesced keys of the current window.
+// reporter tracks the most folded keys of the current window.
 type reporter struct {
 	d   *Dedup
 	cfg ReportConfig
@@ -141,7 +141,7 @@ type reporter struct {
 
 type hotKey struct{ typ, fp string }
 
-// hotEntry is one tracked key. n counts its coalesces in the window, over of
+// hotEntry is one tracked key. n counts its folds in the window, over of
 // them at most may belong to keys it displaced (Space-Saving).
 type hotEntry struct {
 	k    hotKey
@@ -245,7 +245,7 @@ func (r *reporter) reportNow() {
 	}
 	for _, typ := range reportTypes(cur, byType) {
 		if attrs := r.typeReport(typ, cur[typ], base[typ], byType[typ], w, now); attrs != nil {
-			r.cfg.Logger.LogAttrs(ctx, r.cfg.Level, "dedup: coalescing report", attrs...)
+			r.cfg.Logger.LogAttrs(ctx, r.cfg.Level, "dedup: fold report", attrs...)
 		}
 	}
 }
@@ -269,7 +269,7 @@ func reportTypes(cur map[string]counts, byType map[string][]*hotEntry) []string 
 // enqueues in it.
 func (r *reporter) typeReport(typ string, c, b counts, es []*hotEntry, w *window, now time.Time) []slog.Attr {
 	delta := func(e event) uint64 { return c[e] - b[e] }
-	folded := delta(evCoalesced) + delta(evMerged) + delta(evDeferred)
+	folded := delta(evReplaced) + delta(evMerged) + delta(evDeferred)
 	attempts := folded + delta(evLocked) + delta(evDuplicate)
 	if attempts == 0 && len(es) == 0 {
 		return nil
@@ -283,7 +283,7 @@ func (r *reporter) typeReport(typ string, c, b counts, es []*hotEntry, w *window
 		slog.String("window", now.Sub(w.start).Round(time.Millisecond).String()),
 		slog.Uint64("attempts", attempts),
 		slog.Uint64("locked", delta(evLocked)),
-		slog.Uint64("coalesced", delta(evCoalesced)),
+		slog.Uint64("replaced", delta(evReplaced)),
 		slog.Uint64("merged", delta(evMerged)),
 		slog.Uint64("deferred", delta(evDeferred)),
 		slog.Uint64("duplicates", delta(evDuplicate)),
@@ -297,7 +297,7 @@ func (r *reporter) typeReport(typ string, c, b counts, es []*hotEntry, w *window
 	return attrs
 }
 
-// top lists the most coalesced of a type's keys, most first.
+// top lists the most folded of a type's keys, most first.
 func (r *reporter) top(es []*hotEntry) hotKeys {
 	slices.SortFunc(es, func(a, b *hotEntry) int {
 		if c := cmp.Compare(b.n, a.n); c != 0 {

@@ -67,7 +67,7 @@ type reportRecord struct {
 	Type       string            `json:"type"`
 	Attempts   uint64            `json:"attempts"`
 	Locked     uint64            `json:"locked"`
-	Coalesced  uint64            `json:"coalesced"`
+	Replaced   uint64            `json:"replaced"`
 	Merged     uint64            `json:"merged"`
 	Deferred   uint64            `json:"deferred"`
 	Duplicates uint64            `json:"duplicates"`
@@ -115,14 +115,14 @@ func TestReportTopKeysAndRatio(t *testing.T) {
 		t.Fatal(err)
 	}
 	countN(d, "t", evLocked, 3)
-	countN(d, "t", evCoalesced, 4)
+	countN(d, "t", evReplaced, 4)
 	countN(d, "t", evMerged, 1)
 	countN(d, "t", evDeferred, 1)
 	countN(d, "t", evDuplicate, 1)
 	countN(d, "t", evReleased, 9) // not an enqueue: not in the ratio
 	for i, n := range []int{2, 3, 1} {
 		for range n {
-			d.noteCoalesced("t", fp(i), "alice@example.com")
+			d.noteFold("t", fp(i), "alice@example.com")
 		}
 	}
 	countN(d, "u", evLocked, 2)
@@ -134,10 +134,10 @@ func TestReportTopKeysAndRatio(t *testing.T) {
 		t.Fatalf("records %+v", recs)
 	}
 	r := recs[0]
-	if r.Msg != "dedup: coalescing report" || r.Level != "INFO" {
+	if r.Msg != "dedup: fold report" || r.Level != "INFO" {
 		t.Fatalf("record %+v", r)
 	}
-	if r.Attempts != 10 || r.Locked != 3 || r.Coalesced != 4 || r.Merged != 1 || r.Deferred != 1 || r.Duplicates != 1 || r.Ratio != 0.6 || r.Keys != 3 {
+	if r.Attempts != 10 || r.Locked != 3 || r.Replaced != 4 || r.Merged != 1 || r.Deferred != 1 || r.Duplicates != 1 || r.Ratio != 0.6 || r.Keys != 3 {
 		t.Fatalf("counts %+v", r)
 	}
 	want := []hotKeyReport{{Fingerprint: fp(1), Count: 3}, {Fingerprint: fp(0), Count: 2}}
@@ -155,8 +155,8 @@ func TestReportTopKeysAndRatio(t *testing.T) {
 	// (Reported synchronously: a tick only says the loop took it, not that
 	// its report is done.)
 	d.reportNowForTest(t)
-	countN(d, "u", evCoalesced, 1)
-	d.noteCoalesced("u", fp(7), "")
+	countN(d, "u", evReplaced, 1)
+	d.noteFold("u", fp(7), "")
 	d.reportNowForTest(t)
 	recs = sink.records(t)
 	if len(recs) != 3 {
@@ -175,9 +175,9 @@ func TestReportExplicitKeysOnlyWhenOptedIn(t *testing.T) {
 			if err := d.StartReporter(ReportConfig{Window: time.Hour, ExplicitKeys: opt, Logger: sink.json(), Level: slog.LevelWarn}); err != nil {
 				t.Fatal(err)
 			}
-			d.noteCoalesced("t", fp(1), "alice@example.com")
-			d.noteCoalesced("t", fp(1), "alice@example.com")
-			d.noteCoalesced("t", fp(2), "") // a fields key: nothing to show
+			d.noteFold("t", fp(1), "alice@example.com")
+			d.noteFold("t", fp(1), "alice@example.com")
+			d.noteFold("t", fp(2), "") // a fields key: nothing to show
 			if e := d.stats.rep.Load().win.idx[hotKey{"t", fp(1)}]; (e.key != "") != opt {
 				t.Fatalf("key kept in memory: %q", e.key)
 			}
@@ -205,9 +205,9 @@ func TestReportOffLogsNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	countN(d, "t", evCoalesced, 5)
-	if n := testing.AllocsPerRun(1000, func() { d.noteCoalesced("t", "0123456789abcdef", "k") }); n != 0 {
-		t.Fatalf("noteCoalesced allocates %v times with the reporter off", n)
+	countN(d, "t", evReplaced, 5)
+	if n := testing.AllocsPerRun(1000, func() { d.noteFold("t", "0123456789abcdef", "k") }); n != 0 {
+		t.Fatalf("noteFold allocates %v times with the reporter off", n)
 	}
 	if err := d.Close(); err != nil {
 		t.Fatal(err)
@@ -230,7 +230,7 @@ func TestReporterTicksAndCloseReportsLastWindow(t *testing.T) {
 	if err := d.StartReporter(ReportConfig{Window: time.Millisecond, Logger: sink.json()}); err != nil {
 		t.Fatal(err)
 	}
-	countN(d, "t", evCoalesced, 1)
+	countN(d, "t", evReplaced, 1)
 	sink.wait(t, 1) // a real ticker's report
 	// Restart with a window too long to tick: only Close reports.
 	if err := d.StartReporter(ReportConfig{Window: time.Hour, Logger: sink.json()}); err != nil {
@@ -238,7 +238,7 @@ func TestReporterTicksAndCloseReportsLastWindow(t *testing.T) {
 	}
 	before := len(sink.records(t))
 	countN(d, "t", evLocked, 1)
-	d.noteCoalesced("t", fp(3), "")
+	d.noteFold("t", fp(3), "")
 	if err := d.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -275,13 +275,13 @@ func TestReportBoundedKeys(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := range 100 {
-		d.noteCoalesced("t", fp(1000+i), "")
+		d.noteFold("t", fp(1000+i), "")
 	}
 	for range 20 {
-		d.noteCoalesced("t", fp(1), "")
+		d.noteFold("t", fp(1), "")
 	}
 	for range 10 {
-		d.noteCoalesced("t", fp(2), "")
+		d.noteFold("t", fp(2), "")
 	}
 	if w := d.stats.rep.Load().win; len(w.h) != 4 || len(w.idx) != 4 {
 		t.Fatalf("tracking %d/%d keys, bound 4", len(w.h), len(w.idx))
@@ -319,7 +319,7 @@ func TestReportConcurrentNotesCountedOnce(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := range each {
-				d.noteCoalesced(fmt.Sprint("t", w%2), fp(i%50), "")
+				d.noteFold(fmt.Sprint("t", w%2), fp(i%50), "")
 			}
 		}()
 	}
@@ -341,7 +341,7 @@ func TestReportConcurrentNotesCountedOnce(t *testing.T) {
 		}
 	}
 	if total != workers*each {
-		t.Fatalf("counted %d coalesces over %d reports, want %d", total, reports, workers*each)
+		t.Fatalf("counted %d folds over %d reports, want %d", total, reports, workers*each)
 	}
 }
 
@@ -365,7 +365,7 @@ func TestReportThroughReplace(t *testing.T) {
 	r := recs[0]
 	fpHex := fpOfLock(taskLock(t, h.rdb, h.queue, first.ID))
 	want := []hotKeyReport{{Fingerprint: fpHex, Key: "acct-42", Count: 2}}
-	if r.Locked != 1 || r.Coalesced != 2 || r.Attempts != 3 || fmt.Sprint(r.top(t)) != fmt.Sprint(want) {
+	if r.Locked != 1 || r.Replaced != 2 || r.Attempts != 3 || fmt.Sprint(r.top(t)) != fmt.Sprint(want) {
 		t.Fatalf("record %+v top %+v, want top %+v", r, r.top(t), want)
 	}
 	if strings.Contains(sink.text(), "v2") || strings.Contains(sink.text(), "v3") {

@@ -28,20 +28,20 @@ import (
 // succeeds until no replica whose clock lags by up to MaxSkew can still
 // produce that firing. See docs/scheduler.md.
 
-// DefaultMaxSkew is SchedulerOpts.MaxSkew's default: one minute, far above
+// defaultMaxSkew is SchedulerOpts.MaxSkew's default: one minute, far above
 // what NTP-synchronised hosts drift apart.
-const DefaultMaxSkew = time.Minute
+const defaultMaxSkew = time.Minute
 
 // Headers of the tasks a Scheduler enqueues, so a handler can tell which
 // firing it runs (SchedulerFiring reads them). They are added to the task's
 // own headers (asynq.NewTaskWithHeaders), replacing any of the same name.
 const (
-	// SchedulerEntryHeader holds the ID of the entry that enqueued the task,
+	// schedulerEntryHeader holds the ID of the entry that enqueued the task,
 	// as Scheduler.Register returned it.
-	SchedulerEntryHeader = "dedup-scheduler-entry"
-	// SchedulerFiringHeader holds the firing the task was enqueued for:
+	schedulerEntryHeader = "dedup-scheduler-entry"
+	// schedulerFiringHeader holds the firing the task was enqueued for:
 	// RFC 3339 in UTC, whole seconds ("2025-01-31T09:00:00Z").
-	SchedulerFiringHeader = "dedup-scheduler-firing"
+	schedulerFiringHeader = "dedup-scheduler-firing"
 )
 
 // SchedulerOpts configures a Scheduler. The zero value (or nil) is ready to
@@ -57,7 +57,7 @@ type SchedulerOpts struct {
 	// succeeds, until (next firing − this firing) + MaxSkew after it was
 	// taken, so that a replica whose clock lags by up to MaxSkew finds it
 	// held. Replicas further apart may run a firing twice. Default
-	// DefaultMaxSkew (1 minute), also when zero or negative.
+	// 1 minute, also when zero or negative.
 	MaxSkew time.Duration
 
 	// PreEnqueueFunc, if set, is called before each enqueue of a firing,
@@ -134,7 +134,7 @@ func NewScheduler(d *Dedup, opts *SchedulerOpts) *Scheduler {
 		o.Location = time.UTC
 	}
 	if o.MaxSkew <= 0 {
-		o.MaxSkew = DefaultMaxSkew
+		o.MaxSkew = defaultMaxSkew
 	}
 	if o.Logger == nil {
 		o.Logger = d.log
@@ -151,7 +151,7 @@ func NewScheduler(d *Dedup, opts *SchedulerOpts) *Scheduler {
 // The entry ID is a hash of the schedule (and the time zone it is read in),
 // the task's type and payload and its queue: every replica that registers
 // the same entry gets the same ID, and its tasks carry it
-// (SchedulerEntryHeader). "@every d" fires at the multiples of d since the
+// (header dedup-scheduler-entry). "@every d" fires at the multiples of d since the
 // Unix epoch, not every d from its start as in asynq, so that replicas agree.
 //
 // The options are checked once, here, composed with the type's rule as
@@ -255,8 +255,8 @@ func (s *Scheduler) Shutdown() {
 // task for, read from its headers; ok is false for a task without them.
 func SchedulerFiring(task *asynq.Task) (entryID string, at time.Time, ok bool) {
 	h := task.Headers()
-	entryID = h[SchedulerEntryHeader]
-	at, err := time.Parse(time.RFC3339, h[SchedulerFiringHeader])
+	entryID = h[schedulerEntryHeader]
+	at, err := time.Parse(time.RFC3339, h[schedulerFiringHeader])
 	if entryID == "" || err != nil {
 		return "", time.Time{}, false
 	}
@@ -324,7 +324,7 @@ func (s *Scheduler) sleepUntil(ctx context.Context, t time.Time) bool {
 // and reports the outcome to the hooks. The enqueue must end before the
 // next firing is due.
 func (s *Scheduler) fire(ctx context.Context, e *schedEntry, at, following time.Time) {
-	hold := MaxLifetime
+	hold := maxLifetime
 	if !following.IsZero() {
 		hold = following.Sub(at) + s.opts.MaxSkew
 		var cancel context.CancelFunc
@@ -345,7 +345,7 @@ func (s *Scheduler) fire(ctx context.Context, e *schedEntry, at, following time.
 	case err == nil:
 		s.log.Debug("dedup: scheduler enqueued a firing", append(attrs, slog.String("task_id", res.TaskID))...)
 	case errors.As(err, &dup):
-		s.log.Debug("dedup: scheduler: another replica enqueued this firing", append(attrs, slog.String("holder", dup.TaskID))...)
+		s.log.Debug("dedup: scheduler: another replica enqueued this firing", append(attrs, slog.String("holder", dup.Holder))...)
 	case errors.Is(err, context.Canceled) && errors.Is(ctx.Err(), context.Canceled): // Unregister, Shutdown
 		s.log.Debug("dedup: scheduler stopped during an enqueue", append(attrs, slog.Any("error", err))...)
 	default:
@@ -362,8 +362,8 @@ func (s *Scheduler) fire(ctx context.Context, e *schedEntry, at, following time.
 func (e *schedEntry) firing(at time.Time, hold time.Duration) (*asynq.Task, []asynq.Option) {
 	h := make(map[string]string, len(e.headers)+2)
 	maps.Copy(h, e.headers)
-	h[SchedulerEntryHeader] = e.id
-	h[SchedulerFiringHeader] = at.UTC().Format(time.RFC3339)
+	h[schedulerEntryHeader] = e.id
+	h[schedulerFiringHeader] = at.UTC().Format(time.RFC3339)
 	opts := make([]asynq.Option, 0, len(e.opts)+4)
 	opts = append(opts, e.opts...)
 	opts = append(opts,
@@ -406,7 +406,7 @@ func (s *Scheduler) newEntry(spec string, task *asynq.Task, opts []asynq.Option)
 // check composes a firing of e as an enqueue will, so that what would fail
 // at every firing fails at Register instead.
 func (s *Scheduler) check(e *schedEntry) error {
-	task, opts := e.firing(e.sched.next(s.now()), DefaultMaxSkew)
+	task, opts := e.firing(e.sched.next(s.now()), defaultMaxSkew)
 	var k call
 	err := s.client.compose(&k, task, opts)
 	switch {

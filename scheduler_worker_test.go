@@ -61,7 +61,7 @@ func runSchedWorker() error {
 	defer d.Close()
 	s := NewScheduler(d, &SchedulerOpts{PostEnqueueFunc: func(info *asynq.TaskInfo, err error) {
 		if err == nil {
-			rdb.RPush(context.Background(), schedCreatedKey(prefix), info.Headers[SchedulerFiringHeader])
+			rdb.RPush(context.Background(), schedCreatedKey(prefix), info.Headers[schedulerFiringHeader])
 		}
 	}})
 	s.now = func() time.Time { return time.Now().Add(offset) }

@@ -206,7 +206,7 @@ func TestSameCallerIDFoldsLikeAnyCall(t *testing.T) {
 			h.enqueue(counterTask("k", 1, 1), asynq.TaskID(id))
 			_, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID(id))
 			var dup *DuplicateTaskError
-			if !errors.As(err, &dup) || dup.TaskID != id || !errors.Is(err, asynq.ErrTaskIDConflict) {
+			if !errors.As(err, &dup) || dup.Holder != id || !errors.Is(err, asynq.ErrTaskIDConflict) {
 				t.Fatalf("second call with the holder's ID: %v, want a DuplicateTaskError naming %s that also matches asynq.ErrTaskIDConflict", err, id)
 			}
 		})
@@ -292,8 +292,8 @@ func TestForeverDurationsNeverWrap(t *testing.T) {
 		if ttl := pttl(t, h.rdb, h.keyOf(counterTask("k", 1, 1), h.queue)); ttl < time.Hour {
 			t.Fatalf("lock TTL %v, want at least an hour", ttl)
 		}
-		if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.TaskID != info.ID {
-			t.Fatalf("duplicate of %s, want %s", dup.TaskID, info.ID)
+		if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.Holder != info.ID {
+			t.Fatalf("duplicate of %s, want %s", dup.Holder, info.ID)
 		}
 	})
 	t.Run("Config.TTL across a retry", func(t *testing.T) {
@@ -303,8 +303,8 @@ func TestForeverDurationsNeverWrap(t *testing.T) {
 		first := h.enqueue(counterTask("k", 1, 1))
 		waitFor(t, rc.runs, "the first attempt")
 		h.settled(1)
-		if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.TaskID != first.ID {
-			t.Fatalf("duplicate of %s, want %s, which waits for its retry", dup.TaskID, first.ID)
+		if dup := h.duplicateOf(counterTask("k", 1, 2)); dup.Holder != first.ID {
+			t.Fatalf("duplicate of %s, want %s, which waits for its retry", dup.Holder, first.ID)
 		}
 	})
 	t.Run("options and config", func(t *testing.T) {
@@ -321,7 +321,7 @@ func TestForeverDurationsNeverWrap(t *testing.T) {
 				_ = info
 			}
 		}
-		for _, cfg := range []Config{{heartbeat: (math.MaxInt64) / 3}, {HealGrace: math.MaxInt64}, {LockTimeout: math.MaxInt64}, {Rules: map[string]Rule{"x": {Cooldown: math.MaxInt64}}}, {Rules: map[string]Rule{"x": {TTL: math.MaxInt64}}}} {
+		for _, cfg := range []Config{{heartbeat: (math.MaxInt64) / 3}, {healGrace: math.MaxInt64}, {LockTimeout: math.MaxInt64}, {Rules: map[string]Rule{"x": {Cooldown: math.MaxInt64}}}, {Rules: map[string]Rule{"x": {TTL: math.MaxInt64}}}} {
 			cfg.Logger = quietLogger()
 			d, err := New(context.Background(), h.rdb, cfg)
 			if err != nil && !errors.Is(err, ErrInvalidOption) {
@@ -562,8 +562,8 @@ func TestDoctorFixQueuesTheFollowUpOfALockItReleases(t *testing.T) {
 	if st := h.taskState(res.TaskID); st != asynq.TaskStatePending {
 		t.Fatalf("follow-up %s is %v, want pending (queued now)", res.TaskID, st)
 	}
-	if dup := h.duplicateOf(counterTask("k", 1, 2), OnConflict(Reject)); dup.TaskID != res.TaskID {
-		t.Fatalf("the key is held by %s, want the follow-up %s", dup.TaskID, res.TaskID)
+	if dup := h.duplicateOf(counterTask("k", 1, 2), OnConflict(Reject)); dup.Holder != res.TaskID {
+		t.Fatalf("the key is held by %s, want the follow-up %s", dup.Holder, res.TaskID)
 	}
 }
 
@@ -965,7 +965,7 @@ func TestDebounceCooldownAndMaxPendingTogether(t *testing.T) {
 	eventually(t, "the key cools down", func() bool {
 		_, err := h.client.Submit(ctx, profileSync(typ, 1, 3), q)
 		var dup *DuplicateTaskError
-		return errors.As(err, &dup) && dup.CoolingDown && dup.TaskID == r1.TaskID
+		return errors.As(err, &dup) && dup.CoolingDown && dup.Holder == r1.TaskID
 	})
 	if r, err := h.client.Submit(ctx, profileSync(typ, 2, 1), q); err != nil || r.Outcome != Created {
 		t.Fatalf("another key once the first ran (its slot left when it started): %+v %v", r, err)
@@ -1135,12 +1135,12 @@ func TestForeverBackoffsNeverWrap(t *testing.T) {
 		return false
 	}
 	t.Run("Backoff.Delay", func(t *testing.T) {
-		forever := Backoff{Min: math.MaxInt64, Max: math.MaxInt64}
-		noPanic(t, "Backoff{MaxInt64, MaxInt64}.Delay(0)", func() { _ = forever.Delay(0) })
-		long := Backoff{Min: time.Hour, Max: math.MaxInt64}
+		forever := backoff{Min: math.MaxInt64, Max: math.MaxInt64}
+		noPanic(t, "Backoff{MaxInt64, MaxInt64}.Delay(0)", func() { _ = forever.delay(0) })
+		long := backoff{Min: time.Hour, Max: math.MaxInt64}
 		zero := 0
 		for range 20 {
-			if long.Delay(40) == 0 {
+			if long.delay(40) == 0 {
 				zero++
 			}
 		}
@@ -1155,7 +1155,7 @@ func TestForeverBackoffsNeverWrap(t *testing.T) {
 		defer cancel()
 		var err error
 		if noPanic(t, "New with ConnectBackoff{MaxInt64, MaxInt64}", func() {
-			_, err = New(ctx, rdb, Config{ConnectAttempts: 3, ConnectBackoff: Backoff{Min: math.MaxInt64, Max: math.MaxInt64}, Logger: quietLogger()})
+			_, err = New(ctx, rdb, Config{connectAttempts: 3, connectBackoff: backoff{Min: math.MaxInt64, Max: math.MaxInt64}, Logger: quietLogger()})
 		}) {
 			return
 		}

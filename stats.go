@@ -1,17 +1,12 @@
 package dedup
 
 import (
-	"context"
 	"fmt"
 	"reflect"
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"time"
 	"unsafe"
-
-	"github.com/asynq-dedup/dedup/internal/store"
-	"github.com/redis/go-redis/v9"
 )
 
 // Stats is a snapshot of event counters: since New for this process (Stats,
@@ -21,7 +16,8 @@ import (
 // counts one event, and its tag is the event's stable name, which is the
 // key of Stats.Map, the field of the stats hashes in Redis (ReadStats) and
 // the "event" label of the Prometheus collector (package dedupprom). A name
-// is never changed: flushed totals would split.
+// is not changed lightly: the two renamed so far (docs/glossary.md) are
+// still read from stats hashes flushed under their former names.
 type Stats struct {
 	Locked      uint64 `event:"locked"`       // enqueues that took a lock
 	Duplicates  uint64 `event:"duplicate"`    // enqueues rejected with DuplicateTaskError
@@ -34,15 +30,15 @@ type Stats struct {
 	RedisErrors uint64 `event:"redis_error"`  // failed lock calls
 	FailOpen    uint64 `event:"fail_open"`    // calls that went on without a lock, Config.FailOpen
 	Unguarded   uint64 `event:"unguarded"`    // attempts run unlocked: key could not be computed at execution
-	Coalesced   uint64 `event:"coalesced"`    // enqueues whose payload replaced a waiting task's, Replace
+	Replaced    uint64 `event:"replaced"`     // enqueues whose payload replaced a waiting task's, Replace
 	Merged      uint64 `event:"merged"`       // enqueues merged into a waiting task's payload, Merge
-	Deferred    uint64 `event:"deferred"`     // enqueues that created the follow-up of a running key (Defer); later folds into it count as coalesced or merged
+	Deferred    uint64 `event:"deferred"`     // enqueues that created the follow-up of a running key (Defer); later folds into it count as replaced or merged
 	OverBound   uint64 `event:"over_bound"`   // new keys refused because MaxPending keys were waiting
 	Processed   uint64 `event:"processed"`    // started attempts that finished
 	BreakerOpen uint64 `event:"breaker_open"` // times the circuit breaker opened
 	Superseded  uint64 `event:"superseded"`   // attempts not run: the task lost its lock to a newer payload of its key (its follow-up, Replace + Defer; or, an operator having released it, a Replace task of its type that took the key since)
 	Cooling     uint64 `event:"cooling"`      // locks kept after their task succeeded, until its Cooldown ends
-	FailureHeld uint64 `event:"failure_held"` // locks kept after their task failed for good (OnFailure)
+	FailHeld    uint64 `event:"fail_held"`    // locks kept after their task failed for good (OnFailure)
 }
 
 // event is one countable thing: the index of its Stats field.
@@ -61,7 +57,7 @@ const (
 	evRedisError  = event(unsafe.Offsetof(Stats{}.RedisErrors) / counterSize)
 	evFailOpen    = event(unsafe.Offsetof(Stats{}.FailOpen) / counterSize)
 	evUnguarded   = event(unsafe.Offsetof(Stats{}.Unguarded) / counterSize)
-	evCoalesced   = event(unsafe.Offsetof(Stats{}.Coalesced) / counterSize)
+	evReplaced    = event(unsafe.Offsetof(Stats{}.Replaced) / counterSize)
 	evMerged      = event(unsafe.Offsetof(Stats{}.Merged) / counterSize)
 	evDeferred    = event(unsafe.Offsetof(Stats{}.Deferred) / counterSize)
 	evOverBound   = event(unsafe.Offsetof(Stats{}.OverBound) / counterSize)
@@ -69,7 +65,7 @@ const (
 	evBreakerOpen = event(unsafe.Offsetof(Stats{}.BreakerOpen) / counterSize)
 	evSuperseded  = event(unsafe.Offsetof(Stats{}.Superseded) / counterSize)
 	evCooling     = event(unsafe.Offsetof(Stats{}.Cooling) / counterSize)
-	evFailureHeld = event(unsafe.Offsetof(Stats{}.FailureHeld) / counterSize)
+	evFailHeld    = event(unsafe.Offsetof(Stats{}.FailHeld) / counterSize)
 
 	counterSize = unsafe.Sizeof(uint64(0))
 	numEvents   = event(unsafe.Sizeof(Stats{}) / counterSize)
@@ -97,17 +93,8 @@ func (s *Stats) field(e event) *uint64 {
 	return reflect.ValueOf(s).Elem().Field(int(e)).Addr().Interface().(*uint64)
 }
 
-// EventNames returns the names of the counters of Stats (its fields'
-// "event" tags), in the order of its fields. They are the keys of
-// Stats.Map, the fields of the stats hashes in Redis and the "event" label
-// of the Prometheus collector (package dedupprom).
-func EventNames() []string {
-	out := make([]string, numEvents)
-	copy(out, eventNames[:])
-	return out
-}
-
-// Map returns the counters keyed by their EventNames.
+// Map returns the counters keyed by their names (the fields' "event"
+// tags).
 func (s Stats) Map() map[string]uint64 {
 	out := make(map[string]uint64, numEvents)
 	for e := range numEvents {
@@ -149,7 +136,7 @@ type metrics struct {
 	byType sync.Map // string → *counterSet
 
 	// rep is the running hot-key reporter, nil when there is none, so that
-	// noteCoalesced costs one atomic load when reporting is off.
+	// noteFold costs one atomic load when reporting is off.
 	rep atomic.Pointer[reporter]
 
 	mu      sync.Mutex // guards flusher, repLoop and closed
@@ -196,74 +183,27 @@ func (d *Dedup) typeCounts() map[string]counts {
 	return out
 }
 
-// statsOf reads a stats hash: fields that are not event names or do not
-// hold a count are ignored.
+// renamedEvents are the former names of renamed events (docs/glossary.md):
+// stats hashes flushed before the rename keep them, and statsOf adds their
+// counts to the event's, so totals do not split.
+var renamedEvents = map[string]event{"coalesced": evReplaced, "failure_held": evFailHeld}
+
+// statsOf reads a stats hash: fields that are not event names (or former
+// names) or do not hold a count are ignored.
 func statsOf(h map[string]string) Stats {
 	var s Stats
 	for f, v := range h {
 		e, ok := eventByName[f]
 		if !ok {
-			continue
+			if e, ok = renamedEvents[f]; !ok {
+				continue
+			}
 		}
 		n, err := strconv.ParseUint(v, 10, 64)
 		if err != nil {
 			continue
 		}
-		*s.field(e) = n
+		*s.field(e) += n
 	}
 	return s
-}
-
-// MinuteStats is what every process with a flusher (Dedup.StartFlusher)
-// counted for one task type in one minute, as its flushes added it.
-type MinuteStats struct {
-	Minute time.Time // the minute's start, UTC
-	Stats  Stats
-}
-
-// MaxStatsMinutes is the most minutes ReadMinuteStats reads back: the
-// per-minute hashes are kept two hours.
-const MaxStatsMinutes = 120
-
-// ReadMinuteStats returns, for each task type with flushed counters under
-// prefix ("" means DefaultPrefix), what the flushes added in each of the n
-// minutes up to and including the one of end, oldest first: n entries per
-// type, zero where nothing was flushed. A flush counts in the minute it ran
-// (so with a 10 s interval a count lands at most 10 s late). n is clamped
-// to [1, MaxStatsMinutes]. It reads Redis in one pipelined round trip.
-// Errors match ErrUnavailable.
-func ReadMinuteStats(ctx context.Context, rdb redis.UniversalClient, prefix string, end time.Time, n int) (map[string][]MinuteStats, error) {
-	if prefix == "" {
-		prefix = DefaultPrefix
-	}
-	n = min(max(n, 1), MaxStatsMinutes)
-	keys := store.NewKeys(prefix)
-	types, err := rdb.SMembers(ctx, keys.StatsTypes()).Result()
-	if err != nil {
-		return nil, unavailable("read stats", err)
-	}
-	last := end.Unix() / 60
-	cmds := make([][]*redis.MapStringStringCmd, len(types))
-	_, _ = rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, typ := range types {
-			cmds[i] = make([]*redis.MapStringStringCmd, n)
-			for j := range n {
-				cmds[i][j] = p.HGetAll(ctx, keys.StatsMinute(typ, last-int64(n-1-j)))
-			}
-		}
-		return nil
-	})
-	out := make(map[string][]MinuteStats, len(types))
-	for i, typ := range types {
-		series := make([]MinuteStats, n)
-		for j, c := range cmds[i] {
-			h, err := c.Result()
-			if err != nil {
-				return nil, unavailable("read stats", err)
-			}
-			series[j] = MinuteStats{Minute: time.Unix((last-int64(n-1-j))*60, 0).UTC(), Stats: statsOf(h)}
-		}
-		out[typ] = series
-	}
-	return out, nil
 }

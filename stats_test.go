@@ -71,7 +71,7 @@ func TestEventNamesCoverStats(t *testing.T) {
 		*f = uint64(e) + 1
 	}
 	m := s.Map()
-	for i, name := range EventNames() {
+	for i, name := range eventNames[:] {
 		if m[name] != uint64(i)+1 {
 			t.Fatalf("Map()[%q] = %d, want %d", name, m[name], i+1)
 		}
@@ -89,13 +89,13 @@ func TestStatsByType(t *testing.T) {
 	d := diagDedup(t, newRDB(t), uniq(t))
 	countN(d, "a", evLocked, 3)
 	countN(d, "b", evDuplicate, 2)
-	countN(d, "b", evCoalesced, 1)
+	countN(d, "b", evReplaced, 1)
 	got := d.StatsByType()
-	want := map[string]Stats{"a": {Locked: 3}, "b": {Duplicates: 2, Coalesced: 1}}
+	want := map[string]Stats{"a": {Locked: 3}, "b": {Duplicates: 2, Replaced: 1}}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("StatsByType = %+v, want %+v", got, want)
 	}
-	if s := d.Stats(); s != (Stats{Locked: 3, Duplicates: 2, Coalesced: 1}) {
+	if s := d.Stats(); s != (Stats{Locked: 3, Duplicates: 2, Replaced: 1}) {
 		t.Fatalf("Stats = %+v", s)
 	}
 }
@@ -109,7 +109,7 @@ func TestFlushAddsDeltasOfAllProcesses(t *testing.T) {
 	p1, p2 := diagDedup(t, rdb, prefix), diagDedup(t, rdb, prefix)
 	const odd = "email:send {x}" // any type name: colons, braces, spaces
 	countN(p1, odd, evLocked, 5)
-	countN(p1, odd, evCoalesced, 2)
+	countN(p1, odd, evReplaced, 2)
 	countN(p2, odd, evLocked, 1)
 	countN(p2, "other", evLockLost, 4)
 	for _, d := range []*Dedup{p1, p2} {
@@ -117,7 +117,7 @@ func TestFlushAddsDeltasOfAllProcesses(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	want := map[string]Stats{odd: {Locked: 6, Coalesced: 2}, "other": {LockLost: 4}}
+	want := map[string]Stats{odd: {Locked: 6, Replaced: 2}, "other": {LockLost: 4}}
 	if got := readStats(t, rdb, prefix); !reflect.DeepEqual(got, want) {
 		t.Fatalf("totals %+v, want %+v", got, want)
 	}
@@ -132,7 +132,7 @@ func TestFlushAddsDeltasOfAllProcesses(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	want = map[string]Stats{odd: {Locked: 7, Coalesced: 2}, "other": {LockLost: 4, Processed: 1}}
+	want = map[string]Stats{odd: {Locked: 7, Replaced: 2}, "other": {LockLost: 4, Processed: 1}}
 	if got := readStats(t, rdb, prefix); !reflect.DeepEqual(got, want) {
 		t.Fatalf("totals %+v, want %+v", got, want)
 	}
@@ -325,6 +325,21 @@ func TestReadStatsIgnoresForeignFields(t *testing.T) {
 	rdb.HSet(ctx, statsKey(prefix, "t"), "locked", "7", "future_event", "3", "released", "junk")
 	got := readStats(t, rdb, prefix)
 	want := map[string]Stats{"t": {Locked: 7}, "gone": {}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("ReadStats = %+v, want %+v", got, want)
+	}
+}
+
+// TestReadStatsAddsRenamedEvents: a stats hash flushed before the rename
+// of coalesced (replaced) and failure_held (fail_held) keeps its counts.
+func TestReadStatsAddsRenamedEvents(t *testing.T) {
+	rdb := newRDB(t)
+	prefix := uniq(t)
+	ctx := context.Background()
+	rdb.SAdd(ctx, statsTypesKey(prefix), "t")
+	rdb.HSet(ctx, statsKey(prefix, "t"), "coalesced", "4", "replaced", "2", "failure_held", "1")
+	got := readStats(t, rdb, prefix)
+	want := map[string]Stats{"t": {Replaced: 6, FailHeld: 1}}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("ReadStats = %+v, want %+v", got, want)
 	}

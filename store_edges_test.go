@@ -165,7 +165,7 @@ func TestOwedFollowUpAdoptedWhenItsHolderIsGone(t *testing.T) {
 			res, err := h.client.Submit(context.Background(), asynq.NewTask("prof", []byte(`{"u":1,"v":3}`)), asynq.Queue(h.queue))
 			var dup *DuplicateTaskError
 			switch {
-			case pol.outcome == 0 && (!errors.As(err, &dup) || dup.TaskID != follow):
+			case pol.outcome == 0 && (!errors.As(err, &dup) || dup.Holder != follow):
 				t.Errorf("%+v %v, want a duplicate of the follow-up %s", res, err, follow)
 			case pol.outcome != 0 && (err != nil || res.Outcome != pol.outcome || res.TaskID != follow || h.payloadOf(follow) != `{"u":1,"v":3}`):
 				t.Errorf("%+v %v, want %v into the follow-up %s", res, err, pol.outcome, follow)
@@ -334,7 +334,7 @@ func edgesStaleHint(t *testing.T, how edgesStale, replace bool, delay time.Durat
 			t.Errorf("want replaced into the other process's holder %s: %+v %v", other, res, err)
 		}
 	case other != "":
-		if !errors.As(err, &dup) || dup.TaskID != other {
+		if !errors.As(err, &dup) || dup.Holder != other {
 			t.Errorf("want a duplicate of the other process's holder %s: %+v %v", other, res, err)
 		}
 	default:

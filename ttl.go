@@ -14,35 +14,35 @@ import (
 //	retrying RetryDelayFunc(n) + TTL after a failed, non-final attempt
 //
 // Every duration this package is given (Config, Rule, per-call options,
-// RetryDelayFunc's result) is clamped to MaxLifetime, and lifetimes are
-// added with saturation, so "forever" (math.MaxInt64) means MaxLifetime and
+// RetryDelayFunc's result) is clamped to maxLifetime, and lifetimes are
+// added with saturation, so "forever" (math.MaxInt64) means maxLifetime and
 // no sum wraps around to a short or negative lifetime.
 
-// MaxLifetime is the longest duration this package uses: longer TTLs,
-// cooldowns, debounces, holds and grace periods are taken as MaxLifetime.
+// maxLifetime is the longest duration this package uses: longer TTLs,
+// cooldowns, debounces, holds and grace periods are taken as maxLifetime.
 // 100 years: "forever" for a lock, and small enough that Redis's
 // millisecond expiries and the scripts' arithmetic (exact integers below
 // 2⁵³ ms) never overflow.
-const MaxLifetime = 100 * 365 * 24 * time.Hour
+const maxLifetime = 100 * 365 * 24 * time.Hour
 
-// MaxDefaultRetryDelay is the upper bound of asynq.DefaultRetryDelayFunc,
+// maxDefaultRetryDelay is the upper bound of asynq.DefaultRetryDelayFunc,
 // n⁴ + 15 + 29·(n+1) seconds for the n-th retry. It is Config.RetryDelayFunc's
 // default: the middleware cannot see the delay asynq picks, so it holds the
 // lock for the longest one asynq's default can pick.
-func MaxDefaultRetryDelay(n int, _ error, _ *asynq.Task) time.Duration {
-	n = min(max(n, 0), 10000) // (10,000⁴ s is far beyond MaxLifetime; no int64 overflow)
+func maxDefaultRetryDelay(n int, _ error, _ *asynq.Task) time.Duration {
+	n = min(max(n, 0), 10000) // (10,000⁴ s is far beyond maxLifetime; no int64 overflow)
 	s := int64(n)*int64(n)*int64(n)*int64(n) + 15 + 29*int64(n+1)
-	return lifetime(time.Duration(min(s, int64(MaxLifetime/time.Second))) * time.Second)
+	return lifetime(time.Duration(min(s, int64(maxLifetime/time.Second))) * time.Second)
 }
 
-// lifetime clamps d to [0, MaxLifetime].
-func lifetime(d time.Duration) time.Duration { return min(max(d, 0), MaxLifetime) }
+// lifetime clamps d to [0, maxLifetime].
+func lifetime(d time.Duration) time.Duration { return min(max(d, 0), maxLifetime) }
 
-// addLifetimes adds lifetimes, saturating at MaxLifetime.
+// addLifetimes adds lifetimes, saturating at maxLifetime.
 func addLifetimes(ds ...time.Duration) time.Duration {
 	var sum time.Duration
 	for _, d := range ds {
-		sum = min(sum+lifetime(d), MaxLifetime) // both ≤ MaxLifetime: the sum cannot overflow
+		sum = min(sum+lifetime(d), maxLifetime) // both ≤ maxLifetime: the sum cannot overflow
 	}
 	return sum
 }

@@ -27,7 +27,7 @@ var (
 
 // waitBackoff spaces the polls of WaitResult: 25 ms doubling to 1 s, with
 // full jitter so that many waiters of one task spread out.
-var waitBackoff = Backoff{Min: 25 * time.Millisecond, Max: time.Second}
+var waitBackoff = backoff{Min: 25 * time.Millisecond, Max: time.Second}
 
 // WaitResult waits until the task taskID of queue has run to its end, and
 // returns its TaskInfo: for a completed task, info.Result holds what its
@@ -84,7 +84,7 @@ func (d *Dedup) WaitHolder(ctx context.Context, dup *DuplicateTaskError) (*asynq
 	if dup == nil {
 		return nil, errorf("%w: WaitHolder: nil DuplicateTaskError", ErrInvalidOption)
 	}
-	return d.waitResult(ctx, dup.Queue, dup.TaskID, dup.Key, nil)
+	return d.waitResult(ctx, dup.Queue, dup.Holder, dup.Key, nil)
 }
 
 // waitResult is WaitResult for the task holding the lock key ("" when not
@@ -137,7 +137,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 			if missing.IsZero() {
 				missing = time.Now()
 			}
-			if !locked || time.Since(missing) > d.cfg.HealGrace || (key == "" && time.Since(missing) > unknownGrace) {
+			if !locked || time.Since(missing) > d.cfg.healGrace || (key == "" && time.Since(missing) > unknownGrace) {
 				return nil, errorf("%w: task %s in queue %q: %w", ErrResultUnavailable, taskID, queue, err)
 			}
 			if onPoll != nil {
@@ -151,7 +151,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 			}
 			d.log.Debug("dedup: WaitResult poll failed", slog.String("task_id", taskID), slog.Any("error", err))
 		}
-		t := time.NewTimer(waitBackoff.Delay(attempts))
+		t := time.NewTimer(waitBackoff.delay(attempts))
 		attempts++
 		select {
 		case <-ctx.Done():

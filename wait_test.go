@@ -51,8 +51,8 @@ func TestWaitHolderReturnsWinnersResult(t *testing.T) {
 	info := h.enqueue(task, asynq.Retention(time.Minute))
 	waitFor(t, started, "winner running")
 	dup := h.duplicateOf(task)
-	if dup.TaskID != info.ID {
-		t.Fatalf("duplicate names %s, want %s", dup.TaskID, info.ID)
+	if dup.Holder != info.ID {
+		t.Fatalf("duplicate names %s, want %s", dup.Holder, info.ID)
 	}
 	type res struct {
 		info *asynq.TaskInfo

@@ -6,6 +6,8 @@ import (
 	"strings"
 
 	"github.com/asynq-dedup/dedup"
+	"github.com/asynq-dedup/dedup/internal/hook"
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -82,7 +84,7 @@ func (c *Client) Submit(ctx context.Context, task *asynq.Task, opts ...asynq.Opt
 	res, err := c.next.Submit(ctx, task, opts...)
 	queue := queueOf(c.d, task, opts, res, err)
 	span.SetName("send " + queue)
-	span.SetAttributes(semconv.MessagingDestinationName(queue), AttrBreaker.String(c.d.BreakerState().String()))
+	span.SetAttributes(semconv.MessagingDestinationName(queue), AttrBreaker.String(hook.BreakerState(c.d)))
 	if err != nil {
 		failed(span, err)
 		return res, err
@@ -130,7 +132,7 @@ func failed(span trace.Span, err error) {
 		if dup.CoolingDown {
 			decision = "cooling"
 		}
-		span.SetAttributes(AttrDecision.String(decision), AttrHolder.String(dup.TaskID), AttrKeyHash.String(dedup.KeyHash(dup.Key)))
+		span.SetAttributes(AttrDecision.String(decision), AttrHolder.String(dup.Holder), AttrKeyHash.String(keyHash(dup.Key)))
 	case errors.Is(err, dedup.ErrTooManyPending):
 		span.SetAttributes(AttrDecision.String("over_bound"))
 	default:
@@ -180,5 +182,12 @@ func queueOf(d *dedup.Dedup, task *asynq.Task, opts []asynq.Option, res dedup.Re
 	case errors.As(err, &dup) && dup.Queue != "":
 		return dup.Queue
 	}
-	return d.QueueOf(task, opts...)
+	return hook.QueueOf(d, task, opts...)
+}
+
+// keyHash is the fingerprint a lock key ends with; "" for a string that
+// does not end as a lock key does.
+func keyHash(lockKey string) string {
+	_, _, fp, _ := store.ParseLockKey(lockKey)
+	return fp
 }

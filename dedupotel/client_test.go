@@ -499,7 +499,7 @@ func TestHeadersKeepTaskOptionsAndSkipFolds(t *testing.T) {
 	}
 }
 
-// Promised (docs/otel.md): dedup.outcome is dedup.AttemptOutcome: "held
+// Promised (docs/otel.md): dedup.outcome is attempt.Outcome: "held
 // (for the retry)", "released", "busy_folded"; dedup.attempt is "asynq's
 // retry count: 0 on the first attempt"; "A busy arrival folded into the
 // key's task (BusyFold) records its own consumer span for that task in the

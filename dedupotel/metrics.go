@@ -18,13 +18,13 @@ const MetricName = "dedup.events"
 const (
 	// AttrMetricType is the task type.
 	AttrMetricType = attribute.Key("type")
-	// AttrMetricEvent is the event, one of dedup.EventNames.
+	// AttrMetricEvent is the event, one of the keys of dedup.Stats.Map.
 	AttrMetricEvent = attribute.Key("event")
 )
 
 // RegisterMetrics registers, with a meter of mp, an observable counter of
 // d's events for this process (Dedup.StatsByType), one point per task type
-// and event name (dedup.EventNames), read at each collection. mp nil means
+// and event name (the keys of dedup.Stats.Map), read at each collection. mp nil means
 // otel.GetMeterProvider(). Unregister the returned registration before
 // closing d if the meter provider outlives it.
 func RegisterMetrics(d *dedup.Dedup, mp metric.MeterProvider) (metric.Registration, error) {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/asynq-dedup/dedup"
+	"github.com/asynq-dedup/dedup/internal/attempt"
 	"github.com/hibiken/asynq"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -17,7 +18,7 @@ import (
 // Middleware returns an asynq middleware that runs each attempt in a
 // consumer span ("process <queue>"), a child of the producer span whose
 // context the task's headers carry (Options.Propagator), with what the
-// dedup middleware did with the attempt's lock (dedup.Attempt). Mount it
+// dedup middleware did with the attempt's lock (attempt.Attempt). Mount it
 // outside Dedup.Middleware:
 //
 //	mux.Use(dedupotel.Middleware(opts), d.Middleware())
@@ -51,7 +52,7 @@ func (s *settings) process(ctx context.Context, t *asynq.Task, next asynq.Handle
 		AttrTaskType.String(t.Type()),
 		AttrAttempt.Int(retry),
 	))
-	var a dedup.Attempt
+	var a attempt.Attempt
 	defer func() {
 		// Recovered before the span ends: the SDK's End would record the
 		// panic's value, which may quote the payload. It goes on to asynq.
@@ -65,7 +66,7 @@ func (s *settings) process(ctx context.Context, t *asynq.Task, next asynq.Handle
 			panic(rec)
 		}
 	}()
-	err = next.ProcessTask(dedup.WithAttempt(ctx, &a), t)
+	err = next.ProcessTask(attempt.With(ctx, &a), t)
 	switch {
 	case err == nil, errors.Is(err, dedup.ErrKeyBusy): // busy: retried later, no failure
 	default:
@@ -77,12 +78,12 @@ func (s *settings) process(ctx context.Context, t *asynq.Task, next asynq.Handle
 
 // settle puts what the dedup middleware did on the span, and the links
 // of the producers folded into the task once it has run.
-func (s *settings) settle(ctx context.Context, span trace.Span, queue, id string, a *dedup.Attempt) {
+func (s *settings) settle(ctx context.Context, span trace.Span, queue, id string, a *attempt.Attempt) {
 	span.SetAttributes(attemptAttrs(a)...)
 	switch a.Outcome {
-	case dedup.AttemptBusyRetried, dedup.AttemptBusyDropped, dedup.AttemptSuperseded, dedup.AttemptRefused:
+	case attempt.BusyRetried, attempt.BusyDropped, attempt.Superseded, attempt.Refused:
 		return // did not run: its folds are for the attempt that does
-	case dedup.AttemptBusyFolded:
+	case attempt.BusyFolded:
 		if err := s.links.push(ctx, queue, a.Holder, span.SpanContext()); err != nil {
 			span.SetAttributes(AttrLinked.Bool(false))
 		}
@@ -101,7 +102,7 @@ func (s *settings) settle(ctx context.Context, span trace.Span, queue, id string
 }
 
 // attemptAttrs describes the attempt's lock.
-func attemptAttrs(a *dedup.Attempt) []attribute.KeyValue {
+func attemptAttrs(a *attempt.Attempt) []attribute.KeyValue {
 	kv := []attribute.KeyValue{AttrOutcome.String(a.Outcome.String()), AttrArrived.Bool(a.Arrived)}
 	if a.Fingerprint != "" { // (a plain task's lock is asynq's: the middleware does not read it)
 		kv = append(kv, AttrKeyHash.String(a.Fingerprint))

@@ -10,7 +10,7 @@
 // decided, and injects the span's context into the headers of the task the
 // call creates (dedup.Headers). The Middleware, mounted outside
 // Dedup.Middleware, continues that trace in a consumer span per attempt,
-// naming what became of the attempt's lock (dedup.Attempt), and links the
+// naming what became of the attempt's lock (attempt.Attempt), and links the
 // span of every producer whose call was folded into the task (Replace,
 // Merge, Debounce, RunningDefer). RegisterMetrics exports the counters of
 // Dedup.StatsByType as an observable counter. See docs/otel.md.
@@ -61,7 +61,7 @@ const (
 	// (dedup.Result.NotApplied): option names, never their values' payloads.
 	AttrNotApplied = attribute.Key("dedup.not_applied")
 	// AttrBreaker is the circuit breaker's state after the call
-	// (Dedup.BreakerState): closed, open or probing.
+	// (read through internal/hook): closed, open or probing.
 	AttrBreaker = attribute.Key("dedup.breaker")
 	// AttrLinked is false on a folded enqueue whose link could not be
 	// recorded for the task's consumer span (Redis failed).
@@ -69,7 +69,7 @@ const (
 	// AttrAttempt is asynq's retry count of the attempt: 0 on the first.
 	AttrAttempt = attribute.Key("dedup.attempt")
 	// AttrOutcome is what the dedup middleware did with the attempt
-	// (dedup.AttemptOutcome's name: released, held, cooling, busy_retried,
+	// (attempt.Outcome's name: released, held, cooling, busy_retried,
 	// busy_dropped, busy_folded, superseded, fail_open, allowed, ...).
 	AttrOutcome = attribute.Key("dedup.outcome")
 	// AttrArrived is true for a task that arrived without a lock (a

@@ -10,13 +10,13 @@
 // gives one counter per task type and event, for this process:
 //
 //	dedup_events_total{type="email:send",event="locked"} 1520
-//	dedup_events_total{type="email:send",event="coalesced"} 311
+//	dedup_events_total{type="email:send",event="replaced"} 311
 //
-// The events are those of dedup.EventNames (the fields of dedup.Stats). Sum
-// over processes in PromQL; the coalescing ratio of a type is, for example,
+// The events are the fields of dedup.Stats (the keys of Stats.Map). Sum
+// over processes in PromQL; the fold ratio of a type is, for example,
 //
-//	sum by (type) (rate(dedup_events_total{event=~"coalesced|merged|deferred"}[5m]))
-//	  / sum by (type) (rate(dedup_events_total{event=~"locked|coalesced|merged|deferred|duplicate"}[5m]))
+//	sum by (type) (rate(dedup_events_total{event=~"replaced|merged|deferred"}[5m]))
+//	  / sum by (type) (rate(dedup_events_total{event=~"locked|replaced|merged|deferred|duplicate"}[5m]))
 package dedupprom
 
 import (

@@ -41,7 +41,7 @@ func exposition(name string, types []string, want map[string]uint64, constLabels
 	fmt.Fprintf(&b, "# HELP %s Deduplication events of this process by task type (asynq-dedup); see dedup.Stats for their meaning.\n# TYPE %s counter\n", name, name)
 	var lines []string
 	for _, typ := range types {
-		for _, ev := range dedup.EventNames() {
+		for ev := range (dedup.Stats{}).Map() {
 			labels := []string{fmt.Sprintf("event=%q", ev), fmt.Sprintf("type=%q", typ)}
 			for k, v := range constLabels {
 				labels = append(labels, fmt.Sprintf("%s=%q", k, v))
@@ -76,7 +76,7 @@ func TestCollector(t *testing.T) {
 	if err := testutil.CollectAndCompare(col, strings.NewReader(exp), dedupprom.MetricName); err != nil {
 		t.Fatal(err)
 	}
-	if n := testutil.CollectAndCount(col); n != 2*len(dedup.EventNames()) {
+	if n := testutil.CollectAndCount(col); n != 2*len((dedup.Stats{}).Map()) {
 		t.Fatalf("%d metrics", n)
 	}
 	if problems, err := testutil.CollectAndLint(col); err != nil || len(problems) != 0 {

@@ -16,7 +16,7 @@ const tokenTTL = time.Hour
 
 // token returns the CSRF token of a form: the time it was made and an
 // HMAC, under the handler's random secret, of that time, the action and
-// its subject (the lock key and owner), so a token opens only the form it
+// its subject (the lock key and holder), so a token opens only the form it
 // was made for.
 func (h *Handler) token(action, subject string) string {
 	ts := strconv.FormatInt(h.now().Unix(), 10)

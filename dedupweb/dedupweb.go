@@ -1,12 +1,12 @@
 // Package dedupweb is a lock browser for github.com/asynq-dedup/dedup: an
 // http.Handler to mount next to asynqmon. It shows the held locks per queue
 // and type with their states, the per-minute counters of the last hour
-// (written by Dedup.StartFlusher), one lock in full with its owner task's
-// state in asynq, and the locks whose owner cannot run (the doctor). Locks
+// (written by Dedup.StartFlusher), one lock in full with its holder task's
+// state in asynq, and the locks whose holder cannot run (the doctor). Locks
 // can be searched by type and key fields, by task ID or by key.
 //
 // It is read-only unless Options.AllowRelease is set; then it also
-// releases one lock, or what the doctor found, owner-checked, by POST only,
+// releases one lock, or what the doctor found, holder-checked, by POST only,
 // with a CSRF token and a confirmation page, through Options.Authorize.
 // Every name read from Redis is escaped by html/template; payloads are
 // shown only through Options.PayloadFormatter. The pages need no
@@ -24,7 +24,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/asynq-dedup/dedup"
 	"github.com/asynq-dedup/dedup/internal/lockview"
 	"github.com/redis/go-redis/v9"
 )
@@ -53,7 +52,7 @@ type Options struct {
 	RootPath string
 
 	// Prefix is the deployment's Config.Prefix. Default "" means
-	// dedup.DefaultPrefix ("dedup").
+	// "dedup", the library's default.
 	Prefix string
 
 	// AllowRelease enables the actions: releasing one lock and releasing
@@ -78,7 +77,7 @@ type Options struct {
 	// (<root>/queues/<queue>/tasks/<id>). Default "": no links.
 	AsynqmonRoot string
 
-	// PayloadFormatter shows the owner task's payload on a lock page.
+	// PayloadFormatter shows the holder task's payload on a lock page.
 	// Default nil: payloads are never shown (they may hold personal data).
 	PayloadFormatter PayloadFormatter
 
@@ -96,7 +95,7 @@ type Options struct {
 	PageSize int
 
 	// DoctorGrace leaves orphans younger than it alone, as dedupctl
-	// doctor --grace (the application's Config.HealGrace). Default 0 means
+	// doctor --grace (the library's heal grace, 1 minute). Default 0 means
 	// one minute.
 	DoctorGrace time.Duration
 
@@ -120,7 +119,7 @@ type Handler struct {
 // while it serves a request; it does not own rdb.
 func New(rdb redis.UniversalClient, opts Options) *Handler {
 	if opts.Prefix == "" {
-		opts.Prefix = dedup.DefaultPrefix
+		opts.Prefix = "dedup"
 	}
 	opts.RootPath = strings.TrimRight(opts.RootPath, "/")
 	opts.AsynqmonRoot = strings.TrimRight(opts.AsynqmonRoot, "/")

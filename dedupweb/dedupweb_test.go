@@ -218,7 +218,7 @@ func TestReadOnlyRefusesActions(t *testing.T) {
 	if strings.Contains(body, "Release") || strings.Contains(body, "<form method=\"post\"") {
 		t.Errorf("read-only lock page offers a release:\n%s", body)
 	}
-	form := url.Values{"key": {key}, "owner": {info.ID}}
+	form := url.Values{"key": {key}, "holder": {info.ID}}
 	for _, path := range []string{"/release", "/doctor/fix", "/locks", "/"} {
 		if code, _ := post(t, srv.URL+path, form, nil); code != http.StatusForbidden {
 			t.Errorf("read-only POST %s: %d, want 403", path, code)
@@ -240,7 +240,7 @@ func TestReadOnlyRefusesActions(t *testing.T) {
 
 // A release needs the confirmation page's token: none, a forged one, one
 // of another lock, or a post from another site are refused; the real one
-// releases, owner-checked, and is logged.
+// releases, holder-checked, and is logged.
 func TestReleaseNeedsTheCSRFToken(t *testing.T) {
 	w := webtest.New(t)
 	info, other := w.Enqueue(w.QA, "email:welcome", 1), w.Enqueue(w.QA, "email:welcome", 2)
@@ -253,7 +253,7 @@ func TestReleaseNeedsTheCSRFToken(t *testing.T) {
 	}
 	_, confirm := get(t, http.DefaultClient, srv.URL+"/release?"+url.Values{"key": {key}}.Encode())
 	form := hidden(confirm)
-	if form.Get("csrf") == "" || form.Get("owner") != info.ID || form.Get("key") != key {
+	if form.Get("csrf") == "" || form.Get("holder") != info.ID || form.Get("key") != key {
 		t.Fatalf("confirmation form %v:\n%s", form, confirm)
 	}
 	_, otherConfirm := get(t, http.DefaultClient, srv.URL+"/release?"+url.Values{"key": {w.LockOf(other)}}.Encode())
@@ -261,7 +261,7 @@ func TestReleaseNeedsTheCSRFToken(t *testing.T) {
 		"no token":      without(form, "csrf"),
 		"forged token":  with(form, "csrf", "1700000000.00"),
 		"other's token": with(form, "csrf", hidden(otherConfirm).Get("csrf")),
-		"other owner":   with(form, "owner", other.ID),
+		"other holder":  with(form, "holder", other.ID),
 	}
 	for name, f := range bad {
 		if code, body := post(t, srv.URL+"/release", f, nil); code != http.StatusForbidden || !strings.Contains(body, "CSRF token") {
@@ -289,7 +289,7 @@ func TestReleaseNeedsTheCSRFToken(t *testing.T) {
 	}
 }
 
-// The token binds the owner shown: a lock taken by another task since the
+// The token binds the holder shown: a lock taken by another task since the
 // confirmation is not released.
 func TestReleaseIsOwnerChecked(t *testing.T) {
 	w := webtest.New(t)
@@ -301,11 +301,11 @@ func TestReleaseIsOwnerChecked(t *testing.T) {
 	if err := w.RDB.SetArgs(context.Background(), key, "someone-else", redis.SetArgs{KeepTTL: true}).Err(); err != nil {
 		t.Fatal(err)
 	}
-	if code, body := post(t, srv.URL+"/release", form, nil); code != http.StatusConflict || !strings.Contains(body, "changed owner") {
-		t.Errorf("release after the owner changed: %d\n%s", code, body)
+	if code, body := post(t, srv.URL+"/release", form, nil); code != http.StatusConflict || !strings.Contains(body, "changed holder") {
+		t.Errorf("release after the holder changed: %d\n%s", code, body)
 	}
 	if !w.Exists(key) {
-		t.Fatal("the lock of another owner was released")
+		t.Fatal("the lock of another holder was released")
 	}
 }
 
@@ -433,7 +433,7 @@ func with(v url.Values, name, value string) url.Values {
 }
 
 // Releasing what the doctor found never releases a lock a policy keeps,
-// though its holder cannot run: a cooling key, a failure hold (holder
+// though its holder cannot run: a cooling key, a fail hold (holder
 // archived, or deleted since) and a Scheduler firing's key stay, with
 // their values, while a true orphan (its holder vanished) is released.
 func TestDoctorFixLeavesHoldsAlone(t *testing.T) {
@@ -444,7 +444,7 @@ func TestDoctorFixLeavesHoldsAlone(t *testing.T) {
 	orphan := w.Orphaned(w.QA, "email:welcome", 1)
 	srv := w.Serve(dedupweb.Options{AllowRelease: true})
 	_, body := get(t, http.DefaultClient, srv.URL+"/doctor?grace=0s")
-	if !strings.Contains(body, "1 whose owner cannot run") || !strings.Contains(body, html.EscapeString(w.LockOf(orphan))) {
+	if !strings.Contains(body, "1 whose holder cannot run") || !strings.Contains(body, html.EscapeString(w.LockOf(orphan))) {
 		t.Fatalf("doctor should find the orphan alone:\n%s", errorText(body))
 	}
 	for _, k := range kept {
@@ -471,7 +471,7 @@ func TestDoctorFixLeavesHoldsAlone(t *testing.T) {
 }
 
 // A lock's page prints the key's policies in words only: what it does
-// while its task runs, a cooldown, a failure hold, a period's window, the
+// while its task runs, a cooldown, a fail hold, a period's window, the
 // waiting set; never the mode record's codes.
 func TestLockPagePrintsPoliciesInWordsOnly(t *testing.T) {
 	w := webtest.NewWithRules(t, map[string]dedup.Rule{
@@ -581,14 +581,14 @@ func TestSearchFieldPathCannotCrashTheProcess(t *testing.T) {
 }
 
 // Promised (docs/web.md, Actions): "The lock is released only while that
-// owner still holds it and has not taken it again (the compare-and-delete
+// holder still holds it and has not taken it again (the compare-and-delete
 // of dedupctl release)."
 //
-// Tried here: the confirmation page is loaded; the same owner then takes the
-// key again (a later take time, as when a released, still-queued owner
+// Tried here: the confirmation page is loaded; the same holder then takes the
+// key again (a later take time, as when a released, still-queued holder
 // starts and re-locks). The form is then submitted with its token intact
 // but (a) without the `created` field, (b) with `created` set to the new
-// take time. The token binds only the key and owner, and `created` is
+// take time. The token binds only the key and holder, and `created` is
 // optional, so neither should be able to release the re-taken lock.
 func TestReleaseRefusesALockTakenAgain(t *testing.T) {
 	w := webtest.New(t)
@@ -603,7 +603,7 @@ func TestReleaseRefusesALockTakenAgain(t *testing.T) {
 		if err != nil || created == 0 {
 			t.Fatalf("confirmation form has no created: %v", form)
 		}
-		again := store.WrapValue(info.ID, time.Unix(created+5, 0)) // taken again by the same owner, later
+		again := store.WrapValue(info.ID, time.Unix(created+5, 0)) // taken again by the same holder, later
 		if err := w.RDB.SetArgs(ctx, key, again, redis.SetArgs{KeepTTL: true}).Err(); err != nil {
 			t.Fatal(err)
 		}
@@ -615,7 +615,7 @@ func TestReleaseRefusesALockTakenAgain(t *testing.T) {
 		}
 		code, body := post(t, srv.URL+"/release", form, nil)
 		if code == http.StatusOK || !w.Exists(key) {
-			t.Errorf("%s: a lock its owner took again since the confirmation was released: %d %s", how, code, errorText(body))
+			t.Errorf("%s: a lock its holder took again since the confirmation was released: %d %s", how, code, errorText(body))
 		}
 	}
 }
@@ -633,7 +633,7 @@ func errorText(body string) string {
 
 // Promised (docs/web.md): "A GET never changes anything. The CSRF token is
 // an HMAC, under a random key of the handler, of the action, the locks and
-// owners shown, and the time ...; a POST whose Origin (or Referer) names
+// holders shown, and the time ...; a POST whose Origin (or Referer) names
 // another host is refused too."
 //
 // Tried here: a release token replayed as a doctor-fix token and vice versa, a
@@ -668,15 +668,15 @@ func TestCSRFTokenCannotBeReplayedElsewhere(t *testing.T) {
 		}
 	}
 	// A release token of the orphan as a doctor-fix token for it, and back.
-	code, body := post(t, srv.URL+"/doctor/fix", url.Values{"key": {okey}, "owner": {oform.Get("owner")}, "csrf": {oform.Get("csrf")}, "grace": {"0s"}}, nil)
+	code, body := post(t, srv.URL+"/doctor/fix", url.Values{"key": {okey}, "holder": {oform.Get("holder")}, "csrf": {oform.Get("csrf")}, "grace": {"0s"}}, nil)
 	refused("release token on /doctor/fix", code, body)
-	code, body = post(t, srv.URL+"/release", url.Values{"key": {okey}, "owner": {fix.Get("owner")}, "csrf": {fix.Get("csrf")}}, nil)
+	code, body = post(t, srv.URL+"/release", url.Values{"key": {okey}, "holder": {fix.Get("holder")}, "csrf": {fix.Get("csrf")}}, nil)
 	refused("doctor-fix token on /release", code, body)
 	code, body = post(t, twin.URL+"/release", form, nil)
 	refused("token of another handler", code, body)
 	// Splitting the pair across the NUL the subject joins with.
-	code, body = post(t, srv.URL+"/release", url.Values{"key": {key + "\x00" + form.Get("owner")}, "owner": {""}, "csrf": {form.Get("csrf")}}, nil)
-	refused("key and owner shifted across NUL", code, body)
+	code, body = post(t, srv.URL+"/release", url.Values{"key": {key + "\x00" + form.Get("holder")}, "holder": {""}, "csrf": {form.Get("csrf")}}, nil)
+	refused("key and holder shifted across NUL", code, body)
 	// Other methods and places for the form.
 	for _, m := range []string{http.MethodGet, http.MethodHead, http.MethodPut, http.MethodPatch, http.MethodDelete, http.MethodOptions} {
 		req, _ := http.NewRequest(m, srv.URL+"/release?"+form.Encode(), strings.NewReader(form.Encode()))
@@ -772,7 +772,7 @@ func TestReadOnlyHasNoBackDoor(t *testing.T) {
 // Tried here: with AuthorizePages and an Authorize that refuses everyone, try
 // every page and action under /dedup and around it: double slashes,
 // encoded slashes, dot segments, trailing dots, HEAD/OPTIONS/POST. No
-// answer may be a 200 or show a lock's owner, type or queue (a redirect's
+// answer may be a 200 or show a lock's holder, type or queue (a redirect's
 // body only echoes the URL asked for); redirects stay on the site (where
 // under it is TestRedirectsStayUnderRootPath's business).
 func TestAuthorizePagesGuardsEveryPath(t *testing.T) {
@@ -1019,7 +1019,7 @@ func TestHugeInputsAreBounded(t *testing.T) {
 	var pairs url.Values = url.Values{"csrf": {"1.00"}, "grace": {"0s"}}
 	for i := range 10000 {
 		pairs.Add("key", store.NewKeys(w.Prefix).Lock("q", fmt.Sprintf("%016x", i)))
-		pairs.Add("owner", strconv.Itoa(i))
+		pairs.Add("holder", strconv.Itoa(i))
 	}
 	cases := []struct{ method, target, body string }{
 		{"GET", "/search?" + url.Values{"type": {"x"}, "field": {fields.String()}}.Encode(), ""},

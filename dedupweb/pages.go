@@ -67,7 +67,7 @@ func (h *Handler) overview(ctx context.Context, w http.ResponseWriter, r *http.R
 		}
 		v.Total += t.Total
 	}
-	byType, err := dedup.ReadMinuteStats(ctx, h.rdb, h.opts.Prefix, h.now(), overviewMinutes)
+	byType, err := lockview.ReadMinuteStats(ctx, h.rdb, h.opts.Prefix, h.now(), overviewMinutes)
 	if err != nil {
 		return err
 	}
@@ -89,12 +89,12 @@ var counters = []struct {
 }{
 	{"locked", func(s dedup.Stats) uint64 { return s.Locked }},
 	{"duplicate", func(s dedup.Stats) uint64 { return s.Duplicates }},
-	{"folds", func(s dedup.Stats) uint64 { return s.Coalesced + s.Merged + s.Deferred }},
+	{"folds", func(s dedup.Stats) uint64 { return s.Replaced + s.Merged + s.Deferred }},
 	{"busy", func(s dedup.Stats) uint64 { return s.Busy }},
 	{"released", func(s dedup.Stats) uint64 { return s.Released }},
 }
 
-func chartsOf(typ string, ms []dedup.MinuteStats) typeCharts {
+func chartsOf(typ string, ms []lockview.MinuteStats) typeCharts {
 	tc := typeCharts{Type: typ}
 	for _, c := range counters {
 		vals := make([]uint64, len(ms))
@@ -185,8 +185,8 @@ func (h *Handler) showLock(ctx context.Context, w http.ResponseWriter, t *lockvi
 		v.Created, v.Age = c.Format(time.RFC3339), lockview.FmtDuration(now.Sub(c))
 	}
 	v.CooldownLeft = lockview.CooldownLeft(l, now)
-	if h.opts.PayloadFormatter != nil && d.OwnerTask.Exists {
-		v.ShowPayload, v.Payload = true, h.opts.PayloadFormatter.FormatPayload(d.OwnerTask.Type, d.OwnerTask.Payload)
+	if h.opts.PayloadFormatter != nil && d.HolderTask.Exists {
+		v.ShowPayload, v.Payload = true, h.opts.PayloadFormatter.FormatPayload(d.HolderTask.Type, d.HolderTask.Payload)
 	}
 	return h.render(w, http.StatusOK, "lock", v)
 }

@@ -17,10 +17,10 @@ import (
 
 // Task types. The dedup cases key on the payload field user_id.
 const (
-	typePlain    = "bench:plain"
-	typeUnique   = "bench:unique"
-	typeDedup    = "bench:dedup"    // per-call dedup.Fields("user_id"), Reject
-	typeCoalesce = "bench:coalesce" // Rule{Fields: user_id, OnConflict: Replace}
+	typePlain   = "bench:plain"
+	typeUnique  = "bench:unique"
+	typeDedup   = "bench:dedup"   // per-call dedup.Fields("user_id"), Reject
+	typeReplace = "bench:replace" // Rule{Fields: user_id, OnConflict: Replace}
 )
 
 // env is what every case shares: one go-redis client (with the counting
@@ -195,17 +195,17 @@ var allCases = []*caseDef{
 		},
 	},
 	{
-		name: "coalesced", title: "dedup coalesced",
+		name: "replaced", title: "dedup replaced",
 		opts: func(q string) []asynq.Option { return []asynq.Option{asynq.Queue(q)} },
 		setup: func(ctx context.Context, e *env, opts []asynq.Option) error {
 			return e.preEnqueue(ctx, func(k int64) error {
-				res, err := e.dc.Submit(ctx, asynq.NewTask(typeCoalesce, payload(e.cfg.payload, k, fixedTrace(k))), opts...)
+				res, err := e.dc.Submit(ctx, asynq.NewTask(typeReplace, payload(e.cfg.payload, k, fixedTrace(k))), opts...)
 				return wantOutcome(res, err, dedup.Created)
 			})
 		},
 		op: func(ctx context.Context, e *env, opts []asynq.Option) error {
 			s := e.next() // an update of a waiting task: its payload is rewritten
-			res, err := e.dc.Submit(ctx, asynq.NewTask(typeCoalesce, payload(e.cfg.payload, e.key(s), traceOf(s))), opts...)
+			res, err := e.dc.Submit(ctx, asynq.NewTask(typeReplace, payload(e.cfg.payload, e.key(s), traceOf(s))), opts...)
 			return wantOutcome(res, err, dedup.Replaced)
 		},
 	},

@@ -7,7 +7,7 @@
 //  3. asynq.Unique, every payload a duplicate of a waiting task;
 //  4. this library (dedup.Fields("user_id")), every enqueue accepted;
 //  5. every enqueue rejected as a duplicate of a waiting task;
-//  6. every enqueue coalesced (Rule{OnConflict: Replace}): the waiting
+//  6. every enqueue replaces (Rule{OnConflict: Replace}): the waiting
 //     task's payload is rewritten;
 //  7. end to end: 10,000 enqueues over 1,000 user_ids worked off by an asynq
 //     server whose handler sleeps 1 ms, plain asynq (10,000 tasks) against
@@ -148,7 +148,7 @@ func (c *config) define(fs *flag.FlagSet) listFlags {
 	cases := fs.String("cases", "all", "comma-separated cases to run: all or "+strings.Join(caseNames(), ","))
 	fs.BoolVar(&c.jsonOut, "json", false, "print the results as JSON instead of a table")
 	fs.StringVar(&c.cpuprofile, "cpuprofile", "", "write a CPU profile of the timed rounds to `file` (samples are labelled case=…, c=…)")
-	fs.IntVar(&c.keys, "keys", 1000, "keys pre-enqueued for the duplicate, rejected and coalesced cases")
+	fs.IntVar(&c.keys, "keys", 1000, "keys pre-enqueued for the duplicate, rejected and replaced cases")
 	fs.IntVar(&c.payload, "payload", 200, "payload size in `bytes` (JSON)")
 	fs.IntVar(&c.pool, "pool", 0, "go-redis PoolSize of the shared client (0: max(c, e2e producers) + e2e workers + 16)")
 	fs.BoolVar(&c.ctxTimeouts, "ctx-timeouts", false, "set go-redis ContextTimeoutEnabled on the shared client (go-redis's default is off)")
@@ -364,7 +364,7 @@ func newEnv(ctx context.Context, cfg config, opts *redis.Options) (*env, error) 
 		Logger:   logger,
 		MaxBatch: cfg.maxBatch,
 		Rules: map[string]dedup.Rule{
-			typeCoalesce:   {Fields: []string{"user_id"}, OnConflict: dedup.Replace},
+			typeReplace:    {Fields: []string{"user_id"}, OnConflict: dedup.Replace},
 			typeE2EReplace: {Fields: []string{"user_id"}, OnConflict: dedup.Replace, OnRunning: dedup.RunningDefer},
 			typeE2EReject:  {Fields: []string{"user_id"}},
 		},

@@ -73,7 +73,7 @@ func TestSmoke(t *testing.T) {
 	if code := run(context.Background(), cfg); code != 0 {
 		t.Fatalf("exit status %d\nstdout:\n%s\nstderr:\n%s", code, out.String(), errOut.String())
 	}
-	for _, want := range []string{"plain Enqueue", "asynq.Unique dup", "dedup accepted", "dedup rejected", "dedup coalesced",
+	for _, want := range []string{"plain Enqueue", "asynq.Unique dup", "dedup accepted", "dedup rejected", "dedup replaced",
 		"c=4", "enqueued before workers start", "server already running", "dedup Replace", "→",
 		"worker side: 200 unique tasks", "middleware, guard", "middleware, Cooldown", "2 calls of 50 tasks", "EnqueueBatch"} {
 		if !strings.Contains(out.String(), want) {
@@ -92,7 +92,7 @@ func TestSmokeJSON(t *testing.T) {
 	needRedisServer(t)
 	var out, errOut bytes.Buffer
 	cfg, err := parseFlags([]string{"-duration", "100ms", "-rounds", "2", "-warmup", "50ms", "-c", "2", "-keys", "20",
-		"-cases", "plain,accepted,rejected,coalesced", "-ctx-timeouts", "-json", "-q"}, &out, &errOut)
+		"-cases", "plain,accepted,rejected,replaced", "-ctx-timeouts", "-json", "-q"}, &out, &errOut)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,7 +111,7 @@ func TestSmokeJSON(t *testing.T) {
 	// A rejection of a lock stored with its task reads the owner's record: a
 	// process's first one per key takes one round trip more, to learn the
 	// owner's ID (20 keys, a fresh Dedup each of the 2 rounds).
-	want := map[string]float64{"plain": 1, "accepted": 1, "rejected": 1, "coalesced": 1}
+	want := map[string]float64{"plain": 1, "accepted": 1, "rejected": 1, "replaced": 1}
 	for _, s := range rep.Throughput {
 		slack := 0.05
 		if s.Case == "rejected" && s.Ops > 0 {

@@ -9,8 +9,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/asynq-dedup/dedup"
 )
 
 type meta struct {
@@ -297,7 +295,7 @@ func (rep *report) writeHeader(w io.Writer, cfg config) {
 	fmt.Fprintf(w, "dedupbench  %s  %s  asynq %s  go-redis %s  redis %s  %d CPUs\n", m.Date, m.Go, m.Asynq, m.GoRedis, m.Redis, m.CPUs)
 	fmt.Fprintf(w, "%s; one shared go-redis client, PoolSize %d, ContextTimeoutEnabled %v; dedup MaxBatch %s\n", m.Where, m.Pool, m.ContextTimeouts, batchDesc(m.MaxBatch))
 	if len(rep.Throughput) > 0 {
-		fmt.Fprintf(w, "%d B JSON payloads, %d keys pre-enqueued for dup/rejected/coalesced; %v per case × %d rounds, interleaved;\n", m.Payload, m.Keys, cfg.duration, m.Rounds)
+		fmt.Fprintf(w, "%d B JSON payloads, %d keys pre-enqueued for dup/rejected/replaced; %v per case × %d rounds, interleaved;\n", m.Payload, m.Keys, cfg.duration, m.Rounds)
 		fmt.Fprintf(w, "ops/s and ratio: medians over rounds (ratio = ops/s ÷ plain Enqueue's in the same round; range min–max); p50/p99 over all calls;\n")
 		fmt.Fprintf(w, "cmds/op, rtt/op: commands and round trips per call through the shared client; cli µs, rds µs: CPU time per call of this process and of Redis's main thread\n")
 		fmt.Fprintf(w, "rds ratio: Redis main-thread CPU per call ÷ plain Enqueue's in the same round (median, range min–max; rounds without a CPU reading skipped)\n")
@@ -479,7 +477,7 @@ func depVersion(path string) string {
 func batchDesc(n int) string {
 	switch {
 	case n == 0:
-		return fmt.Sprintf("%d (default)", dedup.DefaultMaxBatch)
+		return "64 (default)"
 	case n < 0:
 		return "off"
 	}

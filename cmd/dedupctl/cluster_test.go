@@ -79,7 +79,7 @@ func TestCluster(t *testing.T) {
 				first[q] = info
 			}
 		}
-		f.enqueue(q, "sync:user", 0, dedup.OnConflict(dedup.Replace)) // coalesced into user 0
+		f.enqueue(q, "sync:user", 0, dedup.OnConflict(dedup.Replace)) // replaced into user 0
 	}
 
 	// list: every lock of every master, with the master that holds it.
@@ -130,11 +130,11 @@ func TestCluster(t *testing.T) {
 	for m, q := range queueOn {
 		info := first[q]
 		o := decode[showOutput](t, f.ok("--json", "show", f.lockOf(info)))
-		if o.Node != m || !o.OwnerTask.Exists || o.OwnerTask.State != "pending" || o.Coalesced != 1 {
-			t.Errorf("show on %s: %+v %+v", m, o.Info, o.OwnerTask)
+		if o.Node != m || !o.HolderTask.Exists || o.HolderTask.State != "pending" || o.Folds != 1 {
+			t.Errorf("show on %s: %+v %+v", m, o.Info, o.HolderTask)
 		}
 		o = decode[showOutput](t, f.ok("--json", "show", "--task", info.ID))
-		if o.Key != f.lockOf(info) || o.TaskRole != "owner" {
+		if o.Key != f.lockOf(info) || o.TaskRole != "holder" {
 			t.Errorf("show --task on %s: %+v", m, o.Info)
 		}
 	}
@@ -155,7 +155,7 @@ func TestCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := decode[statsOutput](t, f.ok("--json", "stats"))
-	if st.Types["sync:user"]["locked"] != uint64(len(want)) || st.Types["sync:user"]["coalesced"] != uint64(len(queueOn)) ||
+	if st.Types["sync:user"]["locked"] != uint64(len(want)) || st.Types["sync:user"]["replaced"] != uint64(len(queueOn)) ||
 		st.Locks.Total != len(want)+1 || st.Locks.ByState["orphaned"] != 1 || len(st.Top) != len(queueOn) {
 		t.Errorf("stats on the cluster: %+v", st)
 	}

@@ -15,36 +15,36 @@ func doctorCommand() *command {
 	return &command{
 		name:     "doctor",
 		synopsis: "[--fix] [--grace D] [--type T] [--queue Q]",
-		summary:  "find locks whose owner cannot run (gone, or in no list); release them with --fix",
-		help: `Checks every lock (on every master with --cluster) against its owner task's
-record in asynq and reports the locks whose owner cannot run:
+		summary:  "find locks whose holder cannot run (gone, or in no list); release them with --fix",
+		help: `Checks every lock (on every master with --cluster) against its holder task's
+record in asynq and reports the locks whose holder cannot run:
 
-  gone  the owner's record is missing, completed or archived: an orphan. The
+  gone  the holder's record is missing, completed or archived: an orphan. The
         key's next enqueue heals it anyway; doctor finds the ones nobody
         enqueues.
-  lost  the owner's record says pending, scheduled, retry or active, but the
+  lost  the holder's record says pending, scheduled, retry or active, but the
         list or set of that state does not hold it, so asynq never runs it:
         what a forced slot migration (redis-cli --cluster fix with REPLACE) or
         a lossy failover leaves behind. The lock would refuse its key until
         it expires; healing does not apply, as the record looks alive.
 
-A lock a policy keeps past its task is never found, whatever its owner's
-state: a cooling key (Cooldown, Period), a failure hold (OnFailure: an
-archived owner whose error the key keeps) and a Scheduler firing's window;
+A lock a policy keeps past its task is never found, whatever its holder's
+state: a cooling key (Cooldown, Period), a fail hold (OnFailure: an
+archived holder whose error the key keeps) and a Scheduler firing's window;
 release them by hand. A lock taken before its task was stored (WrapClient)
-whose owner has no record and that is younger than --grace is left alone
+whose holder has no record and that is younger than --grace is left alone
 (its task may not be stored yet): doctor lists it apart, as left alone, and
 --fix does not release it. With --fix each lock found is released
-owner-checked, and only while its owner still cannot run and no policy
+holder-checked, and only while its holder still cannot run and no policy
 keeps it (checked again as it is released); the tasks are left
 as they are (a lost task's record stays for you to inspect or re-enqueue),
 but for a follow-up the lock owes (RunningDefer) that still waits: it takes
-the key and is queued now, as the end of its owner's run would have done.
+the key and is queued now, as the end of its holder's run would have done.
 Exit status 0 whether or not locks were found.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
 			o := &doctorFlags{}
 			fs.BoolVar(&o.fix, "fix", false, "release the locks found")
-			fs.DurationVar(&o.grace, "grace", time.Minute, "leave orphans younger than this alone (Config.HealGrace)")
+			fs.DurationVar(&o.grace, "grace", time.Minute, "leave orphans younger than this alone (the library's heal grace, 1 minute)")
 			fs.StringVar(&o.typ, "type", "", "only locks of this task `type`")
 			fs.StringVar(&o.queue, "queue", "", "only locks of this `queue`")
 			return func(a *app, _ []string) error { return runDoctor(a, o) }
@@ -75,9 +75,9 @@ func runDoctor(a *app, o *doctorFlags) error {
 func printDoctor(w io.Writer, out doctorOutput, fix bool) {
 	if len(out.Findings)+len(out.Young) > 0 {
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "KEY\tTYPE\tOWNER\tPROBLEM\tDETAIL")
+		fmt.Fprintln(tw, "KEY\tTYPE\tHOLDER\tPROBLEM\tDETAIL")
 		for _, f := range out.Young {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s; left alone\n", text(f.Key), orDash(f.Type), text(f.Owner), f.Problem, text(f.Detail))
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s; left alone\n", text(f.Key), orDash(f.Type), text(f.Holder), f.Problem, text(f.Detail))
 		}
 		for _, f := range out.Findings {
 			detail := f.Detail
@@ -89,12 +89,12 @@ func printDoctor(w io.Writer, out doctorOutput, fix bool) {
 			case f.Error != "":
 				detail += "; not released: " + f.Error
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", text(f.Key), orDash(f.Type), text(f.Owner), f.Problem, text(detail))
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", text(f.Key), orDash(f.Type), text(f.Holder), f.Problem, text(detail))
 		}
 		_ = tw.Flush()
 	}
 	n := len(out.Findings)
-	fmt.Fprintf(w, "%d %s checked, %d %s owner cannot run", out.Checked, plural(out.Checked, "lock", "locks"), n, plural(n, "lock whose", "locks whose"))
+	fmt.Fprintf(w, "%d %s checked, %d %s holder cannot run", out.Checked, plural(out.Checked, "lock", "locks"), n, plural(n, "lock whose", "locks whose"))
 	if y := len(out.Young); y > 0 {
 		fmt.Fprintf(w, ", %d %s younger than --grace %s left alone", y, plural(y, "orphan", "orphans"), out.Grace)
 	}

@@ -11,14 +11,14 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// operations.md, doctor: "A hold a policy keeps past its owner (cooling, a
-// failure hold, a Scheduler firing's) is never one: doctor neither lists
+// operations.md, doctor: "A hold a policy keeps past its holder (cooling, a
+// fail hold, a Scheduler firing's) is never one: doctor neither lists
 // nor releases it." policies.md, OnFailure: the archived task holds the key
 // "also once an operator deletes it"; lifecycle.md, Task IDs: "Once no task
-// with an ID exists, the ID can be used again, for any key". A failure hold
+// with an ID exists, the ID can be used again, for any key". A fail hold
 // whose deleted holder's caller-chosen ID now names a completed task of
 // another key is still a hold: doctor --fix must leave it.
-func TestDoctorFixLeavesAFailureHoldWhoseHoldersIDWasReusedForAnotherKey(t *testing.T) {
+func TestDoctorFixLeavesAFailHoldWhoseHoldersIDWasReusedForAnotherKey(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{
 		"crm:sync": {Fields: []string{"user_id"}, OnFailure: dedup.FailHoldUntilReleased},
@@ -84,6 +84,6 @@ func TestDoctorFixLeavesAFailureHoldWhoseHoldersIDWasReusedForAnotherKey(t *test
 
 	r := f.ok("--json", "doctor", "--grace", "0", "--fix")
 	if !f.exists(keyA) {
-		t.Fatalf("doctor --fix released the failure hold of %s (until released by hand):\n%s", keyA, r.stdout)
+		t.Fatalf("doctor --fix released the fail hold of %s (until released by hand):\n%s", keyA, r.stdout)
 	}
 }

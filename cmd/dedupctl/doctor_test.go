@@ -16,11 +16,11 @@ import (
 	"github.com/hibiken/asynq"
 )
 
-// doctor finds a lock whose owner is gone and one whose owner's record
+// doctor finds a lock whose holder is gone and one whose holder's record
 // says pending while no list holds it (what a forced slot migration
 // leaves), leaves alone a healthy waiting lock, a running one and a
 // cooling one, and with --fix releases exactly the two it found.
-func TestDoctorFindsAndFixesLocksWhoseOwnerCannotRun(t *testing.T) {
+func TestDoctorFindsAndFixesLocksWhoseHolderCannotRun(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{
 		"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour},
@@ -48,24 +48,24 @@ func TestDoctorFindsAndFixesLocksWhoseOwnerCannotRun(t *testing.T) {
 	out := decode[doctorOutput](t, f.ok("--json", "doctor", "--grace", "0"))
 	got := map[string]string{}
 	for _, x := range out.Findings {
-		got[x.Owner] = x.Problem
+		got[x.Holder] = x.Problem
 	}
 	if len(got) != 2 || got[orphan.ID] != "gone" || got[lost.ID] != "lost" || out.Checked != 5 {
 		t.Fatalf("doctor found %v in %d locks; want %s gone and %s lost of 5 (healthy %s, cooling %s, running %s left alone)",
 			got, out.Checked, orphan.ID, lost.ID, healthy.ID, cooling.ID, running.ID)
 	}
 	r := f.ok("doctor", "--grace", "0")
-	if !strings.Contains(r.stdout, "but not in asynq's pending list or set") || !strings.Contains(r.stdout, "5 locks checked, 2 locks whose owner cannot run; run with --fix") {
+	if !strings.Contains(r.stdout, "but not in asynq's pending list or set") || !strings.Contains(r.stdout, "5 locks checked, 2 locks whose holder cannot run; run with --fix") {
 		t.Errorf("doctor text:\n%s", r.stdout)
 	}
 	// An orphan younger than --grace is left alone (a WrapClient lock: its
 	// task may not be stored yet), and doctor says so.
-	if out := decode[doctorOutput](t, f.ok("--json", "doctor")); len(out.Findings) != 1 || out.Findings[0].Owner != lost.ID ||
-		len(out.Young) != 1 || out.Young[0].Owner != orphan.ID {
+	if out := decode[doctorOutput](t, f.ok("--json", "doctor")); len(out.Findings) != 1 || out.Findings[0].Holder != lost.ID ||
+		len(out.Young) != 1 || out.Young[0].Holder != orphan.ID {
 		t.Errorf("doctor with the default grace: found %+v, left alone %+v; want the lost lock found and the orphan left alone", out.Findings, out.Young)
 	}
 	r = f.ok("doctor")
-	if !strings.Contains(r.stdout, "5 locks checked, 1 lock whose owner cannot run, 1 orphan younger than --grace 1m00s left alone; run with --fix to release it") ||
+	if !strings.Contains(r.stdout, "5 locks checked, 1 lock whose holder cannot run, 1 orphan younger than --grace 1m00s left alone; run with --fix to release it") ||
 		!strings.Contains(r.stdout, orphan.ID) {
 		t.Errorf("doctor text with the default grace:\n%s", r.stdout)
 	}
@@ -94,7 +94,7 @@ func TestDoctorFindsAndFixesLocksWhoseOwnerCannotRun(t *testing.T) {
 // run: what doctor --fix must leave alone.
 type holds struct {
 	cooling    string   // a success under a one-hour Cooldown, its record gone
-	failed     string   // a failure hold (FailHoldUntilReleased), its holder archived
+	failed     string   // a fail hold (FailHoldUntilReleased), its holder archived
 	failedGone string   // the same, its archived holder since deleted by an operator
 	firings    []string // Scheduler firings' keys, their tasks deleted
 }
@@ -185,7 +185,7 @@ func (f *fixture) values(keys []string) []string {
 }
 
 // doctor --fix never releases a lock a policy keeps, though its holder
-// cannot run: a cooling key, a failure hold (its holder archived, or
+// cannot run: a cooling key, a fail hold (its holder archived, or
 // deleted since) and a Scheduler firing's key stay, with their values,
 // while a true orphan (its holder vanished) is released. The releasing
 // script checks again: asked to release a hold as stuck, it keeps it.
@@ -197,7 +197,7 @@ func TestDoctorFixLeavesHoldsAlone(t *testing.T) {
 	orphan := f.orphaned(f.qa, "email:welcome", 1)
 	for key, state := range map[string]string{h.cooling: "cooling", h.failed: "failed", h.failedGone: "failed", h.firings[0]: "cooling"} {
 		if o := decode[showOutput](t, f.ok("--json", "show", key)); o.State != state {
-			t.Errorf("show %s: state %s, want %s (%+v)", key, o.State, state, o.OwnerTask)
+			t.Errorf("show %s: state %s, want %s (%+v)", key, o.State, state, o.HolderTask)
 		}
 	}
 	out := decode[doctorOutput](t, f.ok("--json", "doctor", "--grace", "0", "--fix"))
@@ -211,7 +211,7 @@ func TestDoctorFixLeavesHoldsAlone(t *testing.T) {
 		t.Errorf("doctor --fix changed the holds: %q, were %q", after, before)
 	}
 	r := f.ok("doctor", "--grace", "0", "--fix")
-	if want := fmt.Sprintf("%d locks checked, 0 locks whose owner cannot run, 0 released\n", len(h.all())); r.stdout != want {
+	if want := fmt.Sprintf("%d locks checked, 0 locks whose holder cannot run, 0 released\n", len(h.all())); r.stdout != want {
 		t.Errorf("second doctor --fix: %q, want %q", r.stdout, want)
 	}
 	ls, err := store.ReadLocks(context.Background(), f.rdb, store.NewKeys(f.prefix), h.all())
@@ -233,7 +233,7 @@ func TestDoctorFixLeavesHoldsAlone(t *testing.T) {
 // too, marked left alone, and counts it in its summary"; "--fix never
 // releases a young one"; a lock show calls orphaned is reported or
 // explained; the summary says "it" for one. With one young orphan
-// (WrapClient, owner deleted: show says its task may not be stored yet), one
+// (WrapClient, holder deleted: show says its task may not be stored yet), one
 // old orphan (NewClient, written with its task, which vanished without
 // asynq's scripts: they would release the lock its record names) and a
 // healthy lock: doctor, doctor --json and doctor --fix.
@@ -253,28 +253,28 @@ func TestDoctorExplainsEveryOrphanAndFixesNoYoungOne(t *testing.T) {
 		t.Fatalf("show %s:\n%s", old.ID, r.stdout)
 	}
 	r := f.ok("doctor")
-	want := "3 locks checked, 1 lock whose owner cannot run, 1 orphan younger than --grace 1m00s left alone; run with --fix to release it\n"
+	want := "3 locks checked, 1 lock whose holder cannot run, 1 orphan younger than --grace 1m00s left alone; run with --fix to release it\n"
 	if !strings.HasSuffix(r.stdout, want) || !strings.Contains(r.stdout, young.ID) || !strings.Contains(r.stdout, "left alone") || !strings.Contains(r.stdout, old.ID) {
 		t.Errorf("doctor:\n%s\nwant it to end %q", r.stdout, want)
 	}
 	out := decode[doctorOutput](t, f.ok("--json", "doctor", "--fix"))
-	if out.Released != 1 || len(out.Findings) != 1 || out.Findings[0].Owner != old.ID || len(out.Young) != 1 || out.Young[0].Owner != young.ID || out.Grace != "1m00s" {
+	if out.Released != 1 || len(out.Findings) != 1 || out.Findings[0].Holder != old.ID || len(out.Young) != 1 || out.Young[0].Holder != young.ID || out.Grace != "1m00s" {
 		t.Errorf("doctor --fix: %+v", out)
 	}
 	if !f.exists(f.lockOf(young)) || !f.exists(f.lockOf(healthy)) || f.exists(f.lockOf(&asynq.TaskInfo{ID: old.ID, Queue: old.Queue})) {
 		t.Errorf("after --fix: young %v healthy %v old %v; want the old orphan alone released", f.exists(f.lockOf(young)), f.exists(f.lockOf(healthy)), f.exists(f.lockOf(old)))
 	}
 	r = f.ok("doctor", "--fix")
-	if !strings.Contains(r.stdout, "2 locks checked, 0 locks whose owner cannot run, 1 orphan younger than --grace 1m00s left alone, 0 released") {
+	if !strings.Contains(r.stdout, "2 locks checked, 0 locks whose holder cannot run, 1 orphan younger than --grace 1m00s left alone, 0 released") {
 		t.Errorf("second doctor --fix:\n%s", r.stdout)
 	}
 }
 
-// doctor --fix runs Diagnose, then releases each lock found, "owner
+// doctor --fix runs Diagnose, then releases each lock found, "holder
 // checked". With a caller-chosen task ID, a producer that enqueues the key
-// again under the same ID between the two (the old owner's record was lost,
+// again under the same ID between the two (the old holder's record was lost,
 // so the next enqueue heals the lock and takes it again, under the same
-// owner ID) must not have its live lock released: its task is pending and
+// holder ID) must not have its live lock released: its task is pending and
 // will run, and a release would let the key's next enqueue in, a duplicate.
 // This test performs runDoctor's two steps with the enqueue between them.
 func TestDoctorFixLeavesALockRetakenUnderTheSameCallerChosenID(t *testing.T) {
@@ -311,7 +311,7 @@ func TestDoctorFixLeavesALockRetakenUnderTheSameCallerChosenID(t *testing.T) {
 	}
 	t.Logf("re-enqueue: %+v", res)
 	// doctor --fix, second step: release, as runDoctor does (ReleaseStuck,
-	// which re-checks the owner).
+	// which re-checks the holder).
 	l := ds[0].Lock
 	rr, err := store.ReleaseKey(ctx, f.rdb, &store.Release{Lock: l.Key, Queue: l.Queue, Type: l.WaitType(), How: store.ReleaseStuck, Holder: l.Owner})
 	if err != nil {
@@ -321,11 +321,11 @@ func TestDoctorFixLeavesALockRetakenUnderTheSameCallerChosenID(t *testing.T) {
 		// Show the consequence: the key's duplicate is admitted while its task waits.
 		_, derr := direct.EnqueueContext(ctx, task, opts...)
 		t.Fatalf("doctor --fix released the live lock of task %s, re-enqueued after the diagnosis under the same ID "+
-			"(release checks only the owner ID, not the lock's creation); a duplicate of the waiting task then gets: %v", id, derr)
+			"(release checks only the holder ID, not the lock's creation); a duplicate of the waiting task then gets: %v", id, derr)
 	}
 }
 
-// doctor reports no lock whose owner can run: a scheduled task, a task
+// doctor reports no lock whose holder can run: a scheduled task, a task
 // with a caller-chosen ID (WrapClient and NewClient), a grouped
 // (aggregating) task, a task in retry, and a task that is running.
 func TestDoctorReportsNoLockWhoseOwnerCanRun(t *testing.T) {
@@ -356,7 +356,7 @@ func TestDoctorReportsNoLockWhoseOwnerCanRun(t *testing.T) {
 	add("wrap retention", f.client, 6, asynq.Retention(time.Hour))
 	out := decode[doctorOutput](t, f.ok("--json", "doctor", "--grace", "0"))
 	if len(out.Findings) > 0 {
-		t.Fatalf("doctor reported locks whose owner can run: %+v (made %+v)", out.Findings, made)
+		t.Fatalf("doctor reported locks whose holder can run: %+v (made %+v)", out.Findings, made)
 	}
 	if out.Checked != len(made) {
 		t.Errorf("doctor checked %d locks, want %d (%+v)", out.Checked, len(made), made)
@@ -369,10 +369,10 @@ func (d directEnq) EnqueueContext(ctx context.Context, t *asynq.Task, opts ...as
 	return d.c.EnqueueContext(ctx, t, opts...)
 }
 
-// README (dedupctl doctor): "--fix releases them owner-checked … tasks are
+// README (dedupctl doctor): "--fix releases them holder-checked … tasks are
 // never touched, but for a RunningDefer follow-up the lock owes that still
-// waits: it takes the key and is queued now, as the end of its owner's run
-// would have done". The owner here has a caller-chosen ID (its lock found
+// waits: it takes the key and is queued now, as the end of its holder's run
+// would have done". The holder here has a caller-chosen ID (its lock found
 // through the lock header its record carries), failed once (held for its
 // retry an hour away) and was archived by an operator after its server
 // stopped.
@@ -401,14 +401,14 @@ func TestDoctorFixHandsACallerIDOwnersKeyToItsFollowUp(t *testing.T) {
 	var once sync.Once
 	stop := func() { once.Do(func() { close(release); srv.Shutdown() }) }
 	t.Cleanup(stop)
-	owner := "a7-owner-" + randHex(4)
-	if _, err := f.client.EnqueueContext(ctx, asynq.NewTask("report:build", []byte(`{"user_id":1,"seq":0}`)), asynq.Queue(f.qa), asynq.TaskID(owner)); err != nil {
+	holder := "a7-holder-" + randHex(4)
+	if _, err := f.client.EnqueueContext(ctx, asynq.NewTask("report:build", []byte(`{"user_id":1,"seq":0}`)), asynq.Queue(f.qa), asynq.TaskID(holder)); err != nil {
 		t.Fatal(err)
 	}
 	select {
 	case <-started:
 	case <-time.After(10 * time.Second):
-		t.Fatal("the owner never ran")
+		t.Fatal("the holder never ran")
 	}
 	res, err := f.client.Submit(ctx, asynq.NewTask("report:build", []byte(`{"user_id":1,"seq":1}`)), asynq.Queue(f.qa))
 	if err != nil || res.Outcome != dedup.Deferred {
@@ -416,18 +416,18 @@ func TestDoctorFixHandsACallerIDOwnersKeyToItsFollowUp(t *testing.T) {
 	}
 	stop() // the attempt fails (retry in an hour) and the server stops: nobody watches the lock
 	deadline := time.Now().Add(10 * time.Second)
-	for f.taskState(f.qa, owner) != "retry" {
+	for f.taskState(f.qa, holder) != "retry" {
 		if time.Now().After(deadline) {
-			t.Fatalf("owner %s is %s, want retry", owner, f.taskState(f.qa, owner))
+			t.Fatalf("holder %s is %s, want retry", holder, f.taskState(f.qa, holder))
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	if err := f.insp.ArchiveTask(f.qa, owner); err != nil {
+	if err := f.insp.ArchiveTask(f.qa, holder); err != nil {
 		t.Fatal(err)
 	}
 	out := decode[doctorOutput](t, f.ok("--json", "doctor", "--fix", "--queue", f.qa))
 	if len(out.Findings) != 1 || !out.Findings[0].Released || out.Findings[0].FollowUp != res.TaskID {
-		t.Fatalf("doctor --fix: %+v, want the archived owner's lock released to its follow-up %s", out.Findings, res.TaskID)
+		t.Fatalf("doctor --fix: %+v, want the archived holder's lock released to its follow-up %s", out.Findings, res.TaskID)
 	}
 	if st := f.taskState(f.qa, res.TaskID); st != "pending" {
 		t.Fatalf("follow-up %s is %s, want pending (queued now)", res.TaskID, st)

@@ -16,7 +16,7 @@ import (
 
 // Releasing an orphaned lock counted in its type's waiting set (MaxPending)
 // must drop its entry there, as the release help promises ("and its entry
-// in the type's waiting set"). The owner is missing, so the type read from
+// in the type's waiting set"). The holder is missing, so the type read from
 // its asynq record is "", and the release script is given the waiting set
 // of type "".
 func TestReleaseOrphanFreesWaitingSlot(t *testing.T) {
@@ -40,25 +40,25 @@ func TestReleaseOrphanFreesWaitingSlot(t *testing.T) {
 	}
 }
 
-// The owner changes while the operator is asked: the release must leave
-// the new owner's lock alone.
+// The holder changes while the operator is asked: the release must leave
+// the new holder's lock alone.
 func TestReleaseOwnerChangesDuringPrompt(t *testing.T) {
 	f := newFixture(t, dedup.Config{})
 	info := f.enqueue(f.qa, "email:welcome", 1)
 	key := f.lockOf(info)
 	var next *asynq.TaskInfo
 	in := &actingReader{act: func() {
-		// The owner is deleted and its lock released; new work takes the key.
+		// The holder is deleted and its lock released; new work takes the key.
 		_ = f.insp.DeleteTask(f.qa, info.ID)
 		f.rdb.Del(context.Background(), key)
 		next = f.enqueue(f.qa, "email:welcome", 1)
 	}, data: "y\n"}
 	r := f.run(in, "release", key)
 	if r.code == 0 || !strings.Contains(r.stderr, "changed holder") {
-		t.Errorf("release while the owner changed: %v", r)
+		t.Errorf("release while the holder changed: %v", r)
 	}
-	if owner := f.rdb.Get(context.Background(), key).Val(); owner == "" || next == nil || !strings.HasSuffix(owner, ":"+next.ID) {
-		t.Errorf("the new owner's lock was released (the lock is %q)", owner)
+	if holder := f.rdb.Get(context.Background(), key).Val(); holder == "" || next == nil || !strings.HasSuffix(holder, ":"+next.ID) {
+		t.Errorf("the new holder's lock was released (the lock is %q)", holder)
 	}
 }
 
@@ -95,13 +95,13 @@ func TestOddQueueNames(t *testing.T) {
 	}
 	for _, q := range queues {
 		o := decode[listOutput](t, f.ok("--json", "list", "--queue", q))
-		if o.Count != 1 || o.Locks[0].Queue != q || o.Locks[0].Owner != infos[q].ID {
+		if o.Count != 1 || o.Locks[0].Queue != q || o.Locks[0].Holder != infos[q].ID {
 			t.Errorf("list --queue %q: %+v", q, o)
 		}
 		key := f.lockOf(infos[q])
 		s := decode[showOutput](t, f.ok("--json", "show", key))
-		if s.Queue != q || s.Owner != infos[q].ID {
-			t.Errorf("show %q: queue %q owner %q", key, s.Queue, s.Owner)
+		if s.Queue != q || s.Holder != infos[q].ID {
+			t.Errorf("show %q: queue %q holder %q", key, s.Queue, s.Holder)
 		}
 		s2 := decode[showOutput](t, f.ok("--json", "show", "--task", infos[q].ID))
 		if s2.Key != key {
@@ -117,8 +117,8 @@ func TestSameKeyTwoQueues(t *testing.T) {
 	a := f.enqueue(f.qa, "email:welcome", 1)
 	b := f.enqueue(f.qb, "email:welcome", 1)
 	o := decode[showOutput](t, f.ok("--json", "show", "--task", b.ID))
-	if o.Queue != f.qb || o.Owner != b.ID {
-		t.Errorf("show --task %s: queue %q owner %q", b.ID, o.Queue, o.Owner)
+	if o.Queue != f.qb || o.Holder != b.ID {
+		t.Errorf("show --task %s: queue %q holder %q", b.ID, o.Queue, o.Holder)
 	}
 	f.ok("release", "--yes", "--task", a.ID)
 	if f.exists(f.lockOf(a)) || !f.exists(f.lockOf(b)) {
@@ -126,12 +126,12 @@ func TestSameKeyTwoQueues(t *testing.T) {
 	}
 }
 
-// README (dedupctl): "release deletes the lock only if its owner is still
+// README (dedupctl): "release deletes the lock only if its holder is still
 // the one it showed … note: holder … is still pending in asynq: releasing
 // deletes no task; it still runs, checking the key first (it takes it if
-// free, else gives way)". The owner here was enqueued under a caller-chosen
+// free, else gives way)". The holder here was enqueued under a caller-chosen
 // ID with a per-call dedup.Key; after the release another task of the key
-// is enqueued. When the released owner starts, it must take its own key
+// is enqueued. When the released holder starts, it must take its own key
 // again (and wait, since it is held), not run beside the key's other task.
 func TestReleasedCallerIDOwnerTakesItsOwnKeyAgain(t *testing.T) {
 	t.Parallel()
@@ -208,13 +208,13 @@ func TestReleasedCallerIDOwnerTakesItsOwnKeyAgain(t *testing.T) {
 	case id := <-started:
 		mu.Lock()
 		defer mu.Unlock()
-		t.Errorf("key tenant-7: %s started while %s ran (released owner %s, new task %s); overlaps %v", id, first, ownerID, second.ID, overlap)
+		t.Errorf("key tenant-7: %s started while %s ran (released holder %s, new task %s); overlaps %v", id, first, ownerID, second.ID, overlap)
 	case <-time.After(3 * time.Second):
 	}
 }
 
 // README (Lock API, and release's own note): "A follow-up the lock owes
-// that waits is queued now", also while the owner runs (the owner's run no
+// that waits is queued now", also while the holder runs (the holder's run no
 // longer holds the lock that would queue it at its end); dedupctl release
 // prints "follow-up task … is queued now". After `dedupctl release --yes` of
 // a running lock that owes a follow-up, and the run's end, the follow-up is
@@ -253,7 +253,7 @@ func TestReleaseOfARunningLockQueuesItsFollowUp(t *testing.T) {
 			if ti != nil {
 				due = time.Until(ti.NextProcessAt).Round(time.Second).String()
 			}
-			t.Fatalf("after the released owner's run ended, its follow-up %s is %s (due in %s), want pending: release said it is queued now",
+			t.Fatalf("after the released holder's run ended, its follow-up %s is %s (due in %s), want pending: release said it is queued now",
 				follow.ID, f.taskState(f.qb, follow.ID), due)
 		}
 		time.Sleep(20 * time.Millisecond) // asynq's record changes without a signal

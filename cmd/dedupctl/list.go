@@ -23,17 +23,17 @@ func listCommand() *command {
 	return &command{
 		name:     "list",
 		synopsis: "[--type T] [--queue Q] [--limit N] [--count N] [--cursor C]",
-		summary:  "held locks: key, type, owner, queue, state, TTL left, coalesced count",
-		help: `Lists the held locks: key, task type, owner task ID, queue, state, TTL left
-and coalesced count (enqueues folded into the waiting task; follow-up task
-when one is owed). State is the owner's in asynq: waiting, running or
-retry-wait (asynq waits to retry the owner); or orphaned (the owner is gone,
+		summary:  "held locks: key, type, holder, queue, state, TTL left, folds",
+		help: `Lists the held locks: key, task type, holder task ID, queue, state, TTL left
+and folds (calls folded into the waiting task; follow-up task
+when one is owed). State is the holder's in asynq: waiting, running or
+retry-wait (asynq waits to retry the holder); or orphaned (the holder is gone,
 completed or archived; the lock heals at the key's next enqueue); or a hold a
-policy keeps past its owner: cooling (the owner succeeded and the key stays
+policy keeps past its holder: cooling (the holder succeeded and the key stays
 held until the lock expires: Cooldown, Period; a Scheduler firing's window)
-or failed (the owner failed for good: OnFailure). The type is the one the
-key's mode record keeps (a key with modes), else the owner's in asynq: a
-plain lock whose owner is gone shows none.
+or failed (the holder failed for good: OnFailure). The type is the one the
+key's mode record keeps (a key with modes), else the holder's in asynq: a
+plain lock whose holder is gone shows none.
 
 Reads with SCAN, page by page (never KEYS), on every master with --cluster,
 two pipelined round trips per page. At most --limit locks are printed, in
@@ -132,13 +132,13 @@ func printList(w io.Writer, out listOutput) {
 		follow = follow || l.FollowUp != ""
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	head := "KEY\tTYPE\tOWNER\tQUEUE\tSTATE\tTTL\tCOALESCED"
+	head := "KEY\tTYPE\tHOLDER\tQUEUE\tSTATE\tTTL\tFOLDS"
 	if follow {
 		head += "\tFOLLOW-UP"
 	}
 	fmt.Fprintln(tw, head)
 	for _, l := range out.Locks {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d", text(l.Key), orDash(l.Type), text(l.Owner), text(l.Queue), l.State, l.TTL, l.Coalesced)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d", text(l.Key), orDash(l.Type), text(l.Holder), text(l.Queue), l.State, l.TTL, l.Folds)
 		if follow {
 			fmt.Fprintf(tw, "\t%s", orDash(l.FollowUp))
 		}

@@ -16,11 +16,11 @@ import (
 
 // An on-call engineer goes from "user 42" to the lock: by fields, by the
 // whole payload with fields chosen from it, and by an explicit key; a key
-// with modes (here a failure hold, MaxPending) shows how it was chosen
+// with modes (here a fail hold, MaxPending) shows how it was chosen
 // (field names, never values), from its mode record.
 func TestLookupFindsTheLockByTypeAndKey(t *testing.T) {
 	f := newFixture(t, dedup.Config{OptIn: true, Rules: map[string]dedup.Rule{
-		"email:welcome": {Fields: []string{"user_id", "tenant.id"}, OnFailure: dedup.FailHold, FailureHold: time.Hour},
+		"email:welcome": {Fields: []string{"user_id", "tenant.id"}, OnFailure: dedup.FailHold, FailHoldFor: time.Hour},
 		"report:build":  {Key: "nightly", MaxPending: 10},
 	}})
 	ctx := context.Background()
@@ -39,7 +39,7 @@ func TestLookupFindsTheLockByTypeAndKey(t *testing.T) {
 		{"lookup", "--type", "email:welcome", "--payload", `{"user_id":42,"tenant":{"id":"t7"},"trace":"y"}`, "--fields", "user_id,tenant.id", "--queue", f.qa},
 	} {
 		r := f.ok(args...)
-		for _, want := range []string{"owner            " + welcome.ID, "type             email:welcome", "keyed on         fields tenant.id, user_id", "state            waiting"} {
+		for _, want := range []string{"holder           " + welcome.ID, "type             email:welcome", "keyed on         fields tenant.id, user_id", "state            waiting"} {
 			if !strings.Contains(r.stdout, want) {
 				t.Errorf("%q: no %q in\n%s", args, want, r.stdout)
 			}
@@ -53,8 +53,8 @@ func TestLookupFindsTheLockByTypeAndKey(t *testing.T) {
 	if err := json.Unmarshal([]byte(r.stdout), &out); err != nil {
 		t.Fatalf("--json: %v\n%s", err, r.stdout)
 	}
-	if out.Owner != report.ID || out.KeyedOn != "key (explicit)" || out.Type != "report:build" {
-		t.Errorf("--json: owner %q keyed on %q type %q, want %s, key (explicit), report:build", out.Owner, out.KeyedOn, out.Type, report.ID)
+	if out.Holder != report.ID || out.KeyedOn != "key (explicit)" || out.Type != "report:build" {
+		t.Errorf("--json: holder %q keyed on %q type %q, want %s, key (explicit), report:build", out.Holder, out.KeyedOn, out.Type, report.ID)
 	}
 	f.fail(exitError, "no lock: the key is free", "", "lookup", "--type", "email:welcome", "--field", "user_id=43", "--field", "tenant.id=t7", "--queue", f.qa)
 	f.fail(exitError, "no lock: the key is free", "", "lookup", "--type", "email:welcome", "--field", "user_id=\"42\"", "--field", "tenant.id=t7", "--queue", f.qa)
@@ -69,7 +69,7 @@ func TestLookupWithoutQueueFindsTheLockInAnyQueue(t *testing.T) {
 	lookup := []string{"lookup", "--type", "email:welcome", "--field", "user_id=42"}
 	r := f.ok(lookup...)
 	for _, want := range []string{"found in 1 of ", " queues searched: " + f.qa + "\n\nkey ",
-		"queue            " + f.qa + "\n", "owner            " + a.ID + "\n"} {
+		"queue            " + f.qa + "\n", "holder           " + a.ID + "\n"} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("lookup of a lock in queue %s lacks %q:\n%s", f.qa, want, r.stdout)
 		}
@@ -81,12 +81,12 @@ func TestLookupWithoutQueueFindsTheLockInAnyQueue(t *testing.T) {
 		t.Errorf("lookup of the key's locks in %s and %s:\n%s", f.qa, f.qb, r.stdout)
 	}
 	for _, id := range []string{a.ID, b.ID} {
-		if !strings.Contains(r.stdout, "owner            "+id+"\n") {
+		if !strings.Contains(r.stdout, "holder           "+id+"\n") {
 			t.Errorf("lookup lacks the lock owned by %s:\n%s", id, r.stdout)
 		}
 	}
 	o := decode[lookupOutput](t, f.ok(append([]string{"--json"}, lookup...)...))
-	if len(o.Locks) != 2 || o.Locks[0].Queue != f.qa || o.Locks[0].Owner != a.ID || o.Locks[1].Queue != f.qb || o.Locks[1].Owner != b.ID {
+	if len(o.Locks) != 2 || o.Locks[0].Queue != f.qa || o.Locks[0].Holder != a.ID || o.Locks[1].Queue != f.qb || o.Locks[1].Holder != b.ID {
 		t.Errorf("lookup --json: %+v", o.Locks)
 	}
 	for _, q := range []string{f.qa, f.qb, "default"} {
@@ -96,7 +96,7 @@ func TestLookupWithoutQueueFindsTheLockInAnyQueue(t *testing.T) {
 	}
 	// --queue narrows the search to that queue, and prints the lock as show does.
 	r = f.ok(append(lookup, "--queue", f.qb)...)
-	if !strings.HasPrefix(r.stdout, "key ") || !strings.Contains(r.stdout, "owner            "+b.ID+"\n") || strings.Contains(r.stdout, a.ID) {
+	if !strings.HasPrefix(r.stdout, "key ") || !strings.Contains(r.stdout, "holder           "+b.ID+"\n") || strings.Contains(r.stdout, a.ID) {
 		t.Errorf("lookup --queue %s:\n%s", f.qb, r.stdout)
 	}
 	r = f.fail(exitError, "no lock: the key is free in every queue (", "", "lookup", "--type", "email:welcome", "--field", "user_id=43")
@@ -113,8 +113,8 @@ func TestShowOfAPlainLockSaysItsHoldersStateFromAsynq(t *testing.T) {
 	f := newFixture(t, dedup.Config{})
 	info := f.enqueue(f.qa, "email:plain", 42)
 	want := []string{"type             email:plain", "keyed on         -", "state            waiting",
-		"owner            " + info.ID, "owner in asynq   pending (retried 0/25)",
-		"mode record      none: a plain lock, whose state is its owner's in asynq"}
+		"holder           " + info.ID, "holder in asynq  pending (retried 0/25)",
+		"mode record      none: a plain lock, whose state is its holder's in asynq"}
 	for _, args := range [][]string{{"show", f.lockOf(info)}, {"lookup", "--type", "email:plain", "--field", "user_id=42", "--queue", f.qa}} {
 		r := f.ok(args...)
 		for _, w := range want {
@@ -127,8 +127,8 @@ func TestShowOfAPlainLockSaysItsHoldersStateFromAsynq(t *testing.T) {
 		}
 	}
 	o := decode[showOutput](t, f.ok("--json", "show", f.lockOf(info)))
-	if o.Type != "email:plain" || o.KeyedOn != "" || o.ModeKey != "" || o.Fields != nil || o.OwnerTask.State != "pending" || o.TaskState != "pending" {
-		t.Errorf("show --json of a plain lock: %+v / %+v", o.Info, o.OwnerTask)
+	if o.Type != "email:plain" || o.KeyedOn != "" || o.ModeKey != "" || o.Fields != nil || o.HolderTask.State != "pending" || o.TaskState != "pending" {
+		t.Errorf("show --json of a plain lock: %+v / %+v", o.Info, o.HolderTask)
 	}
 	// Its holder runs, then fails with retries left: the lock's state is the
 	// holder's, read from asynq each time.
@@ -141,13 +141,13 @@ func TestShowOfAPlainLockSaysItsHoldersStateFromAsynq(t *testing.T) {
 	defer srv.Shutdown()
 	f.waitState(f.lockOf(info), "retry-wait")
 	r := f.ok("show", f.lockOf(info))
-	if !strings.Contains(r.stdout, "state            retry-wait") || !strings.Contains(r.stdout, "owner in asynq   retry (retried 1/25, runs in ") {
+	if !strings.Contains(r.stdout, "state            retry-wait") || !strings.Contains(r.stdout, "holder in asynq  retry (retried 1/25, runs in ") {
 		t.Errorf("show of a plain lock whose holder waits for its retry:\n%s", r.stdout)
 	}
 }
 
 // show and lookup print a key's policies in words only: what it does while
-// its task runs, a cooldown, a failure hold, a period's window, the waiting
+// its task runs, a cooldown, a fail hold, a period's window, the waiting
 // set; never the mode record's codes (its fields are --json's).
 func TestShowPrintsPoliciesInWordsOnly(t *testing.T) {
 	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{
@@ -214,8 +214,8 @@ func TestLookupRefusesBadInput(t *testing.T) {
 }
 
 // A key with modes keeps its type in its mode record: list --type finds
-// its lock once its owner is gone, and lookup names its type and key form.
-// A plain lock's type goes with its owner's record: list shows it without
+// its lock once its holder is gone, and lookup names its type and key form.
+// A plain lock's type goes with its holder's record: list shows it without
 // one.
 func TestListByTypeFindsAnOrphanWhoseKeyHasModes(t *testing.T) {
 	f := newFixture(t, dedup.Config{})
@@ -230,7 +230,7 @@ func TestListByTypeFindsAnOrphanWhoseKeyHasModes(t *testing.T) {
 		t.Fatalf("lookup of the orphan:\n%s", r.stdout)
 	}
 	o := decode[showOutput](t, f.ok("--json", "show", f.lockOf(plain)))
-	if o.Type != "" || o.State != "orphaned" || o.Owner != plain.ID {
+	if o.Type != "" || o.State != "orphaned" || o.Holder != plain.ID {
 		t.Errorf("show of the plain orphan: %+v", o.Info)
 	}
 }
@@ -268,7 +268,7 @@ func TestLookupBadKeyInputIsAUsageErrorEvenWithRedisDown(t *testing.T) {
 // flags in another order than the enqueue's paths all find it; a big
 // integer one off, a number given as a string and another queue do not;
 // with Config.HashKey it is found only with the key. (The key has a mode, a
-// failure hold, so that its mode record keeps the key form "keyed on"
+// fail hold, so that its mode record keeps the key form "keyed on"
 // prints: a plain lock keeps none.)
 func TestLookupFindsTheLockFromAnyCanonicalSpelling(t *testing.T) {
 	f := newFixture(t, dedup.Config{})
@@ -286,7 +286,7 @@ func TestLookupFindsTheLockFromAnyCanonicalSpelling(t *testing.T) {
 	}
 	for _, args := range found {
 		r := f.ok(append([]string{"lookup", "--type", "a11:canon", "--queue", f.qa}, args...)...)
-		if !strings.Contains(r.stdout, "owner            "+info.ID) || !strings.Contains(r.stdout, "keyed on         fields big, deep.x.y, n, o, s") {
+		if !strings.Contains(r.stdout, "holder           "+info.ID) || !strings.Contains(r.stdout, "keyed on         fields big, deep.x.y, n, o, s") {
 			t.Errorf("%q:\n%s", args, r.stdout)
 		}
 		if strings.Contains(r.stdout, "9007199254740993") || strings.Contains(r.stdout, "é") {
@@ -318,19 +318,19 @@ func TestLookupFindsTheLockFromAnyCanonicalSpelling(t *testing.T) {
 // show prints one lock "in full", one row per item; the lock keeps its task
 // type verbatim. Under the default Config every type is deduplicated, so any
 // service that can enqueue into asynq chooses the type a lock records: a
-// type holding a newline and rows of its own (an owner, a state) cannot
+// type holding a newline and rows of its own (a holder, a state) cannot
 // forge lines of show's and list's output that an operator (or a script
 // reading it) would take for the lock's; --json keeps it whole.
 func TestShowAndListKeepAHostileTypeOnItsOwnRow(t *testing.T) {
 	f := newFixture(t, dedup.Config{})
-	typ := "a11:x\nowner            dd-0000000000000000-forgedforgedforged00\nstate            waiting"
+	typ := "a11:x\nholder           dd-0000000000000000-forgedforgedforged00\nstate            waiting"
 	info, err := f.client.Enqueue(asynq.NewTask(typ, []byte("p")), asynq.Queue(f.qa))
 	if err != nil {
 		t.Fatal(err)
 	}
 	r := f.ok("show", f.lockOf(info))
-	if n := strings.Count(r.stdout, "\nowner  "); n != 1 || strings.Contains(r.stdout, "forged") && !strings.Contains(r.stdout, `\n`) {
-		t.Errorf("show prints %d owner rows (a type forged one):\n%s", n, r.stdout)
+	if n := strings.Count(r.stdout, "\nholder  "); n != 1 || strings.Contains(r.stdout, "forged") && !strings.Contains(r.stdout, `\n`) {
+		t.Errorf("show prints %d holder rows (a type forged one):\n%s", n, r.stdout)
 	}
 	r = f.ok("list", "--type", typ)
 	if strings.Count(r.stdout, "\n") != 3 { // header, one row, "1 lock"
@@ -343,14 +343,14 @@ func TestShowAndListKeepAHostileTypeOnItsOwnRow(t *testing.T) {
 }
 
 // "show/lookup print keyed on … and never a key's value"; "list --type T
-// finds a lock whose owner's asynq record is gone" (a key with modes: its
-// mode record keeps the type; a plain lock's type goes with its owner's
+// finds a lock whose holder's asynq record is gone" (a key with modes: its
+// mode record keeps the type; a plain lock's type goes with its holder's
 // record). A per-call Fields overriding a rule's Key, on a type with a comma
-// and 1 KB of name, its owner gone: list --type and lookup find it and say
+// and 1 KB of name, its holder gone: list --type and lookup find it and say
 // fields, and the rule's explicit key never shows.
 func TestLookupOfAnOverriddenRuleNamesItsFieldsNeverItsKey(t *testing.T) {
 	typ := "a11:a,b<script>" + strings.Repeat("t", 1024)
-	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{typ: {Key: "secret-rule-key", OnFailure: dedup.FailHold, FailureHold: time.Hour}}})
+	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{typ: {Key: "secret-rule-key", OnFailure: dedup.FailHold, FailHoldFor: time.Hour}}})
 	info, err := f.d.NewClient().Enqueue(asynq.NewTask(typ, []byte(`{"tenant":{"id":"secret-tenant"}}`)), asynq.Queue(f.qa), dedup.Fields("tenant.id"))
 	if err != nil {
 		t.Fatal(err)

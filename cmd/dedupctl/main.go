@@ -1,6 +1,6 @@
 // Command dedupctl browses and manages the locks of
 // github.com/asynq-dedup/dedup in Redis: it lists the held locks, shows one
-// in full with its owner task's state in asynq, force-releases a lock, and
+// in full with its holder task's state in asynq, force-releases a lock, and
 // prints the counters the processes flushed (Dedup.StartFlusher).
 //
 //	dedupctl [global flags] <command> [flags] [args]

@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/lockview"
 	"github.com/asynq-dedup/dedup/internal/store"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
@@ -251,7 +252,7 @@ func decode[T any](t *testing.T, r result) T {
 	return v
 }
 
-// setup enqueues three email:welcome locks in qa (one coalesced twice with
+// setup enqueues three email:welcome locks in qa (one folded into twice with
 // Replace) and two report:build locks in qb.
 func (f *fixture) setup() (welcome []*asynq.TaskInfo, reports []*asynq.TaskInfo) {
 	for u := 1; u <= 3; u++ {
@@ -404,7 +405,7 @@ func TestListText(t *testing.T) {
 	if len(lines) != 7 || !strings.HasPrefix(lines[0], "KEY") || lines[6] != "5 locks" {
 		t.Fatalf("want a header, 5 rows and a count:\n%s", r.stdout)
 	}
-	for _, h := range []string{"TYPE", "OWNER", "QUEUE", "STATE", "TTL", "COALESCED"} {
+	for _, h := range []string{"TYPE", "HOLDER", "QUEUE", "STATE", "TTL", "FOLDS"} {
 		if !strings.Contains(lines[0], h) {
 			t.Errorf("header lacks %s: %q", h, lines[0])
 		}
@@ -423,7 +424,7 @@ func TestListText(t *testing.T) {
 		got := strings.Fields(row)
 		if len(got) != 7 || got[0] != f.lockOf(info) || got[1] != info.Type || got[2] != info.ID || got[3] != info.Queue ||
 			got[4] != "waiting" || !strings.HasPrefix(got[5], "59m") || got[6] != n {
-			t.Errorf("row of %s (want coalesced %s): %q", info.ID, n, row)
+			t.Errorf("row of %s (want folds %s): %q", info.ID, n, row)
 		}
 	}
 }
@@ -449,8 +450,8 @@ func TestListJSON(t *testing.T) {
 		if i == 0 {
 			wantN = 2 // two Replace enqueues of user 1 folded into it
 		}
-		if l.Owner != info.ID || l.Queue != info.Queue || l.Type != info.Type || l.State != "waiting" ||
-			l.TaskState != "pending" || l.Coalesced != wantN || l.TTLms <= 59*60*1000 || l.TTLms > 3600*1000 ||
+		if l.Holder != info.ID || l.Queue != info.Queue || l.Type != info.Type || l.State != "waiting" ||
+			l.TaskState != "pending" || l.Folds != wantN || l.TTLms <= 59*60*1000 || l.TTLms > 3600*1000 ||
 			l.Created == 0 || l.Fingerprint == "" || l.Fields != nil || l.FollowUp != "" {
 			t.Errorf("lock of %s: %+v", info.ID, l)
 		}
@@ -489,12 +490,12 @@ func TestListOddQueueName(t *testing.T) {
 	q := "odd{" + f.qa + "}:u:x"
 	info := f.enqueue(q, "email:welcome", 1)
 	out := decode[listOutput](t, f.ok("--json", "list"))
-	if out.Count != 1 || out.Locks[0].Queue != q || out.Locks[0].Owner != info.ID {
+	if out.Count != 1 || out.Locks[0].Queue != q || out.Locks[0].Holder != info.ID {
 		t.Fatalf("lock in queue %q: %+v", q, out)
 	}
 	show := decode[showOutput](t, f.ok("--json", "show", out.Locks[0].Key))
-	if show.OwnerTask == nil || !show.OwnerTask.Exists || show.OwnerTask.State != "pending" {
-		t.Errorf("show in queue %q: %+v", q, show.OwnerTask)
+	if show.HolderTask == nil || !show.HolderTask.Exists || show.HolderTask.State != "pending" {
+		t.Errorf("show in queue %q: %+v", q, show.HolderTask)
 	}
 }
 
@@ -664,9 +665,9 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 	out := decode[listOutput](t, f.ok("--json", "list"))
 	states := map[string]*lockInfo{}
 	for _, l := range out.Locks {
-		states[l.Owner] = l
+		states[l.Holder] = l
 	}
-	if l := states[running.ID]; l == nil || l.State != "running" || l.TaskState != "active" || l.FollowUp != follow.ID || l.Coalesced != 1 {
+	if l := states[running.ID]; l == nil || l.State != "running" || l.TaskState != "active" || l.FollowUp != follow.ID || l.Folds != 1 {
 		t.Errorf("running lock: %+v", l)
 	}
 	if l := states[orphan.ID]; l == nil || l.State != "orphaned" || l.TaskState != "missing" {
@@ -681,7 +682,7 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 	}
 
 	r = f.ok("show", runKey)
-	for _, want := range []string{"state            running", "owner in asynq   active (retried 0/25)", "follow-up        " + follow.ID + ": scheduled (retried 0/25, runs in ",
+	for _, want := range []string{"state            running", "holder in asynq  active (retried 0/25)", "follow-up        " + follow.ID + ": scheduled (retried 0/25, runs in ",
 		"while running    defer: a duplicate enqueued while the holder runs becomes its one follow-up, queued when the run ends",
 		"mode record      " + store.ModeOf(runKey)} {
 		if !strings.Contains(r.stdout, want) {
@@ -689,18 +690,18 @@ func TestRunningOrphanedAndFollowUp(t *testing.T) {
 		}
 	}
 	r = f.ok("show", f.lockOf(orphan))
-	if !strings.Contains(r.stdout, "owner in asynq   missing (the lock is orphaned; it heals at the next enqueue)") || !strings.Contains(r.stdout, "state            orphaned") {
+	if !strings.Contains(r.stdout, "holder in asynq  missing (the lock is orphaned; it heals at the next enqueue)") || !strings.Contains(r.stdout, "state            orphaned") {
 		t.Errorf("show orphaned lock:\n%s", r.stdout)
 	}
 	so := decode[showOutput](t, f.ok("--json", "show", f.lockOf(orphan)))
-	if so.OwnerTask.Exists || so.OwnerTask.State != "missing" || so.State != "orphaned" {
-		t.Errorf("show --json orphaned: %+v %+v", so.Info, so.OwnerTask)
+	if so.HolderTask.Exists || so.HolderTask.State != "missing" || so.State != "orphaned" {
+		t.Errorf("show --json orphaned: %+v %+v", so.Info, so.HolderTask)
 	}
 
 	// --task of the follow-up finds the lock but does not release it.
-	f.fail(exitError, "is its owed follow-up, not its owner", "", "release", "--yes", "--task", follow.ID, "--queue", f.qb)
+	f.fail(exitError, "is its owed follow-up, not its holder", "", "release", "--yes", "--task", follow.ID, "--queue", f.qb)
 	r = f.ok("release", "--yes", runKey)
-	for _, want := range []string{"released " + runKey + " (type report:build, owner " + running.ID + ", running, ",
+	for _, want := range []string{"released " + runKey + " (type report:build, holder " + running.ID + ", running, ",
 		"note: holder " + running.ID + " is running: its handler goes on without the lock",
 		"note: follow-up task " + follow.ID + ", which carries the newest payload, is queued now"} {
 		if !strings.Contains(r.stdout, want) {
@@ -724,9 +725,9 @@ func TestShow(t *testing.T) {
 		"queue            " + f.qa,
 		"type             email:welcome",
 		"state            waiting",
-		"owner            " + welcome[0].ID,
-		"owner in asynq   pending (retried 0/25)",
-		"coalesced        2",
+		"holder           " + welcome[0].ID,
+		"holder in asynq  pending (retried 0/25)",
+		"folds            2",
 		"TTL left         59m",
 		"mode record      " + store.ModeOf(key),
 	} {
@@ -735,15 +736,15 @@ func TestShow(t *testing.T) {
 		}
 	}
 	o := decode[showOutput](t, f.ok("--json", "show", key))
-	if o.Key != key || o.Owner != welcome[0].ID || o.Fields["n"] != "2" ||
-		!o.OwnerTask.Exists || o.OwnerTask.State != "pending" || o.OwnerTask.MaxRetry != 25 || o.OwnerTask.Type != "email:welcome" || o.PayloadVersion != "2" {
-		t.Errorf("show --json: %+v / %+v", o.Info, o.OwnerTask)
+	if o.Key != key || o.Holder != welcome[0].ID || o.Fields["n"] != "2" ||
+		!o.HolderTask.Exists || o.HolderTask.State != "pending" || o.HolderTask.MaxRetry != 25 || o.HolderTask.Type != "email:welcome" || o.PayloadVersion != "2" {
+		t.Errorf("show --json: %+v / %+v", o.Info, o.HolderTask)
 	}
 
 	// By task ID: with its queue, and searching asynq's queues.
 	for _, args := range [][]string{{"show", "--json", "--task", welcome[1].ID, "--queue", f.qa}, {"show", "--task", welcome[1].ID, "--json"}} {
 		o := decode[showOutput](t, f.ok(args...))
-		if o.Key != f.lockOf(welcome[1]) || o.TaskRole != "owner" || o.Task != welcome[1].ID {
+		if o.Key != f.lockOf(welcome[1]) || o.TaskRole != "holder" || o.Task != welcome[1].ID {
 			t.Errorf("%q: %+v", args, o)
 		}
 	}
@@ -760,7 +761,7 @@ func TestShow(t *testing.T) {
 	// A caller-chosen task ID's record names its lock (its header).
 	info := f.enqueue(f.qb, "email:welcome", 9, asynq.TaskID("welcome-9-"+f.qb))
 	o = decode[showOutput](t, f.ok("--json", "show", "--task", info.ID, "--queue", f.qb))
-	if o.Owner != info.ID || o.Key != f.lockOf(info) || o.TaskRole != "owner" {
+	if o.Holder != info.ID || o.Key != f.lockOf(info) || o.TaskRole != "holder" {
 		t.Errorf("show --task of a caller-chosen ID: %+v", o.Info)
 	}
 }
@@ -811,7 +812,7 @@ func TestReleaseYes(t *testing.T) {
 	welcome, _ := f.setup()
 	key := f.lockOf(welcome[2])
 	r := f.ok("release", key, "--yes")
-	want := "released " + key + " (type email:welcome, owner " + welcome[2].ID + ", waiting, 59m"
+	want := "released " + key + " (type email:welcome, holder " + welcome[2].ID + ", waiting, 59m"
 	if !strings.HasPrefix(r.stdout, want) || !strings.Contains(r.stdout, "note: holder "+welcome[2].ID+" is still pending in asynq") || r.stderr != "" {
 		t.Errorf("release --yes: want %q, got %v", want, r)
 	}
@@ -827,19 +828,19 @@ func TestReleaseYes(t *testing.T) {
 	f.fail(exitError, "no such lock: "+store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff"), "", "release", "--yes", store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff"))
 	f.fail(exitError, "not a dedup lock key", "", "release", "--yes", "asynq:{"+f.qa+"}:pending")
 
-	// JSON, by caller-chosen task ID: the owner, which still runs, still
+	// JSON, by caller-chosen task ID: the holder, which still runs, still
 	// names its key in its record, and is marked to check it first.
 	info := f.enqueue(f.qb, "report:build", 5, asynq.TaskID("report-5-"+f.qb))
 	o := decode[releaseOutput](t, f.ok("--json", "release", "--yes", "--task", info.ID, "--queue", f.qb))
-	if !o.Released || o.Owner != info.ID || o.State != "waiting" || o.TaskState != "pending" || len(o.Notes) != 1 {
+	if !o.Released || o.Holder != info.ID || o.State != "waiting" || o.TaskState != "pending" || len(o.Notes) != 1 {
 		t.Errorf("release --json: %+v", o)
 	}
 	if lock, _, err := store.TaskLockOf(context.Background(), f.rdb, f.qb, info.ID); err != nil || lock != f.lockOf(info) {
-		t.Errorf("the released owner names lock %q (%v), want %s: it could not find its key", lock, err, f.lockOf(info))
+		t.Errorf("the released holder names lock %q (%v), want %s: it could not find its key", lock, err, f.lockOf(info))
 	}
 	msg, _ := f.rdb.HGet(context.Background(), store.TaskKey(f.qb, info.ID), "msg").Result()
 	if lost := store.MessageHeaders([]byte(msg))[store.HeaderLost]; lost != store.LostReleased {
-		t.Errorf("the released owner is marked %q, want %q: it would not check its key first", lost, store.LostReleased)
+		t.Errorf("the released holder is marked %q, want %q: it would not check its key first", lost, store.LostReleased)
 	}
 }
 
@@ -850,7 +851,7 @@ func TestReleasePrompt(t *testing.T) {
 	key := f.lockOf(welcome[1])
 	for _, answer := range []string{"n\n", "\n", "nope\n", "maybe"} {
 		r := f.fail(exitError, "not released: not confirmed", answer, "release", key)
-		if !strings.Contains(r.stderr, "Release this lock? [y/N] ") || !strings.Contains(r.stderr, "owner  "+welcome[1].ID+" (pending in asynq)") {
+		if !strings.Contains(r.stderr, "Release this lock? [y/N] ") || !strings.Contains(r.stderr, "holder "+welcome[1].ID+" (pending in asynq)") {
 			t.Errorf("prompt for %q:\n%s", answer, r.stderr)
 		}
 		if !f.exists(key) {
@@ -893,7 +894,7 @@ func TestReleaseNoTerminal(t *testing.T) {
 	}
 }
 
-// The delete is owner-checked: a lock that changed hands after it was read
+// The delete is holder-checked: a lock that changed hands after it was read
 // is left alone.
 func TestReleaseOwnerSafe(t *testing.T) {
 	t.Parallel()
@@ -906,10 +907,10 @@ func TestReleaseOwnerSafe(t *testing.T) {
 	stale := &store.Release{Lock: key, Queue: f.qa, Type: "email:welcome", How: store.ReleaseHolder, Holder: "stale"}
 	res, err := store.ReleaseKey(ctx, f.rdb, stale)
 	if err != nil || res.Released || res.Holder != welcome[0].ID {
-		t.Fatalf("release with a stale owner: %+v, %v", res, err)
+		t.Fatalf("release with a stale holder: %+v, %v", res, err)
 	}
 	if !f.exists(key) {
-		t.Fatal("a stale owner's release deleted the lock")
+		t.Fatal("a stale holder's release deleted the lock")
 	}
 	// The lock is counted in its type's waiting set (MaxPending); releasing
 	// takes it out.
@@ -924,7 +925,7 @@ func TestReleaseOwnerSafe(t *testing.T) {
 	if err := f.rdb.ZScore(ctx, wk, fp).Err(); err != redis.Nil {
 		t.Errorf("released lock still in the waiting set: %v", err)
 	}
-	// --task of a task that is not the owner refuses.
+	// --task of a task that is not the holder refuses.
 	if err := f.rdb.SetArgs(ctx, f.lockOf(welcome[1]), "someone-else", redis.SetArgs{KeepTTL: true}).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -949,7 +950,7 @@ func TestStats(t *testing.T) {
 		t.Fatal(err)
 	}
 	o := decode[statsOutput](t, f.ok("--json", "stats"))
-	if o.Types["email:welcome"]["locked"] != 3 || o.Types["email:welcome"]["coalesced"] != 2 ||
+	if o.Types["email:welcome"]["locked"] != 3 || o.Types["email:welcome"]["replaced"] != 2 ||
 		o.Types["report:build"]["locked"] != 2 || o.Types["report:build"]["duplicate"] != 2 ||
 		o.Totals["locked"] != 5 || o.Note != "" {
 		t.Errorf("stats counters: %+v", o)
@@ -957,15 +958,15 @@ func TestStats(t *testing.T) {
 	if o.Locks.Total != 5 || o.Locks.ByState["waiting"] != 5 {
 		t.Errorf("stats locks: %+v", o.Locks)
 	}
-	if len(o.Top) != 1 || o.Top[0].Coalesced != 2 || o.Top[0].Type != "email:welcome" || o.Top[0].Queue != f.qa {
-		t.Errorf("top coalesced: %+v", o.Top)
+	if len(o.Top) != 1 || o.Top[0].Folds != 2 || o.Top[0].Type != "email:welcome" || o.Top[0].Queue != f.qa {
+		t.Errorf("top folded: %+v", o.Top)
 	}
 	r := f.ok("stats")
 	for _, want := range []string{
 		fmt.Sprintf("Counters flushed to Redis under prefix %q", f.prefix),
 		"EVENT", "email:welcome", "report:build", "TOTAL",
 		"Live locks: 5 (5 waiting)",
-		"\n\nTop coalesced keys:\nKEY",
+		"\n\nTop folded keys:\nKEY",
 		o.Top[0].Key,
 	} {
 		if !strings.Contains(r.stdout, want) {
@@ -1027,8 +1028,8 @@ func TestStatsTextShowsEveryCounterOfTheJSON(t *testing.T) {
 	if !slices.Equal(columns, []string{"email:welcome", "report:build", "TOTAL"}) || !reflect.DeepEqual(got, want) {
 		t.Errorf("the text's counters differ from the JSON's:\ntext %v\njson %v\n%s", got, want, text)
 	}
-	if !slices.Equal(events, dedup.EventNames()) {
-		t.Errorf("the text's rows are %v, want every event in dedup.EventNames order %v", events, dedup.EventNames())
+	if !slices.Equal(events, lockview.EventNames()) {
+		t.Errorf("the text's rows are %v, want every event in lockview.EventNames order %v", events, lockview.EventNames())
 	}
 }
 
@@ -1036,7 +1037,7 @@ func TestStatsEmpty(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, dedup.Config{})
 	r := f.ok("stats")
-	want := noCounters + "\n\nLive locks: none\nTop coalesced keys: no live lock has coalesced enqueues\n"
+	want := noCounters + "\n\nLive locks: none\nTop folded keys: no live lock has folds\n"
 	if r.stdout != want {
 		t.Errorf("stats with nothing:\n%q\nwant\n%q", r.stdout, want)
 	}
@@ -1100,13 +1101,13 @@ func TestRetryWait(t *testing.T) {
 		t.Fatalf("failed attempt: %+v", out.Locks)
 	}
 	r := f.ok("show", f.lockOf(info))
-	if !strings.Contains(r.stdout, "owner in asynq   retry (retried 1/25, runs in 59m") || !strings.Contains(r.stdout, "last error: smtp: 421 try again later") {
+	if !strings.Contains(r.stdout, "holder in asynq  retry (retried 1/25, runs in 59m") || !strings.Contains(r.stdout, "last error: smtp: 421 try again later") {
 		t.Errorf("show of a lock waiting for a retry:\n%s", r.stdout)
 	}
 }
 
 // A lock kept after its task succeeded (Rule.Cooldown): list and show say
-// cooling, not orphaned, though the owner is gone from asynq.
+// cooling, not orphaned, though the holder is gone from asynq.
 func TestCoolingLock(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, dedup.Config{Rules: map[string]dedup.Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour}}})
@@ -1123,7 +1124,7 @@ func TestCoolingLock(t *testing.T) {
 			break
 		}
 	}
-	if l == nil || l.Owner != info.ID || l.TTLms <= 0 {
+	if l == nil || l.Holder != info.ID || l.TTLms <= 0 {
 		t.Fatalf("list: cooling lock of %s not found: %+v", info.ID, l)
 	}
 	r := f.ok("show", key)

@@ -18,7 +18,7 @@ type releaseOutput struct {
 	Key       string   `json:"key"`
 	Queue     string   `json:"queue"`
 	Type      string   `json:"type"`
-	Owner     string   `json:"owner"`
+	Holder    string   `json:"holder"`
 	State     string   `json:"state"` // the lock's state when released
 	TaskState string   `json:"task_state"`
 	TTLms     int64    `json:"ttl_ms"` // what was left
@@ -35,14 +35,14 @@ func releaseCommand() *command {
 so the key can be enqueued again. It asks on the terminal first; with --yes
 it does not ask, and without a terminal it refuses unless --yes is given.
 
-The delete is owner-safe: it happens only if the lock still has the owner
+The delete is holder-safe: it happens only if the lock still has the holder
 that was shown, so a lock that changed hands meanwhile is left alone.
-Releasing deletes no task: a queued owner still runs, marked so that it
+Releasing deletes no task: a queued holder still runs, marked so that it
 checks its key first when it starts (it takes the key if free; if a task of
 its type has taken the key by then, it gives way to it as the README's Lock
-API says); a running owner goes on without the lock. An owed follow-up task
+API says); a running holder goes on without the lock. An owed follow-up task
 that waits is queued now (it carries the newest payload). Holds are released
-too: a cooling key, a failure hold, a Scheduler firing's window.`,
+too: a cooling key, a fail hold, a Scheduler firing's window.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
 			s := &selector{}
 			s.register(fs, "to release")
@@ -60,12 +60,12 @@ func runRelease(a *app, args []string, s selector, yes bool) error {
 }
 
 func release(a *app, ctx context.Context, c *conn, t *lockview.Target, l *lockInfo, yes bool) error {
-	if t.Task != "" && t.Task != l.Owner {
+	if t.Task != "" && t.Task != l.Holder {
 		role := "does not hold it"
 		if t.Task == l.FollowUp {
-			role = "is its owed follow-up, not its owner"
+			role = "is its owed follow-up, not its holder"
 		}
-		return fmt.Errorf("not released: task %s %s (lock %s, owner %s); name the key to release it anyway", t.Task, role, l.Key, l.Owner)
+		return fmt.Errorf("not released: task %s %s (lock %s, holder %s); name the key to release it anyway", t.Task, role, l.Key, l.Holder)
 	}
 	if !yes {
 		if err := a.confirm(l); err != nil {
@@ -80,12 +80,12 @@ func release(a *app, ctx context.Context, c *conn, t *lockview.Target, l *lockIn
 	if err != nil {
 		return err
 	}
-	out := releaseOutput{Released: true, Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, State: l.State,
+	out := releaseOutput{Released: true, Key: l.Key, Queue: l.Queue, Type: l.Type, Holder: l.Holder, State: l.State,
 		TaskState: l.TaskState, TTLms: l.TTLms, FollowUp: l.FollowUp, Notes: res.Notes}
 	if a.g.json {
 		return writeJSON(a.stdout, out)
 	}
-	fmt.Fprintf(a.stdout, "released %s (type %s, owner %s, %s, %s left)\n", l.Key, orDash(l.Type), l.Owner, l.State, l.TTL)
+	fmt.Fprintf(a.stdout, "released %s (type %s, holder %s, %s, %s left)\n", l.Key, orDash(l.Type), l.Holder, l.State, l.TTL)
 	for _, n := range out.Notes {
 		fmt.Fprintf(a.stdout, "note: %s\n", n)
 	}
@@ -102,7 +102,7 @@ func (a *app) confirm(l *lockInfo) error {
 		}
 	}
 	w := a.stderr
-	fmt.Fprintf(w, "lock   %s\ntype   %s\nowner  %s (%s in asynq)\nstate  %s, %s left, coalesced %d\n", l.Key, orDash(l.Type), l.Owner, l.TaskState, l.State, l.TTL, l.Coalesced)
+	fmt.Fprintf(w, "lock   %s\ntype   %s\nholder %s (%s in asynq)\nstate  %s, %s left, %d folds\n", l.Key, orDash(l.Type), l.Holder, l.TaskState, l.State, l.TTL, l.Folds)
 	if l.FollowUp != "" {
 		fmt.Fprintf(w, "follow-up  %s\n", l.FollowUp)
 	}

@@ -32,7 +32,7 @@ func serveCommand() *command {
 		help: `Serves the web lock browser of package dedupweb: the locks by queue, type
 and state, the counters of the last hour, each lock in full, search, and the
 doctor. It is read-only unless --allow-release: then a lock page offers an
-owner-checked release, and the doctor page a release of what it found, each
+holder-checked release, and the doctor page a release of what it found, each
 by POST with a CSRF token after a confirmation page.
 
 It has no authentication of its own: keep --listen on a loopback address (the
@@ -44,7 +44,7 @@ Redis work of each request. It runs until interrupted (SIGINT, SIGTERM).`,
 			fs.StringVar(&o.root, "root", "", "URL `path` to serve under, such as /dedup")
 			fs.StringVar(&o.asynqmon, "asynqmon", "", "asynqmon's root `URL`, to link tasks to it")
 			fs.BoolVar(&o.allowRelease, "allow-release", false, "allow releasing locks from the pages")
-			fs.DurationVar(&o.grace, "grace", time.Minute, "the doctor leaves orphans younger than this alone (Config.HealGrace)")
+			fs.DurationVar(&o.grace, "grace", time.Minute, "the doctor leaves orphans younger than this alone (the library's heal grace, 1 minute)")
 			return func(a *app, _ []string) error { return runServe(a, o) }
 		},
 	}

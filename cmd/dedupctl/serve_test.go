@@ -53,7 +53,7 @@ func TestServeShowsLocksReadOnlyAndStopsOnSIGINT(t *testing.T) {
 
 	page := get(t, "http://"+addr+"/lock?key="+url.QueryEscape(f.lockOf(info)))
 	if !strings.Contains(page, info.ID) || !strings.Contains(page, "email:serve") {
-		t.Errorf("the lock page does not show the lock's owner %s and type", info.ID)
+		t.Errorf("the lock page does not show the lock's holder %s and type", info.ID)
 	}
 	res, err := http.PostForm("http://"+addr+"/release", url.Values{"key": {f.lockOf(info)}})
 	if err != nil {

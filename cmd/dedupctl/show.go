@@ -50,9 +50,9 @@ func showCommand() *command {
 	return &command{
 		name:     "show",
 		synopsis: "KEY | --task ID [--queue Q]",
-		summary:  "one lock in full, and whether its owner task still exists in asynq",
+		summary:  "one lock in full, and whether its holder task still exists in asynq",
 		help: `Shows one lock in full: every field, TTL left, and what asynq says about its
-owner task (and its owed follow-up). An owner that is missing, completed or
+holder task (and its owed follow-up). A holder that is missing, completed or
 archived means the lock is orphaned: the library heals it at the key's next
 enqueue.
 
@@ -93,11 +93,11 @@ func printShow(w io.Writer, o *showOutput, now time.Time) {
 	row("type", orDash(o.Type))
 	row("keyed on", orDash(o.KeyedOn))
 	row("state", o.State)
-	row("owner", o.Owner)
-	row("owner in asynq", o.OwnerTask.Note)
+	row("holder", o.Holder)
+	row("holder in asynq", o.HolderTask.Note)
 	switch o.TaskRole {
 	case "follow-up":
-		row("--task", o.Task+" is the owed follow-up, not the owner")
+		row("--task", o.Task+" is the owed follow-up, not the holder")
 	case "other":
 		row("--task", o.Task+" does not hold this lock")
 	}
@@ -109,7 +109,7 @@ func printShow(w io.Writer, o *showOutput, now time.Time) {
 		row("taken", c.Format(time.RFC3339)+" ("+fmtDuration(now.Sub(c))+" ago, before its task was stored)")
 	}
 	row("TTL left", o.TTL)
-	row("coalesced", fmt.Sprintf("%d", o.Coalesced))
+	row("folds", fmt.Sprintf("%d", o.Folds))
 	printPolicies(row, o, now)
 }
 
@@ -128,7 +128,7 @@ func printPolicies(row func(k, v string), o *showOutput, now time.Time) {
 		}
 	}
 	if o.ModeKey == "" {
-		row("mode record", "none: a plain lock, whose state is its owner's in asynq")
+		row("mode record", "none: a plain lock, whose state is its holder's in asynq")
 		return
 	}
 	row("mode record", o.ModeKey)

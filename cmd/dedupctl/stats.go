@@ -23,7 +23,7 @@ type statsOutput struct {
 	Totals map[string]uint64            `json:"totals"` // event → total over types
 	Note   string                       `json:"note,omitempty"`
 	Locks  lockCounts                   `json:"locks"`
-	Top    []topKey                     `json:"top_coalesced"`
+	Top    []topKey                     `json:"top_folded"`
 }
 
 type lockCounts struct {
@@ -32,25 +32,25 @@ type lockCounts struct {
 }
 
 type topKey struct {
-	Key       string `json:"key"`
-	Queue     string `json:"queue"`
-	Type      string `json:"type"`
-	Owner     string `json:"owner"`
-	Coalesced int64  `json:"coalesced"`
+	Key    string `json:"key"`
+	Queue  string `json:"queue"`
+	Type   string `json:"type"`
+	Holder string `json:"holder"`
+	Folds  int64  `json:"folds"`
 }
 
 func statsCommand() *command {
 	return &command{
 		name:     "stats",
 		synopsis: "[--top N] [--count N]",
-		summary:  "flushed counters per task type, and the most coalesced live locks",
+		summary:  "flushed counters per task type, and the live locks with the most folds",
 		help: `Prints the counters that processes flushed to Redis (Dedup.StartFlusher,
 read with dedup.ReadStats): every counter that --json prints, a row per
 event, with its total per task type since the first flush. Then the live locks by state and the --top
-locks with the most coalesced enqueues (field n), found by a full SCAN of
+locks with the most folds (calls folded into their task, field n), found by a full SCAN of
 the lock keys (on every master with --cluster).`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
-			top := fs.Int("top", 10, "show the `N` most coalesced live locks")
+			top := fs.Int("top", 10, "show the `N` live locks with the most folds")
 			count := fs.Int64("count", 500, "SCAN COUNT: keys Redis looks at per page")
 			return func(a *app, _ []string) error { return runStats(a, *top, *count) }
 		},
@@ -105,7 +105,7 @@ func newStatsOutput(prefix string, byType map[string]dedup.Stats) statsOutput {
 }
 
 // scanLockStats counts the live locks by state into out.Locks and keeps
-// the top most coalesced ones in out.Top.
+// the top most folded ones in out.Top.
 func scanLockStats(ctx context.Context, c *conn, prefix string, count int64, top int, out *statsOutput) error {
 	s, err := lockview.NewScanner(ctx, c.src(), prefix, lockview.Filter{}, count)
 	if err != nil {
@@ -114,10 +114,10 @@ func scanLockStats(ctx context.Context, c *conn, prefix string, count int64, top
 	err = s.Each(ctx, func(l *lockInfo) {
 		out.Locks.Total++
 		out.Locks.ByState[l.State]++
-		if l.Coalesced <= 0 || top == 0 {
+		if l.Folds <= 0 || top == 0 {
 			return
 		}
-		out.Top = append(out.Top, topKey{Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, Coalesced: l.Coalesced})
+		out.Top = append(out.Top, topKey{Key: l.Key, Queue: l.Queue, Type: l.Type, Holder: l.Holder, Folds: l.Folds})
 		if len(out.Top) > 4*top { // keep memory bounded on huge keyspaces
 			out.Top = keepTop(out.Top, top)
 		}
@@ -129,7 +129,7 @@ func scanLockStats(ctx context.Context, c *conn, prefix string, count int64, top
 	return nil
 }
 
-// keepTop returns the n most coalesced of t, most first.
+// keepTop returns the n most folded of t, most first.
 func keepTop(t []topKey, n int) []topKey {
 	sortTop(t)
 	if len(t) > n {
@@ -140,8 +140,8 @@ func keepTop(t []topKey, n int) []topKey {
 
 func sortTop(t []topKey) {
 	sort.Slice(t, func(i, j int) bool {
-		if t[i].Coalesced != t[j].Coalesced {
-			return t[i].Coalesced > t[j].Coalesced
+		if t[i].Folds != t[j].Folds {
+			return t[i].Folds > t[j].Folds
 		}
 		return t[i].Key < t[j].Key
 	})
@@ -155,7 +155,7 @@ func printStats(w io.Writer, o statsOutput) {
 }
 
 // printCounters prints the flushed counters as a table: a row per event,
-// every one of dedup.EventNames (the names --json keys its counters by),
+// every one of lockview.EventNames (the names --json keys its counters by),
 // in that order; a column per task type, and their total.
 func printCounters(w io.Writer, o statsOutput) {
 	if len(o.Types) == 0 {
@@ -164,7 +164,7 @@ func printCounters(w io.Writer, o statsOutput) {
 	}
 	types := slices.Sorted(maps.Keys(o.Types))
 	fmt.Fprintf(w, "Counters flushed to Redis under prefix %q (all processes, since the first flush):\n", o.Prefix)
-	events := dedup.EventNames()
+	events := lockview.EventNames()
 	// Numbers align right, event names left: pad the names to one width.
 	width := len("EVENT")
 	for _, e := range events {
@@ -207,14 +207,14 @@ func printLockCounts(w io.Writer, l lockCounts) {
 
 func printTop(w io.Writer, top []topKey) {
 	if len(top) == 0 {
-		fmt.Fprintln(w, "Top coalesced keys: no live lock has coalesced enqueues")
+		fmt.Fprintln(w, "Top folded keys: no live lock has folds")
 		return
 	}
-	fmt.Fprintln(w, "\nTop coalesced keys:")
+	fmt.Fprintln(w, "\nTop folded keys:")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "KEY\tTYPE\tOWNER\tCOALESCED")
+	fmt.Fprintln(tw, "KEY\tTYPE\tHOLDER\tFOLDS")
 	for _, t := range top {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\n", text(t.Key), orDash(t.Type), text(t.Owner), t.Coalesced)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\n", text(t.Key), orDash(t.Type), text(t.Holder), t.Folds)
 	}
 	_ = tw.Flush()
 }

@@ -40,7 +40,7 @@ func TestBrowserOverviewCounts(t *testing.T) {
 }
 
 // Search by type and field finds user 42's lock, through the real form.
-// Its key has a mode (a failure hold), so the lock says how it was keyed.
+// Its key has a mode (a fail hold), so the lock says how it was keyed.
 func TestBrowserSearchFindsUser42(t *testing.T) {
 	w := webtest.New(t)
 	w.Enqueue(w.QA, "report:build", 41)

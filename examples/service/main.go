@@ -244,9 +244,9 @@ func (s *service) enqueue(typ, param string) http.HandlerFunc {
 		case errors.As(err, &dup) && dup.CoolingDown:
 			// Whole seconds, rounded up, at least 1: told 0, a client retries at once.
 			w.Header().Set("Retry-After", strconv.Itoa(max(1, int((dup.FreeIn+time.Second-1)/time.Second))))
-			writeJSON(w, http.StatusTooManyRequests, map[string]string{"holder": dup.TaskID})
+			writeJSON(w, http.StatusTooManyRequests, map[string]string{"holder": dup.Holder})
 		case errors.As(err, &dup):
-			writeJSON(w, http.StatusConflict, map[string]string{"holder": dup.TaskID})
+			writeJSON(w, http.StatusConflict, map[string]string{"holder": dup.Holder})
 		case err != nil:
 			s.log.ErrorContext(r.Context(), "enqueue failed", "type", typ, "err", err)
 			http.Error(w, "could not enqueue", http.StatusServiceUnavailable)

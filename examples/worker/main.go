@@ -186,8 +186,8 @@ func (e *env) finish(ctx context.Context, r *report, c *checks, waitErr error, t
 	// and a mode record <prefix>:{<queue>}:m:<fingerprint> for the keys whose policy needs one.
 	var lockErr, modeErr, taskErr error
 	var modes int
-	r.LocksLeft, lockErr = countKeys(cctx, e.rdb, dedup.DefaultPrefix+":{"+e.queue+"}:u:*")
-	modes, modeErr = countKeys(cctx, e.rdb, dedup.DefaultPrefix+":{"+e.queue+"}:m:*")
+	r.LocksLeft, lockErr = countKeys(cctx, e.rdb, "dedup"+":{"+e.queue+"}:u:*")
+	modes, modeErr = countKeys(cctx, e.rdb, "dedup"+":{"+e.queue+"}:m:*")
 	r.LocksLeft += modes
 	lockErr = errors.Join(lockErr, modeErr)
 	// asynq deletes a task's record once it succeeds (no Retention here), so
@@ -324,7 +324,7 @@ func (t *tally) add(u update, res dedup.Result, err error) {
 	case errors.As(err, &dup):
 		t.Rejected++
 		if t.SampleHolder == "" {
-			t.SampleHolder = dup.TaskID
+			t.SampleHolder = dup.Holder
 		}
 		// Code written for asynq.Unique checks this; it keeps working.
 		if !errors.Is(err, asynq.ErrDuplicateTask) {
@@ -560,7 +560,7 @@ func cleanup(ctx context.Context, rdb *redis.Client, queue string) {
 	if err := insp.DeleteQueue(queue, true); err != nil && !errors.Is(err, asynq.ErrQueueNotFound) {
 		fmt.Fprintf(os.Stderr, "cleanup: remove queue %s: %v\n", queue, err)
 	}
-	for _, pattern := range []string{"asynq:{" + queue + "}:*", dedup.DefaultPrefix + ":{" + queue + "}:*"} {
+	for _, pattern := range []string{"asynq:{" + queue + "}:*", "dedup" + ":{" + queue + "}:*"} {
 		iter := rdb.Scan(ctx, 0, pattern, 1000).Iterator()
 		for iter.Next(ctx) {
 			rdb.Del(ctx, iter.Val())

@@ -99,7 +99,7 @@ func TestRunReplace(t *testing.T) {
 	}
 	checkCommon(t, &s.report)
 	st := s.Stats
-	if int(st.Coalesced) != p1.Replaced+p2.Replaced || int(st.Deferred) != p2.Deferred || int(st.Released) != s.Processed {
+	if int(st.Replaced) != p1.Replaced+p2.Replaced || int(st.Deferred) != p2.Deferred || int(st.Released) != s.Processed {
 		t.Errorf("dedup.Stats %+v disagree with replaced %d, deferred %d, processed %d", st, p1.Replaced+p2.Replaced, p2.Deferred, s.Processed)
 	}
 }

@@ -253,7 +253,7 @@ func printReplace(p printer, s *replaceSummary, o options, where string) {
 	p.line("  %-24s: %-7s (no run of a user got an older version than its run before)", "runs in version order", yes(s.Backwards == 0))
 	st := s.Stats
 	p.footer(&s.report,
-		stat{"locked", st.Locked}, stat{"coalesced", st.Coalesced}, stat{"deferred", st.Deferred}, stat{"started", st.Started},
+		stat{"locked", st.Locked}, stat{"replaced", st.Replaced}, stat{"deferred", st.Deferred}, stat{"started", st.Started},
 		stat{"released", st.Released}, stat{"busy", st.Busy}, stat{"lock lost", st.LockLost}, stat{"redis errors", st.RedisErrors})
 }
 

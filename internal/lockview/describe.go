@@ -150,7 +150,7 @@ func ReadOne(ctx context.Context, src Source, prefix string, t *Target) (*Info, 
 		return nil, err
 	}
 	if typ != "none" {
-		return nil, fmt.Errorf("not a dedup lock: %s is a %s without an owner", t.Key, typ)
+		return nil, fmt.Errorf("not a dedup lock: %s is a %s without a holder", t.Key, typ)
 	}
 	return nil, fmt.Errorf("%w: %s (released, expired, or never taken)", ErrNoLock, t.Key)
 }
@@ -252,17 +252,17 @@ func taskNote(info *asynq.TaskInfo, now time.Time) string {
 // Detail is one lock in full: what asynq and its mode record say about it.
 type Detail struct {
 	Info
-	OwnerTask      *TaskInfo `json:"owner_task"`
+	HolderTask     *TaskInfo `json:"holder_task"`
 	FollowUpTask   *TaskInfo `json:"follow_up_task,omitempty"`
 	ModeKey        string    `json:"mode_key,omitempty"` // <prefix>:{q}:m:<fp>, when the key has a mode record
 	RunningPolicy  string    `json:"running_policy,omitempty"`
 	PayloadVersion string    `json:"payload_version,omitempty"`
 	WaitingSet     string    `json:"waiting_set,omitempty"`
 	OnFailure      string    `json:"on_failure,omitempty"` // the failure policy recorded (OnFailure), "" for release
-	LastError      string    `json:"last_error,omitempty"` // a lock held after its owner failed for good: the owner's last error
+	LastError      string    `json:"last_error,omitempty"` // a lock held after its holder failed for good: the holder's last error
 	Window         string    `json:"window,omitempty"`     // a period key's window, "start – end" (RFC 3339, UTC)
 	Task           string    `json:"task,omitempty"`       // the task ID the lock was found by
-	TaskRole       string    `json:"task_role,omitempty"`  // owner, follow-up or other
+	TaskRole       string    `json:"task_role,omitempty"`  // holder, follow-up or other
 }
 
 // Describe adds what asynq and the mode record say about a lock.
@@ -270,11 +270,11 @@ func Describe(ctx context.Context, src Source, prefix string, l *Info, t *Target
 	insp := asynq.NewInspectorFromRedisClient(src.RDB)
 	out := &Detail{Info: *l, Task: t.Task}
 	var err error
-	if out.OwnerTask, err = InspectTask(ctx, insp, l.Queue, l.Owner, time.Now()); err != nil {
+	if out.HolderTask, err = InspectTask(ctx, insp, l.Queue, l.Holder, time.Now()); err != nil {
 		return nil, err
 	}
 	if note := holdNote(l); note != "" {
-		out.OwnerTask.Note = out.OwnerTask.State + " (" + note + ")"
+		out.HolderTask.Note = out.HolderTask.State + " (" + note + ")"
 	}
 	describePolicies(l, out)
 	if l.FollowUp != "" {
@@ -292,8 +292,8 @@ func Describe(ctx context.Context, src Source, prefix string, l *Info, t *Target
 	}
 	switch {
 	case t.Task == "":
-	case t.Task == l.Owner:
-		out.TaskRole = "owner"
+	case t.Task == l.Holder:
+		out.TaskRole = "holder"
 	case t.Task == l.FollowUp:
 		out.TaskRole = "follow-up"
 	default:
@@ -345,7 +345,7 @@ func runningPolicy(rp store.Running) string {
 }
 
 // describePolicies adds the lock's failure policy, the last error of an
-// owner that failed for good and a period key's window.
+// holder that failed for good and a period key's window.
 func describePolicies(l *Info, out *Detail) {
 	switch fh := l.Fields[store.FieldFailHold]; fh {
 	case "":

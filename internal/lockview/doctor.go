@@ -8,12 +8,12 @@ import (
 	"github.com/asynq-dedup/dedup/internal/store"
 )
 
-// Finding is one lock whose owner cannot run (or an orphan left alone).
+// Finding is one lock whose holder cannot run (or an orphan left alone).
 type Finding struct {
 	Key       string `json:"key"`
 	Queue     string `json:"queue"`
 	Type      string `json:"type"`
-	Owner     string `json:"owner"`
+	Holder    string `json:"holder"`
 	TaskState string `json:"task_state"`
 	Problem   string `json:"problem"` // gone or lost
 	Detail    string `json:"detail"`
@@ -39,7 +39,7 @@ type Report struct {
 // Doctor checks every lock of prefix that passes f against its holder's
 // record (store.Diagnose) and, with fix, releases those no task and no
 // policy keeps: the holder cannot run, and the key is not held on purpose
-// (a cooldown, a failure hold, a firing's window), holder-checked
+// (a cooldown, a fail hold, a firing's window), holder-checked
 // (store.ReleaseStuck).
 func Doctor(ctx context.Context, src Source, prefix string, f Filter, grace time.Duration, fix bool) (*Report, error) {
 	s, err := NewScanner(ctx, src, prefix, f, 500)
@@ -111,7 +111,7 @@ func keptWhy(kept string) string {
 	case string(store.HoldFiring):
 		return "a Scheduler firing's window holds it"
 	case store.LockFailed:
-		return "a failure hold (OnFailure)"
+		return "a fail hold (OnFailure)"
 	case "reserved":
 		return "taken before its task was stored, less than the grace (at least 1s) ago: its task may not be stored yet"
 	}
@@ -121,5 +121,5 @@ func keptWhy(kept string) string {
 // findingOf presents one diagnosis.
 func findingOf(d store.Diagnosis) Finding {
 	l := d.Lock
-	return Finding{Key: l.Key, Queue: l.Queue, Type: l.Type, Owner: l.Owner, TaskState: l.TaskState, Problem: d.Problem, Detail: d.Detail, lock: l}
+	return Finding{Key: l.Key, Queue: l.Queue, Type: l.Type, Holder: l.Owner, TaskState: l.TaskState, Problem: d.Problem, Detail: d.Detail, lock: l}
 }

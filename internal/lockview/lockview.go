@@ -94,13 +94,13 @@ type Info struct {
 	Fingerprint string            `json:"fingerprint"`
 	Type        string            `json:"type"`               // the mode record's, else the holder's asynq record's; "" when neither says
 	KeyedOn     string            `json:"keyed_on,omitempty"` // how the key was chosen: field names, never values
-	Owner       string            `json:"owner"`
+	Holder      string            `json:"holder"`
 	Hold        string            `json:"hold,omitempty"` // the lock's value, when it holds the key past its task ("~c:…" cooling, "~x:…" a firing's)
 	State       string            `json:"state"`          // waiting, running, retry-wait, cooling, failed or orphaned
-	TaskState   string            `json:"task_state"`     // the owner's state in asynq; "missing" when it is gone
+	TaskState   string            `json:"task_state"`     // the holder's state in asynq; "missing" when it is gone
 	TTLms       int64             `json:"ttl_ms"`         // -1: no expiry
 	TTL         string            `json:"ttl"`
-	Coalesced   int64             `json:"coalesced"`
+	Folds       int64             `json:"folds"`
 	FollowUp    string            `json:"follow_up,omitempty"`
 	Created     int64             `json:"created,omitempty"` // unix seconds, for a lock taken before its task was stored
 	Node        string            `json:"node,omitempty"`    // cluster master that holds it
@@ -114,8 +114,8 @@ func (i *Info) Raw() *store.Lock { return i.lock }
 
 // InfoOf presents a lock read by store.ReadLocks.
 func InfoOf(l *store.Lock) *Info {
-	li := &Info{Key: l.Key, Queue: l.Queue, Fingerprint: l.FP, Type: l.Type, Owner: l.Owner, State: l.State(),
-		TaskState: l.TaskState, Coalesced: l.Folds, FollowUp: l.Follow, Created: l.Taken, Fields: l.Fields, lock: l}
+	li := &Info{Key: l.Key, Queue: l.Queue, Fingerprint: l.FP, Type: l.Type, Holder: l.Owner, State: l.State(),
+		TaskState: l.TaskState, Folds: l.Folds, FollowUp: l.Follow, Created: l.Taken, Fields: l.Fields, lock: l}
 	if store.ParseValue(l.Value).HeldOnPurpose() {
 		li.Hold = l.Value
 	}

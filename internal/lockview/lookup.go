@@ -141,7 +141,7 @@ func FindKeyLocks(ctx context.Context, src Source, prefix string, hashKey []byte
 
 // lookupDedup is a Dedup to look keys up with: it takes no lock.
 func lookupDedup(ctx context.Context, rdb redis.UniversalClient, prefix string, hashKey []byte) (*dedup.Dedup, error) {
-	return dedup.New(ctx, rdb, dedup.Config{Prefix: prefix, HashKey: hashKey, ConnectAttempts: 1,
+	return dedup.New(ctx, rdb, dedup.Config{Prefix: prefix, HashKey: hashKey,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 }
 

@@ -70,7 +70,7 @@ type AcquireResult struct {
 	Waiting  int64         // StatusOver: keys waiting
 	Queued   int64         // StatusOver: tasks in the queue's pending list and scheduled set
 	Cooling  time.Duration // StatusCooling: how long the key stays held; negative: until released
-	Failed   bool          // StatusCooling: the holder failed for good (a failure hold), rather than succeeded
+	Failed   bool          // StatusCooling: the holder failed for good (a fail hold), rather than succeeded
 	Reason   string        // StatusBroken
 	Lock     string        // the lock's key
 	Stored   bool          // StatusTaken: the task (Message) was stored with the lock

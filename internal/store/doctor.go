@@ -23,7 +23,7 @@ type Diagnosis struct {
 }
 
 // Diagnose finds, among locks read by ReadLocks, those that no task and no
-// policy keeps: a lock held on purpose (cooling, a failure hold, a
+// policy keeps: a lock held on purpose (cooling, a fail hold, a
 // firing's) never is one; else its holder's asynq record is gone (missing, completed,
 // archived), or its state names a list or set (pending, scheduled, retry,
 // active) that does not hold it, as after a slot migration that dropped a

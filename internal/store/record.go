@@ -32,7 +32,7 @@ const (
 	FieldOutlived = "o"  // until when (unix ms) a handler of the holder that asynq gave up still runs, as its heartbeat renews it
 )
 
-// FailHold encodes a failure hold as the mode record carries it: 0 none
+// FailHold encodes a fail hold as the mode record carries it: 0 none
 // (""), negative until released by hand ("-1"), else integer milliseconds.
 func FailHold(d time.Duration) string {
 	switch {
@@ -193,7 +193,7 @@ func (l *Lock) belongs(uniqueKey, msg string) bool {
 	return l.Kind == HoldStart && !named
 }
 
-// Failed reports a failure hold: the holder failed for good (asynq
+// Failed reports a fail hold: the holder failed for good (asynq
 // archived it; an operator may have deleted it since) and its mode record
 // holds its error (OnFailure).
 func (l *Lock) Failed() bool {
@@ -202,7 +202,7 @@ func (l *Lock) Failed() bool {
 }
 
 // HeldOnPurpose reports a lock a policy keeps past its task: cooling, a
-// firing's, a failure hold.
+// firing's, a fail hold.
 func (l *Lock) HeldOnPurpose() bool { return ParseValue(l.Value).HeldOnPurpose() || l.Failed() }
 
 // Running is the running policy the mode record keeps (RunReject for none).

@@ -68,7 +68,7 @@ func TestReleaseStuckKeepsWhatCanRun(t *testing.T) {
 	failed := held(t, rdb, s, q, "0000000000000212", FieldError, "boom")
 	putTask(rdb, q, failed.ID, StateArchived)
 	if res := stuck(failed); res.Released || res.Kept != "failed" {
-		t.Fatalf("a failure hold: %+v; want kept (failed)", res)
+		t.Fatalf("a fail hold: %+v; want kept (failed)", res)
 	}
 	f := NewFollowID()
 	putTask(rdb, q, f, StateScheduled)

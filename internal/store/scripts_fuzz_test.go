@@ -73,7 +73,7 @@ func (w *scriptWorld) build() {
 			"~c:" + holder, FiringValue(holder)}[w.pick(6)]
 		ttl := time.Hour
 		if w.pick(10) == 0 {
-			ttl = 0 // a failure hold until released
+			ttl = 0 // a fail hold until released
 		}
 		w.rdb.Set(ctx, w.lock, v, ttl)
 		if holder == w.ids["caller"] && st != "" {

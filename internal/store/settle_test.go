@@ -68,7 +68,7 @@ func TestSettleCoolingHoldsTheKeyUntilTheCooldownEnds(t *testing.T) {
 	}
 }
 
-// A final failure under a failure hold keeps the lock's value, records the
+// A final failure under a fail hold keeps the lock's value, records the
 // error in the mode record, takes the lock out of the task's record (so
 // that asynq's DeleteTask leaves it) and holds the key for the hold (no
 // expiry for one until released), but no longer than a period key's window.

@@ -21,7 +21,7 @@ import (
 //	~c:<ID>                 cooling: the task succeeded; held until the lock expires
 //	~x:<ID>                 a Scheduler firing's: held until it expires, whatever its task does
 //
-// A failure hold (OnFailure) keeps the value as it is: an archived (or
+// A fail hold (OnFailure) keeps the value as it is: an archived (or
 // since deleted) holder whose mode record holds its error (FieldError)
 // holds the key until the lock expires or someone releases it; asynq
 // releases it if it runs the task again and the task succeeds.
@@ -41,7 +41,7 @@ const (
 )
 
 // heldFailed is the kind the scripts report for a key held after its task
-// failed for good (a failure hold).
+// failed for good (a fail hold).
 const heldFailed = "f"
 
 // Value is the lock value of a key held by task id.

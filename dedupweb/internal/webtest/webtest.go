@@ -116,7 +116,7 @@ func (w *World) Exists(key string) bool {
 
 // Orphan deletes a task's asynq record through the Inspector. A lock
 // WrapClient took names its task, which asynq's client stored next, so it
-// stays: orphaned, though for HealGrace (and a minute, as the lock's state
+// stays: orphaned, though for the heal grace (and a minute, as the lock's state
 // says) its task might not be stored yet.
 func (w *World) Orphan(info *asynq.TaskInfo) {
 	w.T.Helper()
@@ -247,7 +247,7 @@ func (w *World) Serve(opts dedupweb.Options) *httptest.Server {
 	return srv
 }
 
-// TypeFailHard fails for good (asynq.SkipRetry) under a failure hold that
+// TypeFailHard fails for good (asynq.SkipRetry) under a fail hold that
 // lasts until released (Holds).
 const TypeFailHard = "job:fail-hard"
 
@@ -255,7 +255,7 @@ const TypeFailHard = "job:fail-hard"
 // run: what "release what the doctor found" must leave alone.
 type Holds struct {
 	Cooling    string   // TypeCool's key: it succeeded under a one-hour Cooldown, its record gone
-	Failed     string   // TypeFailHard's key: a failure hold (FailHoldUntilReleased), its holder archived
+	Failed     string   // TypeFailHard's key: a fail hold (FailHoldUntilReleased), its holder archived
 	FailedGone string   // the same, its archived holder since deleted by an operator
 	Firings    []string // Scheduler firings' keys, their tasks deleted
 }
