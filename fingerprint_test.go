@@ -307,7 +307,7 @@ func TestFieldErrorTexts(t *testing.T) {
 		{fpErr(`{"a":`, "a"), `dedup: task "t": invalid JSON at offset 5: unexpected end of input`, false},
 		{fpErr(`{"a":1}x`, "a"), `dedup: task "t": invalid JSON at offset 7: data after the top-level value`, false},
 		{fpErr(jsonkeytest.Deep(600, false), "a"), `dedup: task "t": invalid JSON at offset 513: nesting too deep`, false},
-		{fpErr(`{"b":1}`, "a"), `dedup: task "t": field "a": dedup: selected field missing`, false},
+		{fpErr(`{"b":1}`, "a"), `dedup: task "t": field "a": selected field missing`, false},
 		{fpErr(`{"a":1e1000000001}`, "a"), `dedup: task "t": field "a": number exponent out of range (|exp| > 1000000000)`, false},
 	} {
 		if tt.err == nil || tt.err.Error() != tt.want {

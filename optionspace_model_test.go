@@ -276,6 +276,16 @@ func (m *osModel) task(w *osWorld, queue, id, typ string, payload []byte) *osTas
 	}
 	t := m.newTask(w, queue, id, typ, p.Kid, origin, 0)
 	t.s, t.found = p.S, m.next()
+	if store.KindOf(id) == store.IDKept {
+		// A busy task's last-attempt copy keeps its standing (its message,
+		// its dedup-lost header included): a copy of a task whose lock an
+		// operator released is as released.
+		for _, o := range m.tasks {
+			if o != t && o.s == p.S && o.typ == typ && o.released {
+				t.released = true
+			}
+		}
+	}
 	for _, u := range p.U {
 		if _, ok := m.units[u]; ok {
 			m.unitTasks[u] = append(m.unitTasks[u], t) // (a copy the middleware made, a fold's new task)
