@@ -55,8 +55,8 @@ func (d *Dedup) WrapClient(next Enqueuer) *Client {
 // own options in asynq.NewTask (this package's may be there) is stored by
 // the lock script itself, in asynq
 // v0.26.0's layout: one round trip instead of two, and no moment when the
-// lock exists without its task. Other tasks go through the asynq client.
-// Config.NoDirectEnqueue turns this off.
+// lock exists without its task. Other tasks go through the asynq client,
+// as every task does when the linked asynq is not v0.26.0.
 func (d *Dedup) NewClient() *Client {
 	c := &Client{d: d, next: asynq.NewClientFromRedisClient(d.rdb), direct: !d.cfg.noDirectEnqueue, ownNext: true}
 	c.place.state.Store(placeHere)

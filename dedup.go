@@ -44,8 +44,8 @@ type Dedup struct {
 	queues sync.Map // string → string
 }
 
-// New checks that Redis answers (PING with backoff, bounded by ctx and
-// Config.ConnectAttempts), loads the lock scripts and returns a Dedup. It
+// New checks that Redis answers (PING with backoff, at most 5 times,
+// bounded by ctx), loads the lock scripts and returns a Dedup. It
 // fails with an error matching ErrInvalidOption for a bad Config, or
 // ErrUnavailable (wrapping the last Redis error) when Redis does not answer
 // or refuses the login (not retried).
@@ -64,8 +64,8 @@ type Dedup struct {
 //
 // NewClient's direct path writes asynq v0.26.0's task layout; if the
 // binary's build information names another asynq version, New logs a
-// warning and turns the direct path off (Config.NoDirectEnqueue): enqueues
-// then go through asynq's own client.
+// warning and turns the direct path off: enqueues then go through asynq's
+// own client.
 func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, error) {
 	if isNil(rdb) {
 		return nil, errorf("%w: nil redis client", ErrInvalidOption)

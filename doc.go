@@ -32,7 +32,8 @@
 // Redis as the locks, since each lock is checked against asynq's record of
 // its holder task (ErrTasksElsewhere otherwise). The lock is an efficiency measure, not
 // an exactly-once guarantee: a Redis failover can lose a lock written just
-// before it. Make handlers idempotent where effects must happen once.//
+// before it. Make handlers idempotent where effects must happen once.
+//
 // # The API by task
 //
 // Set up: New (or NewFromRedisConnOpt) with a Config, whose Rules hold a

@@ -34,7 +34,7 @@ const maxMergeAttempts = 32
 // (a WrapClient's Enqueuer, one round trip away) is waited for, briefly
 // (about 0.8 s in all); then the call is answered as a duplicate of it, its
 // payload not folded in: a task that never comes (its producer died, an
-// operator deleted it) leaves the lock to heal after HealGrace, which no
+// operator deleted it) leaves the lock to heal after the heal grace, which no
 // caller should wait out.
 const maxReservedWaits = 20
 

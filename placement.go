@@ -10,7 +10,7 @@ import (
 // in the Dedup's own Redis. The lock is a cache of asynq's record of its
 // holder task, read in the same script (healing, Replace, follow-ups, how
 // an attempt asynq gave up ended): with the tasks in another Redis every
-// holder would look gone, and live locks would heal a HealGrace after they
+// holder would look gone, and live locks would heal the heal grace after they
 // were taken. So that setup is refused, not weakened. (The middleware
 // checks the same per task, in its start script: the running task's
 // record must be there.)

@@ -54,7 +54,7 @@ var waitBackoff = backoff{Min: 25 * time.Millisecond, Max: time.Second}
 //     that long; a wait that starts later finds nothing either.
 //   - A task that is not in asynq is waited for only while this package's
 //     lock still names it (the short gap between taking the lock and
-//     asynq storing the task, bounded by Config.HealGrace); otherwise the
+//     asynq storing the task, bounded by the heal grace, a minute); otherwise the
 //     wait ends at once. A deleted task or a removed queue ends it the same
 //     way.
 //   - It polls asynq's Inspector (a few Redis commands per poll): first at

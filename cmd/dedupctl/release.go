@@ -39,8 +39,8 @@ The delete is holder-safe: it happens only if the lock still has the holder
 that was shown, so a lock that changed hands meanwhile is left alone.
 Releasing deletes no task: a queued holder still runs, marked so that it
 checks its key first when it starts (it takes the key if free; if a task of
-its type has taken the key by then, it gives way to it as the README's Lock
-API says); a running holder goes on without the lock. An owed follow-up task
+its type has taken the key by then, it gives way to it, as docs/lifecycle.md
+says under "A task locked at enqueue that meets a busy key"); a running holder goes on without the lock. An owed follow-up task
 that waits is queued now (it carries the newest payload). Holds are released
 too: a cooling key, a fail hold, a Scheduler firing's window.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {

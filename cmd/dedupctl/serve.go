@@ -31,7 +31,7 @@ func serveCommand() *command {
 		summary:  "serve the lock browser (package dedupweb) over HTTP; read-only unless --allow-release",
 		help: `Serves the web lock browser of package dedupweb: the locks by queue, type
 and state, the counters of the last hour, each lock in full, search, and the
-doctor. It is read-only unless --allow-release: then a lock page offers an
+doctor. It is read-only unless --allow-release: then a lock page offers a
 holder-checked release, and the doctor page a release of what it found, each
 by POST with a CSRF token after a confirmation page.
 
