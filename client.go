@@ -8,6 +8,7 @@ import (
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // Enqueuer is what both *asynq.Client and *Client offer, so code can take
@@ -86,7 +87,7 @@ func (c *Client) Close() error {
 func (c *Client) Ping() error {
 	ctx, cancel := context.WithTimeout(context.Background(), c.d.cfg.LockTimeout)
 	defer cancel()
-	if err := c.d.store.Client().Ping(ctx).Err(); err != nil {
+	if _, err := c.d.store.Do(ctx, "", func(cc context.Context, rdb redis.Cmdable) (any, error) { return nil, rdb.Ping(cc).Err() }); err != nil {
 		return unavailable("ping", err)
 	}
 	p, ok := c.next.(interface{ Ping() error })

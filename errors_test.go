@@ -230,13 +230,13 @@ func TestRuleErrorsNameTheRuleAndMatchErrInvalidOption(t *testing.T) {
 	}
 }
 
-// An enqueue while Redis refuses connections (the server is gone) sent
-// nothing: it is ErrUnavailable, not ErrOutcomeUnknown; it says why
+// A lock call (an enqueue, Lookup, Release, Client.Ping) while Redis
+// refuses connections (the server is gone) sent nothing: it is ErrUnavailable, not ErrOutcomeUnknown; it says why
 // ("connection refused"), keeps the dial error for errors.As, and comes
 // back well within LockTimeout, before and after the breaker opens; with
 // the caller's client (ContextTimeoutEnabled) and with the library's own
 // copy of it alike.
-func TestEnqueueWithRedisRefusingConnectionsIsUnavailableAndSaysWhy(t *testing.T) {
+func TestLockCallsWithRedisRefusingConnectionsAreUnavailableAndSayWhy(t *testing.T) {
 	for _, shared := range []bool{true, false} {
 		t.Run(fmt.Sprintf("ContextTimeoutEnabled=%v", shared), func(t *testing.T) {
 			p, rdb := ownRedis(t, func(o *redis.Options) { o.ContextTimeoutEnabled = shared })
@@ -250,24 +250,35 @@ func TestEnqueueWithRedisRefusingConnectionsIsUnavailableAndSaysWhy(t *testing.T
 				t.Fatal(err) // warm: the queue is registered, connections pooled
 			}
 			p.Kill() // nothing listens on its port now
-			for i := 1; i <= 7; i++ {
+			ctx := context.Background()
+			calls := []struct {
+				name string
+				call func(i int) error
+			}{
+				{"enqueue", func(i int) error { _, err := c.Enqueue(userTask(i, ""), q); return err }},
+				{"Lookup", func(i int) error { _, _, err := d.Lookup(ctx, userTask(i, ""), q); return err }},
+				{"Release", func(i int) error { _, err := d.Release(ctx, userTask(i, ""), "", q); return err }},
+				{"Client.Ping", func(int) error { return c.Ping() }},
+			}
+			for i := 1; i <= 8; i++ {
+				op := calls[(i-1)%len(calls)]
 				start := time.Now()
-				_, err := c.Enqueue(userTask(i, ""), q)
+				err := op.call(i)
 				took := time.Since(start)
-				var op *net.OpError
+				var dial *net.OpError
 				switch {
 				case !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrOutcomeUnknown):
-					t.Fatalf("enqueue %d: %v, want ErrUnavailable and not ErrOutcomeUnknown: nothing can have been sent", i, err)
+					t.Fatalf("%s %d: %v, want ErrUnavailable and not ErrOutcomeUnknown: nothing can have been sent", op.name, i, err)
 				case !strings.Contains(err.Error(), "connection refused"):
-					t.Fatalf("enqueue %d: %q does not say the connection was refused", i, err)
-				case !errors.As(err, &op) || op.Op != "dial":
-					t.Fatalf("enqueue %d: %v does not keep the dial error (got %#v)", i, err, op)
+					t.Fatalf("%s %d: %q does not say the connection was refused", op.name, i, err)
+				case !errors.As(err, &dial) || dial.Op != "dial":
+					t.Fatalf("%s %d: %v does not keep the dial error (got %#v)", op.name, i, err, dial)
 				case strings.Count(err.Error(), "dedup:") != 1:
-					t.Fatalf("enqueue %d: %q names the package more than once", i, err)
+					t.Fatalf("%s %d: %q names the package more than once", op.name, i, err)
 				case took > defaultLockTimeout/2:
-					t.Fatalf("enqueue %d answered after %v: a refused connection is known at once, not at LockTimeout (%v)", i, took, defaultLockTimeout)
+					t.Fatalf("%s %d answered after %v: a refused connection is known at once, not at LockTimeout (%v)", op.name, i, took, defaultLockTimeout)
 				}
-				t.Logf("enqueue %d: %v after %v", i, err, took.Round(time.Millisecond))
+				t.Logf("%s %d: %v after %v", op.name, i, err, took.Round(time.Millisecond))
 			}
 		})
 	}

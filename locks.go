@@ -7,6 +7,7 @@ import (
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // KeyLock is the lock of one key, as Dedup.Lookup reads it: BullMQ's
@@ -97,9 +98,10 @@ func (d *Dedup) Release(ctx context.Context, task *asynq.Task, holder string, op
 		return false, err
 	}
 	rel.Lock, rel.Queue, rel.Type = ref.Lock, ref.Queue, ref.Type
-	ctx, cancel := context.WithTimeout(ctx, d.cfg.LockTimeout)
-	defer cancel()
-	res, err := store.ReleaseKey(ctx, d.store.Client(), rel)
+	// (Through the store, as every lock call: bounded by LockTimeout, ended
+	// at once by a refused dial, which it names.)
+	v, err := d.store.Do(ctx, rel.Lock, func(c context.Context, rdb redis.Cmdable) (any, error) { return store.ReleaseKey(c, rdb, rel) })
+	res, _ := v.(store.ReleaseResult)
 	switch {
 	case err != nil:
 		return false, unavailable("release", err)
@@ -118,9 +120,10 @@ func (d *Dedup) readKeyLock(ctx context.Context, task *asynq.Task, opts []asynq.
 	if err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, d.cfg.LockTimeout)
-	defer cancel()
-	ls, err := store.ReadLocks(ctx, d.store.Client(), d.store.Keys(), []string{ref.Lock})
+	v, err := d.store.Do(ctx, ref.Lock, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return store.ReadLocks(c, rdb, d.store.Keys(), []string{ref.Lock})
+	})
+	ls, _ := v.([]*store.Lock)
 	if err != nil {
 		return nil, unavailable("lookup", err)
 	}
