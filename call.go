@@ -80,6 +80,9 @@ func (c *Client) compose(k *call, task *asynq.Task, opts []asynq.Option) error {
 		}
 		k.rule = *rule
 	}
+	if k.rule.typeOff && k.rule.optedIn && !k.rule.skip {
+		return errorf("%w: the rule for %q turns deduplication off (Rule.Skip): this call's deduplication options would be ignored (drop them, or the rule's Skip)", ErrInvalidOption, k.typ)
+	}
 	return k.chooseQueue(c.d)
 }
 

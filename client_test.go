@@ -1484,3 +1484,23 @@ func TestOptInEveryOptionIsAccountedFor(t *testing.T) {
 		}
 	}
 }
+
+// A type whose rule turns deduplication off (Rule.Skip) refuses a call
+// that passes an option asking for it, rather than ignore the option
+// silently; Skip and Headers, and no option, enqueue as asynq would.
+func TestSkipRuleRefusesACallsDeduplicationOptions(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"skipped": {Skip: true}}})
+	task := asynq.NewTask("skipped", []byte(`{"a":1}`))
+	for name, o := range optInOptions {
+		if _, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue), o); !errors.Is(err, ErrInvalidOption) {
+			t.Errorf("%s on a Skip type: %v, want ErrInvalidOption", name, err)
+		}
+	}
+	for name, o := range map[string]asynq.Option{"Skip": notOptInOptions["Skip"], "Headers": notOptInOptions["Headers"], "none": asynq.MaxRetry(1)} {
+		for range 2 {
+			if r, err := h.client.Submit(context.Background(), task, asynq.Queue(h.queue), o); err != nil || r.Outcome != Created {
+				t.Fatalf("%s on a Skip type: %+v, %v; want created, not deduplicated", name, r, err)
+			}
+		}
+	}
+}

@@ -190,7 +190,9 @@ type Rule struct {
 	// TTL overrides Config.TTL for this type.
 	TTL time.Duration
 
-	// Skip turns deduplication off for this type.
+	// Skip turns deduplication off for this type. A call that passes one
+	// of this package's options asking for it (any but Skip and Headers)
+	// is refused with ErrInvalidOption rather than have them ignored.
 	Skip bool
 
 	// OnConflict: what an enqueue does when the key's task is waiting.
@@ -315,7 +317,8 @@ func (c *Config) withDefaults() (Config, error) {
 // resolved is the effective setting for one task: its type's rule with the
 // call's options applied.
 type resolved struct {
-	skip            bool
+	skip            bool // the call's Skip
+	typeOff         bool // the type's Rule.Skip (optedIn then says a call's option asked for deduplication)
 	fields          *jsonkey.Fields
 	form            string // how the key is chosen, for the lock record (store's KeyForm); "": work it out (keyForm)
 	missingAsNull   bool
@@ -383,8 +386,8 @@ func compileRules(rules map[string]Rule) (map[string]*resolved, error) {
 			return nil, errorf("%w: rule for %q: OnConflict Merge and MergeFunc go together", ErrInvalidOption, typ)
 		}
 		res := &resolved{
-			skip: r.Skip, fields: fs, missingAsNull: r.MissingAsNull,
-			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: lifetime(r.TTL), optedIn: true,
+			typeOff: r.Skip, fields: fs, missingAsNull: r.MissingAsNull,
+			key: r.Key, hasKey: r.Key != "", keyFunc: r.KeyFunc, shared: r.Shared, ttl: lifetime(r.TTL), optedIn: !r.Skip,
 			conflict: r.OnConflict, merge: r.MergeFunc, running: r.OnRunning, maxPending: r.MaxPending, busy: r.OnBusy,
 			cooldown: min(r.Cooldown, maxLifetime), debounce: min(r.Debounce, maxLifetime),
 		}

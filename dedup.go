@@ -278,7 +278,7 @@ func longestFirst(rules map[string]*resolved) []string {
 
 // active reports whether a resolved rule deduplicates.
 func (d *Dedup) active(r *resolved) bool {
-	if r.skip {
+	if r.skip || r.typeOff {
 		return false
 	}
 	return !d.cfg.OptIn || r.optedIn
