@@ -24,7 +24,8 @@ func lookupCommand() *command {
 		summary:  "the lock a task of type T with that key would take, found by its key (as Dedup.Lookup)",
 		help: `Finds a lock by what it is about: the task type and the key an enqueue of
 that task would choose, as Dedup.Lookup does, and shows it as show does.
-Without --queue it looks in every queue asynq knows (and default), says in
+Without --queue it looks in every queue asynq knows or that holds locks
+(and default), says in
 which it found a lock, and shows each. Exit status 1 with "no lock" when
 the key is free.
 
@@ -47,7 +48,7 @@ environment variable named by --hash-key-env.`,
 			fs.StringVar(&f.Fields, "fields", "", "with --payload: comma-separated `paths` to key on")
 			fs.StringVar(&f.Key, "key", "", "an explicit `key`")
 			fs.BoolVar(&f.Shared, "shared", false, "with --key: a key shared across types (dedup.SharedKey)")
-			fs.StringVar(&f.Queue, "queue", "", "only the task's `queue` (default: every queue asynq knows)")
+			fs.StringVar(&f.Queue, "queue", "", "only the task's `queue` (default: every queue asynq knows or that holds locks)")
 			fs.StringVar(&hashKeyEnv, "hash-key-env", "", "environment variable `NAME` holding Config.HashKey")
 			return func(a *app, _ []string) error {
 				f.Field = []string(field)

@@ -104,6 +104,14 @@ func TestLookupWithoutQueueFindsTheLockInAnyQueue(t *testing.T) {
 		t.Errorf("a free key's lookup does not say where it looked: %s", r.stderr)
 	}
 	f.fail(exitError, "no lock: the key is free in queue "+f.qa, "", "lookup", "--type", "email:welcome", "--field", "user_id=43", "--queue", f.qa)
+	// A queue asynq no longer lists (removed while a lock of it stayed: a
+	// fail hold, a cooldown) is searched too: it holds a lock.
+	if err := f.rdb.SRem(context.Background(), "asynq:queues", f.qb).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if r = f.ok(lookup...); !strings.Contains(r.stdout, "holder           "+b.ID+"\n") {
+		t.Errorf("lookup misses the lock of queue %s, which asynq no longer lists:\n%s", f.qb, r.stdout)
+	}
 }
 
 // A plain lock (a key whose policy acts only at enqueue) has no mode

@@ -361,3 +361,33 @@ func describePolicies(l *Info, out *Detail) {
 		out.Window = w.Start.UTC().Format(time.RFC3339) + " – " + w.End.UTC().Format(time.RFC3339)
 	}
 }
+
+// LockQueues returns the queues that hold locks of prefix, by a SCAN of
+// their key names (every master of a cluster), sorted: a queue asynq no
+// longer lists (removed with its locks' holders) may still hold one, a
+// fail hold or a cooldown.
+func LockQueues(ctx context.Context, src Source, prefix string) ([]string, error) {
+	masters, err := src.Masters(ctx)
+	if err != nil {
+		return nil, err
+	}
+	keys := store.NewKeys(prefix)
+	seen := map[string]bool{}
+	for _, m := range masters {
+		iter := m.Scan(ctx, 0, keys.LockPattern(""), 1000).Iterator()
+		for iter.Next(ctx) {
+			if q, _, ok := keys.ParseLock(iter.Val()); ok {
+				seen[q] = true
+			}
+		}
+		if err := iter.Err(); err != nil {
+			return nil, fmt.Errorf("scan the lock keys: %w", err)
+		}
+	}
+	out := make([]string, 0, len(seen))
+	for q := range seen {
+		out = append(out, q)
+	}
+	sort.Strings(out)
+	return out, nil
+}

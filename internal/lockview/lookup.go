@@ -107,8 +107,9 @@ func Printable(s string) string {
 }
 
 // FindKeyLocks finds, through Dedup.Lookup, the locks task would take with
-// opts: in queue, or, for "", in each queue asynq knows and "default" (the
-// key is the same in each queue, its lock the queue's own).
+// opts: in queue, or, for "", in each queue asynq knows, each queue that
+// holds locks of prefix, and "default" (the key is the same in each queue,
+// its lock the queue's own).
 func FindKeyLocks(ctx context.Context, src Source, prefix string, hashKey []byte, task *asynq.Task, opts []asynq.Option, queue string) (*KeyLocks, error) {
 	out := &KeyLocks{Searched: []string{queue}}
 	if queue == "" {
@@ -116,11 +117,13 @@ func FindKeyLocks(ctx context.Context, src Source, prefix string, hashKey []byte
 		if err != nil {
 			return nil, err
 		}
-		if !slices.Contains(all, "default") {
-			all = append(all, "default")
-			slices.Sort(all)
+		held, err := LockQueues(ctx, src, prefix)
+		if err != nil {
+			return nil, err
 		}
-		out.Searched = all
+		all = append(append(all, held...), "default")
+		slices.Sort(all)
+		out.Searched = slices.Compact(all)
 	}
 	d, err := lookupDedup(ctx, src.RDB, prefix, hashKey)
 	if err != nil {
