@@ -25,8 +25,7 @@ func lookupCommand() *command {
 		help: `Finds a lock by what it is about: the task type and the key an enqueue of
 that task would choose, as Dedup.Lookup does, and shows it as show does.
 Without --queue it looks in every queue asynq knows or that holds locks
-(and default), says in
-which it found a lock, and shows each. Exit status 1 with "no lock" when
+(and default), says in which it found a lock, and shows each. Exit status 1 with "no lock" when
 the key is free.
 
   --field PATH=VALUE   keys on these JSON paths (dedup.Fields), with the payload
