@@ -214,7 +214,11 @@ func (c *Client) enqueueUnlocked(ctx context.Context, k *call) (Result, error) {
 	if err := k.applyHeaders(); err != nil {
 		return Result{}, err
 	}
-	return created(c.next.EnqueueContext(ctx, k.task, k.pass...))
+	info, err := c.next.EnqueueContext(ctx, k.task, k.pass...)
+	if err != nil {
+		return Result{}, enqueueError(k.typ, err) // (the error contract holds for a call not deduplicated too)
+	}
+	return created(info, nil)
 }
 
 // enqueueLocked enqueues through asynq a task whose lock is taken (or

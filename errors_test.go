@@ -403,3 +403,31 @@ func TestErrorTextsNameThePackageOnce(t *testing.T) {
 	_, err = d.WaitResult(wctx, hh.queue, "some-task")
 	check("WaitResult while Redis stalls", err, context.DeadlineExceeded)
 }
+
+// A call that is not deduplicated (OptIn without a rule, dedup.Skip) goes
+// to asynq as it would, and its errors keep the package's contract: Redis
+// refusing connections is ErrUnavailable, named once, saying why; asynq's
+// own answers (a task ID in use) stay matchable.
+func TestEnqueueNotDeduplicatedKeepsTheErrorContract(t *testing.T) {
+	p, rdb := ownRedis(t, func(o *redis.Options) { o.ContextTimeoutEnabled = true })
+	d, err := New(context.Background(), rdb, Config{OptIn: true, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	c, q := d.NewClient(), asynq.Queue("q-"+uniq(t))
+	id := asynq.TaskID("id-" + uniq(t))
+	if _, err := c.Enqueue(userTask(0, ""), q, id); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Enqueue(userTask(0, ""), q, id); !errors.Is(err, asynq.ErrTaskIDConflict) || strings.Count(err.Error(), "dedup:") != 1 {
+		t.Errorf("a task ID in use: %v, want asynq.ErrTaskIDConflict, named once", err)
+	}
+	p.Kill()
+	for _, opts := range [][]asynq.Option{{q}, {q, Skip()}} {
+		_, err := c.Enqueue(userTask(1, ""), opts...)
+		if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "connection refused") || strings.Count(err.Error(), "dedup:") != 1 {
+			t.Errorf("not deduplicated, Redis refusing connections: %v, want ErrUnavailable saying why, naming the package once", err)
+		}
+	}
+}
