@@ -103,17 +103,7 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 		if err := ctx.Err(); err != nil {
 			return nil, waitCtxErr(taskID, err, lastErr)
 		}
-		v, err := d.store.Foreign(ctx, store.TaskKey(queue, taskID), func() (any, error) {
-			info, err := d.insp.GetTaskInfo(queue, taskID)
-			if errors.Is(err, asynq.ErrTaskNotFound) || errors.Is(err, asynq.ErrQueueNotFound) {
-				return notFound{err}, nil // Redis answered: not a failure for the breaker
-			}
-			return info, err
-		})
-		if nf, ok := v.(notFound); ok {
-			err = nf.err
-		}
-		info, _ := v.(*asynq.TaskInfo)
+		info, err := d.pollTask(ctx, queue, taskID)
 		switch {
 		case err == nil && info != nil:
 			lastErr, missing = nil, time.Time{}
@@ -151,20 +141,31 @@ func (d *Dedup) waitResult(ctx context.Context, queue, taskID, key string, onPol
 			}
 			d.log.Debug("dedup: WaitResult poll failed", slog.String("task_id", taskID), slog.Any("error", err))
 		}
-		t := time.NewTimer(waitBackoff.delay(attempts))
-		attempts++
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return nil, waitCtxErr(taskID, ctx.Err(), lastErr)
-		case <-t.C:
+		if err := sleep(ctx, waitBackoff.delay(attempts)); err != nil {
+			return nil, waitCtxErr(taskID, err, lastErr)
 		}
+		attempts++
 	}
 }
 
-// notFound carries asynq's answer that a waited-for task or its queue does
-// not exist through the breaker as a success: Redis answered.
-type notFound struct{ err error }
+// pollTask reads asynq's record of a waited-for task through the breaker;
+// asynq's answer that it or its queue does not exist comes back as its
+// error, but counts as a success for the breaker: Redis answered.
+func (d *Dedup) pollTask(ctx context.Context, queue, taskID string) (*asynq.TaskInfo, error) {
+	type notFound struct{ err error }
+	v, err := d.store.Foreign(ctx, store.TaskKey(queue, taskID), func() (any, error) {
+		info, err := d.insp.GetTaskInfo(queue, taskID)
+		if errors.Is(err, asynq.ErrTaskNotFound) || errors.Is(err, asynq.ErrQueueNotFound) {
+			return notFound{err}, nil
+		}
+		return info, err
+	})
+	if nf, ok := v.(notFound); ok {
+		return nil, nf.err
+	}
+	info, _ := v.(*asynq.TaskInfo)
+	return info, err
+}
 
 func waitCtxErr(taskID string, ctxErr, lastErr error) error {
 	if lastErr != nil {
