@@ -40,8 +40,13 @@ func ReleaseKey(ctx context.Context, c redis.Scripter, rel *Release) (ReleaseRes
 	sc := scripts().release
 	_, _, fp, _ := ParseLockKey(rel.Lock)
 	var h hint
+	tries := maxNeeds
 	if rel.How != ReleaseForce {
 		h.holder = rel.Holder
+	} else {
+		// An operator's forced release takes whoever holds the key, which
+		// producers may take again between its reads: it asks longer.
+		tries = 4 * maxNeeds
 	}
 	for n := 0; ; n++ {
 		keys, args := rel.call(fp, &h)
@@ -55,7 +60,7 @@ func ReleaseKey(ctx context.Context, c redis.Scripter, rel *Release) (ReleaseRes
 		}
 		switch rep.status {
 		case statusNeed:
-			if n == maxNeeds {
+			if n == tries {
 				return ReleaseResult{}, fmt.Errorf("%w: %s", ErrMoving, rel.Lock)
 			}
 			h = hint{holder: rep.str(1), follow: rep.str(2)}
