@@ -99,6 +99,7 @@ type osTask struct {
 	followUp   bool
 	started    bool // its handler has run at least once (it took the lock)
 	released   bool // the operator released its lock, and it has not taken the key again
+	guarded    bool // moved by the enqueuer and taken by a worker before the call could move it back: it meets its key as the execution-time guard's (relocate.go)
 	wasRelease bool // ever released by the operator
 	removed    string
 	failed     bool // archived by asynq after a run that failed
@@ -114,7 +115,7 @@ func (t *osTask) key() osKey { return osKey{t.queue, t.kid} }
 
 // counts: the task holds (or waits with) a lock the library gave it.
 func (t *osTask) counts() bool {
-	return (t.origin == osAccepted || t.origin == osLibrary) && !t.released && t.removed == "" && t.kid != ""
+	return (t.origin == osAccepted || t.origin == osLibrary) && !t.released && !t.guarded && t.removed == "" && t.kid != ""
 }
 
 // osEnd is how the test tells a handler to end.

@@ -124,7 +124,10 @@ func (w *osWorld) accepted(s *osSpec, sub *osSubmit) {
 		if s.skip {
 			origin, kid = osUnlocked, ""
 		}
+		pre := m.tasks[q+"/"+res.TaskID]
+		takenFirst := pre != nil && pre.found > sub.start // a worker met it before the call returned
 		t = m.newTask(w, q, res.TaskID, s.typ, kid, origin, sub.start)
+		t.guarded = takenFirst && strings.Contains(sub.client, "→")
 		t.followUp = res.Outcome == Deferred
 		t.s = sub.seq
 		if origin == osUnlocked {
