@@ -141,7 +141,7 @@ func TestClusterEndToEnd(t *testing.T) {
 		if r := waitFor(t, runs, "holder"); r.id != holder.ID {
 			t.Fatalf("ran %s", r.id)
 		}
-		time.Sleep(1500 * time.Millisecond) // several leases: only heartbeats keep the lock
+		h.heldThrough(1500*time.Millisecond, h.keyOf(counterTask("hot", 1, 0), q)) // several TTLs: only heartbeats keep the lock
 		res, err = h.client.Submit(context.Background(), counterTask("hot", 1, 1), asynq.Queue(q))
 		if err != nil || res.Outcome != Deferred {
 			t.Fatalf("queue %s: while running: %+v %v", q, res, err)

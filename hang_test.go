@@ -82,7 +82,6 @@ func TestCloseReturnsWhileRedisHangs(t *testing.T) {
 func TestHeartbeatRecoversAfterHang(t *testing.T) {
 	ignore := goleak.IgnoreCurrent()
 	t.Cleanup(func() { // after every other cleanup (the harness's Dedup, the proxy)
-		time.Sleep(200 * time.Millisecond)
 		goleak.VerifyNone(t, ignore, goleak.IgnoreTopFunction("internal/poll.runtime_pollWait"))
 	})
 	proxy, d, h := hungDedup(t, Config{heartbeat: (600 * time.Millisecond) / 3, BreakerThreshold: 2,
@@ -131,7 +130,6 @@ func TestHeartbeatRecoversAfterHang(t *testing.T) {
 func TestFlappingRedisNoRaceNoLeak(t *testing.T) {
 	ignore := goleak.IgnoreCurrent()
 	t.Cleanup(func() {
-		time.Sleep(300 * time.Millisecond)
 		goleak.VerifyNone(t, ignore, goleak.IgnoreTopFunction("internal/poll.runtime_pollWait"))
 	})
 	for _, ctxTimeouts := range []bool{false, true} {

@@ -170,6 +170,24 @@ func (h *harness) payloadOf(id string) string {
 // fpOfKey returns a lock key's fingerprint.
 func fpOfKey(key string) string { return fpOfLock(key) }
 
+// heldThrough checks, every 20 ms until d has passed, that each of keys is
+// a lock with a holder, and fails at the first that is not: a wait whose
+// length is what is under test (locks outliving their TTL while their
+// handlers run), which fails as soon as one is lost.
+func (h *harness) heldThrough(d time.Duration, keys ...string) {
+	h.t.Helper()
+	for end := time.Now().Add(d); time.Now().Before(end); {
+		for _, k := range keys {
+			if h.lockOwner(k) == "" {
+				h.t.Fatalf("lock %s lapsed while its handler ran", k)
+			}
+		}
+		if err := sleep(context.Background(), 20*time.Millisecond); err != nil {
+			h.t.Fatal(err)
+		}
+	}
+}
+
 // lockState returns what Lookup would say of the lock at key ("" for none).
 func (h *harness) lockState(key string) string {
 	h.t.Helper()

@@ -184,8 +184,7 @@ func TestHandlerOutlivesTTL(t *testing.T) {
 	task := userTask(1, "")
 	info := h.enqueue(task)
 	waitFor(t, rc.runs, "run")
-	// Let two TTLs pass: only the heartbeat keeps the lock.
-	time.Sleep(2 * ttl)
+	h.heldThrough(2*ttl, h.keyOf(task, h.queue)) // only the heartbeat keeps the lock
 	var dup *DuplicateTaskError
 	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != info.ID {
 		t.Fatalf("enqueue while the long handler runs: err = %v, want duplicate of %s", err, info.ID)
@@ -427,12 +426,11 @@ func TestHeartbeatOneRoundTripForManyHandlers(t *testing.T) {
 	for range n {
 		waitFor(t, rc.runs, "runs")
 	}
-	time.Sleep(1200 * time.Millisecond) // several leases pass; all must survive
+	keys := make([]string, n)
 	for i := range n {
-		if owner := h.lockOwner(h.keyOf(userTask(i, ""), h.queue)); owner == "" {
-			t.Fatalf("lock %d expired while its handler ran", i)
-		}
+		keys[i] = h.keyOf(userTask(i, ""), h.queue)
 	}
+	h.heldThrough(1200*time.Millisecond, keys...) // several TTLs pass; all must survive
 	close(release)
 	eventually(t, "all released", func() bool { return h.d.Stats().Released == n })
 	eventually(t, "no lock left (asynq's done drops them)", func() bool { return len(h.locks()) == 0 })
