@@ -404,8 +404,7 @@ func (d *Dedup) attemptFor(ctx context.Context, queue, id string, t *asynq.Task)
 				// are lost), from now.
 				l.ref.Lock = store.NewKeys(prefix).Lock(queue, fp)
 				l.flags += store.Flags([]byte{store.FlagStart, store.FlagRelease})
-				r := d.ruleFor(typ)
-				l.mode = termsOf(&r, typ, id, time.Now(), true).mode
+				l.mode = d.ruleTerms(typ, id).mode
 			}
 			return l
 		}
@@ -421,8 +420,7 @@ func (d *Dedup) attemptFor(ctx context.Context, queue, id string, t *asynq.Task)
 		// lock header: its record names its lock (LockOf), its message does
 		// not (asynq's scripts do not release it), and its type's rule gives
 		// its terms.
-		r := d.ruleFor(typ)
-		tm := termsOf(&r, typ, id, time.Now(), true)
+		tm := d.ruleTerms(typ, id)
 		l.flags, l.mode = tm.flags, tm.mode
 		return l
 	case store.IDAgain: // a busy arrival's copy: the key its original met
@@ -454,10 +452,17 @@ func (d *Dedup) guard(l *lease, t *asynq.Task) *lease {
 // arrival completes the lease of a task that arrived without a lock: it
 // takes one at start by its type's rule, which its end gives back.
 func (d *Dedup) arrival(l *lease, t *asynq.Task) *lease {
-	r := d.ruleFor(t.Type())
-	tm := termsOf(&r, l.ref.Type, l.ref.ID, time.Now(), true)
+	tm := d.ruleTerms(t.Type(), l.ref.ID)
 	l.arrived, l.flags, l.mode = true, tm.flags, tm.mode
 	return l
+}
+
+// ruleTerms are the terms of a key task id takes now, at the server, by
+// its type's rule alone; its record does not name the lock, so its end
+// releases it.
+func (d *Dedup) ruleTerms(typ, id string) terms {
+	r := d.ruleFor(typ)
+	return termsOf(&r, typ, id, time.Now(), true)
 }
 
 // outlived notes in the key's mode record that asynq gave the attempt up
