@@ -410,9 +410,10 @@ func (s *Scheduler) check(e *schedEntry) error {
 	var k call
 	err := s.client.compose(&k, task, opts)
 	switch {
-	case err != nil:
-	case !s.d.active(&k.rule):
+	case s.d.ruleFor(e.typ).typeOff, err == nil && !s.d.active(&k.rule):
+		// (Said before compose's own refusal of the firing's options.)
 		err = errorf("%w: the type's rule turns deduplication off (Skip): every replica would enqueue every firing", ErrInvalidOption)
+	case err != nil:
 	case k.conflicting != "":
 		err = errorf("%w: %s cannot be combined with deduplication", ErrInvalidOption, k.conflicting)
 	default:

@@ -553,6 +553,8 @@ func TestSchedulerRegisterRefusesATypeItCannotDeduplicate(t *testing.T) {
 		h := newHarness(t, Config{Rules: map[string]Rule{schedType: rule}})
 		if _, err := NewScheduler(h.d, nil).Register("@hourly", schedTask()); !errors.Is(err, ErrInvalidOption) {
 			t.Errorf("rule %s: err = %v, want ErrInvalidOption", name, err)
+		} else if name == "Skip" && !strings.Contains(err.Error(), "every replica would enqueue every firing") {
+			t.Errorf("rule Skip: %v does not say why", err)
 		} else {
 			t.Logf("rule %s: %v", name, err)
 		}
