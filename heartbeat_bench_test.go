@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -156,7 +157,9 @@ func (h *extendHook) note(sent time.Time, cmds []redis.Cmder) {
 
 // extendOf records one extend's answer (ARGV[1] is its task's ID).
 func (h *extendHook) extendOf(sent time.Time, c redis.Cmder) {
-	id := fmt.Sprint(c.Args()[6])
+	args := c.Args() // EVALSHA sha numkeys key... taskID ...
+	nkeys, _ := strconv.Atoi(fmt.Sprint(args[2]))
+	id := fmt.Sprint(args[3+nkeys])
 	e := h.tasks[id]
 	if e == nil {
 		e = &extended{first: sent}

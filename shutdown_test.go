@@ -3,7 +3,9 @@ package dedup
 import (
 	"context"
 	"fmt"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/hibiken/asynq"
 	"go.uber.org/goleak"
@@ -90,5 +92,56 @@ func TestCloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) {
 	}
 	if left != 0 {
 		t.Errorf("%d of %d locks left after their tasks succeeded, Shutdown and Close", left, n)
+	}
+}
+
+// A handler that outlives a shutdown's ShutdownTimeout goes on after asynq
+// put its task back; the attempt asynq gives up marks the task's record
+// (dedup-lost: outlived), so a server that takes the task at once checks
+// its key, finds it held by that handler, and returns it as busy rather
+// than run it beside it: with NewClient's direct path, through asynq's
+// client, and for a task that arrived without a lock.
+func TestShutdownRequeuedTaskNeverRunsBesideItsOwnOutlivingHandler(t *testing.T) {
+	for _, path := range []string{"wrap", "direct", "arrival"} {
+		t.Run(path, func(t *testing.T) {
+			h := newHarness(t, counterRules(Rule{}))
+			if path == "direct" {
+				h.client = h.d.NewClient()
+			}
+			leftover := make(chan struct{})
+			var once sync.Once
+			finish := func() { once.Do(func() { close(leftover) }) }
+			t.Cleanup(finish)
+			started := make(chan string, 4)
+			handler := h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+				id, _ := asynq.GetTaskID(ctx)
+				started <- id
+				<-leftover // ignores its context: outlives ShutdownTimeout
+				return nil
+			}))
+			_, stop1 := serveRaw(t, h.rdb, h.queue, handler, func(c *asynq.Config) { c.ShutdownTimeout = 200 * time.Millisecond })
+			id := ""
+			if path == "arrival" {
+				a, err := h.asynq.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue))
+				if err != nil {
+					t.Fatal(err)
+				}
+				id = a.ID
+			} else {
+				id = h.enqueue(counterTask("k", 1, 1)).ID
+			}
+			waitFor(t, started, "the first run")
+			stop1() // asynq puts the task back; its handler goes on
+			serveRaw(t, h.rdb, h.queue, handler, nil)
+			eventually(t, "the put-back task is answered", func() bool {
+				return h.d.Stats().Busy >= 1 && h.taskState(id) == asynq.TaskStateRetry
+			})
+			select {
+			case again := <-started:
+				t.Fatalf("%s ran again beside its own handler, which still runs", again)
+			default:
+			}
+			finish()
+		})
 	}
 }

@@ -203,7 +203,7 @@ func (s *Store) ExtendAll(ctx context.Context, es []*Extend) []ExtendResult {
 		wg.Go(func() {
 			defer func() { <-slots }()
 			r := &e.Ref
-			v, err := s.run(ctx, s.sc.extend, []string{r.Lock, r.Mode(), ScheduledKey(r.Queue)}, r.ID, ms(e.TTL), ms(e.Outlived))
+			v, err := s.run(ctx, s.sc.extend, []string{r.Lock, r.Mode(), ScheduledKey(r.Queue), TaskKey(r.Queue, r.ID)}, r.ID, ms(e.TTL), ms(e.Outlived))
 			if err == nil {
 				out[i].Owned, err = parseFlag(v)
 			}

@@ -41,7 +41,9 @@ const (
 	// enqueue took it over; "released": an operator released it), and its
 	// next run checks the key; or an attempt of it ended and settled the key
 	// ("ended": a success or revoke asynq had not yet recorded when it put
-	// the task back), and it does not run again.
+	// the task back), and it does not run again; or asynq gave an attempt up
+	// while its handler ran on ("outlived": a shutdown put the task back),
+	// and its next run checks the key, which that handler holds.
 	HeaderLost = "dedup-lost"
 )
 
@@ -53,6 +55,7 @@ const (
 	LostHealed   = "healed"
 	LostReleased = "released"
 	LostEnded    = "ended"
+	LostOutlived = "outlived"
 )
 
 // Flags say what the middleware does with a task locked at enqueue, in

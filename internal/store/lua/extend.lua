@@ -2,15 +2,21 @@
 -- more, with its mode record, and keep its follow-up parked: the heartbeat, for
 -- handlers that run long enough to come near the lock's expiry.
 --
--- KEYS[1]  the lock; KEYS[2] the key's mode record; KEYS[3] asynq's scheduled set
+-- KEYS[1]  the lock; KEYS[2] the key's mode record; KEYS[3] asynq's scheduled set;
+-- KEYS[4]  the task's asynq record
 -- ARGV[1]  task ID
 -- ARGV[2]  how long the key stays held from now at least, integer milliseconds
 -- ARGV[3]  asynq gave the attempt up while its handler still runs: the mode record
 --          says so (field o: until now + ARGV[3] ms; '0' no note) until the
 --          handler's end, so that the key does not heal under it when asynq
---          archives the task; the heartbeat renews it while the handler runs
+--          archives the task; the heartbeat renews it while the handler runs.
+--          The task's record is marked (lib.lua's mark, 'outlived', unless it
+--          has a dedup-lost mark already): should asynq have put it back (a
+--          shutdown), its next run checks the key rather than run beside the
+--          handler
 --
 -- Reply: 1 the key is the task's; 0 it is not (gone, or another task's)
+-- @lib: lib.lua is spliced in here.
 local holder, kind = holder_of(call('GET', KEYS[1]))
 if holder ~= ARGV[1] then return 0 end
 if kind == 'c' or kind == 'x' then return 1 end
@@ -24,6 +30,8 @@ if ARGV[3] ~= '0' and (not m[1] or m[1] == holder) then
   call('HSET', KEYS[2], 'id', holder, 'o', tonumber(t[1]) * 1000 + (us - us % 1000) / 1000 + tonumber(ARGV[3]))
   call('PEXPIRE', KEYS[2], math.max(call('PTTL', KEYS[1]), ms))
   m[1] = holder
+  local msg = call('HGET', KEYS[4], 'msg')
+  if msg and not string.find(msg, '\10dedup-lost\18', 1, true) then mark(KEYS[4], 'outlived') end
 end
 if m[1] == holder then
   left = call('PTTL', KEYS[2])
