@@ -65,7 +65,7 @@ func addReplica(seed, master, r *Proc) error {
 	rc := redis.NewClient(&redis.Options{Addr: r.Addr})
 	defer rc.Close()
 	host, port, _ := strings.Cut(seed.Addr, ":")
-	if err := rc.Do(ctx, "CLUSTER", "MEET", host, port).Err(); err != nil {
+	if err := rc.Do(ctx, "CLUSTER", "MEET", host, port, seed.Bus).Err(); err != nil {
 		return err
 	}
 	deadline := time.Now().Add(30 * time.Second)
@@ -101,7 +101,7 @@ func formCluster(procs []*Proc) error {
 		err := c.Do(ctx, "CLUSTER", "ADDSLOTSRANGE", i*per, last).Err()
 		if err == nil && i > 0 {
 			host, port, _ := strings.Cut(procs[0].Addr, ":")
-			err = c.Do(ctx, "CLUSTER", "MEET", host, port).Err()
+			err = c.Do(ctx, "CLUSTER", "MEET", host, port, procs[0].Bus).Err()
 		}
 		_ = c.Close()
 		if err != nil {

@@ -16,7 +16,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -123,6 +125,7 @@ func Uniq(t testing.TB) string {
 // Proc is a redis-server child process on 127.0.0.1.
 type Proc struct {
 	Addr string
+	Bus  string // a cluster node's bus port (CLUSTER MEET's third argument); "" for others
 	Cmd  *exec.Cmd
 	dir  string
 }
@@ -141,6 +144,10 @@ func Spawn(addr string, extra ...string) (*Proc, error) {
 		}
 	}
 	_, port, _ := net.SplitHostPort(addr)
+	bus := ""
+	if extra, bus, err = withClusterPort(extra); err != nil {
+		return nil, err
+	}
 	dir, err := os.MkdirTemp("", "dedup-redis-")
 	if err != nil {
 		return nil, err
@@ -153,12 +160,27 @@ func Spawn(addr string, extra ...string) (*Proc, error) {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
-	p := &Proc{Addr: addr, Cmd: cmd, dir: dir}
+	p := &Proc{Addr: addr, Bus: bus, Cmd: cmd, dir: dir}
 	if err := p.awaitPing(passwordOf(extra)); err != nil {
 		p.Kill()
 		return nil, err
 	}
 	return p, nil
+}
+
+// withClusterPort gives a cluster node a bus port of its own: by default
+// it is the port + 10000, which nobody checked was free, and which does
+// not exist for a port above 55535 (the node then refuses to start).
+func withClusterPort(extra []string) ([]string, string, error) {
+	if !slices.Contains(extra, "--cluster-enabled") || slices.Contains(extra, "--cluster-port") {
+		return extra, "", nil
+	}
+	bus, err := FreeAddr()
+	if err != nil {
+		return nil, "", err
+	}
+	_, port, _ := net.SplitHostPort(bus)
+	return append(slices.Clip(extra), "--cluster-port", port), port, nil
 }
 
 // awaitPing polls the new server until it answers: a child process start
@@ -220,15 +242,34 @@ func Own(t *testing.T, tweak func(*redis.Options), extra ...string) (*Proc, *red
 	return p, rdb
 }
 
-// FreeAddr returns a loopback address nothing listens on (at the moment).
+// FreeAddr returns a loopback address nothing listens on (at the moment),
+// on a port this process has not handed out before: a server a test kills
+// frees its port, and another test's server there would answer the first
+// test's clients (a cluster client would even learn the other cluster's
+// slots from it).
 func FreeAddr() (string, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
+	handed.Lock()
+	defer handed.Unlock()
+	for range 100 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return "", err
+		}
+		addr := l.Addr().String()
+		_ = l.Close()
+		if !handed.ports[addr] {
+			handed.ports[addr] = true
+			return addr, nil
+		}
 	}
-	defer l.Close()
-	return l.Addr().String(), nil
+	return "", fmt.Errorf("no loopback port left that this process has not handed out")
 }
+
+// handed holds the ports FreeAddr has handed out.
+var handed = struct {
+	sync.Mutex
+	ports map[string]bool
+}{ports: map[string]bool{}}
 
 // QuietLogger discards everything: the tests' default logger.
 func QuietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
