@@ -54,6 +54,7 @@ func TestNewDoesNotRetryARefusedLogin(t *testing.T) {
 // errors.As), not with the PING's deadline: the dial failed, nothing was
 // sent.
 func TestNewWithAnUntrustedTLSCertificateSaysTheHandshakeFailed(t *testing.T) {
+	t.Parallel()
 	srv := httptest.NewUnstartedServer(http.NotFoundHandler()) // on 127.0.0.1, its certificate self-signed
 	srv.Config.ErrorLog = log.New(io.Discard, "", 0)           // (the refused handshakes)
 	srv.StartTLS()

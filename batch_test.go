@@ -367,6 +367,7 @@ func TestEnqueueBatchRedisDownPerTask(t *testing.T) {
 // cannot say they were not stored: each is ErrOutcomeUnknown (matching
 // ErrUnavailable), never enqueued a second time by FailOpen.
 func TestEnqueueBatchDirectPipelineLostIsUnknownPerTask(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{})
 	lockRedis, d := proxiedLockStore(t, h, Config{FailOpen: true, LockTimeout: 300 * time.Millisecond})
 	c := d.NewClient()
@@ -458,6 +459,7 @@ func TestNewTaskDedupOptionsApplyToTheTask(t *testing.T) {
 // given their queue in asynq.NewTask are then stored by asynq's client, as
 // in Submit.)
 func TestClusterEnqueueBatchOnePipelinePerMaster(t *testing.T) {
+	t.Parallel()
 	clusterClient(t) // skips without a cluster
 	log := &tripLog{}
 	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(os.Getenv("DEDUP_TEST_CLUSTER"), ","), PoolSize: 32,
@@ -781,6 +783,7 @@ func runInChild(t *testing.T, name string) (bool, string) {
 // though it settles merges on goroutines of its own. The test runs in a
 // child process, whose death would otherwise take the test binary down.
 func TestEnqueueBatchMergeFuncPanicDoesNotKillTheProcess(t *testing.T) {
+	t.Parallel()
 	if os.Getenv(batchChildEnv) == "merge-panic" {
 		mergePanicChild(t)
 		return
@@ -933,6 +936,7 @@ func heldByNone(out []BatchResult, id string) bool {
 // from several batches and within one): under Reject every key ends with
 // exactly one live task, and exactly one result in all reports it created.
 func TestEnqueueBatchConcurrentOverlappingBatchesMakeOneTaskPerKey(t *testing.T) {
+	t.Parallel()
 	bothPaths(t, batchJobRules(Rule{}), func(t *testing.T, h *harness) {
 		const goroutines, perBatch, keys = 8, 60, 40
 		h.enqueueWith(h.client, batchJob("warm", 0))
@@ -1115,6 +1119,7 @@ func (c *afterFirstLockPipeline) ProcessPipelineHook(next redis.ProcessPipelineH
 // never enqueues again a task its lost pipeline carried), and a task
 // reported created is stored with its lock.
 func TestEnqueueBatchRedisStallBetweenPipelinesLosesNothing(t *testing.T) {
+	t.Parallel()
 	for _, direct := range []bool{false, true} {
 		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
 			h := newHarness(t, batchJobRules(Rule{}))

@@ -112,6 +112,7 @@ func (p *stallProxy) close() {
 // A hung Redis: each lock call gives up after LockTimeout, then the breaker
 // opens and calls fail at once, until a probe finds Redis answering again.
 func TestBreakerWithHungRedis(t *testing.T) {
+	t.Parallel()
 	needRealRedis(t)
 	proxy := newStallProxy(t, redistest.Addr())
 	lrdb := redis.NewClient(&redis.Options{Addr: proxy.addr(), MaxRetries: -1, PoolSize: 4})

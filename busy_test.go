@@ -257,6 +257,7 @@ func TestBusyFoldNeverRunsAnOlderPayloadInsteadOfTheNewest(t *testing.T) {
 // must still run once the key is free — not be thrown away as
 // "superseded", which is meant for a task whose lock a newer task took.
 func TestBusyLastAttemptCopyOfAnArrivalStillRuns(t *testing.T) {
+	t.Parallel()
 	cfg := counterRules(Rule{OnConflict: Replace})
 	cfg.heartbeat = (time.Second) / 3 // the copy comes due one Lease later
 	h := newHarness(t, cfg)
@@ -390,6 +391,7 @@ func TestBusyNeverDropsAReleasedMergeTask(t *testing.T) {
 // of another type on a shared key, RunningReject): it must be retried and
 // run once the holder is done, even where its type's OnBusy is BusyDrop.
 func TestRunningAllowLastRetryBehindARunningHolderIsNotDropped(t *testing.T) {
+	t.Parallel()
 	for _, maxRetry := range []int{1, 5} {
 		t.Run(fmt.Sprintf("MaxRetry=%d", maxRetry), func(t *testing.T) {
 			var mu sync.Mutex
@@ -459,6 +461,7 @@ func TestRunningAllowLastRetryBehindARunningHolderIsNotDropped(t *testing.T) {
 // lose the work should that handler fail; a fold (a follow-up behind the
 // handler) or a last-attempt copy would run it a second time.
 func TestBusyBehindItsOwnGivenUpHandlerIsRetriedWhateverThePolicy(t *testing.T) {
+	t.Parallel()
 	for _, busy := range []Busy{BusyDrop, BusyFold} {
 		for _, maxRetry := range []int{3, 0} {
 			t.Run(fmt.Sprintf("%v/MaxRetry(%d)", busy, maxRetry), func(t *testing.T) {

@@ -487,6 +487,7 @@ func TestNewErrors(t *testing.T) {
 }
 
 func TestRedisDownFailClosedAndOpen(t *testing.T) {
+	t.Parallel()
 	needRealRedis(t)
 	for _, open := range []bool{false, true} {
 		t.Run(fmt.Sprintf("FailOpen=%v", open), func(t *testing.T) {

@@ -31,6 +31,7 @@ func masterOf(t *testing.T, c *redis.ClusterClient, queue string) string {
 // opens), while enqueues to the other masters' queues, sent concurrently
 // and batched, all succeed, before and after that breaker opened.
 func TestClusterDeadMasterStaysItsOwnProblem(t *testing.T) {
+	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, false)
 	queues := queuesOnEveryMaster(t, c, "shard")
 	ctx := context.Background()
@@ -137,6 +138,7 @@ func forcedTakeover(replica *redis.Client, since time.Time) func() {
 // written (and replicated) before the kill survive it: its duplicate is
 // still refused.
 func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
+	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, true)
 	queues := queuesOnEveryMaster(t, c, "promo")
 	ctx := context.Background()
@@ -251,6 +253,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 // and handlers run: no producer error, every accepted task runs exactly
 // once, and no key ever runs twice at once.
 func TestClusterManualFailoverWithHandlersRunning(t *testing.T) {
+	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, true)
 	queue := queuesOnEveryMaster(t, c, "fo")[0]
 	ctx := context.Background()
@@ -372,6 +375,7 @@ func TestClusterManualFailoverWithHandlersRunning(t *testing.T) {
 // succeed again, d.BreakerState() must say closed again ("reports the worst
 // of the masters' breakers", and the dead master is no longer one).
 func TestClusterBreakerClosesAfterFailover(t *testing.T) {
+	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, true)
 	queues := queuesOnEveryMaster(t, c, "a5bk")
 	ctx := context.Background()
@@ -440,6 +444,7 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 // master's locks in a pipeline of their own, concurrently"): such a lock
 // outlives several leases while its handler runs.
 func TestClusterHeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
+	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, false)
 	queues := queuesOnEveryMaster(t, c, "a5hb")
 	ctx := context.Background()
@@ -513,6 +518,7 @@ func TestClusterHeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
 // (until LockTimeout). A task of a queue on a healthy master then succeeds:
 // its settle must not wait behind the hung one, so its key cools at once.
 func TestClusterSettleOnAHealthyMasterDoesNotWaitForAHungOne(t *testing.T) {
+	t.Parallel()
 	_, c := redistest.OwnCluster(t, 3, false)
 	// A try is conclusive when the healthy queue's task ran while the hung
 	// master was still paused; asynq's own calls may meet that master (its

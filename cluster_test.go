@@ -90,6 +90,7 @@ func queuesOnEveryMaster(t *testing.T, c *redis.ClusterClient, base string) []st
 }
 
 func TestClusterEndToEnd(t *testing.T) {
+	t.Parallel()
 	c := clusterClient(t)
 	base := newHarnessOn(t, c, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: map[string]Rule{
 		"counter":      {Fields: []string{"key"}, OnConflict: Replace, OnRunning: RunningDefer},

@@ -20,6 +20,7 @@ import (
 // the mix's parts, and each row naming per-call options is refused as it
 // says. The table and the code cannot drift apart.
 func TestSupportedCombinationsTable(t *testing.T) {
+	t.Parallel()
 	rows := readCombinationsTable(t)
 	policyRows, special := splitCombinationRows(t, rows)
 	h := newHarness(t, Config{})

@@ -104,6 +104,7 @@ func TestCooldownHoldsTheKeyAfterSuccess(t *testing.T) {
 
 // The cooldown counts from the enqueue, and the key frees when it ends.
 func TestCooldownEndsOnTime(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}}}})
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)
@@ -210,6 +211,7 @@ func TestCooldownAndDebounceRefusedWhereTheyCannotHold(t *testing.T) {
 // means "duplicate, CoolingDown", and only deadlines that actually passed
 // count as failures.
 func TestCooldownStartsAfterASuccessCloseToTheDeadline(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: map[string]Rule{"digest:weekly": digestRule}})
 	rc := newRecorder(func(r run) error {
 		dl, ok := r.ctx.Deadline()
@@ -469,6 +471,7 @@ func TestCooldownKeyIsNotCountedByMaxPending(t *testing.T) {
 // the enqueue) ends; a per-call cooldown that ended before the task
 // succeeded leaves nothing held.
 func TestCooldownPerCallIsCountedFromTheEnqueueNotTheTTL(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}}}})
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)

@@ -63,6 +63,7 @@ const leftoverHeartbeat = 200 * time.Millisecond
 // more, and the key is free once the note lapses (three heartbeats), not
 // held until its TTL (an hour).
 func TestKilledWorkersLeftoverHandlerHoldsAnArchivedTasksKeyOnlyUntilItsNoteLapses(t *testing.T) {
+	t.Parallel()
 	needRealRedis(t)
 	h := newHarness(t, counterRules(Rule{}))
 	h.client = h.d.NewClient()

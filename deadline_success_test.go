@@ -18,6 +18,7 @@ import (
 // record once completed; its WrapClient lock, taken moments before, must
 // still heal at once, not wait out HealGrace as a task not stored yet.
 func TestWrapClientSuccessNearItsDeadlineFreesTheKeyAtOnce(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, counterRules(Rule{})) // WrapClient
 	rc := newRecorder(func(r run) error {
 		dl, _ := r.ctx.Deadline()
@@ -51,6 +52,7 @@ func TestWrapClientSuccessNearItsDeadlineFreesTheKeyAtOnce(t *testing.T) {
 // holder asynq has completed). A control task, far from its deadline, is
 // released at its end.
 func TestSuccessAtTheDeadlineFollowsWhatAsynqMakesOfTheAttempt(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{heartbeat: (600 * time.Millisecond) / 3, Rules: counterRules(Rule{}).Rules})
 	const n = 30
 	rc := newRecorder(func(r run) error {

@@ -192,6 +192,7 @@ func TestDebounceMovesTheDueTimeOfAScheduledTask(t *testing.T) {
 // the middleware finds its lock (here keyed by a per-call Key, which the
 // task's type rule could not recompute) and releases it after success.
 func TestDebounceKeepsACallerChosenIDsIndex(t *testing.T) {
+	t.Parallel()
 	const typ = "deb:index"
 	// (TTL is what the lock has left once the task is due: it covers asynq's
 	// forwarder, which moves the task to pending every 100 ms here.)
@@ -231,6 +232,7 @@ func TestDebounceKeepsACallerChosenIDsIndex(t *testing.T) {
 // Debounce + Merge under concurrent producers: every enqueue merged, the
 // key runs once, after the burst.
 func TestDebounceMergeOfConcurrentProducersRunsOnce(t *testing.T) {
+	t.Parallel()
 	const typ = "deb:count"
 	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"key"}, OnConflict: Merge, MergeFunc: addMerge, Debounce: 1500 * time.Millisecond}}})
 	runs := make(chan counterPayload, 16)
@@ -385,6 +387,7 @@ func TestDebounceOverridesDelaysInAnyOrder(t *testing.T) {
 // Debounce and Cooldown together: the burst runs once with its last
 // payload, and its success cools the key.
 func TestDebounceThenCooldownRunsOnceAndCools(t *testing.T) {
+	t.Parallel()
 	const typ = "deb:cool"
 	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace, Debounce: 700 * time.Millisecond, Cooldown: time.Hour}}})
 	rc := newRecorder(nil)
@@ -413,6 +416,7 @@ func TestDebounceThenCooldownRunsOnceAndCools(t *testing.T) {
 // due time and lengthening its lock) still counts as waiting: a second key
 // beyond the bound is refused for as long as the first waits.
 func TestDebounceKeyStaysCountedByMaxPending(t *testing.T) {
+	t.Parallel()
 	const typ = "deb:bound"
 	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace, Debounce: time.Second, MaxPending: 1}}})
 	ctx := context.Background()
@@ -445,6 +449,7 @@ func TestDebounceKeyStaysCountedByMaxPending(t *testing.T) {
 // run under its own lock (the middleware finds it through the ID's index),
 // and after its success the key is free again (matrix: success, new task).
 func TestDebounceCallerIDTaskRunsUnderItsOwnLock(t *testing.T) {
+	t.Parallel()
 	const typ = "deb:id"
 	// (TTL covers asynq's forwarder once the task is due: see
 	// TestDebounceKeepsACallerChosenIDsIndex.)

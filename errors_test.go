@@ -332,6 +332,7 @@ func TestEnqueueWithAWrongPasswordIsUnavailableAndNamesAuthentication(t *testing
 // ("dedup: "), whatever it wraps, and still matches its sentinels (and its
 // causes) with errors.Is.
 func TestErrorTextsNameThePackageOnce(t *testing.T) {
+	t.Parallel()
 	cfg := counterRules(Rule{})
 	cfg.Rules["cron:job"] = Rule{OnRunning: RunningAllow}
 	h := newHarness(t, cfg)
@@ -409,6 +410,7 @@ func TestErrorTextsNameThePackageOnce(t *testing.T) {
 // refusing connections is ErrUnavailable, named once, saying why; asynq's
 // own answers (a task ID in use) stay matchable.
 func TestEnqueueNotDeduplicatedKeepsTheErrorContract(t *testing.T) {
+	t.Parallel()
 	p, rdb := ownRedis(t, func(o *redis.Options) { o.ContextTimeoutEnabled = true })
 	d, err := New(context.Background(), rdb, Config{OptIn: true, Logger: quietLogger()})
 	if err != nil {

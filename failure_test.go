@@ -35,6 +35,7 @@ func failedDup(t *testing.T, c *Client, task *asynq.Task, q, holder string, opts
 }
 
 func TestFailHoldKeepsTheKeyAfterRetriesAreExhausted(t *testing.T) {
+	t.Parallel()
 	bothPaths(t, failRules(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}), func(t *testing.T, h *harness) {
 		rc := newRecorder(func(run) error { return errors.New("boom: upstream said no") })
 		h.serve(rc.handler(), nil)
@@ -145,6 +146,7 @@ func TestFailHoldDoesNotHoldRevokedDeletedOrSucceededTasks(t *testing.T) {
 // A handler that ignores its deadline holds the key while it runs; once it
 // returns, asynq's record (archived) decides, whatever it returned.
 func TestFailHoldWhenAsynqArchivesAnAttemptThatOutlivedItsDeadline(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, failRules(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}))
 	h.client = h.d.NewClient()
 	release := make(chan struct{})
@@ -452,6 +454,7 @@ func TestFailHoldSurvivesTheDeletionOfTheArchivedHolder(t *testing.T) {
 // handler that returns the context's error at once: held, failed, with an
 // error that says so.
 func TestFailHoldHoldsADeadlineOnTheLastRetry(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}))
 	h.client = h.d.NewClient()
 	h.serve(func(ctx context.Context, _ *asynq.Task) error { <-ctx.Done(); return ctx.Err() }, nil)

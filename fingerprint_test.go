@@ -861,6 +861,7 @@ func checkRepeated(t *testing.T, prop func(*rapid.T)) {
 const propertyRounds = 20
 
 func TestPropertyRespelledFingerprintEqual(t *testing.T) {
+	t.Parallel()
 	r := &resolved{fields: mustFieldSet(t, "v", "r.v")}
 	checkRepeated(t, func(t *rapid.T) {
 		v := genValue(t, genConfig{maxDepth: 3}, 0)
@@ -976,6 +977,7 @@ func mutate(t *rapid.T, v jv) jv {
 }
 
 func TestPropertyChangedValueChangesFingerprint(t *testing.T) {
+	t.Parallel()
 	r := &resolved{fields: mustFieldSet(t, "v", "r.v")}
 	changed := 0
 	checkRepeated(t, func(t *rapid.T) {

@@ -121,6 +121,7 @@ func goTexts(t *testing.T, file string, comments bool) []string {
 // (coalesced, owner, failure hold, DuplicateTaskError.TaskID) appear in no
 // text a user reads, but where the glossary quotes them as retired.
 func TestGlossaryWordsAreTheOnlyWords(t *testing.T) {
+	t.Parallel()
 	texts := userTexts(t)
 	if len(texts) < 20 {
 		t.Fatalf("only %d files read", len(texts))

@@ -271,6 +271,7 @@ func copyChunks(dst, src net.Conn, before func([]byte), after func()) {
 // within LockTimeout while Redis hangs. (An enqueue whose call carried its
 // task asks once more whether it was stored: two calls.)
 func TestLookupReleaseAndPingAreBoundedByLockTimeoutWhileRedisHangs(t *testing.T) {
+	t.Parallel()
 	const lockTimeout = 400 * time.Millisecond
 	proxy, d, h := hungDedup(t, Config{LockTimeout: lockTimeout, BreakerThreshold: -1}, nil)
 	t.Cleanup(func() { _ = d.Close() })
@@ -338,6 +339,7 @@ func TestHungLockStoreStillFreesAPlainTasksKeyAtSuccess(t *testing.T) {
 // stalled, its attempt still runs, succeeds, and asynq's own done script
 // releases its key.
 func TestPlainTaskRunsWhileTheLibrarysRedisStalls(t *testing.T) {
+	t.Parallel()
 	h := newDirectHarness(t, Rule{})
 	proxy, sd := proxiedLockStore(t, h, Config{Rules: counterRules(Rule{}).Rules, LockTimeout: 3 * time.Second})
 	ran := make(chan string, 4)

@@ -52,6 +52,7 @@ func TestEnqueueBatchAnswersFailHeldAndCoolingKeysAsSubmitDoes(t *testing.T) {
 // to asynq". A panic keeps the key for the retry, whose success cools it
 // for what is left of the cooldown counted from the take.
 func TestCooldownKeyHeldAcrossAPanicAndCooledByTheRetrysSuccess(t *testing.T) {
+	t.Parallel()
 	bothPaths(t, counterRules(Rule{Cooldown: time.Hour, TTL: time.Second}), func(t *testing.T, h *harness) {
 		rc := newRecorder(func(r run) error {
 			if r.retry == 0 {

@@ -22,6 +22,7 @@ import (
 // its key for the whole window, with or without Retention: no enqueue of the
 // key is accepted within it.
 func TestCooldownAndPeriodHoldTheirWindowAfterASuccessJustBeforeTheTimeout(t *testing.T) {
+	t.Parallel()
 	for _, mode := range []struct {
 		name string
 		rule Rule
@@ -120,6 +121,7 @@ func TestFailHoldSurvivesAShutdownRightAfterTheFinalFailure(t *testing.T) {
 // duplicate's FreeIn has passed (a client that retries after FreeIn, as
 // after a Retry-After, is accepted), and not before.
 func TestFailHoldFreeInIsExact(t *testing.T) {
+	t.Parallel()
 	const hold = 4 * time.Second
 	// (A heartbeat shorter than the hold: a beat must not restart it.)
 	h := newHarness(t, Config{heartbeat: time.Second, Rules: counterRules(Rule{OnFailure: FailHold, FailHoldFor: hold}).Rules})

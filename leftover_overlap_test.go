@@ -61,6 +61,7 @@ func TestRetryDoesNotRunBesideTheLeftoverHandlerOfItsGivenUpAttempt(t *testing.T
 // nothing the leftover did released, and a duplicate of A's key is refused
 // while A runs.
 func TestLeftoverOfAShutdownRequeueLeavesTheRunningAttemptsLock(t *testing.T) {
+	t.Parallel()
 	h := newDirectHarness(t, Rule{})
 	ctx := context.Background()
 	started1, leftoverGo, leftoverDone := make(chan string, 4), make(chan struct{}), make(chan struct{})

@@ -49,6 +49,7 @@ const (
 // part with MEMORY USAGE and, over many tasks, with INFO memory, beside
 // asynq.Unique's lock and a plain asynq task, and logs it all as a table.
 func TestLockMemory(t *testing.T) {
+	t.Parallel()
 	w := newMemWorld(t)
 	w.runningLock() // first: its server must find the queue empty
 	lock, field := w.waitingLock()

@@ -90,6 +90,7 @@ func TestSuccessReleasesLock(t *testing.T) {
 }
 
 func TestLockLifecycleOnOutcomes(t *testing.T) {
+	t.Parallel()
 	cases := []struct {
 		name     string
 		maxRetry int
@@ -229,6 +230,7 @@ func TestLockStolenCancelsHandler(t *testing.T) {
 // attempt up must not free the key: asynq's record says the task lives on (it
 // is retried), so the key stays with it until the retry ends.
 func TestLeftoverAttemptCannotTouchLock(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{})
 	releaseFirst := make(chan struct{})
 	releaseSecond := make(chan struct{})
@@ -415,6 +417,7 @@ func TestCloseStopsHeartbeat(t *testing.T) {
 }
 
 func TestHeartbeatOneRoundTripForManyHandlers(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{heartbeat: (300 * time.Millisecond) / 3})
 	const n = 50
 	release := make(chan struct{})
@@ -809,6 +812,7 @@ func TestFastPathRunReleasedMidwayLeavesTheNewHoldersLock(t *testing.T) {
 // (leftover_overlap_test.go). The leftover then returns nil: that must not
 // free the key, which stays the task's while its retry runs.
 func TestFastPathLeftoverAttemptLeavesTheRetrysLock(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, counterRules(Rule{}))
 	h.client = h.d.NewClient()
 	tr := newAttemptTracker(nil)

@@ -93,7 +93,10 @@ func TestOptionSpace(t *testing.T) {
 	t.Logf("seed %d (-optionspace.seed=%d), %d runs of %d steps", seed, seed, *osRunsFlag, *osStepsFlag)
 	for i := range *osRunsFlag {
 		s := seed + int64(i)
-		t.Run(fmt.Sprintf("seed=%d", s), func(t *testing.T) { runOptionSpace(t, s, *osStepsFlag) })
+		t.Run(fmt.Sprintf("seed=%d", s), func(t *testing.T) {
+			t.Parallel() // each run has its own prefix, queues and server
+			runOptionSpace(t, s, *osStepsFlag)
+		})
 	}
 }
 

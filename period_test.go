@@ -324,6 +324,7 @@ func TestPeriodWithReplaceAndACallerIDCoolsAfterSuccess(t *testing.T) {
 // shows it), and once it succeeds after that window has ended its lock
 // goes: nothing is left behind, and the new window is a new key.
 func TestPeriodTaskThatStartsInTheNextWindowKeepsItsOwnWindow(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{})
 	h.client = h.d.NewClient()
 	opts := []asynq.Option{asynq.Queue(h.queue), Fields("key"), Period(time.Second, nil)}

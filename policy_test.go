@@ -247,6 +247,7 @@ func TestMergeErrorKeepsPayload(t *testing.T) {
 }
 
 func TestMergeConcurrentProducersWithDefer(t *testing.T) {
+	t.Parallel()
 	needRealRedis(t)
 	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {
 		Fields: []string{"key"}, OnConflict: Merge, MergeFunc: addMerge, OnRunning: RunningDefer,
@@ -415,6 +416,7 @@ func TestMaxPending(t *testing.T) {
 }
 
 func TestDeferFollowUpOwedAfterFailure(t *testing.T) {
+	t.Parallel()
 	for _, final := range []bool{true, false} {
 		t.Run(fmt.Sprintf("final=%v", final), func(t *testing.T) {
 			h := newHarness(t, Config{Rules: map[string]Rule{"counter": {
@@ -600,6 +602,7 @@ func TestFoldNamesNewTaskOptionsNotApplied(t *testing.T) {
 // still runs last". Under load: producers per key, handlers that fail a
 // third of the time, Replace + RunningDefer on the direct path.
 func TestDeferUnderLoadNeverOverlapsAndEndsWithTheNewest(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
 	h.client = h.d.NewClient()
 	ctx := context.Background()
@@ -685,6 +688,7 @@ func (s slowEnqueuer) EnqueueContext(ctx context.Context, t *asynq.Task, o ...as
 // one whose producer takes longer (a slow Enqueuer) is told it was not
 // merged (a DuplicateTaskError naming the holder), never silently dropped.
 func TestMergeIntoAHolderStillBeingStoredMergesOrSaysSo(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		delay  time.Duration
 		merged bool

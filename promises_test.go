@@ -92,6 +92,7 @@ func heldAfterGiveUp(t *testing.T, tweak func(*asynq.Config), opt asynq.Option, 
 }
 
 func TestPromiseKeyHeldWhenHandlerSucceedsAfterTimeout(t *testing.T) {
+	t.Parallel()
 	heldAfterGiveUp(t, retryInAnHour, asynq.Timeout(time.Second), func(t *testing.T, h *harness, _ *asynq.Server, id string) {
 		eventually(t, "asynq retries the timed-out task", func() bool { return h.taskState(id) == asynq.TaskStateRetry })
 	})
@@ -105,6 +106,7 @@ func TestPromiseKeyHeldWhenHandlerSucceedsAfterCancelProcessing(t *testing.T) {
 
 // On the task's last attempt: shutdown puts it back in the queue anyway.
 func TestPromiseKeyHeldWhenHandlerOutlivesShutdown(t *testing.T) {
+	t.Parallel()
 	short := func(c *asynq.Config) { c.ShutdownTimeout = 200 * time.Millisecond }
 	heldAfterGiveUp(t, short, asynq.MaxRetry(0), func(t *testing.T, h *harness, srv *asynq.Server, id string) {
 		srv.Shutdown()
@@ -257,6 +259,7 @@ func TestPromisePayloadOnlyLandsInItsOwnType(t *testing.T) {
 // meets a busy key on its last attempt is not archived for it: a copy runs
 // once the key is free.
 func TestPromiseBusyArrivalOnLastAttemptNotArchived(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{heartbeat: (2 * time.Second) / 3, Rules: counterRules(Rule{}).Rules})
 	release := make(chan struct{})
 	rc := newRecorder(func(r run) error {
@@ -296,6 +299,7 @@ func TestPromiseBusyArrivalOnLastAttemptNotArchived(t *testing.T) {
 // stored: it says the outcome is unknown, fail-open included (enqueueing it
 // again could store it twice).
 func TestPromiseAnswerTellsWhatIsStoredWhenRedisStalls(t *testing.T) {
+	t.Parallel()
 	for _, failOpen := range []bool{false, true} {
 		t.Run(fmt.Sprintf("failOpen=%v", failOpen), func(t *testing.T) {
 			proxy, d, h := hungDedup(t, Config{FailOpen: failOpen, BreakerThreshold: -1}, func(o *redis.Options) { o.MaxRetries = -1 })
@@ -521,6 +525,7 @@ func (p *oneDelayProxy) arm(marker string, d time.Duration) <-chan struct{} {
 // fail-open enqueued the task again through asynq, after which the late
 // script stored the same ID a second time in the pending list.)
 func TestPromiseLateScriptOfATimedOutCallStoresTheTaskOnce(t *testing.T) {
+	t.Parallel()
 	needRealRedis(t)
 	for _, failOpen := range []bool{false, true} {
 		t.Run(fmt.Sprintf("failOpen=%v", failOpen), func(t *testing.T) {

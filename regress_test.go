@@ -64,6 +64,7 @@ func TestRegressionRelocateNeverCreatesEmptyFollowUp(t *testing.T) {
 // Shutdown puts an unfinished task back even on its last attempt: the lock
 // must stay.
 func TestRegressionShutdownOnLastAttemptHolds(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}}}})
 	rc := newRecorder(func(r run) error { <-r.ctx.Done(); return r.ctx.Err() })
 	srv := h.serve(rc.handler(), func(c *asynq.Config) { c.ShutdownTimeout = 200 * time.Millisecond })

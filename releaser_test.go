@@ -87,6 +87,7 @@ func TestForcedReleaseKeepsACallerIDHolderOnItsKey(t *testing.T) {
 // operator's forced release of a waiting key frees its slot for a caller
 // waiting for room.
 func TestForcedReleaseMakesRoomForAWaiter(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, counterRules(Rule{MaxPending: 1}))
 	ctx := context.Background()
 	h.enqueue(counterTask("k1", 1, 1))
@@ -209,6 +210,7 @@ func TestReleaseWhileTheHolderRunsLeavesItsEndToQueueTheFollowUp(t *testing.T) {
 // every lock is released once, counted once, none lost, and every key takes
 // a new task at once.
 func TestBatchedReleasesCountEachOnceAndFreeEveryKey(t *testing.T) {
+	t.Parallel()
 	const n = 300
 	h := newDirectHarness(t, Rule{})
 	ended := make(chan string, 2*n)

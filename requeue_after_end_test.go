@@ -52,6 +52,7 @@ func slowOuterServer(t *testing.T, h *harness, inner asynq.HandlerFunc, ended ch
 // the follow-up that now holds its key ("never runs two tasks of a key at
 // once").
 func TestDeferHolderRequeuedAfterItsEndNeverRunsBesideItsFollowUp(t *testing.T) {
+	t.Parallel()
 	h := newDirectHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
 	ctx := context.Background()
 	release := make(chan struct{})
@@ -117,6 +118,7 @@ func neverBoth(t *testing.T, h *harness, a, b string) {
 // that follows finds its own cooling key and does not run again"; at most one
 // successful run per window.
 func TestCooledTaskRequeuedAfterItsSuccessDoesNotRunAgain(t *testing.T) {
+	t.Parallel()
 	h := newDirectHarness(t, Rule{Cooldown: time.Hour})
 	ended := make(chan string, 1)
 	stop := slowOuterServer(t, h, func(context.Context, *asynq.Task) error { return nil }, ended)
@@ -151,6 +153,7 @@ func TestCooledTaskRequeuedAfterItsSuccessDoesNotRunAgain(t *testing.T) {
 // is accepted, and the two run at once ("never two live tasks holding one
 // key", "never two handlers of a key running at once").
 func TestWrapClientTaskRequeuedAfterItsReleaseNeverRunsBesideTheKeysNextTask(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, counterRules(Rule{})) // h.client: WrapClient
 	ended := make(chan string, 1)
 	stop := slowOuterServer(t, h, func(context.Context, *asynq.Task) error { return nil }, ended)
@@ -261,6 +264,7 @@ func TestTaskArchivedOnItsFirstAttemptRunAgainNeverRunsBesideTheNewHolder(t *tes
 // puts A back with retry count 0 and its original message. On the next
 // server A meets B's key: the two never run at once.
 func TestReleasedRunningHolderRequeuedByShutdownNeverRunsBesideTheNewHolder(t *testing.T) {
+	t.Parallel()
 	h := newDirectHarness(t, Rule{})
 	ctx := context.Background()
 	started1, leftoverGo := make(chan string, 4), make(chan struct{})

@@ -868,6 +868,7 @@ func TestSchedulerRegisterRefusesEveryOnFailure(t *testing.T) {
 // operator's delete frees the firing's key, as docs/scheduler.md says: not
 // tested here.)
 func TestSchedulerFiringRevokedByItsHandlerIsNotEnqueuedAgain(t *testing.T) {
+	t.Parallel()
 	for _, end := range []string{"revoked"} { // (an operator's delete frees the firing's key: docs/scheduler.md)
 		t.Run(end, func(t *testing.T) {
 			h := newHarness(t, Config{})
@@ -944,6 +945,7 @@ func TestSchedulerRegisterChecksTheTypesRule(t *testing.T) {
 // Register, Unregister and Shutdown from many goroutines (run with -race):
 // once Shutdown and every Unregister have returned, nothing is enqueued.
 func TestSchedulerRegisterUnregisterAndShutdownRace(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{})
 	s := NewScheduler(h.d, &SchedulerOpts{Logger: quietLogger()})
 	if err := s.Start(); err != nil {
@@ -983,6 +985,7 @@ func TestSchedulerRegisterUnregisterAndShutdownRace(t *testing.T) {
 // Two Schedulers in one process, on one Dedup, with the same entry: each
 // firing runs once.
 func TestSchedulerTwoInOneProcessRunEachFiringOnce(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{})
 	var (
 		mu    sync.Mutex

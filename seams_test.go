@@ -110,6 +110,7 @@ func TestBusyFoldFoldsIntoAWaitingCooldownHolder(t *testing.T) {
 // task: the next update during the run makes a new follow-up instead of
 // being refused, and the newest payload runs after the run.
 func TestDeletedFollowUpIsReplacedByANewOne(t *testing.T) {
+	t.Parallel()
 	for _, op := range []string{"delete", "archive"} {
 		t.Run(op, func(t *testing.T) {
 			bothPaths(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}), func(t *testing.T, h *harness) {
@@ -354,6 +355,7 @@ func TestMergeOptionsInAnyOrder(t *testing.T) {
 // the last enqueue folded into it: asynq keeps due times in whole seconds,
 // so they are rounded up.
 func TestDebounceNeverComesDueEarly(t *testing.T) {
+	t.Parallel()
 	bothPaths(t, Config{Rules: map[string]Rule{"sync:profile": {Fields: []string{"user_id"}, OnConflict: Replace, Debounce: 1500 * time.Millisecond}}}, func(t *testing.T, h *harness) {
 		for seq := 1; seq <= 5; seq++ {
 			before := time.Now()
@@ -491,6 +493,7 @@ func TestMaxPendingCountsInTheQueueTheTaskWaitsIn(t *testing.T) {
 // queued at once (within a heartbeat), not when its parked time comes
 // (the retry delay plus TTL later).
 func TestFollowUpQueuedWhenItsRetryingHolderIsRemoved(t *testing.T) {
+	t.Parallel()
 	for _, op := range []string{"archive", "delete"} {
 		t.Run(op, func(t *testing.T) {
 			cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
@@ -797,6 +800,7 @@ func TestMaxPendingKeepsCountingAFollowUpAcrossItsHoldersRetry(t *testing.T) {
 // nor dropped as an arrival (OnBusy BusyDrop), also under a caller-chosen
 // ID, whose index must outlive the freed lock.
 func TestAllowedTaskRetriesWhateverHoldsItsKey(t *testing.T) {
+	t.Parallel()
 	for _, callerID := range []bool{false, true} {
 		t.Run(fmt.Sprintf("callerID=%v", callerID), func(t *testing.T) {
 			bothPaths(t, counterRules(Rule{OnRunning: RunningAllow, OnBusy: BusyDrop}), func(t *testing.T, h *harness) {
@@ -934,6 +938,7 @@ func TestRunNowOnAFollowUpKeepsTheNewestPayload(t *testing.T) {
 // RunningDefer follow-up counts"; MaxPending: "enqueues folded into keys
 // already waiting always pass"; entries "leave when their task starts".
 func TestDebounceCooldownAndMaxPendingTogether(t *testing.T) {
+	t.Parallel()
 	const typ = "a6:sync"
 	h := newHarness(t, Config{Rules: map[string]Rule{typ: {Fields: []string{"user_id"}, OnConflict: Replace,
 		Debounce: time.Second, Cooldown: time.Hour, MaxPending: 1}}})
@@ -1123,6 +1128,7 @@ func TestServerWithAnotherPrefixMakesAReleasedHolderMeetTheKey(t *testing.T) {
 // Config.BreakerBackoff are durations of the Config: "forever" must
 // neither panic nor wrap to no wait at all.
 func TestForeverBackoffsNeverWrap(t *testing.T) {
+	t.Parallel()
 	noPanic := func(t *testing.T, what string, f func()) (panicked bool) {
 		t.Helper()
 		defer func() {
@@ -1173,6 +1179,7 @@ func TestForeverBackoffsNeverWrap(t *testing.T) {
 // now while its holder runs: its payload runs once, after the holder, never
 // beside it.
 func TestFollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *testing.T) {
+	t.Parallel()
 	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
 	cfg.heartbeat = (1500 * time.Millisecond) / 3
 	h := newHarness(t, cfg)
@@ -1221,6 +1228,7 @@ func TestFollowUpRunEarlyOnItsLastAttemptRunsOnceAfterTheHolder(t *testing.T) {
 // the server that held it queues the follow-up within a heartbeat". The
 // holder here has a caller-chosen ID (its lock found through its index).
 func TestFollowUpQueuedWhenItsRetryingCallerIDHolderIsDeleted(t *testing.T) {
+	t.Parallel()
 	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 2})
 	cfg.heartbeat = (1500 * time.Millisecond) / 3
 	h := newHarness(t, cfg)

@@ -102,6 +102,7 @@ func TestCloseRightAfterShutdownSendsEveryQueuedRelease(t *testing.T) {
 // than run it beside it: with NewClient's direct path, through asynq's
 // client, and for a task that arrived without a lock.
 func TestShutdownRequeuedTaskNeverRunsBesideItsOwnOutlivingHandler(t *testing.T) {
+	t.Parallel()
 	for _, path := range []string{"wrap", "direct", "arrival"} {
 		t.Run(path, func(t *testing.T) {
 			h := newHarness(t, counterRules(Rule{}))

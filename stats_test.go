@@ -243,6 +243,7 @@ func TestFlushPartialFailureKeepsCounts(t *testing.T) {
 // Redis down: the flush fails, counts stay, and go out once it is back.
 // Deleting the keys starts the totals again; the types set is refilled.
 func TestFlushOutageKeepsCounts(t *testing.T) {
+	t.Parallel()
 	mr := miniredis.RunT(t)
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
 	t.Cleanup(func() { _ = rdb.Close() })
@@ -346,6 +347,7 @@ func TestReadStatsAddsRenamedEvents(t *testing.T) {
 }
 
 func TestReadStatsDefaultPrefixAndErrors(t *testing.T) {
+	t.Parallel()
 	mr := miniredis.RunT(t)
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
 	t.Cleanup(func() { _ = rdb.Close() })

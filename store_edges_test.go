@@ -423,6 +423,7 @@ func TestStaleIndexOfACallerIDNeverLocksAnUnruledTask(t *testing.T) {
 // scheduled holder found by its index), MaxPending with a RunningDefer
 // follow-up, Cooldown with Replace under a caller-chosen ID.
 func TestModesPassedInAcquiresLastArgumentsWork(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	sum := func(old, new []byte) ([]byte, error) {
 		return fmt.Appendf(nil, `{"user_id":1,"n":%d}`, len(old)+len(new)), nil

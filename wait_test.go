@@ -98,6 +98,7 @@ func TestWaitResultCallerChosenID(t *testing.T) {
 // Without retention a finished task is deleted: the wait ends, matchably,
 // without a result.
 func TestWaitResultWithoutRetention(t *testing.T) {
+	t.Parallel()
 	h := newHarness(t, Config{})
 	started, release := make(chan string, 1), make(chan struct{})
 	h.serve(resultHandler(started, release, nil), nil)
