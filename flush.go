@@ -62,7 +62,8 @@ func (d *Dedup) flushLogged() {
 // totals in Redis now, in one pipelined round trip. The flusher
 // (StartFlusher) calls it on its interval; call it yourself to flush without
 // one, such as before a short-lived process exits. Counts of a failed flush
-// are kept for the next one. It fails with an error matching ErrUnavailable.
+// are kept for the next one. It fails with an error matching ErrUnavailable
+// and its cause (the failed dial's error when Redis cannot be reached).
 func (d *Dedup) FlushStats(ctx context.Context) error {
 	m := &d.stats
 	m.flushMu.Lock()
@@ -115,7 +116,10 @@ func (d *Dedup) flush(ctx context.Context) error {
 	if cmds == nil {
 		return err // not sent, or left at the deadline: nothing is known to be added
 	}
-	return d.markFlushed(ps, sadd.Err())
+	// The pipeline's own error comes first: a call a failed dial ended
+	// (internal/store/reach.go) says so there, while its commands hold
+	// only the cancellation.
+	return cmp.Or(err, d.markFlushed(ps, sadd.Err()))
 }
 
 // pendingFlush is one type's counts not yet added in Redis, and its

@@ -3,7 +3,10 @@ package dedup
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net"
 	"reflect"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -276,6 +279,37 @@ func TestFlushOutageKeepsCounts(t *testing.T) {
 	}
 	if got := readStats(t, rdb, "p"); got["x"] != (Stats{Locked: 1}) {
 		t.Fatalf("totals after reset %+v", got)
+	}
+}
+
+// A flush while Redis refuses connections (the server is gone) says why,
+// as a lock call does: ErrUnavailable, "connection refused", and the dial
+// error kept for errors.As, not the bare cancellation of the call; with
+// the caller's client (ContextTimeoutEnabled) and the library's own copy
+// of it alike.
+func TestFlushStatsWithRedisRefusingConnectionsSaysWhy(t *testing.T) {
+	for _, shared := range []bool{true, false} {
+		t.Run(fmt.Sprintf("ContextTimeoutEnabled=%v", shared), func(t *testing.T) {
+			p, rdb := ownRedis(t, func(o *redis.Options) { o.ContextTimeoutEnabled = shared })
+			d := diagDedup(t, rdb, uniq(t))
+			ctx := context.Background()
+			countN(d, "x", evLocked, 1)
+			if err := d.FlushStats(ctx); err != nil {
+				t.Fatal(err) // warm: connections pooled
+			}
+			p.Kill() // nothing listens on its port now
+			countN(d, "x", evLocked, 1)
+			err := d.FlushStats(ctx)
+			var dial *net.OpError
+			switch {
+			case !errors.Is(err, ErrUnavailable):
+				t.Fatalf("flush: %v, want ErrUnavailable", err)
+			case !strings.Contains(err.Error(), "connection refused"):
+				t.Fatalf("flush: %q does not say the connection was refused", err)
+			case !errors.As(err, &dial) || dial.Op != "dial":
+				t.Fatalf("flush: %v does not keep the dial error (got %#v)", err, dial)
+			}
+		})
 	}
 }
 
