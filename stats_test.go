@@ -344,6 +344,43 @@ func TestFlusherTicksAndFlushesOnClose(t *testing.T) {
 	}
 }
 
+// Close returns the failure of its last flush (Redis gone), naming it and
+// keeping its cause, and still closes the rest: the client it owns, the
+// flusher (StartFlusher fails after it); a second Close has nothing to
+// report.
+func TestCloseReportsAFailedFinalFlush(t *testing.T) {
+	p, rdb := ownRedis(t, nil)
+	ctx := context.Background()
+	d, err := NewFromRedisConnOpt(ctx, asynq.RedisClientOpt{Addr: rdb.Options().Addr}, Config{Prefix: uniq(t), Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.StartFlusher(time.Hour); err != nil { // only Close flushes
+		t.Fatal(err)
+	}
+	countN(d, "t", evLocked, 1)
+	p.Kill() // nothing listens on its port now
+	err = d.Close()
+	var dial *net.OpError
+	switch {
+	case !errors.Is(err, ErrUnavailable) || !errors.As(err, &dial):
+		t.Fatalf("Close: %v, want the flush's ErrUnavailable with its dial error", err)
+	case !strings.Contains(err.Error(), "final stats flush failed"):
+		t.Fatalf("Close: %q does not name the final stats flush", err)
+	case strings.Count(err.Error(), "dedup:") != 1:
+		t.Fatalf("Close: %q names the package more than once", err)
+	}
+	if err := d.rdb.Ping(ctx).Err(); !errors.Is(err, redis.ErrClosed) {
+		t.Fatalf("the Dedup's own client after Close: %v, want closed", err)
+	}
+	if err := d.StartFlusher(time.Second); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("StartFlusher after Close: %v", err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+}
+
 func TestStartFlusherRejectsNegative(t *testing.T) {
 	d := diagDedup(t, newRDB(t), uniq(t))
 	if err := d.StartFlusher(-time.Second); !errors.Is(err, ErrInvalidOption) {
