@@ -172,20 +172,20 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 // of handlers still running afterwards are no longer extended, and last
 // their TTL.
 // It also stops the hot-key reporter (logging its last window) and the stats
-// flusher (flushing one last time). It does not close the Redis client,
-// unless NewFromRedisConnOpt made it.
+// flusher (flushing one last time); a failure of that last flush is
+// returned, wrapped, after everything else is closed all the same. It does
+// not close the Redis client, unless NewFromRedisConnOpt made it.
 // Close is idempotent; Middleware after Close logs an error and renews
 // nothing.
 func (d *Dedup) Close() error {
 	d.hb.stop()
-	d.stopDiagnostics()
-	d.store.Close(d.rdb) // (later calls go through the caller's client)
+	err := d.stopDiagnostics() // (nil but for the call that flushed)
+	d.store.Close(d.rdb)       // (later calls go through the caller's client)
 	if !d.closed.CompareAndSwap(false, true) {
-		return nil
+		return err
 	}
-	var err error
 	if d.own != nil {
-		err = d.own.Close()
+		err = errors.Join(err, d.own.Close())
 	}
 	if d.ownsRDB {
 		err = errors.Join(err, d.rdb.Close())

@@ -22,7 +22,7 @@ const defaultFlushInterval = 10 * time.Second
 // kept two hours, for the web overview), bounded by Config.LockTimeout; it runs on its own goroutine, never on an enqueue or
 // a handler. A failed flush is
 // logged and its counts are kept for the next one; Close stops the flusher
-// and flushes one last time.
+// and flushes one last time, and returns that flush's failure.
 //
 // A flush whose reply is lost after Redis applied it (a timeout, a dropped
 // connection) is sent again, so the totals may count that interval twice;
@@ -44,25 +44,27 @@ func (d *Dedup) StartFlusher(interval time.Duration) error {
 		return errorf("%w: StartFlusher called after Close", ErrInvalidOption)
 	}
 	if m.flusher != nil {
-		m.flusher.stop() // flushes; the next loop goes on from there
+		_ = m.flusher.stop() // flushes (logged); the next loop goes on from there
 	}
 	t := time.NewTicker(interval)
-	m.flusher = startLoop(t.C, t.Stop, d.flushLogged, d.flushLogged)
+	m.flusher = startLoop(t.C, t.Stop, func() { _ = d.flushLogged() }, d.flushLogged)
 	return nil
 }
 
-// flushLogged runs one flush bounded by LockTimeout and logs its failure.
-func (d *Dedup) flushLogged() {
+// flushLogged runs one flush bounded by LockTimeout, logs its failure
+// (FlushStats does) and returns it.
+func (d *Dedup) flushLogged() error {
 	ctx, cancel := context.WithTimeout(context.Background(), d.cfg.LockTimeout)
 	defer cancel()
-	_ = d.FlushStats(ctx)
+	return d.FlushStats(ctx)
 }
 
 // FlushStats adds what this process counted since its last flush to the
 // totals in Redis now, in one pipelined round trip. The flusher
 // (StartFlusher) calls it on its interval; call it yourself to flush without
 // one, such as before a short-lived process exits. Counts of a failed flush
-// are kept for the next one. It fails with an error matching ErrUnavailable.
+// are kept for the next one. It fails with an error matching ErrUnavailable
+// and its cause (the failed dial's error when Redis cannot be reached).
 func (d *Dedup) FlushStats(ctx context.Context) error {
 	m := &d.stats
 	m.flushMu.Lock()
@@ -115,7 +117,10 @@ func (d *Dedup) flush(ctx context.Context) error {
 	if cmds == nil {
 		return err // not sent, or left at the deadline: nothing is known to be added
 	}
-	return d.markFlushed(ps, sadd.Err())
+	// The pipeline's own error comes first: a call a failed dial ended
+	// (internal/store/reach.go) says so there, while its commands hold
+	// only the cancellation.
+	return cmp.Or(err, d.markFlushed(ps, sadd.Err()))
 }
 
 // pendingFlush is one type's counts not yet added in Redis, and its
@@ -211,13 +216,14 @@ func ReadStats(ctx context.Context, rdb redis.UniversalClient, prefix string) (m
 // loop runs a function on every tick of a ticker on its own goroutine, and
 // a last function when stopped.
 type loop struct {
-	quit chan struct{}
-	done chan struct{}
+	quit    chan struct{}
+	done    chan struct{}
+	stopErr error // what the last function returned; read after done
 }
 
 // startLoop calls onTick for every value from tick until stop, then
 // stopTick (if not nil) and onStop (if not nil).
-func startLoop(tick <-chan time.Time, stopTick func(), onTick, onStop func()) *loop {
+func startLoop(tick <-chan time.Time, stopTick func(), onTick func(), onStop func() error) *loop {
 	l := &loop{quit: make(chan struct{}), done: make(chan struct{})}
 	go func() {
 		defer close(l.done)
@@ -228,7 +234,7 @@ func startLoop(tick <-chan time.Time, stopTick func(), onTick, onStop func()) *l
 			select {
 			case <-l.quit:
 				if onStop != nil {
-					onStop()
+					l.stopErr = onStop()
 				}
 				return
 			case <-tick:
@@ -239,30 +245,38 @@ func startLoop(tick <-chan time.Time, stopTick func(), onTick, onStop func()) *l
 	return l
 }
 
-// stop ends the loop and waits until its last function has returned.
-func (l *loop) stop() {
+// stop ends the loop, waits until its last function has returned, and
+// returns that function's error.
+func (l *loop) stop() error {
 	close(l.quit)
 	<-l.done
+	return l.stopErr
 }
 
 // stopDiagnostics stops the hot-key reporter (logging its last, partial
-// window) and the stats flusher (flushing one last time). Called by Close;
-// idempotent. Start* calls after it fail.
-func (d *Dedup) stopDiagnostics() {
+// window) and the stats flusher (flushing one last time), and returns the
+// failure of that last flush. Called by Close; idempotent (only the first
+// call flushes). Start* calls after it fail.
+func (d *Dedup) stopDiagnostics() error {
 	m := &d.stats
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
-		return
+		return nil
 	}
 	m.closed = true
 	if m.repLoop != nil {
-		m.repLoop.stop()
+		_ = m.repLoop.stop()
 		m.repLoop = nil
 		m.rep.Store(nil)
 	}
-	if m.flusher != nil {
-		m.flusher.stop()
-		m.flusher = nil
+	if m.flusher == nil {
+		return nil
 	}
+	err := m.flusher.stop()
+	m.flusher = nil
+	if err != nil {
+		return errorf("final stats flush failed: %w", err)
+	}
+	return nil
 }

@@ -110,12 +110,12 @@ func (d *Dedup) startReporter(cfg ReportConfig, tick <-chan time.Time, stopTick 
 		return errorf("%w: StartReporter called after Close", ErrInvalidOption)
 	}
 	if m.repLoop != nil {
-		m.repLoop.stop() // logs the window so far
+		_ = m.repLoop.stop() // logs the window so far
 	}
 	r := &reporter{d: d, cfg: cfg, base: d.typeCounts()}
 	r.win = r.newWindow()
 	m.rep.Store(r)
-	m.repLoop = startLoop(tick, stopTick, r.reportNow, r.reportNow)
+	m.repLoop = startLoop(tick, stopTick, r.reportNow, func() error { r.reportNow(); return nil })
 	return nil
 }
 

@@ -3,7 +3,10 @@ package dedup
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net"
 	"reflect"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -280,6 +283,37 @@ func TestFlushOutageKeepsCounts(t *testing.T) {
 	}
 }
 
+// A flush while Redis refuses connections (the server is gone) says why,
+// as a lock call does: ErrUnavailable, "connection refused", and the dial
+// error kept for errors.As, not the bare cancellation of the call; with
+// the caller's client (ContextTimeoutEnabled) and the library's own copy
+// of it alike.
+func TestFlushStatsWithRedisRefusingConnectionsSaysWhy(t *testing.T) {
+	for _, shared := range []bool{true, false} {
+		t.Run(fmt.Sprintf("ContextTimeoutEnabled=%v", shared), func(t *testing.T) {
+			p, rdb := ownRedis(t, func(o *redis.Options) { o.ContextTimeoutEnabled = shared })
+			d := diagDedup(t, rdb, uniq(t))
+			ctx := context.Background()
+			countN(d, "x", evLocked, 1)
+			if err := d.FlushStats(ctx); err != nil {
+				t.Fatal(err) // warm: connections pooled
+			}
+			p.Kill() // nothing listens on its port now
+			countN(d, "x", evLocked, 1)
+			err := d.FlushStats(ctx)
+			var dial *net.OpError
+			switch {
+			case !errors.Is(err, ErrUnavailable):
+				t.Fatalf("flush: %v, want ErrUnavailable", err)
+			case !strings.Contains(err.Error(), "connection refused"):
+				t.Fatalf("flush: %q does not say the connection was refused", err)
+			case !errors.As(err, &dial) || dial.Op != "dial":
+				t.Fatalf("flush: %v does not keep the dial error (got %#v)", err, dial)
+			}
+		})
+	}
+}
+
 func TestFlusherTicksAndFlushesOnClose(t *testing.T) {
 	rdb := newRDB(t) // before the leak check: the fallback miniredis outlives it
 	defer goleak.VerifyNone(t, leakOpts()...)
@@ -308,6 +342,43 @@ func TestFlusherTicksAndFlushesOnClose(t *testing.T) {
 	_ = d.Close()
 	if err := d.StartFlusher(time.Second); !errors.Is(err, ErrInvalidOption) {
 		t.Fatalf("StartFlusher after Close: %v", err)
+	}
+}
+
+// Close returns the failure of its last flush (Redis gone), naming it and
+// keeping its cause, and still closes the rest: the client it owns, the
+// flusher (StartFlusher fails after it); a second Close has nothing to
+// report.
+func TestCloseReportsAFailedFinalFlush(t *testing.T) {
+	p, rdb := ownRedis(t, nil)
+	ctx := context.Background()
+	d, err := NewFromRedisConnOpt(ctx, asynq.RedisClientOpt{Addr: rdb.Options().Addr}, Config{Prefix: uniq(t), Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.StartFlusher(time.Hour); err != nil { // only Close flushes
+		t.Fatal(err)
+	}
+	countN(d, "t", evLocked, 1)
+	p.Kill() // nothing listens on its port now
+	err = d.Close()
+	var dial *net.OpError
+	switch {
+	case !errors.Is(err, ErrUnavailable) || !errors.As(err, &dial):
+		t.Fatalf("Close: %v, want the flush's ErrUnavailable with its dial error", err)
+	case !strings.Contains(err.Error(), "final stats flush failed"):
+		t.Fatalf("Close: %q does not name the final stats flush", err)
+	case strings.Count(err.Error(), "dedup:") != 1:
+		t.Fatalf("Close: %q names the package more than once", err)
+	}
+	if err := d.rdb.Ping(ctx).Err(); !errors.Is(err, redis.ErrClosed) {
+		t.Fatalf("the Dedup's own client after Close: %v, want closed", err)
+	}
+	if err := d.StartFlusher(time.Second); !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("StartFlusher after Close: %v", err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
 	}
 }
 

@@ -26,7 +26,7 @@ func lookupCommand() *command {
 that task would choose, as Dedup.Lookup does, and shows it as show does.
 Without --queue it looks in every queue asynq knows or that holds locks
 (and default), says in which it found a lock, and shows each. Exit status 1 with "no lock" when
-the key is free.
+the key is free; with --json it prints so too, with state "free".
 
   --field PATH=VALUE   keys on these JSON paths (dedup.Fields), with the payload
                        made of them: a VALUE that is JSON (42, true, "42", {...})
@@ -74,7 +74,7 @@ func runLookup(a *app, f *lockview.KeySpec, hashKeyEnv string) error {
 			return err
 		}
 		if err := found.Err(); err != nil {
-			return err
+			return a.printFree(found, f.Queue != "", err)
 		}
 		out := lookupOutput{Searched: found.Searched}
 		for _, key := range found.Keys {
@@ -94,10 +94,35 @@ func runLookup(a *app, f *lockview.KeySpec, hashKeyEnv string) error {
 }
 
 // lookupOutput is what lookup found without --queue: the queues it
-// searched and the key's lock in each queue that holds one.
+// searched and the key's lock in each queue that holds one; for a key
+// free in all of them, no locks and State "free".
 type lookupOutput struct {
 	Searched []string      `json:"searched_queues"`
 	Locks    []*showOutput `json:"locks"`
+	State    string        `json:"state,omitempty"` // "free" when no queue holds a lock of the key
+}
+
+// freeOutput is lookup --json --queue's answer for a key free in that
+// queue, in the field names of show --json.
+type freeOutput struct {
+	Queue string `json:"queue"`
+	State string `json:"state"` // "free"
+}
+
+// printFree says, with --json, that the key is free where lookup searched
+// (as text, err says so on stderr), and returns err, the key being free.
+func (a *app) printFree(found *lockview.KeyLocks, oneQueue bool, err error) error {
+	if !a.g.json {
+		return err
+	}
+	var out any = lookupOutput{Searched: found.Searched, Locks: []*showOutput{}, State: "free"}
+	if oneQueue {
+		out = freeOutput{Queue: found.Searched[0], State: "free"}
+	}
+	if werr := writeJSON(a.stdout, out); werr != nil {
+		return werr
+	}
+	return err
 }
 
 // printLookup prints the locks found. With --queue (one queue) it prints

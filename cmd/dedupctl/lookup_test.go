@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"reflect"
 	"regexp"
 	"slices"
 	"strings"
@@ -111,6 +112,35 @@ func TestLookupWithoutQueueFindsTheLockInAnyQueue(t *testing.T) {
 	}
 	if r = f.ok(lookup...); !strings.Contains(r.stdout, "holder           "+b.ID+"\n") {
 		t.Errorf("lookup misses the lock of queue %s, which asynq no longer lists:\n%s", f.qb, r.stdout)
+	}
+}
+
+// lookup --json of a free key prints what it found, in the field names of
+// a held key's JSON: with --queue, the queue and the state "free" (the
+// word the text output uses, "no lock: the key is free"); without, the
+// queues searched, no locks and the state "free". The exit status and the
+// message on stderr stay those of the text output (1, "no lock").
+func TestLookupJSONOfAFreeKeySaysItIsFree(t *testing.T) {
+	f := newFixture(t, dedup.Config{})
+	f.enqueue(f.qa, "email:welcome", 42)
+	free := []string{"--json", "lookup", "--type", "email:welcome", "--field", "user_id=43"}
+	r := f.fail(exitError, "no lock: the key is free in queue "+f.qa, "", append(free, "--queue", f.qa)...)
+	var one map[string]any
+	if err := json.Unmarshal([]byte(r.stdout), &one); err != nil {
+		t.Fatalf("lookup --json --queue of a free key: %v\n%v", err, r)
+	}
+	if want := map[string]any{"queue": f.qa, "state": "free"}; !reflect.DeepEqual(one, want) {
+		t.Errorf("lookup --json --queue of a free key: %v, want %v", one, want)
+	}
+	r = f.fail(exitError, "no lock: the key is free in every queue (", "", free...)
+	all := decode[lookupOutput](t, r)
+	if all.State != "free" || all.Locks == nil || len(all.Locks) != 0 || !slices.Contains(all.Searched, f.qa) || !slices.Contains(all.Searched, "default") {
+		t.Errorf("lookup --json of a free key: %+v, want state free, locks [], the queues searched\n%v", all, r)
+	}
+	// A held key's JSON has no state "free": without --queue, no state at all.
+	held := f.ok("--json", "lookup", "--type", "email:welcome", "--field", "user_id=42")
+	if o := decode[lookupOutput](t, held); o.State != "" || len(o.Locks) != 1 {
+		t.Errorf("lookup --json of a held key: %+v", o)
 	}
 }
 

@@ -31,7 +31,7 @@ func main() {
 const (
 	exitOK      = 0
 	exitError   = 1 // Redis unreachable, bad URL, no such lock, refused release, ...
-	exitUsage   = 2 // unknown command or flag, missing or extra argument
+	exitUsage   = 2 // unknown command or flag, missing or extra argument, a KEY that is not a lock key
 	defaultURL  = "redis://127.0.0.1:6379/0"
 	urlEnv      = "DEDUP_REDIS_URL"
 	dialTimeout = 2 * time.Second
@@ -123,7 +123,8 @@ Examples:
   dedupctl release --yes '%[4]s'
 
 Exit status: 0 done, 1 error (Redis unreachable, bad --url, no such lock,
-release refused or declined), 2 usage error.
+release refused or declined), 2 usage error (a bad flag or argument, a KEY
+that is not a lock key).
 Run "dedupctl <command> -h" for a command's flags.
 `
 
@@ -374,11 +375,12 @@ func (a *app) withConn(fn func(ctx context.Context, c *conn) error) error {
 
 // withLock runs fn with the lock that args and s select.
 func (a *app) withLock(args []string, s selector, fn func(ctx context.Context, c *conn, t *lockview.Target, l *lockInfo) error) error {
-	if err := s.check(args); err != nil {
+	key, err := a.byKey(args, s)
+	if err != nil {
 		return err
 	}
 	return a.withConn(func(ctx context.Context, c *conn) error {
-		t, err := a.resolve(ctx, c, args, s)
+		t, err := a.resolve(ctx, c, key, s)
 		if err != nil {
 			return err
 		}

@@ -274,9 +274,9 @@ func TestNotLockKeyHints(t *testing.T) {
 	for key, want := range map[string]string{
 		"other:{q}:u:" + fp:   `its prefix is "other": pass --prefix other`,
 		"dedup:{q}:m:" + fp:   `is the mode record of lock "dedup:{q}:u:` + fp + `" (show that key)`,
-		"asynq:{q}:pending":   `not a dedup lock key: "asynq:{q}:pending" (want dedup:{<queue>}:u:<16 or 32 hex digits>)`,
-		"dedup:{q}:u:nothex!": "not a dedup lock key",
-		"dedup:{q}:l:" + fp:   "not a dedup lock key", // the lease-based layout's lock hash
+		"asynq:{q}:pending":   `not a dedup lock key: "asynq:{q}:pending": it does not begin with "dedup:{" (want dedup:{<queue>}:u:<16 or 32 hex digits>)`,
+		"dedup:{q}:u:nothex!": `not a dedup lock key: "dedup:{q}:u:nothex!": its fingerprint "nothex!" has 7 characters, not 16 or 32`,
+		"dedup:{q}:l:" + fp:   `it has no "}:u:" before its fingerprint`, // the lease-based layout's lock hash
 	} {
 		if err := notLockKey("dedup", key); !strings.Contains(err.Error(), want) {
 			t.Errorf("notLockKey(%q) = %q; want it to say %q", key, err, want)
@@ -777,9 +777,9 @@ func TestShowBadInput(t *testing.T) {
 		code int
 		want string
 	}{
-		{[]string{"show", "hello"}, exitError, `not a dedup lock key: "hello"`},
-		{[]string{"show", store.ModeOf(key)}, exitError, "is the mode record of lock \"" + key + "\" (show that key)"},
-		{[]string{"show", "other:{" + f.qa + "}:u:" + fp}, exitError, `its prefix is "other": pass --prefix other`},
+		{[]string{"show", "hello"}, exitUsage, `not a dedup lock key: "hello"`},
+		{[]string{"show", store.ModeOf(key)}, exitUsage, "is the mode record of lock \"" + key + "\" (show that key)"},
+		{[]string{"show", "other:{" + f.qa + "}:u:" + fp}, exitUsage, `its prefix is "other": pass --prefix other`},
 		{[]string{"show", store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff")}, exitError, "no such lock: " + store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff")},
 		{[]string{"show", store.NewKeys(f.prefix).Lock(f.qb, fp)}, exitError, "no such lock"},
 		{[]string{"show", "--task", "dd-ffffffffffffffff-0123456789abcdef0123", "--queue", f.qa}, exitError, "no such lock: task"},
@@ -806,6 +806,41 @@ func TestShowBadInput(t *testing.T) {
 	}
 }
 
+// A KEY that is not a lock key is bad input ("2 usage error"): show and
+// release refuse it with exit 2 and say what is wrong with it, on a live
+// Redis and with Redis down (before Redis is asked, as lookup's bad input).
+func TestAMalformedKeyIsAUsageErrorThatSaysWhatIsWrongEvenWithRedisDown(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	welcome, _ := f.setup()
+	key := f.lockOf(welcome[0])
+	fp := key[len(key)-16:]
+	keys := store.NewKeys(f.prefix)
+	for _, c := range []struct{ key, want string }{
+		{"hello", `not a dedup lock key: "hello": it does not begin with "` + f.prefix + `:{"`},
+		{"asynq:{" + f.qa + "}:pending", `it does not begin with "` + f.prefix + `:{"`},
+		{f.prefix + ":{" + f.qa + "}:l:" + fp, `it has no "}:u:" before its fingerprint`},
+		{keys.Lock("", fp), "its queue is empty"},
+		{key + "0", `its fingerprint "` + fp + `0" has 17 characters, not 16 or 32`},
+		{keys.Lock(f.qa, "0123456789ABCDEF"), `its fingerprint "0123456789ABCDEF" is not lower-case hex`},
+		{store.ModeOf(key), `is the mode record of lock "` + key + `" (show that key)`},
+		{"other:{" + f.qa + "}:u:" + fp, `its prefix is "other": pass --prefix other`},
+	} {
+		for _, args := range [][]string{{"show", c.key}, {"release", "--yes", c.key}} {
+			if r := f.run("", args...); r.code != exitUsage || !strings.Contains(r.stderr, c.want) || r.stdout != "" {
+				t.Errorf("%q: want exit %d and %q, got %v", args, exitUsage, c.want, r)
+			}
+			down := append([]string{"--url", "redis://127.0.0.1:1/0", "--prefix", f.prefix}, args...)
+			if r := runCmd("", down...); r.code != exitUsage || !strings.Contains(r.stderr, c.want) {
+				t.Errorf("%q with Redis down: want exit %d and %q, got %v", args, exitUsage, c.want, r)
+			}
+		}
+	}
+	if !f.exists(key) {
+		t.Fatal("a refused release released a lock")
+	}
+}
+
 func TestReleaseYes(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, dedup.Config{})
@@ -824,9 +859,9 @@ func TestReleaseYes(t *testing.T) {
 	if again.ID == welcome[2].ID {
 		t.Error("enqueue after release returned the old task")
 	}
-	f.fail(exitError, "not a dedup lock key", "", "release", "--yes", f.lockOf(welcome[1])+"0") // 17 digits
+	f.fail(exitUsage, "not a dedup lock key", "", "release", "--yes", f.lockOf(welcome[1])+"0") // 17 digits
 	f.fail(exitError, "no such lock: "+store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff"), "", "release", "--yes", store.NewKeys(f.prefix).Lock(f.qa, "ffffffffffffffff"))
-	f.fail(exitError, "not a dedup lock key", "", "release", "--yes", "asynq:{"+f.qa+"}:pending")
+	f.fail(exitUsage, "not a dedup lock key", "", "release", "--yes", "asynq:{"+f.qa+"}:pending")
 
 	// JSON, by caller-chosen task ID: the holder, which still runs, still
 	// names its key in its record, and is marked to check it first.

@@ -34,14 +34,20 @@ func (s selector) check(args []string) error {
 	return nil
 }
 
-// resolve turns KEY or --task/--queue into a lock key, refusing anything
-// that is not one.
-func (a *app) resolve(ctx context.Context, c *conn, args []string, s selector) (*lockview.Target, error) {
-	if err := s.check(args); err != nil {
+// byKey is the lock KEY names, refused (a usage error) before Redis is
+// asked when KEY is not a lock key; nil with --task, whose lock only Redis
+// can tell (resolve).
+func (a *app) byKey(args []string, s selector) (*lockview.Target, error) {
+	if err := s.check(args); err != nil || s.task != "" {
 		return nil, err
 	}
-	if s.task == "" {
-		return lockview.ByKey(a.g.prefix, args[0])
+	return lockview.ByKey(a.g.prefix, args[0])
+}
+
+// resolve is the lock t names (byKey's), or the one --task/--queue names.
+func (a *app) resolve(ctx context.Context, c *conn, t *lockview.Target, s selector) (*lockview.Target, error) {
+	if t != nil {
+		return t, nil
 	}
 	return lockview.ByTask(ctx, c.src(), a.g.prefix, s.task, s.queue)
 }

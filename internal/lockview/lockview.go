@@ -70,21 +70,50 @@ func (s Source) Masters(ctx context.Context) ([]*redis.Client, error) {
 	return out, nil
 }
 
-// NotLockKey explains why key is not a lock key of prefix.
+// NotLockKey explains why key is not a lock key of prefix: a *UsageError,
+// as the key is input the caller can correct.
 func NotLockKey(prefix, key string) error {
 	if other := store.PrefixOf(key); other != "" && other != prefix {
 		if _, _, ok := store.NewKeys(other).ParseLock(key); ok {
-			return fmt.Errorf("not a dedup lock key of prefix %q: %q (its prefix is %q: pass --prefix %s)", prefix, key, other, other)
+			return Usagef("not a dedup lock key of prefix %q: %q (its prefix is %q: pass --prefix %s)", prefix, key, other, other)
 		}
 	}
 	if i := strings.LastIndex(key, "}:m:"); i >= 0 {
 		if lock := key[:i] + "}:u:" + key[i+len("}:m:"):]; store.ModeOf(lock) == key {
 			if _, _, ok := store.NewKeys(prefix).ParseLock(lock); ok {
-				return fmt.Errorf("not a dedup lock key: %q is the mode record of lock %q (show that key)", key, lock)
+				return Usagef("not a dedup lock key: %q is the mode record of lock %q (show that key)", key, lock)
 			}
 		}
 	}
-	return fmt.Errorf("not a dedup lock key: %q (want %s)", key, store.NewKeys(prefix).Lock("<queue>", "<16 or 32 hex digits>"))
+	want := store.NewKeys(prefix).Lock("<queue>", "<16 or 32 hex digits>")
+	if fault := lockKeyFault(prefix, key); fault != "" {
+		return Usagef("not a dedup lock key: %q: %s (want %s)", key, fault, want)
+	}
+	return Usagef("not a dedup lock key: %q (want %s)", key, want)
+}
+
+// lockKeyFault says what part of key is not as in a lock key of prefix
+// (<prefix>:{<queue>}:u:<fingerprint>); "" when it finds none.
+func lockKeyFault(prefix, key string) string {
+	head, mark := prefix+":{", "}:u:"
+	if !strings.HasPrefix(key, head) {
+		return fmt.Sprintf("it does not begin with %q", head)
+	}
+	i := strings.LastIndex(key, mark)
+	switch {
+	case i < len(head):
+		return fmt.Sprintf("it has no %q before its fingerprint", mark)
+	case i == len(head):
+		return "its queue is empty"
+	}
+	fp := key[i+len(mark):]
+	switch {
+	case len(fp) != 16 && len(fp) != 32:
+		return fmt.Sprintf("its fingerprint %q has %d characters, not 16 or 32", fp, len(fp))
+	case !store.IsFingerprint(fp):
+		return fmt.Sprintf("its fingerprint %q is not lower-case hex", fp)
+	}
+	return ""
 }
 
 // Info is one lock as read from Redis.
