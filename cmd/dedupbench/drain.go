@@ -57,6 +57,15 @@ var drainVariants = []drainVariant{
 	{"cooldown", "middleware, Cooldown", typeDrainCooldown, true, true, false, false},
 }
 
+// drainNames are the names of drainVariants.
+func drainNames() []string {
+	names := make([]string, len(drainVariants))
+	for i, v := range drainVariants {
+		names[i] = v.name
+	}
+	return names
+}
+
 // drainResult is one drain.
 type drainResult struct {
 	tasks     int64
@@ -169,8 +178,8 @@ func (r *drainResult) fail(err error) {
 
 // drainRound runs round r of the drain variants into runs.
 func (e *env) drainRound(ctx context.Context, r int, runs map[string][]*drainResult) error {
-	for j := range drainVariants {
-		v := drainVariants[(j+r)%len(drainVariants)]
+	for j := range e.cfg.drains {
+		v := e.cfg.drains[(j+r)%len(e.cfg.drains)]
 		res, err := e.runDrain(ctx, v)
 		if err != nil {
 			return fmt.Errorf("round %d, drain, %s: %w", r+1, v.title, err)
@@ -267,7 +276,7 @@ func (rep *report) summarizeDrains(cfg config, runs map[string][]*drainResult) {
 		return
 	}
 	rep.DrainConfig = &drainConfig{Tasks: cfg.drainTasks, Workers: cfg.drainWorkers, Work: cfg.drainWork.String(), CheckIvl: cfg.e2eCheck.String()}
-	for _, v := range drainVariants {
+	for _, v := range cfg.drains {
 		s := summarizeDrain(v, runs[v.name], runs["plain"])
 		rep.Errors += s.Errors
 		rep.Drain = append(rep.Drain, s)

@@ -94,6 +94,7 @@ type config struct {
 
 	drainTasks, drainWorkers int
 	drainWork                time.Duration
+	drains                   []drainVariant // the drain's variants, plain first
 
 	batchSize, batchRuns int
 
@@ -112,7 +113,7 @@ func caseNames() []string {
 
 // listFlags are the flags that take a comma-separated list, split after
 // parsing.
-type listFlags struct{ conc, cases, modes *string }
+type listFlags struct{ conc, cases, modes, drains *string }
 
 func parseFlags(args []string, stdout, stderr io.Writer) (config, error) {
 	cfg := config{stdout: stdout, stderr: stderr}
@@ -133,6 +134,9 @@ func parseFlags(args []string, stdout, stderr io.Writer) (config, error) {
 		return cfg, err
 	}
 	if cfg.e2eModes, err = parseModes(*lists.modes); err != nil {
+		return cfg, err
+	}
+	if cfg.drains, err = parseDrains(*lists.drains); err != nil {
 		return cfg, err
 	}
 	return cfg, cfg.check()
@@ -168,7 +172,8 @@ func (c *config) define(fs *flag.FlagSet) listFlags {
 	fs.IntVar(&c.batchSize, "batch-size", 1000, "batch: tasks per EnqueueBatch call")
 	fs.IntVar(&c.batchRuns, "batch-runs", 20, "batch: calls per run (each variant enqueues batch-size × batch-runs tasks per round)")
 	modes := fs.String("e2e-mode", "before,live", "end to end: modes, before (enqueue all, then start the server) and/or live (server already running)")
-	return listFlags{conc: conc, cases: cases, modes: modes}
+	drains := fs.String("drain-variants", "all", "worker side: comma-separated variants to run beside plain: all or "+strings.Join(drainNames(), ","))
+	return listFlags{conc: conc, cases: cases, modes: modes, drains: drains}
 }
 
 // parseConc parses -c: distinct concurrencies, in the order given.
@@ -209,6 +214,24 @@ func parseCases(list string) (cases []string, _ error) {
 		}
 	}
 	return cases, nil
+}
+
+// parseDrains parses -drain-variants: the plain server first (the ratios'
+// base), then the variants named, in drainVariants' order.
+func parseDrains(list string) ([]drainVariant, error) {
+	names := strings.Split(list, ",")
+	for _, n := range names {
+		if n != "all" && !slices.Contains(drainNames(), n) {
+			return nil, fmt.Errorf("-drain-variants: unknown variant %q (have %s)", n, strings.Join(drainNames(), ", "))
+		}
+	}
+	var vs []drainVariant
+	for _, v := range drainVariants {
+		if v.name == "plain" || slices.Contains(names, "all") || slices.Contains(names, v.name) {
+			vs = append(vs, v)
+		}
+	}
+	return vs, nil
 }
 
 // parseModes parses -e2e-mode: distinct modes, in the order given.
