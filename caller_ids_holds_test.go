@@ -91,3 +91,24 @@ func TestFailHeldCallerIDTaskRunAgainByHandFreesTheKeyOnSuccess(t *testing.T) {
 			info.ID, err, kl.State, kl.Holder, h.d.Stats())
 	}
 }
+
+// Re-enqueueing under the same caller TaskID must not free the live task's lock.
+func TestCallerIDConflictKeepsTheLiveTasksLock(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}}}})
+	first, err := h.client.Enqueue(counterTask("k", 1, 0), asynq.Queue(h.queue), asynq.TaskID("order-42"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := h.keyOf(counterTask("k", 1, 0), h.queue)
+	_, err = h.client.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID("order-42"))
+	if !errors.Is(err, asynq.ErrTaskIDConflict) {
+		t.Fatalf("same ID again: err = %v, want asynq's ErrTaskIDConflict", err)
+	}
+	if owner := h.lockOwner(key); owner != first.ID {
+		t.Fatalf("lock owner %q, want %q", owner, first.ID)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(counterTask("k", 1, 2), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != first.ID {
+		t.Fatalf("third enqueue: err = %v, want duplicate of %s", err, first.ID)
+	}
+}

@@ -1505,3 +1505,22 @@ func TestSkipRuleRefusesACallsDeduplicationOptions(t *testing.T) {
 		}
 	}
 }
+
+// Skip with a caller-chosen ID is not locked at execution either.
+func TestSkipRuleWithACallerIDRunsUnguarded(t *testing.T) {
+	h := newHarness(t, Config{})
+	release := make(chan struct{})
+	defer close(release)
+	rc := newRecorder(func(r run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	p := []byte(`{"a":1}`)
+	h.enqueue(asynq.NewTask("t", p))
+	waitFor(t, rc.runs, "first")
+	info, err := h.client.Enqueue(asynq.NewTask("t", p), asynq.Queue(h.queue), Skip(), asynq.TaskID("mine-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := waitFor(t, rc.runs, "the opted-out task runs alongside"); r.id != info.ID {
+		t.Fatalf("ran %s", r.id)
+	}
+}

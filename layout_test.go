@@ -1,12 +1,14 @@
 package dedup
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"go/ast"
 	"go/parser"
 	"go/token"
 	"runtime/debug"
+	"strings"
 	"testing"
 	"time"
 
@@ -148,6 +150,32 @@ func TestFieldSelectionHasItsOwnFile(t *testing.T) {
 	for _, name := range []string{"Fields", "PayloadError", "compileFields"} {
 		if !declared[name] {
 			t.Errorf("%s is not declared in fields.go", name)
+		}
+	}
+}
+
+// The protobuf rewrite round-trips through asynq's decoder: headers, a
+// payload needing a three-byte length, an empty payload.
+func TestPayloadRewriteRoundTripsThroughAsynqsDecoder(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Key: "x", OnConflict: Replace}}})
+	big := []byte(`{"key":"k","pad":"` + strings.Repeat("z", 20000) + `"}`)
+	info, err := h.client.Enqueue(asynq.NewTaskWithHeaders("counter", []byte(`{}`), map[string]string{"h1": "v1", "h2": strings.Repeat("w", 300)}),
+		asynq.Queue(h.queue), asynq.MaxRetry(7), asynq.Timeout(time.Minute), asynq.Retention(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range [][]byte{big, {}, []byte("x"), big[:200]} {
+		res, err := h.client.Submit(context.Background(), asynq.NewTask("counter", p), asynq.Queue(h.queue))
+		if err != nil || res.Outcome != Replaced {
+			t.Fatalf("%+v %v", res, err)
+		}
+		ti, err := h.insp.GetTaskInfo(h.queue, info.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		delete(ti.Headers, store.HeaderLock) // (the library's own)
+		if !bytes.Equal(ti.Payload, p) || ti.MaxRetry != 7 || ti.Timeout != time.Minute || ti.Retention != time.Hour || ti.ID != info.ID || len(ti.Headers) != 2 {
+			t.Fatalf("round trip of %d bytes: got %d bytes, %+v", len(p), len(ti.Payload), ti)
 		}
 	}
 }

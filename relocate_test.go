@@ -156,3 +156,29 @@ func TestRelocatedDebouncedReplaceMovesTheDueTime(t *testing.T) {
 		t.Fatalf("the waiting task carries seq %d, want 2", p.Seq)
 	}
 }
+
+// A queue set in NewTask with RunningDefer must not create a follow-up
+// without an ID (once, when the lock moved to that queue after the enqueue).
+func TestRelocatedDeferNeverCreatesAFollowUpWithoutAnID(t *testing.T) {
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}, OnRunning: RunningDefer}}})
+	release := make(chan struct{})
+	defer close(release)
+	rc := newRecorder(func(r run) error { <-release; return nil })
+	// One worker, busy with the holder: the relocated duplicate stays pending
+	// until the wrapper deletes it (an active one could not be deleted).
+	h.serve(rc.handler(), func(c *asynq.Config) { c.Concurrency = 1 })
+	holder := h.enqueue(counterTask("k", 1, 0))
+	waitFor(t, rc.runs, "holder runs")
+	// The lock is taken in NewTask's queue at once (no relocation any
+	// more), so the call meets the running holder and defers behind it.
+	res, err := h.client.Submit(context.Background(), asynq.NewTask("counter", counterTask("k", 1, 1).Payload(), asynq.Queue(h.queue)))
+	if err != nil || res.Outcome != Deferred || !res.FollowUp || res.TaskID == "" {
+		t.Fatalf("%+v, %v; want a follow-up of the running %s", res, err, holder.ID)
+	}
+	if n, _ := h.rdb.Exists(context.Background(), asynqTaskKeyPrefix(h.queue)).Result(); n != 0 {
+		t.Fatal("a task record with an empty ID was written")
+	}
+	if n := h.queueSize(h.queue); n != 2 {
+		t.Fatalf("queue holds %d tasks, want the running one and its follow-up", n)
+	}
+}

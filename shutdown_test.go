@@ -2,6 +2,7 @@ package dedup
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -151,5 +152,25 @@ func TestShutdownRequeuedTaskNeverRunsBesideItsOwnOutlivingHandler(t *testing.T)
 			}
 			finish()
 		})
+	}
+}
+
+// Shutdown puts an unfinished task back even on its last attempt: the lock
+// must stay.
+func TestShutdownOnTheLastAttemptKeepsTheLock(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, Config{Rules: map[string]Rule{"counter": {Fields: []string{"key"}}}})
+	rc := newRecorder(func(r run) error { <-r.ctx.Done(); return r.ctx.Err() })
+	srv := h.serve(rc.handler(), func(c *asynq.Config) { c.ShutdownTimeout = 200 * time.Millisecond })
+	first := h.enqueue(counterTask("k", 1, 0), asynq.MaxRetry(0))
+	waitFor(t, rc.runs, "run")
+	srv.Shutdown()
+	eventually(t, "attempt settled", func() bool { return h.d.Stats().Held == 1 })
+	if st := h.taskState(first.ID); st != asynq.TaskStatePending {
+		t.Fatalf("task state %v after shutdown, want pending (requeued)", st)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue)); !errors.As(err, &dup) || dup.Holder != first.ID {
+		t.Fatalf("err = %v, want duplicate of the requeued %s", err, first.ID)
 	}
 }
