@@ -403,7 +403,7 @@ func TestPeriodAndOnFailureApplyToArrivalsWithoutALock(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, ran, "the failing arrival")
-	eventually(t, "held", func() bool { return h.d.Stats().FailHeld == 1 })
+	heldAfterArchive(t, h, f1.ID)
 	failedDup(t, h.client, asynq.NewTask("job:fail", []byte(`{"key":"b","n":2}`)), h.queue, f1.ID)
 	kl, _, _ := h.d.Lookup(context.Background(), asynq.NewTask("job:fail", []byte(`{"key":"b"}`)), asynq.Queue(h.queue))
 	if kl.State != "failed" || !strings.Contains(kl.LastError, "no such account") {
