@@ -9,14 +9,17 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	mrand "math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -138,14 +141,26 @@ func Spawn(addr string, extra ...string) (*Proc, error) {
 	if err != nil {
 		return nil, fmt.Errorf("redis-server not installed")
 	}
-	if addr == "" {
+	if addr != "" {
+		return spawnOn(bin, addr, extra)
+	}
+	for range 3 { // (another process may take the port first)
 		if addr, err = FreeAddr(); err != nil {
 			return nil, err
 		}
+		p, err := spawnOn(bin, addr, extra)
+		if !errors.Is(err, errPortTaken) {
+			return p, err
+		}
 	}
+	return nil, fmt.Errorf("redis-server: %w, three times", errPortTaken)
+}
+
+// spawnOn starts redis-server bin on addr, as Spawn says.
+func spawnOn(bin, addr string, extra []string) (*Proc, error) {
 	_, port, _ := net.SplitHostPort(addr)
-	bus := ""
-	if extra, bus, err = withClusterPort(extra); err != nil {
+	extra, bus, err := withClusterPort(extra)
+	if err != nil {
 		return nil, err
 	}
 	dir, err := os.MkdirTemp("", "dedup-redis-")
@@ -194,7 +209,7 @@ func (p *Proc) awaitPing(password string) error {
 		err := c.Ping(ctx).Err()
 		cancel()
 		if err == nil {
-			return nil
+			return p.answersItself(c)
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("redis-server on %s did not answer: %w", p.Addr, err)
@@ -202,6 +217,25 @@ func (p *Proc) awaitPing(password string) error {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// answersItself checks that the server answering on p.Addr is p's own
+// process, not another one that took the port between FreeAddr's check
+// and p's start (p then failed to listen, and exits).
+func (p *Proc) answersItself(c *redis.Client) error {
+	info, err := c.Info(context.Background(), "server").Result()
+	if err != nil {
+		return fmt.Errorf("redis-server on %s: INFO: %w", p.Addr, err)
+	}
+	want := "process_id:" + strconv.Itoa(p.Cmd.Process.Pid) + "\r\n"
+	if !strings.Contains(info, want) {
+		return fmt.Errorf("%w: %s", errPortTaken, p.Addr)
+	}
+	return nil
+}
+
+// errPortTaken: another process's server answers on the port a new one
+// was to listen on.
+var errPortTaken = errors.New("another process's redis-server answers on the port")
 
 func passwordOf(args []string) string {
 	for i, a := range args {
@@ -242,34 +276,50 @@ func Own(t *testing.T, tweak func(*redis.Options), extra ...string) (*Proc, *red
 	return p, rdb
 }
 
-// FreeAddr returns a loopback address nothing listens on (at the moment),
-// on a port this process has not handed out before: a server a test kills
-// frees its port, and another test's server there would answer the first
-// test's clients (a cluster client would even learn the other cluster's
-// slots from it).
+// FreeAddr returns a loopback address nothing listens on (at the moment).
+// A server a test kills frees its port, and a server started there later
+// would answer the first test's clients (a cluster client would even learn
+// the other cluster's slots from it). So the ports come from below the
+// kernel's ephemeral range (32768 and up on Linux), which no process's
+// connect or listen on port 0 takes, each process walks them from a random
+// start, and hands each out once.
 func FreeAddr() (string, error) {
 	handed.Lock()
 	defer handed.Unlock()
-	for range 100 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return "", err
+	if handed.next == 0 {
+		handed.next = portsFrom + mrand.IntN(portsTo-portsFrom)
+	}
+	for range portsTo - portsFrom {
+		port := handed.next
+		handed.next++
+		if handed.next == portsTo {
+			handed.next = portsFrom
 		}
-		addr := l.Addr().String()
-		_ = l.Close()
-		if !handed.ports[addr] {
-			handed.ports[addr] = true
+		if handed.ports[port] {
+			continue
+		}
+		handed.ports[port] = true
+		addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
+		if l, err := net.Listen("tcp", addr); err == nil {
+			_ = l.Close()
 			return addr, nil
 		}
 	}
-	return "", fmt.Errorf("no loopback port left that this process has not handed out")
+	return "", fmt.Errorf("no free loopback port left in %d-%d", portsFrom, portsTo-1)
 }
 
-// handed holds the ports FreeAddr has handed out.
+// The ports FreeAddr hands out: [portsFrom, portsTo).
+const (
+	portsFrom = 20000
+	portsTo   = 32768
+)
+
+// handed holds the ports FreeAddr has handed out, and the next to try.
 var handed = struct {
 	sync.Mutex
-	ports map[string]bool
-}{ports: map[string]bool{}}
+	ports map[int]bool
+	next  int
+}{ports: map[int]bool{}}
 
 // QuietLogger discards everything: the tests' default logger.
 func QuietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
