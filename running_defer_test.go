@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
 
@@ -213,5 +214,44 @@ func TestDeferFollowUpOfAnArrivalWaitsForItsHolderAndHandsTheKeyOn(t *testing.T)
 	tr.open(2)
 	if third := waitFor(t, tr.starts, "the follow-up's own follow-up runs"); third.id != g.TaskID {
 		t.Fatalf("ran %s after the follow-up, want %s", third.id, g.TaskID)
+	}
+}
+
+// A holder whose handler asynq gave up (past its Timeout) while the handler
+// runs on is running, whatever asynq's record says: an update under
+// RunningDefer becomes its follow-up instead of folding into its waiting
+// retry, which meets the key busy behind that handler and, on its last
+// attempt, is archived with whatever it carries. The newest payload runs,
+// after the handler.
+func TestDeferUpdateWhileAGivenUpHandlerRunsOnIsAFollowUp(t *testing.T) {
+	t.Parallel() // mostly waiting: beside the other waiting tests
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	h.client = h.d.NewClient()
+	started, release := make(chan int, 8), make(chan struct{})
+	var first atomic.Bool
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		started <- decodeCounter(task).Seq
+		if first.CompareAndSwap(false, true) {
+			<-release // ignores its context: outlives its Timeout
+		}
+		return nil
+	}, func(c *asynq.Config) {
+		c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond }
+	})
+	a := h.enqueue(counterTask("k", 1, 1), asynq.Timeout(time.Second), asynq.MaxRetry(1))
+	if seq := waitFor(t, started, "the first run"); seq != 1 {
+		t.Fatalf("ran seq %d", seq)
+	}
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	eventually(t, "asynq gives the attempt up, the handler runs on", func() bool {
+		return h.rdb.HExists(context.Background(), modeKeyOf(key), store.FieldOutlived).Val()
+	})
+	res, err := h.client.Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("update while the given-up handler runs: %v %+v, want deferred behind %s", err, res, a.ID)
+	}
+	close(release)
+	for seq := 0; seq != 2; {
+		seq = waitFor(t, started, "the update's run")
 	}
 }

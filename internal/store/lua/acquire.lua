@@ -104,9 +104,14 @@ local function fold(t, tkey, tstate, tmsg)
   return {3, t, tstate, f or ''}
 end
 
+-- A holder whose given-up handler still runs is running, whatever asynq's record
+-- says: its retry carries the payload that handler runs, and may be archived on
+-- its last attempt meeting the key busy, so newer work is a follow-up (or a
+-- duplicate), never folded into it.
+local zombie = m[1] == holder and outlived(m[7])
 if live then
   if waiting(fstate) then return fold(f, K.G, fstate, fmsg) end
-  if waiting(state) then return fold(holder, K.H, state, hmsg) end
+  if waiting(state) and not zombie then return fold(holder, K.H, state, hmsg) end
   local rp = m[1] == holder and m[2]
   if rp ~= 'd' or (f and not gone(fstate)) or A[9] == '' or not same_type(hmsg, typ) then
     return {0, holder, f or ''}

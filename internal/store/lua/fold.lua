@@ -1,9 +1,9 @@
 -- fold: write a new payload into the waiting task that holds a key, when the
 -- caller knows which task that is: the common Replace, in as few steps as it
 -- takes (acquire.lua does the same and everything else). Any other case (another
--- holder or lock form, a follow-up owed, the task not waiting, not of this
--- type, or of a shape pb_splice does not read) changes nothing and says so:
--- the caller runs acquire.lua.
+-- holder or lock form, a follow-up owed, a given-up handler of the holder that may
+-- still run, the task not waiting, not of this type, or of a shape pb_splice does
+-- not read) changes nothing and says so: the caller runs acquire.lua.
 --
 -- KEYS[1]  the lock; KEYS[2] the key's mode record; KEYS[3] asynq record of ARGV[1]
 -- ARGV[1]  the holder the caller expects (an ID the library made)
@@ -15,8 +15,8 @@
 --                                and counted as acquire.lua's count does
 --        {11}                    nothing done: run acquire.lua
 if call('GET', KEYS[1]) ~= ARGV[1] then return {11} end
-local m = call('HMGET', KEYS[2], 'id', 'f')
-if m[2] then return {11} end
+local m = call('HMGET', KEYS[2], 'id', 'f', 'o')
+if m[2] or m[3] then return {11} end -- (a follow-up owed, or a given-up handler that may still run)
 local t = call('HMGET', KEYS[3], 'state', 'msg')
 local state, msg = t[1], t[2]
 if (state ~= 'pending' and state ~= 'scheduled' and state ~= 'retry') or not msg

@@ -17,9 +17,10 @@
 --        {-1, reason}  asynq's task record is not what this expects
 -- @lib: lib.lua is spliced in here.
 local holder, kind = holder_of(call('GET', KEYS[1]))
-local m = call('HMGET', KEYS[2], 'id', 'f', 'n')
+local m = call('HMGET', KEYS[2], 'id', 'f', 'n', 'o')
 if not holder or kind == 'c' or kind == 'x' or (m[1] == holder and m[3] or '0') ~= ARGV[3]
-    or (ARGV[2] == '1' and m[2] ~= ARGV[1]) or (ARGV[2] ~= '1' and holder ~= ARGV[1]) then
+    or (ARGV[2] == '1' and m[2] ~= ARGV[1]) or (ARGV[2] ~= '1' and holder ~= ARGV[1])
+    or (ARGV[2] ~= '1' and m[1] == holder and outlived(m[4])) then -- (acquire.lua's zombie)
   return {0}
 end
 local t = call('HMGET', KEYS[3], 'state', 'msg')
