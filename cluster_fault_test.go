@@ -112,6 +112,18 @@ func TestClusterDeadMasterStaysItsOwnProblem(t *testing.T) {
 	t.Logf("%d enqueues; %d failed, all on the dead master's queue", n, len(errs[dead]))
 }
 
+// clusterView says which master the client maps queue q's keys to, and
+// what CLUSTER SHARDS of that answer, for a failure's message.
+func clusterView(c *redis.ClusterClient, q string) string {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	n, err := c.MasterForKey(ctx, "{"+q+"}")
+	if err != nil {
+		return fmt.Sprintf("client: no master for %s: %v", q, err)
+	}
+	return fmt.Sprintf("client maps %s to %s", q, n.Options().Addr)
+}
+
 // forcedTakeover returns a function that, called while the test waits for a
 // replica to be promoted (its master killed, or a manual failover asked
 // for), makes the replica take over (CLUSTER FAILOVER TAKEOVER) once Redis
@@ -184,10 +196,11 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	var promoted, recovered time.Time
 	failures := 0
 	var failed []string
+	var lastErr error
 	takeover := forcedTakeover(rc, killed)
 	for i := 0; recovered.IsZero(); i++ {
 		if time.Since(killed) > 60*time.Second {
-			t.Fatalf("no recovery 60 s after the kill (promoted: %v, %d failures)", !promoted.IsZero(), failures)
+			t.Fatalf("no recovery 60 s after the kill (promoted: %v, %d failures, the last: %v; %s)", !promoted.IsZero(), failures, lastErr, clusterView(c, dead))
 		}
 		takeover()
 		if promoted.IsZero() && strings.Contains(rc.Info(ctx, "replication").Val(), "role:master") {
@@ -207,6 +220,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 			t.Fatalf("queue %s on the killed master: %v, want ErrUnavailable", dead, err)
 		default:
 			failures++
+			lastErr = err
 			if !errors.Is(err, ErrOutcomeUnknown) {
 				failed = append(failed, id)
 			}
@@ -408,10 +422,10 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	ok := 0
 	for i := 0; ok < 20; i++ {
 		if time.Since(start) > 60*time.Second { // (a failover takes ~8 s; far more on a loaded machine)
-			t.Fatalf("the dead master's queue never recovered (breaker %v)", d.breakerState())
+			t.Fatalf("the dead master's queue never recovered (breaker %v; last error: %v; %s)", d.breakerState(), err, clusterView(c, dead))
 		}
 		takeover()
-		_, err := client.EnqueueContext(ctx, asynq.NewTask("a5:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
+		_, err = client.EnqueueContext(ctx, asynq.NewTask("a5:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
 		if d.breakerState() == breakerOpen {
 			opened = true
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -21,6 +22,12 @@ import (
 func OwnCluster(t *testing.T, masters int, replicas bool) ([]*Proc, *redis.ClusterClient) {
 	t.Helper()
 	NeedReal(t)
+	// One at a time: these clusters lose masters and fail over on purpose,
+	// and several failing over at once on a small machine (with the other
+	// tests beside them) left a promoted cluster unrecovered for a minute.
+	// (Registered first, the unlock runs after the cluster's cleanups.)
+	ownClusters.Lock()
+	t.Cleanup(ownClusters.Unlock)
 	n := masters
 	if replicas {
 		n *= 2
@@ -51,6 +58,9 @@ func OwnCluster(t *testing.T, masters int, replicas bool) ([]*Proc, *redis.Clust
 	t.Cleanup(func() { _ = c.Close() })
 	return procs, c
 }
+
+// ownClusters runs the tests that own a cluster one at a time.
+var ownClusters sync.Mutex
 
 // addReplica makes r a replica of master, introduced through seed, and
 // waits until it has synchronised with its master.
