@@ -98,6 +98,7 @@ type osTask struct {
 	origin     osOrigin
 	followUp   bool
 	started    bool // its handler has run at least once (it took the lock)
+	allowCopy  bool // a busy last attempt's copy of a started RunningAllow task: its next attempt, as exempt as it
 	released   bool // the operator released its lock, and it has not taken the key again
 	guarded    bool // moved by the enqueuer and taken by a worker before the call could move it back: it meets its key as the execution-time guard's (relocate.go)
 	wasRelease bool // ever released by the operator
@@ -284,6 +285,9 @@ func (m *osModel) task(w *osWorld, queue, id, typ string, payload []byte) *osTas
 		for _, o := range m.tasks {
 			if o != t && o.s == p.S && o.typ == typ && o.released {
 				t.released = true
+			}
+			if o != t && o.s == p.S && o.typ == typ && o.started && w.rules[typ].OnRunning == RunningAllow {
+				t.allowCopy = true
 			}
 		}
 	}
@@ -709,7 +713,7 @@ func (w *osWorld) checkStep() osLive {
 	m := w.m
 	m.mu.Lock()
 	// Invariant 1: one live task per key among those the library accepted,
-	// except a started RunningAllow task, and a holder that started with one
+	// except a started RunningAllow task (or its busy last attempt's copy), and a holder that started with one
 	// follow-up that has not: of a RunningDefer type, or the follow-up its
 	// lock owes (a busy arrival of a BusyFold type defers behind a running
 	// holder: busy.go's foldBusyOption).
@@ -722,7 +726,7 @@ func (w *osWorld) checkStep() osLive {
 	for k, ts := range byKey {
 		var rest []*osTask
 		for _, t := range ts {
-			if t.started && w.rules[t.typ].OnRunning == RunningAllow {
+			if (t.started || t.allowCopy) && w.rules[t.typ].OnRunning == RunningAllow {
 				continue
 			}
 			rest = append(rest, t)
