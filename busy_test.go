@@ -465,16 +465,7 @@ func TestBusyBehindItsOwnGivenUpHandlerIsRetriedWhateverThePolicy(t *testing.T) 
 		for _, maxRetry := range []int{3, 0} {
 			t.Run(fmt.Sprintf("%v/MaxRetry(%d)", busy, maxRetry), func(t *testing.T) {
 				h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, OnBusy: busy}))
-				started, leftover := make(chan string, 4), make(chan struct{})
-				var once sync.Once
-				finish := func() { once.Do(func() { close(leftover) }) }
-				t.Cleanup(finish)
-				handler := h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
-					id, _ := asynq.GetTaskID(ctx)
-					started <- id
-					<-leftover // ignores its context: outlives ShutdownTimeout
-					return nil
-				}))
+				handler, started, finish := outlivingHandler(t, h)
 				_, stop1 := serveRaw(t, h.rdb, h.queue, handler, func(c *asynq.Config) { c.ShutdownTimeout = 200 * time.Millisecond })
 				a, err := h.asynq.Enqueue(counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.MaxRetry(maxRetry))
 				if err != nil {

@@ -622,3 +622,21 @@ func jobRules(r Rule) Config {
 	r.Fields = []string{"key"}
 	return Config{Rules: map[string]Rule{jobType: r}}
 }
+
+// outlivingHandler is a handler under h's middleware that sends each run's
+// task ID on started and ignores its context until finish (called at the
+// test's cleanup too): a handler that outlives ShutdownTimeout or its
+// deadline.
+func outlivingHandler(t *testing.T, h *harness) (handler asynq.Handler, started <-chan string, finish func()) {
+	leftover, ids := make(chan struct{}), make(chan string, 4)
+	var once sync.Once
+	finish = func() { once.Do(func() { close(leftover) }) }
+	t.Cleanup(finish)
+	handler = h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		ids <- id
+		<-leftover // ignores its context
+		return nil
+	}))
+	return handler, ids, finish
+}

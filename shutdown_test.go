@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"testing"
 	"time"
 
@@ -111,17 +110,7 @@ func TestShutdownRequeuedTaskNeverRunsBesideItsOwnOutlivingHandler(t *testing.T)
 			if path == "direct" {
 				h.client = h.d.NewClient()
 			}
-			leftover := make(chan struct{})
-			var once sync.Once
-			finish := func() { once.Do(func() { close(leftover) }) }
-			t.Cleanup(finish)
-			started := make(chan string, 4)
-			handler := h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
-				id, _ := asynq.GetTaskID(ctx)
-				started <- id
-				<-leftover // ignores its context: outlives ShutdownTimeout
-				return nil
-			}))
+			handler, started, finish := outlivingHandler(t, h)
 			_, stop1 := serveRaw(t, h.rdb, h.queue, handler, func(c *asynq.Config) { c.ShutdownTimeout = 200 * time.Millisecond })
 			id := ""
 			if path == "arrival" {
