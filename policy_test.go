@@ -1048,3 +1048,67 @@ func TestEnumsPrintAWordForEveryValueZeroIncluded(t *testing.T) {
 		t.Errorf("a failed BatchResult prints %s", s)
 	}
 }
+
+// Merge: while the holder's given-up handler runs, an update is deferred (not
+// merged into the holder's waiting retry, whose payload that handler already
+// runs); a later one merges into the follow-up; the merged newest runs once.
+func TestMergeWhileAGivenUpHandlerRunsIsDeferredNotMergedIntoItsRetry(t *testing.T) {
+	t.Parallel()
+	g := startGivenUp(t, Rule{OnConflict: Merge, MergeFunc: addMerge, OnRunning: RunningDefer}, true, 3*time.Second)
+	res, err := g.submit(t, 2, 2)
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("update: %v %+v, want deferred", err, res)
+	}
+	res3, err := g.submit(t, 3, 4)
+	if err != nil || res3.Outcome != Merged || !res3.FollowUp || res3.TaskID != res.TaskID {
+		t.Fatalf("second update: %v %+v, want merged into follow-up %s", err, res3, res.TaskID)
+	}
+	if p := decodeCounter(asynq.NewTask("", []byte(g.h.payloadOf(g.holder.ID)))); p.Seq != 1 || p.N != 1 {
+		t.Fatalf("holder's retry now carries %+v, want seq 1 n 1", p)
+	}
+	g.settle(t, counterPayload{Key: "k", N: 6, Seq: 3})
+}
+
+// RunningReject with Replace (and with Merge): while the holder's given-up
+// handler runs, an update is a duplicate, through the wrapped client and the
+// direct one, and the retry keeps its payload; once the handler returns an
+// update is taken and the newest runs once.
+func TestRejectUpdateWhileAGivenUpHandlerRunsIsADuplicateUntilItReturns(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		rule   Rule
+		direct bool
+	}{
+		{"replace-direct", Rule{OnConflict: Replace}, true},
+		{"merge-direct", Rule{OnConflict: Merge, MergeFunc: addMerge}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			g := startGivenUp(t, tc.rule, tc.direct, 3*time.Second)
+			res, err := g.submit(t, 2, 2)
+			if !errors.Is(err, ErrDuplicateTask) {
+				t.Fatalf("update while the given-up handler runs: %v %+v, want ErrDuplicateTask", err, res)
+			}
+			if p := decodeCounter(asynq.NewTask("", []byte(g.h.payloadOf(g.holder.ID)))); p.Seq != 1 {
+				t.Fatalf("holder's retry now carries %+v, want seq 1", p)
+			}
+			close(g.release)
+			var took Result
+			eventually(t, "an update is taken once the handler returns", func() bool {
+				r, err := g.submit(t, 3, 4)
+				took = r
+				return err == nil
+			})
+			t.Logf("update after the handler returned: %+v", took)
+			g.release = make(chan struct{})
+			want := counterPayload{Key: "k", N: 4, Seq: 3}
+			if took.Outcome == Merged {
+				want.N = 5
+			}
+			if n := g.settle(t, want); n != 1 {
+				t.Logf("seq 1 ran %d times", n)
+			}
+		})
+	}
+}

@@ -3,6 +3,7 @@ package dedup
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -254,4 +255,91 @@ func TestDeferUpdateWhileAGivenUpHandlerRunsOnIsAFollowUp(t *testing.T) {
 	for seq := 0; seq != 2; {
 		seq = waitFor(t, started, "the update's run")
 	}
+}
+
+// givenUp is a key "k" whose holder (seq 1, n 1) has a handler asynq gave up
+// (Timeout 1 s) and that still runs until release is closed; its retry waits
+// retryIn. runs hears every run's payload.
+type givenUp struct {
+	h       *harness
+	holder  *asynq.TaskInfo
+	key     string
+	runs    chan counterPayload
+	release chan struct{}
+}
+
+func startGivenUp(t *testing.T, r Rule, direct bool, retryIn time.Duration, opts ...asynq.Option) *givenUp {
+	t.Helper()
+	h := newHarness(t, counterRules(r))
+	if direct {
+		h.client = h.d.NewClient()
+	}
+	g := &givenUp{h: h, runs: make(chan counterPayload, 32), release: make(chan struct{})}
+	var first atomic.Bool
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		g.runs <- decodeCounter(task)
+		if first.CompareAndSwap(false, true) {
+			<-g.release // ignores its context: outlives its Timeout
+		}
+		return nil
+	}, func(c *asynq.Config) {
+		c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return retryIn }
+	})
+	g.holder = h.enqueue(counterTask("k", 1, 1), append([]asynq.Option{asynq.Timeout(time.Second), asynq.MaxRetry(5)}, opts...)...)
+	if p := waitFor(t, g.runs, "the first run"); p.Seq != 1 {
+		t.Fatalf("ran seq %d", p.Seq)
+	}
+	g.key = h.keyOf(counterTask("k", 1, 1), h.queue)
+	eventually(t, "asynq gives the attempt up, the handler runs on", func() bool {
+		return h.rdb.HExists(context.Background(), modeKeyOf(g.key), store.FieldOutlived).Val()
+	})
+	return g
+}
+
+func (g *givenUp) submit(t *testing.T, seq, n int) (Result, error) {
+	t.Helper()
+	return g.h.client.Submit(context.Background(), counterTask("k", n, seq), asynq.Queue(g.h.queue))
+}
+
+// settle releases the given-up handler, waits for a run of want, then checks
+// for quiet seconds that want ran once, no other seq but 1 ran, and the key
+// is left free. It returns how many times seq 1 ran in all.
+func (g *givenUp) settle(t *testing.T, want counterPayload) int {
+	t.Helper()
+	close(g.release)
+	ones, wants := 1, 0
+	hear := func(p counterPayload) {
+		switch {
+		case p == want:
+			wants++
+		case p.Seq == 1:
+			ones++
+		default:
+			t.Errorf("ran %+v, want only %+v (and the holder's seq 1)", p, want)
+		}
+	}
+	for wants == 0 {
+		hear(waitFor(t, g.runs, fmt.Sprintf("the run of %+v", want)))
+	}
+	quiet := time.After(5 * time.Second)
+	for done := false; !done; {
+		select {
+		case p := <-g.runs:
+			hear(p)
+		case <-quiet:
+			done = true
+		}
+	}
+	if wants != 1 {
+		t.Errorf("%+v ran %d times, want once", want, wants)
+	}
+	if !within(10*time.Second, func() bool { return len(g.h.locks()) == 0 }) {
+		ctx := context.Background()
+		for _, k := range g.h.locks() {
+			v, _ := g.h.rdb.Get(ctx, k).Result()
+			t.Errorf("left holding the key: %s = %q ttl %v, mode %v, holder %s state %s",
+				k, v, g.h.rdb.PTTL(ctx, k).Val(), g.h.rdb.HGetAll(ctx, modeKeyOf(k)).Val(), holderIn(v), taskStateName(g.h, holderIn(v)))
+		}
+	}
+	return ones
 }
