@@ -2,11 +2,8 @@ package dedup
 
 import (
 	"context"
-	"reflect"
 	"strings"
-	"sync"
 	"time"
-	"unsafe"
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
@@ -226,6 +223,7 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	}
 	id := k.callerID
 	switch {
+	case id == "" && !hasHeaders(): // (markID marks it, once its terms are known)
 	case id == "":
 		id = store.NewPlainID()
 		k.pass = append(k.pass, asynq.TaskID(id))
@@ -235,6 +233,9 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 	direct := c.canDirect(ctx, k)
 	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Lock: d.store.Keys().Lock(k.queue, fp)}
 	k.acquire = k.acquireOf(d, direct, now)
+	if id == "" {
+		k.markID(d, direct, now)
+	}
 	k.locked = true
 	if err := k.markTask(); err != nil {
 		return err
@@ -277,6 +278,21 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 		a.Defers, a.FollowID = true, store.NewFollowID()
 	}
 	return a
+}
+
+// markID gives the call's task an ID that carries what its lock header
+// would, where asynq has no task headers. Its flags always ask the
+// middleware to check the key at start: it cannot see the marks a task
+// gets later in its header (a key lost while it waited, store.HeaderLost),
+// nor one from markUnlocked.
+func (k *call) markID(d *Dedup, direct bool, now time.Time) {
+	flags := k.terms.flags
+	if !flags.Has(store.FlagStart) {
+		flags += store.Flags([]byte{store.FlagStart})
+	}
+	k.ref.ID = store.NewMarkedID(flags, k.ref.FP)
+	k.pass = append(k.pass, asynq.TaskID(k.ref.ID))
+	k.acquire = k.acquireOf(d, direct, now) // again, for the ID
 }
 
 // markUnlocked marks a fail-open call's task, which asynq's client stores
@@ -338,7 +354,7 @@ func onlyOwn(opts []asynq.Option) bool {
 // prepareDirect adds the task's record to the acquire call.
 func (c *Client) prepareDirect(k *call) {
 	m := &k.msg
-	m.Type, m.Payload, m.Headers, m.ID, m.Queue = k.typ, k.task.Payload(), k.task.Headers(), k.ref.ID, k.queue
+	m.Type, m.Payload, m.Headers, m.ID, m.Queue = k.typ, k.task.Payload(), taskHeaders(k.task), k.ref.ID, k.queue
 	if k.acquire.Unique {
 		m.UniqueKey = k.ref.Lock
 	}
@@ -361,7 +377,7 @@ func (k *call) scheduled() bool { return !k.processAt.IsZero() && k.processAt.Af
 func (k *call) storedInfo() *asynq.TaskInfo {
 	m := &k.msg
 	ti := &asynq.TaskInfo{
-		ID: m.ID, Queue: m.Queue, Type: m.Type, Payload: m.Payload, Headers: m.Headers,
+		ID: m.ID, Queue: m.Queue, Type: m.Type, Payload: m.Payload,
 		// asynq stores whole seconds, and returns what it stored.
 		MaxRetry: m.Retry, Timeout: m.Timeout / time.Second * time.Second, Retention: m.Retention / time.Second * time.Second,
 		State: asynq.TaskStatePending, NextProcessAt: time.Now(),
@@ -372,6 +388,7 @@ func (k *call) storedInfo() *asynq.TaskInfo {
 	if k.acquire.DueAt != 0 { // as stored: decided once, before the call
 		ti.State, ti.NextProcessAt = asynq.TaskStateScheduled, k.processAt
 	}
+	setInfoHeaders(ti, m.Headers)
 	return ti
 }
 
@@ -408,24 +425,3 @@ func checkTask(t *asynq.Task) (conflicting, queue, id string, err error) {
 	}
 	return conflicting, queue, id, nil
 }
-
-// taskOpts reads asynq.Task's unexported opts (options given to NewTask),
-// which asynq offers no way to see. ok is false if the field is not there
-// (a changed asynq): then the direct path is never taken.
-func taskOpts(t *asynq.Task) (opts []asynq.Option, ok bool) {
-	off, ok := taskOptsOffset()
-	if !ok {
-		return nil, false
-	}
-	return *(*[]asynq.Option)(unsafe.Add(unsafe.Pointer(t), off)), true
-}
-
-// taskOptsOffset is where asynq.Task keeps its opts field, looked up once
-// (every enqueue reads it, some more than once).
-var taskOptsOffset = sync.OnceValues(func() (uintptr, bool) {
-	f, ok := reflect.TypeFor[asynq.Task]().FieldByName("opts")
-	if !ok || f.Type != reflect.TypeFor[[]asynq.Option]() {
-		return 0, false
-	}
-	return f.Offset, true
-})

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"log/slog"
 
+	"github.com/asynq-dedup/dedup/internal/asynqconn"
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
@@ -51,7 +52,7 @@ func (d *Dedup) WrapClient(next Enqueuer) *Client {
 }
 
 // NewClient returns a Client over an asynq client on the Dedup's own Redis
-// client (asynq.NewClientFromRedisClient). Because the lock and the task
+// client (as asynq.NewClientFromRedisClient makes one). Because the lock and the task
 // live in the same Redis, an accepted enqueue of a task without asynq's
 // own options in asynq.NewTask (this package's may be there) is stored by
 // the lock script itself, in asynq
@@ -59,7 +60,7 @@ func (d *Dedup) WrapClient(next Enqueuer) *Client {
 // lock exists without its task. Other tasks go through the asynq client,
 // as every task does when the linked asynq is not v0.26.0.
 func (d *Dedup) NewClient() *Client {
-	c := &Client{d: d, next: asynq.NewClientFromRedisClient(d.rdb), direct: !d.cfg.noDirectEnqueue, ownNext: true}
+	c := &Client{d: d, next: asynqconn.Client(d.rdb), direct: !d.cfg.noDirectEnqueue, ownNext: true}
 	c.place.state.Store(placeHere)
 	return c
 }
@@ -188,7 +189,7 @@ func (c *Client) complete(ctx context.Context, k *call, res Result, n next, err 
 	}
 	if err == nil {
 		res.Fingerprint, res.Conflict, res.Running, res.FailOpen = k.ref.FP, k.rule.conflict, k.rule.running, !k.locked
-		if k.userHeaders && res.Outcome != Created {
+		if (k.userHeaders && res.Outcome != Created) || k.headersDropped() {
 			res.NotApplied = append(res.NotApplied, headersDesc) // the task it went into keeps its headers
 		}
 	}
@@ -218,7 +219,11 @@ func (c *Client) enqueueUnlocked(ctx context.Context, k *call) (Result, error) {
 	if err != nil {
 		return Result{}, enqueueError(k.typ, err) // (the error contract holds for a call not deduplicated too)
 	}
-	return created(info, nil)
+	res, _ := created(info, nil)
+	if k.headersDropped() {
+		res.NotApplied = append(res.NotApplied, headersDesc)
+	}
+	return res, nil
 }
 
 // enqueueLocked enqueues through asynq a task whose lock is taken (or

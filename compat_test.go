@@ -1,40 +1,57 @@
 package dedup
 
 import (
-	"context"
+	"errors"
+	"fmt"
+	"maps"
 	"testing"
 
-	"github.com/asynq-dedup/dedup/internal/store"
-	"github.com/redis/go-redis/v9"
+	"github.com/hibiken/asynq"
 )
 
-// Shorthands the tests use for the Redis layout (internal/store).
+// The root package's tests run on asynq v0.26.0, which has everything
+// compat.go looks for; internal/versions runs on the versions without.
 
-func lockKeyHex(prefix, queue, fp string) string { return store.NewKeys(prefix).Lock(queue, fp) }
-func modeKeyOf(lock string) string               { return store.ModeOf(lock) }
-func asynqTaskKeyPrefix(queue string) string     { return store.TaskKey(queue, "") }
-func asynqPrefix(queue string) string {
-	return store.PendingKey(queue)[:len(store.PendingKey(queue))-len("pending")]
-}
-func statsTypesKey(prefix string) string { return store.NewKeys(prefix).StatsTypes() }
-func statsKey(prefix, typ string) string { return store.NewKeys(prefix).Stats(typ) }
-
-// holderIn returns the task a lock's value names ("" for none).
-func holderIn(value string) string { return store.ParseValue(value).Holder }
-
-// taskLock returns the lock key the stored task id of queue names, failing
-// the test when it names none.
-func taskLock(t testing.TB, rdb redis.Cmdable, queue, id string) string {
-	t.Helper()
-	lock, _, err := store.TaskLockOf(context.Background(), rdb, queue, id)
-	if err != nil || lock == "" {
-		t.Fatalf("task %s in %s names no lock (err %v)", id, queue, err)
+func TestAsynqFeaturesAreFoundOnV026(t *testing.T) {
+	if !hasHeaders() || !hasRevoke() {
+		t.Fatalf("asynq v0.26.0: headers %v, RevokeTask %v; want both found", hasHeaders(), hasRevoke())
 	}
-	return lock
+	if _, ok := taskOptsOffset(); !ok {
+		t.Fatal("asynq.Task's opts field not found")
+	}
 }
 
-// fpOfLock returns a lock key's fingerprint.
-func fpOfLock(lock string) string {
-	_, _, fp, _ := store.ParseLockKey(lock)
-	return fp
+func TestRevokeIsFoundThroughWrapping(t *testing.T) {
+	for err, want := range map[error]bool{
+		asynq.RevokeTask:                         true,
+		fmt.Errorf("stop: %w", asynq.RevokeTask): true,
+		errors.Join(errors.New("a"), fmt.Errorf("b: %w", asynq.RevokeTask)): true,
+		errors.New("revoke task: no"):                                       false,
+		asynq.SkipRetry:                                                     false,
+		nil:                                                                 false,
+	} {
+		if got := isRevoke(err); got != want {
+			t.Errorf("isRevoke(%v) = %v, want %v", err, got, want)
+		}
+	}
+}
+
+func TestTaskHeadersRoundTripThroughCompat(t *testing.T) {
+	h := map[string]string{"a": "1", "b": "2"}
+	task := newTask("typ", []byte("p"), h, asynq.MaxRetry(3))
+	if got := taskHeaders(task); !maps.Equal(got, h) {
+		t.Fatalf("headers %v, want %v", got, h)
+	}
+	h["a"] = "changed"
+	if taskHeaders(task)["a"] != "1" {
+		t.Fatal("the task shares the caller's map")
+	}
+	if opts, _ := taskOpts(task); len(opts) != 1 {
+		t.Fatalf("options %v, want MaxRetry(3)", opts)
+	}
+	ti := &asynq.TaskInfo{}
+	setInfoHeaders(ti, h)
+	if !maps.Equal(ti.Headers, h) {
+		t.Fatalf("TaskInfo.Headers %v, want %v", ti.Headers, h)
+	}
 }

@@ -5,13 +5,13 @@ import (
 	"errors"
 	"log/slog"
 	"reflect"
-	"runtime/debug"
 	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/asynqconn"
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
@@ -88,12 +88,12 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 		}
 		return nil, err
 	}
-	if v, ok := linkedAsynq(); ok && !knownLayout(v) && !c.noDirectEnqueue {
+	if v, ok := linkedAsynq(); ((ok && !knownLayout(v)) || !hasHeaders()) && !c.noDirectEnqueue {
 		c.Logger.Warn("dedup: linked asynq is not the version whose task layout this package writes; enqueues go through asynq's client",
 			slog.String("asynq", v), slog.String("known", store.AsynqVersion))
 		c.noDirectEnqueue = true
 	}
-	d := &Dedup{rdb: rdb, own: own, cfg: c, rules: rules, prefixes: longestFirst(rules), log: c.Logger, insp: asynq.NewInspectorFromRedisClient(rdb)}
+	d := &Dedup{rdb: rdb, own: own, cfg: c, rules: rules, prefixes: longestFirst(rules), log: c.Logger, insp: asynqconn.Inspector(rdb)}
 	d.store = store.New(lib, d.storeConfig())
 	d.hb = newHeartbeater(d, c.heartbeat)
 	if err := d.store.LoadScripts(ctx); err != nil {
@@ -112,29 +112,6 @@ func isNil(rdb redis.UniversalClient) bool {
 	}
 	v := reflect.ValueOf(rdb)
 	return v.Kind() == reflect.Pointer && v.IsNil()
-}
-
-// knownLayout reports whether asynq version v stores tasks as the direct
-// path writes them.
-func knownLayout(v string) bool { return strings.TrimPrefix(v, "v") == store.AsynqVersion }
-
-// linkedAsynq returns the version of asynq in the binary's build
-// information (a replacement's, if replaced); ok is false when the binary
-// carries none.
-func linkedAsynq() (v string, ok bool) {
-	info, ok := debug.ReadBuildInfo()
-	if !ok {
-		return "", false
-	}
-	for _, m := range info.Deps {
-		if m.Path == "github.com/hibiken/asynq" {
-			if m.Replace != nil {
-				m = m.Replace
-			}
-			return m.Version, m.Version != ""
-		}
-	}
-	return "", false
 }
 
 // storeConfig is the part of the Config the Redis layer needs.

@@ -44,7 +44,10 @@ func (k *call) addHeaders(h map[string]string) {
 // writes that it carried (a task a handler enqueues again); a task that
 // needs neither stays as it is.
 func (k *call) applyHeaders() error {
-	own := k.task.Headers()
+	if !hasHeaders() {
+		return k.headerless()
+	}
+	own := taskHeaders(k.task)
 	_, lock := own[store.HeaderLock]
 	_, lost := own[store.HeaderLost]
 	if k.headers == nil && !lock && !lost {
@@ -59,6 +62,27 @@ func (k *call) applyHeaders() error {
 	delete(h, store.HeaderLock)
 	delete(h, store.HeaderLost)
 	maps.Copy(h, k.headers)
-	k.task = asynq.NewTaskWithHeaders(k.typ, k.task.Payload(), h, opts...)
+	k.task = newTask(k.typ, k.task.Payload(), h, opts...)
 	return nil
 }
+
+// headerless stands in for applyHeaders where asynq has no task headers
+// (before v0.26.0; compat.go): a task under an ID of this package's carries
+// its mark in the ID (markID), and one under a caller-chosen ID cannot
+// carry it, so the call is refused before anything is written. The call's
+// dedup.Headers are not applied (Result.NotApplied names them).
+func (k *call) headerless() error {
+	v, marked := k.headers[store.HeaderLock]
+	if !marked || k.callerID == "" {
+		return nil
+	}
+	what := "its lock"
+	if v == store.OptedOut {
+		what = "dedup.Skip's mark (which keeps a server's execution guard off it)"
+	}
+	return errorf("%w: task ID %q: the linked asynq has no task headers (they came in v0.26.0), so a task under a caller-chosen ID cannot carry %s; leave the ID to this package, or use asynq v0.26.0", ErrInvalidOption, k.callerID, what)
+}
+
+// headersDropped reports whether the call's dedup.Headers were dropped for
+// want of task headers in the linked asynq.
+func (k *call) headersDropped() bool { return k.userHeaders && !hasHeaders() }

@@ -297,7 +297,7 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 		delay := d.cfg.RetryDelayFunc(n, err, t)
 		s.End, s.TTL, s.Due = store.EndRetry, addLifetimes(delay, d.ttlOf(r)), lifetime(delay)
 	case err == nil:
-	case errors.Is(err, asynq.RevokeTask) && ctx.Err() == nil:
+	case isRevoke(err) && ctx.Err() == nil:
 		s.End = store.EndRevoke
 	case n >= maxRetry || (errors.Is(err, asynq.SkipRetry) && ctx.Err() == nil):
 		s.End, s.Err = store.EndFail, failureText(err)
@@ -382,7 +382,7 @@ func (d *Dedup) report(typ string, l *lease, res store.SettleResult, err error, 
 // attemptFor is what the middleware knows of an attempt's lock from the
 // task alone, with no Redis call: nil for a task nothing locks.
 func (d *Dedup) attemptFor(ctx context.Context, queue, id string, t *asynq.Task) *lease {
-	typ, h := t.Type(), t.Headers()
+	typ, h := t.Type(), taskHeaders(t)
 	n, _ := asynq.GetRetryCount(ctx)
 	l := &lease{ref: store.Ref{Queue: queue, ID: id, Type: typ}, kind: store.KindOf(id), lost: h[store.HeaderLost], again: n > 0}
 	if v, ok := h[store.HeaderLock]; ok {
@@ -413,6 +413,10 @@ func (d *Dedup) attemptFor(ctx context.Context, queue, id string, t *asynq.Task)
 	switch l.kind {
 	case store.IDOptOut:
 		return nil
+	case store.IDMarked: // (asynq without task headers) its ID says what its header would
+		flags, fp, _ := store.ParseMarkedID(id)
+		l.flags, l.ref.FP, l.ref.Lock = flags, fp, d.store.Keys().Lock(queue, fp)
+		return l
 	case store.IDPlain, store.IDKept: // its record names its lock (LockOf)
 		return l
 	case store.IDFollow:

@@ -254,7 +254,7 @@ func (s *Scheduler) Shutdown() {
 // SchedulerFiring returns the entry and the firing a Scheduler enqueued
 // task for, read from its headers; ok is false for a task without them.
 func SchedulerFiring(task *asynq.Task) (entryID string, at time.Time, ok bool) {
-	h := task.Headers()
+	h := taskHeaders(task)
 	entryID = h[schedulerEntryHeader]
 	at, err := time.Parse(time.RFC3339, h[schedulerFiringHeader])
 	if entryID == "" || err != nil {
@@ -372,7 +372,7 @@ func (e *schedEntry) firing(at time.Time, hold time.Duration) (*asynq.Task, []as
 		Key(e.id+"@"+strconv.FormatInt(at.Unix(), 10)),
 		firingHold(hold), // held until it expires, whatever its task does
 	)
-	return asynq.NewTaskWithHeaders(e.typ, e.payload, h), opts
+	return newTask(e.typ, e.payload, h), opts
 }
 
 // newEntry parses and checks an entry.
@@ -395,7 +395,7 @@ func (s *Scheduler) newEntry(spec string, task *asynq.Task, opts []asynq.Option)
 	if err := refuseOptions(all); err != nil {
 		return nil, err
 	}
-	e := &schedEntry{sched: sch, typ: task.Type(), payload: task.Payload(), headers: maps.Clone(task.Headers()), opts: all, queue: queueOf(all)}
+	e := &schedEntry{sched: sch, typ: task.Type(), payload: task.Payload(), headers: maps.Clone(taskHeaders(task)), opts: all, queue: queueOf(all)}
 	e.id = entryID(sch, e.typ, e.payload, e.queue)
 	if err := s.check(e); err != nil {
 		return nil, err

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/asynqconn"
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 )
@@ -64,7 +65,7 @@ func taskQueues(ctx context.Context, src Source, task, queue string) ([]string, 
 
 // AsynqQueues lists the queues asynq knows, sorted.
 func AsynqQueues(ctx context.Context, src Source) ([]string, error) {
-	all, err := bounded(ctx, asynq.NewInspectorFromRedisClient(src.RDB).Queues)
+	all, err := bounded(ctx, asynqconn.Inspector(src.RDB).Queues)
 	if err != nil {
 		return nil, fmt.Errorf("list asynq queues: %w", err)
 	}
@@ -267,7 +268,7 @@ type Detail struct {
 
 // Describe adds what asynq and the mode record say about a lock.
 func Describe(ctx context.Context, src Source, prefix string, l *Info, t *Target) (*Detail, error) {
-	insp := asynq.NewInspectorFromRedisClient(src.RDB)
+	insp := asynqconn.Inspector(src.RDB)
 	out := &Detail{Info: *l, Task: t.Task}
 	var err error
 	if out.HolderTask, err = InspectTask(ctx, insp, l.Queue, l.Holder, time.Now()); err != nil {

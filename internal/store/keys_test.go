@@ -73,6 +73,13 @@ func TestIDForms(t *testing.T) {
 		"da-" + fp + "-" + rnd:           IDAgain,
 		"da-" + fp[1:] + "-" + rnd + "0": IDOther,
 		"da-" + fp + "x" + rnd:           IDOther,
+		NewMarkedID("sw", fp):            IDMarked,
+		NewMarkedID("", fp32):            IDMarked,
+		"dm-scw-" + fp + "-" + rnd:       IDMarked,
+		"dm-sz-" + fp + "-" + rnd:        IDOther, // no such flag
+		"dm-s-" + fp[1:] + "-" + rnd:     IDOther,
+		"dm-s-" + fp + "-" + rnd[1:]:     IDOther,
+		"dm-s" + fp + "-" + rnd:          IDOther,
 		"my-own-id":                      IDOther,
 		"":                               IDOther,
 	} {
@@ -95,5 +102,10 @@ func TestIDForms(t *testing.T) {
 	}
 	if _, ok := ParseAgainID(NewPlainID()); ok {
 		t.Error("ParseAgainID read a plain ID")
+	}
+	for _, f := range []Flags{"", "sw", "sacfdw"} {
+		if got, gotFP, ok := ParseMarkedID(NewMarkedID(f, fp)); !ok || got != f || gotFP != fp {
+			t.Errorf("ParseMarkedID(NewMarkedID(%q, %q)) = %q, %q, %v", f, fp, got, gotFP, ok)
+		}
 	}
 }

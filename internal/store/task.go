@@ -18,6 +18,10 @@ import (
 //	                            met the key of that fingerprint busy on its last attempt
 //	dk-<20 hex>                 the copy Again stores of a task locked at enqueue that met its
 //	                            key busy on its last attempt (it keeps the original's standing)
+//	dm-<flags>-<fingerprint>-<20 hex>
+//	                            locked at enqueue where asynq has no task headers (before
+//	                            v0.26.0): the ID carries what HeaderLock would (the lock is
+//	                            the fingerprint's key in the task's queue)
 //
 // Any other task locked at enqueue (a caller-chosen ID, a policy that acts
 // at start or end, asynq's client storing it) carries HeaderLock.
@@ -27,6 +31,7 @@ const (
 	followIDPrefix  = "df-"
 	againIDPrefix   = "da-"
 	keptIDPrefix    = "dk-"
+	markedIDPrefix  = "dm-"
 	randomHexDigits = 20
 )
 
@@ -71,6 +76,9 @@ const (
 	FlagDefer   = 'd' // RunningDefer: at any end, hand the key to the follow-up it owes
 	FlagRelease = 'w' // the task's record does not name the lock: release it at success and revoke
 )
+
+// flagLetters are the flag letters, as a string.
+const flagLetters = string(FlagStart) + string(FlagAllow) + string(FlagCool) + string(FlagFail) + string(FlagDefer) + string(FlagRelease)
 
 // Has reports whether f holds flag c.
 func (f Flags) Has(c byte) bool { return strings.IndexByte(string(f), c) >= 0 }
@@ -136,6 +144,7 @@ const (
 	IDFollow               // NewFollowID
 	IDAgain                // NewAgainID (its fingerprint: ParseAgainID)
 	IDKept                 // NewKeptID
+	IDMarked               // NewMarkedID (its flags and fingerprint: ParseMarkedID)
 )
 
 // KindOf tells an ID's form.
@@ -158,7 +167,41 @@ func KindOf(id string) IDKind {
 	if _, ok := ParseAgainID(id); ok {
 		return IDAgain
 	}
+	if _, _, ok := ParseMarkedID(id); ok {
+		return IDMarked
+	}
 	return IDOther
+}
+
+// NewMarkedID returns a fresh ID for a task locked at enqueue under key fp
+// with flags, for an asynq without task headers: the ID carries the mark.
+func NewMarkedID(flags Flags, fp string) string {
+	b := make([]byte, 0, len(markedIDPrefix)+len(flags)+1+len(fp)+1+randomHexDigits)
+	b = append(b, markedIDPrefix...)
+	b = append(b, flags...)
+	b = append(b, '-')
+	b = append(b, fp...)
+	b = append(b, '-')
+	var r [randomHexDigits]byte
+	randomHex(r[:])
+	return string(append(b, r[:]...))
+}
+
+// ParseMarkedID returns the flags and fingerprint of an ID made by
+// NewMarkedID.
+func ParseMarkedID(id string) (flags Flags, fp string, ok bool) {
+	rest, found := strings.CutPrefix(id, markedIDPrefix)
+	f, rest, found2 := strings.Cut(rest, "-")
+	fp, r, found3 := strings.Cut(rest, "-")
+	if !found || !found2 || !found3 || !IsFingerprint(fp) || len(r) != randomHexDigits || !isLowerHex(r) {
+		return "", "", false
+	}
+	for i := 0; i < len(f); i++ {
+		if !strings.ContainsRune(flagLetters, rune(f[i])) {
+			return "", "", false
+		}
+	}
+	return Flags(f), fp, true
 }
 
 // ParseAgainID returns the fingerprint of an ID made by NewAgainID.

@@ -169,7 +169,7 @@ end
 -- names its lock (unique_key, or the dedup header), but for a task that took
 -- its lock as it started ('a': one that arrived without a lock names none).
 local function belongs(rec, holder, kind, lock)
-  if string.match(holder, '^d[dfka]%-') then return true end
+  if string.match(holder, '^d[dfkam]%-') then return true end
   local t = call('HMGET', rec, 'unique_key', 'msg')
   if t[1] then return t[1] == lock end
   if not t[2] or string.find(t[2], lock, 1, true) then return true end

@@ -80,7 +80,7 @@ local holder, kind = holder_of(v)
 if kind == 'c' then return {14, holder, call('PTTL', K.L), kind} end
 if holder == A[2] and A[11] ~= '1' then return {2} end
 if kind == 'x' then return {0, holder} end
-if not string.match(holder, '^d[dfka]%-') then
+if not string.match(holder, '^d[dfkam]%-') then
   return {11, holder} -- a caller's ID, which a task of another key may have now: acquire checks
 end
 -- (Only a lock asynq's scripts delete at the task's end is trusted alone.)

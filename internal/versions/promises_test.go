@@ -1,0 +1,291 @@
+package versions
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/asynq-dedup/dedup"
+	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/hibiken/asynq"
+)
+
+// The promises docs/versions.md makes for every asynq version this module
+// builds against. Each test runs on NewClient and WrapClient.
+
+func TestNewTakesTheDirectPathOnlyOnTheLayoutItWrites(t *testing.T) {
+	eachClient(t, nil, func(t *testing.T, e *env) {
+		warned := strings.Contains(e.logged.String(), "enqueues go through asynq's client")
+		// (A test binary carries no module versions: linked() is "".)
+		if want := !hasHeaders() || (linked() != "" && linked() != "v0.26.0"); warned != want {
+			t.Fatalf("linked asynq %s: warned %v, want %v (log: %s)", linked(), warned, want, e.logged.String())
+		}
+	})
+}
+
+func TestDuplicateIsRefusedNamingTheWaitingTask(t *testing.T) {
+	eachClient(t, nil, func(t *testing.T, e *env) {
+		first := e.mustSubmit(dedup.Created, "report", `{"user":42}`)
+		dup := e.duplicate("report", `{"user":42}`)
+		if dup.Holder != first.TaskID || !errors.Is(dup, asynq.ErrDuplicateTask) || !errors.Is(dup, dedup.ErrDuplicateTask) {
+			t.Fatalf("duplicate names %q (want %q), matches asynq's %v, ours %v", dup.Holder, first.TaskID,
+				errors.Is(dup, asynq.ErrDuplicateTask), errors.Is(dup, dedup.ErrDuplicateTask))
+		}
+		e.mustSubmit(dedup.Created, "report", `{"user":7}`) // another key
+		if _, err := e.insp.GetTaskInfo(e.q, first.TaskID); err != nil {
+			t.Fatalf("the holder is not stored: %v", err)
+		}
+	})
+}
+
+func TestTaskRunsOnceAndItsSuccessFreesTheKey(t *testing.T) {
+	eachClient(t, nil, func(t *testing.T, e *env) {
+		r := newRuns()
+		e.mustSubmit(dedup.Created, "sync", "a")
+		e.serve(func(_ context.Context, task *asynq.Task) error {
+			r.enter(string(task.Payload()))
+			r.exit(string(task.Payload()))
+			return nil
+		})
+		redistest.WaitFor(t, r.ran, "the task's run")
+		redistest.Eventually(t, "the key is free after the success", func() bool { return e.free("sync", "a") })
+		e.mustSubmit(dedup.Created, "sync", "a")
+		redistest.WaitFor(t, r.ran, "the second task's run")
+		if got := r.seen(); len(got) != 2 {
+			t.Fatalf("runs %q, want two", got)
+		}
+	})
+}
+
+func TestReplaceRunsTheWaitingTaskOnceWithTheNewestPayload(t *testing.T) {
+	rules := map[string]dedup.Rule{"state": {Fields: []string{"user"}, OnConflict: dedup.Replace}}
+	eachClient(t, rules, func(t *testing.T, e *env) {
+		first := e.mustSubmit(dedup.Created, "state", `{"user":1,"v":1}`)
+		for v := 2; v <= 3; v++ {
+			res := e.mustSubmit(dedup.Replaced, "state", `{"user":1,"v":`+string(rune('0'+v))+`}`)
+			if res.TaskID != first.TaskID {
+				t.Fatalf("replaced into %s, want %s", res.TaskID, first.TaskID)
+			}
+		}
+		r := newRuns()
+		e.serve(func(_ context.Context, task *asynq.Task) error {
+			r.enter(string(task.Payload()))
+			r.exit(string(task.Payload()))
+			return nil
+		})
+		redistest.WaitFor(t, r.ran, "the task's run")
+		redistest.Eventually(t, "the key is free", func() bool { return e.free("state", `{"user":1}`) })
+		if got := r.seen(); !slices.Equal(got, []string{`{"user":1,"v":3}`}) {
+			t.Fatalf("runs %q, want one with the newest payload", got)
+		}
+	})
+}
+
+func TestRetryKeepsTheKeyAndTheFinalFailureFreesIt(t *testing.T) {
+	eachClient(t, nil, func(t *testing.T, e *env) {
+		first := e.mustSubmit(dedup.Created, "flaky", "x", asynq.MaxRetry(1))
+		r := newRuns()
+		failed := make(chan struct{}, 2)
+		e.serve(func(_ context.Context, task *asynq.Task) error {
+			r.enter("x")
+			defer r.exit("x")
+			failed <- struct{}{}
+			return errors.New("boom")
+		})
+		redistest.WaitFor(t, failed, "the first attempt")
+		redistest.Eventually(t, "the task waits for its retry", func() bool {
+			ti, err := e.insp.GetTaskInfo(e.q, first.TaskID)
+			return err == nil && ti.State == asynq.TaskStateRetry
+		})
+		if dup := e.duplicate("flaky", "x"); dup.Holder != first.TaskID {
+			t.Fatalf("during the retry the key is held by %s, want %s", dup.Holder, first.TaskID)
+		}
+		redistest.Eventually(t, "the task is archived after its retry", func() bool {
+			ti, err := e.insp.GetTaskInfo(e.q, first.TaskID)
+			return err == nil && ti.State == asynq.TaskStateArchived
+		})
+		// (A process that saw the holder live less than a second ago may
+		// refuse for that second: docs/lifecycle.md.)
+		redistest.Eventually(t, "the key's next enqueue takes it", func() bool {
+			res, err := e.submit("flaky", "x")
+			return err == nil && res.Outcome == dedup.Created
+		})
+	})
+}
+
+func TestFailHoldKeepsTheKeyAfterTheFinalFailure(t *testing.T) {
+	rules := map[string]dedup.Rule{"charge": {OnFailure: dedup.FailHold, FailHoldFor: time.Hour}}
+	eachClient(t, rules, func(t *testing.T, e *env) {
+		first := e.mustSubmit(dedup.Created, "charge", "c", asynq.MaxRetry(0))
+		e.serve(func(context.Context, *asynq.Task) error { return errors.New("card declined") })
+		redistest.Eventually(t, "the task is archived", func() bool {
+			ti, err := e.insp.GetTaskInfo(e.q, first.TaskID)
+			return err == nil && ti.State == asynq.TaskStateArchived
+		})
+		dup := e.duplicate("charge", "c")
+		if !dup.FailHeld || dup.Holder != first.TaskID || dup.FreeIn <= 59*time.Minute {
+			t.Fatalf("after the final failure: %+v; want held for an hour by %s", dup, first.TaskID)
+		}
+	})
+}
+
+func TestCooldownHoldsTheKeyAfterTheSuccess(t *testing.T) {
+	rules := map[string]dedup.Rule{"digest": {Cooldown: time.Hour}}
+	eachClient(t, rules, func(t *testing.T, e *env) {
+		first := e.mustSubmit(dedup.Created, "digest", "d")
+		r := newRuns()
+		e.serve(func(_ context.Context, task *asynq.Task) error {
+			r.enter("d")
+			r.exit("d")
+			return nil
+		})
+		redistest.WaitFor(t, r.ran, "the task's run")
+		redistest.Eventually(t, "the key cools down", func() bool { return e.lookup("digest", "d") == "cooling" })
+		dup := e.duplicate("digest", "d")
+		if !dup.CoolingDown || dup.Holder != first.TaskID || dup.FreeIn <= 59*time.Minute {
+			t.Fatalf("after the success: %+v; want cooling for about an hour", dup)
+		}
+	})
+}
+
+func TestRunningDeferRunsOneFollowUpAfterTheRunningTask(t *testing.T) {
+	rules := map[string]dedup.Rule{"index": {Fields: []string{"doc"}, OnConflict: dedup.Replace, OnRunning: dedup.RunningDefer}}
+	eachClient(t, rules, func(t *testing.T, e *env) {
+		e.mustSubmit(dedup.Created, "index", `{"doc":9,"v":1}`)
+		r := newRuns()
+		started, release := make(chan struct{}, 1), make(chan struct{})
+		e.serve(func(_ context.Context, task *asynq.Task) error {
+			p := string(task.Payload())
+			r.enter(p)
+			defer r.exit(p)
+			if p == `{"doc":9,"v":1}` {
+				started <- struct{}{}
+				<-release
+			}
+			return nil
+		})
+		redistest.WaitFor(t, started, "the first run")
+		e.mustSubmit(dedup.Deferred, "index", `{"doc":9,"v":2}`)
+		e.mustSubmit(dedup.Replaced, "index", `{"doc":9,"v":3}`)
+		close(release)
+		redistest.WaitFor(t, r.ran, "the first run's end")
+		redistest.WaitFor(t, r.ran, "the follow-up's run")
+		redistest.Eventually(t, "the key is free", func() bool { return e.free("index", `{"doc":9}`) })
+		if got := r.seen(); !slices.Equal(got, []string{`{"doc":9,"v":1}`, `{"doc":9,"v":3}`}) || r.most() != 1 {
+			t.Fatalf("runs %q (at most %d at once), want v1 then v3, one at a time", got, r.most())
+		}
+	})
+}
+
+func TestTasksOfAsynqsOwnClientNeverRunBesideEachOther(t *testing.T) {
+	eachClient(t, nil, func(t *testing.T, e *env) {
+		plain := asynq.NewClient(asynq.RedisClientOpt{Addr: redistest.Addr()})
+		defer plain.Close()
+		for range 2 {
+			if _, err := plain.Enqueue(asynq.NewTask("guarded", []byte("g")), asynq.Queue(e.q)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		r := newRuns()
+		e.serve(func(_ context.Context, task *asynq.Task) error {
+			r.enter("g")
+			defer r.exit("g")
+			time.Sleep(50 * time.Millisecond) // (a run long enough for the other task to meet it)
+			return nil
+		})
+		redistest.WaitFor(t, r.ran, "a run")
+		redistest.WaitFor(t, r.ran, "the other run")
+		if r.most() != 1 {
+			t.Fatalf("%d runs of one key at once", r.most())
+		}
+	})
+}
+
+func TestDeletedWaitingTaskLeavesNoLiveLock(t *testing.T) {
+	eachClient(t, nil, func(t *testing.T, e *env) {
+		first := e.mustSubmit(dedup.Created, "gone", "g")
+		if err := e.insp.DeleteTask(e.q, first.TaskID); err != nil {
+			t.Fatal(err)
+		}
+		if st := e.lookup("gone", "g"); st != "" && st != "orphaned" {
+			t.Fatalf("after the delete the key is %q, want free or orphaned", st)
+		}
+	})
+}
+
+func TestCallerChosenIDNeedsTaskHeaders(t *testing.T) {
+	eachClient(t, nil, func(t *testing.T, e *env) {
+		res, err := e.submit("mine", "m", asynq.TaskID("my-id"))
+		if hasHeaders() {
+			if err != nil || res.TaskID != "my-id" {
+				t.Fatalf("with task headers: %v, %v; want my-id created", res, err)
+			}
+			return
+		}
+		if !errors.Is(err, dedup.ErrInvalidOption) || !strings.Contains(err.Error(), "my-id") {
+			t.Fatalf("without task headers: %v, %v; want ErrInvalidOption naming the ID", res, err)
+		}
+		if !e.free("mine", "m") {
+			t.Fatal("the refused call left a lock")
+		}
+		if _, err := e.insp.GetTaskInfo(e.q, "my-id"); !errors.Is(err, asynq.ErrTaskNotFound) && !errors.Is(err, asynq.ErrQueueNotFound) {
+			t.Fatalf("the refused call stored its task: %v", err)
+		}
+		e.mustSubmit(dedup.Created, "mine", "m") // under an ID of the package's
+	})
+}
+
+func TestHeadersOptionIsReportedWhereTaskHeadersAreMissing(t *testing.T) {
+	eachClient(t, nil, func(t *testing.T, e *env) {
+		res := e.mustSubmit(dedup.Created, "traced", "t", dedup.Headers(map[string]string{"traceparent": "00-1"}))
+		dropped := slices.Contains(res.NotApplied, "dedup.Headers(…)")
+		if dropped == hasHeaders() {
+			t.Fatalf("task headers %v: NotApplied %q", hasHeaders(), res.NotApplied)
+		}
+	})
+}
+
+func TestArchivedTaskHealedOverDoesNotRunBesideTheNewHolderWhenRunByHand(t *testing.T) {
+	eachClient(t, nil, func(t *testing.T, e *env) {
+		a := e.mustSubmit(dedup.Created, "job", "j", asynq.MaxRetry(0))
+		r := newRuns()
+		started, release := make(chan string, 4), make(chan struct{})
+		e.serve(func(ctx context.Context, _ *asynq.Task) error {
+			id, _ := asynq.GetTaskID(ctx)
+			r.enter(id)
+			defer r.exit(id)
+			started <- id
+			if id == a.TaskID {
+				return errors.New("fails for good")
+			}
+			<-release
+			return nil
+		})
+		redistest.WaitFor(t, started, "the first task's run")
+		redistest.Eventually(t, "the first task is archived", func() bool {
+			ti, err := e.insp.GetTaskInfo(e.q, a.TaskID)
+			return err == nil && ti.State == asynq.TaskStateArchived
+		})
+		var b dedup.Result
+		redistest.Eventually(t, "the key's next enqueue takes it", func() bool {
+			res, err := e.submit("job", "j")
+			b = res
+			return err == nil && res.Outcome == dedup.Created
+		})
+		if got := redistest.WaitFor(t, started, "the new holder's run"); got != b.TaskID {
+			t.Fatalf("ran %s, want the new holder %s", got, b.TaskID)
+		}
+		busy := e.d.Stats().Busy
+		if err := e.insp.RunTask(e.q, a.TaskID); err != nil {
+			t.Fatal(err)
+		}
+		redistest.Eventually(t, "the archived task meets the key busy", func() bool { return e.d.Stats().Busy > busy })
+		close(release)
+		if r.most() != 1 {
+			t.Fatalf("%d runs of one key at once", r.most())
+		}
+	})
+}
