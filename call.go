@@ -228,7 +228,7 @@ func (c *Client) prepare(ctx context.Context, k *call) error {
 		id = store.NewPlainID()
 		k.pass = append(k.pass, asynq.TaskID(id))
 	case store.Reserved(id):
-		return errorf("%w: task ID %q has the form of this package's own IDs (dd-, df-, dk-, da-, dx-, or a leading '~')", ErrInvalidOption, id)
+		return reservedID(id)
 	}
 	direct := c.canDirect(ctx, k)
 	k.ref = store.Ref{Queue: k.queue, FP: fp, ID: id, Type: k.typ, Lock: d.store.Keys().Lock(k.queue, fp)}
@@ -278,6 +278,12 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 		a.Defers, a.FollowID = true, store.NewFollowID()
 	}
 	return a
+}
+
+// reservedID is the error for a caller-chosen ID of a form this package
+// makes (store.Reserved).
+func reservedID(id string) error {
+	return errorf("%w: task ID %q has the form of this package's own IDs (dd-, df-, dk-, da-, dx-, dm-, or a leading '~')", ErrInvalidOption, id)
 }
 
 // markID gives the call's task an ID that carries what its lock header

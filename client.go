@@ -202,7 +202,7 @@ func (c *Client) complete(ctx context.Context, k *call, res Result, n next, err 
 func (c *Client) enqueueUnlocked(ctx context.Context, k *call) (Result, error) {
 	switch {
 	case store.Reserved(k.callerID):
-		return Result{}, errorf("%w: task ID %q has the form of this package's own IDs (dd-, df-, dk-, da-, dx-, or a leading '~')", ErrInvalidOption, k.callerID)
+		return Result{}, reservedID(k.callerID)
 	case !k.rule.skip:
 		// OptIn and no rule: nothing here is deduplicated, so the task stays
 		// as asynq makes it. (A server whose rules cover the type guards it

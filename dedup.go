@@ -63,9 +63,10 @@ type Dedup struct {
 // types with a Rule (or calls with a key option).
 //
 // NewClient's direct path writes asynq v0.26.0's task layout; if the
-// binary's build information names another asynq version, New logs a
-// warning and turns the direct path off: enqueues then go through asynq's
-// own client.
+// binary's build information names another asynq version, or the linked
+// asynq has no task headers (before v0.26.0), New logs a warning and turns
+// the direct path off: enqueues then go through asynq's own client
+// (docs/versions.md).
 func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, error) {
 	if isNil(rdb) {
 		return nil, errorf("%w: nil redis client", ErrInvalidOption)

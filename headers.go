@@ -20,7 +20,8 @@ import (
 // A call folded into another task (Replaced, Merged, Deferred) leaves that
 // task's headers as they are, and Result.NotApplied names "dedup.Headers(…)".
 // Headers does not opt a call in under Config.OptIn. Default: no headers
-// added. A nil or empty h adds none.
+// added. A nil or empty h adds none. With an asynq before v0.26.0, which has
+// no task headers, no call applies it, and Result.NotApplied names it.
 func Headers(h map[string]string) asynq.Option {
 	return option{desc: headersDesc, headers: maps.Clone(h), apply: func(*resolved) error { return nil }}
 }

@@ -289,3 +289,74 @@ func TestArchivedTaskHealedOverDoesNotRunBesideTheNewHolderWhenRunByHand(t *test
 		}
 	})
 }
+
+// (The Scheduler enqueues through NewClient: one run is enough.)
+func TestSchedulerReplicasEnqueueEachFiringOnce(t *testing.T) {
+	t.Parallel()
+	redistest.NeedReal(t)
+	func(t *testing.T, e *env) {
+		type enq struct {
+			id  string
+			dup *dedup.DuplicateTaskError
+		}
+		got := make(chan enq, 64)
+		for range 2 {
+			s := dedup.NewScheduler(e.d, &dedup.SchedulerOpts{Logger: redistest.QuietLogger(), PostEnqueueFunc: func(info *asynq.TaskInfo, err error) {
+				var dup *dedup.DuplicateTaskError
+				switch {
+				case errors.As(err, &dup):
+					got <- enq{dup: dup}
+				case err == nil:
+					got <- enq{id: info.ID}
+				default:
+					t.Errorf("firing: %v", err)
+				}
+			}})
+			if _, err := s.Register("@every 1s", asynq.NewTask("tick", nil), asynq.Queue(e.q)); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Start(); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(s.Shutdown)
+		}
+		r := newRuns()
+		e.serve(func(ctx context.Context, _ *asynq.Task) error {
+			id, _ := asynq.GetTaskID(ctx)
+			r.enter(id)
+			r.exit(id)
+			return nil
+		})
+		created := map[string]bool{}
+		var dups []*dedup.DuplicateTaskError
+		for len(created) < 2 || len(dups) < 2 {
+			g := redistest.WaitFor(t, got, "a firing")
+			if g.dup != nil {
+				dups = append(dups, g.dup)
+			} else {
+				created[g.id] = true
+			}
+		}
+		for _, dup := range dups { // (the other replica's enqueue of the same firing)
+			redistest.Eventually(t, "the duplicate's holder is a firing's task", func() bool {
+				select {
+				case g := <-got:
+					if g.id != "" {
+						created[g.id] = true
+					}
+				default:
+				}
+				return created[dup.Holder]
+			})
+		}
+		for range 2 {
+			redistest.WaitFor(t, r.ran, "a firing's run")
+		}
+		seen := map[string]int{}
+		for _, id := range r.seen() {
+			if seen[id]++; seen[id] > 1 || !created[id] {
+				t.Fatalf("ran %s (%d times), created %v", id, seen[id], created)
+			}
+		}
+	}(t, newEnv(t, "NewClient", nil))
+}
