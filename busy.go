@@ -177,7 +177,10 @@ func (d *Dedup) retryBusy(ctx context.Context, t *asynq.Task, l *lease, holder s
 		return berr
 	}
 	id := store.NewAgainID(l.ref.FP)
-	if !l.arrived {
+	switch {
+	case l.kind == store.IDMarked:
+		id = store.NewMarkedID(l.flags, l.ref.FP) // (no task headers: the ID carries the mark)
+	case !l.arrived:
 		id = store.NewKeptID() // its copy keeps its standing
 	}
 	ok, err := d.store.Again(ctx, &l.ref, id, time.Now().Add(d.copyDelay()))
