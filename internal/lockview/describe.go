@@ -78,6 +78,9 @@ func findTaskLocks(ctx context.Context, src Source, keys store.Keys, queues []st
 	var found []*Target
 	for _, q := range queues {
 		lock, optedOut, err := store.TaskLockOf(ctx, src.RDB, q, task)
+		if err == nil && lock == "" {
+			lock, err = markedLock(ctx, src, keys, q, task)
+		}
 		switch {
 		case err != nil:
 			return nil, err
@@ -91,6 +94,20 @@ func findTaskLocks(ctx context.Context, src Source, keys store.Keys, queues []st
 		}
 	}
 	return found, nil
+}
+
+// markedLock is the lock a task stored in queue q names in its ID (an
+// asynq without task headers: store.NewMarkedID), or "".
+func markedLock(ctx context.Context, src Source, keys store.Keys, q, task string) (string, error) {
+	_, fp, ok := store.ParseMarkedID(task)
+	if !ok {
+		return "", nil
+	}
+	n, err := src.RDB.Exists(ctx, store.TaskKey(q, task)).Result()
+	if err != nil || n == 0 {
+		return "", err
+	}
+	return keys.Lock(q, fp), nil
 }
 
 // noTaskLock explains that no queue has a lock for the task.

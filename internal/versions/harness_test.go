@@ -12,6 +12,7 @@ import (
 	"github.com/asynq-dedup/dedup"
 	"github.com/asynq-dedup/dedup/internal/redistest"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // linked is the asynq version in the test binary ("" if it names none).
@@ -45,6 +46,8 @@ type env struct {
 	c      *dedup.Client
 	insp   *asynq.Inspector
 	logged *syncBuffer
+	prefix string
+	rdb    *redis.Client
 }
 
 // clients are the two ways to enqueue: NewClient (its direct path where the
@@ -67,14 +70,15 @@ func eachClient(t *testing.T, rules map[string]dedup.Rule, f func(t *testing.T, 
 func newEnv(t *testing.T, client string, rules map[string]dedup.Rule) *env {
 	uniq := redistest.Uniq(t)
 	logged := &syncBuffer{}
-	d, err := dedup.New(context.Background(), redistest.Client(t), dedup.Config{
+	rdb := redistest.Client(t)
+	d, err := dedup.New(context.Background(), rdb, dedup.Config{
 		Prefix: "v-" + uniq, Rules: rules, Logger: slog.New(slog.NewTextHandler(logged, nil)),
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = d.Close() })
-	e := &env{t: t, q: uniq, d: d, logged: logged, insp: asynq.NewInspector(asynq.RedisClientOpt{Addr: redistest.Addr()})}
+	e := &env{t: t, q: uniq, d: d, logged: logged, prefix: "v-" + uniq, rdb: rdb, insp: asynq.NewInspector(asynq.RedisClientOpt{Addr: redistest.Addr()})}
 	t.Cleanup(func() { _ = e.insp.Close() })
 	switch client {
 	case "NewClient":

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/asynq-dedup/dedup"
+	"github.com/asynq-dedup/dedup/internal/lockview"
 	"github.com/asynq-dedup/dedup/internal/redistest"
 	"github.com/hibiken/asynq"
 )
@@ -33,6 +34,11 @@ func TestDuplicateIsRefusedNamingTheWaitingTask(t *testing.T) {
 		if dup.Holder != first.TaskID || !errors.Is(dup, asynq.ErrDuplicateTask) || !errors.Is(dup, dedup.ErrDuplicateTask) {
 			t.Fatalf("duplicate names %q (want %q), matches asynq's %v, ours %v", dup.Holder, first.TaskID,
 				errors.Is(dup, asynq.ErrDuplicateTask), errors.Is(dup, dedup.ErrDuplicateTask))
+		}
+		// The operators' tools (dedupctl, dedupweb) find the lock by its task.
+		l, _, _ := e.d.Lookup(context.Background(), asynq.NewTask("report", []byte(`{"user":42}`)), asynq.Queue(e.q))
+		if tg, err := lockview.ByTask(context.Background(), lockview.NewSource(e.rdb), e.prefix, first.TaskID, ""); err != nil || tg.Key != l.Key {
+			t.Fatalf("the lock of task %s: %+v, %v; want %s", first.TaskID, tg, err, l.Key)
 		}
 		e.mustSubmit(dedup.Created, "report", `{"user":7}`) // another key
 		if _, err := e.insp.GetTaskInfo(e.q, first.TaskID); err != nil {
@@ -368,4 +374,42 @@ func TestSchedulerReplicasEnqueueEachFiringOnce(t *testing.T) {
 			}
 		}
 	}(t, newEnv(t, "NewClient", nil))
+}
+
+func TestBatchAnswersEachTaskAsSubmitWould(t *testing.T) {
+	eachClient(t, nil, func(t *testing.T, e *env) {
+		tasks := []*asynq.Task{
+			asynq.NewTask("b", []byte("1")), asynq.NewTask("b", []byte("2")), asynq.NewTask("b", []byte("1")),
+			asynq.NewTask("b", []byte("3"), asynq.TaskID("caller-id")),
+		}
+		res := e.c.EnqueueBatch(context.Background(), tasks, asynq.Queue(e.q))
+		var dup *dedup.DuplicateTaskError
+		switch {
+		case res[0].Err != nil || res[1].Err != nil || res[0].Outcome != dedup.Created || res[1].Outcome != dedup.Created:
+			t.Fatalf("new keys: %+v, %+v", res[0], res[1])
+		case !errors.As(res[2].Err, &dup) || dup.Holder != res[0].TaskID:
+			t.Fatalf("the batch's duplicate: %+v, want refused naming %s", res[2], res[0].TaskID)
+		case hasHeaders() && res[3].Err != nil:
+			t.Fatalf("a caller-chosen ID with task headers: %v", res[3].Err)
+		case !hasHeaders() && !errors.Is(res[3].Err, dedup.ErrInvalidOption):
+			t.Fatalf("a caller-chosen ID without task headers: %+v, want ErrInvalidOption", res[3])
+		}
+		r := newRuns()
+		e.serve(func(_ context.Context, task *asynq.Task) error {
+			r.enter(string(task.Payload()))
+			r.exit(string(task.Payload()))
+			return nil
+		})
+		want := 2
+		if hasHeaders() {
+			want = 3
+		}
+		for range want {
+			redistest.WaitFor(t, r.ran, "a run")
+		}
+		redistest.Eventually(t, "the keys are free", func() bool { return e.free("b", "1") && e.free("b", "2") })
+		if !hasHeaders() && !e.free("b", "3") {
+			t.Fatal("the refused task left a lock")
+		}
+	})
 }
