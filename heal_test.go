@@ -6,7 +6,6 @@ import (
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
@@ -123,7 +122,7 @@ func TestWarnsWhenLocksCanBeEvicted(t *testing.T) {
 
 // Logs and errors name types, fields and task IDs, never payload contents.
 func TestNoPayloadInLogsOrErrors(t *testing.T) {
-	var buf syncBuffer
+	var buf redistest.LogBuffer
 	logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	h := newHarness(t, Config{Logger: logger, Rules: map[string]Rule{"secret": {Fields: []string{"user_id"}}}})
 	const secret = "hunter2-card-4111"
@@ -146,24 +145,6 @@ func TestNoPayloadInLogsOrErrors(t *testing.T) {
 	if !strings.Contains(buf.String(), "unguarded") {
 		t.Fatalf("expected an unguarded warning, log: %s", buf.String())
 	}
-}
-
-// syncBuffer is a bytes.Buffer safe for a logger and a test to share.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // A lock written with its task (the direct path, field v) whose

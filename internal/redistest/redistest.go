@@ -6,6 +6,7 @@
 package redistest
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -370,4 +371,25 @@ func (h CmdHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Proce
 		}
 		return next(ctx, cmds)
 	}
+}
+
+// LogBuffer is a bytes.Buffer that a logger and a test may share: the
+// logger writes from other goroutines while the test reads.
+type LogBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+// Write implements io.Writer.
+func (l *LogBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+// String returns what was written so far.
+func (l *LogBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

@@ -1,7 +1,6 @@
 package versions
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"runtime/debug"
@@ -45,7 +44,7 @@ type env struct {
 	d      *dedup.Dedup
 	c      *dedup.Client
 	insp   *asynq.Inspector
-	logged *syncBuffer
+	logged *redistest.LogBuffer
 	prefix string
 	rdb    *redis.Client
 }
@@ -69,7 +68,7 @@ func eachClient(t *testing.T, rules map[string]dedup.Rule, f func(t *testing.T, 
 
 func newEnv(t *testing.T, client string, rules map[string]dedup.Rule) *env {
 	uniq := redistest.Uniq(t)
-	logged := &syncBuffer{}
+	logged := &redistest.LogBuffer{}
 	rdb := redistest.Client(t)
 	d, err := dedup.New(context.Background(), rdb, dedup.Config{
 		Prefix: "v-" + uniq, Rules: rules, Logger: slog.New(slog.NewTextHandler(logged, nil)),
@@ -193,22 +192,4 @@ func (r *runs) seen() []string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return append([]string(nil), r.payloads...)
-}
-
-// syncBuffer is a bytes.Buffer safe for the logger's concurrent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
