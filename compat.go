@@ -19,7 +19,7 @@ import (
 // version has is found at run time.
 //
 //	task headers (Task.Headers, NewTaskWithHeaders, TaskInfo.Headers)   v0.26.0
-//	RevokeTask, NewClientFromRedisClient (internal/asynqconn)            v0.25.0
+//	RevokeTask (linked by name), NewClientFromRedisClient (asynqconn)   v0.25.0
 //	the task layout the direct path writes (store.AsynqVersion)          v0.26.0 only
 //
 // Without task headers the lock's mark travels in the task's ID
@@ -97,63 +97,20 @@ func fieldOffset[S any](name string, typ reflect.Type) (uintptr, bool) {
 	return f.Offset, true
 }
 
-// revokeText is asynq.RevokeTask's text (v0.25.0 on).
-const revokeText = "revoke task"
+// revokeTask is asynq.RevokeTask where the linked asynq has it (v0.25.0
+// on), and nil where it has not: this source cannot name it, so it is
+// linked by its symbol's name, which on v0.24.1 defines a variable nothing
+// sets.
+//
+//go:linkname revokeTask github.com/hibiken/asynq.RevokeTask
+var revokeTask error
 
 // isRevoke reports whether a handler's error is asynq.RevokeTask, or wraps
-// it, where the linked asynq has RevokeTask (before v0.25.0 asynq treats
-// that error as any other). This source cannot name RevokeTask, so it is
-// known by what it is: an errors.New error with its text (a caller's own
-// error made the same way is taken for it).
-func isRevoke(err error) bool {
-	if !hasRevoke() {
-		return false
-	}
-	plain := reflect.TypeOf(errors.New(""))
-	for e := range errChain(err) {
-		if reflect.TypeOf(e) == plain && e.Error() == revokeText {
-			return true
-		}
-	}
-	return false
-}
+// it, as asynq's processor decides (before v0.25.0 there is none).
+func isRevoke(err error) bool { return revokeTask != nil && errors.Is(err, revokeTask) }
 
-// errChain yields err and every error it wraps, depth first, as errors.Is
-// walks them.
-func errChain(err error) func(yield func(error) bool) {
-	return func(yield func(error) bool) {
-		var walk func(error) bool
-		walk = func(e error) bool {
-			for e != nil {
-				if !yield(e) {
-					return false
-				}
-				switch u := e.(type) {
-				case interface{ Unwrap() error }:
-					e = u.Unwrap()
-				case interface{ Unwrap() []error }:
-					for _, c := range u.Unwrap() {
-						if !walk(c) {
-							return false
-						}
-					}
-					return true
-				default:
-					return true
-				}
-			}
-			return true
-		}
-		walk(err)
-	}
-}
-
-// hasRevoke reports whether the linked asynq has RevokeTask: it came in
-// v0.25.0, with Client.Ping, which can be looked for.
-var hasRevoke = sync.OnceValue(func() bool {
-	_, ok := any((*asynq.Client)(nil)).(interface{ Ping() error })
-	return ok
-})
+// hasRevoke reports whether the linked asynq has RevokeTask.
+func hasRevoke() bool { return revokeTask != nil }
 
 // knownLayout reports whether asynq version v stores tasks as the direct
 // path writes them.

@@ -76,6 +76,7 @@ func (d *Dedup) process(ctx context.Context, t *asynq.Task, next asynq.Handler) 
 		return next.ProcessTask(ctx, t)
 	}
 	l.rec = rec
+	d.storedMarks(ctx, l)
 	if l.lost == store.LostEnded {
 		// An earlier attempt ended and settled the key (a success or revoke),
 		// and asynq put the task back before it recorded that (a shutdown):
@@ -142,6 +143,24 @@ func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, ru
 		return true, d.busy(ctx, t, rule, l, &st)
 	}
 	return false, nil
+}
+
+// storedMarks reads, for a task whose ID carries its mark (an asynq without
+// task headers), the mark its stored message got while it waited
+// (store.HeaderLost: written there as a header, which that asynq does not
+// hand the handler): one Redis call. An error leaves it unread; the start
+// check that follows meets the same Redis.
+func (d *Dedup) storedMarks(ctx context.Context, l *lease) {
+	if l.kind != store.IDMarked || l.lost != "" {
+		return
+	}
+	key := store.TaskKey(l.ref.Queue, l.ref.ID)
+	v, err := d.store.Do(ctx, key, func(c context.Context, rdb redis.Cmdable) (any, error) {
+		return rdb.HGet(c, key, "msg").Result()
+	})
+	if msg, ok := v.(string); err == nil && ok {
+		l.lost = store.MessageHeaders([]byte(msg))[store.HeaderLost]
+	}
 }
 
 // storedHere reports whether asynq stores queue's tasks in the Dedup's
