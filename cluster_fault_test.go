@@ -112,16 +112,120 @@ func TestClusterDeadMasterStaysItsOwnProblem(t *testing.T) {
 	t.Logf("%d enqueues; %d failed, all on the dead master's queue", n, len(errs[dead]))
 }
 
-// clusterView says which master the client maps queue q's keys to, and
-// what CLUSTER SHARDS of that answer, for a failure's message.
-func clusterView(c *redis.ClusterClient, q string) string {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+// clusterView says, for a failure's message, which master the client maps
+// queue q's keys to, what the client's slot map reloads (watch) last heard,
+// and what each node of procs still answering thinks: its ROLE, the master
+// its CLUSTER SLOTS names for q's slot, and its CLUSTER NODES flags of that
+// slot's old master (dead) and of itself. It tells a promotion that never
+// happened (every node still names the dead master) from a client that
+// never learnt of one (the nodes name the promoted replica).
+func clusterView(c *redis.ClusterClient, watch *slotsWatch, procs []*redistest.Proc, q, dead string) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
-	n, err := c.MasterForKey(ctx, "{"+q+"}")
-	if err != nil {
-		return fmt.Sprintf("client: no master for %s: %v", q, err)
+	var b strings.Builder
+	if n, err := c.MasterForKey(ctx, "{"+q+"}"); err != nil {
+		fmt.Fprintf(&b, "client: no master for %s: %v", q, err)
+	} else {
+		fmt.Fprintf(&b, "client maps %s to %s", q, n.Options().Addr)
 	}
-	return fmt.Sprintf("client maps %s to %s", q, n.Options().Addr)
+	slot := -1
+	for _, p := range procs {
+		if p.Addr == dead {
+			continue
+		}
+		nc := redis.NewClient(&redis.Options{Addr: p.Addr, MaxRetries: -1})
+		if slot < 0 {
+			if n, err := nc.ClusterKeySlot(ctx, "{"+q+"}").Result(); err == nil {
+				slot = int(n)
+				if watch != nil {
+					fmt.Fprintf(&b, "; %s", watch.about(slot))
+				}
+			}
+		}
+		role, err := nc.Do(ctx, "ROLE").Slice()
+		if err != nil {
+			fmt.Fprintf(&b, "; node %s: %v", p.Addr, err)
+			_ = nc.Close()
+			continue
+		}
+		fmt.Fprintf(&b, "; node %s: %v, slot %d on %s", p.Addr, role[0], slot, slotMaster(nc.ClusterSlots(ctx).Val(), slot))
+		nodes, _ := nc.ClusterNodes(ctx).Result()
+		for line := range strings.Lines(nodes) {
+			f := strings.Fields(line)
+			if len(f) > 3 && (strings.HasPrefix(f[1], dead+"@") || strings.Contains(f[2], "myself")) {
+				fmt.Fprintf(&b, ", %s %s epoch %s", strings.Split(f[1], "@")[0], f[2], f[6])
+			}
+		}
+		_ = nc.Close()
+	}
+	return b.String()
+}
+
+// slotMaster is the master CLUSTER SLOTS names for slot ("none" if no range
+// holds it).
+func slotMaster(slots []redis.ClusterSlot, slot int) string {
+	for _, s := range slots {
+		if s.Start <= slot && slot <= s.End && len(s.Nodes) > 0 {
+			return s.Nodes[0].Addr
+		}
+	}
+	return "none"
+}
+
+// slotsWatch records a Cluster client's slot map reloads (the CLUSTER
+// SLOTS calls go-redis makes on its node clients) and what the last one
+// heard, for a failure's message.
+type slotsWatch struct {
+	mu    sync.Mutex
+	n     int                 // reloads answered
+	at    time.Time           // of the last
+	from  string              // the node that answered the last
+	slots []redis.ClusterSlot // its answer
+}
+
+// watchSlots starts recording c's reloads; call it before c's first call
+// (it sees the node clients made after it).
+func watchSlots(c *redis.ClusterClient) *slotsWatch {
+	w := &slotsWatch{}
+	c.OnNewNode(func(nc *redis.Client) {
+		addr := nc.Options().Addr
+		nc.AddHook(slotsHook{w, addr})
+	})
+	return w
+}
+
+// about says how often the client reloaded, and what the last reload
+// heard for slot.
+func (w *slotsWatch) about(slot int) string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.n == 0 {
+		return "the client never reloaded its slot map"
+	}
+	return fmt.Sprintf("the client loaded its slot map %d times, the last %v ago from %s, which named %s for slot %d",
+		w.n, time.Since(w.at).Round(time.Millisecond), w.from, slotMaster(w.slots, slot), slot)
+}
+
+type slotsHook struct {
+	w    *slotsWatch
+	addr string
+}
+
+func (h slotsHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h slotsHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h slotsHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if sc, ok := cmd.(*redis.ClusterSlotsCmd); ok && err == nil {
+			h.w.mu.Lock()
+			h.w.n++
+			h.w.at, h.w.from, h.w.slots = time.Now(), h.addr, sc.Val()
+			h.w.mu.Unlock()
+		}
+		return err
+	}
 }
 
 // forcedTakeover returns a function that, called while the test waits for a
@@ -152,6 +256,7 @@ func forcedTakeover(replica *redis.Client, since time.Time) func() {
 func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, true)
+	watch := watchSlots(c)
 	queues := queuesOnEveryMaster(t, c, "promo")
 	ctx := context.Background()
 	// LockTimeout leaves the live masters room for a loaded machine: a
@@ -200,7 +305,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	takeover := forcedTakeover(rc, killed)
 	for i := 0; recovered.IsZero(); i++ {
 		if time.Since(killed) > 60*time.Second {
-			t.Fatalf("no recovery 60 s after the kill (promoted: %v, %d failures, the last: %v; %s)", !promoted.IsZero(), failures, lastErr, clusterView(c, dead))
+			t.Fatalf("no recovery 60 s after the kill (promoted: %v, %d failures, the last: %v; %s)", !promoted.IsZero(), failures, lastErr, clusterView(c, watch, procs, dead, master.Addr))
 		}
 		takeover()
 		if promoted.IsZero() && strings.Contains(rc.Info(ctx, "replication").Val(), "role:master") {
@@ -393,6 +498,7 @@ func TestClusterManualFailoverWithHandlersRunning(t *testing.T) {
 func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, true)
+	watch := watchSlots(c)
 	queues := queuesOnEveryMaster(t, c, "a5bk")
 	ctx := context.Background()
 	d, err := New(ctx, c, Config{Prefix: "a5b-" + uniq(t), LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
@@ -409,8 +515,10 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	}
 	dead := queues[0]
 	var replica *redis.Client
+	var deadAddr string
 	for i, p := range procs[:3] {
 		if p.Addr == masterOf(t, c, dead) {
+			deadAddr = p.Addr
 			replica = redis.NewClient(&redis.Options{Addr: procs[3+i].Addr})
 			t.Cleanup(func() { _ = replica.Close() })
 			p.Kill()
@@ -422,7 +530,7 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	ok := 0
 	for i := 0; ok < 20; i++ {
 		if time.Since(start) > 60*time.Second { // (a failover takes ~8 s; far more on a loaded machine)
-			t.Fatalf("the dead master's queue never recovered (breaker %v; last error: %v; %s)", d.breakerState(), err, clusterView(c, dead))
+			t.Fatalf("the dead master's queue never recovered (breaker %v; last error: %v; %s)", d.breakerState(), err, clusterView(c, watch, procs, dead, deadAddr))
 		}
 		takeover()
 		_, err = client.EnqueueContext(ctx, asynq.NewTask("a5:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
