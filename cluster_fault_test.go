@@ -112,13 +112,15 @@ func TestClusterDeadMasterStaysItsOwnProblem(t *testing.T) {
 	t.Logf("%d enqueues; %d failed, all on the dead master's queue", n, len(errs[dead]))
 }
 
-// clusterView says, for a failure's message, which master the client maps
-// queue q's keys to, what the client's slot map reloads (watch) last heard,
-// and what each node of procs still answering thinks: its ROLE, the master
-// its CLUSTER SLOTS names for q's slot, and its CLUSTER NODES flags of that
-// slot's old master (dead) and of itself. It tells a promotion that never
-// happened (every node still names the dead master) from a client that
-// never learnt of one (the nodes name the promoted replica).
+// clusterView says, for a failure's message, first a verdict: whether the
+// live nodes of procs (all but dead, the killed master) give queue q's
+// slot to a promoted node (then the client failed to learn of it), to the
+// dead master still (the cluster never promoted a replica), or disagree (a
+// promotion only some nodes heard of). Then which master the client maps q
+// to, what its slot map reloads (watch) heard, and what each live node
+// thinks: its ROLE, the master its CLUSTER SLOTS names for the slot, and
+// each node its CLUSTER NODES knows (address, flags, master, config epoch,
+// link).
 func clusterView(c *redis.ClusterClient, watch *slotsWatch, procs []*redistest.Proc, q, dead string) string {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
@@ -129,6 +131,7 @@ func clusterView(c *redis.ClusterClient, watch *slotsWatch, procs []*redistest.P
 		fmt.Fprintf(&b, "client maps %s to %s", q, n.Options().Addr)
 	}
 	slot := -1
+	named := map[string][]string{} // master named for the slot → the live nodes naming it
 	for _, p := range procs {
 		if p.Addr == dead {
 			continue
@@ -145,20 +148,63 @@ func clusterView(c *redis.ClusterClient, watch *slotsWatch, procs []*redistest.P
 		role, err := nc.Do(ctx, "ROLE").Slice()
 		if err != nil {
 			fmt.Fprintf(&b, "; node %s: %v", p.Addr, err)
+			named["(no answer)"] = append(named["(no answer)"], p.Addr)
 			_ = nc.Close()
 			continue
 		}
-		fmt.Fprintf(&b, "; node %s: %v, slot %d on %s", p.Addr, role[0], slot, slotMaster(nc.ClusterSlots(ctx).Val(), slot))
+		m := slotMaster(nc.ClusterSlots(ctx).Val(), slot)
+		named[m] = append(named[m], p.Addr)
+		fmt.Fprintf(&b, "; node %s: %v, slot %d on %s", p.Addr, role[0], slot, m)
 		nodes, _ := nc.ClusterNodes(ctx).Result()
+		addrOf := map[string]string{}
 		for line := range strings.Lines(nodes) {
-			f := strings.Fields(line)
-			if len(f) > 3 && (strings.HasPrefix(f[1], dead+"@") || strings.Contains(f[2], "myself")) {
-				fmt.Fprintf(&b, ", %s %s epoch %s", strings.Split(f[1], "@")[0], f[2], f[6])
+			if f := strings.Fields(line); len(f) > 7 {
+				addrOf[f[0]] = strings.Split(f[1], "@")[0]
 			}
 		}
+		fmt.Fprintf(&b, ", knows [")
+		for line := range strings.Lines(nodes) {
+			f := strings.Fields(line)
+			if len(f) <= 7 {
+				continue
+			}
+			of := ""
+			if f[3] != "-" {
+				of = " of " + addrOf[f[3]]
+			}
+			fmt.Fprintf(&b, " %s %s%s e%s %s;", strings.Split(f[1], "@")[0], f[2], of, f[6], f[7])
+		}
+		fmt.Fprintf(&b, " ]")
 		_ = nc.Close()
 	}
-	return b.String()
+	var verdict string
+	switch {
+	case len(named) > 1:
+		verdict = fmt.Sprintf("the live nodes disagree on the master of %s's slot (%v): a promotion only part of the cluster heard of", q, named)
+	case len(named[dead]) > 0:
+		verdict = fmt.Sprintf("every live node still gives %s's slot to the dead master %s: the cluster never promoted a replica", q, dead)
+	default:
+		for m := range named {
+			verdict = fmt.Sprintf("every live node gives %s's slot to %s: the cluster promoted it, the client has not learnt of it", q, m)
+		}
+	}
+	return verdict + "; " + b.String()
+}
+
+// logNodesOnFailure logs, if the test fails, the logs of the nodes of
+// procs still running then (call it after OwnCluster: it runs before the
+// cluster's cleanups kill them).
+func logNodesOnFailure(t *testing.T, procs []*redistest.Proc) {
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		for _, p := range procs {
+			if l := p.Log(); l != "" {
+				t.Logf("log of node %s:\n%s", p.Addr, l)
+			}
+		}
+	})
 }
 
 // slotMaster is the master CLUSTER SLOTS names for slot ("none" if no range
@@ -173,20 +219,24 @@ func slotMaster(slots []redis.ClusterSlot, slot int) string {
 }
 
 // slotsWatch records a Cluster client's slot map reloads (the CLUSTER
-// SLOTS calls go-redis makes on its node clients) and what the last one
-// heard, for a failure's message.
+// SLOTS calls go-redis makes on its node clients), for a failure's message.
 type slotsWatch struct {
 	mu    sync.Mutex
-	n     int                 // reloads answered
-	at    time.Time           // of the last
-	from  string              // the node that answered the last
-	slots []redis.ClusterSlot // its answer
+	start time.Time
+	loads []slotsLoad
+}
+
+// slotsLoad is one reload: when, from which node, and its answer.
+type slotsLoad struct {
+	at    time.Time
+	from  string
+	slots []redis.ClusterSlot
 }
 
 // watchSlots starts recording c's reloads; call it before c's first call
 // (it sees the node clients made after it).
 func watchSlots(c *redis.ClusterClient) *slotsWatch {
-	w := &slotsWatch{}
+	w := &slotsWatch{start: time.Now()}
 	c.OnNewNode(func(nc *redis.Client) {
 		addr := nc.Options().Addr
 		nc.AddHook(slotsHook{w, addr})
@@ -194,16 +244,33 @@ func watchSlots(c *redis.ClusterClient) *slotsWatch {
 	return w
 }
 
-// about says how often the client reloaded, and what the last reload
-// heard for slot.
+// about says how often the client reloaded its slot map, and which node
+// named which master for slot, how often, and when last (since the watch
+// began).
 func (w *slotsWatch) about(slot int) string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.n == 0 {
+	if len(w.loads) == 0 {
 		return "the client never reloaded its slot map"
 	}
-	return fmt.Sprintf("the client loaded its slot map %d times, the last %v ago from %s, which named %s for slot %d",
-		w.n, time.Since(w.at).Round(time.Millisecond), w.from, slotMaster(w.slots, slot), slot)
+	type said struct{ from, named string }
+	var order []said
+	count, last := map[said]int{}, map[said]time.Time{}
+	for _, l := range w.loads {
+		k := said{l.from, slotMaster(l.slots, slot)}
+		if count[k] == 0 {
+			order = append(order, k)
+		}
+		count[k]++
+		last[k] = l.at
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "the client loaded its slot map %d times, the last %v ago; for slot %d:", len(w.loads),
+		time.Since(w.loads[len(w.loads)-1].at).Round(time.Millisecond), slot)
+	for _, k := range order {
+		fmt.Fprintf(&b, " %s named %s %d times (last at +%v),", k.from, k.named, count[k], last[k].Sub(w.start).Round(time.Millisecond))
+	}
+	return strings.TrimSuffix(b.String(), ",")
 }
 
 type slotsHook struct {
@@ -220,8 +287,7 @@ func (h slotsHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 		err := next(ctx, cmd)
 		if sc, ok := cmd.(*redis.ClusterSlotsCmd); ok && err == nil {
 			h.w.mu.Lock()
-			h.w.n++
-			h.w.at, h.w.from, h.w.slots = time.Now(), h.addr, sc.Val()
+			h.w.loads = append(h.w.loads, slotsLoad{time.Now(), h.addr, sc.Val()})
 			h.w.mu.Unlock()
 		}
 		return err
@@ -257,6 +323,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, true)
 	watch := watchSlots(c)
+	logNodesOnFailure(t, procs)
 	queues := queuesOnEveryMaster(t, c, "promo")
 	ctx := context.Background()
 	// LockTimeout leaves the live masters room for a loaded machine: a
@@ -305,7 +372,11 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	takeover := forcedTakeover(rc, killed)
 	for i := 0; recovered.IsZero(); i++ {
 		if time.Since(killed) > 60*time.Second {
-			t.Fatalf("no recovery 60 s after the kill (promoted: %v, %d failures, the last: %v; %s)", !promoted.IsZero(), failures, lastErr, clusterView(c, watch, procs, dead, master.Addr))
+			seen := "never seen promoted"
+			if !promoted.IsZero() {
+				seen = fmt.Sprintf("seen promoted %v after the kill", promoted.Sub(killed).Round(time.Millisecond))
+			}
+			t.Fatalf("no recovery 60 s after the kill (replica %s %s, %d failures, the last: %v; %s)", replica.Addr, seen, failures, lastErr, clusterView(c, watch, procs, dead, master.Addr))
 		}
 		takeover()
 		if promoted.IsZero() && strings.Contains(rc.Info(ctx, "replication").Val(), "role:master") {
@@ -499,6 +570,7 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, true)
 	watch := watchSlots(c)
+	logNodesOnFailure(t, procs)
 	queues := queuesOnEveryMaster(t, c, "a5bk")
 	ctx := context.Background()
 	d, err := New(ctx, c, Config{Prefix: "a5b-" + uniq(t), LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),

@@ -35,7 +35,8 @@ func OwnCluster(t *testing.T, masters int, replicas bool) ([]*Proc, *redis.Clust
 	procs := make([]*Proc, n)
 	for i := range procs {
 		p, err := Spawn("", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-			"--repl-diskless-sync-delay", "0", "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0")
+			"--repl-diskless-sync-delay", "0", "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0",
+			"--loglevel", "notice") // (the failover's steps, for Proc.Log)
 		if err != nil {
 			t.Fatal(err)
 		}
