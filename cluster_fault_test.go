@@ -635,6 +635,117 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	}
 }
 
+// A master dies and its breaker opens with a long wait (BreakerBackoff up
+// to 30 s by default): no probe comes for a while, and every call of its
+// queue is refused at once, without reaching Redis. Once its replica is
+// promoted, the queue must still recover within seconds, not at the next
+// probe or at go-redis's own periodic reload (ClusterStateReloadInterval,
+// a minute): a refused call asks go-redis to reload the slot map (at most
+// once a second), which then routes the queue's calls to the promoted
+// replica, whose breaker is its own.
+func TestClusterOpenBreakerLearnsOfThePromotion(t *testing.T) {
+	t.Parallel()
+	procs, c := redistest.OwnCluster(t, 3, true)
+	watch := watchSlots(c)
+	logNodesOnFailure(t, procs)
+	queues := queuesOnEveryMaster(t, c, "obp")
+	ctx := context.Background()
+	d, err := New(ctx, c, Config{Prefix: "obp-" + uniq(t), LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
+		BreakerThreshold: 2, breakerBackoff: backoff{Min: 5 * time.Minute, Max: 5 * time.Minute}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	client := d.NewClient()
+	for _, q := range queues {
+		if _, err := client.EnqueueContext(ctx, asynq.NewTask("obp:job", []byte(`{"k":"warm"}`)), asynq.Queue(q)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dead := queues[0]
+	var master, replica *redistest.Proc
+	for i, p := range procs[:3] {
+		if p.Addr == masterOf(t, c, dead) {
+			master, replica = p, procs[3+i]
+		}
+	}
+	rc := redis.NewClient(&redis.Options{Addr: replica.Addr})
+	t.Cleanup(func() { _ = rc.Close() })
+	master.Kill()
+	killed := time.Now()
+	// The calls fail until the breaker opens; then they are refused.
+	// (d.breakerState() is not asked: it reloads the slot map itself.)
+	for i := 0; ; i++ {
+		_, err := client.EnqueueContext(ctx, asynq.NewTask("obp:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
+		if errors.Is(err, ErrCircuitOpen) {
+			break
+		}
+		if err == nil || time.Since(killed) > 30*time.Second {
+			t.Fatalf("queue %s on the killed master, %v after the kill: %v, want ErrCircuitOpen", dead, time.Since(killed), err)
+		}
+	}
+	// The replica is promoted, and every live node says so.
+	promoted := awaitPromotion(t, c, watch, procs, dead, master.Addr, replica.Addr, rc, killed)
+	var last error
+	for i := 0; ; i++ {
+		_, last = client.EnqueueContext(ctx, asynq.NewTask("obp:job", fmt.Appendf(nil, `{"j":%d}`, i)), asynq.Queue(dead))
+		if last == nil {
+			break
+		}
+		if time.Since(promoted) > 10*time.Second {
+			t.Fatalf("queue %s: %v, 10 s after every live node named the promoted replica %s (%s)",
+				dead, last, replica.Addr, clusterView(c, watch, procs, dead, master.Addr))
+		}
+		time.Sleep(50 * time.Millisecond) // polling the recovery
+	}
+	t.Logf("recovered %v after the promotion was known to every live node", time.Since(promoted).Round(time.Millisecond))
+}
+
+// awaitPromotion waits (forcing it after 8 s: forcedTakeover) until the
+// replica rc (at replica) of the killed master dead is a master and every
+// live node of procs names it for queue q's slot, and returns when; it
+// fails the test, saying what each node thinks, when that takes over 45 s:
+// then the cluster, not the client, is at fault.
+func awaitPromotion(t *testing.T, c *redis.ClusterClient, watch *slotsWatch, procs []*redistest.Proc, q, dead, replica string,
+	rc *redis.Client, since time.Time) time.Time {
+	t.Helper()
+	takeover := forcedTakeover(rc, since)
+	for {
+		takeover()
+		if everyNodeNames(procs, q, dead, replica) {
+			return time.Now()
+		}
+		if time.Since(since) > 45*time.Second {
+			t.Fatalf("%v after the kill of %s, its replica %s is not the master of queue %s's slot for every live node: "+
+				"the cluster never promoted it (%s)", time.Since(since).Round(time.Millisecond), dead, replica, q, clusterView(c, watch, procs, q, dead))
+		}
+		time.Sleep(50 * time.Millisecond) // gossip has no signal to wait on
+	}
+}
+
+// everyNodeNames reports whether every node of procs but dead answers and
+// names addr as the master of queue q's slot (CLUSTER SLOTS).
+func everyNodeNames(procs []*redistest.Proc, q, dead, addr string) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	for _, p := range procs {
+		if p.Addr == dead {
+			continue
+		}
+		nc := redis.NewClient(&redis.Options{Addr: p.Addr, MaxRetries: -1})
+		slot, err := nc.ClusterKeySlot(ctx, "{"+q+"}").Result()
+		var slots []redis.ClusterSlot
+		if err == nil {
+			slots, err = nc.ClusterSlots(ctx).Result()
+		}
+		_ = nc.Close()
+		if err != nil || slotMaster(slots, int(slot)) != addr {
+			return false
+		}
+	}
+	return true
+}
+
 // With one master dead, the heartbeat keeps renewing the locks of tasks
 // running on the other masters' queues ("the heartbeat renews each
 // master's locks in a pipeline of their own, concurrently"): such a lock
