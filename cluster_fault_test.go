@@ -112,16 +112,186 @@ func TestClusterDeadMasterStaysItsOwnProblem(t *testing.T) {
 	t.Logf("%d enqueues; %d failed, all on the dead master's queue", n, len(errs[dead]))
 }
 
-// clusterView says which master the client maps queue q's keys to, and
-// what CLUSTER SHARDS of that answer, for a failure's message.
-func clusterView(c *redis.ClusterClient, q string) string {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+// clusterView says, for a failure's message, first a verdict: whether the
+// live nodes of procs (all but dead, the killed master) give queue q's
+// slot to a promoted node (then the client failed to learn of it), to the
+// dead master still (the cluster never promoted a replica), or disagree (a
+// promotion only some nodes heard of). Then which master the client maps q
+// to, what its slot map reloads (watch) heard, and what each live node
+// thinks: its ROLE, the master its CLUSTER SLOTS names for the slot, and
+// each node its CLUSTER NODES knows (address, flags, master, config epoch,
+// link).
+func clusterView(c *redis.ClusterClient, watch *slotsWatch, procs []*redistest.Proc, q, dead string) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
-	n, err := c.MasterForKey(ctx, "{"+q+"}")
-	if err != nil {
-		return fmt.Sprintf("client: no master for %s: %v", q, err)
+	var b strings.Builder
+	if n, err := c.MasterForKey(ctx, "{"+q+"}"); err != nil {
+		fmt.Fprintf(&b, "client: no master for %s: %v", q, err)
+	} else {
+		fmt.Fprintf(&b, "client maps %s to %s", q, n.Options().Addr)
 	}
-	return fmt.Sprintf("client maps %s to %s", q, n.Options().Addr)
+	slot := -1
+	named := map[string][]string{} // master named for the slot → the live nodes naming it
+	for _, p := range procs {
+		if p.Addr == dead {
+			continue
+		}
+		nc := redis.NewClient(&redis.Options{Addr: p.Addr, MaxRetries: -1})
+		if slot < 0 {
+			if n, err := nc.ClusterKeySlot(ctx, "{"+q+"}").Result(); err == nil {
+				slot = int(n)
+				if watch != nil {
+					fmt.Fprintf(&b, "; %s", watch.about(slot))
+				}
+			}
+		}
+		role, err := nc.Do(ctx, "ROLE").Slice()
+		if err != nil {
+			fmt.Fprintf(&b, "; node %s: %v", p.Addr, err)
+			named["(no answer)"] = append(named["(no answer)"], p.Addr)
+			_ = nc.Close()
+			continue
+		}
+		m := slotMaster(nc.ClusterSlots(ctx).Val(), slot)
+		named[m] = append(named[m], p.Addr)
+		fmt.Fprintf(&b, "; node %s: %v, slot %d on %s", p.Addr, role[0], slot, m)
+		nodes, _ := nc.ClusterNodes(ctx).Result()
+		addrOf := map[string]string{}
+		for line := range strings.Lines(nodes) {
+			if f := strings.Fields(line); len(f) > 7 {
+				addrOf[f[0]] = strings.Split(f[1], "@")[0]
+			}
+		}
+		fmt.Fprintf(&b, ", knows [")
+		for line := range strings.Lines(nodes) {
+			f := strings.Fields(line)
+			if len(f) <= 7 {
+				continue
+			}
+			of := ""
+			if f[3] != "-" {
+				of = " of " + addrOf[f[3]]
+			}
+			fmt.Fprintf(&b, " %s %s%s e%s %s;", strings.Split(f[1], "@")[0], f[2], of, f[6], f[7])
+		}
+		fmt.Fprintf(&b, " ]")
+		_ = nc.Close()
+	}
+	var verdict string
+	switch {
+	case len(named) > 1:
+		verdict = fmt.Sprintf("the live nodes disagree on the master of %s's slot (%v): a promotion only part of the cluster heard of", q, named)
+	case len(named[dead]) > 0:
+		verdict = fmt.Sprintf("every live node still gives %s's slot to the dead master %s: the cluster never promoted a replica", q, dead)
+	default:
+		for m := range named {
+			verdict = fmt.Sprintf("every live node gives %s's slot to %s: the cluster promoted it, the client has not learnt of it", q, m)
+		}
+	}
+	return verdict + "; " + b.String()
+}
+
+// logNodesOnFailure logs, if the test fails, the logs of the nodes of
+// procs still running then (call it after OwnCluster: it runs before the
+// cluster's cleanups kill them).
+func logNodesOnFailure(t *testing.T, procs []*redistest.Proc) {
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		for _, p := range procs {
+			if l := p.Log(); l != "" {
+				t.Logf("log of node %s:\n%s", p.Addr, l)
+			}
+		}
+	})
+}
+
+// slotMaster is the master CLUSTER SLOTS names for slot ("none" if no range
+// holds it).
+func slotMaster(slots []redis.ClusterSlot, slot int) string {
+	for _, s := range slots {
+		if s.Start <= slot && slot <= s.End && len(s.Nodes) > 0 {
+			return s.Nodes[0].Addr
+		}
+	}
+	return "none"
+}
+
+// slotsWatch records a Cluster client's slot map reloads (the CLUSTER
+// SLOTS calls go-redis makes on its node clients), for a failure's message.
+type slotsWatch struct {
+	mu    sync.Mutex
+	start time.Time
+	loads []slotsLoad
+}
+
+// slotsLoad is one reload: when, from which node, and its answer.
+type slotsLoad struct {
+	at    time.Time
+	from  string
+	slots []redis.ClusterSlot
+}
+
+// watchSlots starts recording c's reloads; call it before c's first call
+// (it sees the node clients made after it).
+func watchSlots(c *redis.ClusterClient) *slotsWatch {
+	w := &slotsWatch{start: time.Now()}
+	c.OnNewNode(func(nc *redis.Client) {
+		addr := nc.Options().Addr
+		nc.AddHook(slotsHook{w, addr})
+	})
+	return w
+}
+
+// about says how often the client reloaded its slot map, and which node
+// named which master for slot, how often, and when last (since the watch
+// began).
+func (w *slotsWatch) about(slot int) string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.loads) == 0 {
+		return "the client never reloaded its slot map"
+	}
+	type said struct{ from, named string }
+	var order []said
+	count, last := map[said]int{}, map[said]time.Time{}
+	for _, l := range w.loads {
+		k := said{l.from, slotMaster(l.slots, slot)}
+		if count[k] == 0 {
+			order = append(order, k)
+		}
+		count[k]++
+		last[k] = l.at
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "the client loaded its slot map %d times, the last %v ago; for slot %d:", len(w.loads),
+		time.Since(w.loads[len(w.loads)-1].at).Round(time.Millisecond), slot)
+	for _, k := range order {
+		fmt.Fprintf(&b, " %s named %s %d times (last at +%v),", k.from, k.named, count[k], last[k].Sub(w.start).Round(time.Millisecond))
+	}
+	return strings.TrimSuffix(b.String(), ",")
+}
+
+type slotsHook struct {
+	w    *slotsWatch
+	addr string
+}
+
+func (h slotsHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h slotsHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h slotsHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if sc, ok := cmd.(*redis.ClusterSlotsCmd); ok && err == nil {
+			h.w.mu.Lock()
+			h.w.loads = append(h.w.loads, slotsLoad{time.Now(), h.addr, sc.Val()})
+			h.w.mu.Unlock()
+		}
+		return err
+	}
 }
 
 // forcedTakeover returns a function that, called while the test waits for a
@@ -152,6 +322,8 @@ func forcedTakeover(replica *redis.Client, since time.Time) func() {
 func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, true)
+	watch := watchSlots(c)
+	logNodesOnFailure(t, procs)
 	queues := queuesOnEveryMaster(t, c, "promo")
 	ctx := context.Background()
 	// LockTimeout leaves the live masters room for a loaded machine: a
@@ -200,7 +372,11 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	takeover := forcedTakeover(rc, killed)
 	for i := 0; recovered.IsZero(); i++ {
 		if time.Since(killed) > 60*time.Second {
-			t.Fatalf("no recovery 60 s after the kill (promoted: %v, %d failures, the last: %v; %s)", !promoted.IsZero(), failures, lastErr, clusterView(c, dead))
+			seen := "never seen promoted"
+			if !promoted.IsZero() {
+				seen = fmt.Sprintf("seen promoted %v after the kill", promoted.Sub(killed).Round(time.Millisecond))
+			}
+			t.Fatalf("no recovery 60 s after the kill (replica %s %s, %d failures, the last: %v; %s)", replica.Addr, seen, failures, lastErr, clusterView(c, watch, procs, dead, master.Addr))
 		}
 		takeover()
 		if promoted.IsZero() && strings.Contains(rc.Info(ctx, "replication").Val(), "role:master") {
@@ -393,6 +569,8 @@ func TestClusterManualFailoverWithHandlersRunning(t *testing.T) {
 func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	t.Parallel()
 	procs, c := redistest.OwnCluster(t, 3, true)
+	watch := watchSlots(c)
+	logNodesOnFailure(t, procs)
 	queues := queuesOnEveryMaster(t, c, "a5bk")
 	ctx := context.Background()
 	d, err := New(ctx, c, Config{Prefix: "a5b-" + uniq(t), LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
@@ -409,8 +587,10 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	}
 	dead := queues[0]
 	var replica *redis.Client
+	var deadAddr string
 	for i, p := range procs[:3] {
 		if p.Addr == masterOf(t, c, dead) {
+			deadAddr = p.Addr
 			replica = redis.NewClient(&redis.Options{Addr: procs[3+i].Addr})
 			t.Cleanup(func() { _ = replica.Close() })
 			p.Kill()
@@ -422,7 +602,7 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 	ok := 0
 	for i := 0; ok < 20; i++ {
 		if time.Since(start) > 60*time.Second { // (a failover takes ~8 s; far more on a loaded machine)
-			t.Fatalf("the dead master's queue never recovered (breaker %v; last error: %v; %s)", d.breakerState(), err, clusterView(c, dead))
+			t.Fatalf("the dead master's queue never recovered (breaker %v; last error: %v; %s)", d.breakerState(), err, clusterView(c, watch, procs, dead, deadAddr))
 		}
 		takeover()
 		_, err = client.EnqueueContext(ctx, asynq.NewTask("a5:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
@@ -453,6 +633,117 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 		_, _ = client.EnqueueContext(ctx, asynq.NewTask("a5:job", []byte(`{"k":"poll"}`)), asynq.Queue(dead))
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// A master dies and its breaker opens with a long wait (BreakerBackoff up
+// to 30 s by default): no probe comes for a while, and every call of its
+// queue is refused at once, without reaching Redis. Once its replica is
+// promoted, the queue must still recover within seconds, not at the next
+// probe or at go-redis's own periodic reload (ClusterStateReloadInterval,
+// a minute): a refused call asks go-redis to reload the slot map (at most
+// once a second), which then routes the queue's calls to the promoted
+// replica, whose breaker is its own.
+func TestClusterOpenBreakerLearnsOfThePromotion(t *testing.T) {
+	t.Parallel()
+	procs, c := redistest.OwnCluster(t, 3, true)
+	watch := watchSlots(c)
+	logNodesOnFailure(t, procs)
+	queues := queuesOnEveryMaster(t, c, "obp")
+	ctx := context.Background()
+	d, err := New(ctx, c, Config{Prefix: "obp-" + uniq(t), LockTimeout: 300 * time.Millisecond, Logger: quietLogger(),
+		BreakerThreshold: 2, breakerBackoff: backoff{Min: 5 * time.Minute, Max: 5 * time.Minute}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	client := d.NewClient()
+	for _, q := range queues {
+		if _, err := client.EnqueueContext(ctx, asynq.NewTask("obp:job", []byte(`{"k":"warm"}`)), asynq.Queue(q)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dead := queues[0]
+	var master, replica *redistest.Proc
+	for i, p := range procs[:3] {
+		if p.Addr == masterOf(t, c, dead) {
+			master, replica = p, procs[3+i]
+		}
+	}
+	rc := redis.NewClient(&redis.Options{Addr: replica.Addr})
+	t.Cleanup(func() { _ = rc.Close() })
+	master.Kill()
+	killed := time.Now()
+	// The calls fail until the breaker opens; then they are refused.
+	// (d.breakerState() is not asked: it reloads the slot map itself.)
+	for i := 0; ; i++ {
+		_, err := client.EnqueueContext(ctx, asynq.NewTask("obp:job", fmt.Appendf(nil, `{"i":%d}`, i)), asynq.Queue(dead))
+		if errors.Is(err, ErrCircuitOpen) {
+			break
+		}
+		if err == nil || time.Since(killed) > 30*time.Second {
+			t.Fatalf("queue %s on the killed master, %v after the kill: %v, want ErrCircuitOpen", dead, time.Since(killed), err)
+		}
+	}
+	// The replica is promoted, and every live node says so.
+	promoted := awaitPromotion(t, c, watch, procs, dead, master.Addr, replica.Addr, rc, killed)
+	var last error
+	for i := 0; ; i++ {
+		_, last = client.EnqueueContext(ctx, asynq.NewTask("obp:job", fmt.Appendf(nil, `{"j":%d}`, i)), asynq.Queue(dead))
+		if last == nil {
+			break
+		}
+		if time.Since(promoted) > 10*time.Second {
+			t.Fatalf("queue %s: %v, 10 s after every live node named the promoted replica %s (%s)",
+				dead, last, replica.Addr, clusterView(c, watch, procs, dead, master.Addr))
+		}
+		time.Sleep(50 * time.Millisecond) // polling the recovery
+	}
+	t.Logf("recovered %v after the promotion was known to every live node", time.Since(promoted).Round(time.Millisecond))
+}
+
+// awaitPromotion waits (forcing it after 8 s: forcedTakeover) until the
+// replica rc (at replica) of the killed master dead is a master and every
+// live node of procs names it for queue q's slot, and returns when; it
+// fails the test, saying what each node thinks, when that takes over 45 s:
+// then the cluster, not the client, is at fault.
+func awaitPromotion(t *testing.T, c *redis.ClusterClient, watch *slotsWatch, procs []*redistest.Proc, q, dead, replica string,
+	rc *redis.Client, since time.Time) time.Time {
+	t.Helper()
+	takeover := forcedTakeover(rc, since)
+	for {
+		takeover()
+		if everyNodeNames(procs, q, dead, replica) {
+			return time.Now()
+		}
+		if time.Since(since) > 45*time.Second {
+			t.Fatalf("%v after the kill of %s, its replica %s is not the master of queue %s's slot for every live node: "+
+				"the cluster never promoted it (%s)", time.Since(since).Round(time.Millisecond), dead, replica, q, clusterView(c, watch, procs, q, dead))
+		}
+		time.Sleep(50 * time.Millisecond) // gossip has no signal to wait on
+	}
+}
+
+// everyNodeNames reports whether every node of procs but dead answers and
+// names addr as the master of queue q's slot (CLUSTER SLOTS).
+func everyNodeNames(procs []*redistest.Proc, q, dead, addr string) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	for _, p := range procs {
+		if p.Addr == dead {
+			continue
+		}
+		nc := redis.NewClient(&redis.Options{Addr: p.Addr, MaxRetries: -1})
+		slot, err := nc.ClusterKeySlot(ctx, "{"+q+"}").Result()
+		var slots []redis.ClusterSlot
+		if err == nil {
+			slots, err = nc.ClusterSlots(ctx).Result()
+		}
+		_ = nc.Close()
+		if err != nil || slotMaster(slots, int(slot)) != addr {
+			return false
+		}
+	}
+	return true
 }
 
 // With one master dead, the heartbeat keeps renewing the locks of tasks

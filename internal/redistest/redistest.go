@@ -134,6 +134,13 @@ type Proc struct {
 	dir  string
 }
 
+// Log returns the server's log so far ("" once it is killed: its directory
+// goes with it).
+func (p *Proc) Log() string {
+	b, _ := os.ReadFile(filepath.Join(p.dir, "redis.log"))
+	return string(b)
+}
+
 // Spawn starts redis-server on a free loopback port (or on addr, to restart
 // one there), with persistence off and extra arguments after the defaults,
 // and waits until it answers PING.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"net"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -98,5 +99,52 @@ func TestBreakerOneOpeningPerOutage(t *testing.T) {
 	now = now.Add(500 * time.Millisecond)
 	if !b.allow() {
 		t.Fatal("no probe after the first backoff")
+	}
+}
+
+// On Redis Cluster, a call refused by its master's open breaker asks
+// go-redis to reload the slot map (at most once per reloadEvery), as a
+// failed call does: while the breaker waits (up to half a minute) the
+// refused calls are the only traffic for the dead master's slots, and a
+// replica promoted meanwhile must be found without waiting for the next
+// probe or go-redis's own reload (a minute). Here the slot map (counted)
+// names a master nothing listens on.
+func TestRefusedCallsReloadTheSlotMap(t *testing.T) {
+	dead, err := redistest.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	host, port, _ := net.SplitHostPort(dead)
+	var loads atomic.Int64
+	c := redis.NewClusterClient(&redis.ClusterOptions{MaxRetries: -1, ContextTimeoutEnabled: true,
+		ClusterSlots: func(context.Context) ([]redis.ClusterSlot, error) {
+			loads.Add(1)
+			return []redis.ClusterSlot{{Start: 0, End: 16383, Nodes: []redis.ClusterNode{{Addr: net.JoinHostPort(host, port)}}}}, nil
+		}})
+	t.Cleanup(func() { _ = c.Close() })
+	cfg := testConfig(t)
+	cfg.LockTimeout, cfg.BreakerThreshold = time.Second, 1
+	cfg.BreakerWait = func(int) time.Duration { return time.Hour } // no probe during the test
+	cfg.ErrCircuitOpen = errors.New("circuit open")
+	s := New(c, cfg)
+	t.Cleanup(func() { s.Close(c) })
+	ctx := context.Background()
+	get := func(ctx context.Context, c redis.Cmdable) (any, error) { return c.Get(ctx, "{q}k").Result() }
+	if _, err := s.Do(ctx, "{q}k", get); err == nil || errors.Is(err, cfg.ErrCircuitOpen) {
+		t.Fatalf("call to a dead master: %v, want its failure", err)
+	}
+	if s.BreakerState() != BreakerOpen {
+		t.Fatal("the breaker did not open")
+	}
+	// (BreakerState reloads the map itself: from here on it is not asked.)
+	deadline := time.Now().Add(5 * time.Second)
+	for before := loads.Load(); loads.Load() == before; {
+		if time.Now().After(deadline) {
+			t.Fatalf("refused calls for 5 s and no slot map reload (%d loads in all)", loads.Load())
+		}
+		if _, err := s.Do(ctx, "{q}k", get); !errors.Is(err, cfg.ErrCircuitOpen) {
+			t.Fatalf("call with the breaker open: %v, want it refused", err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

@@ -184,8 +184,20 @@ func (s *Store) Foreign(ctx context.Context, route string, fn func() (any, error
 }
 
 // guard runs send through sh's circuit breaker and records its outcome.
+//
+// A call the open breaker refuses still asks go-redis to reload the
+// cluster's slot map (faulted: at most once per reloadEvery): on Redis
+// Cluster an open breaker is a master's that failed, and while it stays
+// open (BreakerWait, up to half a minute) the refused calls are the only
+// traffic for its slots. Without the reload, a replica promoted meanwhile
+// would be learnt of only at the breaker's next probe or at go-redis's
+// own periodic reload (a minute), and the queue would stay refused, on
+// the dead master's shard, until then; with it, the next call after the
+// reload finds the slots on the promoted node, whose shard (and breaker)
+// is its own.
 func (s *Store) guard(ctx context.Context, sh *shard, send func() (any, error)) (any, error) {
 	if !sh.br.allow() {
+		s.sh.faulted()
 		return nil, sh.br.refusal(s.cfg.ErrCircuitOpen)
 	}
 	v, err := send()

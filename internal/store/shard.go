@@ -114,9 +114,11 @@ func (sh *shards) all() []*shard {
 const reloadEvery = time.Second
 
 // faulted asks go-redis, at most once per reloadEvery, to reload the
-// cluster's slot map after a call failed on the network: a master that died
-// is replaced by its promoted replica as soon as the cluster has promoted
-// it, not at go-redis's next periodic refresh.
+// cluster's slot map after a call failed on the network, or was refused by
+// its node's open breaker (guard): a master that died is replaced by its
+// promoted replica as soon as the cluster has promoted it, not at
+// go-redis's next periodic refresh (go-redis reloads on MOVED, not on a
+// failed dial).
 func (sh *shards) faulted() {
 	if sh.cluster == nil {
 		return
