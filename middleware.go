@@ -277,7 +277,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 		l.rec.Set(attempt.Released)
 		return
 	}
-	if !d.findLock(ctx, l) {
+	if !d.findLock(context.WithoutCancel(ctx), l) { // (asynq may have ended ctx: the settle still follows)
 		l.rec.Set(attempt.Released)
 		return
 	}
