@@ -154,6 +154,18 @@ func (e *env) serve(h asynq.HandlerFunc) {
 	e.t.Cleanup(srv.Shutdown)
 }
 
+// serveRecording serves a handler that succeeds at once, recording each
+// run's payload.
+func (e *env) serveRecording() *runs {
+	r := newRuns()
+	e.serve(func(_ context.Context, task *asynq.Task) error {
+		r.enter(string(task.Payload()))
+		r.exit(string(task.Payload()))
+		return nil
+	})
+	return r
+}
+
 // runs records what a handler ran, and signals each run.
 type runs struct {
 	mu       sync.Mutex

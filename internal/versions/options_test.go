@@ -193,12 +193,7 @@ func TestMaxPendingBoundsTheWaitingKeys(t *testing.T) {
 		if res, err := e.c.Submit(ctx, asynq.NewTask("mp", []byte("3")), asynq.Queue(e.q)); err == nil {
 			t.Fatalf("a third waiting key: %+v, want refused", res)
 		}
-		r := newRuns()
-		e.serve(func(_ context.Context, task *asynq.Task) error {
-			r.enter(string(task.Payload()))
-			r.exit(string(task.Payload()))
-			return nil
-		})
+		r := e.serveRecording()
 		redistest.WaitFor(t, r.ran, "a run")
 		redistest.WaitFor(t, r.ran, "the other run")
 		redistest.Eventually(t, "room for another key", func() bool {
@@ -237,12 +232,7 @@ func TestDebounceRunsABurstOnceWithItsLastPayload(t *testing.T) {
 				t.Fatalf("folded into %s, want %s", res.TaskID, first.TaskID)
 			}
 		}
-		r := newRuns()
-		e.serve(func(_ context.Context, task *asynq.Task) error {
-			r.enter(string(task.Payload()))
-			r.exit(string(task.Payload()))
-			return nil
-		})
+		r := e.serveRecording()
 		redistest.WaitFor(t, r.ran, "the burst's run")
 		redistest.Eventually(t, "the key is free", func() bool { return e.free("db", `{"k":1}`) })
 		time.Sleep(300 * time.Millisecond)

@@ -76,12 +76,7 @@ func TestReplaceRunsTheWaitingTaskOnceWithTheNewestPayload(t *testing.T) {
 				t.Fatalf("replaced into %s, want %s", res.TaskID, first.TaskID)
 			}
 		}
-		r := newRuns()
-		e.serve(func(_ context.Context, task *asynq.Task) error {
-			r.enter(string(task.Payload()))
-			r.exit(string(task.Payload()))
-			return nil
-		})
+		r := e.serveRecording()
 		redistest.WaitFor(t, r.ran, "the task's run")
 		redistest.Eventually(t, "the key is free", func() bool { return e.free("state", `{"user":1}`) })
 		if got := r.seen(); !slices.Equal(got, []string{`{"user":1,"v":3}`}) {
@@ -394,12 +389,7 @@ func TestBatchAnswersEachTaskAsSubmitWould(t *testing.T) {
 		case !hasHeaders() && !errors.Is(res[3].Err, dedup.ErrInvalidOption):
 			t.Fatalf("a caller-chosen ID without task headers: %+v, want ErrInvalidOption", res[3])
 		}
-		r := newRuns()
-		e.serve(func(_ context.Context, task *asynq.Task) error {
-			r.enter(string(task.Payload()))
-			r.exit(string(task.Payload()))
-			return nil
-		})
+		r := e.serveRecording()
 		want := 2
 		if hasHeaders() {
 			want = 3
