@@ -219,8 +219,11 @@ func TestHandlerOutlivingAShutdownNeverRunsBesideItsRequeuedTask(t *testing.T) {
 			close(release)
 			t.Fatalf("task %v after the shutdown, want pending (requeued)", st)
 		}
+		busy := e.d.Stats().Busy
 		e.serve(h)
-		time.Sleep(time.Second) // the next server takes the requeued task while the handler runs
+		redistest.Eventually(t, "the next server takes the requeued task while the handler runs", func() bool {
+			return e.d.Stats().Busy > busy || r.most() > 1
+		})
 		if r.most() > 1 {
 			close(release)
 			t.Fatalf("%d runs of one key at once", r.most())
