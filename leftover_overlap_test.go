@@ -7,7 +7,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // The invariant TestLifecycleMatrix checks: "no key ever had two live tasks
@@ -131,4 +133,35 @@ func TestLeftoverOfAShutdownRequeueLeavesTheRunningAttemptsLock(t *testing.T) {
 	if !errors.As(err, &dup) {
 		t.Errorf("enqueue of A's key while A runs on server 2: %v (task %v), want a duplicate of %s", err, info, a.ID)
 	}
+}
+
+// The key's mode record notes that a handler asynq gave up still runs, so
+// that the key does not heal under it. An operator releases that key while
+// the handler runs, and then the handler ends: its note must end with it.
+// Left behind, it named the task's next run (the same ID, taking the free
+// key) as still running, and kept that key from healing after the task was
+// archived, for as long as the note lasted; a fold into a new holder carried
+// it over to that holder too.
+func TestGivenUpHandlersNoteEndsWithItAfterItsKeyWasReleased(t *testing.T) {
+	t.Parallel()
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		release := make(chan struct{})
+		var once sync.Once
+		finish := func() { once.Do(func() { close(release) }) }
+		defer finish()
+		rc := newRecorder(func(run) error { <-release; return nil }) // ignores its context
+		h.serve(rc.handler(), nil)
+		task := counterTask("k", 1, 1)
+		a := h.enqueue(task, asynq.Timeout(time.Second), asynq.MaxRetry(0))
+		waitFor(t, rc.runs, "the attempt runs")
+		mode := store.ModeOf(h.keyOf(task, h.queue))
+		note := func() error { return h.rdb.HGet(ctx, mode, store.FieldOutlived).Err() }
+		eventually(t, "asynq gives the attempt up, and the key notes its handler", func() bool { return note() == nil })
+		if ok, err := h.d.Release(ctx, task, "", asynq.Queue(h.queue)); err != nil || !ok {
+			t.Fatalf("forced release of %s's key: %v, %v", a.ID, ok, err)
+		}
+		finish()
+		eventually(t, "the note goes as the handler ends", func() bool { return errors.Is(note(), redis.Nil) })
+	})
 }

@@ -157,7 +157,7 @@ if adopt then
   -- The follow-up a gone holder owed takes the key, and the call folds into it.
   queue_now(f)
   call('SET', K.L, f, 'PX', ttl)
-  call('HSET', K.M, 'id', f, 'n', 0)
+  hand(K.M, f, 0)
   call('HDEL', K.M, 'f')
   keep(K.L, K.M)
   holder, m[1], m[4], f = f, f, '0', nil

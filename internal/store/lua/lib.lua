@@ -119,10 +119,17 @@ local function keep(lock, mode)
   end
 end
 
+-- hand names holder in the key's mode record, with n folds: the note of
+-- another task's given-up handler (field o) is not the new holder's.
+local function hand(mode, holder, n)
+  call('HSET', mode, 'id', holder, 'n', n)
+  call('HDEL', mode, 'o')
+end
+
 -- count counts a fold into holder's key (the version Merge compares) in its
 -- mode record, whose holder was id.
 local function count(lock, mode, id, holder)
-  if id ~= holder then call('HSET', mode, 'id', holder, 'n', 1) else call('HINCRBY', mode, 'n', 1) end
+  if id ~= holder then hand(mode, holder, 1) else call('HINCRBY', mode, 'n', 1) end
   keep(lock, mode)
 end
 

@@ -75,7 +75,7 @@ if queued ~= '' then call('HDEL', K.M, 'f') end
 if queued ~= '' and A[2] == 'stuck' and v then
   -- The holder cannot run: its follow-up takes the key (and its mode).
   call('SET', K.L, queued, 'KEEPTTL')
-  call('HSET', K.M, 'id', queued, 'n', 0)
+  hand(K.M, queued, 0)
   return {1, holder, queued}
 end
 call('DEL', K.L)

@@ -36,11 +36,12 @@ roles(0)
 local A = ARGV
 local id, out = A[2], A[3]
 local holder, kind = holder_of(call('GET', K.L))
-if holder ~= id then return {0} end
 local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o')
 local mine = m[1] == id
+-- The handler asynq gave up has ended, whoever holds the key now: its note goes.
+if mine and m[6] then call('HDEL', K.M, 'o') end
+if holder ~= id then return {0} end
 local f = mine and m[2]
-if mine and m[6] then call('HDEL', K.M, 'o') end -- (the handler asynq gave up has ended)
 local now, now_ms = now_parts()
 if f and f ~= A[7] then K.G = nil end
 if f and lacks(out == 'retry' and 'S' or 'GSPR') then return {11, lacking, '', f} end
