@@ -664,7 +664,7 @@ func (m *modelRun) enqueueWith(t *rapid.T, fault bool) {
 		opts = append(opts, asynq.Retention(time.Hour))
 	}
 	if fault {
-		m.faults.arm()
+		ctx = m.faults.arm(ctx)
 	}
 	res, err := c.Submit(ctx, asynq.NewTask(modelType, modelPayload(e.k, e.marker)), opts...)
 	fired := m.faults.disarm()
@@ -967,7 +967,7 @@ func (m *modelRun) process(t *rapid.T, a *mAttempt, msg modelMsg, arm bool) erro
 		return outcomeErr(a.outcome)
 	})
 	if arm {
-		m.faults.arm()
+		ctx = m.faults.arm(ctx)
 	}
 	err := m.mw(handler).ProcessTask(ctx, asynq.NewTaskWithHeaders(msg.typ, msg.payload, msg.headers))
 	m.expectFired(t, a.String(), a.fault, m.faults.disarm())
@@ -1638,14 +1638,19 @@ func (m *modelRun) dump() string {
 var errInjected = errors.New("model: injected Redis error")
 
 // modelFaults is a go-redis hook on the Dedup's client: once armed, it fails
-// the next command (or pipeline) before it reaches Redis, and records it,
-// naming this package's scripts.
+// the next command (or pipeline) made under the armed context before it
+// reaches Redis, and records it, naming this package's scripts. The
+// Dedup's own background calls (its stats flusher, heartbeat, probes) go
+// through: met first, they would take the fault meant for the step.
 type modelFaults struct {
 	mu      sync.Mutex
-	armed   bool
+	armed   *faultArm // nil when disarmed
 	fired   []string
 	scripts map[string]string // SHA1 → script name
 }
+
+// faultArm marks the context of the call an armed fault is meant for.
+type faultArm struct{}
 
 func newModelFaults() *modelFaults {
 	f := &modelFaults{scripts: map[string]string{}}
@@ -1655,10 +1660,12 @@ func newModelFaults() *modelFaults {
 	return f
 }
 
-func (f *modelFaults) arm() {
+// arm fails the next call made under the returned context, derived from ctx.
+func (f *modelFaults) arm(ctx context.Context) context.Context {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.armed, f.fired = true, nil
+	f.armed, f.fired = new(faultArm), nil
+	return context.WithValue(ctx, faultArm{}, f.armed)
 }
 
 // disarm stops failing and returns the commands that failed.
@@ -1666,15 +1673,15 @@ func (f *modelFaults) disarm() []string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	out := f.fired
-	f.armed, f.fired = false, nil
+	f.armed, f.fired = nil, nil
 	return out
 }
 
-// trip reports whether cmds fail, disarming.
-func (f *modelFaults) trip(cmds ...redis.Cmder) bool {
+// trip reports whether cmds, made under ctx, fail, disarming.
+func (f *modelFaults) trip(ctx context.Context, cmds ...redis.Cmder) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if !f.armed {
+	if f.armed == nil || ctx.Value(faultArm{}) != f.armed {
 		return false
 	}
 	for _, c := range cmds {
@@ -1691,7 +1698,7 @@ func (f *modelFaults) trip(cmds ...redis.Cmder) bool {
 			f.fired = append(f.fired, name)
 		}
 	}
-	f.armed = false
+	f.armed = nil
 	return true
 }
 
@@ -1699,7 +1706,7 @@ func (f *modelFaults) DialHook(next redis.DialHook) redis.DialHook { return next
 
 func (f *modelFaults) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		if f.trip(cmd) {
+		if f.trip(ctx, cmd) {
 			cmd.SetErr(errInjected)
 			return errInjected
 		}
@@ -1709,7 +1716,7 @@ func (f *modelFaults) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 
 func (f *modelFaults) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
-		if f.trip(cmds...) {
+		if f.trip(ctx, cmds...) {
 			for _, c := range cmds {
 				c.SetErr(errInjected)
 			}
