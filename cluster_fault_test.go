@@ -26,12 +26,50 @@ func masterOf(t *testing.T, c *redis.ClusterClient, queue string) string {
 	return node.Options().Addr
 }
 
+// The tests that own a cluster run in two lanes, each one test after
+// another in a single parallel slot: redistest.OwnCluster lets two such
+// clusters live at once, and as parallel tests of their own, the ones
+// waiting for a cluster held slots that the other tests were waiting for.
+
+// TestClusterMasterFaults: a master dies or hangs.
+func TestClusterMasterFaults(t *testing.T) {
+	t.Parallel()
+	runLane(t, []lane{
+		{"DeadMasterStaysItsOwnProblem", testClusterDeadMasterStaysItsOwnProblem},
+		{"KilledMasterRecoversAfterPromotion", testClusterKilledMasterRecoversAfterPromotion},
+		{"HeartbeatGoesOnWhenOneMasterDies", testClusterHeartbeatGoesOnWhenOneMasterDies},
+		{"SettleOnAHealthyMasterDoesNotWaitForAHungOne", testClusterSettleOnAHealthyMasterDoesNotWaitForAHungOne},
+	})
+}
+
+// TestClusterTopologyChanges: a failover, and a slot migrating.
+func TestClusterTopologyChanges(t *testing.T) {
+	t.Parallel()
+	runLane(t, []lane{
+		{"ManualFailoverWithHandlersRunning", testClusterManualFailoverWithHandlersRunning},
+		{"BreakerClosesAfterFailover", testClusterBreakerClosesAfterFailover},
+		{"OpenBreakerLearnsOfThePromotion", testClusterOpenBreakerLearnsOfThePromotion},
+		{"SlotMigrationLosesNothing", testClusterSlotMigrationLosesNothing},
+	})
+}
+
+// lane is one test of a cluster lane.
+type lane struct {
+	name string
+	run  func(*testing.T)
+}
+
+func runLane(t *testing.T, tests []lane) {
+	for _, c := range tests {
+		t.Run(c.name, c.run)
+	}
+}
+
 // A master killed with SIGKILL is its own problem: enqueues to its queue
 // fail with ErrUnavailable (then fast, ErrCircuitOpen, once its breaker
 // opens), while enqueues to the other masters' queues, sent concurrently
 // and batched, all succeed, before and after that breaker opened.
-func TestClusterDeadMasterStaysItsOwnProblem(t *testing.T) {
-	t.Parallel()
+func testClusterDeadMasterStaysItsOwnProblem(t *testing.T) {
 	procs, c := redistest.OwnCluster(t, 3, false)
 	queues := queuesOnEveryMaster(t, c, "shard")
 	ctx := context.Background()
@@ -319,8 +357,7 @@ func forcedTakeover(replica *redis.Client, since time.Time) func() {
 // failed was stored; the other queues never fail; a task and its lock
 // written (and replicated) before the kill survive it: its duplicate is
 // still refused.
-func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
-	t.Parallel()
+func testClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 	procs, c := redistest.OwnCluster(t, 3, true)
 	watch := watchSlots(c)
 	logNodesOnFailure(t, procs)
@@ -444,8 +481,7 @@ func TestClusterKilledMasterRecoversAfterPromotion(t *testing.T) {
 // A manual failover (CLUSTER FAILOVER on a replica) while producers enqueue
 // and handlers run: no producer error, every accepted task runs exactly
 // once, and no key ever runs twice at once.
-func TestClusterManualFailoverWithHandlersRunning(t *testing.T) {
-	t.Parallel()
+func testClusterManualFailoverWithHandlersRunning(t *testing.T) {
 	procs, c := redistest.OwnCluster(t, 3, true)
 	queue := queuesOnEveryMaster(t, c, "fo")[0]
 	ctx := context.Background()
@@ -566,8 +602,7 @@ func TestClusterManualFailoverWithHandlersRunning(t *testing.T) {
 // After a master dies and its replica is promoted, and every queue's calls
 // succeed again, d.BreakerState() must say closed again ("reports the worst
 // of the masters' breakers", and the dead master is no longer one).
-func TestClusterBreakerClosesAfterFailover(t *testing.T) {
-	t.Parallel()
+func testClusterBreakerClosesAfterFailover(t *testing.T) {
 	procs, c := redistest.OwnCluster(t, 3, true)
 	watch := watchSlots(c)
 	logNodesOnFailure(t, procs)
@@ -643,8 +678,7 @@ func TestClusterBreakerClosesAfterFailover(t *testing.T) {
 // a minute): a refused call asks go-redis to reload the slot map (at most
 // once a second), which then routes the queue's calls to the promoted
 // replica, whose breaker is its own.
-func TestClusterOpenBreakerLearnsOfThePromotion(t *testing.T) {
-	t.Parallel()
+func testClusterOpenBreakerLearnsOfThePromotion(t *testing.T) {
 	procs, c := redistest.OwnCluster(t, 3, true)
 	watch := watchSlots(c)
 	logNodesOnFailure(t, procs)
@@ -750,8 +784,7 @@ func everyNodeNames(procs []*redistest.Proc, q, dead, addr string) bool {
 // running on the other masters' queues ("the heartbeat renews each
 // master's locks in a pipeline of their own, concurrently"): such a lock
 // outlives several leases while its handler runs.
-func TestClusterHeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
-	t.Parallel()
+func testClusterHeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
 	procs, c := redistest.OwnCluster(t, 3, false)
 	queues := queuesOnEveryMaster(t, c, "a5hb")
 	ctx := context.Background()
@@ -824,8 +857,7 @@ func TestClusterHeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
 // under a Cooldown, so that task's settle call (its cooling hold) hangs
 // (until LockTimeout). A task of a queue on a healthy master then succeeds:
 // its settle must not wait behind the hung one, so its key cools at once.
-func TestClusterSettleOnAHealthyMasterDoesNotWaitForAHungOne(t *testing.T) {
-	t.Parallel()
+func testClusterSettleOnAHealthyMasterDoesNotWaitForAHungOne(t *testing.T) {
 	_, c := redistest.OwnCluster(t, 3, false)
 	// A try is conclusive when the healthy queue's task ran while the hung
 	// master was still paused; asynq's own calls may meet that master (its
@@ -842,7 +874,7 @@ func TestClusterSettleOnAHealthyMasterDoesNotWaitForAHungOne(t *testing.T) {
 }
 
 // settleBesideAHungMaster runs one try of
-// TestClusterSettleOnAHealthyMasterDoesNotWaitForAHungOne on queues tagged
+// TestClusterMasterFaults/SettleOnAHealthyMasterDoesNotWaitForAHungOne on queues tagged
 // tag; conclusive is false when the healthy queue's task ran too late to
 // meet the hung master's pause.
 func settleBesideAHungMaster(t *testing.T, c *redis.ClusterClient, tag string) (conclusive bool) {

@@ -46,7 +46,7 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	os.Setenv(store.CheckKeysEnv, "1") // every script refuses a key it was not given
-	waitingTestsInParallel(4)
+	waitingTestsInParallel(6)
 	os.Exit(redistest.Main(m, "dedup"))
 }
 

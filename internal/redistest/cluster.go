@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -22,12 +21,12 @@ import (
 func OwnCluster(t *testing.T, masters int, replicas bool) ([]*Proc, *redis.ClusterClient) {
 	t.Helper()
 	NeedReal(t)
-	// One at a time: these clusters lose masters and fail over on purpose,
-	// and several failing over at once on a small machine (with the other
-	// tests beside them) left a promoted cluster unrecovered for a minute.
-	// (Registered first, the unlock runs after the cluster's cleanups.)
-	ownClusters.Lock()
-	t.Cleanup(ownClusters.Unlock)
+	// Two at a time: these clusters lose masters and fail over on purpose,
+	// and several failing over at once on a small machine, beside the
+	// other tests, starve each other's failure detection.
+	// (Registered first, the release runs after the cluster's cleanups.)
+	ownClusters <- struct{}{}
+	t.Cleanup(func() { <-ownClusters })
 	n := masters
 	if replicas {
 		n *= 2
@@ -63,8 +62,8 @@ func OwnCluster(t *testing.T, masters int, replicas bool) ([]*Proc, *redis.Clust
 	return procs, c
 }
 
-// ownClusters runs the tests that own a cluster one at a time.
-var ownClusters sync.Mutex
+// ownClusters lets two tests at a time own a cluster.
+var ownClusters = make(chan struct{}, 2)
 
 // addReplica makes r a replica of master, introduced to every one of
 // masters, and waits until it has synchronised with its master.
