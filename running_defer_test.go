@@ -343,3 +343,52 @@ func (g *givenUp) settle(t *testing.T, want counterPayload) int {
 	}
 	return ones
 }
+
+// The key owes a follow-up when an operator deletes its holder's waiting
+// retry (asynq's delete frees the lock), and a task that arrived without a
+// lock then takes the free key as it starts: the follow-up is still owed,
+// after the arrival. An update meanwhile folds into it; it never becomes a
+// second follow-up of the key beside the first.
+func TestDeferFollowUpStaysOwedWhenAnArrivalTakesTheKeyItsDeletedHolderFreed(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	started := make(chan int, 8)
+	holds := map[int]chan struct{}{1: make(chan struct{}), 3: make(chan struct{})}
+	t.Cleanup(func() {
+		for _, c := range holds {
+			close(c)
+		}
+	})
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		seq := decodeCounter(task).Seq
+		started <- seq
+		if c := holds[seq]; c != nil {
+			<-c // ignores its context
+		}
+		return nil
+	}, retryInAnHour)
+	a := h.enqueue(counterTask("k", 1, 1), asynq.Timeout(time.Second), asynq.MaxRetry(3))
+	if seq := waitFor(t, started, "the holder runs"); seq != 1 {
+		t.Fatalf("ran seq %d", seq)
+	}
+	eventually(t, "asynq gives the attempt up and waits to retry it", func() bool { return h.taskState(a.ID) == asynq.TaskStateRetry })
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update while the given-up handler runs: %+v %v, want a follow-up", f, err)
+	}
+	if err := h.insp.DeleteTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.asynq.Enqueue(counterTask("k", 1, 3), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	if seq := waitFor(t, started, "the arrival runs"); seq != 3 {
+		t.Fatalf("ran seq %d, want the arrival (3)", seq)
+	}
+	g, err := h.client.Submit(ctx, counterTask("k", 1, 4), asynq.Queue(h.queue))
+	if err != nil || g.TaskID != f.TaskID {
+		t.Fatalf("update while the arrival runs: %+v %v, want folded into the follow-up %s", g, err, f.TaskID)
+	}
+}

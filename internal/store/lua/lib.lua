@@ -119,8 +119,7 @@ local function keep(lock, mode)
   end
 end
 
--- hand names holder in the key's mode record, with n folds: the note of
--- another task's given-up handler (field o) is not the new holder's.
+-- hand names holder, with n folds, in mode: another task's note (o) goes.
 local function hand(mode, holder, n)
   call('HSET', mode, 'id', holder, 'n', n)
   call('HDEL', mode, 'o')

@@ -65,8 +65,10 @@ if not holder then
   if #A > 7 then
     call('DEL', K.M)
     call('HSET', K.M, unpack(A, 8))
+    if f then call('HSET', K.M, 'f', f) end -- (a follow-up the key owes runs after this task)
+    if f and m[3] then call('HSET', K.M, 'b', m[3]) end -- (and waits, for MaxPending)
     call('PEXPIRE', K.M, ttl)
-    m, f = {id, nil, m[3] or '1'}, nil -- (a gone holder's waiting-set entry goes, and it is not waiting)
+    m[1], m[3] = id, m[3] or '1' -- (a gone holder's waiting-set entry goes, but for the follow-up's)
   end
 end
 if m[3] and (not f or f == id) then
