@@ -356,6 +356,10 @@ func (w *osWorld) handler() asynq.Handler {
 				what := "returned nil without running"
 				if err != nil {
 					what = "returned " + err.Error()
+					if lastRetry(ctx) && !task.failed && task.removed == "" {
+						task.failed = true // (asynq archives it: its payload is not owed any more)
+						what += "; on its last retry, asynq archives it (failed for good)"
+					}
 				} else if into := m.foldedBusy(task, m.decisions[seen:]); into != nil {
 					what += ", folded into " + into.label
 				}
@@ -368,6 +372,14 @@ func (w *osWorld) handler() asynq.Handler {
 		}()
 		return mw.ProcessTask(context.WithValue(ctx, osCallKey{}, call), t)
 	})
+}
+
+// lastRetry reports whether the attempt of ctx is its task's last: asynq
+// archives a task whose last attempt returns an error.
+func lastRetry(ctx context.Context) bool {
+	n, _ := asynq.GetRetryCount(ctx)
+	maxRetry, _ := asynq.GetMaxRetry(ctx)
+	return n >= maxRetry
 }
 
 func (w *osWorld) inner(ctx context.Context, t *asynq.Task) error {
