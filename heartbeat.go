@@ -127,30 +127,51 @@ func (h *heartbeater) due(now time.Time) []*lease {
 
 // beat extends the keys of the attempts due.
 func (h *heartbeater) beat(now time.Time) {
-	d := h.d
 	ls := h.due(now)
 	if len(ls) == 0 {
 		return
 	}
 	ctx := context.Background()
-	keyed := h.keyed(ctx, ls)
-	es := make([]*store.Extend, len(keyed))
-	for i, l := range keyed {
-		es[i] = &store.Extend{Ref: l.ref, TTL: l.ttl}
+	var plain []*lease
+	var es []*store.Extend
+	for _, l := range h.keyed(ctx, ls) {
 		if l.outlivedMark.Load() {
-			es[i].Outlived = h.noteLife()
+			h.check(l, h.renewNote(ctx, l))
+			continue
 		}
+		plain = append(plain, l)
+		es = append(es, &store.Extend{Ref: l.ref, TTL: l.ttl})
 	}
-	for i, r := range d.store.ExtendAll(ctx, es) {
-		switch {
-		case r.Err != nil:
-			// Extension errors never fail a task; the next beat tries again.
-			d.count(keyed[i].ref.Type, evRedisError)
-			d.log.Warn("dedup: heartbeat failed", slog.String("task_id", keyed[i].ref.ID), slog.Any("error", r.Err))
-			h.again(keyed[i])
-		case !r.Owned:
-			h.lost(keyed[i])
-		}
+	for i, r := range h.d.store.ExtendAll(ctx, es) {
+		h.check(plain[i], r)
+	}
+}
+
+// renewNote extends the key of an attempt asynq gave up, renewing the note
+// that its handler still runs, under the lease's lock: once the handler has
+// returned, no renewal starts and none is under way, so the note its
+// settle clears stays cleared (the next attempt of the task, under the same
+// ID, may hold the key by then).
+func (h *heartbeater) renewNote(ctx context.Context, l *lease) store.ExtendResult {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.returned {
+		return store.ExtendResult{Owned: true} // (its settle follows)
+	}
+	return h.d.store.ExtendAll(ctx, []*store.Extend{{Ref: l.ref, TTL: l.ttl, Outlived: h.noteLife()}})[0]
+}
+
+// check acts on one extension's result: an error is tried again at the
+// next beat (extension errors never fail a task); a key no longer the
+// task's is a loss.
+func (h *heartbeater) check(l *lease, r store.ExtendResult) {
+	switch {
+	case r.Err != nil:
+		h.d.count(l.ref.Type, evRedisError)
+		h.d.log.Warn("dedup: heartbeat failed", slog.String("task_id", l.ref.ID), slog.Any("error", r.Err))
+		h.again(l)
+	case !r.Owned:
+		h.lost(l)
 	}
 }
 

@@ -651,3 +651,30 @@ func TestHeartbeatRetriesAFailedLockLookup(t *testing.T) {
 			c.extends, c.lookups, l.ttl/2, hb.interval)
 	}
 }
+
+// The heartbeat renews the note that a handler asynq gave up still runs
+// only while that handler runs: a beat that picked the attempt just before
+// its handler returned makes no renewal after it (the handler's settle
+// clears the note, and the task's next attempt, under the same ID, may
+// hold the key by then). Before the return, the same beat renews the note.
+func TestHeartbeatRenewsNoNoteAfterTheHandlerReturned(t *testing.T) {
+	h := newHarnessOn(t, newRDB(t), Config{})
+	h.client = h.d.NewClient()
+	task := userTask(1, "")
+	info := h.enqueue(task)
+	key := h.keyOf(task, h.queue)
+	for _, returned := range []bool{true, false} {
+		// An attempt asynq gave up; the heartbeat's loop does not run (no
+		// Middleware): the test beats by hand.
+		l := &lease{ref: store.Ref{Queue: h.queue, ID: info.ID, Type: task.Type(), Lock: key}, kind: store.IDPlain, ttl: h.d.ttlOf(&resolved{}), cancel: func(error) {}}
+		l.outlivedMark.Store(true)
+		l.returned = returned
+		h.d.hb.add(l)
+		h.d.hb.beat(time.Now())
+		h.d.hb.remove(l)
+		noted := h.rdb.HExists(context.Background(), store.ModeOf(key), store.FieldOutlived).Val()
+		if noted == returned {
+			t.Errorf("handler returned %v: the beat left the note %v, want %v", returned, noted, !returned)
+		}
+	}
+}
