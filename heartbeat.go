@@ -158,7 +158,7 @@ func (h *heartbeater) renewNote(ctx context.Context, l *lease) store.ExtendResul
 	if l.returned {
 		return store.ExtendResult{Owned: true} // (its settle follows)
 	}
-	return h.d.store.ExtendAll(ctx, []*store.Extend{{Ref: l.ref, TTL: l.ttl, Outlived: h.noteLife()}})[0]
+	return h.d.store.ExtendAll(ctx, []*store.Extend{{Ref: l.ref, TTL: l.ttl, Outlived: h.noteLife(), Note: l.note}})[0]
 }
 
 // check acts on one extension's result: an error is tried again at the

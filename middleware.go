@@ -2,6 +2,7 @@ package dedup
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -281,7 +282,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 		l.rec.Set(attempt.Released)
 		return
 	}
-	s.Ref = l.ref
+	s.Ref, s.Note = l.ref, l.note // (l.note: written under l.mu, before l.ended)
 	res, serr := d.store.Settle(context.WithoutCancel(ctx), s)
 	d.report(typ, l, res, serr, live, s.Due)
 	l.rec.Settled(res, serr)
@@ -502,7 +503,8 @@ func (d *Dedup) outlived(ctx context.Context, l *lease) {
 	if !d.findLock(bg, l) {
 		return
 	}
-	r := d.store.ExtendAll(bg, []*store.Extend{{Ref: l.ref, TTL: l.ttl, Outlived: d.hb.noteLife()}})[0]
+	l.note = rand.Text()
+	r := d.store.ExtendAll(bg, []*store.Extend{{Ref: l.ref, TTL: l.ttl, Outlived: d.hb.noteLife(), Note: l.note}})[0]
 	if r.Err != nil {
 		d.count(l.ref.Type, evRedisError)
 		d.log.Warn("dedup: could not note a handler asynq gave up; its key may heal while it runs", slog.String("task_id", l.ref.ID), slog.Any("error", r.Err))
@@ -536,6 +538,7 @@ type lease struct {
 	refMu        sync.Mutex  // orders lockOf's write of ref.Lock and ref.FP
 	mu           sync.Mutex  // guards returned (outlived runs on its own goroutine)
 	returned     bool        // the handler returned
+	note         string      // the attempt's token in the key's note that its handler outlived it (written by outlived; read once returned)
 	outlivedMark atomic.Bool // the mode record notes the handler outlived its attempt (the heartbeat renews it): its end clears it
 }
 

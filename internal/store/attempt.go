@@ -107,6 +107,9 @@ type Settle struct {
 	Loosen  bool
 
 	Due time.Duration // EndRetry: when asynq runs the task again, from now
+	// Note: the attempt's token, when asynq gave it up while its handler ran
+	// and the key noted that handler (Extend.Note): the note goes now.
+	Note string
 }
 
 // SettleResult is what settle did.
@@ -133,7 +136,7 @@ func (s *Store) Settle(ctx context.Context, st *Settle) (SettleResult, error) {
 			addFollowKeys(kl, r.Queue, follow)
 		}
 		rep, err := s.runReply(ctx, s.sc.settle, kl.keys, []any{kl.roleString(), r.ID, st.End, ms(st.TTL), st.Err, st.releaseArg(), follow,
-			int64(st.Due / time.Second)})
+			int64(st.Due / time.Second), st.Note})
 		switch {
 		case err != nil:
 			return SettleResult{}, err
@@ -180,6 +183,7 @@ type Extend struct {
 	// until the handler's end (Settle): the heartbeat renews it while the
 	// handler runs, so a worker that dies leaves a note that lapses.
 	Outlived time.Duration
+	Note     string // with Outlived: the attempt's token (FieldNoteBy); only its Settle clears the note
 }
 
 // ExtendResult is what one Extend found.
@@ -203,7 +207,7 @@ func (s *Store) ExtendAll(ctx context.Context, es []*Extend) []ExtendResult {
 		wg.Go(func() {
 			defer func() { <-slots }()
 			r := &e.Ref
-			v, err := s.run(ctx, s.sc.extend, []string{r.Lock, r.Mode(), ScheduledKey(r.Queue), TaskKey(r.Queue, r.ID)}, r.ID, ms(e.TTL), ms(e.Outlived))
+			v, err := s.run(ctx, s.sc.extend, []string{r.Lock, r.Mode(), ScheduledKey(r.Queue), TaskKey(r.Queue, r.ID)}, r.ID, ms(e.TTL), ms(e.Outlived), e.Note)
 			if err == nil {
 				out[i].Owned, err = parseFlag(v)
 			}

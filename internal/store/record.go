@@ -30,6 +30,7 @@ const (
 	FieldError    = "e"  // the holder's last error, once it failed for good and holds the key
 	FieldBounded  = "b"  // the type whose waiting set counts the key (MaxPending)
 	FieldOutlived = "o"  // until when (unix ms) a handler of the holder that asynq gave up still runs, as its heartbeat renews it
+	FieldNoteBy   = "oa" // the attempt whose handler FieldOutlived is about (its token): only its end clears the note
 )
 
 // FailHold encodes a fail hold as the mode record carries it: 0 none

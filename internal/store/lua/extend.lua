@@ -13,7 +13,8 @@
 --          The task's record is marked (lib.lua's mark, 'outlived', unless it
 --          has a dedup-lost mark already): should asynq have put it back (a
 --          shutdown), its next run checks the key rather than run beside the
---          handler
+--          handler. A record an earlier holder left becomes the task's.
+-- ARGV[4]  with ARGV[3]: the attempt's token (field oa): only its end clears the note
 --
 -- Reply: 1 the key is the task's; 0 it is not (gone, or another task's)
 -- @lib: lib.lua is spliced in here.
@@ -24,10 +25,11 @@ local ms = tonumber(ARGV[2])
 local left = call('PTTL', KEYS[1])
 if left >= 0 and left < ms then call('PEXPIRE', KEYS[1], ms) end
 local m = call('HMGET', KEYS[2], 'id', 'f')
-if ARGV[3] ~= '0' and (not m[1] or m[1] == holder) then
+if ARGV[3] ~= '0' then
+  if m[1] and m[1] ~= holder then call('HSET', KEYS[2], 'n', 0) call('HDEL', KEYS[2], 'e') end -- (an earlier holder's)
   local t = call('TIME')
   local us = tonumber(t[2])
-  call('HSET', KEYS[2], 'id', holder, 'o', tonumber(t[1]) * 1000 + (us - us % 1000) / 1000 + tonumber(ARGV[3]))
+  call('HSET', KEYS[2], 'id', holder, 'o', tonumber(t[1]) * 1000 + (us - us % 1000) / 1000 + tonumber(ARGV[3]), 'oa', ARGV[4])
   call('PEXPIRE', KEYS[2], math.max(call('PTTL', KEYS[1]), ms))
   m[1] = holder
   local msg = call('HGET', KEYS[4], 'msg')

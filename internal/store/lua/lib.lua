@@ -122,7 +122,7 @@ end
 -- hand names holder, with n folds, in mode: another task's note (o) goes.
 local function hand(mode, holder, n)
   call('HSET', mode, 'id', holder, 'n', n)
-  call('HDEL', mode, 'o')
+  call('HDEL', mode, 'o', 'oa')
 end
 
 -- count counts a fold into holder's key (the version Merge compares) in its

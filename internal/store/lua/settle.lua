@@ -20,6 +20,7 @@
 --          scripts would not)
 -- ARGV[7]  the follow-up G belongs to ('' none)
 -- ARGV[8]  'retry': seconds until asynq runs the task again
+-- ARGV[9]  the attempt's token if asynq gave it up while its handler ran: its note (o, oa) goes
 --
 -- Reply: {1, what[, followup]}  what: '' (asynq releases it, or a failure that
 --                               heals at the key's next enqueue), 'released',
@@ -36,16 +37,18 @@ roles(0)
 local A = ARGV
 local id, out = A[2], A[3]
 local holder, kind = holder_of(call('GET', K.L))
-local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o')
+local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o', 'oa')
 local mine = m[1] == id
--- The handler asynq gave up has ended, whoever holds the key now: its note goes.
-if mine and m[6] then call('HDEL', K.M, 'o') end
-if holder ~= id then return {0} end
+-- This attempt's handler, which asynq gave up, has ended, whoever holds the key now.
+if m[6] and m[7] == A[9] then call('HDEL', K.M, 'o', 'oa') end
+-- Its task went with its lock (an operator deleted it) while it owes a follow-up: that runs now.
+local gone = not holder and mine and m[2] and call('EXISTS', K.T) == 0
+if holder ~= id and not gone then return {0} end
 local f = mine and m[2]
 local now, now_ms = now_parts()
 if f and f ~= A[7] then K.G = nil end
-if f and lacks(out == 'retry' and 'S' or 'GSPR') then return {11, lacking, '', f} end
-if out == 'retry' then
+if f and lacks(out == 'retry' and not gone and 'S' or 'GSPR') then return {11, lacking, '', f} end
+if out == 'retry' and not gone then
   if kind ~= 'c' then
     lengthen(K.L, A[4])
     if mine then lengthen(K.M, A[4]) end
@@ -59,11 +62,12 @@ end
 if out ~= 'fail' then mark(K.T, 'ended') end
 if f and queue_now(f) then
   call('SET', K.L, f, 'PX', A[4])
-  call('HSET', K.M, 'id', f, 'n', 0)
+  hand(K.M, f, 0)
   call('HDEL', K.M, 'f', 'e')
   keep(K.L, K.M)
   return {1, 'follow', f}
 end
+if gone then return {0} end
 if kind == 'c' then return {1, 'cooling'} end -- (it succeeded before, when asynq had given the attempt up)
 local cd = mine and tonumber(m[3] or '0') or 0
 if out == 'ok' and cd > now_ms then

@@ -1,0 +1,628 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// gatesByRetry is a handler that sends each run's retry count on runs and
+// blocks the runs of each retry count until open(n), ignoring its context.
+type gatesByRetry struct {
+	mu    sync.Mutex
+	gates map[int]chan struct{}
+	runs  chan int
+}
+
+func newGatesByRetry(t *testing.T) *gatesByRetry {
+	g := &gatesByRetry{gates: map[int]chan struct{}{}, runs: make(chan int, 16)}
+	t.Cleanup(g.openAll)
+	return g
+}
+
+func (g *gatesByRetry) gate(n int) chan struct{} {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	c, ok := g.gates[n]
+	if !ok {
+		c = make(chan struct{})
+		g.gates[n] = c
+	}
+	return c
+}
+
+func (g *gatesByRetry) open(n int) {
+	c := g.gate(n)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	select {
+	case <-c:
+	default:
+		close(c)
+	}
+}
+
+func (g *gatesByRetry) openAll() {
+	g.mu.Lock()
+	ns := make([]int, 0, len(g.gates))
+	for n := range g.gates {
+		ns = append(ns, n)
+	}
+	g.mu.Unlock()
+	for _, n := range ns {
+		g.open(n)
+	}
+}
+
+func (g *gatesByRetry) handler() asynq.HandlerFunc {
+	return func(ctx context.Context, _ *asynq.Task) error {
+		n, _ := asynq.GetRetryCount(ctx)
+		g.runs <- n
+		<-g.gate(n) // ignores its context
+		return nil
+	}
+}
+
+// two given-up handlers of one task (the same ID). The first attempt
+// is given up (Timeout) and its handler keeps running; an operator frees the
+// key and runs the retry by hand; that attempt, the last, is given up too
+// (asynq archives the task) and its handler keeps running. Then the first
+// handler returns. The second handler still runs, so the key must not heal:
+// the key's next enqueue must not create a task beside it.
+func TestSecondGivenUpHandlerOfOneTaskKeepsTheKeyWhenTheFirstReturns(t *testing.T) {
+	t.Parallel()
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		g := newGatesByRetry(t)
+		h.serve(g.handler(), retryInAnHour)
+		task := counterTask("k", 1, 1)
+		a := h.enqueue(task, asynq.Timeout(time.Second), asynq.MaxRetry(1))
+		if n := waitFor(t, g.runs, "attempt 0 runs"); n != 0 {
+			t.Fatalf("ran retry %d", n)
+		}
+		mode := store.ModeOf(h.keyOf(task, h.queue))
+		note := func() error { return h.rdb.HGet(ctx, mode, store.FieldOutlived).Err() }
+		eventually(t, "attempt 0 given up (retry waits) and noted", func() bool {
+			return h.taskState(a.ID) == asynq.TaskStateRetry && note() == nil
+		})
+		if ok, err := h.d.Release(ctx, task, "", asynq.Queue(h.queue)); err != nil || !ok {
+			t.Fatalf("forced release: %v %v", ok, err)
+		}
+		if err := h.insp.RunTask(h.queue, a.ID); err != nil {
+			t.Fatal(err)
+		}
+		if n := waitFor(t, g.runs, "attempt 1 runs (the operator freed the key)"); n != 1 {
+			t.Fatalf("ran retry %d", n)
+		}
+		eventually(t, "attempt 1 given up on its last retry: archived", func() bool {
+			return h.taskState(a.ID) == asynq.TaskStateArchived
+		})
+		processed := h.d.Stats().Processed
+		g.open(0) // the first handler returns; the second still runs
+		eventually(t, "the first handler settled", func() bool { return h.d.Stats().Processed > processed })
+		eventually(t, "the settle is written", func() bool { return errors.Is(note(), redis.Nil) || note() == nil })
+		t.Logf("note after the first handler's return: %v", note())
+		res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+		if err == nil {
+			t.Errorf("enqueue while attempt 1's given-up handler still runs: %+v, want a duplicate", res)
+		}
+		select {
+		case n := <-g.runs:
+			t.Errorf("a run (retry %d) started beside the still-running given-up handler of attempt 1", n)
+		case <-time.After(time.Second):
+		}
+	})
+}
+
+// gatesBySeq is a handler that sends each run's counter seq on runs and
+// blocks the runs of each seq until open(seq), ignoring its context.
+func gatesBySeqHandler(g *gatesByRetry) asynq.HandlerFunc {
+	return func(ctx context.Context, task *asynq.Task) error {
+		seq := decodeCounter(task).Seq
+		g.runs <- seq
+		<-g.gate(seq) // ignores its context
+		return nil
+	}
+}
+
+// a rule with no mode terms (Rule{}): task A's attempt is given up
+// and noted (the key's mode record is created by the note, naming A); an
+// operator frees the key; A's handler returns (its note goes, the record
+// stays, naming A); then a new task B takes the free key, is given up on its
+// last retry (archived) while its handler keeps running. B's handler runs,
+// so the key must not heal under it.
+func TestGivenUpHandlerOfANewHolderIsNotedAfterAnEarlierTasksNote(t *testing.T) {
+	t.Parallel()
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		g := newGatesByRetry(t)
+		h.serve(gatesBySeqHandler(g), retryInAnHour)
+		ta := counterTask("k", 1, 1)
+		a := h.enqueue(ta, asynq.Timeout(time.Second), asynq.MaxRetry(1))
+		if s := waitFor(t, g.runs, "A runs"); s != 1 {
+			t.Fatalf("ran seq %d", s)
+		}
+		mode := store.ModeOf(h.keyOf(ta, h.queue))
+		note := func() error { return h.rdb.HGet(ctx, mode, store.FieldOutlived).Err() }
+		eventually(t, "A given up (retry waits) and noted", func() bool {
+			return h.taskState(a.ID) == asynq.TaskStateRetry && note() == nil
+		})
+		if ok, err := h.d.Release(ctx, ta, "", asynq.Queue(h.queue)); err != nil || !ok {
+			t.Fatalf("forced release: %v %v", ok, err)
+		}
+		processed := h.d.Stats().Processed
+		g.open(1)
+		eventually(t, "A's handler returned and settled", func() bool {
+			return h.d.Stats().Processed > processed && errors.Is(note(), redis.Nil)
+		})
+		t.Logf("mode record after A's end: %v", h.rdb.HGetAll(ctx, mode).Val())
+		b := h.enqueue(counterTask("k", 1, 2), asynq.Timeout(time.Second), asynq.MaxRetry(0))
+		if s := waitFor(t, g.runs, "B runs"); s != 2 {
+			t.Fatalf("ran seq %d", s)
+		}
+		eventually(t, "B given up on its last retry: archived", func() bool {
+			return h.taskState(b.ID) == asynq.TaskStateArchived
+		})
+		t.Logf("mode record while B's given-up handler runs: %v", h.rdb.HGetAll(ctx, mode).Val())
+		res, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+		if err == nil {
+			t.Errorf("enqueue while B's given-up handler still runs: %+v, want a duplicate of %s", res, b.ID)
+		}
+		select {
+		case s := <-g.runs:
+			t.Errorf("seq %d started beside B's still-running given-up handler", s)
+		case <-time.After(time.Second):
+		}
+	})
+}
+
+// a follow-up the key owes (RunningDefer) stays owed when a task
+// that arrived without a lock (asynq's own client) takes the key its
+// deleted holder freed; that arrival is then given up on its last retry
+// (archived) while its handler keeps running. The follow-up must not run
+// beside that handler; an update meanwhile folds into it; it runs once,
+// after the arrival's handler returns, with the newest payload; then the key
+// heals.
+func TestOwedFollowUpWaitsForAGivenUpArrivalThatTookTheKey(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	g := newGatesByRetry(t)
+	g.gate(1)
+	g.gate(3)
+	ends := make(chan int, 16)
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		seq := decodeCounter(task).Seq
+		g.runs <- seq
+		g.mu.Lock()
+		c := g.gates[seq]
+		g.mu.Unlock()
+		if c != nil {
+			<-c // ignores its context
+		}
+		ends <- seq
+		return nil
+	}, retryInAnHour)
+	a := h.enqueue(counterTask("k", 1, 1), asynq.Timeout(time.Second), asynq.MaxRetry(3))
+	if s := waitFor(t, g.runs, "the holder runs"); s != 1 {
+		t.Fatalf("ran seq %d", s)
+	}
+	eventually(t, "the holder given up, its retry waits", func() bool { return h.taskState(a.ID) == asynq.TaskStateRetry })
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update: %+v %v, want a follow-up", f, err)
+	}
+	if err := h.insp.DeleteTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	x, err := h.asynq.Enqueue(counterTask("k", 1, 3), asynq.Queue(h.queue), asynq.Timeout(time.Second), asynq.MaxRetry(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := waitFor(t, g.runs, "the arrival runs"); s != 3 {
+		t.Fatalf("ran seq %d, want the arrival", s)
+	}
+	mode := store.ModeOf(h.keyOf(counterTask("k", 1, 3), h.queue))
+	eventually(t, "the arrival given up on its last retry (archived) and noted", func() bool {
+		return h.taskState(x.ID) == asynq.TaskStateArchived && h.rdb.HGet(ctx, mode, store.FieldOutlived).Err() == nil
+	})
+	u, err := h.client.Submit(ctx, counterTask("k", 1, 4), asynq.Queue(h.queue))
+	if err != nil || u.TaskID != f.TaskID {
+		t.Fatalf("update while the arrival's given-up handler runs: %+v %v, want folded into %s", u, err, f.TaskID)
+	}
+	select {
+	case s := <-g.runs:
+		t.Fatalf("seq %d started while the arrival's given-up handler runs", s)
+	case <-time.After(time.Second):
+	}
+	g.open(3)
+	if s := waitFor(t, g.runs, "the follow-up runs after the arrival"); s != 4 {
+		t.Fatalf("ran seq %d, want the follow-up with the newest payload (4)", s)
+	}
+	g.open(1)
+	eventually(t, "the follow-up completes", func() bool {
+		st := h.taskState(f.TaskID)
+		return st == 0 || st == asynq.TaskStateCompleted
+	})
+	select {
+	case s := <-g.runs:
+		t.Fatalf("seq %d ran again", s)
+	case <-time.After(time.Second):
+	}
+	eventually(t, "the key heals", func() bool {
+		r, err := h.client.Submit(ctx, counterTask("k", 1, 5), asynq.Queue(h.queue))
+		return err == nil && r.Outcome == Created
+	})
+	if s := waitFor(t, g.runs, "the next task runs"); s != 5 {
+		t.Fatalf("ran seq %d", s)
+	}
+}
+
+// RunningDefer. The holder A (MaxRetry 0) is given up (archived) and
+// its handler keeps running; an update becomes its follow-up F (a copy of
+// A's record: the same Timeout and MaxRetry). An operator releases the key
+// (owner-checked, naming A): F is queued at once and runs (the operator freed
+// the key). F is given up in turn, on its last retry (archived), its handler
+// running. The key must not heal under F's handler.
+func TestFollowUpQueuedByReleaseIsNotedWhenGivenUp(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	g := newGatesByRetry(t)
+	h.serve(gatesBySeqHandler(g), retryInAnHour)
+	ta := counterTask("k", 1, 1)
+	a := h.enqueue(ta, asynq.Timeout(time.Second), asynq.MaxRetry(0))
+	if s := waitFor(t, g.runs, "A runs"); s != 1 {
+		t.Fatalf("ran seq %d", s)
+	}
+	mode := store.ModeOf(h.keyOf(ta, h.queue))
+	eventually(t, "A given up (archived) and noted", func() bool {
+		return h.taskState(a.ID) == asynq.TaskStateArchived && h.rdb.HGet(ctx, mode, store.FieldOutlived).Err() == nil
+	})
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update: %+v %v, want a follow-up", f, err)
+	}
+	if ok, err := h.d.Release(ctx, ta, a.ID, asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("release naming A: %v %v", ok, err)
+	}
+	if s := waitFor(t, g.runs, "F runs"); s != 2 {
+		t.Fatalf("ran seq %d", s)
+	}
+	eventually(t, "F given up on its last retry (archived)", func() bool {
+		return h.taskState(f.TaskID) == asynq.TaskStateArchived
+	})
+	t.Logf("A=%s F=%s; mode record while F's given-up handler runs: %v", a.ID, f.TaskID, h.rdb.HGetAll(ctx, mode).Val())
+	res, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+	if err != nil {
+		t.Logf("update while F's given-up handler runs: %v", err)
+	} else if res.Outcome == Created {
+		t.Errorf("update while F's given-up handler runs: %+v, want it deferred or refused (the key healed under F)", res)
+	}
+	select {
+	case s := <-g.runs:
+		t.Errorf("seq %d started beside F's still-running given-up handler", s)
+	case <-time.After(time.Second):
+	}
+}
+
+// dedupctl returns a function that runs dedupctl, built for the test,
+// against h's Redis and prefix, as an operator would.
+func dedupctl(t *testing.T, h *harness) func(args ...string) string {
+	t.Helper()
+	bin := t.TempDir() + "/dedupctl"
+	if out, err := exec.Command("go", "build", "-o", bin, "./cmd/dedupctl").CombinedOutput(); err != nil {
+		t.Fatalf("build dedupctl: %v\n%s", err, out)
+	}
+	c, ok := h.rdb.(*redis.Client)
+	if !ok {
+		t.Fatalf("dedupctl needs a single Redis, not a %T", h.rdb)
+	}
+	url := "redis://" + c.Options().Addr + "/" + strconv.Itoa(c.Options().DB)
+	return func(args ...string) string {
+		t.Helper()
+		out, err := exec.Command(bin, append([]string{"--url", url, "--prefix", h.prefix}, args...)...).CombinedOutput()
+		t.Logf("dedupctl %s: %v\n%s", strings.Join(args, " "), err, out)
+		return string(out)
+	}
+}
+
+// dedupctl doctor --fix while given-up handlers run. (1) The holder
+// A (MaxRetry 0) is given up, archived, its handler running: doctor must
+// keep its lock. (2) An operator releases A's key, which owes a follow-up F
+// (RunningDefer); F runs and is given up on its last retry (archived), its
+// handler running: doctor must keep F's lock too.
+func TestDoctorFixKeepsTheLocksOfGivenUpHandlersThatRun(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	operator := dedupctl(t, h)
+	g := newGatesByRetry(t)
+	h.serve(gatesBySeqHandler(g), retryInAnHour)
+	ta := counterTask("k", 1, 1)
+	key := h.keyOf(ta, h.queue)
+	a := h.enqueue(ta, asynq.Timeout(time.Second), asynq.MaxRetry(0))
+	if s := waitFor(t, g.runs, "A runs"); s != 1 {
+		t.Fatalf("ran seq %d", s)
+	}
+	mode := store.ModeOf(key)
+	eventually(t, "A given up (archived) and noted", func() bool {
+		return h.taskState(a.ID) == asynq.TaskStateArchived && h.rdb.HGet(ctx, mode, store.FieldOutlived).Err() == nil
+	})
+	operator("doctor", "--fix", "--grace", "0")
+	if o := h.lockOwner(key); o != a.ID {
+		t.Fatalf("after doctor --fix while A's given-up handler runs: lock holder %q, want %s", o, a.ID)
+	}
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update: %+v %v, want a follow-up", f, err)
+	}
+	if ok, err := h.d.Release(ctx, ta, a.ID, asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("release naming A: %v %v", ok, err)
+	}
+	if s := waitFor(t, g.runs, "F runs"); s != 2 {
+		t.Fatalf("ran seq %d", s)
+	}
+	eventually(t, "F given up on its last retry (archived)", func() bool {
+		return h.taskState(f.TaskID) == asynq.TaskStateArchived && h.lockOwner(key) == f.TaskID
+	})
+	operator("doctor", "--fix", "--grace", "0")
+	if o := h.lockOwner(key); o != f.TaskID {
+		t.Errorf("after doctor --fix while F's given-up handler runs: lock holder %q, want %s", o, f.TaskID)
+	}
+}
+
+// Inspector operations on the task of a given-up handler that still
+// runs: its waiting retry is archived by hand (the key must not heal: the
+// handler runs), then run by hand (it must not run beside the handler: no
+// operator freed the key). Once the handler returns, running the task by
+// hand runs it, once.
+func TestArchiveAndRunByHandOfAGivenUpHandlersTask(t *testing.T) {
+	t.Parallel()
+	bothPaths(t, counterRules(Rule{}), func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		g := newGatesByRetry(t)
+		h.serve(g.handler(), retryInAnHour)
+		task := counterTask("k", 1, 1)
+		a := h.enqueue(task, asynq.Timeout(time.Second), asynq.MaxRetry(5))
+		if n := waitFor(t, g.runs, "attempt 0 runs"); n != 0 {
+			t.Fatalf("ran retry %d", n)
+		}
+		mode := store.ModeOf(h.keyOf(task, h.queue))
+		eventually(t, "attempt 0 given up (retry waits) and noted", func() bool {
+			return h.taskState(a.ID) == asynq.TaskStateRetry && h.rdb.HGet(ctx, mode, store.FieldOutlived).Err() == nil
+		})
+		if err := h.insp.ArchiveTask(h.queue, a.ID); err != nil {
+			t.Fatal(err)
+		}
+		if res, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue)); err == nil {
+			t.Errorf("enqueue after archiving the task whose given-up handler runs: %+v, want a duplicate", res)
+		}
+		busy := h.d.Stats().Busy
+		if err := h.insp.RunTask(h.queue, a.ID); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "the run by hand meets its key busy", func() bool { return h.d.Stats().Busy > busy })
+		select {
+		case n := <-g.runs:
+			t.Fatalf("a run (retry %d) started beside the given-up handler", n)
+		case <-time.After(500 * time.Millisecond):
+		}
+		processed := h.d.Stats().Processed
+		g.open(0)
+		eventually(t, "attempt 0's handler settled", func() bool { return h.d.Stats().Processed > processed })
+		st := h.taskState(a.ID)
+		t.Logf("task state after the handler returned: %v", st)
+		if st == asynq.TaskStateRetry || st == asynq.TaskStateArchived {
+			if err := h.insp.RunTask(h.queue, a.ID); err != nil {
+				t.Fatal(err)
+			}
+		}
+		n := waitFor(t, g.runs, "the task runs once its handler returned")
+		g.open(n)
+		select {
+		case m := <-g.runs:
+			t.Errorf("ran again (retry %d)", m)
+		case <-time.After(time.Second):
+		}
+	})
+}
+
+// shutdown requeues. Server 1's handler of A outlives its shutdown
+// (A is put back, its key noted); an operator frees the key; server 2 runs A
+// (allowed: the key was freed) and its handler outlives server 2's shutdown
+// too (A put back again, noted again, the same task ID). Then server 1's
+// handler returns. Server 2's handler still runs: A must not run again beside
+// it on server 3 (no operator freed the key since), and the key must not
+// take a new task.
+func TestShutdownRequeueTwiceFirstLeftoverReturningDoesNotFreeTheSecond(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, counterRules(Rule{}))
+	ctx := context.Background()
+	starts := make(chan int, 8)
+	gates := []chan struct{}{make(chan struct{}), make(chan struct{}), make(chan struct{})}
+	t.Cleanup(func() {
+		for _, g := range gates {
+			select {
+			case <-g:
+			default:
+				close(g)
+			}
+		}
+	})
+	server := func(i int) func() {
+		_, stop := serveRaw(t, h.rdb, h.queue, h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, _ *asynq.Task) error {
+			starts <- i
+			<-gates[i] // ignores its context
+			return nil
+		})), func(c *asynq.Config) { c.Concurrency = 1; c.ShutdownTimeout = 300 * time.Millisecond })
+		return stop
+	}
+	task := counterTask("k", 1, 1)
+	mode := store.ModeOf(h.keyOf(task, h.queue))
+	note := func() bool { return h.rdb.HGet(ctx, mode, store.FieldOutlived).Err() == nil }
+	a := h.enqueue(task)
+	stop1 := server(0)
+	if s := waitFor(t, starts, "A runs on server 1"); s != 0 {
+		t.Fatalf("server %d", s)
+	}
+	stop1()
+	eventually(t, "A put back and noted", func() bool { return h.taskState(a.ID) == asynq.TaskStatePending && note() })
+	if ok, err := h.d.Release(ctx, task, "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("forced release: %v %v", ok, err)
+	}
+	stop2 := server(1)
+	if s := waitFor(t, starts, "A runs on server 2 (the key was freed)"); s != 1 {
+		t.Fatalf("server %d", s)
+	}
+	stop2()
+	eventually(t, "A put back again and noted", func() bool { return h.taskState(a.ID) == asynq.TaskStatePending && note() })
+	processed := h.d.Stats().Processed
+	close(gates[0]) // server 1's leftover returns; server 2's still runs
+	eventually(t, "server 1's leftover settled", func() bool { return h.d.Stats().Processed > processed })
+	t.Logf("note after server 1's leftover returned: %v; lock %q", note(), h.lockOwner(h.keyOf(task, h.queue)))
+	busy := h.d.Stats().Busy
+	server(2)
+	select {
+	case s := <-starts:
+		t.Errorf("A ran on server %d beside server 2's still-running handler", s+1)
+	case <-time.After(2 * time.Second):
+		t.Logf("server 3 met A's key busy: %v", h.d.Stats().Busy > busy)
+	}
+}
+
+// MaxPending 1 with an owed follow-up that stays owed when an
+// arrival (asynq's own client) takes the key its deleted holder freed: the
+// follow-up counts as the one waiting key until it starts (another key is
+// refused), and its slot is free once it ran (another key is created).
+func TestMaxPendingCountsTheOwedFollowUpKeptByAnArrival(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer, MaxPending: 1}))
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	g := newGatesByRetry(t)
+	g.gate(1)
+	g.gate(3)
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		seq := decodeCounter(task).Seq
+		g.runs <- seq
+		g.mu.Lock()
+		c := g.gates[seq]
+		g.mu.Unlock()
+		if c != nil {
+			<-c // ignores its context
+		}
+		return nil
+	}, retryInAnHour)
+	a := h.enqueue(counterTask("k", 1, 1), asynq.Timeout(time.Second), asynq.MaxRetry(3))
+	if s := waitFor(t, g.runs, "the holder runs"); s != 1 {
+		t.Fatalf("ran seq %d", s)
+	}
+	eventually(t, "the holder given up, its retry waits", func() bool { return h.taskState(a.ID) == asynq.TaskStateRetry })
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update: %+v %v, want a follow-up", f, err)
+	}
+	other := func() error {
+		_, err := h.client.Submit(ctx, counterTask("k2", 1, 9), asynq.Queue(h.queue), asynq.ProcessIn(time.Hour))
+		return err
+	}
+	if err := other(); !errors.Is(err, ErrTooManyPending) {
+		t.Fatalf("another key while the follow-up waits: %v, want ErrTooManyPending", err)
+	}
+	if err := h.insp.DeleteTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.asynq.Enqueue(counterTask("k", 1, 3), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	if s := waitFor(t, g.runs, "the arrival runs"); s != 3 {
+		t.Fatalf("ran seq %d, want the arrival", s)
+	}
+	if err := other(); !errors.Is(err, ErrTooManyPending) {
+		t.Errorf("another key while the arrival runs and the follow-up waits: %v, want ErrTooManyPending", err)
+	}
+	g.open(3)
+	if s := waitFor(t, g.runs, "the follow-up runs"); s != 2 {
+		t.Fatalf("ran seq %d, want the follow-up (2)", s)
+	}
+	eventually(t, "the follow-up's slot is free", func() bool { return other() == nil })
+	select {
+	case s := <-g.runs:
+		t.Errorf("seq %d ran", s)
+	case <-time.After(time.Second):
+	}
+}
+
+// RunningDefer. The holder's attempt is given up (its retry waits)
+// while its handler runs; an update becomes its follow-up F; an operator
+// deletes the waiting retry (asynq's delete frees the key) while the handler
+// still runs; then the handler returns. No task took the key: F, which
+// carries the newest payload and is owed by the key, should run once the
+// handler has returned (not only when its parking time, the key's TTL,
+// ends).
+func TestOwedFollowUpRunsAfterTheGivenUpHandlerOfADeletedHolderReturns(t *testing.T) {
+	t.Parallel()
+	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	cfg.heartbeat = 200 * time.Millisecond
+	h := newHarness(t, cfg)
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	g := newGatesByRetry(t)
+	g.gate(1)
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		seq := decodeCounter(task).Seq
+		g.runs <- seq
+		g.mu.Lock()
+		c := g.gates[seq]
+		g.mu.Unlock()
+		if c != nil {
+			<-c // ignores its context
+		}
+		return nil
+	}, retryInAnHour)
+	a := h.enqueue(counterTask("k", 1, 1), asynq.Timeout(time.Second), asynq.MaxRetry(3))
+	if s := waitFor(t, g.runs, "the holder runs"); s != 1 {
+		t.Fatalf("ran seq %d", s)
+	}
+	eventually(t, "the holder given up, its retry waits", func() bool { return h.taskState(a.ID) == asynq.TaskStateRetry })
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update: %+v %v, want a follow-up", f, err)
+	}
+	if err := h.insp.DeleteTask(h.queue, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case s := <-g.runs:
+		t.Fatalf("seq %d ran while the given-up handler runs", s)
+	case <-time.After(time.Second):
+	}
+	g.open(1)
+	select {
+	case s := <-g.runs:
+		if s != 2 {
+			t.Fatalf("ran seq %d, want the follow-up", s)
+		}
+	case <-time.After(20 * time.Second):
+		ti, _ := h.insp.GetTaskInfo(h.queue, f.TaskID)
+		var due time.Time
+		if ti != nil {
+			due = ti.NextProcessAt
+		}
+		t.Errorf("the follow-up %s has not run 20 s after the given-up handler returned (state %s, due in %v)",
+			f.TaskID, taskStateName(h, f.TaskID), time.Until(due).Round(time.Second))
+	}
+}
