@@ -72,7 +72,7 @@ func (g *gatesByRetry) handler() asynq.HandlerFunc {
 	}
 }
 
-// two given-up handlers of one task (the same ID). The first attempt
+// Two given-up handlers of one task (the same ID). The first attempt
 // is given up (Timeout) and its handler keeps running; an operator frees the
 // key and runs the retry by hand; that attempt, the last, is given up too
 // (asynq archives the task) and its handler keeps running. Then the first
@@ -123,8 +123,8 @@ func TestSecondGivenUpHandlerOfOneTaskKeepsTheKeyWhenTheFirstReturns(t *testing.
 	})
 }
 
-// gatesBySeq is a handler that sends each run's counter seq on runs and
-// blocks the runs of each seq until open(seq), ignoring its context.
+// gatesBySeqHandler is a handler that sends each run's counter seq on runs
+// and blocks the runs of each seq until open(seq), ignoring its context.
 func gatesBySeqHandler(g *gatesByRetry) asynq.HandlerFunc {
 	return func(ctx context.Context, task *asynq.Task) error {
 		seq := decodeCounter(task).Seq
@@ -134,7 +134,23 @@ func gatesBySeqHandler(g *gatesByRetry) asynq.HandlerFunc {
 	}
 }
 
-// a rule with no mode terms (Rule{}): task A's attempt is given up
+// gatedSeqsHandler is gatesBySeqHandler for the seqs gated beforehand
+// (g.gate): the runs of the others return at once.
+func gatedSeqsHandler(g *gatesByRetry) asynq.HandlerFunc {
+	return func(ctx context.Context, task *asynq.Task) error {
+		seq := decodeCounter(task).Seq
+		g.runs <- seq
+		g.mu.Lock()
+		c := g.gates[seq]
+		g.mu.Unlock()
+		if c != nil {
+			<-c // ignores its context
+		}
+		return nil
+	}
+}
+
+// A rule with no mode terms (Rule{}): task A's attempt is given up
 // and noted (the key's mode record is created by the note, naming A); an
 // operator frees the key; A's handler returns (its note goes, the record
 // stays, naming A); then a new task B takes the free key, is given up on its
@@ -185,7 +201,7 @@ func TestGivenUpHandlerOfANewHolderIsNotedAfterAnEarlierTasksNote(t *testing.T) 
 	})
 }
 
-// a follow-up the key owes (RunningDefer) stays owed when a task
+// A follow-up the key owes (RunningDefer) stays owed when a task
 // that arrived without a lock (asynq's own client) takes the key its
 // deleted holder freed; that arrival is then given up on its last retry
 // (archived) while its handler keeps running. The follow-up must not run
@@ -440,7 +456,7 @@ func TestArchiveAndRunByHandOfAGivenUpHandlersTask(t *testing.T) {
 	})
 }
 
-// shutdown requeues. Server 1's handler of A outlives its shutdown
+// Shutdown requeues. Server 1's handler of A outlives its shutdown
 // (A is put back, its key noted); an operator frees the key; server 2 runs A
 // (allowed: the key was freed) and its handler outlives server 2's shutdown
 // too (A put back again, noted again, the same task ID). Then server 1's
@@ -515,17 +531,7 @@ func TestMaxPendingCountsTheOwedFollowUpKeptByAnArrival(t *testing.T) {
 	g := newGatesByRetry(t)
 	g.gate(1)
 	g.gate(3)
-	h.serve(func(ctx context.Context, task *asynq.Task) error {
-		seq := decodeCounter(task).Seq
-		g.runs <- seq
-		g.mu.Lock()
-		c := g.gates[seq]
-		g.mu.Unlock()
-		if c != nil {
-			<-c // ignores its context
-		}
-		return nil
-	}, retryInAnHour)
+	h.serve(gatedSeqsHandler(g), retryInAnHour)
 	a := h.enqueue(counterTask("k", 1, 1), asynq.Timeout(time.Second), asynq.MaxRetry(3))
 	if s := waitFor(t, g.runs, "the holder runs"); s != 1 {
 		t.Fatalf("ran seq %d", s)
@@ -582,17 +588,7 @@ func TestOwedFollowUpRunsAfterTheGivenUpHandlerOfADeletedHolderReturns(t *testin
 	ctx := context.Background()
 	g := newGatesByRetry(t)
 	g.gate(1)
-	h.serve(func(ctx context.Context, task *asynq.Task) error {
-		seq := decodeCounter(task).Seq
-		g.runs <- seq
-		g.mu.Lock()
-		c := g.gates[seq]
-		g.mu.Unlock()
-		if c != nil {
-			<-c // ignores its context
-		}
-		return nil
-	}, retryInAnHour)
+	h.serve(gatedSeqsHandler(g), retryInAnHour)
 	a := h.enqueue(counterTask("k", 1, 1), asynq.Timeout(time.Second), asynq.MaxRetry(3))
 	if s := waitFor(t, g.runs, "the holder runs"); s != 1 {
 		t.Fatalf("ran seq %d", s)
