@@ -474,6 +474,19 @@ func (w *osWorld) runStarts(r *osRun, id string, t *asynq.Task) {
 	}
 }
 
+// ranBeforeAccepted makes a run of t carrying payload seq that started
+// before the call that made t answered (a worker took the relocating
+// WrapClient's task from the queue it first landed in) the last run of key
+// k, as it would have been had the call answered first (invariant 2).
+func (m *osModel) ranBeforeAccepted(k osKey, t *osTask, seq int) {
+	ki := m.keyInfo(k)
+	for _, r := range m.runs {
+		if r.task == t && r.p.S == seq && !t.wasRelease && (ki.lastRun == nil || ki.lastRun.start < r.start) {
+			ki.lastRun = r
+		}
+	}
+}
+
 func (w *osWorld) runEnds(r *osRun, end osEnd) {
 	m := w.m
 	m.mu.Lock()

@@ -164,6 +164,7 @@ func (w *osWorld) accepted(s *osSpec, sub *osSubmit) {
 	sub.carrier = t
 	k := osKey{q, sub.kid}
 	m.keyInfo(k).newest = sub
+	m.ranBeforeAccepted(k, t, sub.seq)
 	if w.rules[s.typ].OnRunning == RunningAllow {
 		m.keyInfo(k).allow = true
 	}
