@@ -26,7 +26,7 @@ local left = call('PTTL', KEYS[1])
 if left >= 0 and left < ms then call('PEXPIRE', KEYS[1], ms) end
 local m = call('HMGET', KEYS[2], 'id', 'f')
 if ARGV[3] ~= '0' then
-  if m[1] and m[1] ~= holder then call('HSET', KEYS[2], 'n', 0) call('HDEL', KEYS[2], 'e') end -- (an earlier holder's)
+  if m[1] and m[1] ~= holder then hand(KEYS[2], holder, 0) end -- (an earlier holder's)
   local t = call('TIME')
   local us = tonumber(t[2])
   call('HSET', KEYS[2], 'id', holder, 'o', tonumber(t[1]) * 1000 + (us - us % 1000) / 1000 + tonumber(ARGV[3]), 'oa', ARGV[4])

@@ -119,10 +119,10 @@ local function keep(lock, mode)
   end
 end
 
--- hand names holder, with n folds, in mode: another task's note (o) goes.
+-- hand names holder, with n folds, in mode: another task's note (o) and error go.
 local function hand(mode, holder, n)
   call('HSET', mode, 'id', holder, 'n', n)
-  call('HDEL', mode, 'o', 'oa')
+  call('HDEL', mode, 'o', 'oa', 'e')
 end
 
 -- count counts a fold into holder's key (the version Merge compares) in its

@@ -63,7 +63,7 @@ if out ~= 'fail' then mark(K.T, 'ended') end
 if f and queue_now(f) then
   call('SET', K.L, f, 'PX', A[4])
   hand(K.M, f, 0)
-  call('HDEL', K.M, 'f', 'e')
+  call('HDEL', K.M, 'f')
   keep(K.L, K.M)
   return {1, 'follow', f}
 end
