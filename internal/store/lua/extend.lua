@@ -22,24 +22,20 @@ local holder, kind = holder_of(call('GET', KEYS[1]))
 if holder ~= ARGV[1] then return 0 end
 if kind == 'c' or kind == 'x' then return 1 end
 local ms = tonumber(ARGV[2])
-local left = call('PTTL', KEYS[1])
-if left >= 0 and left < ms then call('PEXPIRE', KEYS[1], ms) end
+lengthen(KEYS[1], ms)
 local m = call('HMGET', KEYS[2], 'id', 'f')
 if ARGV[3] ~= '0' then
   if m[1] and m[1] ~= holder then hand(KEYS[2], holder, 0) end -- (an earlier holder's)
-  local t = call('TIME')
-  local us = tonumber(t[2])
-  call('HSET', KEYS[2], 'id', holder, 'o', tonumber(t[1]) * 1000 + (us - us % 1000) / 1000 + tonumber(ARGV[3]), 'oa', ARGV[4])
+  call('HSET', KEYS[2], 'id', holder, 'o', select(2, now_parts()) + tonumber(ARGV[3]), 'oa', ARGV[4])
   call('PEXPIRE', KEYS[2], math.max(call('PTTL', KEYS[1]), ms))
   m[1] = holder
   local msg = call('HGET', KEYS[4], 'msg')
   if msg and not string.find(msg, '\10dedup-lost\18', 1, true) then mark(KEYS[4], 'outlived') end
 end
 if m[1] == holder then
-  left = call('PTTL', KEYS[2])
-  if left >= 0 and left < ms then call('PEXPIRE', KEYS[2], ms) end
+  lengthen(KEYS[2], ms)
   if m[2] then -- (the follow-up stays parked past the key's new lifetime)
-    call('ZADD', KEYS[3], 'XX', tonumber(call('TIME')[1]) + (ms - ms % 1000) / 1000 + 1, m[2])
+    call('ZADD', KEYS[3], 'XX', now_parts() + (ms - ms % 1000) / 1000 + 1, m[2])
   end
 end
 return 1

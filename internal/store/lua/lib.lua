@@ -112,11 +112,7 @@ end
 -- keep makes the mode record mode live as long as the lock.
 local function keep(lock, mode)
   local left = call('PTTL', lock)
-  if left > 0 then
-    call('PEXPIRE', mode, left)
-  elseif left == -1 then
-    call('PERSIST', mode)
-  end
+  if left > 0 then call('PEXPIRE', mode, left) elseif left == -1 then call('PERSIST', mode) end
 end
 
 -- hand names holder, with n folds, in mode: another task's note (o) and error go.
