@@ -261,12 +261,14 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 			a.Mode = k.terms.mode
 		}
 		return a
+	case direct && k.keptFor(now) > 0:
+		a.Value, a.Unique = store.KeptValue(k.ref.ID, now.Add(k.keptFor(now))), true
 	case direct:
 		a.Value, a.Unique = store.Value(k.ref.ID), true
 	default:
 		a.Value = store.WrapValue(k.ref.ID, now)
 	}
-	k.terms = termsOf(r, k.typ, k.ref.ID, now, !direct)
+	k.terms = termsOf(r, k.typ, k.ref.ID, now, !direct, direct && k.keptFor(now) > 0)
 	a.Mode = k.terms.mode
 	if r.debounce > 0 {
 		a.DebounceDue = k.processAt.Unix()
@@ -278,6 +280,22 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 		a.Defers, a.FollowID = true, store.NewFollowID()
 	}
 	return a
+}
+
+// keptFor is how long after now a key the direct path takes stays held
+// once its task succeeds (Cooldown, Period), 0 for none. asynq's own
+// record says that the task succeeded: the task is stored with a
+// Retention at least as long, so that asynq keeps the record that long,
+// and the middleware makes no call at the success.
+//
+// Not for a caller-chosen ID: asynq's record would keep it taken until the
+// cooldown ends, even once the key is released.
+func (k *call) keptFor(now time.Time) time.Duration {
+	if k.rule.firing > 0 || k.callerID != "" {
+		return 0
+	}
+	cool, _ := k.rule.lockTerms(now)
+	return cool
 }
 
 // reservedID is the error for a caller-chosen ID of a form this package
@@ -363,6 +381,12 @@ func (c *Client) prepareDirect(k *call) {
 	m.Type, m.Payload, m.Headers, m.ID, m.Queue = k.typ, k.task.Payload(), taskHeaders(k.task), k.ref.ID, k.queue
 	if k.acquire.Unique {
 		m.UniqueKey = k.ref.Lock
+	}
+	if p := store.ParseValue(k.acquire.Value); p.Kind == store.HoldKept {
+		// asynq keeps the record of its success until the cooldown ends: whole
+		// seconds, rounded up, and one more, as asynq counts from the second
+		// of the success, truncated.
+		m.Retention = max(m.Retention, (time.Until(p.At)+2*time.Second-1)/time.Second*time.Second)
 	}
 	// As asynq's client: neither a timeout nor a deadline (zero, or the
 	// Unix epoch exactly) means the default timeout.

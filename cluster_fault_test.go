@@ -855,7 +855,8 @@ func testClusterHeartbeatGoesOnWhenOneMasterDies(t *testing.T) {
 //
 // On a Cluster, one master hangs just as a task of its queue succeeds
 // under a Cooldown, so that task's settle call (its cooling hold) hangs
-// (until LockTimeout). A task of a queue on a healthy master then succeeds:
+// (until LockTimeout). (The tasks have caller-chosen IDs: their cooldowns
+// are settled by the middleware, not kept by asynq's record, call.keptFor.) A task of a queue on a healthy master then succeeds:
 // its settle must not wait behind the hung one, so its key cools at once.
 func testClusterSettleOnAHealthyMasterDoesNotWaitForAHungOne(t *testing.T) {
 	_, c := redistest.OwnCluster(t, 3, false)
@@ -917,13 +918,13 @@ func settleBesideAHungMaster(t *testing.T, c *redis.ClusterClient, tag string) (
 	if err := d.store.PublishQueue(ctx, okQ); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := client.Enqueue(counterTask("h", 1, 1), asynq.Queue(hungQ)); err != nil {
+	if _, err := client.Enqueue(counterTask("h", 1, 1), asynq.Queue(hungQ), asynq.TaskID("h-"+tag)); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, seen.seen, "the hung master's settle sent")
 	sentAt := time.Now()
 	okTask := counterTask("o", 1, 1)
-	if _, err := client.Enqueue(okTask, asynq.Queue(okQ)); err != nil {
+	if _, err := client.Enqueue(okTask, asynq.Queue(okQ), asynq.TaskID("o-"+tag)); err != nil {
 		t.Fatal(err)
 	}
 	at := waitFor(t, returned, "the healthy queue's task succeeds")

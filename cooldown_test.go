@@ -2,13 +2,18 @@ package dedup
 
 import (
 	"context"
+	"crypto/sha1"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // digest is the weekly-digest task of the cooldown tests, keyed on user_id.
@@ -555,4 +560,100 @@ func TestCooldownOfAFoldedCallIsNamedNotApplied(t *testing.T) {
 	h.settled(1)
 	h.asynqDone()
 	h.enqueue(digest(1, 3)) // the key was taken without a cooldown: free
+}
+
+// libraryScripts counts the calls a client makes of the scripts the
+// middleware runs at an attempt's start and end (start, settle).
+type libraryScripts struct{ n atomic.Int64 }
+
+func (h *libraryScripts) count(cmds ...redis.Cmder) {
+	for _, c := range cmds {
+		if a := c.Args(); len(a) > 1 && (c.Name() == "evalsha" || c.Name() == "eval") {
+			s, _ := a[1].(string)
+			if c.Name() == "eval" { // (after a NOSCRIPT: the source)
+				sum := sha1.Sum([]byte(s))
+				s = hex.EncodeToString(sum[:])
+			}
+			if s == store.ScriptHash("settle") || s == store.ScriptHash("start") {
+				h.n.Add(1)
+			}
+		}
+	}
+}
+
+func (h *libraryScripts) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *libraryScripts) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { h.count(cmd); return next(ctx, cmd) }
+}
+func (h *libraryScripts) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error { h.count(cmds...); return next(ctx, cmds) }
+}
+
+// A task NewClient stored under a Cooldown or a Period costs the worker no
+// Redis call of the library's: the task is stored with a Retention that
+// keeps asynq's record of its success until the window ends, and that
+// record, written by asynq's own done script, is the hold. The key then
+// cools exactly until the cooldown's end, counted from the enqueue.
+func TestCooldownAndPeriodSuccessesCostTheWorkerNoRedisCall(t *testing.T) {
+	needRealRedis(t)
+	t.Parallel()
+	for name, opt := range map[string]asynq.Option{"cooldown": Cooldown(time.Hour), "period": Period(24*time.Hour, nil)} {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			rdb := newRDB(t)
+			calls := &libraryScripts{}
+			rdb.AddHook(calls)
+			d, err := New(ctx, rdb, Config{Prefix: "nc-" + uniq(t), Logger: quietLogger()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = d.Close() })
+			srvRDB, q := newRDB(t), "q-"+uniq(t)
+			insp := asynq.NewInspectorFromRedisClient(srvRDB)
+			t.Cleanup(func() { _ = insp.DeleteQueue(q, true) })
+			client := d.NewClient()
+			var ids []string
+			taken := time.Now()
+			for i := range 10 {
+				info, err := client.Enqueue(userTask(i, ""), opt, asynq.Queue(q))
+				if err != nil {
+					t.Fatal(err)
+				}
+				ids = append(ids, info.ID)
+			}
+			srv := asynq.NewServerFromRedisClient(srvRDB, asynq.Config{Concurrency: 4, Queues: map[string]int{q: 1},
+				TaskCheckInterval: 10 * time.Millisecond, LogLevel: asynq.FatalLevel})
+			if err := srv.Start(d.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }))); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(srv.Shutdown)
+			eventually(t, "asynq records every success", func() bool {
+				for _, id := range ids {
+					if ti, err := insp.GetTaskInfo(q, id); err != nil || ti.State != asynq.TaskStateCompleted {
+						return false
+					}
+				}
+				return true
+			})
+			if n := calls.n.Load(); n != 0 {
+				t.Fatalf("the middleware called start or settle %d times for %d tasks, want none", n, len(ids))
+			}
+			_, err = client.Enqueue(userTask(0, ""), opt, asynq.Queue(q))
+			var dup *DuplicateTaskError
+			if !errors.As(err, &dup) || !dup.CoolingDown || dup.Holder != ids[0] {
+				t.Fatalf("enqueue after the success: %v, want cooling after %s", err, ids[0])
+			}
+			left := time.Hour
+			if name == "period" {
+				_, end := periodWindow(taken, 24*time.Hour, nil)
+				left = end.Sub(taken)
+			}
+			if want := left - time.Since(taken); dup.FreeIn > want+time.Second || dup.FreeIn < want-5*time.Second {
+				t.Fatalf("FreeIn %v, want %v", dup.FreeIn, want)
+			}
+			if ti, err := insp.GetTaskInfo(q, ids[0]); err != nil || ti.Retention < dup.FreeIn {
+				t.Fatalf("the task's Retention %v (%v), want at least the %v the key cools", ti.Retention, err, dup.FreeIn)
+			}
+		})
+	}
 }

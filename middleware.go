@@ -273,7 +273,13 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	s := d.settleOf(ctx, t, r, l, err)
 	if !l.calls(s) && !l.outlivedMark.Load() {
 		// asynq's scripts release the key (success, revoke) or keep it for
-		// the key's next enqueue to heal (a final failure, archived).
+		// the key's next enqueue to heal (a final failure, archived); a kept
+		// key cools down after a success, as asynq's record of it says.
+		if s.End == store.EndSuccess && l.flags.Has(store.FlagKept) {
+			d.count(typ, evCooling)
+			l.rec.Set(attempt.Cooling)
+			return
+		}
 		d.count(typ, evReleased)
 		l.rec.Set(attempt.Released)
 		return
@@ -486,7 +492,7 @@ func (d *Dedup) arrival(l *lease, t *asynq.Task) *lease {
 // releases it.
 func (d *Dedup) ruleTerms(typ, id string) terms {
 	r := d.ruleFor(typ)
-	return termsOf(&r, typ, id, time.Now(), true)
+	return termsOf(&r, typ, id, time.Now(), true, false)
 }
 
 // outlived notes in the key's mode record that asynq gave the attempt up
@@ -563,8 +569,8 @@ func (l *lease) calls(s *store.Settle) bool {
 	switch s.End {
 	case store.EndSuccess:
 		return f.Has(store.FlagCool) || f.Has(store.FlagDefer) || f.Has(store.FlagRelease)
-	case store.EndRevoke:
-		return f.Has(store.FlagDefer) || f.Has(store.FlagRelease)
+	case store.EndRevoke: // (a kept key: asynq records a revoked task completed, as a success)
+		return f.Has(store.FlagDefer) || f.Has(store.FlagRelease) || f.Has(store.FlagKept)
 	case store.EndFail:
 		return f.Has(store.FlagFail) || f.Has(store.FlagDefer)
 	}

@@ -56,6 +56,13 @@ func (h *harness) taskState(id string) asynq.TaskState {
 	return ti.State
 }
 
+// finished reports that asynq is done with task id: completed (kept by
+// its Retention), or its record gone.
+func (h *harness) finished(id string) bool {
+	st := h.taskState(id)
+	return st == 0 || st == asynq.TaskStateCompleted
+}
+
 func (h *harness) enqueue(task *asynq.Task, opts ...asynq.Option) *asynq.TaskInfo {
 	h.t.Helper()
 	info, err := h.client.Enqueue(task, append([]asynq.Option{asynq.Queue(h.queue)}, opts...)...)

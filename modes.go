@@ -25,13 +25,18 @@ type terms struct {
 
 // termsOf works out the terms of a key taken now for task id of type typ
 // under rule r. release: the task's record will not name the lock, so its
-// end must release it (asynq's client stores the task).
-func termsOf(r *resolved, typ, id string, now time.Time, release bool) terms {
+// end must release it (asynq's client stores the task). kept: a cooldown or
+// period window is kept by asynq's own record of the task's success
+// (call.keptFor), with no call at its end.
+func termsOf(r *resolved, typ, id string, now time.Time, release, kept bool) terms {
 	var f []byte
 	var mode []any
 	add := func(field, value string) { mode = append(mode, field, value) }
 	if cool, w := r.lockTerms(now); cool > 0 {
 		f = append(f, store.FlagCool)
+		if kept {
+			f[len(f)-1] = store.FlagKept
+		}
 		add(store.FieldCoolEnd, strconv.FormatInt(now.Add(cool).UnixMilli(), 10))
 		if arg := w.Arg(); arg != "" {
 			add(store.FieldWindow, arg)

@@ -24,8 +24,9 @@ func lockField(h *harness, key, field string) string {
 	h.t.Helper()
 	ctx := context.Background()
 	switch field {
-	case "k":
-		if store.ParseValue(h.rdb.Get(ctx, key).Val()).Kind == store.HoldCooling {
+	case "k": // cooling: after a settle, or kept by asynq's record of the success
+		p := store.ParseValue(h.rdb.Get(ctx, key).Val())
+		if p.Kind == store.HoldCooling || p.Kind == store.HoldKept && h.taskState(p.Holder) == asynq.TaskStateCompleted {
 			return "1"
 		}
 		return ""

@@ -63,7 +63,7 @@ func (k *call) movedTo(d *Dedup, info *asynq.TaskInfo) *call {
 	m.acquire.Now = time.Now()
 	m.locked, m.self = true, false
 	// asynq's client stores it again: its record will not name the lock.
-	m.terms = termsOf(&m.rule, m.typ, m.ref.ID, m.acquire.Now, true)
+	m.terms = termsOf(&m.rule, m.typ, m.ref.ID, m.acquire.Now, true, false)
 	m.acquire.Mode = m.terms.mode
 	m.headers = maps.Clone(k.headers)
 	return &m

@@ -113,16 +113,17 @@ func neverBoth(t *testing.T, h *harness, a, b string) {
 	}
 }
 
-// Cooldown: the success cooled the key; a shutdown then requeues the task.
-// "A handler that succeeded after all cools its key (Cooldown): the retry
-// that follows finds its own cooling key and does not run again"; at most one
-// successful run per window.
+// Cooldown, settled by the middleware (a caller-chosen ID: call.keptFor):
+// the success cooled the key; a shutdown then requeues the task. "A handler
+// that succeeded after all cools its key (Cooldown): the retry that follows
+// finds its own cooling key and does not run again"; at most one successful
+// run per window.
 func TestCooledTaskRequeuedAfterItsSuccessDoesNotRunAgain(t *testing.T) {
 	t.Parallel()
 	h := newDirectHarness(t, Rule{Cooldown: time.Hour})
 	ended := make(chan string, 1)
 	stop := slowOuterServer(t, h, func(context.Context, *asynq.Task) error { return nil }, ended)
-	a := h.enqueue(counterTask("k", 1, 0))
+	a := h.enqueue(counterTask("k", 1, 0), asynq.TaskID("cooled-"+uniq(t)))
 	waitFor(t, ended, "the task's attempt ended")
 	key := h.keyOf(counterTask("k", 1, 0), h.queue)
 	if st := h.lockState(key); st != "cooling" {
@@ -134,16 +135,54 @@ func TestCooledTaskRequeuedAfterItsSuccessDoesNotRunAgain(t *testing.T) {
 	}
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)
-	eventually(t, "asynq is done with the requeued task", func() bool {
-		st := h.taskState(a.ID)
-		return st == asynq.TaskStateCompleted || st == 0
-	})
+	eventually(t, "asynq is done with the requeued task", func() bool { return h.finished(a.ID) })
 	if len(rc.runs) > 0 {
 		r := <-rc.runs
 		t.Fatalf("the cooled task %s ran again (retry %d) inside its cooldown", r.id, r.retry)
 	}
 	if st := h.lockState(key); st != "cooling" {
 		t.Fatalf("lock %q, want still cooling", st)
+	}
+}
+
+// Cooldown kept by asynq's record (NewClient's own ID): a success counts
+// once asynq records it. A shutdown requeues the task after its handler
+// succeeded but before asynq recorded that: asynq runs it again, as it does
+// any task it did not see end, holding its key all the while (a duplicate
+// meanwhile is refused, naming it), and its key cools once asynq records the
+// second run's success, until the cooldown's end counted from the enqueue.
+func TestKeptCooldownTaskRequeuedBeforeAsynqRecordedItsSuccessRunsAgainHoldingItsKey(t *testing.T) {
+	t.Parallel()
+	h := newDirectHarness(t, Rule{Cooldown: time.Hour})
+	ended := make(chan string, 1)
+	stop := slowOuterServer(t, h, func(context.Context, *asynq.Task) error { return nil }, ended)
+	taken := time.Now()
+	a := h.enqueue(counterTask("k", 1, 0))
+	waitFor(t, ended, "the task's attempt ended")
+	key := h.keyOf(counterTask("k", 1, 0), h.queue)
+	if st := h.lockState(key); st != "running" {
+		t.Fatalf("lock %q after the handler returned, before asynq recorded it, want running (asynq's record)", st)
+	}
+	stop()
+	if st := h.taskState(a.ID); st != asynq.TaskStatePending {
+		t.Fatalf("task %v after the shutdown, want pending (requeued)", st)
+	}
+	_, err := h.client.Enqueue(counterTask("k", 2, 0), asynq.Queue(h.queue))
+	if dup := (*DuplicateTaskError)(nil); !errors.As(err, &dup) || dup.Holder != a.ID || dup.CoolingDown {
+		t.Fatalf("enqueue while the requeued task waits: %v, want a duplicate of %s, not cooling", err, a.ID)
+	}
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	if r := waitFor(t, rc.runs, "the requeued task runs again"); r.id != a.ID {
+		t.Fatalf("ran %s, want %s", r.id, a.ID)
+	}
+	eventually(t, "asynq records its success", func() bool { return h.taskState(a.ID) == asynq.TaskStateCompleted })
+	dup := coolingDup(t, h.client, counterTask("k", 3, 0), h.queue, a.ID)
+	if want := time.Until(taken.Add(time.Hour)); dup.FreeIn > want+time.Second || dup.FreeIn < want-time.Minute {
+		t.Fatalf("FreeIn %v, want about %v (the cooldown counts from the enqueue)", dup.FreeIn, want)
+	}
+	if len(rc.runs) > 0 {
+		t.Fatalf("ran a third time: %s", (<-rc.runs).id)
 	}
 }
 

@@ -145,7 +145,7 @@ func (i *Info) Raw() *store.Lock { return i.lock }
 func InfoOf(l *store.Lock) *Info {
 	li := &Info{Key: l.Key, Queue: l.Queue, Fingerprint: l.FP, Type: l.Type, Holder: l.Owner, State: l.State(),
 		TaskState: l.TaskState, Folds: l.Folds, FollowUp: l.Follow, Created: l.Taken, Fields: l.Fields, lock: l}
-	if store.ParseValue(l.Value).HeldOnPurpose() {
+	if store.ParseValue(l.Value).HeldOnPurpose() || l.Kept() {
 		li.Hold = l.Value
 	}
 	if l.KeyForm != "" {

@@ -89,6 +89,8 @@ func Diagnose(ctx context.Context, c redis.UniversalClient, ls []*Lock, grace ti
 // younger than grace whose task may not be stored yet.
 func diagnosis(l *Lock, state string, there bool, grace time.Duration, now time.Time) (Diagnosis, bool) {
 	switch {
+	case l.Kind == HoldKept && state == StateCompleted && now.Before(l.Until):
+		return Diagnosis{}, false // cooling down: asynq's record of its success keeps it
 	case state == "" || Gone(state):
 		if state == "" {
 			state = "missing"

@@ -105,12 +105,13 @@ type Lock struct {
 	Value     string // the lock's value (value.go)
 	Owner     string // the task holding the key
 	Kind      Hold
-	Type      string // the task type: the mode record's, else the holder's asynq record's ("" if unknown)
-	KeyForm   string // how the key was chosen (KeyForm), "" when no mode record says
-	Follow    string // owed follow-up task, "" for none
-	Taken     int64  // HoldWrap: when the key was taken, unix seconds; else 0
+	Type      string    // the task type: the mode record's, else the holder's asynq record's ("" if unknown)
+	KeyForm   string    // how the key was chosen (KeyForm), "" when no mode record says
+	Follow    string    // owed follow-up task, "" for none
+	Taken     int64     // HoldWrap: when the key was taken, unix seconds; else 0
+	Until     time.Time // HoldKept: when the key's cooldown (or period window) ends
 	Folds     int64
-	TTL       time.Duration // -1: no expiry
+	TTL       time.Duration // left before the lock expires, -1: no expiry; a kept key cooling down (Kept): before it frees
 	TaskState string        // the holder's state in asynq; "missing" when it has no record (or its ID names another key's task now)
 	Fields    map[string]string
 }
@@ -159,7 +160,7 @@ func (l *Lock) State() string {
 	switch {
 	case l.Failed():
 		return LockFailed
-	case l.Kind == HoldCooling, l.Kind == HoldFiring && (l.TaskState == "missing" || Gone(l.TaskState)):
+	case l.Kind == HoldCooling, l.Kept(), l.Kind == HoldFiring && (l.TaskState == "missing" || Gone(l.TaskState)):
 		return LockCooling
 	case l.TaskState == StateActive, l.outlived():
 		return LockRunning
@@ -204,7 +205,16 @@ func (l *Lock) Failed() bool {
 
 // HeldOnPurpose reports a lock a policy keeps past its task: cooling, a
 // firing's, a fail hold.
-func (l *Lock) HeldOnPurpose() bool { return ParseValue(l.Value).HeldOnPurpose() || l.Failed() }
+func (l *Lock) HeldOnPurpose() bool {
+	return ParseValue(l.Value).HeldOnPurpose() || l.Kept() || l.Failed()
+}
+
+// Kept reports a key kept past its task by asynq's record (HoldKept) that
+// cools down now: asynq's record says the task completed, and Until has not
+// passed.
+func (l *Lock) Kept() bool {
+	return l.Kind == HoldKept && l.TaskState == StateCompleted && time.Now().Before(l.Until)
+}
 
 // Running is the running policy the mode record keeps (RunReject for none).
 func (l *Lock) Running() Running {
@@ -262,6 +272,9 @@ func ReadLocks(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]*
 			l.Type = l.WaitType()
 		}
 		l.TaskState = s
+		if l.Kept() {
+			l.TTL = time.Until(l.Until)
+		}
 	}
 	return out, nil
 }
@@ -319,8 +332,11 @@ func readValues(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]
 func fillLock(l *Lock, v string, mode map[string]string, ttl time.Duration) *Lock {
 	p := ParseValue(v)
 	l.Value, l.Owner, l.Kind = v, p.Holder, p.Kind
-	if p.Kind == HoldWrap {
+	switch p.Kind {
+	case HoldWrap:
 		l.Taken = p.At.Unix()
+	case HoldKept:
+		l.Until = p.At
 	}
 	if mode[FieldHolder] != l.Owner {
 		mode = nil // about another task: stale

@@ -19,6 +19,10 @@ import (
 //	~a:<ID>                 taken as the task started, its record naming no lock (a task that
 //	                        arrived without one): the task's end releases it
 //	~c:<ID>                 cooling: the task succeeded; held until the lock expires
+//	~k<unix ms>:<ID>        held by its task, stored with the lock, which asynq's scripts never
+//	                        release: once asynq's record says the task completed (its
+//	                        Retention keeps that record past the unix ms), cooling until then;
+//	                        gone, archived, or completed with the time passed: it heals
 //	~x:<ID>                 a Scheduler firing's: held until it expires, whatever its task does
 //
 // A fail hold (OnFailure) keeps the value as it is: an archived (or
@@ -37,6 +41,7 @@ const (
 	HoldWrap    Hold = 'w' // taken before its task was stored (asynq's client enqueues it)
 	HoldStart   Hold = 'a' // taken as its task started
 	HoldCooling Hold = 'c' // cooling after its task's success
+	HoldKept    Hold = 'k' // held by its task; cooling until At once asynq's record says it completed
 	HoldFiring  Hold = 'x' // a Scheduler firing's, held until it expires
 )
 
@@ -57,6 +62,12 @@ func WrapValue(id string, at time.Time) string {
 // record naming no lock.
 func StartValue(id string) string { return "~a:" + id }
 
+// KeptValue is the lock value of a key held by task id, stored with the
+// lock, that cools down until until once asynq records the task completed.
+func KeptValue(id string, until time.Time) string {
+	return "~k" + strconv.FormatInt(until.UnixMilli(), 10) + ":" + id
+}
+
 // FiringValue is the lock value of a Scheduler firing's key.
 func FiringValue(id string) string { return "~x:" + id }
 
@@ -64,7 +75,7 @@ func FiringValue(id string) string { return "~x:" + id }
 type Parsed struct {
 	Holder string // the task the value names
 	Kind   Hold
-	At     time.Time // HoldWrap: when the key was taken
+	At     time.Time // HoldWrap: when the key was taken; HoldKept: when its cooldown ends
 }
 
 // ParseValue reads a lock value.
@@ -77,9 +88,12 @@ func ParseValue(v string) Parsed {
 		return Parsed{Holder: v}
 	}
 	p := Parsed{Holder: v[i+1:], Kind: Hold(v[1])}
-	if p.Kind == HoldWrap {
-		sec, _ := strconv.ParseInt(v[2:i], 10, 64)
-		p.At = time.Unix(sec, 0)
+	n, _ := strconv.ParseInt(v[2:i], 10, 64)
+	switch p.Kind {
+	case HoldWrap:
+		p.At = time.Unix(n, 0)
+	case HoldKept:
+		p.At = time.UnixMilli(n)
 	}
 	return p
 }

@@ -71,6 +71,8 @@ if holder then
     -- or about to be archived (its hold is written first).
     return {14, holder, call('PTTL', K.L), 'f'}
   end
+  local left = cools(kind, at, state)
+  if left then return {14, holder, left, 'c'} end
   if own and gone(state) then return {(state or moved) and 7 or 2} end
   if not state and not moved and kind == 'w' and now - at < tonumber(A[13]) then
     return (policy ~= 'x' or running == 'd') and {6, holder} or {0, holder, ''}

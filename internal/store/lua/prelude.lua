@@ -19,6 +19,15 @@ local function holder_of(v)
   return string.sub(v, i + 1), string.sub(v, 2, 2), tonumber(string.sub(v, 3, i - 1)) or 0
 end
 
+-- cools returns how long more (ms) a key kept past its task by asynq's record
+-- (kind 'k': until at, unix ms) cools down, once that task completed; else nil.
+local function cools(kind, at, state)
+  if kind ~= 'k' or state ~= 'completed' then return nil end
+  local t = call('TIME')
+  local left = at - tonumber(t[1]) * 1000 - (tonumber(t[2]) - tonumber(t[2]) % 1000) / 1000
+  return left > 0 and left or nil
+end
+
 -- ended reports whether the stored message msg carries the header dedup-lost:
 -- ended (lib.lua's mark, after a success or revoke; task.go's LostEnded):
 -- asynq put the task back before it recorded that end (a shutdown), and it

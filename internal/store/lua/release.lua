@@ -61,7 +61,7 @@ elseif st == 'scheduled' or st == 'retry' then
   there = call('ZSCORE', st == 'retry' and K.R or K.S, holder)
 end
 if A[2] == 'stuck' then
-  if kind == 'c' or kind == 'x' then return {3, kind} end
+  if kind == 'c' or kind == 'x' or cools(kind, at, st) then return {3, kind == 'k' and 'c' or kind} end
   if (st == '' or st == 'archived') and m[1] == holder and m[4] then return {3, 'failed'} end
   if m[1] == holder and outlived(m[5]) then return {3, 'active'} end -- (a handler asynq gave up still runs)
   if st == '' and not moved and kind == 'w' and now_parts() - at < tonumber(A[7]) then return {3, 'reserved'} end

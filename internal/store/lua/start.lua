@@ -46,6 +46,8 @@ elseif holder then
   local moved = st and not belongs(K.H, holder, kind, K.L) -- (another key's task now: this key's is gone)
   if moved then st = nil end
   local runs = m[1] == holder and outlived(m[5])
+  local left = cools(kind, at, st)
+  if left then return {14, holder, left, 'c'} end
   if not gone(st) or runs or (not st and not moved and kind == 'w' and now_parts() - at < tonumber(A[7])) then
     return {0, holder, (st == 'active' or runs) and '1' or ''}
   end

@@ -76,7 +76,7 @@ if not v then
   end
   return {1}
 end
-local holder, kind = holder_of(v)
+local holder, kind, at = holder_of(v)
 if kind == 'c' then return {14, holder, call('PTTL', K.L), kind} end
 if holder == A[2] and A[11] ~= '1' then return {2} end
 if kind == 'x' then return {0, holder} end
@@ -86,5 +86,7 @@ end
 -- (Only a lock asynq's scripts delete at the task's end is trusted alone.)
 if holder == A[9] and A[10] == '1' and kind == '' then return {0, holder} end
 local st = holder == A[9] and K.H and call('HGET', K.H, 'state')
+local left = cools(kind, at, st)
+if left then return {14, holder, left, 'c'} end
 if st and st ~= 'completed' and st ~= 'archived' then return {0, holder} end
 return {11, holder}
