@@ -91,14 +91,6 @@ end
 local function waiting(state) return state == 'pending' or state == 'scheduled' or state == 'retry' end
 local function gone(state) return not state or state == 'completed' or state == 'archived' end
 
--- now_parts reads the server clock: unix seconds, milliseconds, and nanoseconds
--- as a string (asynq's pending_since).
-local function now_parts()
-  local t = call('TIME')
-  local s, us = tonumber(t[1]), tonumber(t[2])
-  return s, s * 1000 + (us - us % 1000) / 1000, t[1] .. string.format('%06d', us) .. '000'
-end
-
 -- lacks adds the roles of r that were not given to `lacking` (which a script
 -- replies, for its caller to call again with them); true if any are lacking.
 local lacking = ''
@@ -159,11 +151,7 @@ end
 
 -- outlived reports whether a mode record's o (unix ms, by the server's clock)
 -- says a handler of its holder that asynq gave up still runs.
-local function outlived(o)
-  if not o then return false end
-  local _, now_ms = now_parts()
-  return tonumber(o) > now_ms
-end
+local function outlived(o) return o and tonumber(o) > select(2, now_parts()) or false end
 
 -- belongs reports whether the stored task rec is the holder the lock at lock
 -- names (kind: the value's): an ID this library made is never used twice, but a

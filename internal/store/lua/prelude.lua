@@ -10,8 +10,9 @@ end
 -- holder_of splits a lock's value (false: no lock; value.go owns the grammar)
 -- into the task that holds the key, the kind of hold ('' held by its task; 'w'
 -- taken at `at`, unix seconds, before its task was stored; 'a' taken as its task
--- started; 'c' cooling after its success; 'x' a Scheduler firing's, held until
--- it expires), and at.
+-- started; 'c' cooling after its success; 'k' held by its task, and cooling
+-- until `at`, unix ms, once asynq records it completed; 'x' a Scheduler
+-- firing's, held until it expires), and at.
 local function holder_of(v)
   if not v then return nil, '' end
   local i = string.byte(v, 1) == 126 and string.find(v, ':', 2, true)
@@ -19,19 +20,23 @@ local function holder_of(v)
   return string.sub(v, i + 1), string.sub(v, 2, 2), tonumber(string.sub(v, 3, i - 1)) or 0
 end
 
+-- now_parts reads the server clock: unix seconds, milliseconds, and nanoseconds
+-- as a string (asynq's pending_since).
+local function now_parts()
+  local t = call('TIME')
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s, s * 1000 + (us - us % 1000) / 1000, t[1] .. string.format('%06d', us) .. '000'
+end
+
 -- cools returns how long more (ms) a key kept past its task by asynq's record
 -- (kind 'k': until at, unix ms) cools down, once that task completed; else nil.
 local function cools(kind, at, state)
-  if kind ~= 'k' or state ~= 'completed' then return nil end
-  local t = call('TIME')
-  local left = at - tonumber(t[1]) * 1000 - (tonumber(t[2]) - tonumber(t[2]) % 1000) / 1000
-  return left > 0 and left or nil
+  local left = kind == 'k' and state == 'completed' and at - select(2, now_parts())
+  return left and left > 0 and left or nil
 end
 
 -- ended reports whether the stored message msg carries the header dedup-lost:
 -- ended (lib.lua's mark, after a success or revoke; task.go's LostEnded):
 -- asynq put the task back before it recorded that end (a shutdown), and it
 -- will not run again, so a lock it holds while it waits is orphaned.
-local function ended(msg)
-  return msg and string.find(msg, '\10\10dedup-lost\18\5ended', 1, true) ~= nil
-end
+local function ended(msg) return msg and string.find(msg, '\10\10dedup-lost\18\5ended', 1, true) ~= nil end

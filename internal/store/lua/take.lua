@@ -45,9 +45,7 @@ local v = call('GET', K.L)
 if not v then
   if A[4] == '-' then return {10} end
   if A[14] == '1' and call('HEXISTS', K.M, 'f') == 1 then return {11, ''} end
-  if (A[11] == '1' or A[4] ~= '') and call('EXISTS', K.T) == 1 then
-    return {7} -- (with ARGV[4]: an earlier try of this very call stored it)
-  end
+  if (A[11] == '1' or A[4] ~= '') and call('EXISTS', K.T) == 1 then return {7} end -- (with ARGV[4]: an earlier try of this very call stored it)
   local now_ms, ttl, max = tonumber(A[6]), A[7], tonumber(A[12])
   if max > 0 then
     call('ZREMRANGEBYSCORE', K.W, '-inf', now_ms)
