@@ -101,3 +101,24 @@ func TestKeptKeyCoolsOnceAsynqRecordsItsTaskCompletedUntilItsMoment(t *testing.T
 		})
 	}
 }
+
+// A kept task that failed for good under a fail hold (its lock persisted)
+// and is run again by hand takes its key back for its run, and the key
+// still lasts until its cooldown ends: its success leaves it cooling until
+// then, with no call at the end to lengthen it.
+func TestKeptKeyRunAgainAfterAFailHoldLastsItsWindow(t *testing.T) {
+	rdb := redistest.Client(t)
+	ctx := context.Background()
+	s := newTestStore(t, rdb)
+	q := redistest.Uniq(t)
+	r := keptHeld(t, rdb, s, q, "00000000000000f1", StateActive, time.Now().Add(3*time.Hour))
+	rdb.HSet(ctx, r.Mode(), FieldHolder, r.ID, FieldError, "boom")
+	rdb.Persist(ctx, r.Lock) // FailHoldUntilReleased
+	st, err := s.Start(ctx, &Start{Ref: r, TTL: time.Hour})
+	if err != nil || st.Status != StatusTaken {
+		t.Fatalf("start of the task run again: %+v %v, want its key", st, err)
+	}
+	if pttl := rdb.PTTL(ctx, r.Lock).Val(); !near(pttl, 3*time.Hour, 5*time.Second) {
+		t.Fatalf("the key lives %v more, want its window's 3h", pttl)
+	}
+}

@@ -36,7 +36,7 @@ if holder == id then
   if m[1] == id and m[4] then
     -- Run again by hand after it failed for good: its own again.
     call('HDEL', K.M, 'e')
-    call('PEXPIRE', K.L, ttl)
+    call('PEXPIRE', K.L, kind == 'k' and math.max(tonumber(ttl), at - select(2, now_parts())) or ttl) -- (a kept key: its window at least)
   end
 elseif holder then
   if kind == 'x' then return {0, holder, ''} end
