@@ -266,12 +266,15 @@ func (m *osModel) keyInfo(k osKey) *osKeyInfo {
 }
 
 // task returns the task queue/id, recording an unknown one (made by the
-// middleware) from its type and payload; m.mu is held.
+// middleware) from its type and payload; m.mu is held. A task known to have
+// succeeded whose ID now runs another type's or key's payload is a new
+// generation of a caller-chosen ID, met before the call that made it
+// returned (newTask adopts it then).
 func (m *osModel) task(w *osWorld, queue, id, typ string, payload []byte) *osTask {
-	if t := m.tasks[queue+"/"+id]; t != nil {
+	p, _ := decodeOS(payload)
+	if t := m.tasks[queue+"/"+id]; t != nil && !(t.done && (t.typ != typ || t.kid != p.Kid)) {
 		return t
 	}
-	p, _ := decodeOS(payload)
 	origin := osLockless
 	if k := store.KindOf(id); k != store.IDOther && k != store.IDAgain {
 		origin = osLibrary
