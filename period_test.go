@@ -413,3 +413,28 @@ func TestPeriodAndOnFailureApplyToArrivalsWithoutALock(t *testing.T) {
 		t.Errorf("Lookup: %+v", kl)
 	}
 }
+
+// "Once it succeeds, the key stays held until the window ends, whatever
+// becomes of the task's record (retention, an operator's delete)": also for
+// a key NewClient keeps by asynq's record of the success (~k).
+func TestKeptPeriodKeyStaysHeldWhenItsCompletedRecordIsDeleted(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, Period: 24 * time.Hour}}})
+	h.client = h.d.NewClient()
+	rc := newRecorder(nil)
+	h.serve(rc.handler(), nil)
+	first := h.enqueue(digest(1, 1))
+	waitFor(t, rc.runs, "the digest runs")
+	eventually(t, "asynq records its success", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue)); !errors.As(err, &dup) || !dup.CoolingDown {
+		t.Fatalf("enqueue after the success: %v, want cooling", err)
+	}
+	if err := h.insp.DeleteTask(h.queue, first.ID); err != nil {
+		t.Fatal(err)
+	}
+	_, err := h.client.Enqueue(digest(1, 3), asynq.Queue(h.queue))
+	if !errors.As(err, &dup) || !dup.CoolingDown {
+		t.Fatalf("enqueue in the same window after the record was deleted: %v, want cooling until the window ends", err)
+	}
+}
