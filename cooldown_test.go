@@ -665,3 +665,30 @@ func TestCooldownAndPeriodSuccessesCostTheWorkerNoRedisCall(t *testing.T) {
 		})
 	}
 }
+
+// A task whose key an operator released while it waited takes the key back
+// as it starts (no other task took it meanwhile), runs holding it, and its
+// success cools the key as any success does: at most one successful run per
+// cooldown, on either path.
+func TestCooldownTaskReleasedWhileWaitingCoolsAfterItsSuccess(t *testing.T) {
+	t.Parallel()
+	bothPaths(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}}, func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		first := h.enqueue(digest(1, 1))
+		if ok, err := h.d.Release(ctx, digest(1, 1), first.ID, asynq.Queue(h.queue)); err != nil || !ok {
+			t.Fatalf("release: %v %v", ok, err)
+		}
+		rc := newRecorder(nil)
+		h.serve(rc.handler(), nil)
+		if r := waitFor(t, rc.runs, "the digest runs"); r.id != first.ID {
+			t.Fatalf("ran %s, want %s", r.id, first.ID)
+		}
+		eventually(t, "asynq records its success", func() bool { return h.finished(first.ID) })
+		h.asynqDone()
+		info, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue))
+		var dup *DuplicateTaskError
+		if !errors.As(err, &dup) || !dup.CoolingDown || dup.Holder != first.ID {
+			t.Fatalf("enqueue after its success: %v %v, want cooling after %s", info, err, first.ID)
+		}
+	})
+}
