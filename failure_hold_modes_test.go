@@ -3,6 +3,8 @@ package dedup
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -48,4 +50,47 @@ func TestFailHoldHoldsWhenCancelProcessingEndsTheLastRetry(t *testing.T) {
 			t.Fatalf("enqueue after asynq archived the cancelled last attempt: %v (stats %+v), want a failure-held duplicate of %s", err, h.d.Stats(), a.ID)
 		}
 	})
+}
+
+// lifecycle.md: a fail hold holds "until released (or the task is run again
+// by hand and succeeds)"; policies.md, Cooldown: "The lock lasts at least
+// until the cooldown ends, on every path". A kept task (NewClient's own ID)
+// that failed for good on its first attempt (SkipRetry) under a FailHold
+// shorter than its cooldown, run again by hand, succeeds: its key cools
+// until the cooldown's end, and is not freed when the fail hold would have
+// ended.
+func TestKeptCooldownTaskRunByHandAfterAFailHoldCoolsItsWholeCooldown(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour,
+		OnFailure: FailHold, FailHoldFor: time.Second}}})
+	h.client = h.d.NewClient()
+	var fixed atomic.Bool
+	rc := newRecorder(func(run) error {
+		if !fixed.Load() {
+			return fmt.Errorf("crm down: %w", asynq.SkipRetry)
+		}
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	first := h.enqueue(digest(1, 1))
+	waitFor(t, rc.runs, "the digest runs, and fails for good")
+	eventually(t, "asynq archives it", func() bool { return h.taskState(first.ID) == asynq.TaskStateArchived })
+	fixed.Store(true)
+	if err := h.insp.RunTask(h.queue, first.ID); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, rc.runs, "the digest runs again, by hand")
+	eventually(t, "asynq records its success", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
+	succeeded := time.Now()
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue)); !errors.As(err, &dup) || !dup.CoolingDown || dup.FreeIn < 59*time.Minute {
+		t.Fatalf("enqueue after its success: %v, want cooling for about an hour", err)
+	}
+	// Past the moment the fail hold (1 s from the failure) would have ended.
+	if within(3*time.Second, func() bool {
+		_, err := h.client.Enqueue(digest(1, 3), asynq.Queue(h.queue))
+		return err == nil
+	}) {
+		t.Fatalf("the key was free %v after its success, inside a cooldown that had %v left", time.Since(succeeded), dup.FreeIn)
+	}
 }
