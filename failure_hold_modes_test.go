@@ -94,3 +94,39 @@ func TestKeptCooldownTaskRunByHandAfterAFailHoldCoolsItsWholeCooldown(t *testing
 		t.Fatalf("the key was free %v after its success, inside a cooldown that had %v left", time.Since(succeeded), dup.FreeIn)
 	}
 }
+
+// A fail hold lasts "until released (or the task is run again by hand and
+// succeeds)"; deleting a kept task's completed record "ends its cooldown".
+// A kept task held by FailHoldUntilReleased after it failed for good on its
+// first attempt, run again by hand, succeeds and cools its key; once an
+// operator deletes its completed record the key is free, not held again by
+// the failure its success ended.
+func TestKeptCooldownTaskRunByHandAfterAFailHoldIsNotFailHeldOnceItsRecordGoes(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour,
+		OnFailure: FailHoldUntilReleased}}})
+	h.client = h.d.NewClient()
+	var fixed atomic.Bool
+	rc := newRecorder(func(run) error {
+		if !fixed.Load() {
+			return fmt.Errorf("crm down: %w", asynq.SkipRetry)
+		}
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	first := h.enqueue(digest(1, 1))
+	waitFor(t, rc.runs, "the digest runs, and fails for good")
+	eventually(t, "asynq archives it", func() bool { return h.taskState(first.ID) == asynq.TaskStateArchived })
+	fixed.Store(true)
+	if err := h.insp.RunTask(h.queue, first.ID); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, rc.runs, "the digest runs again, by hand")
+	eventually(t, "asynq records its success", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
+	if err := h.insp.DeleteTask(h.queue, first.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue)); err != nil {
+		t.Fatalf("enqueue once the succeeded task's record is deleted: %v, want the key free", err)
+	}
+}
