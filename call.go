@@ -289,9 +289,13 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 // and the middleware makes no call at the success.
 //
 // Not for a caller-chosen ID: asynq's record would keep it taken until the
-// cooldown ends, even once the key is released.
+// cooldown ends, even once the key is released. Nor with a fail hold (OnFailure):
+// a task that failed for good on its first attempt and is run again by hand
+// makes no start call (its retry count is 0), so nothing would lengthen the
+// fail hold's lifetime to the window, nor clear its error, at its success;
+// the settle at success does both.
 func (k *call) keptFor(now time.Time) time.Duration {
-	if k.rule.firing > 0 || k.callerID != "" {
+	if k.rule.firing > 0 || k.callerID != "" || k.rule.failHold != 0 {
 		return 0
 	}
 	cool, _ := k.rule.lockTerms(now)
