@@ -692,3 +692,48 @@ func TestCooldownTaskReleasedWhileWaitingCoolsAfterItsSuccess(t *testing.T) {
 		}
 	})
 }
+
+// "never two handlers of a key running at once": a kept task's completed
+// record outlives its cooldown (asynq's Retention), so an operator can run it
+// again by hand (Inspector.RunTask of a completed task) after the key's next
+// enqueue healed its lock and a new task took the key; it must check the key
+// first, as an archived holder run again by hand does, and not run beside
+// the key's new task.
+func TestKeptCooldownTaskRunAgainByHandAfterItsKeyHealedDoesNotRunBesideTheNewHolder(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: 300 * time.Millisecond}}})
+	h.client = h.d.NewClient()
+	release := make(chan struct{})
+	rc := newRecorder(func(r run) error {
+		if string(r.task.Payload()) == `{"user_id":1,"seq":2}` {
+			<-release // the key's new task runs on
+		}
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	defer close(release)
+	first := h.enqueue(digest(1, 1))
+	waitFor(t, rc.runs, "the first digest runs")
+	eventually(t, "asynq records its success", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
+	var second *asynq.TaskInfo
+	eventually(t, "the cooldown ends: the key's next enqueue takes it", func() bool {
+		info, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue))
+		second = info
+		return err == nil
+	})
+	if r := waitFor(t, rc.runs, "the new task runs"); r.id != second.ID {
+		t.Fatalf("ran %s, want %s", r.id, second.ID)
+	}
+	if err := h.insp.RunTask(h.queue, first.ID); err != nil {
+		t.Fatalf("run the completed task again: %v", err)
+	}
+	eventually(t, "asynq takes the task run by hand up", func() bool {
+		st := h.taskState(first.ID)
+		return st != asynq.TaskStatePending && st != asynq.TaskStateActive
+	})
+	select {
+	case r := <-rc.runs:
+		t.Fatalf("%s ran again by hand while %s holds the key and runs", r.id, second.ID)
+	default:
+	}
+}
