@@ -54,7 +54,7 @@ elseif holder then
   if (not st or st == 'archived') and m[1] == holder and m[4] then
     return {14, holder, call('PTTL', K.L), 'f'} -- it failed for good, and holds the key (OnFailure)
   end
-  if st == 'archived' then mark(K.H, 'healed') end
+  if st == 'archived' or (kind == 'k' and st == 'completed') then mark(K.H, 'healed') end
   call('DEL', K.L)
   holder = nil
 end
