@@ -154,7 +154,7 @@ end
 local adopt = f and waiting(fstate)
 local counted = holder and m[5] and m[1] == holder
 if lacks(adopt and 'SPR' or counted and 'W' or '') then return need() end
-if state == 'archived' or (kind == 'k' and state == 'completed') then mark(K.H, 'healed') end -- should it run again by hand, it checks the key
+if state == 'archived' or (kind == 'k' and state == 'completed' and hmsg) then mark(K.H, 'healed') end -- should it run again by hand, it checks the key
 if adopt then
   -- The follow-up a gone holder owed takes the key, and the call folds into it.
   queue_now(f)
