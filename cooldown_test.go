@@ -737,3 +737,42 @@ func TestKeptCooldownTaskRunAgainByHandAfterItsKeyHealedDoesNotRunBesideTheNewHo
 	default:
 	}
 }
+
+// As above, where Release ended the cooldown early ("Release ends a
+// cooldown early") and a new task took the key.
+func TestKeptCooldownTaskRunAgainByHandAfterItsKeyWasReleasedDoesNotRunBesideTheNewHolder(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
+	h.client = h.d.NewClient()
+	release := make(chan struct{})
+	rc := newRecorder(func(r run) error {
+		if string(r.task.Payload()) == `{"user_id":1,"seq":2}` {
+			<-release // the key's new task runs on
+		}
+		return nil
+	})
+	h.serve(rc.handler(), nil)
+	defer close(release)
+	first := h.enqueue(digest(1, 1))
+	waitFor(t, rc.runs, "the first digest runs")
+	eventually(t, "asynq records its success", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
+	if ok, err := h.d.Release(context.Background(), digest(1, 1), first.ID, asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("release the cooling key: %v %v", ok, err)
+	}
+	second := h.enqueue(digest(1, 2))
+	if r := waitFor(t, rc.runs, "the new task runs"); r.id != second.ID {
+		t.Fatalf("ran %s, want %s", r.id, second.ID)
+	}
+	if err := h.insp.RunTask(h.queue, first.ID); err != nil {
+		t.Fatalf("run the completed task again: %v", err)
+	}
+	eventually(t, "asynq takes the task run by hand up", func() bool {
+		st := h.taskState(first.ID)
+		return st != asynq.TaskStatePending && st != asynq.TaskStateActive
+	})
+	select {
+	case r := <-rc.runs:
+		t.Fatalf("%s ran again by hand while %s holds the key and runs", r.id, second.ID)
+	default:
+	}
+}
