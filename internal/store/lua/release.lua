@@ -67,7 +67,7 @@ if A[2] == 'stuck' then
   if st == '' and not moved and kind == 'w' and now_parts() - at < tonumber(A[7]) then return {3, 'reserved'} end
   if st ~= '' and not gone(st) and there then return {3, st} end
 end
-if not moved and (waiting(st) or st == 'active') then
+if not moved and (waiting(st) or st == 'active' or (kind == 'k' and st == 'completed')) then
   mark(K.H, 'released') -- (asynq keeps a running task's message if it requeues it)
 end
 local queued = f and queue_now(f) and f or ''
