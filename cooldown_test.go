@@ -776,3 +776,35 @@ func TestKeptCooldownTaskRunAgainByHandAfterItsKeyWasReleasedDoesNotRunBesideThe
 	default:
 	}
 }
+
+// As TestCooldownTaskReleasedWhileWaitingCoolsAfterItsSuccess, where the run
+// that took the key back fails and its retry succeeds: the retry's success
+// cools the key.
+func TestCooldownTaskReleasedWhileWaitingCoolsAfterItsRetrysSuccess(t *testing.T) {
+	t.Parallel()
+	bothPaths(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}}, func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		first := h.enqueue(digest(1, 1))
+		if ok, err := h.d.Release(ctx, digest(1, 1), first.ID, asynq.Queue(h.queue)); err != nil || !ok {
+			t.Fatalf("release: %v %v", ok, err)
+		}
+		rc := newRecorder(func(r run) error {
+			if r.retry == 0 {
+				return errors.New("transient")
+			}
+			return nil
+		})
+		h.serve(rc.handler(), nil)
+		waitFor(t, rc.runs, "the digest runs, and fails")
+		if r := waitFor(t, rc.runs, "its retry runs"); r.id != first.ID || r.retry != 1 {
+			t.Fatalf("ran %s (retry %d), want %s's retry", r.id, r.retry, first.ID)
+		}
+		eventually(t, "asynq records its success", func() bool { return h.finished(first.ID) })
+		h.asynqDone()
+		info, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue))
+		var dup *DuplicateTaskError
+		if !errors.As(err, &dup) || !dup.CoolingDown || dup.Holder != first.ID {
+			t.Fatalf("enqueue after its success: %v %v, want cooling after %s", info, err, first.ID)
+		}
+	})
+}
