@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -143,11 +142,6 @@ func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, ru
 		return true, d.cooling(t, &l.ref, st.Holder, st.Cooling, st.Failed)
 	case st.Status != store.StatusTaken:
 		return true, d.busy(ctx, t, rule, l, &st)
-	case st.New && l.flags.Has(store.FlagKept):
-		// A kept task that took its key anew (it lost it while it waited):
-		// the lock is its plain ID now, which asynq's done deletes, so its
-		// success cools the key by the settle call, as a caller-chosen ID's.
-		l.flags = store.Flags(strings.ReplaceAll(string(l.flags), string(store.FlagKept), string(store.FlagCool)))
 	}
 	return false, nil
 }

@@ -62,8 +62,13 @@ if not holder then
   new = '1'
   if allow then return {9, new} end
   -- Its own ID, where its record names the lock (asynq releases it), else '~a:':
-  -- the task's end releases it.
-  call('SET', K.L, call('HGET', K.T, 'unique_key') == K.L and id or '~a:' .. id, 'PX', ttl)
+  -- the task's end releases it. A task whose mode record keeps a cooldown
+  -- (or window) not yet over takes it back kept until then ('~k', as it took
+  -- it at enqueue): a kept task's success makes no call to cool it.
+  local v, cd = id, m[1] == id and tonumber(call('HGET', K.M, 'cd') or '0') or 0
+  if call('HGET', K.T, 'unique_key') ~= K.L then v = '~a:' .. id
+  elseif cd > select(2, now_parts()) then v, ttl = '~k' .. cd .. ':' .. id, math.max(tonumber(ttl), cd - select(2, now_parts())) end
+  call('SET', K.L, v, 'PX', ttl)
   if #A > 7 then
     call('DEL', K.M)
     call('HSET', K.M, unpack(A, 8))
