@@ -65,9 +65,10 @@ if not holder then
   -- the task's end releases it. A task whose mode record keeps a cooldown
   -- (or window) not yet over takes it back kept until then ('~k', as it took
   -- it at enqueue): a kept task's success makes no call to cool it.
-  local v, cd = id, m[1] == id and tonumber(call('HGET', K.M, 'cd') or '0') or 0
+  local v, cd = id, m[1] == id and call('HGET', K.M, 'cd') or '0'
+  local left = tonumber(cd) - select(2, now_parts())
   if call('HGET', K.T, 'unique_key') ~= K.L then v = '~a:' .. id
-  elseif cd > select(2, now_parts()) then v, ttl = '~k' .. cd .. ':' .. id, math.max(tonumber(ttl), cd - select(2, now_parts())) end
+  elseif left > 0 then v, ttl = '~k' .. cd .. ':' .. id, math.max(tonumber(ttl), left) end
   call('SET', K.L, v, 'PX', ttl)
   if #A > 7 then
     call('DEL', K.M)
