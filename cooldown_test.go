@@ -808,3 +808,29 @@ func TestCooldownTaskReleasedWhileWaitingCoolsAfterItsRetrysSuccess(t *testing.T
 		}
 	})
 }
+
+// policies.md, Cooldown: "Enqueues meanwhile get a *DuplicateTaskError
+// naming that task, with CoolingDown: true and FreeIn (the time left),
+// whatever the conflict policy: there is no waiting task to fold into." A
+// kept task's completed record, which its Retention keeps, may be run again
+// by hand inside the cooldown (Inspector.RunTask of a completed task); an
+// enqueue meanwhile is still refused as cooling, never folded into that run.
+func TestKeptCooldownTaskRunAgainByHandInsideItsCooldownTakesNoFold(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour, OnConflict: Replace}}})
+	h.client = h.d.NewClient()
+	first := h.enqueue(digest(1, 1))
+	rc := newRecorder(nil)
+	srv := h.serve(rc.handler(), nil)
+	waitFor(t, rc.runs, "the digest runs")
+	eventually(t, "asynq records its success", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
+	srv.Shutdown() // (the run by hand waits)
+	if err := h.insp.RunTask(h.queue, first.ID); err != nil {
+		t.Fatalf("run the completed task again: %v", err)
+	}
+	res, err := h.client.Submit(context.Background(), digest(1, 2), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) || !dup.CoolingDown {
+		t.Fatalf("enqueue inside the cooldown: %+v %v, want refused as cooling", res, err)
+	}
+}
