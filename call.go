@@ -283,11 +283,14 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 }
 
 // keptFor is how long after now a key the direct path takes stays held
-// once its task succeeds (Cooldown, Period), 0 for none. asynq's own
-// record says that the task succeeded: the task is stored with a
-// Retention at least as long, so that asynq keeps the record that long,
-// and the middleware makes no call at the success.
+// once its task succeeds (Cooldown), 0 for none. asynq's own record says
+// that the task succeeded: the task is stored with a Retention at least as
+// long, so that asynq keeps the record that long, and the middleware makes
+// no call at the success.
 //
+// Not for a Period: its window holds whatever becomes of the task's record
+// (an operator may delete a completed task), which the settle at success
+// writes beside it.
 // Not for a caller-chosen ID: asynq's record would keep it taken until the
 // cooldown ends, even once the key is released. Nor with a fail hold (OnFailure):
 // a task that failed for good on its first attempt and is run again by hand
@@ -295,7 +298,7 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 // fail hold's lifetime to the window, nor clear its error, at its success;
 // the settle at success does both.
 func (k *call) keptFor(now time.Time) time.Duration {
-	if k.rule.firing > 0 || k.callerID != "" || k.rule.failHold != 0 {
+	if k.rule.firing > 0 || k.rule.period > 0 || k.callerID != "" || k.rule.failHold != 0 {
 		return 0
 	}
 	cool, _ := k.rule.lockTerms(now)

@@ -569,7 +569,7 @@ func (l *lease) calls(s *store.Settle) bool {
 	switch s.End {
 	case store.EndSuccess:
 		return f.Has(store.FlagCool) || f.Has(store.FlagDefer) || f.Has(store.FlagRelease)
-	case store.EndRevoke: // (a kept key: asynq records a revoked task completed, as a success)
+	case store.EndRevoke: // (a kept key: released now; asynq's done would leave it to heal at the next enqueue)
 		return f.Has(store.FlagDefer) || f.Has(store.FlagRelease) || f.Has(store.FlagKept)
 	case store.EndFail:
 		return f.Has(store.FlagFail) || f.Has(store.FlagDefer)

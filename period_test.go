@@ -415,15 +415,17 @@ func TestPeriodAndOnFailureApplyToArrivalsWithoutALock(t *testing.T) {
 }
 
 // "Once it succeeds, the key stays held until the window ends, whatever
-// becomes of the task's record (retention, an operator's delete)": also for
-// a key NewClient keeps by asynq's record of the success (~k).
-func TestKeptPeriodKeyStaysHeldWhenItsCompletedRecordIsDeleted(t *testing.T) {
+// becomes of the task's record (retention, an operator's delete)": NewClient
+// does not keep a Period key by asynq's record of the success (~k), which an
+// operator's delete would end; with the task's own Retention, its completed
+// record is deleted here.
+func TestPeriodKeyStaysHeldWhenItsCompletedRecordIsDeleted(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, Period: 24 * time.Hour}}})
 	h.client = h.d.NewClient()
 	rc := newRecorder(nil)
 	h.serve(rc.handler(), nil)
-	first := h.enqueue(digest(1, 1))
+	first := h.enqueue(digest(1, 1), asynq.Retention(time.Hour))
 	waitFor(t, rc.runs, "the digest runs")
 	eventually(t, "asynq records its success", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
 	var dup *DuplicateTaskError

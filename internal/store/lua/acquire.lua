@@ -66,6 +66,11 @@ if holder then
   -- Put back after its end was settled (a shutdown), it will not run again:
   -- as good as done, so its lock heals rather than taking folds or refusing.
   if waiting(state) and ended(hmsg) then state, hmsg = 'completed', nil end
+  -- A kept key's holder run again by hand after it completed (its message keeps
+  -- completed_at, field 13) waits inside its cooldown: the key cools still.
+  for _, fl in ipairs(kind == 'k' and waiting(state) and pb_fields(hmsg or '') or {}) do
+    if fl[1] == 13 then state = 'completed' end
+  end
   if m[1] == holder and m[6] and (not state or state == 'archived' or state == 'active') then
     -- It failed for good and holds the key (OnFailure): archived, deleted since,
     -- or about to be archived (its hold is written first).

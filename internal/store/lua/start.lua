@@ -27,7 +27,7 @@ local A = ARGV
 local id, ttl, allow, new = A[2], A[3], A[4] == '1', ''
 if call('EXISTS', K.T) == 0 then return {13} end
 local holder, kind, at = holder_of(call('GET', K.L))
-local m = call('HMGET', K.M, 'id', 'f', 'b', 'e', 'o')
+local m = call('HMGET', K.M, 'id', 'f', 'b', 'e', 'o', 'cd')
 local f = m[2]
 if kind == 'c' then return {14, holder, call('PTTL', K.L), kind} end -- (its own: it succeeded already)
 if holder == id then
@@ -65,7 +65,7 @@ if not holder then
   -- the task's end releases it. A task whose mode record keeps a cooldown
   -- (or window) not yet over takes it back kept until then ('~k', as it took
   -- it at enqueue): a kept task's success makes no call to cool it.
-  local v, cd = id, m[1] == id and call('HGET', K.M, 'cd') or '0'
+  local v, cd = id, m[1] == id and m[6] or '0'
   local left = tonumber(cd) - select(2, now_parts())
   if call('HGET', K.T, 'unique_key') ~= K.L then v = '~a:' .. id
   elseif left > 0 then v, ttl = '~k' .. cd .. ':' .. id, math.max(tonumber(ttl), left) end
