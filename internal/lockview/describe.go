@@ -326,6 +326,8 @@ func holdNote(l *Info) string {
 	switch {
 	case l.lock.Kind == store.HoldFiring && l.State == store.LockCooling:
 		return "a Scheduler firing's key: held until its window ends"
+	case l.lock.Kind == store.HoldKept && l.State == store.LockCooling:
+		return "it succeeded, as asynq's record of it says; the key cools down until its Cooldown ends"
 	case l.State == store.LockCooling:
 		return "it succeeded; the key cools down until the lock expires, Cooldown or Period"
 	case l.State == store.LockFailed:
