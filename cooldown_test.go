@@ -688,96 +688,52 @@ func TestCooldownTaskReleasedWhileWaitingCoolsAfterItsSuccess(t *testing.T) {
 			t.Fatalf("ran %s, want %s", r.id, first.ID)
 		}
 		eventually(t, "asynq records its success", func() bool { return h.finished(first.ID) })
-		h.asynqDone()
-		info, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue))
-		var dup *DuplicateTaskError
-		if !errors.As(err, &dup) || !dup.CoolingDown || dup.Holder != first.ID {
-			t.Fatalf("enqueue after its success: %v %v, want cooling after %s", info, err, first.ID)
-		}
+		coolingDup(t, h.client, digest(1, 2), h.queue, first.ID)
 	})
 }
 
 // "never two handlers of a key running at once": a kept task's completed
 // record outlives its cooldown (asynq's Retention), so an operator can run it
-// again by hand (Inspector.RunTask of a completed task) after the key's next
-// enqueue healed its lock and a new task took the key; it must check the key
-// first, as an archived holder run again by hand does, and not run beside
-// the key's new task.
-func TestKeptCooldownTaskRunAgainByHandAfterItsKeyHealedDoesNotRunBesideTheNewHolder(t *testing.T) {
+// again by hand (Inspector.RunTask of a completed task) after a new task took
+// the key: once the key's next enqueue healed its lock after the cooldown, or
+// once Release ended the cooldown early. It must check the key first, as an
+// archived holder run again by hand does, and not run beside the key's new
+// task.
+func TestKeptCooldownTaskRunAgainByHandAfterItsKeyFreedDoesNotRunBesideTheNewHolder(t *testing.T) {
 	t.Parallel()
-	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: 300 * time.Millisecond}}})
-	h.client = h.d.NewClient()
-	release := make(chan struct{})
-	rc := newRecorder(func(r run) error {
-		if string(r.task.Payload()) == `{"user_id":1,"seq":2}` {
-			<-release // the key's new task runs on
-		}
-		return nil
-	})
-	h.serve(rc.handler(), nil)
-	defer close(release)
-	first := h.enqueue(digest(1, 1))
-	waitFor(t, rc.runs, "the first digest runs")
-	eventually(t, "asynq records its success", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
-	var second *asynq.TaskInfo
-	eventually(t, "the cooldown ends: the key's next enqueue takes it", func() bool {
-		info, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue))
-		second = info
-		return err == nil
-	})
-	if r := waitFor(t, rc.runs, "the new task runs"); r.id != second.ID {
-		t.Fatalf("ran %s, want %s", r.id, second.ID)
-	}
-	if err := h.insp.RunTask(h.queue, first.ID); err != nil {
-		t.Fatalf("run the completed task again: %v", err)
-	}
-	eventually(t, "asynq takes the task run by hand up", func() bool {
-		st := h.taskState(first.ID)
-		return st != asynq.TaskStatePending && st != asynq.TaskStateActive
-	})
-	select {
-	case r := <-rc.runs:
-		t.Fatalf("%s ran again by hand while %s holds the key and runs", r.id, second.ID)
-	default:
-	}
-}
-
-// As above, where Release ended the cooldown early ("Release ends a
-// cooldown early") and a new task took the key.
-func TestKeptCooldownTaskRunAgainByHandAfterItsKeyWasReleasedDoesNotRunBesideTheNewHolder(t *testing.T) {
-	t.Parallel()
-	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
-	h.client = h.d.NewClient()
-	release := make(chan struct{})
-	rc := newRecorder(func(r run) error {
-		if string(r.task.Payload()) == `{"user_id":1,"seq":2}` {
-			<-release // the key's new task runs on
-		}
-		return nil
-	})
-	h.serve(rc.handler(), nil)
-	defer close(release)
-	first := h.enqueue(digest(1, 1))
-	waitFor(t, rc.runs, "the first digest runs")
-	eventually(t, "asynq records its success", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
-	if ok, err := h.d.Release(context.Background(), digest(1, 1), first.ID, asynq.Queue(h.queue)); err != nil || !ok {
-		t.Fatalf("release the cooling key: %v %v", ok, err)
-	}
-	second := h.enqueue(digest(1, 2))
-	if r := waitFor(t, rc.runs, "the new task runs"); r.id != second.ID {
-		t.Fatalf("ran %s, want %s", r.id, second.ID)
-	}
-	if err := h.insp.RunTask(h.queue, first.ID); err != nil {
-		t.Fatalf("run the completed task again: %v", err)
-	}
-	eventually(t, "asynq takes the task run by hand up", func() bool {
-		st := h.taskState(first.ID)
-		return st != asynq.TaskStatePending && st != asynq.TaskStateActive
-	})
-	select {
-	case r := <-rc.runs:
-		t.Fatalf("%s ran again by hand while %s holds the key and runs", r.id, second.ID)
-	default:
+	for name, cooldown := range map[string]time.Duration{"healed": 300 * time.Millisecond, "released": time.Hour} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: cooldown}}})
+			h.client = h.d.NewClient()
+			release := make(chan struct{})
+			rc := newRecorder(func(r run) error {
+				if string(r.task.Payload()) == `{"user_id":1,"seq":2}` {
+					<-release // the key's new task runs on
+				}
+				return nil
+			})
+			h.serve(rc.handler(), nil)
+			defer close(release)
+			first := h.enqueue(digest(1, 1))
+			waitFor(t, rc.runs, "the first digest runs")
+			eventually(t, "asynq records its success", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
+			if name == "released" {
+				if ok, err := h.d.Release(context.Background(), digest(1, 1), first.ID, asynq.Queue(h.queue)); err != nil || !ok {
+					t.Fatalf("release the cooling key: %v %v", ok, err)
+				}
+			}
+			var second *asynq.TaskInfo
+			eventually(t, "the key's next enqueue takes it", func() bool {
+				info, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue))
+				second = info
+				return err == nil
+			})
+			if r := waitFor(t, rc.runs, "the new task runs"); r.id != second.ID {
+				t.Fatalf("ran %s, want %s", r.id, second.ID)
+			}
+			runByHandWaitsForTheKey(t, h, rc, first.ID, second.ID)
+		})
 	}
 }
 
@@ -804,12 +760,7 @@ func TestCooldownTaskReleasedWhileWaitingCoolsAfterItsRetrysSuccess(t *testing.T
 			t.Fatalf("ran %s (retry %d), want %s's retry", r.id, r.retry, first.ID)
 		}
 		eventually(t, "asynq records its success", func() bool { return h.finished(first.ID) })
-		h.asynqDone()
-		info, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue))
-		var dup *DuplicateTaskError
-		if !errors.As(err, &dup) || !dup.CoolingDown || dup.Holder != first.ID {
-			t.Fatalf("enqueue after its success: %v %v, want cooling after %s", info, err, first.ID)
-		}
+		coolingDup(t, h.client, digest(1, 2), h.queue, first.ID)
 	})
 }
 
@@ -836,5 +787,24 @@ func TestKeptCooldownTaskRunAgainByHandInsideItsCooldownTakesNoFold(t *testing.T
 	var dup *DuplicateTaskError
 	if !errors.As(err, &dup) || !dup.CoolingDown {
 		t.Fatalf("enqueue inside the cooldown: %+v %v, want refused as cooling", res, err)
+	}
+}
+
+// runByHandWaitsForTheKey runs the completed task first again by hand
+// (Inspector.RunTask) while second holds its key and runs: asynq takes it up,
+// and it does not run beside second.
+func runByHandWaitsForTheKey(t *testing.T, h *harness, rc *recorder, first, second string) {
+	t.Helper()
+	if err := h.insp.RunTask(h.queue, first); err != nil {
+		t.Fatalf("run the completed task again: %v", err)
+	}
+	eventually(t, "asynq takes the task run by hand up", func() bool {
+		st := h.taskState(first)
+		return st != asynq.TaskStatePending && st != asynq.TaskStateActive
+	})
+	select {
+	case r := <-rc.runs:
+		t.Fatalf("%s ran again by hand while %s holds the key and runs", r.id, second)
+	default:
 	}
 }

@@ -61,26 +61,7 @@ func TestFailHoldHoldsWhenCancelProcessingEndsTheLastRetry(t *testing.T) {
 // ended.
 func TestKeptCooldownTaskRunByHandAfterAFailHoldCoolsItsWholeCooldown(t *testing.T) {
 	t.Parallel()
-	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour,
-		OnFailure: FailHold, FailHoldFor: time.Second}}})
-	h.client = h.d.NewClient()
-	var fixed atomic.Bool
-	rc := newRecorder(func(run) error {
-		if !fixed.Load() {
-			return fmt.Errorf("crm down: %w", asynq.SkipRetry)
-		}
-		return nil
-	})
-	h.serve(rc.handler(), nil)
-	first := h.enqueue(digest(1, 1))
-	waitFor(t, rc.runs, "the digest runs, and fails for good")
-	eventually(t, "asynq archives it", func() bool { return h.taskState(first.ID) == asynq.TaskStateArchived })
-	fixed.Store(true)
-	if err := h.insp.RunTask(h.queue, first.ID); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, rc.runs, "the digest runs again, by hand")
-	eventually(t, "asynq records its success", func() bool { return h.finished(first.ID) })
+	h, _ := failedThenRunByHand(t, Rule{Fields: []string{"user_id"}, Cooldown: time.Hour, OnFailure: FailHold, FailHoldFor: time.Second})
 	succeeded := time.Now()
 	var dup *DuplicateTaskError
 	if _, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue)); !errors.As(err, &dup) || !dup.CoolingDown || dup.FreeIn < 59*time.Minute {
@@ -103,8 +84,24 @@ func TestKeptCooldownTaskRunByHandAfterAFailHoldCoolsItsWholeCooldown(t *testing
 // held again by the failure its success ended.
 func TestKeptCooldownTaskRunByHandAfterAFailHoldIsNotFailHeldOnceItsRecordGoes(t *testing.T) {
 	t.Parallel()
-	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": {Fields: []string{"user_id"}, Cooldown: time.Hour,
-		OnFailure: FailHoldUntilReleased}}})
+	h, first := failedThenRunByHand(t, Rule{Fields: []string{"user_id"}, Cooldown: time.Hour, OnFailure: FailHoldUntilReleased})
+	if h.taskState(first.ID) == asynq.TaskStateCompleted { // (kept by its Retention)
+		if err := h.insp.DeleteTask(h.queue, first.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue)); errors.As(err, &dup) && dup.FailHeld {
+		t.Fatalf("enqueue once the succeeded task's record is gone: %v, want the key cooling or free, not held by the failure", err)
+	}
+}
+
+// failedThenRunByHand enqueues a digest through NewClient under rule, whose
+// first attempt fails for good (SkipRetry); once asynq archived it, runs it
+// again by hand, and returns when that run succeeded and asynq recorded it.
+func failedThenRunByHand(t *testing.T, rule Rule) (*harness, *asynq.TaskInfo) {
+	t.Helper()
+	h := newHarness(t, Config{Rules: map[string]Rule{"digest:weekly": rule}})
 	h.client = h.d.NewClient()
 	var fixed atomic.Bool
 	rc := newRecorder(func(run) error {
@@ -123,13 +120,5 @@ func TestKeptCooldownTaskRunByHandAfterAFailHoldIsNotFailHeldOnceItsRecordGoes(t
 	}
 	waitFor(t, rc.runs, "the digest runs again, by hand")
 	eventually(t, "asynq records its success", func() bool { return h.finished(first.ID) })
-	if h.taskState(first.ID) == asynq.TaskStateCompleted { // (kept by its Retention)
-		if err := h.insp.DeleteTask(h.queue, first.ID); err != nil {
-			t.Fatal(err)
-		}
-	}
-	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(digest(1, 2), asynq.Queue(h.queue)); errors.As(err, &dup) && dup.FailHeld {
-		t.Fatalf("enqueue once the succeeded task's record is gone: %v, want the key cooling or free, not held by the failure", err)
-	}
+	return h, first
 }
