@@ -241,14 +241,21 @@ func testClusterSlotMigrationLosesNothing(t *testing.T) {
 	// A release refused during the migration (a wrapped task's, which the
 	// middleware makes at its success) leaves its lock behind, held by a task
 	// asynq has since completed: the key's next enqueue heals it at once. A
-	// lock left must be such a one, never one that still holds its key.
+	// lock left must be such a one, or held by a task that ran and whose done
+	// step asynq could not record (its record still says active, until its
+	// recoverer retries it, above): never one that holds its key otherwise.
 	for _, k := range leftLocks() {
 		ls, err := store.ReadLocks(ctx, c, store.NewKeys(d.cfg.Prefix), []string{k})
 		if err != nil {
 			t.Fatal(err)
 		}
 		for _, l := range ls {
-			if st := l.State(); st != "orphaned" {
+			mu.Lock()
+			ran := runs[l.Owner] > 0
+			mu.Unlock()
+			if st := l.State(); st == "running" && l.TaskState == store.StateActive && ran {
+				t.Logf("lock left: %s, held by %s, which ran and which asynq still records active (its done step refused mid-migration)", k, l.Owner)
+			} else if st != "orphaned" {
 				v := c.Get(ctx, k).Val()
 				owner := holderIn(v)
 				t.Errorf("lock left: %s %v ttl %v, state %q; owner %s record state %q, accepted %v", k, v, c.PTTL(ctx, k).Val(), st, owner,
