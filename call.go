@@ -252,6 +252,10 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 	r := &k.rule
 	a := store.Acquire{Ref: k.ref, OnWaiting: r.conflict.fold(), TTL: d.lockTTL(r, k.processAt, now), Now: now,
 		MaxPending: r.maxPending, Caller: k.callerID != ""}
+	kept := time.Duration(0)
+	if direct {
+		kept = k.keptFor(now)
+	}
 	switch {
 	case r.firing > 0: // a Scheduler firing: held until it expires, whatever its task does
 		a.Value, a.TTL = store.FiringValue(k.ref.ID), r.firing
@@ -261,14 +265,14 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 			a.Mode = k.terms.mode
 		}
 		return a
-	case direct && k.keptFor(now) > 0:
-		a.Value, a.Unique = store.KeptValue(k.ref.ID, now.Add(k.keptFor(now))), true
+	case kept > 0:
+		a.Value, a.Unique = store.KeptValue(k.ref.ID, now.Add(kept)), true
 	case direct:
 		a.Value, a.Unique = store.Value(k.ref.ID), true
 	default:
 		a.Value = store.WrapValue(k.ref.ID, now)
 	}
-	k.terms = termsOf(r, k.typ, k.ref.ID, now, !direct, direct && k.keptFor(now) > 0)
+	k.terms = termsOf(r, k.typ, k.ref.ID, now, !direct, kept > 0)
 	a.Mode = k.terms.mode
 	if r.debounce > 0 {
 		a.DebounceDue = k.processAt.Unix()
@@ -290,8 +294,7 @@ func (k *call) acquireOf(d *Dedup, direct bool, now time.Time) store.Acquire {
 //
 // Not for a Period: its window holds whatever becomes of the task's record
 // (an operator may delete a completed task), which the settle at success
-// writes beside it.
-// Not for a caller-chosen ID: asynq's record would keep it taken until the
+// writes beside it. Not for a caller-chosen ID: asynq's record would keep it taken until the
 // cooldown ends, even once the key is released. Nor with a fail hold (OnFailure):
 // a task that failed for good on its first attempt and is run again by hand
 // makes no start call (its retry count is 0), so nothing would lengthen the

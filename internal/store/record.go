@@ -109,7 +109,7 @@ type Lock struct {
 	KeyForm   string    // how the key was chosen (KeyForm), "" when no mode record says
 	Follow    string    // owed follow-up task, "" for none
 	Taken     int64     // HoldWrap: when the key was taken, unix seconds; else 0
-	Until     time.Time // HoldKept: when the key's cooldown (or period window) ends
+	Until     time.Time // HoldKept: when the key's cooldown ends
 	Folds     int64
 	TTL       time.Duration // left before the lock expires, -1: no expiry; a kept key cooling down (Kept): before it frees
 	TaskState string        // the holder's state in asynq; "missing" when it has no record (or its ID names another key's task now)

@@ -72,7 +72,7 @@ const (
 	FlagStart   = 's' // check the key at start (MaxPending: the key waits no more)
 	FlagAllow   = 'a' // RunningAllow: free the key at start
 	FlagCool    = 'c' // Cooldown, Period: hold the key after a success
-	FlagKept    = 'k' // Cooldown, Period: asynq's completed record holds the key after a success (HoldKept); release it at revoke
+	FlagKept    = 'k' // Cooldown: asynq's completed record holds the key after a success (HoldKept); release it at revoke
 	FlagFail    = 'f' // OnFailure: hold the key after a final failure
 	FlagDefer   = 'd' // RunningDefer: at any end, hand the key to the follow-up it owes
 	FlagRelease = 'w' // the task's record does not name the lock: release it at success and revoke
