@@ -630,3 +630,46 @@ func startedWithinASecond(runs <-chan int) (int, bool) {
 		return 0, false
 	}
 }
+
+// The holder is given up at its Timeout on its last attempt (asynq archives
+// it) while its handler runs on, and owes a follow-up. When the handler
+// returns, the follow-up takes the key for the key's whole lifetime: until
+// it runs, an enqueue of the key folds into it or is refused, and no task
+// is created beside it (a caller-chosen ID included). (It went with a lock
+// of a millisecond.)
+func TestFollowUpQueuedWhenAGivenUpLastAttemptReturnsHoldsTheKeyUntilItRuns(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}))
+	direct := h.d.NewClient()
+	ctx := context.Background()
+	g := newGatesByRetry(t)
+	g.gate(1)
+	h.serve(gatedSeqsHandler(g), nil)
+	a, err := direct.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.Timeout(time.Second), asynq.MaxRetry(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := waitFor(t, g.runs, "the holder runs"); s != 1 {
+		t.Fatalf("ran seq %d", s)
+	}
+	f, err := direct.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.ProcessIn(time.Hour))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update while the holder runs: %+v %v, want a follow-up", f, err)
+	}
+	lock := h.keyOf(counterTask("k", 1, 1), h.queue)
+	eventually(t, "the holder archived and its handler noted", func() bool {
+		return h.taskState(a.TaskID) == asynq.TaskStateArchived && h.rdb.HGet(ctx, modeKeyOf(lock), store.FieldOutlived).Err() == nil
+	})
+	if err := h.insp.PauseQueue(h.queue); err != nil { // the follow-up, once queued, waits
+		t.Fatal(err)
+	}
+	g.open(1)
+	eventually(t, "the follow-up queued", func() bool { return h.taskState(f.TaskID) == asynq.TaskStatePending })
+	if owner, left := h.lockOwner(lock), h.rdb.PTTL(ctx, lock).Val(); owner != f.TaskID || left < time.Minute {
+		t.Fatalf("the key is held by %q for %v, want the follow-up %s for its key's lifetime", owner, left, f.TaskID)
+	}
+	dup, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue), asynq.TaskID("caller-3"), OnConflict(Reject))
+	if err == nil || dup.Outcome == Created {
+		t.Fatalf("an enqueue beside the follow-up %s: %+v %v", f.TaskID, dup, err)
+	}
+}
