@@ -306,7 +306,8 @@ func (d *Dedup) settleOf(ctx context.Context, t *asynq.Task, r *resolved, l *lea
 	if cerr := ctx.Err(); cerr != nil {
 		err = cerr
 		if n >= maxRetry && errors.Is(cerr, context.DeadlineExceeded) {
-			return &store.Settle{End: store.EndFail, Err: failureText(err)} // archived by asynq's rule
+			// Archived by asynq's rule; a follow-up it owes takes the key for the key's lifetime.
+			return &store.Settle{End: store.EndFail, TTL: d.ttlOf(r), Err: failureText(err)}
 		}
 	}
 	release, near := l.flags.Has(store.FlagRelease), d.nearDeadline(ctx)
