@@ -142,11 +142,10 @@ if live then
     call('HSET', K.M, 'b', typ)
   end
   local park = tonumber(A[14])
-  call('HSET', K.N, 'msg', copy, 'state', 'scheduled')
   -- It names its lock, as a task stored with its lock does (so that asynq's
   -- delete takes it with the follow-up, and its start finds it), even where
   -- its holder, which arrived without a lock, names none.
-  call('HSET', K.N, 'unique_key', K.L)
+  call('HSET', K.N, 'msg', copy, 'state', 'scheduled', 'unique_key', K.L)
   call('ZADD', K.S, now + park, A[9])
   call('HSET', K.M, 'f', A[9])
   count(K.L, K.M, m[1], holder)

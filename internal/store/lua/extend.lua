@@ -6,14 +6,11 @@
 -- KEYS[4]  the task's asynq record
 -- ARGV[1]  task ID
 -- ARGV[2]  how long the key stays held from now at least, integer milliseconds
--- ARGV[3]  asynq gave the attempt up while its handler still runs: the mode record
---          says so (field o: until now + ARGV[3] ms; '0' no note) until the
---          handler's end, so that the key does not heal under it when asynq
---          archives the task; the heartbeat renews it while the handler runs.
---          The task's record is marked (lib.lua's mark, 'outlived', unless it
---          has a dedup-lost mark already): should asynq have put it back (a
---          shutdown), its next run checks the key rather than run beside the
---          handler. A record an earlier holder left becomes the task's.
+-- ARGV[3]  asynq gave the attempt up while its handler runs: the mode record notes
+--          it (field o: until now + ARGV[3] ms; '0' no note; renewed by the heartbeat)
+--          until the handler's end, so that the key does not heal under it; the
+--          task's record is marked 'outlived' (lib.lua's mark), so that a run of it
+--          that asynq put back checks the key. An earlier holder's record becomes its.
 -- ARGV[4]  with ARGV[3]: the attempt's token (field oa): only its end clears the note
 --
 -- Reply: 1 the key is the task's; 0 it is not (gone, or another task's)

@@ -19,16 +19,13 @@ local m = call('HMGET', KEYS[2], 'id', 'f', 'o')
 if m[2] or m[3] then return {11} end -- (a follow-up owed, or a given-up handler that may still run)
 local t = call('HMGET', KEYS[3], 'state', 'msg')
 local state, msg = t[1], t[2]
-if (state ~= 'pending' and state ~= 'scheduled' and state ~= 'retry') or not msg
-  or string.sub(msg, 1, #ARGV[3]) ~= ARGV[3]
-  or ended(msg) then -- (put back after its end: it will not run)
-  return {11}
+if not waiting(state) or not msg or string.sub(msg, 1, #ARGV[3]) ~= ARGV[3] or ended(msg) then
+  return {11} -- (not waiting, another type's, or put back after its end: it will not run)
 end
 -- @pb
 local new = pb_splice(msg, ARGV[2])
 if not new then return {11} end
 if new ~= msg then call('HSET', KEYS[3], 'msg', new) end -- (the same payload again, as is common: no write)
 if m[1] ~= ARGV[1] then call('HSET', KEYS[2], 'id', ARGV[1], 'n', 1) else call('HINCRBY', KEYS[2], 'n', 1) end
-local left = call('PTTL', KEYS[1]) -- (the mode record lives as long as the lock)
-if left > 0 then call('PEXPIRE', KEYS[2], left) elseif left == -1 then call('PERSIST', KEYS[2]) end
+keep(KEYS[1], KEYS[2])
 return {3, ARGV[1], state, ''}

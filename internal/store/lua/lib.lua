@@ -19,25 +19,25 @@ local function pb_str(num, v)
   return pb_putvarint(num * 8 + 2) .. pb_putvarint(#v) .. v
 end
 
--- pb_fields splits msg into {num, from, to} entries (to inclusive), or returns
--- nil if it is malformed.
+-- pb_fields splits msg into {num, from, to, value} entries (to inclusive; value:
+-- where a length-delimited field's bytes begin), or returns nil if it is malformed.
 local function pb_fields(msg)
   local out, i = {}, 1
   while i <= #msg do
     local key, j = pb_varint(msg, i)
     if not key then return nil end
-    local wt, v = key % 8
+    local wt, v, at = key % 8
     if wt == 0 or wt == 2 then -- varint; length-delimited
       v, j = pb_varint(msg, j)
       if not v then return nil end
-      if wt == 2 then j = j + v end
+      if wt == 2 then at, j = j, j + v end
     elseif wt == 1 or wt == 5 then -- 64-bit; 32-bit
       j = j + (wt == 1 and 8 or 4)
     else
       return nil
     end
     if j > #msg + 1 then return nil end
-    out[#out + 1] = {(key - wt) / 8, i, j - 1}
+    out[#out + 1] = {(key - wt) / 8, i, j - 1, at}
     i = j
   end
   return out
@@ -49,10 +49,7 @@ local function pb_bytes(msg, num)
   local fields, val = pb_fields(msg), ''
   if not fields then return nil end
   for _, f in ipairs(fields) do
-    if f[1] == num then
-      local len, from = pb_varint(msg, select(2, pb_varint(msg, f[2]))) -- (after the key)
-      val = string.sub(msg, from, from + len - 1)
-    end
+    if f[1] == num and f[4] then val = string.sub(msg, f[4], f[3]) end
   end
   return val
 end
@@ -86,11 +83,6 @@ local function pb_setpayload(msg, field)
   return pb_splice(msg, field) or pb_rewrite(msg, {[2] = field})
 end
 
--- waiting: an asynq task state that has not started; gone: one (false: no
--- record) whose task will never run again, so a lock it holds is orphaned.
-local function waiting(state) return state == 'pending' or state == 'scheduled' or state == 'retry' end
-local function gone(state) return not state or state == 'completed' or state == 'archived' end
-
 -- lacks adds the roles of r that were not given to `lacking` (which a script
 -- replies, for its caller to call again with them); true if any are lacking.
 local lacking = ''
@@ -99,12 +91,6 @@ local function lacks(r)
     if not K[c] then lacking = lacking .. c end
   end
   return lacking ~= ''
-end
-
--- keep makes the mode record mode live as long as the lock.
-local function keep(lock, mode)
-  local left = call('PTTL', lock)
-  if left > 0 then call('PEXPIRE', mode, left) elseif left == -1 then call('PERSIST', mode) end
 end
 
 -- hand names holder, with n folds, in mode: another task's note (o) and error go.

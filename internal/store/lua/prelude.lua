@@ -20,6 +20,17 @@ local function holder_of(v)
   return string.sub(v, i + 1), string.sub(v, 2, 2), tonumber(string.sub(v, 3, i - 1)) or 0
 end
 
+-- waiting: an asynq task state that has not started; gone: one (false: no
+-- record) whose task will never run again, so a lock it holds is orphaned.
+local function waiting(state) return state == 'pending' or state == 'scheduled' or state == 'retry' end
+local function gone(state) return not state or state == 'completed' or state == 'archived' end
+
+-- keep makes the mode record mode live as long as the lock.
+local function keep(lock, mode)
+  local left = call('PTTL', lock)
+  if left > 0 then call('PEXPIRE', mode, left) elseif left == -1 then call('PERSIST', mode) end
+end
+
 -- now_parts reads the server clock: unix seconds, milliseconds, and nanoseconds
 -- as a string (asynq's pending_since).
 local function now_parts()

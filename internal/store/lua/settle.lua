@@ -91,14 +91,12 @@ if out == 'fail' and mine and m[4] then
   end
   return {1, 'failed'}
 end
--- (The key's mode ends with its task; but for a lock left because asynq may yet
--- retry the task, the mode stays with it, so that the retry keeps it.)
-if out ~= 'fail' and mine and A[6] ~= 'a' then call('DEL', K.M) end
 if out ~= 'fail' and A[6] ~= 'a' then
-  -- Released now rather than by asynq's done moments later: until then its
-  -- record still says active, and the key would read as held by a running task
-  -- whose mode (a follow-up it would queue) has just ended.
-  call('DEL', K.L)
+  -- Released (with the mode, which ends with its task) now rather than by asynq's
+  -- done moments later: until then its record still says active, and the key would
+  -- read as held by a running task whose mode (a follow-up it would queue) has
+  -- just ended. (A lock left because asynq may yet retry the task keeps its mode.)
+  if mine then call('DEL', K.L, K.M) else call('DEL', K.L) end
   return {1, 'released'}
 end
 if A[6] == 'a' and kind == 'w' and out ~= 'fail' then call('SET', K.L, '~a:' .. id, 'KEEPTTL') end

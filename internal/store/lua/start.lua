@@ -79,11 +79,10 @@ if not holder then
     m[1], m[3] = id, m[3] or '1' -- (a gone holder's waiting-set entry goes, but for the follow-up's)
   end
 end
-if m[3] and (not f or f == id) then
-  call('ZREM', K.W, A[5]) -- the key waits no more (MaxPending), but for the follow-up it owes
-  call('HDEL', K.M, 'b')
-end
-if f == id then call('HDEL', K.M, 'f') end -- the follow-up runs: owed no more
+-- The key waits no more (MaxPending), but for the follow-up it owes; a follow-up
+-- that runs is owed no more.
+if m[3] and (not f or f == id) then call('ZREM', K.W, A[5]) end
+if not f or f == id then call('HDEL', K.M, 'b', 'f') end
 if allow then
   call('DEL', K.L)
   return {9, new}

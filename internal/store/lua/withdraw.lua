@@ -10,10 +10,8 @@
 --
 -- Reply: 1 deleted; 0 not waiting there (a worker took it, or it is gone): left alone
 local state = call('HGET', KEYS[1], 'state')
-if state == 'pending' then
-  if call('LREM', KEYS[2], 1, ARGV[1]) == 0 then return 0 end
-elseif state ~= 'scheduled' or call('ZREM', KEYS[3], ARGV[1]) == 0 then
-  return 0
-end
+local taken = (state == 'pending' and call('LREM', KEYS[2], 1, ARGV[1]))
+  or (state == 'scheduled' and call('ZREM', KEYS[3], ARGV[1])) or 0
+if taken == 0 then return 0 end
 call('DEL', KEYS[1])
 return 1
