@@ -34,6 +34,7 @@ type Dedup struct {
 	store           *store.Store     // the Redis layout, and every call to Redis
 	insp            *asynq.Inspector // called through store.Foreign
 	hb              *heartbeater
+	owed            *owedSignal // tells a RunningDefer success whether it owes a follow-up (owed.go)
 	stats           metrics
 	warnedElsewhere atomic.Bool // the middleware met a task stored in another Redis (logged once)
 	here            sync.Map    // queues whose tasks the middleware found stored in the Dedup's Redis
@@ -97,6 +98,7 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 	d := &Dedup{rdb: rdb, own: own, cfg: c, rules: rules, prefixes: longestFirst(rules), log: c.Logger, insp: asynqconn.Inspector(rdb)}
 	d.store = store.New(lib, d.storeConfig())
 	d.hb = newHeartbeater(d, c.heartbeat)
+	d.owed = newOwedSignal(d, lib)
 	if err := d.store.LoadScripts(ctx); err != nil {
 		// Best effort: a call whose script is missing sends it whole.
 		d.log.Debug("dedup: script preload failed", slog.Any("error", err))
@@ -157,6 +159,7 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 // nothing.
 func (d *Dedup) Close() error {
 	d.hb.stop()
+	d.owed.stop()
 	err := d.stopDiagnostics() // (nil but for the call that flushed)
 	d.store.Close(d.rdb)       // (later calls go through the caller's client)
 	if !d.closed.CompareAndSwap(false, true) {

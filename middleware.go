@@ -57,6 +57,7 @@ var errPanicked = errors.New("dedup: handler panicked")
 // returns nil.
 func (d *Dedup) Middleware() asynq.MiddlewareFunc {
 	d.hb.run()
+	d.owed.run()
 	return func(next asynq.Handler) asynq.Handler {
 		return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
 			return d.process(ctx, t, next)
@@ -248,6 +249,9 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 	defer cancel(nil)
 	l.cancel, l.ttl = cancel, d.ttlOf(rule)
 	d.hb.add(l)
+	if d.owed.watches(l) {
+		d.owed.begin(l)
+	}
 	stop := context.AfterFunc(ctx, func() { d.outlived(ctx, l) })
 	panicked := true
 	defer func() {
@@ -271,7 +275,8 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	typ := t.Type()
 	d.count(typ, evProcessed)
 	s := d.settleOf(ctx, t, r, l, err)
-	if !l.calls(s) && !l.outlivedMark.Load() {
+	quiet := l.watched && d.owed.end(l, l.quietable(s)) // (a RunningDefer success that owes no follow-up)
+	if quiet || !l.calls(s) && !l.outlivedMark.Load() {
 		// asynq's scripts release the key (success, revoke) or keep it for
 		// the key's next enqueue to heal (a final failure, archived); a kept
 		// key cools down after a success, as asynq's record of it says.
@@ -547,6 +552,10 @@ type lease struct {
 	returned     bool        // the handler returned
 	note         string      // the attempt's token in the key's note that its handler outlived it (written by outlived; read once returned)
 	outlivedMark atomic.Bool // the mode record notes the handler outlived its attempt (the heartbeat renews it): its end clears it
+
+	watched  bool   // the owed signal watches it (owed.go): its success may make no call
+	owedSure bool   // the owed subscription was up as the handler started
+	owedGen  uint64 // its generation then
 }
 
 // mustStart reports whether the attempt checks its key before it runs.
@@ -576,6 +585,14 @@ func (l *lease) calls(s *store.Settle) bool {
 		return f.Has(store.FlagFail) || f.Has(store.FlagDefer)
 	}
 	return true
+}
+
+// quietable reports whether an attempt that ended so calls only to learn
+// whether it owes a follow-up (RunningDefer), which the owed signal may
+// answer: a success not near its deadline, whose handler asynq did not
+// give up.
+func (l *lease) quietable(s *store.Settle) bool {
+	return s.End == store.EndSuccess && !s.Loosen && !s.Release && !l.outlivedMark.Load()
 }
 
 func (l *lease) String() string { return fmt.Sprintf("%s@%s:%s", l.ref.ID, l.ref.Queue, l.ref.FP) }

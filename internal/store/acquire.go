@@ -264,7 +264,7 @@ func (a *Acquire) general(s *Store, h *hint, all bool) ([]string, []any) {
 	}
 	park := max(int64((a.TTL+time.Second-1)/time.Second), 1)
 	return kl.keys, []any{kl.roleString(), r.ID, a.Now.UnixMilli(), ms(a.TTL), r.Type, field, h.holder, h.follow,
-		a.FollowID, a.MaxPending, r.FP, a.DebounceDue, s.graceSeconds(), park, flag(a.Caller)}
+		a.FollowID, a.MaxPending, r.FP, a.DebounceDue, s.graceSeconds(), park, flag(a.Caller), OwedOf(r.Lock)}
 }
 
 // trusts reports whether a plain rejection may be answered from the lock

@@ -20,6 +20,8 @@ import (
 //	<prefix>:{<queue>}:m:<fingerprint>  the key's mode record, a hash (record.go), for keys
 //	                                    whose policy keeps state beside the lock
 //	<prefix>:{<queue>}:w:<task type>    waiting keys of a type (MaxPending), a sorted set of fingerprints
+//	<prefix>:owed                       pub/sub channel (no key, no hash tag): the ID of a running holder
+//	                                    an enqueue just made a follow-up of (RunningDefer)
 //	<prefix>:stats:types                set of the task types with flushed counters (no hash tag)
 //	<prefix>:stats:type:<task type>     one type's flushed counters, a hash of event name → total
 //	<prefix>:stats:min:<minute>:<type>  what one type's flushes added in one minute (unix minutes), a hash of event name → count, kept MinuteStatsTTL
@@ -58,6 +60,16 @@ func ModeOf(lock string) string {
 func WaitOf(lock, typ string) string {
 	prefix, queue, _, _ := ParseLockKey(lock)
 	return NewKeys(prefix).Wait(queue, typ)
+}
+
+// Owed is the pub/sub channel on which acquire.lua names a running holder it
+// made a follow-up of, so that the worker running it settles its end.
+func (k Keys) Owed() string { return k.prefix + ":owed" }
+
+// OwedOf is the Owed channel of the prefix of the lock at lock.
+func OwedOf(lock string) string {
+	prefix, _, _, _ := ParseLockKey(lock)
+	return NewKeys(prefix).Owed()
 }
 
 // StatsTypes is the set of the task types that have flushed counters.

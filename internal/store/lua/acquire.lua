@@ -21,7 +21,7 @@
 -- ARGV[10] MaxPending ('0': none); ARGV[11] the key's fingerprint (member of W)
 -- ARGV[12] debounce: unix seconds a scheduled holder folded into becomes due ('0' none)
 -- ARGV[13] heal grace; ARGV[14] how long a new follow-up stays parked (integer seconds)
--- ARGV[15] '1': ARGV[2] is the caller's own ID, which may hold the key
+-- ARGV[15] '1': ARGV[2] is the caller's own ID, which may hold the key; ARGV[16] the owed channel
 --
 -- Reply: {10}                 the key is free (a lock whose holder is gone was
 --                             deleted, its holder marked if archived): take it
@@ -148,6 +148,7 @@ if live then
   call('HSET', K.N, 'msg', copy, 'state', 'scheduled', 'unique_key', K.L)
   call('ZADD', K.S, now + park, A[9])
   call('HSET', K.M, 'f', A[9])
+  call('PUBLISH', A[16], holder) -- (its worker's middleware, which may not call at its end, settles it: owed.go)
   count(K.L, K.M, m[1], holder)
   lengthen(K.M, park * 1000)
   return {5, A[9]}

@@ -22,15 +22,13 @@
 -- ARGV[8]  'retry': seconds until asynq runs the task again
 -- ARGV[9]  the attempt's token if asynq gave it up while its handler ran: its note (o, oa) goes
 --
--- Reply: {1, what[, followup]}  what: '' (asynq releases it, or a failure that
---                               heals at the key's next enqueue), 'released',
---                               'held' (for the retry; with the follow-up it
---                               owes), 'cooling', 'failed', 'follow' (now the
---                               follow-up's, which is queued)
+-- Reply: {1, what[, followup]}  what: '' (asynq releases it, or a failure that heals
+--                               at the key's next enqueue), 'released', 'held' (for the
+--                               retry; with the follow-up it owes), 'cooling', 'failed',
+--                               'follow' (now the follow-up's, which is queued)
 --        {0}                    the key is not the task's any more
--- After 'ok' and 'revoke' the task's record is marked (lib.lua's mark, 'ended'):
--- should asynq put the task back before it records the end (a shutdown), it
--- does not run again.
+-- After 'ok' and 'revoke' the task's record is marked (lib.lua's mark, 'ended'): should
+-- asynq put the task back before it records the end (a shutdown), it does not run again.
 --        {11, lacking, '', f}   nothing done: call again with these keys
 -- @lib: lib.lua is spliced in here.
 roles(0)
@@ -41,8 +39,9 @@ local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o', 'oa')
 local mine = m[1] == id
 -- This attempt's handler, which asynq gave up, has ended, whoever holds the key now.
 if m[6] and m[7] == A[9] then call('HDEL', K.M, 'o', 'oa') end
--- Its task went with its lock (an operator deleted it) while it owes a follow-up: that runs now.
-local gone = not holder and mine and m[2] and call('EXISTS', K.T) == 0
+-- Its lock went (an operator deleted its task; or asynq's done, after an end that made no call,
+-- owed.go) while it owes a follow-up: that runs now. (Another task's lock would name it.)
+local gone = not holder and mine and m[2] and (call('HGET', K.T, 'state') or 'completed') == 'completed'
 if holder ~= id and not gone then return {0} end
 local f = mine and m[2]
 local now, now_ms = now_parts()

@@ -1,0 +1,346 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/redis/go-redis/v9"
+)
+
+// owedSignal lets a RunningDefer attempt succeed with no Redis call when
+// no follow-up is owed to its key. acquire.lua publishes a running holder's
+// ID on the prefix's owed channel (store.Keys.Owed) as it makes it a
+// follow-up; one subscriber per Dedup listens. An attempt whose
+// subscription was confirmed when it started, and still is (same
+// generation), and for which no message came, ends with no call: asynq's
+// done releases its key. Every other attempt settles as before.
+//
+// A message that arrives just after such a quiet end (the follow-up was
+// made after the handler returned, before asynq's done) is settled by the
+// subscriber, for quietLife. Should the subscription drop, the quiet ends
+// of the last moments (since the last proof that it was alive) are
+// settled again, in case their message was lost (sweep).
+type owedSignal struct {
+	d        *Dedup
+	channel  string
+	interval time.Duration // a silent subscription is pinged after this long
+
+	mu        sync.Mutex
+	up        bool                  // the subscription is confirmed
+	gen       uint64                // bumped at every (re)subscribe and every loss
+	alive     time.Time             // when the subscription last proved alive (confirmed, pong)
+	running   map[string]*owedEntry // watched attempts, by task ID
+	recent    map[string]time.Time  // messages for IDs not running here (yet): asynq marks a task active before the middleware sees it
+	quiet     map[string]quietEnd   // attempts that ended with no call, by task ID
+	order     []quietOrder          // quiet's entries, oldest first, for pruning
+	started   bool
+	quit      chan struct{}
+	done      chan struct{}
+	wg        sync.WaitGroup // sweeps under way
+	subscribe func(ctx context.Context) *redis.PubSub
+}
+
+// owedEntry is what the subscriber knows of a task running here.
+type owedEntry struct {
+	n    int  // its attempts running here (a given-up handler may run beside its retry)
+	owed bool // a follow-up was made of it
+}
+
+// quietEnd is an attempt that succeeded with no call.
+type quietEnd struct {
+	ref store.Ref
+	ttl time.Duration
+	at  time.Time
+}
+
+// quietOrder is one entry of quiet, in the order they were made.
+type quietOrder struct {
+	id string
+	at time.Time
+}
+
+const (
+	// owedPing is how long a silent subscription waits before it is pinged;
+	// an unanswered ping within as long again remakes it.
+	owedPing = 5 * time.Second
+	// quietLife is how long a quiet end is remembered: an owed message for
+	// it settles it; a message later than that is not expected (it would
+	// need asynq's done to lag that long behind the handler's return). It
+	// covers the sweep's reach too (at most about 3 owedPing). Memory: one
+	// entry per quiet success of that long.
+	quietLife = 20 * time.Second
+)
+
+func newOwedSignal(d *Dedup, rdb redis.UniversalClient) *owedSignal {
+	o := &owedSignal{d: d, channel: d.store.Keys().Owed(), interval: owedPing,
+		running: map[string]*owedEntry{}, recent: map[string]time.Time{}, quiet: map[string]quietEnd{},
+		quit: make(chan struct{}), done: make(chan struct{})}
+	o.subscribe = func(ctx context.Context) *redis.PubSub { return rdb.Subscribe(ctx, o.channel) }
+	return o
+}
+
+// run starts the subscriber once; later calls, and calls after stop, do
+// nothing.
+func (o *owedSignal) run() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	select {
+	case <-o.quit:
+		return
+	default:
+	}
+	if !o.started {
+		o.started = true
+		go o.loop()
+	}
+}
+
+// stop ends the subscriber and waits for it and its sweeps. Idempotent.
+func (o *owedSignal) stop() {
+	o.mu.Lock()
+	select {
+	case <-o.quit:
+	default:
+		close(o.quit)
+	}
+	started := o.started
+	o.mu.Unlock()
+	if started {
+		<-o.done
+	}
+	o.wg.Wait()
+}
+
+func (o *owedSignal) loop() {
+	defer close(o.done)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		select {
+		case <-o.quit:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	for i := 0; ctx.Err() == nil; i++ {
+		if o.listen(ctx) {
+			i = 0
+		}
+		o.lost(ctx)
+		t := time.NewTimer(owedBackoff.delay(i))
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+		}
+		t.Stop()
+	}
+}
+
+// owedBackoff paces the remaking of a subscription that keeps failing.
+var owedBackoff = backoff{Min: 10 * time.Millisecond, Max: 2 * time.Second}
+
+// listen subscribes and receives until the subscription fails or ctx
+// ends; it reports whether the subscription was confirmed.
+func (o *owedSignal) listen(ctx context.Context) (confirmed bool) {
+	ps := o.subscribe(ctx)
+	defer ps.Close()
+	pinged := false
+	for {
+		msg, err := ps.ReceiveTimeout(ctx, o.interval)
+		switch m := msg.(type) {
+		case *redis.Subscription:
+			if m.Kind == "subscribe" {
+				confirmed = true
+				o.confirmed(true)
+			}
+		case *redis.Message:
+			o.confirmed(false)
+			o.arrived(ctx, m.Payload)
+		case *redis.Pong:
+			pinged = false
+			o.confirmed(false)
+		}
+		var ne net.Error
+		switch {
+		case ctx.Err() != nil:
+			return confirmed
+		case err == nil:
+		case errors.As(err, &ne) && ne.Timeout() && !pinged:
+			if ps.Ping(ctx) != nil {
+				return confirmed
+			}
+			pinged = true
+		default: // a receive error, or a ping unanswered: the connection is not trusted
+			return confirmed
+		}
+	}
+}
+
+// confirmed records a proof that the subscription is alive; sub: a
+// (re)subscribe, which starts a generation.
+func (o *owedSignal) confirmed(sub bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.alive = time.Now()
+	if sub {
+		o.up = true
+		o.gen++
+	}
+}
+
+// lost marks the subscription down (a new generation) and settles again
+// the quiet ends since it last proved alive: their message may be lost.
+func (o *owedSignal) lost(ctx context.Context) {
+	o.mu.Lock()
+	was := o.up
+	o.up = false
+	o.gen++
+	from := o.alive.Add(-o.interval)
+	var ends []quietEnd
+	for id, q := range o.quiet {
+		if q.at.After(from) {
+			ends = append(ends, q)
+			delete(o.quiet, id)
+		}
+	}
+	o.mu.Unlock()
+	if was {
+		o.d.log.Warn("dedup: the owed-follow-up subscription dropped; RunningDefer successes call Redis until it is back", slog.String("channel", o.channel), slog.Int("rechecked", len(ends)))
+	}
+	if len(ends) == 0 {
+		return
+	}
+	o.wg.Go(func() { o.sweep(context.WithoutCancel(ctx), ends) })
+}
+
+// sweep settles the given quiet ends, as many at once as the heartbeat
+// reads locks.
+func (o *owedSignal) sweep(ctx context.Context, ends []quietEnd) {
+	slots := make(chan struct{}, lookupConcurrency)
+	var wg sync.WaitGroup
+	for _, q := range ends {
+		slots <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-slots }()
+			o.settle(ctx, q)
+		})
+	}
+	wg.Wait()
+}
+
+// arrived handles an owed message for task id: a quiet end is settled
+// now; a running attempt will call at its end; any other is kept a while,
+// for an attempt about to start.
+func (o *owedSignal) arrived(ctx context.Context, id string) {
+	o.mu.Lock()
+	now := time.Now()
+	q, quiet := o.quiet[id]
+	delete(o.quiet, id)
+	if e := o.running[id]; e != nil {
+		e.owed = true
+	} else if !quiet {
+		o.recent[id] = now
+	}
+	o.prune(now)
+	o.mu.Unlock()
+	if quiet {
+		o.settle(context.WithoutCancel(ctx), q)
+	}
+}
+
+// prune drops the messages kept for IDs not running here that are older
+// than quietLife (messages are few: one per follow-up made). Called with
+// mu held.
+func (o *owedSignal) prune(now time.Time) {
+	for id, at := range o.recent {
+		if now.Sub(at) > quietLife {
+			delete(o.recent, id)
+		}
+	}
+}
+
+// pruneQuiet drops the quiet ends older than quietLife, oldest first
+// (amortized O(1) per end). Called with mu held.
+func (o *owedSignal) pruneQuiet(now time.Time) {
+	i := 0
+	for ; i < len(o.order) && now.Sub(o.order[i].at) > quietLife; i++ {
+		if q, ok := o.quiet[o.order[i].id]; ok && q.at.Equal(o.order[i].at) {
+			delete(o.quiet, o.order[i].id)
+		}
+	}
+	o.order = o.order[i:] // (append's next growth copies only what is left)
+}
+
+// settle settles a quiet end as the middleware would have: a success
+// (settle.lua hands the key to the follow-up it owes, even once asynq's
+// done has deleted the lock).
+func (o *owedSignal) settle(ctx context.Context, q quietEnd) {
+	d := o.d
+	res, err := d.store.Settle(ctx, &store.Settle{Ref: q.ref, End: store.EndSuccess, TTL: q.ttl})
+	switch {
+	case err != nil:
+		d.count(q.ref.Type, evRedisError)
+		d.log.Warn("dedup: could not hand a key to the follow-up owed after a quiet success; it runs when its parking time ends", slog.String("task_id", q.ref.ID), slog.Any("error", err))
+	case res.Follow != "":
+		d.log.Debug("dedup: follow-up queued", slog.String("type", q.ref.Type), slog.String("task_id", res.Follow))
+	}
+}
+
+// watches reports whether an attempt may end with no call: a RunningDefer
+// task whose success calls for that alone, under this Dedup's prefix.
+func (o *owedSignal) watches(l *lease) bool {
+	f := l.flags
+	if !f.Has(store.FlagDefer) || f.Has(store.FlagCool) || f.Has(store.FlagKept) || f.Has(store.FlagRelease) || l.ref.Lock == "" {
+		return false
+	}
+	prefix, _, _, ok := store.ParseLockKey(l.ref.Lock)
+	return ok && prefix == o.d.store.Keys().Prefix()
+}
+
+// begin registers a watched attempt as its handler starts.
+func (o *owedSignal) begin(l *lease) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	id := l.ref.ID
+	e := o.running[id]
+	if e == nil {
+		e = &owedEntry{}
+		o.running[id] = e
+	}
+	e.n++
+	if _, ok := o.recent[id]; ok {
+		e.owed = true
+		delete(o.recent, id)
+	}
+	l.watched, l.owedSure, l.owedGen = true, o.up, o.gen
+}
+
+// end unregisters a watched attempt and reports whether it may end with no
+// call (eligible: its end asks for none but the owed check): the
+// subscription was up as it started and still is, unbroken, and no
+// follow-up was made of it. Such an end is remembered (quietLife).
+func (o *owedSignal) end(l *lease, eligible bool) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	id := l.ref.ID
+	e := o.running[id]
+	owed := e != nil && e.owed
+	if e != nil {
+		if e.n--; e.n <= 0 {
+			delete(o.running, id)
+		}
+	}
+	if !eligible || owed || !l.owedSure || !o.up || o.gen != l.owedGen {
+		return false
+	}
+	now := time.Now()
+	o.pruneQuiet(now)
+	o.quiet[id] = quietEnd{ref: l.ref, ttl: l.ttl, at: now}
+	o.order = append(o.order, quietOrder{id: id, at: now})
+	return true
+}
