@@ -127,9 +127,12 @@ func (o *owedSignal) loop() {
 		case <-ctx.Done():
 		}
 	}()
-	for i := 0; ctx.Err() == nil; i++ {
+	for i := 0; ; i++ {
 		if o.listen(ctx) {
 			i = 0
+		}
+		if ctx.Err() != nil { // (Close: no attempt ends quietly after it)
+			return
 		}
 		o.lost(ctx)
 		t := time.NewTimer(owedBackoff.delay(i))
@@ -149,6 +152,8 @@ var owedBackoff = backoff{Min: 10 * time.Millisecond, Max: 2 * time.Second}
 func (o *owedSignal) listen(ctx context.Context) (confirmed bool) {
 	ps := o.subscribe(ctx)
 	defer ps.Close()
+	stop := context.AfterFunc(ctx, func() { _ = ps.Close() }) // (a read under way does not watch ctx)
+	defer stop()
 	pinged := false
 	for {
 		msg, err := ps.ReceiveTimeout(ctx, o.interval)

@@ -212,3 +212,48 @@ func TestSettleOfAKeyNoLongerTheTasksChangesNothing(t *testing.T) {
 		t.Fatalf("changed %v", d)
 	}
 }
+
+// A success settled after asynq's done deleted the lock (the middleware's
+// end made no call, and the follow-up was made before asynq's done; the
+// owed signal settles it then) still hands the key to the follow-up its
+// mode record says the holder owes, whether asynq kept the holder's record
+// (completed) or deleted it; a key another task took meanwhile is left to
+// it, the follow-up owed still.
+func TestSettleAfterAsynqsDoneDeletedTheLockHandsTheKeyToTheOwedFollowUp(t *testing.T) {
+	rdb := redistest.Client(t)
+	ctx := context.Background()
+	s := newTestStore(t, rdb)
+	q := redistest.Uniq(t)
+	for i, c := range []struct{ holder, other string }{{"completed", ""}, {"deleted", ""}, {"completed", "taken"}} {
+		f := NewFollowID()
+		putTask(rdb, q, f, StateScheduled)
+		rdb.ZAdd(ctx, ScheduledKey(q), redis.Z{Score: float64(time.Now().Add(time.Hour).Unix()), Member: f})
+		r := held(t, rdb, s, q, "000000000000020"+strconv.Itoa(i), FieldRunning, "d", FieldFollow, f)
+		rdb.Del(ctx, r.Lock) // asynq's done
+		if c.holder == "completed" {
+			rdb.HSet(ctx, TaskKey(q, r.ID), "state", StateCompleted)
+		} else {
+			rdb.Del(ctx, TaskKey(q, r.ID))
+		}
+		other := NewPlainID()
+		if c.other != "" {
+			rdb.Set(ctx, r.Lock, Value(other), time.Hour)
+		}
+		res := mustSettle(t, s, &Settle{Ref: r, End: EndSuccess, TTL: 30 * time.Minute})
+		if c.other != "" {
+			if res.Owned || rdb.Get(ctx, r.Lock).Val() != Value(other) || rdb.HGet(ctx, TaskKey(q, f), "state").Val() != StateScheduled {
+				t.Fatalf("holder %s, key taken by %s: %+v, lock %q; want left to it, the follow-up parked", c.holder, other, res, rdb.Get(ctx, r.Lock).Val())
+			}
+			continue
+		}
+		if !res.Owned || res.Follow != f {
+			t.Fatalf("holder %s: %+v; want handed to %s", c.holder, res, f)
+		}
+		if v, pttl := rdb.Get(ctx, r.Lock).Val(), rdb.PTTL(ctx, r.Lock).Val(); v != f || !near(pttl, 30*time.Minute, 2*time.Second) {
+			t.Fatalf("holder %s: lock %q for %v, want %q for 30m", c.holder, v, pttl, f)
+		}
+		if st := rdb.HGet(ctx, TaskKey(q, f), "state").Val(); st != StatePending || rdb.ZScore(ctx, ScheduledKey(q), f).Err() == nil {
+			t.Fatalf("holder %s: follow-up %s, want pending", c.holder, st)
+		}
+	}
+}

@@ -1,0 +1,276 @@
+package dedup
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/store"
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+)
+
+// state reads the subscription's state, for tests.
+func (o *owedSignal) state() (up bool, gen uint64) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.up, o.gen
+}
+
+// subscribed starts the Dedup's owed subscriber (as Middleware does) and
+// waits for it to be confirmed; it returns its generation.
+func subscribed(t *testing.T, d *Dedup) uint64 {
+	t.Helper()
+	d.Middleware()
+	var gen uint64
+	eventually(t, "the owed subscription is confirmed", func() bool {
+		up, g := d.owed.state()
+		gen = g
+		return up
+	})
+	return gen
+}
+
+// deferHarness is a harness under Replace + RunningDefer whose Dedup's
+// client counts the start and settle scripts it runs (and may gate them).
+func deferHarness(t *testing.T, hooks ...redis.Hook) (*harness, *libraryScripts) {
+	t.Helper()
+	needRealRedis(t)
+	base := newRDB(t).(*redis.Client).Options()
+	rdb := redis.NewClient(&redis.Options{Addr: base.Addr, Password: base.Password, PoolSize: 64, ContextTimeoutEnabled: true, ClientName: "owed-" + uniq(t)})
+	t.Cleanup(func() { _ = rdb.Close() })
+	calls := &libraryScripts{}
+	rdb.AddHook(calls)
+	for _, hk := range hooks {
+		rdb.AddHook(hk)
+	}
+	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	cfg.LockTimeout = 10 * time.Second // (a gated settle stays within its bound)
+	h := newHarnessOn(t, rdb, cfg)
+	h.client = h.d.NewClient()
+	return h, calls
+}
+
+// A task stored under Replace + RunningDefer that succeeds while no
+// follow-up is owed to its key costs the worker no Redis call of the
+// library's (asynq's done releases its key), once the owed subscription is
+// confirmed; its key is free after it.
+func TestDeferSuccessThatOwesNoFollowUpCostsTheWorkerNoRedisCall(t *testing.T) {
+	h, calls := deferHarness(t)
+	ctx := context.Background()
+	subscribed(t, h.d)
+	var ids []string
+	for i := range 10 {
+		ids = append(ids, h.enqueue(counterTask(fmt.Sprint("k", i), 1, 1)).ID)
+	}
+	h.serve(func(context.Context, *asynq.Task) error { return nil }, nil)
+	eventually(t, "asynq records every success", func() bool {
+		for _, id := range ids {
+			if !h.finished(id) {
+				return false
+			}
+		}
+		return true
+	})
+	if n := calls.n.Load(); n != 0 {
+		t.Fatalf("the middleware called start or settle %d times for %d tasks, want 0", n, len(ids))
+	}
+	res, err := h.client.Submit(ctx, counterTask("k0", 1, 2), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Created {
+		t.Fatalf("enqueue after the success: %+v %v, want created (the key is free)", res, err)
+	}
+}
+
+// A follow-up made while its holder runs, with no call at the holder's
+// start, still runs after the holder, with the newest payload: the owed
+// message makes the holder's end call.
+func TestDeferFollowUpOfAQuietHolderRunsAfterItWithTheNewestPayload(t *testing.T) {
+	h, calls := deferHarness(t)
+	ctx := context.Background()
+	subscribed(t, h.d)
+	tr := newSeqTracker(1)
+	h.serve(tr.handler(), nil)
+	t.Cleanup(tr.openAll)
+	a := h.enqueue(counterTask("k", 1, 1))
+	waitSeqStart(tr, 1, 10*time.Second)
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update while the holder runs: %+v %v, want a follow-up", f, err)
+	}
+	if g, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue)); err != nil || g.TaskID != f.TaskID {
+		t.Fatalf("second update: %+v %v, want folded into the follow-up %s", g, err, f.TaskID)
+	}
+	tr.open(1)
+	r := waitSeqStart(tr, 3, 10*time.Second)
+	if r == nil || r.id != f.TaskID {
+		t.Fatalf("the follow-up %s did not run with seq 3 after its holder %s: %+v", f.TaskID, a.ID, tr.runs())
+	}
+	if n := calls.n.Load(); n < 1 {
+		t.Fatalf("the holder's end made %d calls, want its settle", n)
+	}
+}
+
+// The in-flight race: a follow-up made after the holder's handler returned
+// (its end made no call) and before asynq's done, whose settle by the owed
+// subscriber comes after asynq's done deleted the lock, still gets queued
+// and holds the key, and runs with its payload; whether asynq keeps the
+// holder's record (completed) or deletes it.
+func TestDeferFollowUpMadeAfterAQuietEndBeforeAsynqsDoneIsQueuedAndHoldsTheKey(t *testing.T) {
+	for name, retention := range map[string]time.Duration{"kept": time.Hour, "deleted": 0} {
+		t.Run(name, func(t *testing.T) {
+			gate := newSettleGate()
+			h, _ := deferHarness(t, gate)
+			ctx := context.Background()
+			subscribed(t, h.d)
+			ended, resume := make(chan string, 1), make(chan struct{})
+			type run struct {
+				seq   int
+				owner string
+			}
+			ran := make(chan run, 4)
+			key := h.keyOf(counterTask("k", 1, 1), h.queue)
+			mw := h.d.Middleware()(asynq.HandlerFunc(func(_ context.Context, t *asynq.Task) error {
+				ran <- run{decodeCounter(t).Seq, h.lockOwner(key)}
+				return nil
+			}))
+			var once sync.Once
+			outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+				err := mw.ProcessTask(ctx, task)
+				once.Do(func() {
+					id, _ := asynq.GetTaskID(ctx)
+					ended <- id
+					<-resume // the middleware returned; asynq's done has not run
+				})
+				return err
+			})
+			srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1},
+				TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure})
+			if err := srv.Start(outer); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(srv.Shutdown)
+			a := h.enqueue(counterTask("k", 1, 1), asynq.Retention(retention))
+			if id := waitFor(t, ended, "the holder's end"); id != a.ID {
+				t.Fatalf("ran %s", id)
+			}
+			if r := <-ran; r.seq != 1 {
+				t.Fatalf("first run seq %d", r.seq)
+			}
+			gate.arm(a.ID)
+			f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+			if err != nil || f.Outcome != Deferred {
+				t.Fatalf("update after the handler returned, before asynq's done: %+v %v, want a follow-up", f, err)
+			}
+			waitFor(t, gate.held, "the subscriber settles the quiet end")
+			close(resume)
+			eventually(t, "asynq's done deletes the lock", func() bool { return h.finished(a.ID) && h.lockOwner(key) == "" })
+			gate.open()
+			r := waitFor(t, ran, "the follow-up runs")
+			if r.seq != 2 || r.owner != f.TaskID {
+				t.Fatalf("ran seq %d holding %q, want the follow-up %s (seq 2) holding the key", r.seq, r.owner, f.TaskID)
+			}
+		})
+	}
+}
+
+// settleGate is a go-redis hook that holds the settle script call naming
+// one task ID until opened.
+type settleGate struct {
+	mu     sync.Mutex
+	id     string
+	held   chan struct{}
+	opened chan struct{}
+}
+
+func newSettleGate() *settleGate {
+	return &settleGate{held: make(chan struct{}, 1), opened: make(chan struct{})}
+}
+
+func (g *settleGate) arm(id string) { g.mu.Lock(); g.id = id; g.mu.Unlock() }
+func (g *settleGate) open()         { close(g.opened) }
+
+func (g *settleGate) wait(cmd redis.Cmder) {
+	a := cmd.Args()
+	if cmd.Name() != "evalsha" || len(a) < 2 || a[1] != store.ScriptHash("settle") {
+		return
+	}
+	g.mu.Lock()
+	id := g.id
+	g.mu.Unlock()
+	for _, v := range a[2:] {
+		if s, ok := v.(string); ok && id != "" && s == id {
+			g.held <- struct{}{}
+			<-g.opened
+			return
+		}
+	}
+}
+
+func (g *settleGate) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (g *settleGate) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { g.wait(cmd); return next(ctx, cmd) }
+}
+func (g *settleGate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// Once the owed subscription is lost (its connection killed) while a task
+// runs, the task's success calls settle, as before the signal existed:
+// a message could have been missed. A task that runs once the subscription
+// is back makes no call again.
+func TestDeferSuccessCallsWhenTheOwedSubscriptionWasLostWhileItRan(t *testing.T) {
+	h, calls := deferHarness(t)
+	gen := subscribed(t, h.d)
+	tr := newSeqTracker(1)
+	h.serve(tr.handler(), nil)
+	t.Cleanup(tr.openAll)
+	a := h.enqueue(counterTask("k", 1, 1))
+	waitSeqStart(tr, 1, 10*time.Second)
+	killOwedSubscriber(t, h)
+	eventually(t, "the subscription is back", func() bool {
+		up, g := h.d.owed.state()
+		return up && g > gen+1
+	})
+	tr.open(1)
+	eventually(t, "asynq records the success", func() bool { return h.finished(a.ID) })
+	if n := calls.n.Load(); n != 1 {
+		t.Fatalf("the success made %d calls, want its settle", n)
+	}
+	b := h.enqueue(counterTask("k2", 1, 2))
+	eventually(t, "asynq records the next success", func() bool { return h.finished(b.ID) })
+	if n := calls.n.Load(); n != 1 {
+		t.Fatalf("%d calls after the subscription came back, want none for the next task", n-1)
+	}
+}
+
+// killOwedSubscriber kills the harness Dedup's subscribed connection (and
+// only it: other tests' subscribers share the Redis), found by its client's
+// name (deferHarness).
+func killOwedSubscriber(t *testing.T, h *harness) {
+	t.Helper()
+	ctx := context.Background()
+	name := h.rdb.(*redis.Client).Options().ClientName
+	var id string
+	eventually(t, "the subscriber's connection is listed", func() bool {
+		for _, line := range strings.Split(h.rdb.ClientList(ctx).Val(), "\n") {
+			fs := strings.Fields(line)
+			if !slices.Contains(fs, "name="+name) || !slices.Contains(fs, "sub=1") {
+				continue
+			}
+			for _, f := range fs {
+				if v, ok := strings.CutPrefix(f, "id="); ok {
+					id = v
+					return true
+				}
+			}
+		}
+		return false
+	})
+	if err := h.rdb.Do(ctx, "CLIENT", "KILL", "ID", id).Err(); err != nil {
+		t.Fatal(err)
+	}
+}
