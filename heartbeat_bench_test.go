@@ -508,9 +508,10 @@ func hbLockKeys(d *Dedup, queue string) []string {
 
 // BenchmarkMiddlewarePerTask measures what the middleware costs per task
 // a worker runs (a handler that returns at once), by the Redis calls the
-// Dedup's own client makes: none for a plain task NewClient stored or a
-// Cooldown's, one at success for a Cooldown's under a caller-chosen ID, a
-// start and an end for a task that arrived without a lock. ns/op is per task; it reports scripts/task and
+// Dedup's own client makes: none for a plain task NewClient stored, a
+// Cooldown's, or a RunningDefer one that owes no follow-up, one at success
+// for a Cooldown's under a caller-chosen ID, a start and an end for a task
+// that arrived without a lock. ns/op is per task; it reports scripts/task and
 // cmds/task too.
 func BenchmarkMiddlewarePerTask(b *testing.B) {
 	needRealRedis(b)
@@ -533,6 +534,10 @@ func BenchmarkMiddlewarePerTask(b *testing.B) {
 		}},
 		{"arrived-without-lock", 2, func(w *hbWorker, i int) error {
 			_, err := w.asynq.Enqueue(userTask(i, ""), asynq.Queue(w.queue))
+			return err
+		}},
+		{"defer", 0, func(w *hbWorker, i int) error { // (no follow-up owed: the owed signal says so, owed.go)
+			_, err := w.client.Enqueue(counterTask(fmt.Sprint("k", i), 1, 1), asynq.Queue(w.queue))
 			return err
 		}},
 	} {
@@ -563,11 +568,22 @@ func hbBenchWorker(b *testing.B, enqueue func(w *hbWorker, i int) error) float64
 	rdb := newRDB(b)
 	w := &hbWorker{hook: newExtendHook(-1, 0), srvRDB: newRDB(b), queue: "q-" + uniq(b)}
 	rdb.AddHook(w.hook)
-	d, err := New(context.Background(), rdb, Config{Prefix: "bench-" + uniq(b), Logger: quietLogger()})
+	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer}) // (the "counter" type's; userTask's keep the defaults)
+	cfg.Prefix, cfg.Logger = "bench-"+uniq(b), quietLogger()
+	d, err := New(context.Background(), rdb, cfg)
 	if err != nil {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { _ = d.Close() })
+	d.Middleware() // (its owed subscription confirmed before the first task runs)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if up, _ := d.owed.state(); up {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatal("the owed subscription is not confirmed")
+		}
+	}
 	w.d, w.client, w.asynq = d, d.NewClient(), asynq.NewClientFromRedisClient(w.srvRDB)
 	insp := asynq.NewInspectorFromRedisClient(w.srvRDB)
 	b.Cleanup(func() { _ = insp.DeleteQueue(w.queue, true) })
