@@ -297,10 +297,13 @@ func (o *owedSignal) settle(ctx context.Context, q quietEnd) {
 }
 
 // watches reports whether an attempt may end with no call: a RunningDefer
-// task whose success calls for that alone, under this Dedup's prefix.
+// task whose success calls for that alone, under this Dedup's prefix, and
+// that made no start call (a retry, a follow-up, ...: a message about an
+// earlier attempt of the task, or its key's earlier holder, was not heard
+// by this one; those keep their call at the end).
 func (o *owedSignal) watches(l *lease) bool {
 	f := l.flags
-	if !f.Has(store.FlagDefer) || f.Has(store.FlagCool) || f.Has(store.FlagKept) || f.Has(store.FlagRelease) || l.ref.Lock == "" {
+	if !f.Has(store.FlagDefer) || f.Has(store.FlagCool) || f.Has(store.FlagKept) || f.Has(store.FlagRelease) || l.ref.Lock == "" || l.mustStart() {
 		return false
 	}
 	prefix, _, _, ok := store.ParseLockKey(l.ref.Lock)
