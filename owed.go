@@ -159,10 +159,14 @@ func (o *owedSignal) listen(ctx context.Context) (confirmed bool) {
 		msg, err := ps.ReceiveTimeout(ctx, o.interval)
 		switch m := msg.(type) {
 		case *redis.Subscription:
-			if m.Kind == "subscribe" {
-				confirmed = true
-				o.confirmed(true)
+			if m.Kind != "subscribe" {
+				break
 			}
+			if confirmed { // go-redis reconnected under it: messages may be lost meanwhile
+				o.lost(ctx)
+			}
+			confirmed = true
+			o.confirmed(true)
 		case *redis.Message:
 			o.confirmed(false)
 			o.arrived(ctx, m.Payload)
