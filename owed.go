@@ -67,13 +67,13 @@ type quietOrder struct {
 const (
 	// owedPing is how long a silent subscription waits before it is pinged;
 	// an unanswered ping within as long again remakes it.
-	owedPing = 5 * time.Second
+	owedPing = 2 * time.Second
 	// quietLife is how long a quiet end is remembered: an owed message for
 	// it settles it; a message later than that is not expected (it would
 	// need asynq's done to lag that long behind the handler's return). It
 	// covers the sweep's reach too (at most about 3 owedPing). Memory: one
-	// entry per quiet success of that long.
-	quietLife = 20 * time.Second
+	// entry (about 200 B) per quiet success of that long.
+	quietLife = 8 * time.Second
 )
 
 func newOwedSignal(d *Dedup, rdb redis.UniversalClient) *owedSignal {
