@@ -274,3 +274,92 @@ func killOwedSubscriber(t *testing.T, h *harness) {
 		t.Fatal(err)
 	}
 }
+
+// A caller-chosen task ID may be used again once no task has it. A task
+// under such an ID that ended quietly is remembered (quietLife); a new task
+// under the same ID, holding the same key, may not have its key handed to
+// its follow-up while it still runs: the follow-up runs after it, never
+// beside it.
+func TestDeferFollowUpOfATaskReusingAQuietlyEndedIDWaitsForItsHolder(t *testing.T) {
+	h, calls := deferHarness(t)
+	ctx := context.Background()
+	subscribed(t, h.d)
+	tr := newSeqTracker(2)
+	h.serve(tr.handler(), nil)
+	t.Cleanup(tr.openAll)
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	first, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID("job-k"))
+	if err != nil || first.Outcome != Created {
+		t.Fatalf("first enqueue: %+v %v", first, err)
+	}
+	if r := waitSeqStart(tr, 1, 10*time.Second); r == nil {
+		t.Fatal("the first task did not run")
+	}
+	eventually(t, "the first task's record and lock are gone", func() bool {
+		return h.taskState("job-k") == 0 && h.lockOwner(key) == ""
+	})
+	if n := calls.n.Load(); n != 0 {
+		t.Fatalf("the first success made %d calls; want a quiet end", n)
+	}
+	again, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID("job-k"))
+	if err != nil || again.Outcome != Created {
+		t.Fatalf("the ID used again: %+v %v, want created", again, err)
+	}
+	holder := waitSeqStart(tr, 2, 10*time.Second)
+	if holder == nil {
+		t.Fatal("the second task under the ID did not run")
+	}
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update while the holder runs: %+v %v, want a follow-up", f, err)
+	}
+	// The follow-up may not start while its holder (seq 2) runs.
+	if r := waitSeqStart(tr, 3, 3*time.Second); r != nil {
+		t.Fatalf("the follow-up %s started while its holder %s still ran (lock now %q, holder state %s); overlaps %v",
+			r.id, holder.id, h.lockOwner(key), taskStateName(h, "job-k"), r.overlaps)
+	}
+	tr.open(2)
+	if r := waitSeqStart(tr, 3, 10*time.Second); r == nil || r.id != f.TaskID {
+		t.Fatalf("the follow-up %s did not run after its holder: %+v", f.TaskID, r)
+	}
+}
+
+// The same, through the sweep: when the owed subscription drops, the quiet
+// ends of the last moments are settled again. One of a caller-chosen ID that
+// a new task of the same key now holds (and runs under) may not release
+// that task's key: an update while it runs is deferred behind it, never
+// created beside it.
+func TestDeferSweepAfterASubscriptionDropLeavesTheKeyOfATaskReusingAQuietlyEndedID(t *testing.T) {
+	h, _ := deferHarness(t)
+	ctx := context.Background()
+	gen := subscribed(t, h.d)
+	tr := newSeqTracker(2)
+	h.serve(tr.handler(), nil)
+	t.Cleanup(tr.openAll)
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	if r, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID("job-k")); err != nil || r.Outcome != Created {
+		t.Fatalf("first enqueue: %+v %v", r, err)
+	}
+	if r := waitSeqStart(tr, 1, 10*time.Second); r == nil {
+		t.Fatal("the first task did not run")
+	}
+	eventually(t, "the first task's record and lock are gone", func() bool {
+		return h.taskState("job-k") == 0 && h.lockOwner(key) == ""
+	})
+	if r, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID("job-k")); err != nil || r.Outcome != Created {
+		t.Fatalf("the ID used again: %+v %v, want created", r, err)
+	}
+	if r := waitSeqStart(tr, 2, 10*time.Second); r == nil {
+		t.Fatal("the second task under the ID did not run")
+	}
+	killOwedSubscriber(t, h)
+	eventually(t, "the subscription is back", func() bool { up, g := h.d.owed.state(); return up && g > gen+1 })
+	h.d.owed.wg.Wait() // the sweep is done
+	if o := h.lockOwner(key); o != "job-k" {
+		t.Errorf("the key's lock is %q while job-k (seq 2) runs, want job-k's", o)
+	}
+	r, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+	if err != nil || r.Outcome != Deferred {
+		t.Fatalf("update while job-k runs: %+v %v, want a follow-up deferred behind it", r, err)
+	}
+}
