@@ -3,6 +3,7 @@ package dedup
 import (
 	"context"
 	"fmt"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -361,5 +362,126 @@ func TestDeferSweepAfterASubscriptionDropLeavesTheKeyOfATaskReusingAQuietlyEnded
 	r, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
 	if err != nil || r.Outcome != Deferred {
 		t.Fatalf("update while job-k runs: %+v %v, want a follow-up deferred behind it", r, err)
+	}
+}
+
+// dialGate is a go-redis hook that holds new connections while closed.
+type dialGate struct {
+	mu sync.Mutex
+	ch chan struct{} // nil: open
+}
+
+func (g *dialGate) close() { g.mu.Lock(); g.ch = make(chan struct{}); g.mu.Unlock() }
+func (g *dialGate) open() {
+	g.mu.Lock()
+	if g.ch != nil {
+		close(g.ch)
+		g.ch = nil
+	}
+	g.mu.Unlock()
+}
+
+func (g *dialGate) DialHook(next redis.DialHook) redis.DialHook {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		g.mu.Lock()
+		ch := g.ch
+		g.mu.Unlock()
+		if ch != nil {
+			select {
+			case <-ch:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+		}
+		return next(ctx, network, addr)
+	}
+}
+func (g *dialGate) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+func (g *dialGate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// A worker Dedup (w) on its own gated client, sharing h's prefix; h's
+// Dedup only enqueues.
+func gatedWorker(t *testing.T, h *harness) (*Dedup, *redis.Client, *dialGate) {
+	t.Helper()
+	base := newRDB(t).(*redis.Client).Options()
+	gate := &dialGate{}
+	rw := redis.NewClient(&redis.Options{Addr: base.Addr, Password: base.Password, PoolSize: 16, ContextTimeoutEnabled: true, ClientName: "owedw-" + uniq(t)})
+	t.Cleanup(func() { _ = rw.Close() })
+	rw.AddHook(gate)
+	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	cfg.Prefix, cfg.Logger = h.prefix, quietLogger()
+	w, err := New(context.Background(), rw, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = w.Close() })
+	return w, rw, gate
+}
+
+// killSubscriberOf kills rdb's subscribed connection, found by its name.
+func killSubscriberOf(t *testing.T, rdb *redis.Client) {
+	t.Helper()
+	killOwedSubscriber(t, &harness{t: t, rdb: rdb})
+}
+
+// asynq marks a task active before the middleware begins watching it (another
+// middleware may run first). A follow-up made of it while the owed
+// subscription was down is not heard; if the handler begins once the
+// subscription is back, its success must still hand the key to that
+// follow-up (call), not end quietly and leave the follow-up parked for its
+// TTL.
+func TestDeferFollowUpMadeWhileTheSubscriptionWasDownRunsAfterAHolderThatBeganOnceItWasBack(t *testing.T) {
+	h, _ := deferHarness(t)
+	ctx := context.Background()
+	w, rw, gate := gatedWorker(t, h)
+	gen := subscribed(t, w)
+	tr := newSeqTracker()
+	mw := w.Middleware()(tr.handler())
+	entered, release := make(chan string, 4), make(chan struct{})
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 4, Queues: map[string]int{h.queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond, DelayedTaskCheckInterval: 100 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure})
+	var once sync.Once
+	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		first := false
+		once.Do(func() { first = true })
+		if first { // an earlier middleware (a limiter, say) holds the first task a moment
+			id, _ := asynq.GetTaskID(ctx)
+			entered <- id
+			<-release
+		}
+		return mw.ProcessTask(ctx, task)
+	})
+	if err := srv.Start(outer); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	t.Cleanup(func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	})
+	a := h.enqueue(counterTask("k", 1, 1))
+	if id := waitFor(t, entered, "the holder is active"); id != a.ID {
+		t.Fatalf("entered %s", id)
+	}
+	gate.close() // (the subscriber's reconnect waits: the kill's message loss is not yet known)
+	killSubscriberOf(t, rw)
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update while the holder is active: %+v %v, want a follow-up", f, err)
+	}
+	gate.open()
+	eventually(t, "the subscription is back", func() bool { up, g := w.owed.state(); return up && g > gen+1 })
+	close(release)
+	if r := waitSeqStart(tr, 1, 10*time.Second); r == nil || r.id != a.ID {
+		t.Fatalf("the holder did not run: %+v", r)
+	}
+	if r := waitSeqStart(tr, 2, 5*time.Second); r == nil || r.id != f.TaskID {
+		t.Fatalf("the follow-up %s did not run within 5 s of its holder's end (holder %s, lock %q, follow-up state %s): %+v",
+			f.TaskID, a.ID, h.lockOwner(h.keyOf(counterTask("k", 1, 1), h.queue)), taskStateName(h, f.TaskID), r)
 	}
 }
