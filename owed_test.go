@@ -325,46 +325,6 @@ func TestDeferFollowUpOfATaskReusingAQuietlyEndedIDWaitsForItsHolder(t *testing.
 	}
 }
 
-// The same, through the sweep: when the owed subscription drops, the quiet
-// ends of the last moments are settled again. One of a caller-chosen ID that
-// a new task of the same key now holds (and runs under) may not release
-// that task's key: an update while it runs is deferred behind it, never
-// created beside it.
-func TestDeferSweepAfterASubscriptionDropLeavesTheKeyOfATaskReusingAQuietlyEndedID(t *testing.T) {
-	h, _ := deferHarness(t)
-	ctx := context.Background()
-	gen := subscribed(t, h.d)
-	tr := newSeqTracker(2)
-	h.serve(tr.handler(), nil)
-	t.Cleanup(tr.openAll)
-	key := h.keyOf(counterTask("k", 1, 1), h.queue)
-	if r, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID("job-k")); err != nil || r.Outcome != Created {
-		t.Fatalf("first enqueue: %+v %v", r, err)
-	}
-	if r := waitSeqStart(tr, 1, 10*time.Second); r == nil {
-		t.Fatal("the first task did not run")
-	}
-	eventually(t, "the first task's record and lock are gone", func() bool {
-		return h.taskState("job-k") == 0 && h.lockOwner(key) == ""
-	})
-	if r, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID("job-k")); err != nil || r.Outcome != Created {
-		t.Fatalf("the ID used again: %+v %v, want created", r, err)
-	}
-	if r := waitSeqStart(tr, 2, 10*time.Second); r == nil {
-		t.Fatal("the second task under the ID did not run")
-	}
-	killOwedSubscriber(t, h)
-	eventually(t, "the subscription is back", func() bool { up, g := h.d.owed.state(); return up && g > gen+1 })
-	h.d.owed.wg.Wait() // the sweep is done
-	if o := h.lockOwner(key); o != "job-k" {
-		t.Errorf("the key's lock is %q while job-k (seq 2) runs, want job-k's", o)
-	}
-	r, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
-	if err != nil || r.Outcome != Deferred {
-		t.Fatalf("update while job-k runs: %+v %v, want a follow-up deferred behind it", r, err)
-	}
-}
-
 // dialGate is a go-redis hook that holds new connections while closed.
 type dialGate struct {
 	mu sync.Mutex
@@ -483,5 +443,80 @@ func TestDeferFollowUpMadeWhileTheSubscriptionWasDownRunsAfterAHolderThatBeganOn
 	if r := waitSeqStart(tr, 2, 5*time.Second); r == nil || r.id != f.TaskID {
 		t.Fatalf("the follow-up %s did not run within 5 s of its holder's end (holder %s, lock %q, follow-up state %s): %+v",
 			f.TaskID, a.ID, h.lockOwner(h.keyOf(counterTask("k", 1, 1), h.queue)), taskStateName(h, f.TaskID), r)
+	}
+}
+
+// Close stops the owed subscriber. A handler that began before Close and
+// ends after it may not end quietly (the code's own promise: no attempt
+// ends quietly after Close): a follow-up made of it meanwhile, unheard,
+// must still run after it, not wait for its parking time (TTL).
+func TestDeferFollowUpOfAHolderThatEndsAfterCloseRunsAfterIt(t *testing.T) {
+	h, _ := deferHarness(t)
+	ctx := context.Background()
+	subscribed(t, h.d)
+	tr := newSeqTracker(1)
+	h.serve(tr.handler(), nil)
+	t.Cleanup(tr.openAll)
+	p := newHarnessOn(t, newRDB(t), func() Config {
+		c := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+		c.Prefix = h.prefix
+		return c
+	}())
+	producer := p.d.NewClient()
+	a := h.enqueue(counterTask("k", 1, 1))
+	if r := waitSeqStart(tr, 1, 10*time.Second); r == nil {
+		t.Fatal("the holder did not run")
+	}
+	if err := h.d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	f, err := producer.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update while the holder runs: %+v %v, want a follow-up", f, err)
+	}
+	tr.open(1)
+	if r := waitSeqStart(tr, 2, 5*time.Second); r == nil || r.id != f.TaskID {
+		t.Fatalf("the follow-up %s did not run within 5 s of its holder %s's end (follow-up state %s): %+v",
+			f.TaskID, a.ID, taskStateName(h, f.TaskID), r)
+	}
+}
+
+// The same, through the sweep: when the owed subscription drops, the quiet
+// ends of the last moments are settled again. One of a caller-chosen ID that
+// a new task of the same key now holds (and runs under) may not release
+// that task's key: an update while it runs is deferred behind it, never
+// created beside it.
+func TestDeferSweepAfterASubscriptionDropLeavesTheKeyOfATaskReusingAQuietlyEndedID(t *testing.T) {
+	h, _ := deferHarness(t)
+	ctx := context.Background()
+	gen := subscribed(t, h.d)
+	tr := newSeqTracker(2)
+	h.serve(tr.handler(), nil)
+	t.Cleanup(tr.openAll)
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	if r, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID("job-k")); err != nil || r.Outcome != Created {
+		t.Fatalf("first enqueue: %+v %v", r, err)
+	}
+	if r := waitSeqStart(tr, 1, 10*time.Second); r == nil {
+		t.Fatal("the first task did not run")
+	}
+	eventually(t, "the first task's record and lock are gone", func() bool {
+		return h.taskState("job-k") == 0 && h.lockOwner(key) == ""
+	})
+	if r, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue), asynq.TaskID("job-k")); err != nil || r.Outcome != Created {
+		t.Fatalf("the ID used again: %+v %v, want created", r, err)
+	}
+	if r := waitSeqStart(tr, 2, 10*time.Second); r == nil {
+		t.Fatal("the second task under the ID did not run")
+	}
+	killOwedSubscriber(t, h)
+	eventually(t, "the subscription is back", func() bool { up, g := h.d.owed.state(); return up && g > gen+1 })
+	h.d.owed.wg.Wait() // the sweep is done
+	if o := h.lockOwner(key); o != "job-k" {
+		t.Errorf("the key's lock is %q while job-k (seq 2) runs, want job-k's", o)
+	}
+	r, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
+	if err != nil || r.Outcome != Deferred {
+		t.Fatalf("update while job-k runs: %+v %v, want a follow-up deferred behind it", r, err)
 	}
 }
