@@ -520,3 +520,66 @@ func TestDeferSweepAfterASubscriptionDropLeavesTheKeyOfATaskReusingAQuietlyEnded
 		t.Fatalf("update while job-k runs: %+v %v, want a follow-up deferred behind it", r, err)
 	}
 }
+
+// The message for a task that asynq runs but whose handler has not begun
+// (another middleware runs first) is kept for it; it may not be dropped
+// before the handler begins, else its success ends quietly and the follow-up
+// waits its TTL. Here the gap is quietLife and a bit, and another key's
+// follow-up message comes meanwhile.
+func TestDeferFollowUpMadeLongBeforeItsHoldersHandlerBeganRunsAfterIt(t *testing.T) {
+	h, _ := deferHarness(t)
+	ctx := context.Background()
+	subscribed(t, h.d)
+	tr := newSeqTracker(10)
+	t.Cleanup(tr.openAll)
+	mw := h.d.Middleware()(tr.handler())
+	entered, release := make(chan string, 1), make(chan struct{})
+	t.Cleanup(func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	})
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 4, Queues: map[string]int{h.queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond, DelayedTaskCheckInterval: 100 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure})
+	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		if decodeCounter(task).Key == "a" && decodeCounter(task).Seq == 1 { // an earlier middleware holds it a while
+			id, _ := asynq.GetTaskID(ctx)
+			entered <- id
+			<-release
+		}
+		return mw.ProcessTask(ctx, task)
+	})
+	if err := srv.Start(outer); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	a := h.enqueue(counterTask("a", 1, 1))
+	waitFor(t, entered, "a is active")
+	f, err := h.client.Submit(ctx, counterTask("a", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update of a: %+v %v, want a follow-up", f, err)
+	}
+	b := h.enqueue(counterTask("b", 1, 10))
+	if waitSeqStart(tr, 10, 10*time.Second) == nil {
+		t.Fatal("b did not run")
+	}
+	time.Sleep(quietLife + 500*time.Millisecond) // (what is under test is this length of time)
+	if g, err := h.client.Submit(ctx, counterTask("b", 1, 11), asynq.Queue(h.queue)); err != nil || g.Outcome != Deferred {
+		t.Fatalf("update of b: %+v %v, want a follow-up", g, err)
+	}
+	eventually(t, "b's owed message is heard", func() bool {
+		h.d.owed.mu.Lock()
+		defer h.d.owed.mu.Unlock()
+		e := h.d.owed.running[b.ID]
+		return e != nil && e.owed
+	})
+	close(release)
+	if r := waitSeqStart(tr, 1, 10*time.Second); r == nil || r.id != a.ID {
+		t.Fatalf("a did not run: %+v", r)
+	}
+	if r := waitSeqStart(tr, 2, 5*time.Second); r == nil || r.id != f.TaskID {
+		t.Fatalf("a's follow-up %s did not run within 5 s of a's end (state %s): %+v", f.TaskID, taskStateName(h, f.TaskID), r)
+	}
+}
