@@ -2,6 +2,7 @@ package dedup
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"slices"
@@ -581,5 +582,74 @@ func TestDeferFollowUpMadeLongBeforeItsHoldersHandlerBeganRunsAfterIt(t *testing
 	}
 	if r := waitSeqStart(tr, 2, 5*time.Second); r == nil || r.id != f.TaskID {
 		t.Fatalf("a's follow-up %s did not run within 5 s of a's end (state %s): %+v", f.TaskID, taskStateName(h, f.TaskID), r)
+	}
+}
+
+// A handler that succeeded (a quiet end) may still be retried by asynq: an
+// outer middleware failed after it (a commit, say). A follow-up made while
+// that retry runs must wait for the retry, not be handed the key by the
+// first attempt's remembered quiet end.
+func TestDeferFollowUpOfARetryAfterAQuietSuccessWaitsForTheRetry(t *testing.T) {
+	h, _ := deferHarness(t)
+	ctx := context.Background()
+	subscribed(t, h.d)
+	type run struct {
+		id         string
+		seq, retry int
+	}
+	starts, ends := make(chan run, 8), make(chan run, 8)
+	release := make(chan struct{})
+	mw := h.d.Middleware()(asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		n, _ := asynq.GetRetryCount(ctx)
+		r := run{id, decodeCounter(task).Seq, n}
+		starts <- r
+		if n > 0 {
+			<-release
+		}
+		ends <- r
+		return nil
+	}))
+	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		err := mw.ProcessTask(ctx, task)
+		if n, _ := asynq.GetRetryCount(ctx); n == 0 && decodeCounter(task).Seq == 1 && err == nil {
+			return errors.New("outer middleware: commit failed")
+		}
+		return err
+	})
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 4, Queues: map[string]int{h.queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond, DelayedTaskCheckInterval: 100 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure,
+		RetryDelayFunc: func(int, error, *asynq.Task) time.Duration { return 50 * time.Millisecond }})
+	if err := srv.Start(outer); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	t.Cleanup(func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	})
+	a := h.enqueue(counterTask("k", 1, 1))
+	waitFor(t, ends, "the first attempt's handler succeeds")
+	if r := waitFor(t, starts, "start"); r.retry != 0 {
+		t.Fatalf("%+v", r)
+	}
+	if r := waitFor(t, starts, "the retry starts"); r.id != a.ID || r.retry != 1 {
+		t.Fatalf("%+v", r)
+	}
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update while the retry runs: %+v %v, want a follow-up", f, err)
+	}
+	select {
+	case r := <-starts:
+		t.Fatalf("%s (seq %d) started while the holder's retry still ran (lock %q)", r.id, r.seq, h.lockOwner(h.keyOf(counterTask("k", 1, 1), h.queue)))
+	case <-time.After(3 * time.Second): // (an absence: bounded)
+	}
+	close(release)
+	if r := waitFor(t, starts, "the follow-up runs"); r.id != f.TaskID {
+		t.Fatalf("%+v", r)
 	}
 }
