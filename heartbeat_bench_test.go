@@ -578,6 +578,7 @@ func hbBenchWorker(b *testing.B, enqueue func(w *hbWorker, i int) error) float64
 	d.Middleware() // (its owed subscription confirmed before the first task runs)
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
 		if up, _ := d.owed.state(); up {
+			d.owed.steady()
 			break
 		}
 		if time.Now().After(deadline) {

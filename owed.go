@@ -15,16 +15,19 @@ import (
 // owedSignal lets a RunningDefer attempt succeed with no Redis call when
 // no follow-up is owed to its key. acquire.lua publishes a running holder's
 // ID on the prefix's owed channel (store.Keys.Owed) as it makes it a
-// follow-up; one subscriber per Dedup listens. An attempt whose
-// subscription was confirmed when it started, and still is (same
-// generation), and for which no message came, ends with no call: asynq's
-// done releases its key. Every other attempt settles as before.
+// follow-up; one subscriber per Dedup listens. An attempt whose handler
+// began with the subscription up for owedLookback, which is still up in
+// the same generation, and for which no message came, ends with no call:
+// asynq's done releases its key. Every other attempt settles as before.
 //
 // A message that arrives just after such a quiet end (the follow-up was
 // made after the handler returned, before asynq's done) is settled by the
-// subscriber, for quietLife. Should the subscription drop, the quiet ends
-// of the last moments (since the last proof that it was alive) are
-// settled again, in case their message was lost (sweep).
+// subscriber, for quietLife, once asynq's done has released the lock
+// (store.Settle.Late). Should the subscription drop, the quiet ends of the
+// last moments (since the last proof that it was alive) are settled again,
+// in case their message was lost (sweep). Quiet ends are known by task ID:
+// a later attempt of the task that begins here drops its quiet end, and a
+// late settle waits while the lock names the task, whatever attempt holds it.
 type owedSignal struct {
 	d        *Dedup
 	channel  string
@@ -34,6 +37,7 @@ type owedSignal struct {
 	up        bool                  // the subscription is confirmed
 	gen       uint64                // bumped at every (re)subscribe and every loss
 	alive     time.Time             // when the subscription last proved alive (confirmed, pong)
+	since     time.Time             // when the current generation was confirmed
 	running   map[string]*owedEntry // watched attempts, by task ID
 	recent    map[string]time.Time  // messages for IDs not running here (yet): asynq marks a task active before the middleware sees it
 	quiet     map[string]quietEnd   // attempts that ended with no call, by task ID
@@ -74,6 +78,18 @@ const (
 	// covers the sweep's reach too (at most about 3 owedPing). Memory: one
 	// entry (about 200 B) per quiet success of that long.
 	quietLife = 8 * time.Second
+	// owedLookback is how long the subscription must have been up, unbroken,
+	// when an attempt's handler begins for its success to end quietly: asynq
+	// marks a task active (and an enqueue may make it a follow-up, publishing
+	// then) before the middleware sees it, so a drop just before the handler
+	// began may have lost its message. (A handler that begins later than
+	// that after asynq took its task, behind a slower middleware, across a
+	// drop, is not covered.)
+	owedLookback = 2 * time.Second
+	// recentLife is how long a message for a task not running here is kept,
+	// for an attempt whose handler has not begun yet (messages are few: one
+	// per follow-up made).
+	recentLife = 5 * time.Minute
 )
 
 func newOwedSignal(d *Dedup, rdb redis.UniversalClient) *owedSignal {
@@ -108,6 +124,8 @@ func (o *owedSignal) stop() {
 	default:
 		close(o.quit)
 	}
+	o.up = false // (no attempt ends quietly after Close: no message would be heard)
+	o.gen++
 	started := o.started
 	o.mu.Unlock()
 	if started {
@@ -199,6 +217,7 @@ func (o *owedSignal) confirmed(sub bool) {
 	if sub {
 		o.up = true
 		o.gen++
+		o.since = o.alive
 	}
 }
 
@@ -251,23 +270,24 @@ func (o *owedSignal) arrived(ctx context.Context, id string) {
 	q, quiet := o.quiet[id]
 	delete(o.quiet, id)
 	if e := o.running[id]; e != nil {
-		e.owed = true
+		// An attempt of the task runs here now: the message is its own
+		// (begin dropped the task's earlier quiet end).
+		e.owed, quiet = true, false
 	} else if !quiet {
 		o.recent[id] = now
 	}
 	o.prune(now)
 	o.mu.Unlock()
 	if quiet {
-		o.settle(context.WithoutCancel(ctx), q)
+		o.wg.Go(func() { o.settle(context.WithoutCancel(ctx), q) })
 	}
 }
 
 // prune drops the messages kept for IDs not running here that are older
-// than quietLife (messages are few: one per follow-up made). Called with
-// mu held.
+// than recentLife. Called with mu held.
 func (o *owedSignal) prune(now time.Time) {
 	for id, at := range o.recent {
-		if now.Sub(at) > quietLife {
+		if now.Sub(at) > recentLife {
 			delete(o.recent, id)
 		}
 	}
@@ -285,18 +305,43 @@ func (o *owedSignal) pruneQuiet(now time.Time) {
 	o.order = o.order[i:] // (append's next growth copies only what is left)
 }
 
-// settle settles a quiet end as the middleware would have: a success
-// (settle.lua hands the key to the follow-up it owes, even once asynq's
-// done has deleted the lock).
+// settle settles a quiet end late, as a success: once asynq's done has
+// released the lock, settle.lua hands the key to the follow-up the mode
+// record still says the task owes. While the lock names the task (asynq's
+// done has not run yet; or asynq runs the task again, or a new task took
+// its caller-chosen ID, which then holds the key and settles its own end)
+// it waits, for quietLife at most.
 func (o *owedSignal) settle(ctx context.Context, q quietEnd) {
 	d := o.d
-	res, err := d.store.Settle(ctx, &store.Settle{Ref: q.ref, End: store.EndSuccess, TTL: q.ttl})
+	var res store.SettleResult
+	var err error
+	for i := 0; ; i++ {
+		res, err = d.store.Settle(ctx, &store.Settle{Ref: q.ref, End: store.EndSuccess, TTL: q.ttl, Late: true})
+		if err != nil || !res.Waits || time.Since(q.at) > quietLife || !o.pause(lateBackoff.delay(i)) {
+			break
+		}
+	}
 	switch {
 	case err != nil:
 		d.count(q.ref.Type, evRedisError)
 		d.log.Warn("dedup: could not hand a key to the follow-up owed after a quiet success; it runs when its parking time ends", slog.String("task_id", q.ref.ID), slog.Any("error", err))
 	case res.Follow != "":
 		d.log.Debug("dedup: follow-up queued", slog.String("type", q.ref.Type), slog.String("task_id", res.Follow))
+	}
+}
+
+// lateBackoff paces a late settle waiting for asynq's done.
+var lateBackoff = backoff{Min: 5 * time.Millisecond, Max: 500 * time.Millisecond}
+
+// pause waits d, reporting false if the subscriber stops first.
+func (o *owedSignal) pause(d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-o.quit:
+		return false
+	case <-t.C:
+		return true
 	}
 }
 
@@ -329,7 +374,9 @@ func (o *owedSignal) begin(l *lease) {
 		e.owed = true
 		delete(o.recent, id)
 	}
-	l.watched, l.owedSure, l.owedGen = true, o.up, o.gen
+	delete(o.quiet, id) // (an earlier attempt's, or an earlier task's under the same ID: this one holds the key now)
+	sure := o.up && time.Since(o.since) >= owedLookback
+	l.watched, l.owedSure, l.owedGen = true, sure, o.gen
 }
 
 // end unregisters a watched attempt and reports whether it may end with no

@@ -405,6 +405,12 @@ func newEnv(ctx context.Context, cfg config, opts *redis.Options) (*env, error) 
 			e.close()
 			return nil, err
 		}
+		// As a long-running worker's: its middleware's owed subscription
+		// (RunningDefer) is up and steady before the first task runs; a
+		// worker's first seconds after Middleware make a call at every such
+		// success (docs/lifecycle.md, "The owed signal").
+		e.de2e.Middleware()
+		time.Sleep(3 * time.Second)
 	}
 	e.ac = asynq.NewClientFromRedisClient(e.rdb)
 	e.dc = e.d.NewClient()      // one shared Redis: accepted enqueues take one round trip

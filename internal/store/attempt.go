@@ -105,6 +105,12 @@ type Settle struct {
 	// answer (a lock its record does not name, as taken at start: StartValue).
 	Release bool
 	Loosen  bool
+	// Late: a success that ended with no call (the owed signal), settled
+	// after it to hand the key to a follow-up made meanwhile. It acts only
+	// once asynq's done has released the lock: while the lock still names
+	// the task, that may be a later attempt, or a new task under the same
+	// ID, that holds the key (Waits).
+	Late bool
 
 	Due time.Duration // EndRetry: when asynq runs the task again, from now
 	// Note: the attempt's token, when asynq gave it up while its handler ran
@@ -120,6 +126,7 @@ type SettleResult struct {
 	Cooling  bool   // cooling down (Cooldown, Period)
 	Failed   bool   // held after the final failure (OnFailure)
 	Follow   string // the follow-up the key went to, now queued; Held: the follow-up the key owes; "" none
+	Waits    bool   // Late: nothing done, the lock still names the task (call again later)
 }
 
 // Settle runs the settle script, calling it again with the keys it asks
@@ -145,6 +152,8 @@ func (s *Store) Settle(ctx context.Context, st *Settle) (SettleResult, error) {
 			continue
 		case rep.status == statusNeed:
 			return SettleResult{}, fmt.Errorf("%w: %s", ErrMoving, r.Lock)
+		case rep.status == statusWait:
+			return SettleResult{Waits: true}, nil
 		case rep.status != 1:
 			return SettleResult{}, nil
 		}
@@ -161,6 +170,8 @@ func (st *Settle) releaseArg() string {
 		return "1"
 	case st.Loosen:
 		return string(HoldStart)
+	case st.Late:
+		return "q"
 	}
 	return ""
 }

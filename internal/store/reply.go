@@ -24,6 +24,7 @@ const (
 	StatusAllowed  Status = 9  // running policy "allow": run without the lock (start)
 	statusFree     Status = 10 // the key is free: take it, with the task (take, acquire)
 	statusNeed     Status = 11 // the script lacks keys: call again with them
+	statusWait     Status = 12 // a late settle met the lock still its task's: call again later (settle)
 	// StatusElsewhere: the starting task has no asynq record in this Redis:
 	// its server stores tasks elsewhere (start).
 	StatusElsewhere Status = 13

@@ -257,3 +257,29 @@ func TestSettleAfterAsynqsDoneDeletedTheLockHandsTheKeyToTheOwedFollowUp(t *test
 		}
 	}
 }
+
+// A late settle of a success that made no call (the owed signal) waits while
+// the lock still names the task: asynq's done has not run yet, or the task
+// runs again (a retry, a new task under a reused caller-chosen ID), and that
+// attempt holds the key and settles its own end. Nothing changes until the
+// lock is released.
+func TestLateSettleWaitsWhileTheLockStillNamesTheTask(t *testing.T) {
+	rdb := redistest.Client(t)
+	ctx := context.Background()
+	s := newTestStore(t, rdb)
+	q := redistest.Uniq(t)
+	f := NewFollowID()
+	putTask(rdb, q, f, StateScheduled)
+	rdb.ZAdd(ctx, ScheduledKey(q), redis.Z{Score: float64(time.Now().Add(time.Hour).Unix()), Member: f})
+	r := held(t, rdb, s, q, "0000000000000300", FieldRunning, "d", FieldFollow, f)
+	res := mustSettle(t, s, &Settle{Ref: r, End: EndSuccess, TTL: 30 * time.Minute, Late: true})
+	if !res.Waits || res.Owned || rdb.Get(ctx, r.Lock).Val() != Value(r.ID) || rdb.HGet(ctx, TaskKey(q, f), "state").Val() != StateScheduled ||
+		rdb.HGet(ctx, r.Mode(), FieldFollow).Val() != f {
+		t.Fatalf("late settle of the lock's own task: %+v, lock %q; want it waiting, nothing changed", res, rdb.Get(ctx, r.Lock).Val())
+	}
+	rdb.Del(ctx, r.Lock) // asynq's done
+	rdb.HSet(ctx, TaskKey(q, r.ID), "state", StateCompleted)
+	if res := mustSettle(t, s, &Settle{Ref: r, End: EndSuccess, TTL: 30 * time.Minute, Late: true}); res.Waits || res.Follow != f {
+		t.Fatalf("late settle once asynq's done released the lock: %+v; want handed to %s", res, f)
+	}
+}

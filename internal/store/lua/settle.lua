@@ -17,7 +17,8 @@
 -- ARGV[6]  after 'ok' and 'revoke': 'a' leave a lock the task's record does not
 --          name as taken at start (asynq may yet retry the task: its deadline was
 --          near); else it is released ('1': the record does not name it, so asynq's
---          scripts would not)
+--          scripts would not); 'q' a success that made no call, settled late (owed.go):
+--          only once asynq's done released the lock ({12} while it names the task)
 -- ARGV[7]  the follow-up G belongs to ('' none)
 -- ARGV[8]  'retry': seconds until asynq runs the task again
 -- ARGV[9]  the attempt's token if asynq gave it up while its handler ran: its note (o, oa) goes
@@ -26,7 +27,7 @@
 --                               at the key's next enqueue), 'released', 'held' (for the
 --                               retry; with the follow-up it owes), 'cooling', 'failed',
 --                               'follow' (now the follow-up's, which is queued)
---        {0}                    the key is not the task's any more
+--        {0}                    the key is not the task's any more; {12} 'q': not yet
 -- After 'ok' and 'revoke' the task's record is marked (lib.lua's mark, 'ended'): should
 -- asynq put the task back before it records the end (a shutdown), it does not run again.
 --        {11, lacking, '', f}   nothing done: call again with these keys
@@ -35,6 +36,7 @@ roles(0)
 local A = ARGV
 local id, out = A[2], A[3]
 local holder, kind = holder_of(call('GET', K.L))
+if A[6] == 'q' and holder == id then return {12} end
 local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o', 'oa')
 local mine = m[1] == id
 -- This attempt's handler, which asynq gave up, has ended, whoever holds the key now.

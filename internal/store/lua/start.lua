@@ -83,9 +83,5 @@ end
 -- that runs is owed no more.
 if m[3] and (not f or f == id) then call('ZREM', K.W, A[5]) end
 if not f or f == id then call('HDEL', K.M, 'b', 'f') end
-if allow then
-  call('DEL', K.L)
-  return {9, new}
-end
-lengthen(K.L, ttl)
-return {1, new}
+if allow then call('DEL', K.L) else lengthen(K.L, ttl) end
+return {allow and 9 or 1, new}
