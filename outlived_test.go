@@ -183,8 +183,9 @@ func TestGivenUpHandlerOfANewHolderIsNotedAfterAnEarlierTasksNote(t *testing.T) 
 		if s := waitFor(t, g.runs, "B runs"); s != 2 {
 			t.Fatalf("ran seq %d", s)
 		}
-		eventually(t, "B given up on its last retry: archived", func() bool {
-			return h.taskState(b.ID) == asynq.TaskStateArchived
+		eventually(t, "B given up on its last retry (archived) and noted", func() bool { // (the note is written on its own goroutine, after asynq's move)
+			return h.taskState(b.ID) == asynq.TaskStateArchived && h.rdb.HGet(ctx, mode, store.FieldNoteBy).Val() != "" && note() == nil &&
+				h.rdb.HGet(ctx, mode, "id").Val() == b.ID
 		})
 		t.Logf("mode record while B's given-up handler runs: %v", h.rdb.HGetAll(ctx, mode).Val())
 		res, err := h.client.Submit(ctx, counterTask("k", 1, 3), asynq.Queue(h.queue))
