@@ -663,3 +663,148 @@ func TestDeferFollowUpOfARetryAfterAQuietSuccessWaitsForTheRetry(t *testing.T) {
 		t.Fatalf("%+v", r)
 	}
 }
+
+// replyHold is a go-redis hook that, for the first settle script call naming
+// one task ID, signals once Redis has replied and holds the reply from its
+// caller until released.
+type replyHold struct {
+	mu       sync.Mutex
+	id       string
+	done     bool
+	replied  chan any
+	released chan struct{}
+}
+
+func newReplyHold() *replyHold {
+	return &replyHold{replied: make(chan any, 1), released: make(chan struct{})}
+}
+
+func (g *replyHold) arm(id string) { g.mu.Lock(); g.id = id; g.mu.Unlock() }
+func (g *replyHold) release() {
+	select {
+	case <-g.released:
+	default:
+		close(g.released)
+	}
+}
+
+func (g *replyHold) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (g *replyHold) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		a := cmd.Args()
+		if cmd.Name() != "evalsha" || len(a) < 2 || a[1] != store.ScriptHash("settle") {
+			return err
+		}
+		g.mu.Lock()
+		id, hold := g.id, false
+		for _, v := range a[2:] {
+			if s, ok := v.(string); ok && id != "" && s == id && !g.done {
+				hold, g.done = true, true
+			}
+		}
+		g.mu.Unlock()
+		if hold {
+			var v any
+			if c, ok := cmd.(*redis.Cmd); ok {
+				v = c.Val()
+			}
+			g.replied <- v
+			<-g.released
+		}
+		return err
+	}
+}
+func (g *replyHold) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// hookedWorker is a worker Dedup on its own client (with hooks), sharing h's
+// prefix; h's Dedup only enqueues (and may serve as a second worker).
+func hookedWorker(t *testing.T, h *harness, hooks ...redis.Hook) (*Dedup, *redis.Client) {
+	t.Helper()
+	base := newRDB(t).(*redis.Client).Options()
+	rw := redis.NewClient(&redis.Options{Addr: base.Addr, Password: base.Password, PoolSize: 16, ContextTimeoutEnabled: true, ClientName: "owedh-" + uniq(t)})
+	t.Cleanup(func() { _ = rw.Close() })
+	for _, hk := range hooks {
+		rw.AddHook(hk)
+	}
+	cfg := counterRules(Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	cfg.Prefix, cfg.Logger = h.prefix, quietLogger()
+	w, err := New(context.Background(), rw, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = w.Close() })
+	return w, rw
+}
+
+// A worker's graceful stop: asynq's Shutdown (which waits for the running
+// task, and records its success: asynq's done), then the Dedup's Close. A
+// holder that ended quietly, of which a follow-up was made after its
+// handler returned and before asynq's done, has its end settled late by the
+// owed subscriber once asynq's done released the lock. Close, coming just
+// after Shutdown, may not drop that settle: the follow-up must still run
+// (on another worker) within seconds, not wait its parking time (TTL).
+func TestDeferFollowUpOfAQuietEndRunsWhenTheWorkerClosesRightAfterAsynqsDone(t *testing.T) {
+	h, _ := deferHarness(t)
+	ctx := context.Background()
+	hold := newReplyHold()
+	w, _ := hookedWorker(t, h, hold)
+	subscribed(t, w)
+	t.Cleanup(hold.release)
+	ended, resume := make(chan string, 1), make(chan struct{})
+	var resumeOnce sync.Once
+	t.Cleanup(func() { resumeOnce.Do(func() { close(resume) }) })
+	mw := w.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }))
+	var once sync.Once
+	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		err := mw.ProcessTask(ctx, task)
+		once.Do(func() {
+			id, _ := asynq.GetTaskID(ctx)
+			ended <- id
+			<-resume // an outer middleware's work after the handler (a commit): asynq's done waits
+		})
+		return err
+	})
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure})
+	if err := srv.Start(outer); err != nil {
+		t.Fatal(err)
+	}
+	var shutOnce sync.Once
+	t.Cleanup(func() { shutOnce.Do(srv.Shutdown) })
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	a := h.enqueue(counterTask("k", 1, 1))
+	if id := waitFor(t, ended, "the holder's handler returns"); id != a.ID {
+		t.Fatalf("ran %s", id)
+	}
+	// Another worker (h's Dedup), which runs the follow-up once it is queued.
+	tr := newSeqTracker()
+	h.serve(tr.handler(), nil)
+	hold.arm(a.ID)
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update after the handler returned, before asynq's done: %+v %v, want a follow-up", f, err)
+	}
+	if v := waitFor(t, hold.replied, "the owed subscriber's late settle is answered"); fmt.Sprint(v) != "[12]" {
+		t.Fatalf("the late settle's first reply %v, want [12] (the lock still names the holder)", v)
+	}
+	// The worker stops: asynq's done runs as Shutdown waits for the task, then Close.
+	resumeOnce.Do(func() { close(resume) })
+	shutOnce.Do(srv.Shutdown)
+	if !h.finished(a.ID) || h.lockOwner(key) != "" {
+		t.Fatalf("after Shutdown: holder %s finished %v, lock %q", a.ID, h.finished(a.ID), h.lockOwner(key))
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- w.Close() }()
+	<-w.owed.quit  // Close has begun
+	hold.release() // the late settle's answer ({12}, from before asynq's done) reaches it now
+	if err := waitFor(t, closed, "Close returns"); err != nil {
+		t.Fatal(err)
+	}
+	if r := waitSeqStart(tr, 2, 5*time.Second); r == nil || r.id != f.TaskID {
+		t.Fatalf("the follow-up %s did not run within 5 s of its holder %s's end (follow-up state %s, lock %q, due in %v): %+v",
+			f.TaskID, a.ID, taskStateName(h, f.TaskID), h.lockOwner(key), dueIn(h, f.TaskID), r)
+	}
+}
