@@ -808,3 +808,142 @@ func TestDeferFollowUpOfAQuietEndRunsWhenTheWorkerClosesRightAfterAsynqsDone(t *
 			f.TaskID, a.ID, taskStateName(h, f.TaskID), h.lockOwner(key), dueIn(h, f.TaskID), r)
 	}
 }
+
+// A holder that ended quietly may be put back by asynq before its done (a
+// shutdown's timeout passes while an outer middleware still works): asynq
+// runs it again, holding its key, and it is the attempt that must settle
+// the key's follow-up at its end. A follow-up made after the first run's
+// handler returned, before the put-back, was heard by the worker as owed by
+// the quiet end; when the put-back runs on the same worker and ends more
+// than quietLife after the first run (the late settle's reach), it must
+// still hand the key to the follow-up, not end quietly and leave the
+// follow-up parked for its TTL.
+func TestDeferFollowUpOfAQuietHolderPutBackByAShutdownRunsAfterItsRunAgainOnTheSameWorker(t *testing.T) {
+	h, _ := deferHarness(t)
+	ctx := context.Background()
+	subscribed(t, h.d)
+	ended, resume := make(chan string, 1), make(chan struct{})
+	var resumeOnce sync.Once
+	t.Cleanup(func() { resumeOnce.Do(func() { close(resume) }) })
+	tr1 := newSeqTracker()
+	mw := h.d.Middleware()(tr1.handler())
+	var once sync.Once
+	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		err := mw.ProcessTask(ctx, task)
+		once.Do(func() {
+			id, _ := asynq.GetTaskID(ctx)
+			ended <- id
+			<-resume // an outer middleware still works as the shutdown's timeout passes
+		})
+		return err
+	})
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure, ShutdownTimeout: 100 * time.Millisecond})
+	if err := srv.Start(outer); err != nil {
+		t.Fatal(err)
+	}
+	var shutOnce sync.Once
+	t.Cleanup(func() { shutOnce.Do(srv.Shutdown) })
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	a := h.enqueue(counterTask("k", 1, 1))
+	if id := waitFor(t, ended, "the holder's handler returns"); id != a.ID {
+		t.Fatalf("ran %s", id)
+	}
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update after the handler returned, before asynq's done: %+v %v, want a follow-up", f, err)
+	}
+	eventually(t, "the owed message is heard for the quiet end", func() bool {
+		h.d.owed.mu.Lock()
+		defer h.d.owed.mu.Unlock()
+		_, q := h.d.owed.quiet[a.ID]
+		return !q
+	})
+	shutOnce.Do(srv.Shutdown) // its timeout passes: asynq puts the holder back
+	if st := h.taskState(a.ID); st != asynq.TaskStatePending || h.lockOwner(key) != a.ID {
+		t.Fatalf("after the shutdown: holder state %v, lock %q; want it put back, holding the key", st, h.lockOwner(key))
+	}
+	// The same worker's new server runs it again.
+	tr2 := newSeqTracker(1)
+	t.Cleanup(tr2.openAll)
+	h.serve(tr2.handler(), nil)
+	if r := waitSeqStart(tr2, 1, 10*time.Second); r == nil || r.id != a.ID {
+		t.Fatalf("the holder did not run again: %+v", r)
+	}
+	h.d.owed.wg.Wait() // the late settle of the first run's end gives up (quietLife)
+	tr2.open(1)
+	eventually(t, "asynq records the holder's success", func() bool { return h.finished(a.ID) })
+	if r := waitSeqStart(tr2, 2, 5*time.Second); r == nil || r.id != f.TaskID {
+		t.Fatalf("the follow-up %s did not run within 5 s of its holder %s's end (follow-up state %s, lock %q, due in %v): %+v",
+			f.TaskID, a.ID, taskStateName(h, f.TaskID), h.lockOwner(key), dueIn(h, f.TaskID), r)
+	}
+}
+
+// The same put-back across a rolling deploy: the worker that ran the holder
+// (which ended quietly, and heard the follow-up's message after) stops, its
+// asynq server putting the holder back, and closes; a new worker, whose
+// subscription came up after the message, runs the holder again. That run
+// must hand the key to the follow-up at its end, not end quietly and leave
+// the follow-up parked for its TTL.
+func TestDeferFollowUpOfAQuietHolderPutBackByAShutdownRunsAfterItsRunAgainOnANewWorker(t *testing.T) {
+	h, _ := deferHarness(t)
+	ctx := context.Background()
+	w1, _ := hookedWorker(t, h)
+	subscribed(t, w1)
+	ended, resume := make(chan string, 1), make(chan struct{})
+	var resumeOnce sync.Once
+	t.Cleanup(func() { resumeOnce.Do(func() { close(resume) }) })
+	mw := w1.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }))
+	var once sync.Once
+	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		err := mw.ProcessTask(ctx, task)
+		once.Do(func() {
+			id, _ := asynq.GetTaskID(ctx)
+			ended <- id
+			<-resume // an outer middleware still works as the shutdown's timeout passes
+		})
+		return err
+	})
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure, ShutdownTimeout: 100 * time.Millisecond})
+	if err := srv.Start(outer); err != nil {
+		t.Fatal(err)
+	}
+	var shutOnce sync.Once
+	t.Cleanup(func() { shutOnce.Do(srv.Shutdown) })
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	a := h.enqueue(counterTask("k", 1, 1))
+	if id := waitFor(t, ended, "the holder's handler returns"); id != a.ID {
+		t.Fatalf("ran %s", id)
+	}
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update after the handler returned, before asynq's done: %+v %v, want a follow-up", f, err)
+	}
+	eventually(t, "the owed message is heard for the quiet end", func() bool {
+		w1.owed.mu.Lock()
+		defer w1.owed.mu.Unlock()
+		_, q := w1.owed.quiet[a.ID]
+		return !q
+	})
+	shutOnce.Do(srv.Shutdown) // its timeout passes: asynq puts the holder back
+	if st := h.taskState(a.ID); st != asynq.TaskStatePending || h.lockOwner(key) != a.ID {
+		t.Fatalf("after the shutdown: holder state %v, lock %q; want it put back, holding the key", st, h.lockOwner(key))
+	}
+	if err := w1.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// The new worker.
+	w2, _ := hookedWorker(t, h)
+	subscribed(t, w2)
+	tr := newSeqTracker()
+	serveWith(t, h.rdb, w2, h.queue, tr.handler(), nil)
+	if r := waitSeqStart(tr, 1, 10*time.Second); r == nil || r.id != a.ID {
+		t.Fatalf("the holder did not run again: %+v", r)
+	}
+	eventually(t, "asynq records the holder's success", func() bool { return h.finished(a.ID) })
+	if r := waitSeqStart(tr, 2, 5*time.Second); r == nil || r.id != f.TaskID {
+		t.Fatalf("the follow-up %s did not run within 5 s of its holder %s's end (follow-up state %s, lock %q, due in %v): %+v",
+			f.TaskID, a.ID, taskStateName(h, f.TaskID), h.lockOwner(key), dueIn(h, f.TaskID), r)
+	}
+}
