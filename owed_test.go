@@ -947,3 +947,64 @@ func TestDeferFollowUpOfAQuietHolderPutBackByAShutdownRunsAfterItsRunAgainOnANew
 			f.TaskID, a.ID, taskStateName(h, f.TaskID), h.lockOwner(key), dueIn(h, f.TaskID), r)
 	}
 }
+
+// A caller-chosen ID is free again once asynq's done deleted its task (no
+// Retention). A holder under such an ID that ended quietly, of which a
+// follow-up was made before asynq's done, is settled late by the owed
+// subscriber once the lock is released; a new task that took the ID
+// meanwhile, for another key, may not keep that settle from handing the
+// first key to its follow-up: it runs within seconds of its holder's end,
+// not after its parking time (TTL).
+func TestDeferFollowUpOfAQuietEndRunsWhenItsCallerIDIsReusedForAnotherKeyBeforeTheLateSettle(t *testing.T) {
+	hold := newReplyHold()
+	h, _ := deferHarness(t, hold)
+	ctx := context.Background()
+	subscribed(t, h.d)
+	t.Cleanup(hold.release)
+	ended, resume := make(chan string, 1), make(chan struct{})
+	var resumeOnce sync.Once
+	t.Cleanup(func() { resumeOnce.Do(func() { close(resume) }) })
+	tr := newSeqTracker()
+	mw := h.d.Middleware()(tr.handler())
+	var once sync.Once
+	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		err := mw.ProcessTask(ctx, task)
+		once.Do(func() {
+			id, _ := asynq.GetTaskID(ctx)
+			ended <- id
+			<-resume // the middleware returned; asynq's done has not run
+		})
+		return err
+	})
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 2, Queues: map[string]int{h.queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond, DelayedTaskCheckInterval: 100 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure})
+	if err := srv.Start(outer); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	if r, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID("job-x")); err != nil || r.Outcome != Created {
+		t.Fatalf("first enqueue: %+v %v", r, err)
+	}
+	if id := waitFor(t, ended, "the holder's handler returns"); id != "job-x" {
+		t.Fatalf("ran %s", id)
+	}
+	hold.arm("job-x")
+	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || f.Outcome != Deferred {
+		t.Fatalf("update after the handler returned, before asynq's done: %+v %v, want a follow-up", f, err)
+	}
+	if v := waitFor(t, hold.replied, "the late settle is answered"); fmt.Sprint(v) != "[12]" {
+		t.Fatalf("the late settle's first reply %v, want [12]", v)
+	}
+	resumeOnce.Do(func() { close(resume) })
+	eventually(t, "asynq's done deletes the holder and its lock", func() bool { return h.taskState("job-x") == 0 && h.lockOwner(key) == "" })
+	if r, err := h.client.Submit(ctx, counterTask("k2", 1, 10), asynq.Queue(h.queue), asynq.TaskID("job-x")); err != nil || r.Outcome != Created {
+		t.Fatalf("the ID used again for another key: %+v %v, want created", r, err)
+	}
+	hold.release() // the late settle tries again
+	if r := waitSeqStart(tr, 2, 5*time.Second); r == nil || r.id != f.TaskID {
+		t.Fatalf("the follow-up %s did not run within 5 s of its holder job-x's end (follow-up state %s, lock %q, due in %v): %+v",
+			f.TaskID, taskStateName(h, f.TaskID), h.lockOwner(key), dueIn(h, f.TaskID), r)
+	}
+}
