@@ -1008,3 +1008,66 @@ func TestDeferFollowUpOfAQuietEndRunsWhenItsCallerIDIsReusedForAnotherKeyBeforeT
 			f.TaskID, taskStateName(h, f.TaskID), h.lockOwner(key), dueIn(h, f.TaskID), r)
 	}
 }
+
+// An operator who archives (or deletes) a holder that asynq put back after
+// its quiet end (a shutdown's timeout) ends it: the follow-up made between
+// the handler's return and the put-back, which the worker heard as owed by
+// that end, runs within seconds, not after its parking time (TTL).
+func TestDeferFollowUpOfAQuietHolderPutBackThenArchivedOrDeletedByAnOperatorRuns(t *testing.T) {
+	for _, op := range []string{"archive", "delete"} {
+		t.Run(op, func(t *testing.T) {
+			h, _ := deferHarness(t)
+			ctx := context.Background()
+			subscribed(t, h.d)
+			ended, resume := make(chan string, 1), make(chan struct{})
+			var resumeOnce sync.Once
+			t.Cleanup(func() { resumeOnce.Do(func() { close(resume) }) })
+			tr := newSeqTracker()
+			mw := h.d.Middleware()(tr.handler())
+			var once sync.Once
+			outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+				err := mw.ProcessTask(ctx, task)
+				once.Do(func() {
+					id, _ := asynq.GetTaskID(ctx)
+					ended <- id
+					<-resume // an outer middleware still works as the shutdown's timeout passes
+				})
+				return err
+			})
+			srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1},
+				TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure, ShutdownTimeout: 100 * time.Millisecond})
+			if err := srv.Start(outer); err != nil {
+				t.Fatal(err)
+			}
+			var shutOnce sync.Once
+			t.Cleanup(func() { shutOnce.Do(srv.Shutdown) })
+			key := h.keyOf(counterTask("k", 1, 1), h.queue)
+			a := h.enqueue(counterTask("k", 1, 1))
+			if id := waitFor(t, ended, "the holder's handler returns"); id != a.ID {
+				t.Fatalf("ran %s", id)
+			}
+			f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+			if err != nil || f.Outcome != Deferred {
+				t.Fatalf("update after the handler returned: %+v %v, want a follow-up", f, err)
+			}
+			shutOnce.Do(srv.Shutdown) // asynq puts the holder back
+			if st := h.taskState(a.ID); st != asynq.TaskStatePending {
+				t.Fatalf("after the shutdown: holder state %v, want pending", st)
+			}
+			if op == "archive" {
+				err = h.insp.ArchiveTask(h.queue, a.ID)
+			} else {
+				err = h.insp.DeleteTask(h.queue, a.ID)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			w := newSeqTracker()
+			h.serve(w.handler(), nil) // a worker to run the follow-up
+			if r := waitSeqStart(w, 2, 5*time.Second); r == nil || r.id != f.TaskID {
+				t.Fatalf("the follow-up %s did not run within 5 s of its holder %s being %sd (follow-up state %s, lock %q, due in %v): %+v",
+					f.TaskID, a.ID, op, taskStateName(h, f.TaskID), h.lockOwner(key), dueIn(h, f.TaskID), r)
+			}
+		})
+	}
+}
