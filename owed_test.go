@@ -1071,3 +1071,28 @@ func TestDeferFollowUpOfAQuietHolderPutBackThenArchivedOrDeletedByAnOperatorRuns
 		})
 	}
 }
+
+// The owed subscriber keeps a message for a task not running here
+// (recentLife, 5 minutes): on a fleet, nearly every follow-up's message, so
+// at a steady 1000 follow-ups a second some 300,000 of them. Handling one
+// more message may not cost in proportion to those kept: the subscriber
+// handles them one at a time, holding the mutex every handler's begin and
+// end take; at a cost per message of a scan of all kept ones it falls
+// behind the rate it is meant to keep (messages then come later than
+// quietLife, and handlers wait on the mutex).
+func TestOwedSubscriberHandlesAMessageInTimeIndependentOfHowManyAreKept(t *testing.T) {
+	o := &owedSignal{running: map[string]*owedEntry{}, recent: map[string]time.Time{}, quiet: map[string]quietEnd{}}
+	now := time.Now()
+	for i := range 300000 { // a steady 1000 a second, for recentLife
+		o.recent[fmt.Sprint("dd-", i)] = now.Add(-time.Duration(i) * time.Millisecond)
+	}
+	const n = 100 // a tenth of a second's messages
+	start := time.Now()
+	for i := range n {
+		o.arrived(context.Background(), fmt.Sprint("df-", i))
+	}
+	if took := time.Since(start); took > 50*time.Millisecond {
+		t.Fatalf("the subscriber took %v to handle %d messages with %d kept (%v each, holding the mutex), want a small part of the tenth of a second they arrive in",
+			took, n, len(o.recent), took/n)
+	}
+}
