@@ -40,6 +40,7 @@ type owedSignal struct {
 	since     time.Time             // when the current generation was confirmed
 	running   map[string]*owedEntry // watched attempts, by task ID
 	recent    map[string]time.Time  // messages for IDs not running here (yet): asynq marks a task active before the middleware sees it
+	recentAt  []quietOrder          // recent's entries, oldest first, for pruning
 	quiet     map[string]quietEnd   // attempts that ended with no call, by task ID
 	order     []quietOrder          // quiet's entries, oldest first, for pruning
 	started   bool
@@ -273,8 +274,11 @@ func (o *owedSignal) arrived(ctx context.Context, id string) {
 		// An attempt of the task runs here now: the message is its own
 		// (begin dropped the task's earlier quiet end).
 		e.owed, quiet = true, false
-	} else if !quiet {
+	} else {
+		// Kept for an attempt about to begin here, and for a quiet end's
+		// task that asynq puts back (a shutdown) and runs again here.
 		o.recent[id] = now
+		o.recentAt = append(o.recentAt, quietOrder{id: id, at: now})
 	}
 	o.prune(now)
 	o.mu.Unlock()
@@ -284,13 +288,16 @@ func (o *owedSignal) arrived(ctx context.Context, id string) {
 }
 
 // prune drops the messages kept for IDs not running here that are older
-// than recentLife. Called with mu held.
+// than recentLife, oldest first (amortized O(1) per message). Called with
+// mu held.
 func (o *owedSignal) prune(now time.Time) {
-	for id, at := range o.recent {
-		if now.Sub(at) > recentLife {
-			delete(o.recent, id)
+	i := 0
+	for ; i < len(o.recentAt) && now.Sub(o.recentAt[i].at) > recentLife; i++ {
+		if at, ok := o.recent[o.recentAt[i].id]; ok && at.Equal(o.recentAt[i].at) {
+			delete(o.recent, o.recentAt[i].id)
 		}
 	}
+	o.recentAt = o.recentAt[i:]
 }
 
 // pruneQuiet drops the quiet ends older than quietLife, oldest first
@@ -317,7 +324,13 @@ func (o *owedSignal) settle(ctx context.Context, q quietEnd) {
 	var err error
 	for i := 0; ; i++ {
 		res, err = d.store.Settle(ctx, &store.Settle{Ref: q.ref, End: store.EndSuccess, TTL: q.ttl, Late: true})
-		if err != nil || !res.Waits || time.Since(q.at) > quietLife || !o.pause(lateBackoff.delay(i)) {
+		if err != nil || !res.Waits || time.Since(q.at) > quietLife {
+			break
+		}
+		if !o.pause(lateBackoff.delay(i)) {
+			// Close (after the server's Shutdown, which let asynq record the
+			// task's end): one last try.
+			res, err = d.store.Settle(ctx, &store.Settle{Ref: q.ref, End: store.EndSuccess, TTL: q.ttl, Late: true})
 			break
 		}
 	}

@@ -61,6 +61,10 @@ const (
 	LostReleased = "released"
 	LostEnded    = "ended"
 	LostOutlived = "outlived"
+	// LostOwed: it ended with no call (the owed signal) and asynq put it
+	// back (a shutdown) while a follow-up was made of it: its next run
+	// checks the key and, at its end, hands the key to that follow-up.
+	LostOwed = "owed"
 )
 
 // Flags say what the middleware does with a task locked at enqueue, in

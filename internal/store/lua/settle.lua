@@ -14,11 +14,10 @@
 -- ARGV[4]  'retry': how long the key stays held for the retry at least; else the
 --          lock's lifetime for a follow-up it goes to (integer ms)
 -- ARGV[5]  'fail': the handler's error
--- ARGV[6]  after 'ok' and 'revoke': 'a' leave a lock the task's record does not
---          name as taken at start (asynq may yet retry the task: its deadline was
---          near); else it is released ('1': the record does not name it, so asynq's
---          scripts would not); 'q' a success that made no call, settled late (owed.go):
---          only once asynq's done released the lock ({12} while it names the task)
+-- ARGV[6]  after 'ok' and 'revoke': 'a' leave a lock the record does not name as taken at
+--          start (its deadline was near: asynq may yet retry it); else it is released ('1':
+--          the record does not name it); 'q' a success that made no call, settled late
+--          (owed.go): it acts once asynq's done released the lock ({12} while it names the task)
 -- ARGV[7]  the follow-up G belongs to ('' none)
 -- ARGV[8]  'retry': seconds until asynq runs the task again
 -- ARGV[9]  the attempt's token if asynq gave it up while its handler ran: its note (o, oa) goes
@@ -36,14 +35,18 @@ roles(0)
 local A = ARGV
 local id, out = A[2], A[3]
 local holder, kind = holder_of(call('GET', K.L))
-if A[6] == 'q' and holder == id then return {12} end
 local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o', 'oa')
-local mine = m[1] == id
+local mine, st = m[1] == id, call('HGET', K.T, 'state')
+if st and not belongs(K.T, id, kind, K.L) then st = nil end -- (another key's task, by a reused caller ID)
+-- Late (owed.go), the lock still its task's: running (asynq's done to come, or a rerun), it waits;
+-- put back (a shutdown), its rerun checks the key and settles; archived, the key goes on.
+if A[6] == 'q' and holder == id and st == 'active' then return {12} end
+if A[6] == 'q' and holder == id and waiting(st) then mark(K.T, 'owed') return {1, ''} end
 -- This attempt's handler, which asynq gave up, has ended, whoever holds the key now.
 if m[6] and m[7] == A[9] then call('HDEL', K.M, 'o', 'oa') end
 -- Its lock went (an operator deleted its task; or asynq's done, after an end that made no call,
 -- owed.go) while it owes a follow-up: that runs now. (Another task's lock would name it.)
-local gone = not holder and mine and m[2] and (call('HGET', K.T, 'state') or 'completed') == 'completed'
+local gone = not holder and mine and m[2] and (st or 'completed') == 'completed'
 if holder ~= id and not gone then return {0} end
 local f = mine and m[2]
 local now, now_ms = now_parts()

@@ -33,8 +33,7 @@ if kind == 'c' then return {14, holder, call('PTTL', K.L), kind} end -- (its own
 if holder == id then
   -- A handler of an attempt of its own that asynq gave up still runs: it waits.
   if m[1] == id and outlived(m[5]) then return {0, holder, '1'} end
-  if m[1] == id and m[4] then
-    -- Run again by hand after it failed for good: its own again.
+  if m[1] == id and m[4] then -- run again by hand after it failed for good: its own again
     call('HDEL', K.M, 'e')
     call('PEXPIRE', K.L, kind == 'k' and math.max(tonumber(ttl), at - select(2, now_parts())) or ttl) -- (a kept key: its window at least)
   end
