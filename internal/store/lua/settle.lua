@@ -36,7 +36,7 @@ local A = ARGV
 local id, out = A[2], A[3]
 local holder, kind = holder_of(call('GET', K.L))
 local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o', 'oa')
-local mine, st = m[1] == id, call('HGET', K.T, 'state')
+local mine, st = m[1] == id, (A[6] == 'q' or not holder) and call('HGET', K.T, 'state') -- (read only where used)
 if st and not belongs(K.T, id, kind, K.L) then st = nil end -- (another key's task, by a reused caller ID)
 -- Late (owed.go), the lock still its task's: running (asynq's done to come, or a rerun), it waits;
 -- put back (a shutdown), its rerun checks the key and settles; archived, the key goes on.
