@@ -4,8 +4,10 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/redis/go-redis/v9"
 )
 
 // acquire.lua: "A call that lacks a key it needs changes nothing". A call
@@ -104,5 +106,32 @@ func TestMergeWritesOnlyOverTheVersionItRead(t *testing.T) {
 	}
 	if again := read(); string(again.Payload) != "ab" || again.Version == one.Version {
 		t.Fatalf("a read after the merge: %+v; want payload ab under a new version", again)
+	}
+}
+
+// A shared key's holder is archived while it owes a follow-up that waits
+// (parked). An enqueue of another type sharing the key, whose own rule does
+// not defer (here Reject), meets the follow-up, not a free key: the
+// follow-up takes the key and is queued, and the call is a duplicate of it.
+// (It dropped the follow-up from the mode record, healed the key and took
+// it: two live tasks, option-space seed 915241551.)
+func TestNonDeferringEnqueueMeetsTheFollowUpAnArchivedHolderOwes(t *testing.T) {
+	rdb := redistest.Client(t)
+	ctx := context.Background()
+	s := newTestStore(t, rdb)
+	q := redistest.Uniq(t)
+	f := NewFollowID()
+	putTask(rdb, q, f, StateScheduled)
+	rdb.ZAdd(ctx, ScheduledKey(q), redis.Z{Score: float64(time.Now().Add(time.Hour).Unix()), Member: f})
+	r := held(t, rdb, s, q, "0000000000000403", FieldRunning, "d", FieldFollow, f)
+	putTask(rdb, q, r.ID, StateArchived)
+	a := directAcquire(s, q, r.FP, FoldReject, "other")
+	res, err := s.Acquire(ctx, a)
+	if err != nil || res.Status != StatusHeld || res.Task != f {
+		t.Fatalf("an enqueue that does not defer: %+v, %v; want a duplicate of the follow-up %s (lock %q, mode record %v)", res, err, f,
+			rdb.Get(ctx, r.Lock).Val(), rdb.HGetAll(ctx, r.Mode()).Val())
+	}
+	if v, st := rdb.Get(ctx, r.Lock).Val(), rdb.HGet(ctx, TaskKey(q, f), "state").Val(); v != f || st != StatePending {
+		t.Fatalf("lock %q, follow-up %s; want the follow-up's, queued", v, st)
 	}
 }
