@@ -86,7 +86,7 @@ end
 -- (o: a handler of the holder that asynq gave up still runs)
 local live = not gone(state) or (m[1] == holder and outlived(m[7]))
 local fstate, fmsg
-if f and (live or running == 'd') then
+if f then -- (whatever the call's own policy: a follow-up owed by a gone holder takes the key)
   if f ~= A[8] then K.G = nil end
   if lacks('G') then return need() end
   fstate, fmsg = unpack(call('HMGET', K.G, 'state', 'msg'))
