@@ -38,10 +38,10 @@ local holder, kind = holder_of(call('GET', K.L))
 local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o', 'oa')
 local mine, st = m[1] == id, (A[6] == 'q' or not holder) and call('HGET', K.T, 'state') -- (read only where used)
 if st and not belongs(K.T, id, kind, K.L) then st = nil end -- (another key's task, by a reused caller ID)
--- Late (owed.go), the lock still its task's: running (asynq's done to come, or a rerun), it waits;
--- put back (a shutdown), its rerun checks the key and settles; archived, the key goes on.
-if A[6] == 'q' and holder == id and st == 'active' then return {12} end
-if A[6] == 'q' and holder == id and waiting(st) then mark(K.T, 'owed') return {1, ''} end
+-- Late (owed.go), the lock still its task's: running (asynq's done to come, or a rerun) or put back
+-- (marked: its rerun checks the key, and settles; an operator may archive it yet), it waits; archived, the key goes on.
+if A[6] == 'q' and holder == id and waiting(st) then mark(K.T, 'owed') end
+if A[6] == 'q' and holder == id and (st == 'active' or waiting(st)) then return {12} end
 -- This attempt's handler, which asynq gave up, has ended, whoever holds the key now.
 if m[6] and m[7] == A[9] then call('HDEL', K.M, 'o', 'oa') end
 -- Its lock went (an operator deleted its task; or asynq's done, after an end that made no call,
