@@ -753,30 +753,11 @@ func TestDeferFollowUpOfAQuietEndRunsWhenTheWorkerClosesRightAfterAsynqsDone(t *
 	w, _ := hookedWorker(t, h, hold)
 	subscribed(t, w)
 	t.Cleanup(hold.release)
-	ended, resume := make(chan string, 1), make(chan struct{})
-	var resumeOnce sync.Once
-	t.Cleanup(func() { resumeOnce.Do(func() { close(resume) }) })
 	mw := w.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }))
-	var once sync.Once
-	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
-		err := mw.ProcessTask(ctx, task)
-		once.Do(func() {
-			id, _ := asynq.GetTaskID(ctx)
-			ended <- id
-			<-resume // an outer middleware's work after the handler (a commit): asynq's done waits
-		})
-		return err
-	})
-	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1},
-		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure})
-	if err := srv.Start(outer); err != nil {
-		t.Fatal(err)
-	}
-	var shutOnce sync.Once
-	t.Cleanup(func() { shutOnce.Do(srv.Shutdown) })
+	o := serveOuterHold(t, h, mw, nil) // (an outer middleware's work after the handler (a commit): asynq's done waits)
 	key := h.keyOf(counterTask("k", 1, 1), h.queue)
 	a := h.enqueue(counterTask("k", 1, 1))
-	if id := waitFor(t, ended, "the holder's handler returns"); id != a.ID {
+	if id := waitFor(t, o.ended, "the holder's handler returns"); id != a.ID {
 		t.Fatalf("ran %s", id)
 	}
 	// Another worker (h's Dedup), which runs the follow-up once it is queued.
@@ -791,8 +772,8 @@ func TestDeferFollowUpOfAQuietEndRunsWhenTheWorkerClosesRightAfterAsynqsDone(t *
 		t.Fatalf("the late settle's first reply %v, want [12] (the lock still names the holder)", v)
 	}
 	// The worker stops: asynq's done runs as Shutdown waits for the task, then Close.
-	resumeOnce.Do(func() { close(resume) })
-	shutOnce.Do(srv.Shutdown)
+	o.resume()
+	o.shutdown()
 	if !h.finished(a.ID) || h.lockOwner(key) != "" {
 		t.Fatalf("after Shutdown: holder %s finished %v, lock %q", a.ID, h.finished(a.ID), h.lockOwner(key))
 	}
@@ -822,31 +803,12 @@ func TestDeferFollowUpOfAQuietHolderPutBackByAShutdownRunsAfterItsRunAgainOnTheS
 	h, _ := deferHarness(t)
 	ctx := context.Background()
 	subscribed(t, h.d)
-	ended, resume := make(chan string, 1), make(chan struct{})
-	var resumeOnce sync.Once
-	t.Cleanup(func() { resumeOnce.Do(func() { close(resume) }) })
 	tr1 := newSeqTracker()
 	mw := h.d.Middleware()(tr1.handler())
-	var once sync.Once
-	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
-		err := mw.ProcessTask(ctx, task)
-		once.Do(func() {
-			id, _ := asynq.GetTaskID(ctx)
-			ended <- id
-			<-resume // an outer middleware still works as the shutdown's timeout passes
-		})
-		return err
-	})
-	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1},
-		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure, ShutdownTimeout: 100 * time.Millisecond})
-	if err := srv.Start(outer); err != nil {
-		t.Fatal(err)
-	}
-	var shutOnce sync.Once
-	t.Cleanup(func() { shutOnce.Do(srv.Shutdown) })
+	o := serveOuterHold(t, h, mw, func(c *asynq.Config) { c.ShutdownTimeout = 100 * time.Millisecond }) // (an outer middleware still works as the shutdown's timeout passes)
 	key := h.keyOf(counterTask("k", 1, 1), h.queue)
 	a := h.enqueue(counterTask("k", 1, 1))
-	if id := waitFor(t, ended, "the holder's handler returns"); id != a.ID {
+	if id := waitFor(t, o.ended, "the holder's handler returns"); id != a.ID {
 		t.Fatalf("ran %s", id)
 	}
 	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
@@ -859,7 +821,7 @@ func TestDeferFollowUpOfAQuietHolderPutBackByAShutdownRunsAfterItsRunAgainOnTheS
 		_, q := h.d.owed.quiet[a.ID]
 		return !q
 	})
-	shutOnce.Do(srv.Shutdown) // its timeout passes: asynq puts the holder back
+	o.shutdown() // its timeout passes: asynq puts the holder back
 	if st := h.taskState(a.ID); st != asynq.TaskStatePending || h.lockOwner(key) != a.ID {
 		t.Fatalf("after the shutdown: holder state %v, lock %q; want it put back, holding the key", st, h.lockOwner(key))
 	}
@@ -890,30 +852,11 @@ func TestDeferFollowUpOfAQuietHolderPutBackByAShutdownRunsAfterItsRunAgainOnANew
 	ctx := context.Background()
 	w1, _ := hookedWorker(t, h)
 	subscribed(t, w1)
-	ended, resume := make(chan string, 1), make(chan struct{})
-	var resumeOnce sync.Once
-	t.Cleanup(func() { resumeOnce.Do(func() { close(resume) }) })
 	mw := w1.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }))
-	var once sync.Once
-	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
-		err := mw.ProcessTask(ctx, task)
-		once.Do(func() {
-			id, _ := asynq.GetTaskID(ctx)
-			ended <- id
-			<-resume // an outer middleware still works as the shutdown's timeout passes
-		})
-		return err
-	})
-	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1},
-		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure, ShutdownTimeout: 100 * time.Millisecond})
-	if err := srv.Start(outer); err != nil {
-		t.Fatal(err)
-	}
-	var shutOnce sync.Once
-	t.Cleanup(func() { shutOnce.Do(srv.Shutdown) })
+	o := serveOuterHold(t, h, mw, func(c *asynq.Config) { c.ShutdownTimeout = 100 * time.Millisecond }) // (an outer middleware still works as the shutdown's timeout passes)
 	key := h.keyOf(counterTask("k", 1, 1), h.queue)
 	a := h.enqueue(counterTask("k", 1, 1))
-	if id := waitFor(t, ended, "the holder's handler returns"); id != a.ID {
+	if id := waitFor(t, o.ended, "the holder's handler returns"); id != a.ID {
 		t.Fatalf("ran %s", id)
 	}
 	f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
@@ -926,7 +869,7 @@ func TestDeferFollowUpOfAQuietHolderPutBackByAShutdownRunsAfterItsRunAgainOnANew
 		_, q := w1.owed.quiet[a.ID]
 		return !q
 	})
-	shutOnce.Do(srv.Shutdown) // its timeout passes: asynq puts the holder back
+	o.shutdown() // its timeout passes: asynq puts the holder back
 	if st := h.taskState(a.ID); st != asynq.TaskStatePending || h.lockOwner(key) != a.ID {
 		t.Fatalf("after the shutdown: holder state %v, lock %q; want it put back, holding the key", st, h.lockOwner(key))
 	}
@@ -961,32 +904,14 @@ func TestDeferFollowUpOfAQuietEndRunsWhenItsCallerIDIsReusedForAnotherKeyBeforeT
 	ctx := context.Background()
 	subscribed(t, h.d)
 	t.Cleanup(hold.release)
-	ended, resume := make(chan string, 1), make(chan struct{})
-	var resumeOnce sync.Once
-	t.Cleanup(func() { resumeOnce.Do(func() { close(resume) }) })
 	tr := newSeqTracker()
 	mw := h.d.Middleware()(tr.handler())
-	var once sync.Once
-	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
-		err := mw.ProcessTask(ctx, task)
-		once.Do(func() {
-			id, _ := asynq.GetTaskID(ctx)
-			ended <- id
-			<-resume // the middleware returned; asynq's done has not run
-		})
-		return err
-	})
-	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 2, Queues: map[string]int{h.queue: 1},
-		TaskCheckInterval: 20 * time.Millisecond, DelayedTaskCheckInterval: 100 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure})
-	if err := srv.Start(outer); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
+	o := serveOuterHold(t, h, mw, func(c *asynq.Config) { c.Concurrency = 2; c.DelayedTaskCheckInterval = 100 * time.Millisecond }) // (the middleware returned; asynq's done has not run)
 	key := h.keyOf(counterTask("k", 1, 1), h.queue)
 	if r, err := h.client.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue), asynq.TaskID("job-x")); err != nil || r.Outcome != Created {
 		t.Fatalf("first enqueue: %+v %v", r, err)
 	}
-	if id := waitFor(t, ended, "the holder's handler returns"); id != "job-x" {
+	if id := waitFor(t, o.ended, "the holder's handler returns"); id != "job-x" {
 		t.Fatalf("ran %s", id)
 	}
 	hold.arm("job-x")
@@ -997,7 +922,7 @@ func TestDeferFollowUpOfAQuietEndRunsWhenItsCallerIDIsReusedForAnotherKeyBeforeT
 	if v := waitFor(t, hold.replied, "the late settle is answered"); fmt.Sprint(v) != "[12]" {
 		t.Fatalf("the late settle's first reply %v, want [12]", v)
 	}
-	resumeOnce.Do(func() { close(resume) })
+	o.resume()
 	eventually(t, "asynq's done deletes the holder and its lock", func() bool { return h.taskState("job-x") == 0 && h.lockOwner(key) == "" })
 	if r, err := h.client.Submit(ctx, counterTask("k2", 1, 10), asynq.Queue(h.queue), asynq.TaskID("job-x")); err != nil || r.Outcome != Created {
 		t.Fatalf("the ID used again for another key: %+v %v, want created", r, err)
@@ -1019,38 +944,19 @@ func TestDeferFollowUpOfAQuietHolderPutBackThenArchivedOrDeletedByAnOperatorRuns
 			h, _ := deferHarness(t)
 			ctx := context.Background()
 			subscribed(t, h.d)
-			ended, resume := make(chan string, 1), make(chan struct{})
-			var resumeOnce sync.Once
-			t.Cleanup(func() { resumeOnce.Do(func() { close(resume) }) })
 			tr := newSeqTracker()
 			mw := h.d.Middleware()(tr.handler())
-			var once sync.Once
-			outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
-				err := mw.ProcessTask(ctx, task)
-				once.Do(func() {
-					id, _ := asynq.GetTaskID(ctx)
-					ended <- id
-					<-resume // an outer middleware still works as the shutdown's timeout passes
-				})
-				return err
-			})
-			srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1},
-				TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel, IsFailure: IsFailure, ShutdownTimeout: 100 * time.Millisecond})
-			if err := srv.Start(outer); err != nil {
-				t.Fatal(err)
-			}
-			var shutOnce sync.Once
-			t.Cleanup(func() { shutOnce.Do(srv.Shutdown) })
+			o := serveOuterHold(t, h, mw, func(c *asynq.Config) { c.ShutdownTimeout = 100 * time.Millisecond }) // (an outer middleware still works as the shutdown's timeout passes)
 			key := h.keyOf(counterTask("k", 1, 1), h.queue)
 			a := h.enqueue(counterTask("k", 1, 1))
-			if id := waitFor(t, ended, "the holder's handler returns"); id != a.ID {
+			if id := waitFor(t, o.ended, "the holder's handler returns"); id != a.ID {
 				t.Fatalf("ran %s", id)
 			}
 			f, err := h.client.Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
 			if err != nil || f.Outcome != Deferred {
 				t.Fatalf("update after the handler returned: %+v %v, want a follow-up", f, err)
 			}
-			shutOnce.Do(srv.Shutdown) // asynq puts the holder back
+			o.shutdown() // asynq puts the holder back
 			if st := h.taskState(a.ID); st != asynq.TaskStatePending {
 				t.Fatalf("after the shutdown: holder state %v, want pending", st)
 			}
@@ -1113,4 +1019,44 @@ func BenchmarkOwedMessageWithManyKept(b *testing.B) {
 	for i := range b.N {
 		o.arrived(context.Background(), fmt.Sprint("df-", i))
 	}
+}
+
+// outerHold is an asynq server (one worker, unless tweaked) running mw under
+// an outer middleware that, once mw returns for the first task, sends the
+// task's ID on ended and waits for resume: its own work after the handler
+// (a commit), during which asynq's done waits. shutdown stops the server
+// once; both run at cleanup.
+type outerHold struct {
+	ended    <-chan string
+	resume   func()
+	shutdown func()
+}
+
+func serveOuterHold(t *testing.T, h *harness, mw asynq.Handler, tweak func(*asynq.Config)) *outerHold {
+	t.Helper()
+	ended, resume := make(chan string, 1), make(chan struct{})
+	var resumeOnce, once, shutOnce sync.Once
+	o := &outerHold{ended: ended, resume: func() { resumeOnce.Do(func() { close(resume) }) }}
+	t.Cleanup(o.resume)
+	outer := asynq.HandlerFunc(func(ctx context.Context, task *asynq.Task) error {
+		err := mw.ProcessTask(ctx, task)
+		once.Do(func() {
+			id, _ := asynq.GetTaskID(ctx)
+			ended <- id
+			<-resume
+		})
+		return err
+	})
+	cfg := asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1}, TaskCheckInterval: 20 * time.Millisecond,
+		LogLevel: asynq.FatalLevel, IsFailure: IsFailure}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	srv := asynq.NewServerFromRedisClient(h.rdb, cfg)
+	if err := srv.Start(outer); err != nil {
+		t.Fatal(err)
+	}
+	o.shutdown = func() { shutOnce.Do(srv.Shutdown) }
+	t.Cleanup(o.shutdown)
+	return o
 }
