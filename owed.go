@@ -322,17 +322,15 @@ func (o *owedSignal) settle(ctx context.Context, q quietEnd) {
 	d := o.d
 	var res store.SettleResult
 	var err error
-	for i := 0; ; i++ {
-		res, err = d.store.Settle(ctx, &store.Settle{Ref: q.ref, End: store.EndSuccess, TTL: q.ttl, Late: true})
-		if err != nil || !res.Waits || time.Since(q.at) > quietLife {
+	st := &store.Settle{Ref: q.ref, End: store.EndSuccess, TTL: q.ttl, Late: true}
+	for i, last := 0, false; ; i++ {
+		res, err = d.store.Settle(ctx, st)
+		if last || err != nil || !res.Waits || time.Since(q.at) > quietLife {
 			break
 		}
-		if !o.pause(lateBackoff.delay(i)) {
-			// Close (after the server's Shutdown, which let asynq record the
-			// task's end): one last try.
-			res, err = d.store.Settle(ctx, &store.Settle{Ref: q.ref, End: store.EndSuccess, TTL: q.ttl, Late: true})
-			break
-		}
+		// Close (after the server's Shutdown, which let asynq record the
+		// task's end) cuts the pause short: one last try.
+		last = !o.pause(lateBackoff.delay(i))
 	}
 	switch {
 	case err != nil:
