@@ -664,8 +664,11 @@ func (w *osWorld) tick() {
 	q, id, _ := strings.Cut(first, "/")
 	w.m.logf("  wait for asynq's clock: %s (%s) due at %s", id, was, due.Format("15:04:05"))
 	eventually(w.t, "asynq moves a due task", func() bool {
+		// Moved: its state changed, or it came back to that state due
+		// later (a busy retry that ran between two reads).
 		l := w.readLive()
-		return l.state[q+"/"+id] != was
+		d, ok := l.due[q+"/"+id]
+		return l.state[q+"/"+id] != was || (ok && d.After(due))
 	})
 }
 
