@@ -182,3 +182,33 @@ func TestRelocatedDeferNeverCreatesAFollowUpWithoutAnID(t *testing.T) {
 		t.Fatalf("queue holds %d tasks, want the running one and its follow-up", n)
 	}
 }
+
+// README (lifecycle): "A task a worker took first meets its key when it
+// starts", and holds it while it runs: with a caller-chosen ID too, whose
+// stored message names the lock of the queue the call asked for, not the
+// one it runs in. An enqueue of the key meanwhile is a duplicate; it must
+// not take the key as though the running holder were another key's task
+// (seen once in TestOptionSpace, seed 623093282: two handlers of one key).
+func TestRelocatedCallerIDTaskAWorkerTookFirstHoldsItsKeyWhileItRuns(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{}))
+	tr := newSeqTracker(1)
+	h.serve(tr.handler(), nil)
+	c := h.d.WrapClient(takenFirstEnqueuer{c: h.asynq, insp: h.insp, q: h.queue})
+	res, err := c.Submit(context.Background(), counterTask("k", 1, 1), asynq.Queue(h.queue+"-asked"), asynq.TaskID("caller-1"))
+	if err != nil {
+		t.Fatalf("Submit: %v", err)
+	}
+	if r := waitSeqStart(tr, 1, 8*time.Second); r == nil || r.id != "caller-1" {
+		t.Fatalf("the relocated task %+v never ran (%+v)", res, r)
+	}
+	defer tr.openAll()
+	key := h.keyOf(counterTask("k", 1, 1), h.queue)
+	if owner := h.lockOwner(key); owner != "caller-1" {
+		t.Fatalf("while the relocated task runs its key is held by %q, want caller-1", owner)
+	}
+	again, err := h.d.NewClient().Submit(context.Background(), counterTask("k", 1, 2), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) || dup.Holder != "caller-1" {
+		t.Fatalf("enqueue of the key while its relocated holder runs: %+v, %v; want a duplicate of caller-1", again, err)
+	}
+}
