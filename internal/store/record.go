@@ -191,8 +191,13 @@ func (l *Lock) belongs(uniqueKey, msg string) bool {
 	case msg == "" || strings.Contains(msg, l.Key):
 		return true
 	}
-	_, named := MessageHeaders([]byte(msg))[HeaderLock]
-	return l.Kind == HoldStart && !named
+	// Taken as it started: a task that arrived without a lock names none; one
+	// a worker took in another queue than its call's (relocate.go) names its
+	// key's lock there.
+	v, named := MessageHeaders([]byte(msg))[HeaderLock]
+	_, lock, _, _ := ParseLockHeader(v)
+	_, _, fp, _ := ParseLockKey(lock)
+	return l.Kind == HoldStart && (!named || fp == l.FP)
 }
 
 // Failed reports a fail hold: the holder failed for good (asynq
