@@ -212,3 +212,35 @@ func TestRelocatedCallerIDTaskAWorkerTookFirstHoldsItsKeyWhileItRuns(t *testing.
 		t.Fatalf("enqueue of the key while its relocated holder runs: %+v, %v; want a duplicate of caller-1", again, err)
 	}
 }
+
+// README (lifecycle): a task a worker took first in another queue than its
+// lock's "meets its key when it starts". Its message still names the lock
+// of the queue it was meant for; while it waits for asynq's retry it is
+// still the key's task in the queue it runs in, so an enqueue of the key
+// there is a duplicate of it, not a heal that creates a second task, and
+// Lookup reports it waiting for its retry, not orphaned.
+func TestRelocatedCallerIDTaskInRetryStillHoldsItsKey(t *testing.T) {
+	h := newHarness(t, counterRules(Rule{}))
+	failed := make(chan struct{}, 1)
+	h.serve(func(context.Context, *asynq.Task) error {
+		failed <- struct{}{}
+		return errors.New("fails once, then waits for its retry")
+	}, retryInAnHour)
+	c := h.d.WrapClient(takenFirstEnqueuer{c: h.asynq, insp: h.insp, q: h.queue})
+	ctx := context.Background()
+	res, err := c.Submit(ctx, counterTask("k", 1, 1), asynq.Queue(h.queue+"-asked"), asynq.TaskID("caller-1"))
+	if err != nil || res.TaskID != "caller-1" {
+		t.Fatalf("Submit: %+v, %v", res, err)
+	}
+	waitFor(t, failed, "the relocated task's first run")
+	eventually(t, "the task waits for its retry", func() bool { return h.taskState("caller-1") == asynq.TaskStateRetry })
+	kl, found, err := h.d.Lookup(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	if err != nil || !found || kl.Holder != "caller-1" || kl.State != "retry-wait" {
+		t.Errorf("Lookup: %+v, %v, %v; want held by caller-1, retry-wait", kl, found, err)
+	}
+	again, err := h.d.NewClient().Submit(ctx, counterTask("k", 1, 2), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) || dup.Holder != "caller-1" {
+		t.Fatalf("enqueue of the key in the queue the task runs in: %+v, %v; want a duplicate of caller-1 (waiting for its retry)", again, err)
+	}
+}

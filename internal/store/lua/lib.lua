@@ -141,15 +141,15 @@ local function outlived(o) return o and tonumber(o) > select(2, now_parts()) or 
 
 -- belongs reports whether the stored task rec is the holder the lock at lock
 -- names (kind: the value's): an ID this library made is never used twice, but a
--- caller's may be, by a task of another key once the first is gone: its record
--- names its lock (unique_key, or the dedup header); one that took it as it
--- started ('a') names none, or (relocate.go) its key's lock in another queue.
+-- caller's may be, by another key's task once the first is gone: its record
+-- names its lock (unique_key, or the dedup header), but for one that took it as
+-- it started ('a'): none, or one of its fingerprint (an enqueuer moved it, relocate.go).
 local function belongs(rec, holder, kind, lock)
   if string.match(holder, '^d[dfkam]%-') then return true end
-  local t = call('HMGET', rec, 'unique_key', 'msg')
+  local t, fp = call('HMGET', rec, 'unique_key', 'msg'), string.match(lock, '}:u:%x+$')
   if t[1] then return t[1] == lock end
   if not t[2] or string.find(t[2], lock, 1, true) then return true end
-  return kind == 'a' and (not string.find(t[2], '\n\5dedup\18', 1, true) or string.find(t[2], string.match(lock, '}:u:%x+$'), 1, true) ~= nil)
+  return kind == 'a' and (not string.find(t[2], '\n\5dedup\18', 1, true) or string.find(t[2], '\n\5dedup\18[^\n]-' .. fp .. '%f[%X]') ~= nil)
 end
 
 -- same_type reports whether a stored message is of type typ (asynq's begin
