@@ -21,12 +21,18 @@
 --        {11, lacking, holder} nothing done: call again with these keys
 --        {13}                  the task has no asynq record here (its server
 --                              stores tasks in another Redis)
--- @lib: lib.lua is spliced in here.
 roles(0)
 local A = ARGV
 local id, ttl, allow, new = A[2], A[3], A[4] == '1', ''
 if call('EXISTS', K.T) == 0 then return {13} end
-local holder, kind, at = holder_of(call('GET', K.L))
+local v = call('GET', K.L)
+if not v and not allow and call('EXISTS', K.M) == 0 then -- a free key (most arrivals), taken before lib.lua is defined
+  call('SET', K.L, call('HGET', K.T, 'unique_key') == K.L and id or '~a:' .. id, 'PX', ttl)
+  if #A > 7 then call('HSET', K.M, unpack(A, 8)) call('PEXPIRE', K.M, ttl) call('ZREM', K.W, A[5]) end
+  return {1, '1'}
+end
+-- @lib: lib.lua is spliced in here.
+local holder, kind, at = holder_of(v)
 local m = call('HMGET', K.M, 'id', 'f', 'b', 'e', 'o', 'cd')
 local f = m[2]
 if kind == 'c' then return {14, holder, call('PTTL', K.L), kind} end -- (its own: it succeeded already)
