@@ -571,8 +571,11 @@ func TestCooldownOfAFoldedCallIsNamedNotApplied(t *testing.T) {
 }
 
 // libraryScripts counts the calls a client makes of the scripts the
-// middleware runs at an attempt's start and end (start, settle).
-type libraryScripts struct{ n atomic.Int64 }
+// middleware runs at an attempt's start and end (start, settle, drop).
+type libraryScripts struct {
+	n                      atomic.Int64 // start and settle
+	starts, settles, drops atomic.Int64
+}
 
 func (h *libraryScripts) count(cmds ...redis.Cmder) {
 	for _, c := range cmds {
@@ -582,8 +585,15 @@ func (h *libraryScripts) count(cmds ...redis.Cmder) {
 				sum := sha1.Sum([]byte(s))
 				s = hex.EncodeToString(sum[:])
 			}
-			if s == store.ScriptHash("settle") || s == store.ScriptHash("start") {
+			switch s {
+			case store.ScriptHash("start"):
 				h.n.Add(1)
+				h.starts.Add(1)
+			case store.ScriptHash("settle"):
+				h.n.Add(1)
+				h.settles.Add(1)
+			case store.ScriptHash("drop"):
+				h.drops.Add(1)
 			}
 		}
 	}

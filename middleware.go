@@ -275,6 +275,11 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	typ := t.Type()
 	d.count(typ, evProcessed)
 	s := d.settleOf(ctx, t, r, l, err)
+	if l.droppable(s) && d.drops.add(l.ref, s.TTL) {
+		d.count(typ, evReleased)
+		l.rec.Set(attempt.Released)
+		return
+	}
 	quiet := l.watched && d.owed.end(l, l.quietable(s)) // (a RunningDefer success that owes no follow-up)
 	if quiet || !l.calls(s) && !l.outlivedMark.Load() {
 		// asynq's scripts release the key (success, revoke) or keep it for

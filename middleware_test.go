@@ -386,6 +386,62 @@ func TestExecutionGuard(t *testing.T) {
 	}
 }
 
+// A task that arrived without a lock and succeeds, under a rule that keeps
+// nothing at the end, makes no settle call: its lock is released together
+// with the other successes of the moment by one shared call (drops.go), so
+// such a task costs the worker one script of its own, its start.
+func TestExecutionGuardSuccessesAreReleasedTogetherWithoutASettleCall(t *testing.T) {
+	needRealRedis(t)
+	rdb := newRDB(t)
+	calls := &libraryScripts{}
+	rdb.AddHook(calls)
+	h := newHarnessOn(t, rdb, Config{})
+	const n = 30
+	for i := range n {
+		if _, err := h.asynq.Enqueue(userTask(i, ""), asynq.Queue(h.queue)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ran := make(chan struct{}, n)
+	h.serve(func(context.Context, *asynq.Task) error { ran <- struct{}{}; return nil }, nil)
+	for range n {
+		waitFor(t, ran, "every task runs")
+	}
+	eventually(t, "every lock released", func() bool { return len(h.locks()) == 0 })
+	if s, e, d := calls.starts.Load(), calls.settles.Load(), calls.drops.Load(); s != n || e != 0 || d < 1 || d > n {
+		t.Fatalf("%d tasks: %d starts, %d settles, %d drops; want %d, 0, 1 to %d", n, s, e, d, n, n)
+	}
+}
+
+// Close releases the locks of successes whose drop is still to be sent: a
+// guard success just before Close leaves no lock behind.
+func TestCloseSendsTheDropsOfSuccessesJustBefore(t *testing.T) {
+	h := newHarness(t, Config{})
+	closed := make(chan error, 1)
+	outer := func(next asynq.Handler) asynq.Handler {
+		return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+			err := next.ProcessTask(ctx, t)
+			closed <- h.d.Close() // (before asynq's done: the drop is not sent yet)
+			return err
+		})
+	}
+	srv := asynq.NewServerFromRedisClient(h.rdb, asynq.Config{Concurrency: 1, Queues: map[string]int{h.queue: 1},
+		TaskCheckInterval: 20 * time.Millisecond, LogLevel: asynq.FatalLevel})
+	if err := srv.Start(outer(h.d.Middleware()(asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil })))); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	if _, err := h.asynq.Enqueue(userTask(1, ""), asynq.Queue(h.queue)); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitFor(t, closed, "the success, then Close"); err != nil {
+		t.Fatal(err)
+	}
+	if l := h.locks(); len(l) != 0 {
+		t.Fatalf("locks left after Close: %v", l)
+	}
+}
+
 func TestUnlockedTaskTakesLockAtStart(t *testing.T) {
 	h := newHarness(t, Config{Rules: map[string]Rule{"user:reindex": {Fields: []string{"user_id"}}}})
 	release := make(chan struct{})

@@ -44,6 +44,8 @@ var (
 	pruneSrc string
 	//go:embed lua/withdraw.lua
 	withdrawSrc string
+	//go:embed lua/drop.lua
+	dropSrc string
 )
 
 // CheckKeysEnv, when set in the environment of a process that creates a
@@ -54,11 +56,11 @@ const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
 
 // scriptSet holds the scripts, in one of two builds.
 type scriptSet struct {
-	take, acquire, fold, merge, start, settle, extend, release, again, prune, withdraw *redis.Script
+	take, acquire, fold, merge, start, settle, extend, release, again, prune, withdraw, drop *redis.Script
 }
 
 func (s *scriptSet) all() []*redis.Script {
-	return []*redis.Script{s.take, s.acquire, s.fold, s.merge, s.start, s.settle, s.extend, s.release, s.again, s.prune, s.withdraw}
+	return []*redis.Script{s.take, s.acquire, s.fold, s.merge, s.start, s.settle, s.extend, s.release, s.again, s.prune, s.withdraw, s.drop}
 }
 
 var (
@@ -78,7 +80,7 @@ func buildScripts(checked bool) *scriptSet {
 	b := func(src string) *redis.Script { return redis.NewScript(source(src, checked)) }
 	return &scriptSet{
 		take: b(takeSrc), acquire: b(acquireSrc), fold: b(foldSrc), merge: b(mergeSrc), start: b(startSrc), settle: b(settleSrc),
-		extend: b(extendSrc), release: b(releaseSrc), again: b(againSrc), prune: b(pruneSrc), withdraw: b(withdrawSrc),
+		extend: b(extendSrc), release: b(releaseSrc), again: b(againSrc), prune: b(pruneSrc), withdraw: b(withdrawSrc), drop: b(dropSrc),
 	}
 }
 
@@ -116,12 +118,12 @@ func LibScript(body string) *redis.Script { return redis.NewScript(source(libMar
 
 // ScriptHash is the SHA1 by which Redis knows the script of an operation
 // ("take", "acquire", "fold", "merge", "start", "settle", "extend", "release",
-// "again"), in the build a Store created now uses; for tests that count
+// "again", "drop"), in the build a Store created now uses; for tests that count
 // commands.
 func ScriptHash(op string) string {
 	sc := scripts()
 	m := map[string]*redis.Script{"take": sc.take, "acquire": sc.acquire, "fold": sc.fold, "merge": sc.merge, "start": sc.start,
-		"settle": sc.settle, "extend": sc.extend, "release": sc.release, "again": sc.again}
+		"settle": sc.settle, "extend": sc.extend, "release": sc.release, "again": sc.again, "drop": sc.drop}
 	if s, ok := m[op]; ok {
 		return s.Hash()
 	}
