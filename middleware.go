@@ -429,9 +429,8 @@ func (d *Dedup) attemptFor(ctx context.Context, queue, id string, t *asynq.Task)
 			return nil
 		case valid:
 			l.flags, l.ref.Lock = flags, lock
-			prefix, lockQueue, fp, _ := store.ParseLockKey(lock)
-			l.ref.FP = fp
-			if lockQueue != queue {
+			_, _, l.ref.FP, _ = store.ParseLockKey(lock)
+			if here := store.LockIn(lock, queue); here != lock {
 				// An enqueuer put the task in another queue than its lock's,
 				// and a worker took it before the call could move it: it
 				// meets its key in the queue it runs in, as it starts, and
@@ -439,7 +438,7 @@ func (d *Dedup) attemptFor(ctx context.Context, queue, id string, t *asynq.Task)
 				// Its modes' terms were written in the other queue's slot:
 				// the key here takes its type's rule's (a per-call option's
 				// are lost), from now.
-				l.ref.Lock = store.NewKeys(prefix).Lock(queue, fp)
+				l.ref.Lock = here
 				l.flags += store.Flags([]byte{store.FlagStart, store.FlagRelease})
 				l.mode = d.ruleTerms(typ, id).mode
 			}

@@ -141,6 +141,18 @@ func ParseLockKey(key string) (prefix, queue, fp string, ok bool) {
 	return "", "", "", false
 }
 
+// LockIn is the lock of the key of the lock at lock in queue: the same
+// prefix and fingerprint. A task an enqueuer stored in another queue than
+// its call's lock (relocate.go) holds its key there; lock is returned
+// unchanged when it is in queue, or not of this layout.
+func LockIn(lock, queue string) string {
+	prefix, q, fp, ok := ParseLockKey(lock)
+	if !ok || q == queue {
+		return lock
+	}
+	return NewKeys(prefix).Lock(queue, fp)
+}
+
 // PrefixOf guesses the prefix of what looks like a key of this layout (the
 // part before ":{"), or "".
 func PrefixOf(key string) string {

@@ -1,8 +1,12 @@
 package store
 
 import (
+	"context"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/asynq-dedup/dedup/internal/redistest"
 )
 
 func TestParseLockKey(t *testing.T) {
@@ -107,5 +111,37 @@ func TestIDForms(t *testing.T) {
 		if got, gotFP, ok := ParseMarkedID(NewMarkedID(f, fp)); !ok || got != f || gotFP != fp {
 			t.Errorf("ParseMarkedID(NewMarkedID(%q, %q)) = %q, %q, %v", f, fp, got, gotFP, ok)
 		}
+	}
+}
+
+// A task stored in another queue than its call's lock holds its key in
+// the queue it is in: same prefix and fingerprint (relocate.go).
+func TestLockInIsTheSameKeyInAnotherQueue(t *testing.T) {
+	k := NewKeys("p")
+	fp := "00000000000000a1"
+	if got, want := LockIn(k.Lock("asked", fp), "runs"), k.Lock("runs", fp); got != want {
+		t.Fatalf("LockIn: %s, want %s", got, want)
+	}
+	for _, lock := range []string{k.Lock("runs", fp), "not-a-lock"} {
+		if got := LockIn(lock, "runs"); got != lock {
+			t.Fatalf("LockIn(%q): %s, want it unchanged", lock, got)
+		}
+	}
+}
+
+// TaskLockOf of a task an enqueuer stored in another queue than its call's
+// (its header names the lock of the queue asked for) is its key's lock in
+// the queue it is in, where it holds the key (what dedupctl show --task
+// and the lock browser describe).
+func TestTaskLockOfARelocatedTaskIsItsKeyInTheQueueItIsIn(t *testing.T) {
+	rdb := redistest.Client(t)
+	ctx := context.Background()
+	k, q, fp := NewKeys("p-"+redistest.Uniq(t)), redistest.Uniq(t), "00000000000000a2"
+	m := &Message{Type: "t", ID: "caller-1", Queue: q, Retry: 25, Timeout: time.Minute,
+		Headers: map[string]string{HeaderLock: LockHeader("", k.Lock(q+"-asked", fp))}}
+	rdb.HSet(ctx, TaskKey(q, m.ID), "msg", m.Encode(), "state", "retry")
+	lock, optedOut, err := TaskLockOf(ctx, rdb, q, m.ID)
+	if err != nil || optedOut || lock != k.Lock(q, fp) {
+		t.Fatalf("TaskLockOf: %q, %v, %v; want %s", lock, optedOut, err, k.Lock(q, fp))
 	}
 }

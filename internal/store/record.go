@@ -370,7 +370,7 @@ func LockOf(ctx context.Context, c redis.Cmdable, queue, id string) (string, err
 
 // TaskLockOf finds the lock task id of queue was locked under, from its
 // asynq record: the unique key it names, else the lock its HeaderLock
-// names. lock is "" when it names none (or has no record); optedOut
+// names, in queue (LockIn). lock is "" when it names none (or has no record); optedOut
 // reports a task enqueued without deduplication.
 func TaskLockOf(ctx context.Context, c redis.Cmdable, queue, id string) (lock string, optedOut bool, err error) {
 	if KindOf(id) == IDOptOut {
@@ -389,5 +389,5 @@ func TaskLockOf(ctx context.Context, c redis.Cmdable, queue, id string) (lock st
 		return "", false, nil
 	}
 	_, lock, optedOut, _ = ParseLockHeader(h)
-	return lock, optedOut, nil
+	return LockIn(lock, queue), optedOut, nil // (a task stored in another queue than its call's holds its key there)
 }
