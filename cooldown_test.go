@@ -571,10 +571,10 @@ func TestCooldownOfAFoldedCallIsNamedNotApplied(t *testing.T) {
 }
 
 // libraryScripts counts the calls a client makes of the scripts the
-// middleware runs at an attempt's start and end (start, settle, drop).
+// middleware runs at an attempt's start and end (start, settle, release_all).
 type libraryScripts struct {
 	n                      atomic.Int64 // start and settle
-	starts, settles, drops atomic.Int64
+	starts, settles, together atomic.Int64 // together: release_all
 }
 
 func (h *libraryScripts) count(cmds ...redis.Cmder) {
@@ -592,8 +592,8 @@ func (h *libraryScripts) count(cmds ...redis.Cmder) {
 			case store.ScriptHash("settle"):
 				h.n.Add(1)
 				h.settles.Add(1)
-			case store.ScriptHash("drop"):
-				h.drops.Add(1)
+			case store.ScriptHash("release_all"):
+				h.together.Add(1)
 			}
 		}
 	}

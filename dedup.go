@@ -35,7 +35,7 @@ type Dedup struct {
 	insp            *asynq.Inspector // called through store.Foreign
 	hb              *heartbeater
 	owed            *owedSignal // tells a RunningDefer success whether it owes a follow-up (owed.go)
-	drops           *drops      // releases the locks of arrivals' successes together (drops.go)
+	releases        *releases   // releases the locks of arrivals' successes together (releases.go)
 	stats           metrics
 	warnedElsewhere atomic.Bool // the middleware met a task stored in another Redis (logged once)
 	here            sync.Map    // queues whose tasks the middleware found stored in the Dedup's Redis
@@ -100,7 +100,7 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 	d.store = store.New(lib, d.storeConfig())
 	d.hb = newHeartbeater(d, c.heartbeat)
 	d.owed = newOwedSignal(d, lib)
-	d.drops = &drops{d: d}
+	d.releases = &releases{d: d}
 	if err := d.store.LoadScripts(ctx); err != nil {
 		// Best effort: a call whose script is missing sends it whole.
 		d.log.Debug("dedup: script preload failed", slog.Any("error", err))
@@ -162,7 +162,7 @@ func (d *Dedup) warnEviction(ctx context.Context) {
 func (d *Dedup) Close() error {
 	d.hb.stop()
 	d.owed.stop()
-	d.drops.close()
+	d.releases.close()
 	err := d.stopDiagnostics() // (nil but for the call that flushed)
 	d.store.Close(d.rdb)       // (later calls go through the caller's client)
 	if !d.closed.CompareAndSwap(false, true) {

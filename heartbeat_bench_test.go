@@ -510,15 +510,15 @@ func hbLockKeys(d *Dedup, queue string) []string {
 // a worker runs (a handler that returns at once), by the Redis calls the
 // Dedup's own client makes: none for a plain task NewClient stored, a
 // Cooldown's, or a RunningDefer one that owes no follow-up, one at success
-// for a Cooldown's under a caller-chosen ID, a start and a share of a drop
-// (drops.go: at most one a task) for a task that arrived without a lock.
+// for a Cooldown's under a caller-chosen ID, a start and a share of a
+// shared release (releases.go: at most one a task) for a task that arrived without a lock.
 // ns/op is per task; it reports scripts/task and cmds/task too.
 func BenchmarkMiddlewarePerTask(b *testing.B) {
 	needRealRedis(b)
 	for _, c := range []struct {
 		name    string
 		scripts float64 // per task, as docs/lifecycle.md promises
-		shared  bool    // plus a share of the drops (at most one a task)
+		shared  bool    // plus a share of the shared releases (at most one a task)
 		enqueue func(w *hbWorker, i int) error
 	}{
 		{"plain", 0, false, func(w *hbWorker, i int) error {
@@ -545,7 +545,7 @@ func BenchmarkMiddlewarePerTask(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			got := hbBenchWorker(b, c.enqueue)
 			if got != c.scripts && (!c.shared || got < c.scripts || got > c.scripts+1) {
-				b.Errorf("%.2f scripts per task, want %v (shared drops: %v)", got, c.scripts, c.shared)
+				b.Errorf("%.2f scripts per task, want %v (shared releases: %v)", got, c.scripts, c.shared)
 			}
 		})
 	}

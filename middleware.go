@@ -275,7 +275,7 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	typ := t.Type()
 	d.count(typ, evProcessed)
 	s := d.settleOf(ctx, t, r, l, err)
-	if l.droppable(s) && d.drops.add(l.ref, s.TTL) {
+	if l.releasedTogether(s) && d.releases.add(l.ref, s.TTL) {
 		d.count(typ, evReleased)
 		l.rec.Set(attempt.Released)
 		return

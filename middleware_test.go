@@ -388,7 +388,7 @@ func TestExecutionGuard(t *testing.T) {
 
 // A task that arrived without a lock and succeeds, under a rule that keeps
 // nothing at the end, makes no settle call: its lock is released together
-// with the other successes of the moment by one shared call (drops.go), so
+// with the other successes of the moment by one shared call (releases.go), so
 // such a task costs the worker one script of its own, its start.
 func TestExecutionGuardSuccessesAreReleasedTogetherWithoutASettleCall(t *testing.T) {
 	needRealRedis(t)
@@ -408,20 +408,20 @@ func TestExecutionGuardSuccessesAreReleasedTogetherWithoutASettleCall(t *testing
 		waitFor(t, ran, "every task runs")
 	}
 	eventually(t, "every lock released", func() bool { return len(h.locks()) == 0 })
-	if s, e, d := calls.starts.Load(), calls.settles.Load(), calls.drops.Load(); s != n || e != 0 || d < 1 || d > n {
-		t.Fatalf("%d tasks: %d starts, %d settles, %d drops; want %d, 0, 1 to %d", n, s, e, d, n, n)
+	if s, e, d := calls.starts.Load(), calls.settles.Load(), calls.together.Load(); s != n || e != 0 || d < 1 || d > n {
+		t.Fatalf("%d tasks: %d starts, %d settles, %d shared releases; want %d, 0, 1 to %d", n, s, e, d, n, n)
 	}
 }
 
-// Close releases the locks of successes whose drop is still to be sent: a
-// guard success just before Close leaves no lock behind.
-func TestCloseSendsTheDropsOfSuccessesJustBefore(t *testing.T) {
+// Close sends the shared release of successes just before it: a guard
+// success just before Close leaves no lock behind.
+func TestCloseReleasesTheLocksOfSuccessesJustBefore(t *testing.T) {
 	h := newHarness(t, Config{})
 	closed := make(chan error, 1)
 	outer := func(next asynq.Handler) asynq.Handler {
 		return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
 			err := next.ProcessTask(ctx, t)
-			closed <- h.d.Close() // (before asynq's done: the drop is not sent yet)
+			closed <- h.d.Close() // (before asynq's done: the shared release is not sent yet)
 			return err
 		})
 	}

@@ -44,8 +44,8 @@ var (
 	pruneSrc string
 	//go:embed lua/withdraw.lua
 	withdrawSrc string
-	//go:embed lua/drop.lua
-	dropSrc string
+	//go:embed lua/release_all.lua
+	releaseAllSrc string
 )
 
 // CheckKeysEnv, when set in the environment of a process that creates a
@@ -56,11 +56,11 @@ const CheckKeysEnv = "DEDUP_CHECK_SCRIPT_KEYS"
 
 // scriptSet holds the scripts, in one of two builds.
 type scriptSet struct {
-	take, acquire, fold, merge, start, settle, extend, release, again, prune, withdraw, drop *redis.Script
+	take, acquire, fold, merge, start, settle, extend, release, again, prune, withdraw, releaseAll *redis.Script
 }
 
 func (s *scriptSet) all() []*redis.Script {
-	return []*redis.Script{s.take, s.acquire, s.fold, s.merge, s.start, s.settle, s.extend, s.release, s.again, s.prune, s.withdraw, s.drop}
+	return []*redis.Script{s.take, s.acquire, s.fold, s.merge, s.start, s.settle, s.extend, s.release, s.again, s.prune, s.withdraw, s.releaseAll}
 }
 
 var (
@@ -80,7 +80,7 @@ func buildScripts(checked bool) *scriptSet {
 	b := func(src string) *redis.Script { return redis.NewScript(source(src, checked)) }
 	return &scriptSet{
 		take: b(takeSrc), acquire: b(acquireSrc), fold: b(foldSrc), merge: b(mergeSrc), start: b(startSrc), settle: b(settleSrc),
-		extend: b(extendSrc), release: b(releaseSrc), again: b(againSrc), prune: b(pruneSrc), withdraw: b(withdrawSrc), drop: b(dropSrc),
+		extend: b(extendSrc), release: b(releaseSrc), again: b(againSrc), prune: b(pruneSrc), withdraw: b(withdrawSrc), releaseAll: b(releaseAllSrc),
 	}
 }
 
@@ -118,12 +118,12 @@ func LibScript(body string) *redis.Script { return redis.NewScript(source(libMar
 
 // ScriptHash is the SHA1 by which Redis knows the script of an operation
 // ("take", "acquire", "fold", "merge", "start", "settle", "extend", "release",
-// "again", "drop"), in the build a Store created now uses; for tests that count
+// "again", "release_all"), in the build a Store created now uses; for tests that count
 // commands.
 func ScriptHash(op string) string {
 	sc := scripts()
 	m := map[string]*redis.Script{"take": sc.take, "acquire": sc.acquire, "fold": sc.fold, "merge": sc.merge, "start": sc.start,
-		"settle": sc.settle, "extend": sc.extend, "release": sc.release, "again": sc.again, "drop": sc.drop}
+		"settle": sc.settle, "extend": sc.extend, "release": sc.release, "again": sc.again, "release_all": sc.releaseAll}
 	if s, ok := m[op]; ok {
 		return s.Hash()
 	}

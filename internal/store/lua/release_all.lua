@@ -1,4 +1,4 @@
--- drop (drops.go): release the locks tasks took as they started ('~a') and that
+-- release_all (releases.go): release together the locks tasks took as they started ('~a') and that
 -- then succeeded, each if still its task's; one with a mode record beside it is
 -- left for a settle call. KEYS[2i-1] the i-th lock, KEYS[2i] its mode record;
 -- ARGV[i] its task. Reply: the indexes of the locks left.

@@ -9,71 +9,72 @@ import (
 	"github.com/asynq-dedup/dedup/internal/store"
 )
 
-// Drops. A task that arrived without a lock (the execution guard) takes one
+// Released together. A task that arrived without a lock (the execution guard) takes one
 // as it starts, which asynq's scripts never release: its asynq record does
 // not name it. When such an attempt succeeds and its key keeps no mode
 // record (no cooldown, no fail hold, no follow-up, no MaxPending), the
 // end is no call of its own: the lock joins those of the other successes of
-// the next dropDelay, and one call per queue releases them all, each if it
-// is still its task's (store.DropAll). A lock that has a mode record beside
+// the next releaseDelay, and one call per queue releases them all, each if
+// it is still its task's (store.ReleaseAll). A lock that has a mode record beside
 // it by then (a follow-up another type's enqueue made meanwhile) is settled
 // as before.
 //
-// Until its drop, the lock names a task whose asynq record soon says
+// Until it is released, the lock names a task whose asynq record soon says
 // completed or is gone, which every enqueue and start that meets it takes
 // as a key to heal at once; a worker that stops without Close leaves its
-// undropped locks to that. Unlike a settle, a drop does not mark the
+// last locks to that. Unlike a settle, this release does not mark the
 // task's record ended: a shutdown between the handler's return and asynq's
 // done runs the task again, as it would a plain asynq task.
 //
 // Invariants: a lock added before close is sent exactly once, by the timer
 // armed when the first of its batch was added; close waits for that timer.
 
-// dropDelay is how long a success's lock waits for others to share its call.
-const dropDelay = 2 * time.Millisecond
+// releaseDelay is how long a success's lock waits for others to share its call.
+const releaseDelay = 2 * time.Millisecond
 
-// drops collects the locks of successes that are released together.
-type drops struct {
+// releases collects the locks of successes that are released together.
+type releases struct {
 	d      *Dedup
 	mu     sync.Mutex
-	batch  []dropped
+	batch  []pending
 	armed  bool // a timer will send batch
 	closed bool
 	sent   sync.WaitGroup // armed timers
 }
 
-// dropped is one success waiting for its drop: what a settle needs, should
-// its lock have a mode record beside it.
-type dropped struct {
+// pending is one success waiting for its release: what a settle needs,
+// should its lock have a mode record beside it.
+type pending struct {
 	ref store.Ref
 	ttl time.Duration
 }
 
-// droppable reports whether an attempt that ended so ends by a drop.
-func (l *lease) droppable(s *store.Settle) bool {
+// releasedTogether reports whether an attempt that ended so is released
+// with others (releases).
+func (l *lease) releasedTogether(s *store.Settle) bool {
 	return l.arrived && l.mode == nil && s.End == store.EndSuccess && s.Release && !l.outlivedMark.Load()
 }
 
-// add queues the lock of a success for its drop, or reports false after
+// add queues the lock of a success for its release, or reports false after
 // close (the caller settles it itself).
-func (p *drops) add(ref store.Ref, ttl time.Duration) bool {
+func (p *releases) add(ref store.Ref, ttl time.Duration) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
 		return false
 	}
-	p.batch = append(p.batch, dropped{ref: ref, ttl: ttl})
+	p.batch = append(p.batch, pending{ref: ref, ttl: ttl})
 	if !p.armed {
 		p.armed = true
 		p.sent.Add(1)
-		time.AfterFunc(dropDelay, p.send)
+		time.AfterFunc(releaseDelay, p.send)
 	}
 	return true
 }
 
-// send drops the batch, within LockTimeout, and settles the locks left to
+// send releases the batch, within LockTimeout, and settles the locks left to
 // a settle call.
-func (p *drops) send() {
+func (p *releases) send() {
 	defer p.sent.Done()
 	p.mu.Lock()
 	batch := p.batch
@@ -85,7 +86,7 @@ func (p *drops) send() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), p.d.cfg.LockTimeout)
 	defer cancel()
-	left, err := p.d.store.DropAll(ctx, refs)
+	left, err := p.d.store.ReleaseAll(ctx, refs)
 	if err != nil {
 		p.d.count(refs[0].Type, evRedisError)
 		p.d.log.Warn("dedup: could not release the locks of tasks that arrived without one and succeeded; each heals at its key's next use", slog.Int("locks", len(refs)), slog.Any("error", err))
@@ -95,8 +96,8 @@ func (p *drops) send() {
 	}
 }
 
-// settle ends a dropped success whose lock has a mode record beside it.
-func (p *drops) settle(ctx context.Context, x *dropped) {
+// settle ends a success whose lock has a mode record beside it.
+func (p *releases) settle(ctx context.Context, x *pending) {
 	res, err := p.d.store.Settle(ctx, &store.Settle{Ref: x.ref, End: store.EndSuccess, TTL: x.ttl, Release: true})
 	switch {
 	case err != nil:
@@ -107,9 +108,9 @@ func (p *drops) settle(ctx context.Context, x *dropped) {
 	}
 }
 
-// close makes later successes settle themselves and waits for the drops
-// under way.
-func (p *drops) close() {
+// close makes later successes settle themselves and waits for the
+// releases under way.
+func (p *releases) close() {
 	p.mu.Lock()
 	p.closed = true
 	p.mu.Unlock()

@@ -10,12 +10,12 @@ import (
 	"github.com/asynq-dedup/dedup/internal/redistest"
 )
 
-// A drop releases each lock still taken at start by its task, and only
+// ReleaseAll releases each lock still taken at start by its task, and only
 // those: a lock another task took since (the key healed after its task
 // completed), one its task holds kept (a cooldown), and a missing one stay
 // as they are; one with a mode record beside it is left, named, for a
 // settle call (a follow-up may be owed), untouched.
-func TestDropReleasesOnlyLocksStillTakenAtStartByTheirTasks(t *testing.T) {
+func TestReleaseAllReleasesOnlyLocksStillTakenAtStartByTheirTasks(t *testing.T) {
 	rdb := redistest.Client(t)
 	ctx := context.Background()
 	s := newTestStore(t, rdb)
@@ -30,7 +30,7 @@ func TestDropReleasesOnlyLocksStillTakenAtStartByTheirTasks(t *testing.T) {
 	w := &scriptWorld{rdb: rdb, s: s, q: q}
 	before := w.snapshot()
 
-	left, err := s.DropAll(ctx, []Ref{taken, mine, kept, moded, missing})
+	left, err := s.ReleaseAll(ctx, []Ref{taken, mine, kept, moded, missing})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -43,16 +43,16 @@ func TestDropReleasesOnlyLocksStillTakenAtStartByTheirTasks(t *testing.T) {
 	}
 }
 
-// Locks of several queues, more than one call carries, are dropped by
+// Locks of several queues, more than one call carries, are released by
 // queue and chunk; the indexes left refer to the caller's slice.
-func TestDropOfManyQueuesAndChunksNamesWhatIsLeftByTheCallersIndex(t *testing.T) {
+func TestReleaseAllOfManyQueuesAndChunksNamesWhatIsLeftByTheCallersIndex(t *testing.T) {
 	rdb := redistest.Client(t)
 	ctx := context.Background()
 	s := newTestStore(t, rdb)
 	qs := []string{redistest.Uniq(t) + "a", redistest.Uniq(t) + "b"}
 	var refs []Ref
 	var want []int
-	for i := range 2*dropChunk + 10 {
+	for i := range 2*releaseAllChunk + 10 {
 		r := s.ref(qs[i%2], fmt.Sprintf("%016x", 0x1000+i), NewPlainID())
 		rdb.Set(ctx, r.Lock, StartValue(r.ID), time.Hour)
 		if i%97 == 0 {
@@ -61,7 +61,7 @@ func TestDropOfManyQueuesAndChunksNamesWhatIsLeftByTheCallersIndex(t *testing.T)
 		}
 		refs = append(refs, r)
 	}
-	left, err := s.DropAll(ctx, refs)
+	left, err := s.ReleaseAll(ctx, refs)
 	if err != nil {
 		t.Fatal(err)
 	}
