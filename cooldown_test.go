@@ -573,7 +573,7 @@ func TestCooldownOfAFoldedCallIsNamedNotApplied(t *testing.T) {
 // libraryScripts counts the calls a client makes of the scripts the
 // middleware runs at an attempt's start and end (start, settle, release_all).
 type libraryScripts struct {
-	n                      atomic.Int64 // start and settle
+	n                         atomic.Int64 // start and settle
 	starts, settles, together atomic.Int64 // together: release_all
 }
 
