@@ -920,3 +920,39 @@ func TestFastPathMaxPendingEntryLeavesAtStart(t *testing.T) {
 	}
 	tr.open(1, 0)
 }
+
+// A task that arrived without a lock, whose key another task took while it
+// ran (an operator released it, another task took it), ends with its lock
+// lost: the attempt counts LockLost, not Released, whether its success
+// makes a settle call or joins a drop. (A short handler: no heartbeat
+// beat came between, so only its end can see the loss.)
+func TestArrivalSuccessWhoseLockAnotherTookCountsLockLost(t *testing.T) {
+	h := newHarness(t, Config{})
+	release := make(chan struct{})
+	rc := newRecorder(func(run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	task := userTask(1, "")
+	info, err := h.asynq.Enqueue(task, asynq.Queue(h.queue)) // past the wrapper: it takes its lock as it starts
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, rc.runs, "the arrival runs")
+	key := h.keyOf(task, h.queue)
+	if owner := h.lockOwner(key); owner != info.ID {
+		t.Fatalf("lock owner %q while it runs, want %s", owner, info.ID)
+	}
+	if err := h.rdb.Set(context.Background(), key, "intruder", time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+	close(release)
+	eventually(t, "asynq done with it", func() bool { return h.finished(info.ID) })
+	if err := h.d.Close(); err != nil { // (sends a drop under way)
+		t.Fatal(err)
+	}
+	if owner := h.lockOwner(key); owner != "intruder" {
+		t.Fatalf("the ended attempt touched the new owner's lock: owner %q", owner)
+	}
+	if s := h.d.Stats(); s.LockLost != 1 || s.Released != 0 {
+		t.Fatalf("LockLost = %d, Released = %d; want 1, 0 (the lock was not its to release)", s.LockLost, s.Released)
+	}
+}
