@@ -956,3 +956,54 @@ func TestArrivalSuccessWhoseLockAnotherTookCountsLockLost(t *testing.T) {
 		t.Fatalf("LockLost = %d, Released = %d; want 1, 0 (the lock was not its to release)", s.LockLost, s.Released)
 	}
 }
+
+// A caller-chosen task ID may be used again once asynq is done with its
+// task (no Retention: its record is gone). The success of the first task,
+// which arrived without a lock, is released by a drop sent after asynq's
+// done; should that drop reach Redis late (a stalled connection), after the
+// ID's next task took the key as it started, it must not delete the lock of
+// that running task: the key stays held and a duplicate is refused.
+func TestLateDropLeavesTheLockOfTheNextTaskOfAReusedID(t *testing.T) {
+	h := newHarness(t, Config{})
+	proxy, slow := proxiedLockStore(t, h, Config{LockTimeout: 10 * time.Second})
+	task := userTask(1, "")
+	key := h.keyOf(task, h.queue)
+	// Worker A: its lock calls go through a connection the test stalls once
+	// the handler has run (the attempt's start has gone through).
+	srvA := serveWith(t, h.rdb, slow, h.queue, asynq.HandlerFunc(func(context.Context, *asynq.Task) error {
+		proxy.stall()
+		return nil
+	}), nil)
+	t.Cleanup(proxy.resume)
+	if _, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "asynq done with the first job-1", func() bool {
+		_, err := h.insp.GetTaskInfo(h.queue, "job-1")
+		return errors.Is(err, asynq.ErrTaskNotFound)
+	})
+	srvA.Shutdown()
+	// Worker B, on a healthy connection, runs job-1's next task.
+	release := make(chan struct{})
+	rc := newRecorder(func(run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	t.Cleanup(func() { close(release) }) // (before the server's shutdown)
+	if _, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, rc.runs, "the second job-1 runs")
+	if owner := h.lockOwner(key); owner != "job-1" {
+		t.Fatalf("lock owner %q while the second job-1 runs, want job-1", owner)
+	}
+	proxy.resume()
+	if err := slow.Close(); err != nil { // (waits for worker A's drop)
+		t.Fatal(err)
+	}
+	if owner := h.lockOwner(key); owner != "job-1" {
+		t.Fatalf("worker A's late drop released the lock of the running second job-1: owner %q", owner)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) {
+		t.Fatalf("enqueue while the second job-1 runs: %v, want a duplicate", err)
+	}
+}
