@@ -504,3 +504,26 @@ func TestRunningAllowCountsExactly(t *testing.T) {
 		t.Errorf("locks left: %v", h.locks())
 	}
 }
+
+// A success whose lock could not be released (Redis did not answer the
+// call that releases it) counts a Redis error, not a release: Released
+// counts locks released. So for a task that arrived without a lock, whose
+// success is released by a drop.
+func TestArrivalSuccessWhoseReleaseFailedIsNotCountedReleased(t *testing.T) {
+	h := newHarness(t, Config{})
+	proxy, slow := proxiedLockStore(t, h, Config{LockTimeout: 200 * time.Millisecond})
+	t.Cleanup(proxy.resume)
+	serveWith(t, h.rdb, slow, h.queue, asynq.HandlerFunc(func(context.Context, *asynq.Task) error {
+		proxy.stall() // (the attempt's start went through; its end's call does not)
+		return nil
+	}), nil)
+	info, err := h.asynq.Enqueue(userTask(1, ""), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the release fails", func() bool { return slow.Stats().RedisErrors >= 1 })
+	eventually(t, "asynq done with it", func() bool { return h.finished(info.ID) })
+	if s := slow.Stats(); s.Processed != 1 || s.RedisErrors != 1 || s.Released != 0 {
+		t.Fatalf("processed %d, redis errors %d, released %d; want 1, 1, 0", s.Processed, s.RedisErrors, s.Released)
+	}
+}
