@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/redis/go-redis/v9"
 )
 
 // start.lua: a task that asynq runs again and that finds its key cooling
@@ -96,5 +97,42 @@ func TestExtendKeepsARunningTasksKeyAndReportsALostOne(t *testing.T) {
 		if pttl := rdb.PTTL(ctx, key).Val(); !near(pttl, want, 2*time.Second) {
 			t.Fatalf("%s lives %v more, want %v", key, pttl, want)
 		}
+	}
+}
+
+// An arrival of a MaxPending type that takes a free key as it starts (its
+// rule's mode record written then) leaves the key waiting no more: its
+// entry leaves the waiting set and the mode record keeps no 'b' (which
+// Lookup and `dedupctl show` read as "counted in a waiting set"), the same
+// whether a mode record of a gone holder lay beside the free key (start's
+// general path) or none did (its fast path).
+func TestStartOfAMaxPendingArrivalOnAFreeKeyLeavesItWaitingNoMore(t *testing.T) {
+	rdb := redistest.Client(t)
+	ctx := context.Background()
+	s := newTestStore(t, rdb)
+	q := redistest.Uniq(t)
+	for name, stale := range map[string]bool{"no mode record": false, "a gone holder's mode record": true} {
+		t.Run(name, func(t *testing.T) {
+			fp := "0000000000000601"
+			if stale {
+				fp = "0000000000000602"
+			}
+			r := s.ref(q, fp, NewPlainID())
+			putTask(rdb, q, r.ID, StateActive)
+			rdb.ZAdd(ctx, WaitOf(r.Lock, r.Type), redis.Z{Score: float64(time.Now().Add(time.Hour).UnixMilli()), Member: fp})
+			if stale {
+				rdb.HSet(ctx, r.Mode(), FieldHolder, NewPlainID(), FieldType, "t")
+			}
+			res, err := s.Start(ctx, &Start{Ref: r, TTL: time.Minute, Mode: []any{FieldHolder, r.ID, FieldType, "t", FieldBounded, "t"}})
+			if err != nil || res.Status != StatusTaken || !res.New {
+				t.Fatalf("start: %+v, %v; want the free key taken", res, err)
+			}
+			if rdb.ZScore(ctx, WaitOf(r.Lock, r.Type), fp).Err() != redis.Nil {
+				t.Errorf("the key's entry is still in the waiting set")
+			}
+			if m := rdb.HGetAll(ctx, r.Mode()).Val(); m[FieldHolder] != r.ID || m[FieldBounded] != "" {
+				t.Errorf("mode record %v; want its holder %s, and no %q (the key waits no more)", m, r.ID, FieldBounded)
+			}
+		})
 	}
 }
