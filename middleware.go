@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	mrand "math/rand/v2"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -115,7 +117,7 @@ func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, ru
 		return false, nil // (a plain task whose record names no lock: a Scheduler firing's)
 	}
 	l.rec.Locked(l.ref.FP, l.arrived)
-	st, err := d.store.Start(ctx, &store.Start{Ref: l.ref, TTL: d.ttlOf(rule), Allow: l.allows(rule), Mode: l.mode})
+	st, err := d.store.Start(ctx, &store.Start{Ref: l.ref, TTL: d.ttlOf(rule), Allow: l.allows(rule), Token: l.token, Mode: l.mode})
 	switch {
 	case err != nil:
 		return true, d.unlocked(ctx, "start", t, next, err)
@@ -275,9 +277,8 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	typ := t.Type()
 	d.count(typ, evProcessed)
 	s := d.settleOf(ctx, t, r, l, err)
-	if l.releasedTogether(s) && d.releases.add(l.ref, s.TTL) {
-		d.count(typ, evReleased)
-		l.rec.Set(attempt.Released)
+	if l.releasedTogether(s) && d.releases.add(l, s.TTL) {
+		l.rec.Set(attempt.Released) // (before the release: the record is read as the handler returns)
 		return
 	}
 	quiet := l.watched && d.owed.end(l, l.quietable(s)) // (a RunningDefer success that owes no follow-up)
@@ -493,7 +494,7 @@ func (d *Dedup) guard(l *lease, t *asynq.Task) *lease {
 // takes one at start by its type's rule, which its end gives back.
 func (d *Dedup) arrival(l *lease, t *asynq.Task) *lease {
 	tm := d.ruleTerms(t.Type(), l.ref.ID)
-	l.arrived, l.flags, l.mode = true, tm.flags, tm.mode
+	l.arrived, l.flags, l.mode, l.token = true, tm.flags, tm.mode, strconv.FormatUint(uint64(mrand.Uint32()), 36)
 	return l
 }
 
@@ -545,6 +546,7 @@ type lease struct {
 	flags   store.Flags // what the task's policy does at start and end (modes.go)
 	mode    []any       // a task that arrived without a lock: the mode record of the key it takes
 	arrived bool        // arrived without a lock: the execution-time guard keyed it
+	token   string      // an arrival's: in the lock it takes as it starts (store.StartValue)
 	again   bool        // asynq runs the task again (retried before)
 	lost    string      // the task lost its key while it waited (store.HeaderLost)
 	ttl     time.Duration

@@ -924,7 +924,7 @@ func TestFastPathMaxPendingEntryLeavesAtStart(t *testing.T) {
 // A task that arrived without a lock, whose key another task took while it
 // ran (an operator released it, another task took it), ends with its lock
 // lost: the attempt counts LockLost, not Released, whether its success
-// makes a settle call or joins a drop. (A short handler: no heartbeat
+// makes a settle call or is released together with others. (A short handler: no heartbeat
 // beat came between, so only its end can see the loss.)
 func TestArrivalSuccessWhoseLockAnotherTookCountsLockLost(t *testing.T) {
 	h := newHarness(t, Config{})
@@ -946,7 +946,7 @@ func TestArrivalSuccessWhoseLockAnotherTookCountsLockLost(t *testing.T) {
 	}
 	close(release)
 	eventually(t, "asynq done with it", func() bool { return h.finished(info.ID) })
-	if err := h.d.Close(); err != nil { // (sends a drop under way)
+	if err := h.d.Close(); err != nil { // (sends the release under way)
 		t.Fatal(err)
 	}
 	if owner := h.lockOwner(key); owner != "intruder" {
@@ -959,11 +959,11 @@ func TestArrivalSuccessWhoseLockAnotherTookCountsLockLost(t *testing.T) {
 
 // A caller-chosen task ID may be used again once asynq is done with its
 // task (no Retention: its record is gone). The success of the first task,
-// which arrived without a lock, is released by a drop sent after asynq's
-// done; should that drop reach Redis late (a stalled connection), after the
+// which arrived without a lock, is released by a shared call sent after
+// asynq's done; should that call reach Redis late (a stalled connection), after the
 // ID's next task took the key as it started, it must not delete the lock of
 // that running task: the key stays held and a duplicate is refused.
-func TestLateDropLeavesTheLockOfTheNextTaskOfAReusedID(t *testing.T) {
+func TestLateReleaseOfASuccessLeavesTheLockOfTheNextTaskOfAReusedID(t *testing.T) {
 	h := newHarness(t, Config{})
 	proxy, slow := proxiedLockStore(t, h, Config{LockTimeout: 10 * time.Second})
 	task := userTask(1, "")
@@ -996,11 +996,11 @@ func TestLateDropLeavesTheLockOfTheNextTaskOfAReusedID(t *testing.T) {
 		t.Fatalf("lock owner %q while the second job-1 runs, want job-1", owner)
 	}
 	proxy.resume()
-	if err := slow.Close(); err != nil { // (waits for worker A's drop)
+	if err := slow.Close(); err != nil { // (waits for worker A's release)
 		t.Fatal(err)
 	}
 	if owner := h.lockOwner(key); owner != "job-1" {
-		t.Fatalf("worker A's late drop released the lock of the running second job-1: owner %q", owner)
+		t.Fatalf("worker A's late release deleted the lock of the running second job-1: owner %q", owner)
 	}
 	var dup *DuplicateTaskError
 	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) {

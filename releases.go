@@ -26,6 +26,12 @@ import (
 // task's record ended: a shutdown between the handler's return and asynq's
 // done runs the task again, as it would a plain asynq task.
 //
+// A lock is released only while it holds its attempt's value (its token,
+// store.StartValue): a release that arrives late, after a later attempt
+// of the task or a later task under the same caller-chosen ID took the key,
+// leaves that lock alone. Stats counts the success released, lock_lost or
+// redis_error once the call has answered.
+//
 // Invariants: a lock added before close is sent exactly once, by the timer
 // armed when the first of its batch was added; close waits for that timer.
 
@@ -45,8 +51,8 @@ type releases struct {
 // pending is one success waiting for its release: what a settle needs,
 // should its lock have a mode record beside it.
 type pending struct {
-	ref store.Ref
-	ttl time.Duration
+	taken store.Taken
+	ttl   time.Duration
 }
 
 // releasedTogether reports whether an attempt that ended so is released
@@ -57,13 +63,13 @@ func (l *lease) releasedTogether(s *store.Settle) bool {
 
 // add queues the lock of a success for its release, or reports false after
 // close (the caller settles it itself).
-func (p *releases) add(ref store.Ref, ttl time.Duration) bool {
+func (p *releases) add(l *lease, ttl time.Duration) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
 		return false
 	}
-	p.batch = append(p.batch, pending{ref: ref, ttl: ttl})
+	p.batch = append(p.batch, pending{taken: store.Taken{Ref: l.ref, Value: store.StartValue(l.ref.ID, l.token)}, ttl: ttl})
 	if !p.armed {
 		p.armed = true
 		p.sent.Add(1)
@@ -72,40 +78,45 @@ func (p *releases) add(ref store.Ref, ttl time.Duration) bool {
 	return true
 }
 
-// send releases the batch, within LockTimeout, and settles the locks left to
-// a settle call.
+// send releases the batch, within LockTimeout, and counts what became of
+// each lock; one left to a settle call is settled.
 func (p *releases) send() {
 	defer p.sent.Done()
 	p.mu.Lock()
 	batch := p.batch
 	p.batch, p.armed = nil, false
 	p.mu.Unlock()
-	refs := make([]store.Ref, len(batch))
+	ts := make([]store.Taken, len(batch))
 	for i := range batch {
-		refs[i] = batch[i].ref
+		ts[i] = batch[i].taken
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), p.d.cfg.LockTimeout)
 	defer cancel()
-	left, err := p.d.store.ReleaseAll(ctx, refs)
+	out, err := p.d.store.ReleaseAll(ctx, ts)
 	if err != nil {
-		p.d.count(refs[0].Type, evRedisError)
-		p.d.log.Warn("dedup: could not release the locks of tasks that arrived without one and succeeded; each heals at its key's next use", slog.Int("locks", len(refs)), slog.Any("error", err))
+		p.d.log.Warn("dedup: could not release the locks of tasks that arrived without one and succeeded; each heals at its key's next use", slog.Int("locks", len(ts)), slog.Any("error", err))
 	}
-	for _, i := range left {
-		p.settle(ctx, &batch[i])
+	for i, o := range out {
+		r := &batch[i].taken.Ref
+		switch o {
+		case store.ReleasedNow:
+			p.d.count(r.Type, evReleased)
+		case store.ReleasedFailed:
+			p.d.count(r.Type, evRedisError)
+		case store.ReleasedNot:
+			p.d.count(r.Type, evLockLost)
+			p.d.log.Warn("dedup: lock was no longer this task's at the end", slog.String("type", r.Type), slog.String("task_id", r.ID))
+		case store.ReleasedLeft:
+			p.settle(ctx, &batch[i])
+		}
 	}
 }
 
 // settle ends a success whose lock has a mode record beside it.
 func (p *releases) settle(ctx context.Context, x *pending) {
-	res, err := p.d.store.Settle(ctx, &store.Settle{Ref: x.ref, End: store.EndSuccess, TTL: x.ttl, Release: true})
-	switch {
-	case err != nil:
-		p.d.count(x.ref.Type, evRedisError)
-		p.d.log.Warn("dedup: could not settle the lock at the end of an attempt", slog.String("type", x.ref.Type), slog.String("task_id", x.ref.ID), slog.Any("error", err))
-	case res.Follow != "":
-		p.d.log.Debug("dedup: follow-up queued", slog.String("type", x.ref.Type), slog.String("task_id", res.Follow))
-	}
+	r := x.taken.Ref
+	res, err := p.d.store.Settle(ctx, &store.Settle{Ref: r, End: store.EndSuccess, TTL: x.ttl, Release: true})
+	p.d.report(r.Type, &lease{ref: r}, res, err, true, 0)
 }
 
 // close makes later successes settle themselves and waits for the

@@ -508,7 +508,7 @@ func TestRunningAllowCountsExactly(t *testing.T) {
 // A success whose lock could not be released (Redis did not answer the
 // call that releases it) counts a Redis error, not a release: Released
 // counts locks released. So for a task that arrived without a lock, whose
-// success is released by a drop.
+// success is released together with others (releases.go).
 func TestArrivalSuccessWhoseReleaseFailedIsNotCountedReleased(t *testing.T) {
 	h := newHarness(t, Config{})
 	proxy, slow := proxiedLockStore(t, h, Config{LockTimeout: 200 * time.Millisecond})

@@ -20,6 +20,7 @@ type Start struct {
 	Ref   Ref           // with Lock
 	TTL   time.Duration // a lock it takes lives this long; the task's own at least this long
 	Allow bool          // RunningAllow: the key is freed as the task starts
+	Token string        // the attempt's, in a lock taken as it starts (StartValue)
 	Mode  []any         // the mode record of a lock it takes (a task that arrived without one); nil none
 }
 
@@ -46,7 +47,7 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		if h.holder != "" {
 			kl.add(roleHolder, TaskKey(r.Queue, h.holder))
 		}
-		args := append([]any{kl.roleString(), r.ID, ms(st.TTL), flag(st.Allow), r.FP, h.holder, s.graceSeconds()}, st.Mode...)
+		args := append([]any{kl.roleString(), r.ID, ms(st.TTL), flag(st.Allow), r.FP, h.holder, s.graceSeconds(), st.Token}, st.Mode...)
 		rep, err := s.runReply(ctx, s.sc.start, kl.keys, args)
 		switch {
 		case err != nil:

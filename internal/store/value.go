@@ -16,8 +16,10 @@ import (
 //	<task ID>               held by the task (stored with the lock, or taking it as it starts)
 //	~w<unix seconds>:<ID>   held by a task enqueued through asynq's client, taken at that
 //	                        second before its task was stored (it heals only after the grace)
-//	~a:<ID>                 taken as the task started, its record naming no lock (a task that
-//	                        arrived without one): the task's end releases it
+//	~a<token>:<ID>          taken as the task started, its record naming no lock (a task that
+//	                        arrived without one): the task's end releases it. The token is
+//	                        the attempt's (may be empty), so that a release of an earlier
+//	                        attempt's, arriving late, leaves a later one's lock alone
 //	~c:<ID>                 cooling: the task succeeded; held until the lock expires
 //	~k<unix ms>:<ID>        held by its task, stored with the lock, which asynq's scripts never
 //	                        release: once asynq's record says the task completed (its
@@ -60,7 +62,7 @@ func WrapValue(id string, at time.Time) string {
 
 // StartValue is the lock value of a key task id takes as it starts, its
 // record naming no lock.
-func StartValue(id string) string { return "~a:" + id }
+func StartValue(id, token string) string { return "~a" + token + ":" + id }
 
 // KeptValue is the lock value of a key held by task id, stored with the
 // lock, that cools down until until once asynq records the task completed.

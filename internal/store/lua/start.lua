@@ -11,7 +11,8 @@
 -- ARGV[4]  '1': RunningAllow (the key is freed as the task starts)
 -- ARGV[5]  the key's fingerprint (its member of W)
 -- ARGV[6]  the holder H belongs to ('' none); ARGV[7] heal grace, integer seconds
--- ARGV[8] on: the mode record of a lock this takes (the rule of a task that
+-- ARGV[8]  the attempt's token, in a lock taken as '~a' (value.go's StartValue)
+-- ARGV[9] on: the mode record of a lock this takes (the rule of a task that
 --          arrived without a lock), as field, value pairs
 --
 -- Reply: {1, new}              the task holds the key (new '1': it took it now)
@@ -23,12 +24,11 @@
 --                              stores tasks in another Redis)
 roles(0)
 local A = ARGV
-local id, ttl, allow, new = A[2], A[3], A[4] == '1', ''
+local id, ttl, allow, new, own = A[2], A[3], A[4] == '1', '', '~a' .. A[8] .. ':' .. A[2]
 if call('EXISTS', K.T) == 0 then return {13} end
 local v = call('GET', K.L)
-if not v and not allow and call('EXISTS', K.M) == 0 then -- a free key (most arrivals), taken before lib.lua is defined
-  call('SET', K.L, call('HGET', K.T, 'unique_key') == K.L and id or '~a:' .. id, 'PX', ttl)
-  if #A > 7 then call('HSET', K.M, unpack(A, 8)) call('PEXPIRE', K.M, ttl) call('ZREM', K.W, A[5]) end
+if not v and not allow and #A < 9 and call('EXISTS', K.M) == 0 then -- a free key, no mode (most arrivals): before lib.lua
+  call('SET', K.L, call('HGET', K.T, 'unique_key') == K.L and id or own, 'PX', ttl)
   return {1, '1'}
 end
 -- @lib: lib.lua is spliced in here.
@@ -43,6 +43,7 @@ if holder == id then
     call('HDEL', K.M, 'e')
     call('PEXPIRE', K.L, kind == 'k' and math.max(tonumber(ttl), at - select(2, now_parts())) or ttl) -- (a kept key: its window at least)
   end
+  if kind == 'a' then call('SET', K.L, own, 'KEEPTTL') end -- (this attempt's: an earlier one's late release leaves it)
 elseif holder then
   if kind == 'x' then return {0, holder, ''} end
   if holder ~= A[6] then K.H = nil end
@@ -72,12 +73,12 @@ if not holder then
   -- it at enqueue): a kept task's success makes no call to cool it.
   local v, cd = id, m[1] == id and m[6] or '0'
   local left = tonumber(cd) - select(2, now_parts())
-  if call('HGET', K.T, 'unique_key') ~= K.L then v = '~a:' .. id
+  if call('HGET', K.T, 'unique_key') ~= K.L then v = own
   elseif left > 0 then v, ttl = '~k' .. cd .. ':' .. id, math.max(tonumber(ttl), left) end
   call('SET', K.L, v, 'PX', ttl)
-  if #A > 7 then
+  if #A > 8 then
     call('DEL', K.M)
-    call('HSET', K.M, unpack(A, 8))
+    call('HSET', K.M, unpack(A, 9))
     if f then call('HSET', K.M, 'f', f) end -- (a follow-up the key owes runs after this task)
     if f and m[3] then call('HSET', K.M, 'b', m[3]) end -- (and waits, for MaxPending)
     call('PEXPIRE', K.M, ttl)
