@@ -67,7 +67,7 @@ end
 if not holder then
   new = '1'
   if allow then return {9, new} end
-  -- Its own ID, where its record names the lock (asynq releases it), else '~a:':
+  -- Its own ID, where its record names the lock (asynq releases it), else '~a<token>:':
   -- the task's end releases it. A task whose mode record keeps a cooldown
   -- (or window) not yet over takes it back kept until then ('~k', as it took
   -- it at enqueue): a kept task's success makes no call to cool it.
