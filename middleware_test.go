@@ -1007,3 +1007,60 @@ func TestLateReleaseOfASuccessLeavesTheLockOfTheNextTaskOfAReusedID(t *testing.T
 		t.Fatalf("enqueue while the second job-1 runs: %v, want a duplicate", err)
 	}
 }
+
+// A caller-chosen task ID may be used again once asynq is done with its
+// task (no Retention: its record is gone), and the ID's next task may come
+// through the library's clients (WrapClient, NewClient), which meet the
+// first task's lock, left by its success until the shared release, as
+// their own ID's (StatusSelf) and store the task under it as it is,
+// '~a<token>:<id>'. Should that release reach Redis late (a stalled
+// connection), it must not delete the lock of the ID's next task, which
+// runs: the key stays held and a duplicate is refused.
+func TestLateReleaseLeavesTheLockOfAReusedIDsNextTaskEnqueuedThroughTheLibrary(t *testing.T) {
+	for _, via := range []string{"WrapClient", "NewClient"} {
+		t.Run(via, func(t *testing.T) {
+			h := newHarness(t, Config{})
+			if via == "NewClient" {
+				h.client = h.d.NewClient()
+			}
+			proxy, slow := proxiedLockStore(t, h, Config{LockTimeout: 10 * time.Second})
+			task := userTask(1, "")
+			key := h.keyOf(task, h.queue)
+			srvA := serveWith(t, h.rdb, slow, h.queue, asynq.HandlerFunc(func(context.Context, *asynq.Task) error {
+				proxy.stall()
+				return nil
+			}), nil)
+			t.Cleanup(proxy.resume)
+			if _, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
+				t.Fatal(err)
+			}
+			eventually(t, "asynq done with the first job-1", func() bool {
+				_, err := h.insp.GetTaskInfo(h.queue, "job-1")
+				return errors.Is(err, asynq.ErrTaskNotFound)
+			})
+			srvA.Shutdown()
+			release := make(chan struct{})
+			rc := newRecorder(func(run) error { <-release; return nil })
+			h.serve(rc.handler(), nil)
+			t.Cleanup(func() { close(release) }) // (before the server's shutdown)
+			if _, err := h.client.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
+				t.Fatalf("enqueue job-1 again through %s: %v", via, err)
+			}
+			waitFor(t, rc.runs, "the second job-1 runs")
+			if owner := h.lockOwner(key); owner != "job-1" {
+				t.Fatalf("lock owner %q while the second job-1 runs, want job-1", owner)
+			}
+			proxy.resume()
+			if err := slow.Close(); err != nil { // (waits for worker A's release)
+				t.Fatal(err)
+			}
+			if owner := h.lockOwner(key); owner != "job-1" {
+				t.Fatalf("worker A's late release deleted the lock of the running second job-1 (enqueued through %s): owner %q", via, owner)
+			}
+			var dup *DuplicateTaskError
+			if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) {
+				t.Fatalf("enqueue while the second job-1 runs: %v, want a duplicate", err)
+			}
+		})
+	}
+}
