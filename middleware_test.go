@@ -10,8 +10,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/redistest"
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
 )
 
@@ -1062,5 +1064,99 @@ func TestLateReleaseLeavesTheLockOfAReusedIDsNextTaskEnqueuedThroughTheLibrary(t
 				t.Fatalf("enqueue while the second job-1 runs: %v, want a duplicate", err)
 			}
 		})
+	}
+}
+
+// pauseAfterReleaseAll holds the first release_all call's answer from its
+// caller until resume is closed (a connection that stalls after it).
+type pauseAfterReleaseAll struct {
+	once    sync.Once
+	reached chan struct{}
+	resume  chan struct{}
+}
+
+func (p *pauseAfterReleaseAll) after(cmds ...redis.Cmder) {
+	for _, c := range cmds {
+		if a := c.Args(); len(a) > 1 && c.Name() == "evalsha" && a[1] == store.ScriptHash("release_all") {
+			p.once.Do(func() { close(p.reached); <-p.resume })
+		}
+	}
+}
+func (p *pauseAfterReleaseAll) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (p *pauseAfterReleaseAll) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { err := next(ctx, cmd); p.after(cmd); return err }
+}
+func (p *pauseAfterReleaseAll) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		err := next(ctx, cmds)
+		p.after(cmds...)
+		return err
+	}
+}
+
+// A success released together whose lock has a mode record beside it (a
+// gone holder's, left behind) is answered 'left' and settled by a call of
+// its own. Should that settle reach Redis late, after the ID's next task
+// (a caller-chosen ID used again) took the key as it started, it must leave
+// that running task's lock, as the shared release does: the key stays held
+// and a duplicate is refused.
+func TestLateSettleOfALeftReleaseLeavesTheLockOfTheNextTaskOfAReusedID(t *testing.T) {
+	needRealRedis(t)
+	h := newHarness(t, Config{})
+	pause := &pauseAfterReleaseAll{reached: make(chan struct{}), resume: make(chan struct{})}
+	rdb := redis.NewClient(&redis.Options{Addr: redistest.Addr(), ContextTimeoutEnabled: true}) // (the Dedup uses it, hooked, as it is)
+	t.Cleanup(func() { _ = rdb.Close() })
+	rdb.AddHook(pause)
+	slow, err := New(context.Background(), rdb, Config{Prefix: h.prefix, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = slow.Close() })
+	t.Cleanup(func() {
+		select {
+		case <-pause.resume:
+		default:
+			close(pause.resume)
+		}
+	})
+	task := userTask(1, "")
+	key := h.keyOf(task, h.queue)
+	ctx := context.Background()
+	// A mode record of a holder gone since, left beside the key.
+	if err := h.rdb.HSet(ctx, store.ModeOf(key), store.FieldHolder, "gone-holder").Err(); err != nil {
+		t.Fatal(err)
+	}
+	h.rdb.Expire(ctx, store.ModeOf(key), time.Minute)
+	srvA := serveWith(t, h.rdb, slow, h.queue, asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }), nil)
+	if _, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, pause.reached, "the first job-1's release answered")
+	eventually(t, "asynq done with the first job-1", func() bool {
+		_, err := h.insp.GetTaskInfo(h.queue, "job-1")
+		return errors.Is(err, asynq.ErrTaskNotFound)
+	})
+	srvA.Shutdown()
+	release := make(chan struct{})
+	rc := newRecorder(func(run) error { <-release; return nil })
+	h.serve(rc.handler(), nil)
+	t.Cleanup(func() { close(release) }) // (before the server's shutdown)
+	if _, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, rc.runs, "the second job-1 runs")
+	if owner := h.lockOwner(key); owner != "job-1" {
+		t.Fatalf("lock owner %q while the second job-1 runs, want job-1", owner)
+	}
+	close(pause.resume)
+	if err := slow.Close(); err != nil { // (waits for worker A's settle)
+		t.Fatal(err)
+	}
+	if owner := h.lockOwner(key); owner != "job-1" {
+		t.Fatalf("worker A's late settle released the lock of the running second job-1: owner %q", owner)
+	}
+	var dup *DuplicateTaskError
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) {
+		t.Fatalf("enqueue while the second job-1 runs: %v, want a duplicate", err)
 	}
 }
