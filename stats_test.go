@@ -527,3 +527,41 @@ func TestArrivalSuccessWhoseReleaseFailedIsNotCountedReleased(t *testing.T) {
 		t.Fatalf("processed %d, redis errors %d, released %d; want 1, 1, 0", s.Processed, s.RedisErrors, s.Released)
 	}
 }
+
+// A task that arrived without a lock may find its key held under its own
+// ID already, in another form than a start's: a caller-chosen ID that
+// WrapClient took the key for ('~w'), whose task an operator deleted
+// before it ran, enqueued again through asynq's client. Its start takes
+// the lock as its own, as it is; its success must release that lock and
+// count it released, as a settle did, not count it lost (the shared
+// release compares the value with '~a<token>:<id>' only) and leave it for
+// the key's next use to heal.
+func TestArrivalSuccessUnderALockItsIDHeldAlreadyIsReleased(t *testing.T) {
+	h := newHarness(t, Config{})
+	task := userTask(1, "")
+	key := h.keyOf(task, h.queue)
+	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.insp.DeleteTask(h.queue, "job-1"); err != nil {
+		t.Fatal(err)
+	}
+	if owner := h.lockOwner(key); owner != "job-1" {
+		t.Fatalf("lock owner %q after the delete, want job-1 (its lock stays for the key's next use)", owner)
+	}
+	ran := make(chan struct{}, 1)
+	h.serve(func(context.Context, *asynq.Task) error { ran <- struct{}{}; return nil }, nil)
+	info, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, ran, "job-1 runs")
+	eventually(t, "asynq done with it", func() bool { return h.finished(info.ID) })
+	eventually(t, "its end counted", func() bool { s := h.d.Stats(); return s.Released+s.LockLost+s.RedisErrors >= 1 })
+	if s := h.d.Stats(); s.Released != 1 || s.LockLost != 0 {
+		t.Fatalf("released %d, lock lost %d; want 1, 0 (the lock was its own)", s.Released, s.LockLost)
+	}
+	if owner := h.lockOwner(key); owner != "" {
+		t.Fatalf("lock left after its success, owner %q", owner)
+	}
+}
