@@ -146,6 +146,7 @@ func (d *Dedup) start(ctx context.Context, t *asynq.Task, next asynq.Handler, ru
 	case st.Status != store.StatusTaken:
 		return true, d.busy(ctx, t, rule, l, &st)
 	}
+	l.held = st.Value
 	return false, nil
 }
 
@@ -547,6 +548,7 @@ type lease struct {
 	mode    []any       // a task that arrived without a lock: the mode record of the key it takes
 	arrived bool        // arrived without a lock: the execution-time guard keyed it
 	token   string      // an arrival's: in the lock it takes as it starts (store.StartValue)
+	held    string      // the lock's value after the start call (its start made one)
 	again   bool        // asynq runs the task again (retried before)
 	lost    string      // the task lost its key while it waited (store.HeaderLost)
 	ttl     time.Duration

@@ -58,7 +58,8 @@ type pending struct {
 // releasedTogether reports whether an attempt that ended so is released
 // with others (releases).
 func (l *lease) releasedTogether(s *store.Settle) bool {
-	return l.arrived && l.mode == nil && s.End == store.EndSuccess && s.Release && !l.outlivedMark.Load()
+	return l.arrived && l.mode == nil && s.End == store.EndSuccess && s.Release && !l.outlivedMark.Load() &&
+		l.held == store.StartValue(l.ref.ID, l.token) // (else a lock it met as its own, of another value: settled)
 }
 
 // add queues the lock of a success for its release, or reports false after
@@ -69,7 +70,7 @@ func (p *releases) add(l *lease, ttl time.Duration) bool {
 	if p.closed {
 		return false
 	}
-	p.batch = append(p.batch, pending{taken: store.Taken{Ref: l.ref, Value: store.StartValue(l.ref.ID, l.token)}, ttl: ttl})
+	p.batch = append(p.batch, pending{taken: store.Taken{Ref: l.ref, Value: l.held}, ttl: ttl})
 	if !p.armed {
 		p.armed = true
 		p.sent.Add(1)
@@ -115,7 +116,7 @@ func (p *releases) send() {
 // settle ends a success whose lock has a mode record beside it.
 func (p *releases) settle(ctx context.Context, x *pending) {
 	r := x.taken.Ref
-	res, err := p.d.store.Settle(ctx, &store.Settle{Ref: r, End: store.EndSuccess, TTL: x.ttl, Release: true})
+	res, err := p.d.store.Settle(ctx, &store.Settle{Ref: r, End: store.EndSuccess, TTL: x.ttl, Release: true, Value: x.taken.Value})
 	p.d.report(r.Type, &lease{ref: r}, res, err, true, 0)
 }
 

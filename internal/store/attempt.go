@@ -32,6 +32,7 @@ type StartResult struct {
 	Failed     bool          // StatusCooling: held after the holder failed for good (OnFailure)
 	New        bool          // StatusTaken: the attempt took the free key; StatusAllowed: there was no lock to drop
 	HolderRuns bool          // StatusHeld: the holder is running
+	Value      string        // StatusTaken: the lock's value after the start (StartValue: this attempt's)
 }
 
 // Start runs the start script, calling it again with the keys it asks for.
@@ -70,7 +71,7 @@ func startResult(rep reply) StartResult {
 	case StatusCooling:
 		res.Holder, res.Cooling, res.Failed = rep.str(0), parseMillis(rep.str(1)), rep.str(2) == heldFailed
 	case StatusTaken, StatusAllowed:
-		res.New = rep.str(0) == "1"
+		res.New, res.Value = rep.str(0) == "1", rep.str(1)
 	}
 	return res
 }
@@ -117,6 +118,10 @@ type Settle struct {
 	// Note: the attempt's token, when asynq gave it up while its handler ran
 	// and the key noted that handler (Extend.Note): the note goes now.
 	Note string
+	// Value: the lock's value as the attempt took it (StartValue), for an
+	// end settled after asynq's done: the key is the attempt's only while
+	// the lock holds exactly that (a later attempt's start rewrites it).
+	Value string
 }
 
 // SettleResult is what settle did.
@@ -144,7 +149,7 @@ func (s *Store) Settle(ctx context.Context, st *Settle) (SettleResult, error) {
 			addFollowKeys(kl, r.Queue, follow)
 		}
 		rep, err := s.runReply(ctx, s.sc.settle, kl.keys, []any{kl.roleString(), r.ID, st.End, ms(st.TTL), st.Err, st.releaseArg(), follow,
-			int64(st.Due / time.Second), st.Note})
+			int64(st.Due / time.Second), st.Note, st.Value})
 		switch {
 		case err != nil:
 			return SettleResult{}, err

@@ -78,7 +78,7 @@ if holder then
   end
   local left = cools(kind, at, state)
   if left then return {14, holder, left, 'c'} end
-  if own and gone(state) then return {(state or moved) and 7 or 2} end
+  if own and gone(state) and (state or moved or kind ~= 'a') then return {(state or moved) and 7 or 2} end -- ('a': a start's, gone)
   if not state and not moved and kind == 'w' and now - at < tonumber(A[13]) then
     return (policy ~= 'x' or running == 'd') and {6, holder} or {0, holder, ''}
   end

@@ -21,6 +21,7 @@
 -- ARGV[7]  the follow-up G belongs to ('' none)
 -- ARGV[8]  'retry': seconds until asynq runs the task again
 -- ARGV[9]  the attempt's token if asynq gave it up while its handler ran: its note (o, oa) goes
+-- ARGV[10] the lock's value as the attempt took it ('' any naming the task): else it is not the task's
 --
 -- Reply: {1, what[, followup]}  what: '' (asynq releases it, or a failure that heals
 --                               at the key's next enqueue), 'released', 'held' (for the
@@ -34,7 +35,9 @@
 roles(0)
 local A = ARGV
 local id, out = A[2], A[3]
-local holder, kind = holder_of(call('GET', K.L))
+local v = call('GET', K.L)
+if A[10] ~= '' and v ~= A[10] then return {0} end
+local holder, kind = holder_of(v)
 local m = call('HMGET', K.M, 'id', 'f', 'cd', 'fh', 'pw', 'o', 'oa')
 local mine, st = m[1] == id, (A[6] == 'q' or not holder) and call('HGET', K.T, 'state') -- (read only where used)
 if st and not belongs(K.T, id, kind, K.L) then st = nil end -- (another key's task, by a reused caller ID)

@@ -15,7 +15,7 @@
 -- ARGV[9] on: the mode record of a lock this takes (the rule of a task that
 --          arrived without a lock), as field, value pairs
 --
--- Reply: {1, new}              the task holds the key (new '1': it took it now)
+-- Reply: {1, new, value}       the task holds the key (new '1': it took it now), the lock's value
 --        {0, holder, run}      held by another live task (run '1': it is running)
 --        {14, holder, ms, k}   held after its last task ended (as acquire.lua)
 --        {9, new}              RunningAllow: the lock is dropped (new '1': there was none)
@@ -28,8 +28,9 @@ local id, ttl, allow, new, own = A[2], A[3], A[4] == '1', '', '~a' .. A[8] .. ':
 if call('EXISTS', K.T) == 0 then return {13} end
 local v = call('GET', K.L)
 if not v and not allow and #A < 9 and call('EXISTS', K.M) == 0 then -- a free key, no mode (most arrivals): before lib.lua
-  call('SET', K.L, call('HGET', K.T, 'unique_key') == K.L and id or own, 'PX', ttl)
-  return {1, '1'}
+  own = call('HGET', K.T, 'unique_key') == K.L and id or own
+  call('SET', K.L, own, 'PX', ttl)
+  return {1, '1', own}
 end
 -- @lib: lib.lua is spliced in here.
 local holder, kind, at = holder_of(v)
@@ -90,4 +91,4 @@ end
 if m[3] and (not f or f == id) then call('ZREM', K.W, A[5]) end
 if not f or f == id then call('HDEL', K.M, 'b', 'f') end
 if allow then call('DEL', K.L) else lengthen(K.L, ttl) end
-return {allow and 9 or 1, new}
+return {allow and 9 or 1, new, not allow and call('GET', K.L) or ''}
