@@ -44,8 +44,12 @@ func (k Keys) Lock(queue, fp string) string { return k.prefix + ":{" + queue + "
 // Wait is the set of a type's keys waiting in queue (MaxPending).
 func (k Keys) Wait(queue, typ string) string { return k.prefix + ":{" + queue + "}:w:" + typ }
 
-// lockMark is what separates a lock key's queue from its fingerprint.
-const lockMark = "}:u:"
+// lockMark and modeMark are what separate a lock key's, and a mode
+// record's, queue from its fingerprint.
+const (
+	lockMark = "}:u:"
+	modeMark = "}:m:"
+)
 
 // ModeOf is the mode record of the lock at lock (whatever its prefix).
 func ModeOf(lock string) string {
@@ -53,7 +57,21 @@ func ModeOf(lock string) string {
 	if i < 0 {
 		return lock + ":m"
 	}
-	return lock[:i] + "}:m:" + lock[i+len(lockMark):]
+	return lock[:i] + modeMark + lock[i+len(lockMark):]
+}
+
+// LockOfMode is the lock whose mode record is at mode (whatever its
+// prefix); "" for a key that is not a mode record's.
+func LockOfMode(mode string) string {
+	i := strings.LastIndex(mode, modeMark)
+	if i < 0 {
+		return ""
+	}
+	lock := mode[:i] + lockMark + mode[i+len(modeMark):]
+	if _, _, _, ok := ParseLockKey(lock); !ok || ModeOf(lock) != mode {
+		return ""
+	}
+	return lock
 }
 
 // WaitOf is the waiting set of typ beside the lock at lock.
@@ -111,6 +129,16 @@ func (k Keys) LockPattern(queue string) string {
 		q = globEscape(queue)
 	}
 	return globEscape(k.prefix) + ":{" + q + lockMark + "*"
+}
+
+// ModePattern is the SCAN MATCH pattern of the mode records of queue, or of
+// every queue for "".
+func (k Keys) ModePattern(queue string) string {
+	q := "*"
+	if queue != "" {
+		q = globEscape(queue)
+	}
+	return globEscape(k.prefix) + ":{" + q + modeMark + "*"
 }
 
 // ParseLock splits a lock key of this prefix into its queue and

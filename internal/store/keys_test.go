@@ -42,16 +42,28 @@ func TestParseLockKey(t *testing.T) {
 func TestKeysBesideTheLock(t *testing.T) {
 	k := NewKeys("dedup")
 	fp := "0123456789abcdef"
-	for _, q := range []string{"critical", "a}:u:b", "{x}"} {
+	for _, q := range []string{"critical", "a}:u:b", "a}:m:b", "{x}"} {
 		lock := k.Lock(q, fp)
 		if got, want := ModeOf(lock), "dedup:{"+q+"}:m:"+fp; got != want {
 			t.Errorf("ModeOf(%q) = %q, want %q", lock, got, want)
+		}
+		if got := LockOfMode(ModeOf(lock)); got != lock {
+			t.Errorf("LockOfMode(%q) = %q, want %q", ModeOf(lock), got, lock)
 		}
 		if got, want := WaitOf(lock, "t"), k.Wait(q, "t"); got != want {
 			t.Errorf("WaitOf(%q) = %q, want %q", lock, got, want)
 		}
 		if p, gotQ, gotFP, ok := ParseLockKey(lock); !ok || p != "dedup" || gotQ != q || gotFP != fp {
 			t.Errorf("ParseLockKey(%q) = %q, %q, %q, %v", lock, p, gotQ, gotFP, ok)
+		}
+	}
+}
+
+// A key that is not a mode record names no lock.
+func TestLockOfModeOfOtherKeys(t *testing.T) {
+	for _, key := range []string{"dedup:{q}:u:0123456789abcdef", "dedup:{q}:m:0123456789abcde", "dedup:{q}:m:", "asynq:{q}:t:x", ""} {
+		if got := LockOfMode(key); got != "" {
+			t.Errorf("LockOfMode(%q) = %q, want \"\"", key, got)
 		}
 	}
 }
