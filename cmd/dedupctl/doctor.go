@@ -15,7 +15,7 @@ func doctorCommand() *command {
 	return &command{
 		name:     "doctor",
 		synopsis: "[--fix] [--grace D] [--type T] [--queue Q]",
-		summary:  "find locks whose holder cannot run (gone, or in no list); release them with --fix",
+		summary:  "find locks whose holder cannot run (gone, or in no list), and follow-ups owed by keys with no lock; release them with --fix",
 		help: `Checks every lock (on every master with --cluster) against its holder task's
 record in asynq and reports the locks whose holder cannot run:
 
@@ -27,6 +27,11 @@ record in asynq and reports the locks whose holder cannot run:
         what a forced slot migration (redis-cli --cluster fix with REPLACE) or
         a lossy failover leaves behind. The lock would refuse its key until
         it expires; healing does not apply, as the record looks alive.
+  owed  no lock, but the key's mode record names a follow-up (RunningDefer)
+        that still waits, owed by a holder that cannot run (missing,
+        completed or archived): the owed signal missed that the holder's
+        run made it, and it waits until its parking time. Doctor scans the
+        mode records for these, beside the locks.
 
 A lock a policy keeps past its task is never found, whatever its holder's
 state: a cooling key (Cooldown, Period), a fail hold (OnFailure: an
@@ -40,6 +45,7 @@ keeps it (checked again as it is released); the tasks are left
 as they are (a lost task's record stays for you to inspect or re-enqueue),
 but for a follow-up the lock owes (RunningDefer) that still waits: it takes
 the key and is queued now, as the end of its holder's run would have done.
+An owed key's follow-up is queued now too (it takes the key as it starts).
 Exit status 0 whether or not locks were found.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
 			o := &doctorFlags{}
@@ -82,6 +88,8 @@ func printDoctor(w io.Writer, out doctorOutput, fix bool) {
 		for _, f := range out.Findings {
 			detail := f.Detail
 			switch {
+			case f.Released && f.FollowUp != "" && f.Problem == lockview.ProblemOwed:
+				detail += "; follow-up " + f.FollowUp + " queued now"
 			case f.Released && f.FollowUp != "":
 				detail += "; released to its follow-up " + f.FollowUp + ", queued now"
 			case f.Released:
@@ -93,8 +101,22 @@ func printDoctor(w io.Writer, out doctorOutput, fix bool) {
 		}
 		_ = tw.Flush()
 	}
-	n := len(out.Findings)
-	fmt.Fprintf(w, "%d %s checked, %d %s holder cannot run", out.Checked, plural(out.Checked, "lock", "locks"), n, plural(n, "lock whose", "locks whose"))
+	printDoctorSummary(w, out, fix)
+}
+
+// printDoctorSummary prints doctor's last line: what it checked and found.
+func printDoctorSummary(w io.Writer, out doctorOutput, fix bool) {
+	owed := 0
+	for _, f := range out.Findings {
+		if f.Problem == lockview.ProblemOwed {
+			owed++
+		}
+	}
+	n, locks := len(out.Findings), len(out.Findings)-owed
+	fmt.Fprintf(w, "%d %s checked, %d %s holder cannot run", out.Checked, plural(out.Checked, "lock", "locks"), locks, plural(locks, "lock whose", "locks whose"))
+	if owed > 0 {
+		fmt.Fprintf(w, ", %d %s with no lock", owed, plural(owed, "key owing a follow-up", "keys owing a follow-up"))
+	}
 	if y := len(out.Young); y > 0 {
 		fmt.Fprintf(w, ", %d %s younger than --grace %s left alone", y, plural(y, "orphan", "orphans"), out.Grace)
 	}

@@ -437,3 +437,89 @@ func TestDoctorFixHandsACallerIDOwnersKeyToItsFollowUp(t *testing.T) {
 		t.Fatalf("the key's next update: %+v %v, want Replaced into the follow-up %s, which holds the key", again, err, res.TaskID)
 	}
 }
+
+// owedKey writes, straight into Redis, what a RunningDefer holder's quiet
+// success leaves when the owed signal missed its follow-up: no lock, and a
+// mode record naming the holder (a plain ID; stored pending when live,
+// else with no record) and the follow-up it owed, stored scheduled (parked
+// an hour away) in asynq's scheduled set. It returns the lock key, the
+// holder and the follow-up.
+func (f *fixture) owedKey(queue, typ string, live bool) (lock, holder, follow string) {
+	f.t.Helper()
+	ctx := context.Background()
+	lock = store.NewKeys(f.prefix).Lock(queue, randHex(8))
+	raw := asynq.NewClientFromRedisClient(f.rdb)
+	holder, follow = store.NewPlainID(), store.NewFollowID()
+	if live {
+		if _, err := raw.EnqueueContext(ctx, asynq.NewTask(typ, []byte(`{"seq":0}`)), asynq.Queue(queue), asynq.TaskID(holder)); err != nil {
+			f.t.Fatal(err)
+		}
+	}
+	if _, err := raw.EnqueueContext(ctx, asynq.NewTask(typ, []byte(`{"seq":1}`)), asynq.Queue(queue), asynq.TaskID(follow), asynq.ProcessIn(time.Hour)); err != nil {
+		f.t.Fatal(err)
+	}
+	mode := store.ModeOf(lock)
+	if err := f.rdb.HSet(ctx, mode, store.FieldHolder, holder, store.FieldType, typ, store.FieldRunning, "d", store.FieldFollow, follow).Err(); err != nil {
+		f.t.Fatal(err)
+	}
+	f.rdb.Expire(ctx, mode, time.Hour)
+	return lock, holder, follow
+}
+
+// The owed signal can miss that a RunningDefer holder's quiet success owed
+// a follow-up (docs/lifecycle.md): asynq's done deleted the lock, and the
+// follow-up stays parked in the scheduled set until its parking time.
+// doctor finds the key by its mode record, and --fix queues the follow-up
+// now; --type and --queue narrow the search as they do for locks.
+func TestDoctorFindsAFollowUpOwedByAKeyWithNoLockAndFixQueuesIt(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	lock, holder, follow := f.owedKey(f.qa, "report:build", false)
+
+	out := decode[doctorOutput](t, f.ok("--json", "doctor"))
+	if len(out.Findings) != 1 || out.Findings[0].Problem != store.ProblemOwed || out.Findings[0].Key != lock ||
+		out.Findings[0].Holder != holder || out.Findings[0].Type != "report:build" || out.Findings[0].Queue != f.qa ||
+		!strings.Contains(out.Findings[0].Detail, follow) || out.Findings[0].Released {
+		t.Fatalf("doctor: %+v; want key %s owing follow-up %s, holder %s", out.Findings, lock, follow, holder)
+	}
+	r := f.ok("doctor")
+	if want := "follow-up " + follow + " (scheduled) is owed, but the key has no lock: it waits until its parking time"; !strings.Contains(r.stdout, want) ||
+		!strings.Contains(r.stdout, "owed") || !strings.Contains(r.stdout, "run with --fix") {
+		t.Errorf("doctor text, want %q:\n%s", want, r.stdout)
+	}
+	for _, narrow := range [][]string{{"--type", "other:type"}, {"--queue", f.qb}} {
+		if n := decode[doctorOutput](t, f.ok(append([]string{"--json", "doctor"}, narrow...)...)); len(n.Findings) != 0 {
+			t.Errorf("doctor %v: %+v; want nothing", narrow, n.Findings)
+		}
+	}
+	if st := f.taskState(f.qa, follow); st != "scheduled" {
+		t.Fatalf("follow-up %s is %s before --fix, want scheduled (doctor alone changes nothing)", follow, st)
+	}
+
+	fixed := decode[doctorOutput](t, f.ok("--json", "doctor", "--fix", "--type", "report:build", "--queue", f.qa))
+	if fixed.Released != 1 || len(fixed.Findings) != 1 || !fixed.Findings[0].Released || fixed.Findings[0].FollowUp != follow {
+		t.Fatalf("doctor --fix: %+v; want follow-up %s queued", fixed, follow)
+	}
+	if st := f.taskState(f.qa, follow); st != "pending" {
+		t.Fatalf("follow-up %s is %s after --fix, want pending (queued now)", follow, st)
+	}
+	if again := decode[doctorOutput](t, f.ok("--json", "doctor")); len(again.Findings) != 0 {
+		t.Errorf("doctor after --fix: %+v; want nothing owed", again.Findings)
+	}
+}
+
+// A key with no lock whose holder still waits (or runs) is not reported,
+// though its mode record names a follow-up: the holder hands the key on at
+// its end. --fix touches neither task.
+func TestDoctorLeavesAFollowUpOwedByAHolderThatCanStillRun(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, dedup.Config{})
+	_, holder, follow := f.owedKey(f.qa, "report:build", true)
+	out := decode[doctorOutput](t, f.ok("--json", "doctor", "--fix"))
+	if len(out.Findings) != 0 || out.Released != 0 {
+		t.Fatalf("doctor --fix: %+v; want nothing found (holder %s pending)", out, holder)
+	}
+	if h, fu := f.taskState(f.qa, holder), f.taskState(f.qa, follow); h != "pending" || fu != "scheduled" {
+		t.Fatalf("after doctor --fix: holder %s, follow-up %s; want pending and scheduled", h, fu)
+	}
+}

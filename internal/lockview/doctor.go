@@ -8,14 +8,15 @@ import (
 	"github.com/asynq-dedup/dedup/internal/store"
 )
 
-// Finding is one lock whose holder cannot run (or an orphan left alone).
+// Finding is one lock whose holder cannot run (or an orphan left alone), or
+// a key with no lock that owes a follow-up (store.ProblemOwed).
 type Finding struct {
 	Key       string `json:"key"`
 	Queue     string `json:"queue"`
 	Type      string `json:"type"`
 	Holder    string `json:"holder"`
 	TaskState string `json:"task_state"`
-	Problem   string `json:"problem"` // gone or lost
+	Problem   string `json:"problem"` // gone, lost or owed
 	Detail    string `json:"detail"`
 	Released  bool   `json:"released,omitempty"`
 	FollowUp  string `json:"follow_up_queued,omitempty"` // the owed follow-up that took the key, queued now
@@ -23,6 +24,10 @@ type Finding struct {
 
 	lock *store.Lock
 }
+
+// ProblemOwed is the problem of a key with no lock that owes a follow-up
+// which still waits (store.ProblemOwed): fixing it queues the follow-up.
+const ProblemOwed = store.ProblemOwed
 
 // Report is what Doctor found.
 type Report struct {
@@ -37,10 +42,12 @@ type Report struct {
 }
 
 // Doctor checks every lock of prefix that passes f against its holder's
-// record (store.Diagnose) and, with fix, releases those no task and no
-// policy keeps: the holder cannot run, and the key is not held on purpose
-// (a cooldown, a fail hold, a firing's window), holder-checked
-// (store.ReleaseStuck).
+// record (store.Diagnose), and every mode record for a follow-up owed by a
+// key whose lock is gone (store.DiagnoseOwed), and, with fix, releases
+// those no task and no policy keeps: the holder cannot run, and the key is
+// not held on purpose (a cooldown, a fail hold, a firing's window),
+// holder-checked (store.ReleaseStuck), which queues an owed follow-up
+// that waits.
 func Doctor(ctx context.Context, src Source, prefix string, f Filter, grace time.Duration, fix bool) (*Report, error) {
 	s, err := NewScanner(ctx, src, prefix, f, 500)
 	if err != nil {
@@ -62,6 +69,11 @@ func Doctor(ctx context.Context, src Source, prefix string, f Filter, grace time
 	}
 	for _, d := range ds {
 		out.Findings = append(out.Findings, findingOf(d))
+	}
+	if err := s.EachKeys(ctx, store.NewKeys(prefix).ModePattern(f.Queue), func(keys []string) error {
+		return out.addOwed(ctx, src, keys, f)
+	}); err != nil {
+		return nil, err
 	}
 	if fix {
 		out.Fix(ctx, src, func(*Finding) bool { return true })
@@ -116,6 +128,23 @@ func keptWhy(kept string) string {
 		return "taken before its task was stored, less than the grace (at least 1s) ago: its task may not be stored yet"
 	}
 	return "its holder is " + kept + " now, and can run"
+}
+
+// addOwed adds the keys owing a follow-up among the mode records at keys
+// that pass f (store.DiagnoseOwed).
+func (r *Report) addOwed(ctx context.Context, src Source, keys []string, f Filter) error {
+	owed, err := store.DiagnoseOwed(ctx, src.RDB, store.NewKeys(r.Prefix), keys)
+	if err != nil {
+		return err
+	}
+	for _, o := range owed {
+		l := o.Lock
+		if (f.Type == "" || l.Type == f.Type) && (f.Queue == "" || l.Queue == f.Queue) {
+			r.Findings = append(r.Findings, Finding{Key: l.Key, Queue: l.Queue, Type: l.Type, Holder: l.Owner, TaskState: l.TaskState,
+				Problem: ProblemOwed, Detail: o.Detail, lock: l})
+		}
+	}
+	return nil
 }
 
 // findingOf presents one diagnosis.

@@ -160,3 +160,26 @@ func (s *Scanner) Collect(ctx context.Context, start Position, limit int) (locks
 		}
 	}
 }
+
+// EachKeys calls fn with each SCAN page of the keys matching pattern on
+// every master (not only locks: Doctor scans mode records with it).
+func (s *Scanner) EachKeys(ctx context.Context, pattern string, fn func(keys []string) error) error {
+	for _, m := range s.masters {
+		var cur uint64
+		for {
+			keys, next, err := m.Scan(ctx, cur, pattern, s.count).Result()
+			if err != nil {
+				return fmt.Errorf("SCAN on %s: %w", m.Options().Addr, err)
+			}
+			if len(keys) > 0 {
+				if err := fn(keys); err != nil {
+					return err
+				}
+			}
+			if cur = next; cur == 0 {
+				break
+			}
+		}
+	}
+	return nil
+}
