@@ -157,6 +157,8 @@ func (h *Handler) fixResult(w http.ResponseWriter, r *http.Request, rep *lockvie
 	var lines []string
 	for _, f := range rep.Findings {
 		switch {
+		case f.Released && f.FollowUp != "" && f.Problem == lockview.ProblemOwed:
+			lines = append(lines, "queued now the follow-up "+f.FollowUp+" that "+f.Key+" owed (holder "+f.Holder+")")
 		case f.Released && f.FollowUp != "":
 			lines = append(lines, "released "+f.Key+" (holder "+f.Holder+") to its follow-up "+f.FollowUp+", queued now")
 		case f.Released:

@@ -1127,3 +1127,31 @@ func TestMinuteCountersOfOddTypesShowUnderTheirOwnNames(t *testing.T) {
 		}
 	}
 }
+
+// The doctor page lists a key with no lock that owes a follow-up still
+// parked (the owed signal missed it), as "owed", and its fix queues the
+// follow-up now.
+func TestDoctorShowsAnOwedFollowUpAndFixQueuesIt(t *testing.T) {
+	w := webtest.New(t)
+	ctx := context.Background()
+	lock := store.NewKeys(w.Prefix).Lock(w.QA, "00000000000000f1")
+	holder, follow := store.NewPlainID(), store.NewFollowID()
+	raw := asynq.NewClientFromRedisClient(w.RDB)
+	if _, err := raw.EnqueueContext(ctx, asynq.NewTask("report:build", nil), asynq.Queue(w.QA), asynq.TaskID(follow), asynq.ProcessIn(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	w.RDB.HSet(ctx, store.ModeOf(lock), store.FieldHolder, holder, store.FieldType, "report:build", store.FieldRunning, "d", store.FieldFollow, follow)
+	srv := w.Serve(dedupweb.Options{AllowRelease: true})
+	_, body := get(t, http.DefaultClient, srv.URL+"/doctor")
+	if !strings.Contains(body, "<td>owed</td>") || !strings.Contains(body, html.EscapeString(lock)) || !strings.Contains(body, follow) {
+		t.Fatalf("doctor should list %s as owed:\n%s", lock, errorText(body))
+	}
+	_, confirm := get(t, http.DefaultClient, srv.URL+"/doctor/fix")
+	code, body := post(t, srv.URL+"/doctor/fix", hidden(confirm), nil)
+	if code != http.StatusOK || !strings.Contains(body, "queued now the follow-up "+follow) || !strings.Contains(body, "1 released") {
+		t.Fatalf("doctor fix: %d\n%s", code, errorText(body))
+	}
+	if ti, err := w.Insp.GetTaskInfo(w.QA, follow); err != nil || ti.State != asynq.TaskStatePending {
+		t.Fatalf("follow-up after the fix: %+v, %v; want pending", ti, err)
+	}
+}
