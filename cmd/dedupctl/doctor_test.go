@@ -503,6 +503,16 @@ func TestDoctorFindsAFollowUpOwedByAKeyWithNoLockAndFixQueuesIt(t *testing.T) {
 	if st := f.taskState(f.qa, follow); st != "pending" {
 		t.Fatalf("follow-up %s is %s after --fix, want pending (queued now)", follow, st)
 	}
+	// It holds the key from now, as a follow-up queued at its holder's end
+	// does: an enqueue of the key meanwhile meets it (a fold, or a
+	// duplicate), rather than making a second task that would run first.
+	ctx := context.Background()
+	if v := f.rdb.Get(ctx, lock).Val(); store.ParseValue(v).Holder != follow || f.rdb.PTTL(ctx, lock).Val() <= 0 {
+		t.Fatalf("after --fix the lock is %q (TTL %v), want held by the follow-up %s, with a lifetime", v, f.rdb.PTTL(ctx, lock).Val(), follow)
+	}
+	if id := f.rdb.HGet(ctx, store.ModeOf(lock), store.FieldHolder).Val(); id != follow {
+		t.Fatalf("after --fix the mode record names %q, want the follow-up %s", id, follow)
+	}
 	if again := decode[doctorOutput](t, f.ok("--json", "doctor")); len(again.Findings) != 0 {
 		t.Errorf("doctor after --fix: %+v; want nothing owed", again.Findings)
 	}

@@ -16,8 +16,8 @@
 --          own); 'stuck': if ARGV[3] holds it and cannot run (no record,
 --          completed, archived, or not where its state says) and no policy keeps
 --          it (a cooldown, a failure hold, a firing's window). With 'stuck', a key
---          whose lock is gone with its holder ARGV[3] (asynq's DeleteTask) but
---          whose mode record names a follow-up it owed still queues that follow-up.
+--          whose lock is gone with its holder ARGV[3] (asynq's DeleteTask) but whose
+--          mode record names a follow-up it owed queues it, and it takes the key.
 -- ARGV[3]  the holder (the value, for 'unlock'); ARGV[4] the key's fingerprint
 -- ARGV[5]  the holder H belongs to; ARGV[6] the follow-up G belongs to
 -- ARGV[7]  heal grace, integer seconds ('stuck')
@@ -72,9 +72,9 @@ if not moved and (waiting(st) or st == 'active' or (kind == 'k' and st == 'compl
 end
 local queued = f and queue_now(f) and f or ''
 if queued ~= '' then call('HDEL', K.M, 'f') end
-if queued ~= '' and A[2] == 'stuck' and v then
-  -- The holder cannot run: its follow-up takes the key (and its mode).
-  call('SET', K.L, queued, 'KEEPTTL')
+if queued ~= '' and A[2] == 'stuck' then
+  -- The holder cannot run: its follow-up takes the key (and its mode); with no lock, for its mode record's lifetime.
+  if v then call('SET', K.L, queued, 'KEEPTTL') else local t = call('PTTL', K.M) call('SET', K.L, queued, unpack(t > 0 and {'PX', t} or {})) end
   hand(K.M, queued, 0)
   return {1, holder, queued}
 end
