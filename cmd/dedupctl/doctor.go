@@ -45,7 +45,7 @@ keeps it (checked again as it is released); the tasks are left
 as they are (a lost task's record stays for you to inspect or re-enqueue),
 but for a follow-up the lock owes (RunningDefer) that still waits: it takes
 the key and is queued now, as the end of its holder's run would have done.
-An owed key's follow-up is queued now too (it takes the key as it starts).
+An owed key's follow-up is queued now too, and takes the key.
 Exit status 0 whether or not locks were found.`,
 		bind: func(fs *flag.FlagSet) func(*app, []string) error {
 			o := &doctorFlags{}
