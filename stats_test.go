@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"reflect"
 	"strings"
@@ -12,6 +13,8 @@ import (
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
+	"github.com/asynq-dedup/dedup/internal/redistest"
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
@@ -564,4 +567,105 @@ func TestArrivalSuccessUnderALockItsIDHeldAlreadyIsReleased(t *testing.T) {
 	if owner := h.lockOwner(key); owner != "" {
 		t.Fatalf("lock left after its success, owner %q", owner)
 	}
+}
+
+// holdReleaseAll holds the first release_all call back before it is sent
+// until resume is closed (reached: it is about to be sent).
+type holdReleaseAll struct {
+	once    sync.Once
+	reached chan struct{}
+	resume  chan struct{}
+}
+
+func (p *holdReleaseAll) before(cmds ...redis.Cmder) {
+	for _, c := range cmds {
+		if a := c.Args(); len(a) > 1 && c.Name() == "evalsha" && a[1] == store.ScriptHash("release_all") {
+			p.once.Do(func() { close(p.reached); <-p.resume })
+		}
+	}
+}
+func (p *holdReleaseAll) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (p *holdReleaseAll) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { p.before(cmd); return next(ctx, cmd) }
+}
+func (p *holdReleaseAll) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error { p.before(cmds...); return next(ctx, cmds) }
+}
+
+// A task that arrived without a lock succeeds; its lock waits for the
+// shared release (2 ms, a round trip). Meanwhile asynq's done records the
+// success (the record gone), and the key's next enqueue meets the lock of
+// a task that is done and heals it at once, as the docs promise: the key
+// was freed by the success's end as surely as by the release. The
+// success must count Released, not LockLost, and log no warning: its lock
+// was never lost while it ran (with a steady stream of enqueues of a key,
+// every arrival's success would otherwise count a lost lock and warn).
+func TestArrivalSuccessWhoseKeyHealedAfterAsynqsDoneCountsReleased(t *testing.T) {
+	needRealRedis(t)
+	h := newHarness(t, Config{})
+	hold := &holdReleaseAll{reached: make(chan struct{}), resume: make(chan struct{})}
+	rdb := redis.NewClient(&redis.Options{Addr: redistest.Addr(), ContextTimeoutEnabled: true})
+	t.Cleanup(func() { _ = rdb.Close() })
+	rdb.AddHook(hold)
+	var logs lockedLog
+	worker, err := New(context.Background(), rdb, Config{Prefix: h.prefix, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = worker.Close() })
+	t.Cleanup(func() {
+		select {
+		case <-hold.resume:
+		default:
+			close(hold.resume)
+		}
+	})
+	task := userTask(1, "")
+	key := h.keyOf(task, h.queue)
+	srv := serveWith(t, h.rdb, worker, h.queue, asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }), nil)
+	info, err := h.asynq.Enqueue(task, asynq.Queue(h.queue)) // past the wrapper: it takes its lock as it starts
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, hold.reached, "its success's release about to be sent")
+	eventually(t, "asynq done with it", func() bool { return h.finished(info.ID) })
+	srv.Shutdown()
+	next, err := h.client.Enqueue(task, asynq.Queue(h.queue)) // the key's next enqueue heals the done task's lock
+	if err != nil {
+		t.Fatalf("the key's next enqueue: %v, want it created (its holder is done)", err)
+	}
+	if owner := h.lockOwner(key); owner != next.ID {
+		t.Fatalf("lock owner %q after the next enqueue, want %s", owner, next.ID)
+	}
+	close(hold.resume)
+	if err := worker.Close(); err != nil { // (waits for the release)
+		t.Fatal(err)
+	}
+	if owner := h.lockOwner(key); owner != next.ID {
+		t.Fatalf("the release touched the next task's lock: owner %q", owner)
+	}
+	if s := worker.Stats(); s.Released != 1 || s.LockLost != 0 {
+		t.Fatalf("released %d, lock lost %d; want 1, 0 (asynq recorded the success, and the key healed after it: no lock was lost)", s.Released, s.LockLost)
+	}
+	if strings.Contains(logs.String(), "no longer this task's") {
+		t.Fatalf("a success whose key healed after asynq's done warned of a lost lock:\n%s", logs.String())
+	}
+}
+
+// lockedLog is a log sink written from several goroutines.
+type lockedLog struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
