@@ -1160,3 +1160,66 @@ func TestLateSettleOfALeftReleaseLeavesTheLockOfTheNextTaskOfAReusedID(t *testin
 		t.Fatalf("enqueue while the second job-1 runs: %v, want a duplicate", err)
 	}
 }
+
+// A success released together whose lock has a mode record beside it is
+// answered 'left' and settled by a call of its own, sent after asynq's done
+// (which, with no Retention, deletes the task's record). Should the task's
+// caller-chosen ID be enqueued again through asynq's own client in between
+// (its record stored anew, pending; no worker has started it, so the lock
+// still holds the first task's value), that settle must not mark the new
+// task's record ended: the new task has not run, and must run.
+func TestLateSettleOfALeftReleaseLeavesTheRecordOfAReusedIDsNextTaskUnmarked(t *testing.T) {
+	needRealRedis(t)
+	h := newHarness(t, Config{})
+	pause := &pauseAfterReleaseAll{reached: make(chan struct{}), resume: make(chan struct{})}
+	rdb := redis.NewClient(&redis.Options{Addr: redistest.Addr(), ContextTimeoutEnabled: true}) // (the Dedup uses it, hooked, as it is)
+	t.Cleanup(func() { _ = rdb.Close() })
+	rdb.AddHook(pause)
+	slow, err := New(context.Background(), rdb, Config{Prefix: h.prefix, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = slow.Close() })
+	t.Cleanup(func() {
+		select {
+		case <-pause.resume:
+		default:
+			close(pause.resume)
+		}
+	})
+	task := userTask(1, "")
+	key := h.keyOf(task, h.queue)
+	ctx := context.Background()
+	// A mode record of a holder gone since, left beside the key.
+	if err := h.rdb.HSet(ctx, store.ModeOf(key), store.FieldHolder, "gone-holder").Err(); err != nil {
+		t.Fatal(err)
+	}
+	h.rdb.Expire(ctx, store.ModeOf(key), time.Minute)
+	srvA := serveWith(t, h.rdb, slow, h.queue, asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil }), nil)
+	if _, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, pause.reached, "the first job-1's release answered")
+	eventually(t, "asynq done with the first job-1", func() bool {
+		_, err := h.insp.GetTaskInfo(h.queue, "job-1")
+		return errors.Is(err, asynq.ErrTaskNotFound)
+	})
+	srvA.Shutdown()
+	if _, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil { // (no worker runs it yet)
+		t.Fatal(err)
+	}
+	close(pause.resume)
+	if err := slow.Close(); err != nil { // (waits for worker A's settle)
+		t.Fatal(err)
+	}
+	msg, err := h.rdb.HGet(ctx, store.TaskKey(h.queue, "job-1"), "msg").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lost := store.MessageHeaders([]byte(msg))[store.HeaderLost]; lost != "" {
+		t.Fatalf("worker A's late settle marked the second job-1, which has not run, %s=%s: it will not run", store.HeaderLost, lost)
+	}
+	rc := newRecorder(func(run) error { return nil })
+	h.serve(rc.handler(), nil)
+	waitFor(t, rc.runs, "the second job-1 runs")
+}
