@@ -617,6 +617,8 @@ func (m *modelRun) predictEnqueue(e *enqCall) enqPlan {
 	p := enqPlan{h: l.holder, st: m.recState(l)}
 	own := e.cid != "" && p.h.id == e.cid
 	switch {
+	case own && p.st == "" && l.form == store.HoldStart:
+		p.kind, p.heal = enqCreated, true // a start's lock its ID left, whose task is gone, heals (acquire.lua)
 	case own && p.st == "":
 		p.kind = enqSelf
 	case own && !liveState(p.st):
