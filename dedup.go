@@ -100,7 +100,7 @@ func New(ctx context.Context, rdb redis.UniversalClient, cfg Config) (*Dedup, er
 	d.store = store.New(lib, d.storeConfig())
 	d.hb = newHeartbeater(d, c.heartbeat)
 	d.owed = newOwedSignal(d, lib)
-	d.releases = &releases{d: d}
+	d.releases = newReleases(d)
 	if err := d.store.LoadScripts(ctx); err != nil {
 		// Best effort: a call whose script is missing sends it whole.
 		d.log.Debug("dedup: script preload failed", slog.Any("error", err))

@@ -278,8 +278,8 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	typ := t.Type()
 	d.count(typ, evProcessed)
 	s := d.settleOf(ctx, t, r, l, err)
-	if l.releasedTogether(s) && d.releases.add(l, s.TTL) {
-		l.rec.Set(attempt.Released) // (before the release: the record is read as the handler returns)
+	if l.releasedTogether(s) && d.releases.release(l, s.TTL) {
+		l.rec.Set(attempt.Released)
 		return
 	}
 	quiet := l.watched && d.owed.end(l, l.quietable(s)) // (a RunningDefer success that owes no follow-up)

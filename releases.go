@@ -9,43 +9,41 @@ import (
 	"github.com/asynq-dedup/dedup/internal/store"
 )
 
-// Released together. A task that arrived without a lock (the execution guard) takes one
-// as it starts, which asynq's scripts never release: its asynq record does
-// not name it. When such an attempt succeeds and its key keeps no mode
-// record (no cooldown, no fail hold, no follow-up, no MaxPending), the
-// end is no call of its own: the lock joins those of the other successes of
-// the next releaseDelay, and one call per queue releases them all, each if
-// it is still its task's (store.ReleaseAll). A lock that has a mode record beside
-// it by then (a follow-up another type's enqueue made meanwhile) is settled
-// as before.
+// Released together. A task that arrived without a lock (the execution
+// guard) takes one as it starts, which asynq's scripts never release: its
+// asynq record does not name it. When such an attempt succeeds and its key
+// keeps no mode record (no cooldown, no fail hold, no follow-up, no
+// MaxPending), its end makes no call of its own: its lock is released with
+// those of the other successes ending at the same moment, by one call per
+// queue (store.ReleaseAll), each if it still holds the value its attempt
+// took. The handler's result reaches asynq once that call has answered, so
+// the lock is gone before asynq records the success, as with a settle.
 //
-// Until it is released, the lock names a task whose asynq record soon says
-// completed or is gone, which every enqueue and start that meets it takes
-// as a key to heal at once; a worker that stops without Close leaves its
-// last locks to that. Unlike a settle, this release does not mark the
-// task's record ended: a shutdown between the handler's return and asynq's
-// done runs the task again, as it would a plain asynq task.
+// Batching is a group commit: a success that finds no call under way sends
+// one, with every success queued by then; those that arrive meanwhile wait
+// for the next, which the first sender starts on its own goroutine. So a
+// lone success makes one call, and many share one.
 //
 // A lock is released only while it holds its attempt's value (its token,
-// store.StartValue): a release that arrives late, after a later attempt
-// of the task or a later task under the same caller-chosen ID took the key,
-// leaves that lock alone. Stats counts the success released, lock_lost or
-// redis_error once the call has answered.
+// store.StartValue): a release that arrives late (a call cut off at its
+// deadline yet run) leaves a later attempt's lock alone. A lock with a mode
+// record beside it by then is settled as before. Unlike a settle, the
+// release does not mark the task's record ended: a shutdown between the
+// handler's return and asynq's done runs the task again, as it would a
+// plain asynq task.
 //
-// Invariants: a lock added before close is sent exactly once, by the timer
-// armed when the first of its batch was added; close waits for that timer.
+// Invariants: every queued success is answered exactly once (its done
+// channel closed) by the send that took it; at most one send is under way;
+// close waits for it.
 
-// releaseDelay is how long a success's lock waits for others to share its call.
-const releaseDelay = 2 * time.Millisecond
-
-// releases collects the locks of successes that are released together.
+// releases collects the successes that are released together.
 type releases struct {
-	d      *Dedup
-	mu     sync.Mutex
-	batch  []pending
-	armed  bool // a timer will send batch
-	closed bool
-	sent   sync.WaitGroup // armed timers
+	d       *Dedup
+	mu      sync.Mutex
+	queue   []*pending
+	sending bool // a send is under way; it takes the queue when it ends
+	closed  bool
+	idle    sync.Cond // signalled when sending ends (close waits on it)
 }
 
 // pending is one success waiting for its release: what a settle needs,
@@ -53,6 +51,13 @@ type releases struct {
 type pending struct {
 	taken store.Taken
 	ttl   time.Duration
+	done  chan struct{} // closed once its call answered
+}
+
+func newReleases(d *Dedup) *releases {
+	p := &releases{d: d}
+	p.idle.L = &p.mu
+	return p
 }
 
 // releasedTogether reports whether an attempt that ended so is released
@@ -62,34 +67,63 @@ func (l *lease) releasedTogether(s *store.Settle) bool {
 		l.held == store.StartValue(l.ref.ID, l.token) // (else a lock it met as its own, of another value: settled)
 }
 
-// add queues the lock of a success for its release, or reports false after
-// close (the caller settles it itself).
-func (p *releases) add(l *lease, ttl time.Duration) bool {
+// release releases the lock of a success with the others of the moment and
+// returns once that is done (or failed, within LockTimeout); false after
+// close, when the caller settles it itself.
+func (p *releases) release(l *lease, ttl time.Duration) bool {
+	x := &pending{taken: store.Taken{Ref: l.ref, Value: l.held}, ttl: ttl, done: make(chan struct{})}
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if p.closed {
+		p.mu.Unlock()
 		return false
 	}
-	p.batch = append(p.batch, pending{taken: store.Taken{Ref: l.ref, Value: l.held}, ttl: ttl})
-	if !p.armed {
-		p.armed = true
-		p.sent.Add(1)
-		time.AfterFunc(releaseDelay, p.send)
+	p.queue = append(p.queue, x)
+	first := !p.sending
+	p.sending = true
+	p.mu.Unlock()
+	if first {
+		p.sendQueued()
+		go p.drain() // (those queued meanwhile)
 	}
+	<-x.done
 	return true
 }
 
-// send releases the batch, within LockTimeout, and counts what became of
-// each lock; one left to a settle call is settled.
-func (p *releases) send() {
-	defer p.sent.Done()
+// drain sends what was queued during earlier sends, until nothing is.
+func (p *releases) drain() {
+	for p.sendQueued() {
+	}
+}
+
+// sendQueued sends the queue, if any, and reports whether it sent; with
+// nothing queued, the send under way ends.
+func (p *releases) sendQueued() bool {
 	p.mu.Lock()
-	batch := p.batch
-	p.batch, p.armed = nil, false
+	batch := p.queue
+	p.queue = nil
+	if len(batch) == 0 {
+		p.sending = false
+		p.idle.Broadcast()
+	}
 	p.mu.Unlock()
+	if len(batch) == 0 {
+		return false
+	}
+	p.send(batch)
+	return true
+}
+
+// send releases a batch, within LockTimeout, counts what became of each
+// lock (a lock left to a settle call is settled), and answers each.
+func (p *releases) send(batch []*pending) {
+	defer func() {
+		for _, x := range batch {
+			close(x.done)
+		}
+	}()
 	ts := make([]store.Taken, len(batch))
-	for i := range batch {
-		ts[i] = batch[i].taken
+	for i, x := range batch {
+		ts[i] = x.taken
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), p.d.cfg.LockTimeout)
 	defer cancel()
@@ -108,7 +142,7 @@ func (p *releases) send() {
 			p.d.count(r.Type, evLockLost)
 			p.d.log.Warn("dedup: lock was no longer this task's at the end", slog.String("type", r.Type), slog.String("task_id", r.ID))
 		case store.ReleasedLeft:
-			p.settle(ctx, &batch[i])
+			p.settle(ctx, batch[i])
 		}
 	}
 }
@@ -120,11 +154,13 @@ func (p *releases) settle(ctx context.Context, x *pending) {
 	p.d.report(r.Type, &lease{ref: r}, res, err, true, 0)
 }
 
-// close makes later successes settle themselves and waits for the
-// releases under way.
+// close makes later successes settle themselves and waits for the send
+// under way.
 func (p *releases) close() {
 	p.mu.Lock()
+	defer p.mu.Unlock()
 	p.closed = true
-	p.mu.Unlock()
-	p.sent.Wait()
+	for p.sending {
+		p.idle.Wait()
+	}
 }

@@ -283,3 +283,38 @@ func TestLateSettleWaitsWhileTheLockStillNamesTheTask(t *testing.T) {
 		t.Fatalf("late settle once asynq's done released the lock: %+v; want handed to %s", res, f)
 	}
 }
+
+// A settle sent with the value an attempt took its lock as (Settle.Value:
+// a success released together whose lock had a mode record beside it)
+// acts only while the lock holds exactly that value: once a later attempt
+// of the task, or a later task under the same caller-chosen ID, took the
+// key (its own token), the settle changes nothing, and its record (which
+// may be that later task's, not yet run) is not marked ended. With the
+// value still there, it releases the lock, and marks no record either.
+func TestSettleWithItsAttemptsValueActsOnlyOnThatValueAndMarksNoRecord(t *testing.T) {
+	rdb := redistest.Client(t)
+	ctx := context.Background()
+	s := newTestStore(t, rdb)
+	q := redistest.Uniq(t)
+	r := s.ref(q, "0000000000000701", "job-1")
+	putTask(rdb, q, r.ID, StatePending) // (the ID's next task, not yet run)
+	rdb.Set(ctx, r.Lock, StartValue(r.ID, "t2"), time.Hour)
+	rdb.HSet(ctx, r.Mode(), FieldHolder, "gone-holder")
+	msg := rdb.HGet(ctx, TaskKey(q, r.ID), "msg").Val()
+	w := &scriptWorld{rdb: rdb, s: s, q: q}
+	before := w.snapshot()
+	res, err := s.Settle(ctx, &Settle{Ref: r, End: EndSuccess, TTL: time.Minute, Release: true, Value: StartValue(r.ID, "t1")})
+	if err != nil || res.Owned {
+		t.Fatalf("settle of an earlier attempt's value: %+v, %v; want not the task's", res, err)
+	}
+	if d := diff(before, w.snapshot()); len(d) > 0 {
+		t.Fatalf("changed %v", d)
+	}
+	res, err = s.Settle(ctx, &Settle{Ref: r, End: EndSuccess, TTL: time.Minute, Release: true, Value: StartValue(r.ID, "t2")})
+	if err != nil || !res.Released || rdb.Exists(ctx, r.Lock).Val() != 0 {
+		t.Fatalf("settle of the lock's own value: %+v, %v; want it released", res, err)
+	}
+	if got := rdb.HGet(ctx, TaskKey(q, r.ID), "msg").Val(); got != msg {
+		t.Fatal("the settle of a success released together marked the task's record")
+	}
+}

@@ -66,7 +66,7 @@ if out == 'retry' and not gone then
   if f then call('ZADD', K.S, 'XX', now + tonumber(A[8]) + 1, f) end
   return {1, 'held', f or ''}
 end
-if out ~= 'fail' then mark(K.T, 'ended') end
+if out ~= 'fail' and A[10] == '' then mark(K.T, 'ended') end -- (a shared release's settle: its record may be a later task's)
 if f and queue_now(f) then
   call('SET', K.L, f, 'PX', A[4])
   hand(K.M, f, 0)
