@@ -278,9 +278,11 @@ func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease
 	typ := t.Type()
 	d.count(typ, evProcessed)
 	s := d.settleOf(ctx, t, r, l, err)
-	if l.releasedTogether(s) && d.releases.release(l, s.TTL) {
-		l.rec.Set(attempt.Released)
-		return
+	if l.releasedTogether(s) {
+		if x := d.releases.release(l, s.TTL); x != nil {
+			l.rec.Settled(x.res, x.err)
+			return
+		}
 	}
 	quiet := l.watched && d.owed.end(l, l.quietable(s)) // (a RunningDefer success that owes no follow-up)
 	if quiet || !l.calls(s) && !l.outlivedMark.Load() {

@@ -2,7 +2,6 @@ package dedup
 
 import (
 	"context"
-	"log/slog"
 	"sync"
 	"time"
 
@@ -51,7 +50,9 @@ type releases struct {
 type pending struct {
 	taken store.Taken
 	ttl   time.Duration
-	done  chan struct{} // closed once its call answered
+	res   store.SettleResult // what became of its lock, once done is closed
+	err   error
+	done  chan struct{}
 }
 
 func newReleases(d *Dedup) *releases {
@@ -68,14 +69,15 @@ func (l *lease) releasedTogether(s *store.Settle) bool {
 }
 
 // release releases the lock of a success with the others of the moment and
-// returns once that is done (or failed, within LockTimeout); false after
-// close, when the caller settles it itself.
-func (p *releases) release(l *lease, ttl time.Duration) bool {
+// returns, once that is done (or failed, within LockTimeout), the success
+// with what became of its lock; nil after close, when the caller settles
+// it itself.
+func (p *releases) release(l *lease, ttl time.Duration) *pending {
 	x := &pending{taken: store.Taken{Ref: l.ref, Value: l.held}, ttl: ttl, done: make(chan struct{})}
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
-		return false
+		return nil
 	}
 	p.queue = append(p.queue, x)
 	first := !p.sending
@@ -86,7 +88,7 @@ func (p *releases) release(l *lease, ttl time.Duration) bool {
 		go p.drain() // (those queued meanwhile)
 	}
 	<-x.done
-	return true
+	return x
 }
 
 // drain sends what was queued during earlier sends, until nothing is.
@@ -113,14 +115,10 @@ func (p *releases) sendQueued() bool {
 	return true
 }
 
-// send releases a batch, within LockTimeout, counts what became of each
-// lock (a lock left to a settle call is settled), and answers each.
+// send releases a batch, within LockTimeout (a lock left to a settle call
+// is settled), and answers each success with what became of its lock,
+// counted and logged as a settle's end is (report).
 func (p *releases) send(batch []*pending) {
-	defer func() {
-		for _, x := range batch {
-			close(x.done)
-		}
-	}()
 	ts := make([]store.Taken, len(batch))
 	for i, x := range batch {
 		ts[i] = x.taken
@@ -128,30 +126,19 @@ func (p *releases) send(batch []*pending) {
 	ctx, cancel := context.WithTimeout(context.Background(), p.d.cfg.LockTimeout)
 	defer cancel()
 	out, err := p.d.store.ReleaseAll(ctx, ts)
-	if err != nil {
-		p.d.log.Warn("dedup: could not release the locks of tasks that arrived without one and succeeded; each heals at its key's next use", slog.Int("locks", len(ts)), slog.Any("error", err))
-	}
-	for i, o := range out {
-		r := &batch[i].taken.Ref
-		switch o {
+	for i, x := range batch {
+		r := x.taken.Ref
+		switch out[i] {
 		case store.ReleasedNow:
-			p.d.count(r.Type, evReleased)
+			x.res = store.SettleResult{Owned: true, Released: true}
 		case store.ReleasedFailed:
-			p.d.count(r.Type, evRedisError)
-		case store.ReleasedNot:
-			p.d.count(r.Type, evLockLost)
-			p.d.log.Warn("dedup: lock was no longer this task's at the end", slog.String("type", r.Type), slog.String("task_id", r.ID))
+			x.err = err
 		case store.ReleasedLeft:
-			p.settle(ctx, batch[i])
-		}
+			x.res, x.err = p.d.store.Settle(ctx, &store.Settle{Ref: r, End: store.EndSuccess, TTL: x.ttl, Release: true, Value: x.taken.Value})
+		} // (store.ReleasedNot: the zero result, not the task's)
+		p.d.report(r.Type, &lease{ref: r}, x.res, x.err, true, 0)
+		close(x.done)
 	}
-}
-
-// settle ends a success whose lock has a mode record beside it.
-func (p *releases) settle(ctx context.Context, x *pending) {
-	r := x.taken.Ref
-	res, err := p.d.store.Settle(ctx, &store.Settle{Ref: r, End: store.EndSuccess, TTL: x.ttl, Release: true, Value: x.taken.Value})
-	p.d.report(r.Type, &lease{ref: r}, res, err, true, 0)
 }
 
 // close makes later successes settle themselves and waits for the send
