@@ -958,74 +958,31 @@ func TestArrivalSuccessWhoseLockAnotherTookCountsLockLost(t *testing.T) {
 }
 
 // A caller-chosen task ID may be used again once asynq is done with its
-// task (no Retention: its record is gone). The success of the first task,
-// which arrived without a lock, is released by a shared call sent after
-// asynq's done; should that call reach Redis late (a stalled connection), after the
-// ID's next task took the key as it started, it must not delete the lock of
-// that running task: the key stays held and a duplicate is refused.
-func TestLateReleaseOfASuccessLeavesTheLockOfTheNextTaskOfAReusedID(t *testing.T) {
-	h := newHarness(t, Config{})
-	proxy, slow := proxiedLockStore(t, h, Config{LockTimeout: 10 * time.Second})
-	task := userTask(1, "")
-	key := h.keyOf(task, h.queue)
-	// Worker A: its lock calls go through a connection the test stalls once
-	// the handler has run (the attempt's start has gone through).
-	srvA := serveWith(t, h.rdb, slow, h.queue, asynq.HandlerFunc(func(context.Context, *asynq.Task) error {
-		proxy.stall()
-		return nil
-	}), nil)
-	t.Cleanup(proxy.resume)
-	if _, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, "asynq done with the first job-1", func() bool {
-		_, err := h.insp.GetTaskInfo(h.queue, "job-1")
-		return errors.Is(err, asynq.ErrTaskNotFound)
-	})
-	srvA.Shutdown()
-	// Worker B, on a healthy connection, runs job-1's next task.
-	release := make(chan struct{})
-	rc := newRecorder(func(run) error { <-release; return nil })
-	h.serve(rc.handler(), nil)
-	t.Cleanup(func() { close(release) }) // (before the server's shutdown)
-	if _, err := h.asynq.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, rc.runs, "the second job-1 runs")
-	if owner := h.lockOwner(key); owner != "job-1" {
-		t.Fatalf("lock owner %q while the second job-1 runs, want job-1", owner)
-	}
-	proxy.resume()
-	if err := slow.Close(); err != nil { // (waits for worker A's release)
-		t.Fatal(err)
-	}
-	if owner := h.lockOwner(key); owner != "job-1" {
-		t.Fatalf("worker A's late release deleted the lock of the running second job-1: owner %q", owner)
-	}
-	var dup *DuplicateTaskError
-	if _, err := h.client.Enqueue(task, asynq.Queue(h.queue)); !errors.As(err, &dup) {
-		t.Fatalf("enqueue while the second job-1 runs: %v, want a duplicate", err)
-	}
-}
-
-// A caller-chosen task ID may be used again once asynq is done with its
-// task (no Retention: its record is gone), and the ID's next task may come
-// through the library's clients (WrapClient, NewClient), which meet the
-// first task's lock, left by its success until the shared release, as
-// their own ID's (StatusSelf) and store the task under it as it is,
-// '~a<token>:<id>'. Should that release reach Redis late (a stalled
-// connection), it must not delete the lock of the ID's next task, which
-// runs: the key stays held and a duplicate is refused.
-func TestLateReleaseLeavesTheLockOfAReusedIDsNextTaskEnqueuedThroughTheLibrary(t *testing.T) {
-	for _, via := range []string{"WrapClient", "NewClient"} {
+// task (no Retention: its record is gone). The first task, which arrived
+// without a lock, succeeds; the shared call that releases its lock is cut
+// off at LockTimeout (a stalled connection) and reaches Redis late, after
+// the ID's next task took the key: through asynq's client (it takes the
+// lock as it starts) or through WrapClient or NewClient (they heal the
+// done task's lock and take it). That late release must not delete the
+// running task's lock: the key stays held and a duplicate is refused.
+func TestLateReleaseOfASuccessLeavesTheLockOfAReusedIDsNextTask(t *testing.T) {
+	for _, via := range []string{"asynq's client", "WrapClient", "NewClient"} {
 		t.Run(via, func(t *testing.T) {
+			t.Parallel()
 			h := newHarness(t, Config{})
-			if via == "NewClient" {
-				h.client = h.d.NewClient()
+			enqueue := h.asynq.Enqueue
+			switch via {
+			case "WrapClient":
+				enqueue = h.client.Enqueue
+			case "NewClient":
+				enqueue = h.d.NewClient().Enqueue
 			}
-			proxy, slow := proxiedLockStore(t, h, Config{LockTimeout: 10 * time.Second})
+			proxy, slow := proxiedLockStore(t, h, Config{LockTimeout: 500 * time.Millisecond})
 			task := userTask(1, "")
 			key := h.keyOf(task, h.queue)
+			// Worker A: its lock calls go through a connection the test
+			// stalls once the handler has run (the attempt's start has gone
+			// through).
 			srvA := serveWith(t, h.rdb, slow, h.queue, asynq.HandlerFunc(func(context.Context, *asynq.Task) error {
 				proxy.stall()
 				return nil
@@ -1039,11 +996,12 @@ func TestLateReleaseLeavesTheLockOfAReusedIDsNextTaskEnqueuedThroughTheLibrary(t
 				return errors.Is(err, asynq.ErrTaskNotFound)
 			})
 			srvA.Shutdown()
+			// Worker B, on a healthy connection, runs job-1's next task.
 			release := make(chan struct{})
 			rc := newRecorder(func(run) error { <-release; return nil })
 			h.serve(rc.handler(), nil)
 			t.Cleanup(func() { close(release) }) // (before the server's shutdown)
-			if _, err := h.client.Enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
+			if _, err := enqueue(task, asynq.Queue(h.queue), asynq.TaskID("job-1")); err != nil {
 				t.Fatalf("enqueue job-1 again through %s: %v", via, err)
 			}
 			waitFor(t, rc.runs, "the second job-1 runs")
@@ -1051,7 +1009,7 @@ func TestLateReleaseLeavesTheLockOfAReusedIDsNextTaskEnqueuedThroughTheLibrary(t
 				t.Fatalf("lock owner %q while the second job-1 runs, want job-1", owner)
 			}
 			proxy.resume()
-			if err := slow.Close(); err != nil { // (waits for worker A's release)
+			if err := slow.Close(); err != nil { // (waits for worker A's calls)
 				t.Fatal(err)
 			}
 			if owner := h.lockOwner(key); owner != "job-1" {

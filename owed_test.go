@@ -23,6 +23,26 @@ func (o *owedSignal) state() (up bool, gen uint64) {
 	return o.up, o.gen
 }
 
+// age makes everything the subscriber remembers (kept messages, quiet
+// ends) d older, as though d had passed: for tests of what it forgets.
+func (o *owedSignal) age(d time.Duration) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for id, at := range o.recent {
+		o.recent[id] = at.Add(-d)
+	}
+	for i := range o.recentAt {
+		o.recentAt[i].at = o.recentAt[i].at.Add(-d)
+	}
+	for id, q := range o.quiet {
+		q.at = q.at.Add(-d)
+		o.quiet[id] = q
+	}
+	for i := range o.order {
+		o.order[i].at = o.order[i].at.Add(-d)
+	}
+}
+
 // subscribed starts the Dedup's owed subscriber (as Middleware does) and
 // waits for it to be confirmed; it returns its generation.
 func subscribed(t *testing.T, d *Dedup) uint64 {
@@ -566,6 +586,7 @@ func TestDeferFollowUpMadeLongBeforeItsHoldersHandlerBeganRunsAfterIt(t *testing
 		t.Fatal(err)
 	}
 	t.Cleanup(srv.Shutdown)
+	t.Cleanup(tr.openAll) // (first: the shutdown would wait out b's held handler)
 	a := h.enqueue(counterTask("a", 1, 1))
 	waitFor(t, entered, "a is active")
 	f, err := h.client.Submit(ctx, counterTask("a", 1, 2), asynq.Queue(h.queue))
@@ -576,7 +597,13 @@ func TestDeferFollowUpMadeLongBeforeItsHoldersHandlerBeganRunsAfterIt(t *testing
 	if waitSeqStart(tr, 10, 10*time.Second) == nil {
 		t.Fatal("b did not run")
 	}
-	time.Sleep(quietLife + 500*time.Millisecond) // (what is under test is this length of time)
+	eventually(t, "a's owed message is kept", func() bool {
+		h.d.owed.mu.Lock()
+		defer h.d.owed.mu.Unlock()
+		_, ok := h.d.owed.recent[a.ID]
+		return ok
+	})
+	h.d.owed.age(quietLife + 500*time.Millisecond) // (what is under test is this length of time)
 	if g, err := h.client.Submit(ctx, counterTask("b", 1, 11), asynq.Queue(h.queue)); err != nil || g.Outcome != Deferred {
 		t.Fatalf("update of b: %+v %v, want a follow-up", g, err)
 	}
