@@ -2,8 +2,6 @@ package dedup
 
 import (
 	"context"
-	"crypto/sha1"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"sync"
@@ -11,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -579,22 +576,15 @@ type libraryScripts struct {
 
 func (h *libraryScripts) count(cmds ...redis.Cmder) {
 	for _, c := range cmds {
-		if a := c.Args(); len(a) > 1 && (c.Name() == "evalsha" || c.Name() == "eval") {
-			s, _ := a[1].(string)
-			if c.Name() == "eval" { // (after a NOSCRIPT: the source)
-				sum := sha1.Sum([]byte(s))
-				s = hex.EncodeToString(sum[:])
-			}
-			switch s {
-			case store.ScriptHash("start"):
-				h.n.Add(1)
-				h.starts.Add(1)
-			case store.ScriptHash("settle"):
-				h.n.Add(1)
-				h.settles.Add(1)
-			case store.ScriptHash("release_all"):
-				h.together.Add(1)
-			}
+		switch {
+		case isScript(c, "start"):
+			h.n.Add(1)
+			h.starts.Add(1)
+		case isScript(c, "settle"):
+			h.n.Add(1)
+			h.settles.Add(1)
+		case isScript(c, "release_all"):
+			h.together.Add(1)
 		}
 	}
 }

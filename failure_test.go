@@ -12,6 +12,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // failRules is counterRules with a short heartbeat: (a final failure's hold is) / 3
@@ -479,5 +480,71 @@ func TestFailHoldHoldsADeadlineOnTheLastRetry(t *testing.T) {
 	kl, _, _ := h.d.Lookup(context.Background(), jobTask("dl", 3), asynq.Queue(h.queue))
 	if kl.State != "failed" || kl.LastError == "" {
 		t.Errorf("Lookup: %+v, want failed with an error", kl)
+	}
+}
+
+// A handler asynq gives up at its deadline on the last retry, under a fail
+// hold: asynq archives the task at the deadline, without waiting for the
+// handler, and the middleware's settle can only follow. An enqueue that
+// lands between the two meets a key still held (the attempt noted, before
+// its deadline, that its handler may outlive it), and the settle then
+// writes the hold.
+func TestFailHoldHoldsTheKeyBetweenAsynqsArchiveAtTheDeadlineAndTheSettle(t *testing.T) {
+	t.Parallel()
+	rdb := newRDB(t)
+	late := &heldBackAfter{open: make(chan struct{})}
+	rdb.AddHook(late)
+	h := newHarnessOn(t, rdb, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}))
+	h.client = h.d.NewClient()
+	h.serve(func(ctx context.Context, _ *asynq.Task) error {
+		dl, _ := ctx.Deadline()
+		late.from.Store(dl.UnixNano())
+		<-ctx.Done()
+		return ctx.Err()
+	}, nil)
+	info := h.enqueue(jobTask("dl", 1), asynq.MaxRetry(0), asynq.Timeout(2*time.Second))
+	eventually(t, "asynq archived the task, its end not settled yet", func() bool {
+		return h.taskState(info.ID) == asynq.TaskStateArchived && late.held.Load() > 0
+	})
+	_, err := h.client.Enqueue(jobTask("dl", 2), asynq.Queue(h.queue))
+	var de *DuplicateTaskError
+	if !errors.As(err, &de) || de.Holder != info.ID {
+		t.Errorf("enqueue between asynq's archive and the settle: %v, want a duplicate of %s", err, info.ID)
+	}
+	close(late.open)
+	eventually(t, "held after the settle", func() bool {
+		_, err := h.client.Enqueue(jobTask("dl", 3), asynq.Queue(h.queue))
+		return errors.As(err, &de) && de.FailHeld && de.Holder == info.ID
+	})
+}
+
+// heldBackAfter holds back the library's settle and extend calls made at or
+// after the time from (unix ns; 0: none) until open is closed.
+type heldBackAfter struct {
+	from atomic.Int64
+	held atomic.Int64
+	open chan struct{}
+}
+
+func (h *heldBackAfter) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *heldBackAfter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if from := h.from.Load(); from != 0 && time.Now().UnixNano() >= from && isScript(cmd, "settle", "extend") {
+			h.held.Add(1)
+			<-h.open
+		}
+		return next(ctx, cmd)
+	}
+}
+func (h *heldBackAfter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			if from := h.from.Load(); from != 0 && time.Now().UnixNano() >= from && isScript(c, "settle", "extend") {
+				h.held.Add(1)
+				<-h.open
+				break
+			}
+		}
+		return next(ctx, cmds)
 	}
 }

@@ -2,6 +2,8 @@ package dedup
 
 import (
 	"context"
+	"crypto/sha1"
+	"encoding/hex"
 	"flag"
 	"fmt"
 	"os"
@@ -100,4 +102,25 @@ func proxiedLockStore(t *testing.T, h *harness, cfg Config) (*stallProxy, *Dedup
 	}
 	t.Cleanup(func() { _ = d.Close() })
 	return proxy, d
+}
+
+// isScript reports whether cmd runs one of the library's scripts ops (by
+// store.ScriptHash's names): an EVALSHA of its hash, or, after a NOSCRIPT,
+// an EVAL of its source.
+func isScript(cmd redis.Cmder, ops ...string) bool {
+	a := cmd.Args()
+	if len(a) < 2 || cmd.Name() != "evalsha" && cmd.Name() != "eval" {
+		return false
+	}
+	s, _ := a[1].(string)
+	if cmd.Name() == "eval" {
+		sum := sha1.Sum([]byte(s))
+		s = hex.EncodeToString(sum[:])
+	}
+	for _, op := range ops {
+		if s == store.ScriptHash(op) {
+			return true
+		}
+	}
+	return false
 }

@@ -255,10 +255,12 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 	if d.owed.watches(l) {
 		d.owed.begin(l)
 	}
-	stop := context.AfterFunc(ctx, func() { d.outlived(ctx, l) })
+	nctx, ncancel := d.noteBefore(ctx)
+	stop := context.AfterFunc(nctx, func() { d.outlived(ctx, l) })
 	panicked := true
 	defer func() {
 		l.ended(stop)
+		ncancel()
 		live := d.hb.remove(l)
 		herr := err
 		if panicked {
@@ -509,10 +511,23 @@ func (d *Dedup) ruleTerms(typ, id string) terms {
 	return termsOf(&r, typ, id, time.Now(), true, false)
 }
 
-// outlived notes in the key's mode record that asynq gave the attempt up
-// (its context ended) while its handler still runs: asynq may archive or
-// retry the task meanwhile, and the key must not heal under the handler
-// (lua/extend.lua). Called at most once, from context.AfterFunc.
+// noteBefore returns ctx ending LockTimeout before ctx's deadline, when
+// the outlived note must be written: asynq archives or retries the task at
+// its deadline without waiting for the handler, and an enqueue landing
+// between that and a note written only then would heal the key under a
+// handler that still runs, or before its failure's hold is written.
+func (d *Dedup) noteBefore(ctx context.Context) (context.Context, context.CancelFunc) {
+	if dl, ok := ctx.Deadline(); ok {
+		return context.WithDeadline(ctx, dl.Add(-d.cfg.LockTimeout))
+	}
+	return ctx, func() {}
+}
+
+// outlived notes in the key's mode record that asynq may give the attempt
+// up (its deadline comes within LockTimeout) or gave it up (its context
+// ended) while its handler still runs: asynq may archive or retry the task
+// meanwhile, and the key must not heal under the handler (lua/extend.lua).
+// Called at most once, from context.AfterFunc.
 func (d *Dedup) outlived(ctx context.Context, l *lease) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
