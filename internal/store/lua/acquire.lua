@@ -68,9 +68,7 @@ if holder then
   if waiting(state) and ended(hmsg) then state, hmsg = 'completed', nil end
   -- A kept key's holder run again by hand after it completed (its message keeps
   -- completed_at, field 13) waits inside its cooldown: the key cools still.
-  for _, fl in ipairs(kind == 'k' and waiting(state) and pb_fields(hmsg or '') or {}) do
-    if fl[1] == 13 then state = 'completed' end
-  end
+  for _, fl in ipairs(kind == 'k' and waiting(state) and pb_fields(hmsg or '') or {}) do if fl[1] == 13 then state = 'completed' end end
   if m[1] == holder and m[6] and (not state or state == 'archived' or state == 'active') then
     -- It failed for good and holds the key (OnFailure): archived, deleted since,
     -- or about to be archived (its hold is written first).

@@ -8,9 +8,7 @@ do
     local c, args = string.upper(cmd), {...}
     local n = ((c == 'TIME' or c == 'PUBLISH') and 0) or ((c == 'DEL' or c == 'EXISTS') and #args) or 1
     for i = 1, n do
-      if not given[args[i]] then
-        error('dedup: script used key ' .. tostring(args[i]) .. ' (' .. c .. ') not given in KEYS')
-      end
+      if not given[args[i]] then error('dedup: script used key ' .. tostring(args[i]) .. ' (' .. c .. ') not given in KEYS') end
     end
     return raw(cmd, ...)
   end

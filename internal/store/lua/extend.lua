@@ -31,8 +31,7 @@ if ARGV[3] ~= '0' then
 end
 if m[1] == holder then
   lengthen(KEYS[2], ms)
-  if m[2] then -- (the follow-up stays parked past the key's new lifetime)
-    call('ZADD', KEYS[3], 'XX', now_parts() + (ms - ms % 1000) / 1000 + 1, m[2])
-  end
+  -- The follow-up stays parked past the key's new lifetime.
+  if m[2] then call('ZADD', KEYS[3], 'XX', now_parts() + (ms - ms % 1000) / 1000 + 1, m[2]) end
 end
 return 1

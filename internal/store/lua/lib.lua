@@ -5,19 +5,13 @@
 -- and the rewrite tests guard.
 
 local function pb_putvarint(n)
-  local s = ''
-  while n >= 128 do
-    local low = n % 128
-    s, n = s .. string.char(low + 128), (n - low) / 128
-  end
-  return s .. string.char(n)
+  if n < 128 then return string.char(n) end
+  local low = n % 128
+  return string.char(low + 128) .. pb_putvarint((n - low) / 128)
 end
 
 -- pb_str encodes a length-delimited field ('' for an empty value: proto3 omits it).
-local function pb_str(num, v)
-  if #v == 0 then return '' end
-  return pb_putvarint(num * 8 + 2) .. pb_putvarint(#v) .. v
-end
+local function pb_str(num, v) return #v == 0 and '' or pb_putvarint(num * 8 + 2) .. pb_putvarint(#v) .. v end
 
 -- pb_fields splits msg into {num, from, to, value} entries (to inclusive; value:
 -- where a length-delimited field's bytes begin), or returns nil if it is malformed.
@@ -48,9 +42,7 @@ end
 local function pb_bytes(msg, num)
   local fields, val = pb_fields(msg), ''
   if not fields then return nil end
-  for _, f in ipairs(fields) do
-    if f[1] == num and f[4] then val = string.sub(msg, f[4], f[3]) end
-  end
+  for _, f in ipairs(fields) do if f[1] == num and f[4] then val = string.sub(msg, f[4], f[3]) end end
   return val
 end
 
@@ -87,9 +79,7 @@ end
 -- replies, for its caller to call again with them); true if any are lacking.
 local lacking = ''
 local function lacks(r)
-  for c in string.gmatch(r, '.') do
-    if not K[c] then lacking = lacking .. c end
-  end
+  for c in string.gmatch(r, '.') do if not K[c] then lacking = lacking .. c end end
   return lacking ~= ''
 end
 

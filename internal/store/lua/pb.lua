@@ -6,11 +6,9 @@
 -- the bytes end first.
 local function pb_varint(s, i)
   local v, m = 0, 1
-  while true do
-    local b = string.byte(s, i)
-    if not b then return nil end
-    i = i + 1
-    if b < 128 then return v + b * m, i end
+  for j = i, #s do
+    local b = string.byte(s, j)
+    if b < 128 then return v + b * m, j + 1 end
     v, m = v + (b - 128) * m, m * 128
   end
 end

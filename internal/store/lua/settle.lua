@@ -28,9 +28,9 @@
 --                               retry; with the follow-up it owes), 'cooling', 'failed',
 --                               'follow' (now the follow-up's, which is queued)
 --        {0}                    the key is not the task's any more; {12} 'q': not yet
+--        {11, lacking, '', f}   nothing done: call again with these keys
 -- After 'ok' and 'revoke' the task's record is marked (lib.lua's mark, 'ended'): should
 -- asynq put the task back before it records the end (a shutdown), it does not run again.
---        {11, lacking, '', f}   nothing done: call again with these keys
 -- @lib: lib.lua is spliced in here.
 roles(0)
 local A = ARGV
@@ -93,9 +93,7 @@ if out == 'fail' and mine and m[4] then
   if w_end and (ms < 0 or now_ms + ms > w_end) then ms = math.max(w_end - now_ms, 1) end
   call('HSET', K.M, 'e', string.sub(A[5], 1, 1000))
   call('HDEL', K.T, 'unique_key')
-  for _, k in ipairs({K.L, K.M}) do
-    if ms < 0 then call('PERSIST', k) else call('PEXPIRE', k, ms) end
-  end
+  for _, k in ipairs({K.L, K.M}) do if ms < 0 then call('PERSIST', k) else call('PEXPIRE', k, ms) end end
   return {1, 'failed'}
 end
 if out ~= 'fail' and A[6] ~= 'a' then

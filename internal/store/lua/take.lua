@@ -57,8 +57,7 @@ if not v then
   if A[4] ~= '' then
     -- Stored as asynq's enqueue (or schedule) script stores it. (Without a
     -- unique key the last pair names msg again: one HSET either way.)
-    local u, uv = 'msg', A[4]
-    if A[8] == '1' then u, uv = 'unique_key', K.L end
+    local u, uv = A[8] == '1' and 'unique_key' or 'msg', A[8] == '1' and K.L or A[4]
     if A[5] ~= '0' then
       call('HSET', K.T, 'msg', A[4], 'state', 'scheduled', u, uv)
       call('ZADD', K.S, A[5], A[2])
@@ -78,9 +77,8 @@ local holder, kind, at = holder_of(v)
 if kind == 'c' then return {14, holder, call('PTTL', K.L), kind} end
 if holder == A[2] and A[11] ~= '1' then return {2} end
 if kind == 'x' then return {0, holder} end
-if not string.match(holder, '^d[dfkam]%-') then
-  return {11, holder} -- a caller's ID, which a task of another key may have now: acquire checks
-end
+-- A caller's ID, which a task of another key may have now: acquire checks.
+if not string.match(holder, '^d[dfkam]%-') then return {11, holder} end
 -- (Only a lock asynq's scripts delete at the task's end is trusted alone.)
 if holder == A[9] and A[10] == '1' and kind == '' then return {0, holder} end
 local st = holder == A[9] and K.H and call('HGET', K.H, 'state')
