@@ -808,3 +808,31 @@ func runByHandWaitsForTheKey(t *testing.T, h *harness, rc *recorder, first, seco
 	default:
 	}
 }
+
+// A kept Cooldown task (NewClient's own ID: asynq's record of its success
+// holds the key) whose handler is still running LockTimeout before its
+// deadline is noted, then succeeds before the deadline. The key cools, and
+// the success is counted cooling, as any kept success is: not released.
+func TestKeptCooldownSuccessAfterTheDeadlineNoteIsCountedCooling(t *testing.T) {
+	t.Parallel()
+	rdb := newRDB(t)
+	n := newNoted()
+	rdb.AddHook(n)
+	h := newHarnessOn(t, rdb, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
+	h.client = h.d.NewClient()
+	h.serve(func(ctx context.Context, _ *asynq.Task) error {
+		select {
+		case <-n.each:
+			return nil
+		case <-ctx.Done():
+			return errors.New("not noted before the deadline")
+		}
+	}, retryInAnHour)
+	first := h.enqueue(digest(1, 1), asynq.Timeout(2*time.Second))
+	eventually(t, "asynq completes the digest", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })
+	coolingDup(t, h.client, digest(1, 2), h.queue, first.ID)
+	h.settled(1)
+	if s := h.d.Stats(); s.Cooling != 1 || s.Released != 0 {
+		t.Errorf("stats: cooling %d, released %d; want the success counted cooling once, not released", s.Cooling, s.Released)
+	}
+}

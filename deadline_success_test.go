@@ -1,6 +1,7 @@
 package dedup
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"testing"
@@ -8,6 +9,7 @@ import (
 
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
 )
 
 // lifecycle.md, "What changed": "A handler that returns within LockTimeout
@@ -120,4 +122,178 @@ func TestSuccessAtTheDeadlineFollowsWhatAsynqMakesOfTheAttempt(t *testing.T) {
 		}
 	}
 	t.Logf("%d of %d tasks retried by asynq; %d of them lost their lock; %d completed tasks still hold theirs", retried, n, lost, stuck)
+}
+
+// noted signals, on each, every library extend call that wrote a note that
+// a handler may outlive its attempt (an extend with a note argument), once
+// Redis has answered it.
+type noted struct{ each chan struct{} }
+
+func newNoted() *noted { return &noted{each: make(chan struct{}, 16)} }
+
+func (n *noted) isNote(cmd redis.Cmder) bool {
+	// extend.lua's ARGV[4], the attempt's token in its note, follows the
+	// script, numkeys, 4 keys and 3 arguments.
+	a := cmd.Args()
+	if cmd.Err() != nil || !isScript(cmd, "extend") || len(a) < 11 {
+		return false
+	}
+	return fmt.Sprint(a[10]) != ""
+}
+
+func (n *noted) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (n *noted) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if err == nil && n.isNote(cmd) {
+			n.each <- struct{}{}
+		}
+		return err
+	}
+}
+func (n *noted) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		err := next(ctx, cmds)
+		for _, c := range cmds {
+			if n.isNote(c) {
+				n.each <- struct{}{}
+			}
+		}
+		return err
+	}
+}
+
+// modeFields returns the key's mode record.
+func (h *harness) modeFields(lock string) map[string]string {
+	h.t.Helper()
+	m, err := h.rdb.HGetAll(context.Background(), store.ModeOf(lock)).Result()
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return m
+}
+
+// A plain task (NewClient, Reject) whose handler is still running
+// LockTimeout before its deadline is noted (it may outlive its attempt);
+// it then succeeds, before the deadline. Its success frees the key as any
+// success does, counted released; the note goes with the handler's end, and
+// leaves nothing that holds the key.
+func TestSuccessAfterTheDeadlineNoteFreesTheKey(t *testing.T) {
+	t.Parallel()
+	// (asynq keeps a Timeout in whole seconds: a Timeout below LockTimeout
+	// takes a LockTimeout above 1 s.)
+	for name, timeout := range map[string]time.Duration{"in the last LockTimeout": 3 * time.Second, "Timeout below LockTimeout": time.Second} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			rdb := newRDB(t)
+			n := newNoted()
+			rdb.AddHook(n)
+			cfg := jobRules(Rule{})
+			cfg.LockTimeout = 2 * time.Second
+			h := newHarnessOn(t, rdb, cfg)
+			h.client = h.d.NewClient()
+			h.serve(func(ctx context.Context, _ *asynq.Task) error {
+				select {
+				case <-n.each:
+					return nil
+				case <-ctx.Done():
+					return errors.New("not noted before the deadline")
+				}
+			}, retryInAnHour)
+			info := h.enqueue(jobTask("s", 1), asynq.Timeout(timeout), asynq.Retention(time.Hour))
+			eventually(t, "asynq completes the task", func() bool { return h.taskState(info.ID) == asynq.TaskStateCompleted })
+			lock := h.keyOf(jobTask("s", 1), h.queue)
+			if o := h.lockOwner(lock); o != "" && h.lockState(lock) != store.LockOrphaned {
+				t.Errorf("after the success the lock names %q (%s)", o, h.lockState(lock))
+			}
+			if m := h.modeFields(lock); m["o"] != "" || m["oa"] != "" {
+				t.Errorf("the note outlives the handler: mode record %v", m)
+			}
+			next, err := h.client.Enqueue(jobTask("s", 2), asynq.Queue(h.queue))
+			if err != nil {
+				t.Fatalf("the key's next enqueue after the success: %v", err)
+			}
+			if s := h.d.Stats(); s.Released != 1 || s.Held != 0 || s.LockLost != 0 || s.RedisErrors != 0 || s.Processed != 1 {
+				t.Errorf("stats %+v, want one released, processed", s)
+			}
+			_ = next
+		})
+	}
+}
+
+// byAttempt is a handler that, for the attempts of payload 1 (by retry
+// count) listed in atNote, waits for the deadline note and then returns what
+// atNote says (nil: success); other runs return nil at once. Each run's
+// payload n is sent on runs.
+func byAttempt(n *noted, atNote map[int]error, runs chan<- int) asynq.HandlerFunc {
+	return func(ctx context.Context, t *asynq.Task) error {
+		retry, _ := asynq.GetRetryCount(ctx)
+		if runs != nil {
+			runs <- decodeJob(t).N
+		}
+		res, ok := atNote[retry]
+		if !ok || decodeJob(t).N != 1 {
+			return nil
+		}
+		select {
+		case <-n.each:
+			return res
+		case <-ctx.Done():
+			return errors.New("not noted before the deadline")
+		}
+	}
+}
+
+// noteHarness is a harness over jobTask whose Redis signals the deadline
+// notes (LockTimeout 2 s).
+func noteHarness(t *testing.T, r Rule) (*harness, *noted) {
+	t.Helper()
+	rdb := newRDB(t)
+	n := newNoted()
+	rdb.AddHook(n)
+	cfg := jobRules(r)
+	cfg.LockTimeout = 2 * time.Second
+	h := newHarnessOn(t, rdb, cfg)
+	h.client = h.d.NewClient()
+	return h, n
+}
+
+// An execution-guard task (asynq's own client, under a rule) whose success
+// comes after its deadline note: its key frees for the key's next enqueue
+// and for the next task that arrives without a lock, and nothing holds it.
+func TestArrivalSuccessAfterTheDeadlineNoteLeavesTheKeyFree(t *testing.T) {
+	t.Parallel()
+	for name, timeout := range map[string]time.Duration{"in the last LockTimeout": 3 * time.Second, "Timeout below LockTimeout": time.Second} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			h, n := noteHarness(t, Rule{})
+			runs := make(chan int, 8)
+			h.serve(byAttempt(n, map[int]error{0: nil}, runs), retryInAnHour)
+			a, err := h.asynq.Enqueue(jobTask("g", 1), asynq.Queue(h.queue), asynq.Timeout(timeout), asynq.Retention(time.Hour))
+			if err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, runs, "the arrival runs")
+			eventually(t, "asynq completes it", func() bool { return h.taskState(a.ID) == asynq.TaskStateCompleted })
+			lock := h.keyOf(jobTask("g", 1), h.queue)
+			if m := h.modeFields(lock); m["o"] != "" {
+				t.Errorf("the note outlives the handler: %v", m)
+			}
+			b, err := h.asynq.Enqueue(jobTask("g", 2), asynq.Queue(h.queue), asynq.Timeout(time.Minute), asynq.Retention(time.Hour))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := waitFor(t, runs, "a second arrival runs"); got != 2 {
+				t.Fatalf("ran %d, want 2", got)
+			}
+			eventually(t, "asynq completes the second", func() bool { return h.taskState(b.ID) == asynq.TaskStateCompleted })
+			eventually(t, "no lock is left", func() bool { return h.lockOwner(lock) == "" || h.lockState(lock) == store.LockOrphaned })
+			if _, err := h.client.Enqueue(jobTask("g", 3), asynq.Queue(h.queue)); err != nil {
+				t.Fatalf("the key's next enqueue: %v", err)
+			}
+			if s := h.d.Stats(); s.Busy != 0 || s.LockLost != 0 || s.RedisErrors != 0 {
+				t.Errorf("stats %+v", s)
+			}
+		})
+	}
 }

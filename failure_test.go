@@ -548,3 +548,56 @@ func (h *heldBackAfter) ProcessPipelineHook(next redis.ProcessPipelineHook) redi
 		return next(ctx, cmds)
 	}
 }
+
+// A failure with retries left, returned after the attempt's deadline note
+// (the handler still ran LockTimeout before its deadline), before the
+// deadline: the key is held for the retry, the retry runs (the note went
+// with the handler's end: the retry does not meet its own task busy) and
+// its success frees the key.
+func TestRetryOfAFailureAfterTheDeadlineNoteRunsAndFreesTheKey(t *testing.T) {
+	t.Parallel()
+	for name, timeout := range map[string]time.Duration{"in the last LockTimeout": 3 * time.Second, "Timeout below LockTimeout": time.Second} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			h, n := noteHarness(t, Rule{OnFailure: FailHold, FailHoldFor: time.Hour})
+			runs := make(chan int, 8)
+			h.serve(byAttempt(n, map[int]error{0: errors.New("boom")}, runs), nil)
+			info := h.enqueue(jobTask("r", 1), asynq.MaxRetry(1), asynq.Timeout(timeout), asynq.Retention(time.Hour))
+			waitFor(t, runs, "the first attempt")
+			waitFor(t, runs, "the retry")
+			eventually(t, "asynq completes the retry", func() bool { return h.taskState(info.ID) == asynq.TaskStateCompleted })
+			lock := h.keyOf(jobTask("r", 1), h.queue)
+			if _, err := h.client.Enqueue(jobTask("r", 2), asynq.Queue(h.queue)); err != nil {
+				t.Fatalf("the key's next enqueue after the retry's success: %v (lock %s, mode %v)", err, h.lockState(lock), h.modeFields(lock))
+			}
+			if s := h.d.Stats(); s.Held != 1 || s.Busy != 0 || s.FailHeld != 0 || s.LockLost != 0 {
+				t.Errorf("stats %+v, want held once for the retry", s)
+			}
+		})
+	}
+}
+
+// A fail-hold task whose last attempt succeeds after its deadline note:
+// the key frees (no hold: it did not fail).
+func TestFailHoldSuccessAfterTheDeadlineNoteFreesTheKey(t *testing.T) {
+	t.Parallel()
+	for _, f := range []Failure{FailHold, FailHoldUntilReleased} {
+		t.Run(f.String(), func(t *testing.T) {
+			t.Parallel()
+			r := Rule{OnFailure: f}
+			if f == FailHold {
+				r.FailHoldFor = time.Hour
+			}
+			h, n := noteHarness(t, r)
+			h.serve(byAttempt(n, map[int]error{0: nil}, nil), retryInAnHour)
+			info := h.enqueue(jobTask("f", 1), asynq.MaxRetry(0), asynq.Timeout(3*time.Second), asynq.Retention(time.Hour))
+			eventually(t, "asynq completes it", func() bool { return h.taskState(info.ID) == asynq.TaskStateCompleted })
+			if _, err := h.client.Enqueue(jobTask("f", 2), asynq.Queue(h.queue)); err != nil {
+				t.Fatalf("the key's next enqueue after the success: %v", err)
+			}
+			if s := h.d.Stats(); s.FailHeld != 0 || s.Released != 1 {
+				t.Errorf("stats %+v", s)
+			}
+		})
+	}
+}

@@ -392,3 +392,49 @@ func TestDeferFollowUpStaysOwedWhenAnArrivalTakesTheKeyItsDeletedHolderFreed(t *
 		t.Fatalf("update while the arrival runs: %+v %v, want folded into the follow-up %s", g, err, f.TaskID)
 	}
 }
+
+// A RunningDefer holder noted before its deadline (its handler still ran
+// LockTimeout before it), then deferred into, then succeeding before the
+// deadline: the follow-up is queued at that end, runs with the new
+// payload, and its success frees the key.
+func TestDeferFollowUpOfAHolderThatSucceedsAfterItsDeadlineNoteRuns(t *testing.T) {
+	t.Parallel()
+	h, n := noteHarness(t, Rule{OnConflict: Replace, OnRunning: RunningDefer})
+	runs := make(chan int, 8)
+	proceed := make(chan struct{})
+	h.serve(func(ctx context.Context, t *asynq.Task) error {
+		runs <- decodeJob(t).N
+		if decodeJob(t).N != 1 {
+			return nil
+		}
+		select {
+		case <-n.each:
+		case <-ctx.Done():
+			return errors.New("not noted before the deadline")
+		}
+		<-proceed
+		return nil
+	}, retryInAnHour)
+	h.enqueue(jobTask("d", 1), asynq.Timeout(3*time.Second))
+	waitFor(t, runs, "the holder runs")
+	// The follow-up is made while the noted handler runs.
+	deadline := time.Now().Add(5 * time.Second)
+	var res Result
+	var err error
+	for time.Now().Before(deadline) {
+		if res, err = h.client.Submit(context.Background(), jobTask("d", 2), asynq.Queue(h.queue)); err == nil {
+			break
+		}
+	}
+	close(proceed)
+	if err != nil || res.Outcome != Deferred {
+		t.Fatalf("enqueue while the noted holder runs: %+v %v, want deferred", res, err)
+	}
+	if got := waitFor(t, runs, "the follow-up runs"); got != 2 {
+		t.Fatalf("ran payload %d, want the follow-up's 2", got)
+	}
+	eventually(t, "the key frees", func() bool {
+		_, err := h.client.Enqueue(jobTask("d", 3), asynq.Queue(h.queue))
+		return err == nil
+	})
+}
