@@ -674,3 +674,61 @@ func TestFollowUpQueuedWhenAGivenUpLastAttemptReturnsHoldsTheKeyUntilItRuns(t *t
 		t.Fatalf("an enqueue beside the follow-up %s: %+v %v", f.TaskID, dup, err)
 	}
 }
+
+// extended signals each library extend call that carried no note (the
+// heartbeat's extension of a handler that runs long), once answered.
+type plainExtends struct{ each chan struct{} }
+
+func (e *plainExtends) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (e *plainExtends) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if a := cmd.Args(); err == nil && isScript(cmd, "extend") && len(a) >= 11 && a[10] == "" {
+			select {
+			case e.each <- struct{}{}:
+			default:
+			}
+		}
+		return err
+	}
+}
+func (e *plainExtends) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// The heartbeat's extension of a handler that merely runs long, far from
+// its deadline, is no note that asynq gave the attempt up: the key's mode
+// record gets no note (o), and the task's record is not marked outlived
+// (dedup-lost), which tells a run of it that asynq put back that a handler
+// may still run.
+func TestHeartbeatOfALongHandlerWritesNoOutlivedNote(t *testing.T) {
+	t.Parallel()
+	rdb := newRDB(t)
+	ext := &plainExtends{each: make(chan struct{}, 1)}
+	rdb.AddHook(ext)
+	h := newHarnessOn(t, rdb, jobRulesQuickHeartbeat(Rule{}))
+	h.client = h.d.NewClient()
+	checked := make(chan struct{})
+	h.serve(func(ctx context.Context, _ *asynq.Task) error {
+		<-checked
+		return nil
+	}, nil)
+	info := h.enqueue(jobTask("hb", 1), asynq.Timeout(time.Hour))
+	waitFor(t, ext.each, "the heartbeat extends the long handler's key")
+	lock := h.keyOf(jobTask("hb", 1), h.queue)
+	m, err := h.rdb.HGetAll(context.Background(), store.ModeOf(lock)).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ti, terr := h.insp.GetTaskInfo(h.queue, info.ID)
+	close(checked)
+	if _, ok := m["o"]; ok {
+		t.Errorf("the heartbeat's extension wrote a note that asynq gave the attempt up: mode record %v", m)
+	}
+	if terr != nil {
+		t.Fatal(terr)
+	}
+	if v, ok := ti.Headers[store.HeaderLost]; ok {
+		t.Errorf("the heartbeat's extension marked the running task %s %q", store.HeaderLost, v)
+	}
+}
