@@ -224,7 +224,11 @@ func (s *Store) ExtendAll(ctx context.Context, es []*Extend) []ExtendResult {
 		wg.Go(func() {
 			defer func() { <-slots }()
 			r := &e.Ref
-			v, err := s.run(ctx, s.sc.extend, []string{r.Lock, r.Mode(), ScheduledKey(r.Queue), TaskKey(r.Queue, r.ID)}, r.ID, ms(e.TTL), ms(e.Outlived), e.Note)
+			note := int64(0) // (extend.lua's '0': no note; ms would round a zero up to 1)
+			if e.Outlived > 0 {
+				note = ms(e.Outlived)
+			}
+			v, err := s.run(ctx, s.sc.extend, []string{r.Lock, r.Mode(), ScheduledKey(r.Queue), TaskKey(r.Queue, r.ID)}, r.ID, ms(e.TTL), note, e.Note)
 			if err == nil {
 				out[i].Owned, err = parseFlag(v)
 			}
