@@ -732,3 +732,48 @@ func TestHeartbeatOfALongHandlerWritesNoOutlivedNote(t *testing.T) {
 		t.Errorf("the heartbeat's extension marked the running task %s %q", store.HeaderLost, v)
 	}
 }
+
+// A Replace holder noted before its deadline fails there with retries
+// left: while its handler ran the key's update was refused (a running
+// holder takes no fold), and once it returned (the note gone with it) an
+// update folds into the waiting retry, which runs with the new payload.
+func TestReplaceFoldsIntoTheRetryOfAFailureAfterTheDeadlineNote(t *testing.T) {
+	t.Parallel()
+	h, n := noteHarness(t, Rule{OnConflict: Replace})
+	runs := make(chan int, 8)
+	fail, failed := make(chan struct{}), make(chan struct{})
+	h.serve(func(ctx context.Context, t *asynq.Task) error {
+		runs <- decodeJob(t).N
+		if retry, _ := asynq.GetRetryCount(ctx); retry > 0 {
+			return nil
+		}
+		select {
+		case <-n.each:
+		case <-ctx.Done():
+			return errors.New("not noted before the deadline")
+		}
+		<-fail
+		defer close(failed)
+		return errors.New("boom")
+	}, func(c *asynq.Config) {
+		c.RetryDelayFunc = func(int, error, *asynq.Task) time.Duration { return 3 * time.Second }
+	})
+	info := h.enqueue(jobTask("p", 1), asynq.MaxRetry(1), asynq.Timeout(3*time.Second))
+	waitFor(t, runs, "the holder runs")
+	eventually(t, "the holder's attempt is noted", func() bool { return h.modeFields(h.keyOf(jobTask("p", 1), h.queue))["o"] != "" })
+	_, err := h.client.Enqueue(jobTask("p", 2), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) || dup.Holder != info.ID {
+		t.Fatalf("update while the noted holder runs: %v, want a duplicate of %s", err, info.ID)
+	}
+	close(fail)
+	<-failed
+	eventually(t, "asynq makes it a retry", func() bool { return h.taskState(info.ID) == asynq.TaskStateRetry })
+	res, err := h.client.Submit(context.Background(), jobTask("p", 3), asynq.Queue(h.queue))
+	if err != nil || res.Outcome != Replaced || res.TaskID != info.ID {
+		t.Fatalf("update of the waiting retry: %+v %v, want replaced into %s", res, err, info.ID)
+	}
+	if got := waitFor(t, runs, "the retry runs"); got != 3 {
+		t.Fatalf("the retry ran payload %d, want 3", got)
+	}
+}
