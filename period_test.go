@@ -440,3 +440,26 @@ func TestPeriodKeyStaysHeldWhenItsCompletedRecordIsDeleted(t *testing.T) {
 		t.Fatalf("enqueue in the same window after the record was deleted: %v, want cooling until the window ends", err)
 	}
 }
+
+// A Period task whose success comes after its deadline note (its handler
+// still ran LockTimeout before its deadline): the window holds the key,
+// counted cooling, and the note went with the handler.
+func TestPeriodSuccessAfterTheDeadlineNoteHoldsTheWindow(t *testing.T) {
+	t.Parallel()
+	h, n := noteHarness(t, Rule{Period: 24 * time.Hour})
+	h.serve(byAttempt(n, map[int]error{0: nil}, nil), retryInAnHour)
+	info := h.enqueue(jobTask("w", 1), asynq.Timeout(3*time.Second))
+	eventually(t, "asynq is done with it", func() bool { return h.finished(info.ID) })
+	h.settled(1)
+	_, err := h.client.Enqueue(jobTask("w", 2), asynq.Queue(h.queue))
+	var dup *DuplicateTaskError
+	if !errors.As(err, &dup) || !dup.CoolingDown || dup.Holder != info.ID {
+		t.Fatalf("enqueue in the window after the success: %v, want cooling after %s", err, info.ID)
+	}
+	if m := h.modeFields(h.keyOf(jobTask("w", 1), h.queue)); m["o"] != "" {
+		t.Errorf("the note outlives the handler: %v", m)
+	}
+	if s := h.d.Stats(); s.Cooling != 1 || s.Released != 0 {
+		t.Errorf("stats: cooling %d, released %d", s.Cooling, s.Released)
+	}
+}
