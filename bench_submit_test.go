@@ -20,6 +20,8 @@ import (
 // and replaced, from 32 goroutines. Throughput against plain asynq, and
 // Redis's CPU, are cmd/dedupbench's job: this process runs the scripts in
 // their key-checking build (TestMain), which costs Redis, not the client.
+// The -c1 cases make the same calls from one goroutine: what a lone
+// producer's call costs, batching and contention aside.
 func BenchmarkSubmit(b *testing.B) {
 	ctx := context.Background()
 	rdb := newRDB(b)
@@ -58,31 +60,50 @@ func BenchmarkSubmit(b *testing.B) {
 		}},
 	}
 	for _, tc := range cases {
-		b.Run(tc.name, func(b *testing.B) {
-			q := "q-" + uniq(b)
-			for u := range int64(keys) { // the keys the duplicate cases meet, taken untimed
-				if err := tc.call(asynq.NewTask(tc.typ, benchPayload(u, 0)), q); err != nil {
-					b.Fatal(err)
+		b.Run(tc.name, func(b *testing.B) { benchSubmitCase(b, tc.typ, tc.user, tc.call, false) })
+		b.Run(tc.name+"-c1", func(b *testing.B) { benchSubmitCase(b, tc.typ, tc.user, tc.call, true) })
+	}
+}
+
+// benchSubmitCase times call on fresh tasks of type typ about user(n), the
+// n-th call's user, from 32 goroutines or (serial) one.
+func benchSubmitCase(b *testing.B, typ string, user func(int64) int64, call func(*asynq.Task, string) error, serial bool) {
+	const keys = 1000
+	q := "q-" + uniq(b)
+	for u := range int64(keys) { // the keys the duplicate cases meet, taken untimed
+		if err := call(asynq.NewTask(typ, benchPayload(u, 0)), q); err != nil {
+			b.Fatal(err)
+		}
+	}
+	var n atomic.Int64
+	one := func() bool {
+		i := keys + n.Add(1)
+		if err := call(asynq.NewTask(typ, benchPayload(user(i), i)), q); err != nil {
+			b.Error(err)
+			return false
+		}
+		return true
+	}
+	b.ReportAllocs()
+	cpu0 := processCPU()
+	b.ResetTimer()
+	if serial {
+		for range b.N {
+			if !one() {
+				return
+			}
+		}
+	} else {
+		b.SetParallelism(16) // 32 goroutines on 2 cores
+		b.RunParallel(func(pb *testing.PB) {
+			for pb.Next() {
+				if !one() {
+					return
 				}
 			}
-			var n atomic.Int64
-			b.ReportAllocs()
-			b.SetParallelism(16) // 32 goroutines on 2 cores
-			cpu0 := processCPU()
-			b.ResetTimer()
-			b.RunParallel(func(pb *testing.PB) {
-				for pb.Next() {
-					i := keys + n.Add(1)
-					task := asynq.NewTask(tc.typ, benchPayload(tc.user(i), i))
-					if err := tc.call(task, q); err != nil {
-						b.Error(err)
-						return
-					}
-				}
-			})
-			b.ReportMetric(float64((processCPU()-cpu0).Nanoseconds())/1e3/float64(b.N), "cpu-µs/op")
 		})
 	}
+	b.ReportMetric(float64((processCPU()-cpu0).Nanoseconds())/1e3/float64(b.N), "cpu-µs/op")
 }
 
 // benchPayload is a 200-byte JSON payload about user u, with a trace ID.
