@@ -112,11 +112,16 @@ type acquireStep struct {
 	fold    bool // the next call is fold.lua (before acquire.lua: a Replace into the hint's holder)
 	sends   bool // the next take carries the task (Direct)
 	frees   int  // calls answered statusFree so far
+
+	hints  *hintShard // where the lock's hint is kept (hashed once per Acquire)
+	missed bool       // the cache held no hint for the lock at the start
 }
 
 func (s *Store) newAcquireStep(a *Acquire) acquireStep {
-	st := acquireStep{}
-	st.h, _ = s.hints.get(a.Ref.Lock)
+	st := acquireStep{hints: s.hints.shard(a.Ref.Lock)}
+	var found bool
+	st.h, found = st.hints.get(a.Ref.Lock)
+	st.missed = !found
 	// A key last seen held: a fold goes straight to acquire, and a take
 	// leaves the task out (it answers statusFree if the key turns out free).
 	st.general = st.h.holder != "" && (a.OnWaiting != FoldReject || a.Defers)
@@ -285,7 +290,7 @@ func (a *Acquire) result(s *Store, st *acquireStep, rep reply) AcquireResult {
 		// The key's next enqueue, often this process's own (the same work
 		// asked for again), then reads its holder's record in the same
 		// call. (Not trusted: the task may fail and free the key at once.)
-		s.remember(lock, &st.h, a.Ref.ID, "", 0)
+		st.remember(lock, a.Ref.ID, "", 0)
 	case StatusHeld:
 		res.Task = rep.str(0)
 		f := rep.str(1)
@@ -297,7 +302,7 @@ func (a *Acquire) result(s *Store, st *acquireStep, rep reply) AcquireResult {
 				checked = st.h.checked
 			}
 		}
-		s.remember(lock, &st.h, res.Task, f, checked)
+		st.remember(lock, res.Task, f, checked)
 	case StatusReplaced, StatusMerge:
 		res.Task, res.State = rep.str(0), rep.str(1)
 		f := rep.str(2)
@@ -309,13 +314,13 @@ func (a *Acquire) result(s *Store, st *acquireStep, rep reply) AcquireResult {
 		if res.FollowUp {
 			holder = st.h.holder
 		}
-		s.remember(lock, &st.h, holder, f, 0)
+		st.remember(lock, holder, f, 0)
 	case StatusDeferred:
 		res.Task, res.FollowUp = rep.str(0), true
-		s.remember(lock, &st.h, st.h.holder, res.Task, 0)
+		st.remember(lock, st.h.holder, res.Task, 0)
 	case StatusReserved:
 		res.Task = rep.str(0)
-		s.remember(lock, &st.h, res.Task, "", 0)
+		st.remember(lock, res.Task, "", 0)
 	case StatusOver:
 		res.Waiting, _ = strconv.ParseInt(rep.str(0), 10, 64)
 		res.Queued, _ = strconv.ParseInt(rep.str(1), 10, 64)
@@ -332,11 +337,11 @@ func (a *Acquire) result(s *Store, st *acquireStep, rep reply) AcquireResult {
 // (checked: when a reply found the holder's record live, unix nanoseconds,
 // 0 if none did), unless the hint passed came from the cache and already
 // says so.
-func (s *Store) remember(lock string, h *hint, holder, follow string, checked int64) {
-	if h.cached && h.holder == holder && h.follow == follow && (checked == 0 || h.checked == checked) {
+func (st *acquireStep) remember(lock string, holder, follow string, checked int64) {
+	if h := &st.h; h.cached && h.holder == holder && h.follow == follow && (checked == 0 || h.checked == checked) {
 		return
 	}
-	s.hints.put(lock, hint{holder: holder, follow: follow, checked: checked})
+	st.hints.put(lock, hint{holder: holder, follow: follow, checked: checked}, st.missed)
 }
 
 // payloadField encodes a payload as TaskMessage field 2, as the scripts

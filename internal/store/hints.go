@@ -44,8 +44,9 @@ func (c *hintCache) shard(lockKey string) *hintShard {
 	return &c.shards[maphash.String(c.seed, lockKey)%hintShards]
 }
 
-func (c *hintCache) get(lockKey string) (hint, bool) {
-	sh := c.shard(lockKey)
+func (c *hintCache) get(lockKey string) (hint, bool) { return c.shard(lockKey).get(lockKey) }
+
+func (sh *hintShard) get(lockKey string) (hint, bool) {
 	sh.mu.RLock()
 	h, ok := sh.m[lockKey]
 	sh.mu.RUnlock()
@@ -53,26 +54,33 @@ func (c *hintCache) get(lockKey string) (hint, bool) {
 	return h, ok
 }
 
-func (c *hintCache) put(lockKey string, h hint) {
-	sh := c.shard(lockKey)
-	sh.mu.RLock()
-	old, ok := sh.m[lockKey]
-	sh.mu.RUnlock()
-	if ok && old.holder == h.holder && old.follow == h.follow && old.checked == h.checked {
-		return
+func (c *hintCache) put(lockKey string, h hint) { c.shard(lockKey).put(lockKey, h, false) }
+
+// put remembers h for lockKey. missed: the caller just found no entry for
+// it (get), so the read-locked look for an equal one is skipped.
+func (sh *hintShard) put(lockKey string, h hint, missed bool) {
+	if !missed {
+		sh.mu.RLock()
+		old, ok := sh.m[lockKey]
+		sh.mu.RUnlock()
+		if ok && old.holder == h.holder && old.follow == h.follow && old.checked == h.checked {
+			return
+		}
 	}
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if sh.m == nil {
-		sh.m = make(map[string]hint, hintsPerShard)
-	}
-	if _, ok := sh.m[lockKey]; !ok && len(sh.m) >= hintsPerShard {
-		for k := range sh.m { // an arbitrary entry makes room
-			delete(sh.m, k)
-			break
-		}
+		sh.m = make(map[string]hint, hintsPerShard+1)
 	}
 	sh.m[lockKey] = h
+	if len(sh.m) > hintsPerShard { // (so the map is hashed once for a new key)
+		for k := range sh.m { // an arbitrary other entry makes room
+			if k != lockKey {
+				delete(sh.m, k)
+				break
+			}
+		}
+	}
 }
 
 func (c *hintCache) forget(lockKey string) {
