@@ -89,13 +89,13 @@ func (b *batcher) do(ctx context.Context, s *redis.Script, keys []string, args [
 		return nil, nil, false
 	default:
 	}
-	req := &batchReq{ctx: ctx, s: s, keys: keys, args: args, done: make(chan batchRes, 1)}
 	select {
 	case b.slot <- struct{}{}: // a free slot, the common case when calls are few
-		v, err := b.lead1(req)
+		v, err := b.lead(ctx, s, keys, args)
 		return v, err, true
 	default:
 	}
+	req := &batchReq{ctx: ctx, s: s, keys: keys, args: args, done: make(chan batchRes, 1)}
 	t := timers.Get().(*time.Timer)
 	t.Reset(b.timeout)
 	defer func() {
@@ -125,10 +125,36 @@ func (b *batcher) do(ctx context.Context, s *redis.Script, keys []string, args [
 	}
 }
 
+// lead sends a call from its caller, which holds a slot, together with
+// the requests waiting now, and frees the slot. With none waiting, the
+// call is made as it is: no request to hand over, nor channel to answer
+// it on.
+func (b *batcher) lead(ctx context.Context, s *redis.Script, keys []string, args []any) (v any, err error) {
+	var waiting *batchReq
+	if b.max > 1 {
+		select {
+		case waiting = <-b.reqs:
+		default:
+		}
+	}
+	if waiting != nil {
+		req := &batchReq{ctx: ctx, s: s, keys: keys, args: args, done: make(chan batchRes, 1)}
+		b.collect(req, waiting)
+		<-b.slot
+		res := <-req.done // collect answered it
+		return res.v, res.err
+	}
+	if err = ctx.Err(); err == nil { // (as exec: a call whose caller left is not sent)
+		v, err = b.one(ctx, s, keys, args)
+	}
+	<-b.slot
+	return v, err
+}
+
 // lead1 sends req's batch from the caller, which holds a slot, and frees
 // the slot.
 func (b *batcher) lead1(req *batchReq) (any, error) {
-	b.collect(req)
+	b.collect(req, nil)
 	<-b.slot
 	r := <-req.done // collect answered it
 	return r.v, r.err
@@ -145,11 +171,14 @@ var timers = sync.Pool{New: func() any {
 // stop makes later calls go straight to Redis.
 func (b *batcher) stop() { b.once.Do(func() { close(b.stopped) }) }
 
-// collect sends first together with the requests waiting now (up to max)
-// and answers them all.
-func (b *batcher) collect(first *batchReq) {
+// collect sends first, and second if not nil, together with the requests
+// waiting now (up to max) and answers them all.
+func (b *batcher) collect(first, second *batchReq) {
 	bp := b.batches.Get().(*[]*batchReq)
 	batch := append((*bp)[:0], first)
+	if second != nil {
+		batch = append(batch, second)
+	}
 more:
 	for len(batch) < b.max {
 		select {
@@ -254,11 +283,7 @@ func hashTag(key string) string {
 func (b *batcher) execLive(live []*batchReq) {
 	if len(live) == 1 {
 		r := live[0]
-		ctx, cancel := context.WithTimeout(r.ctx, b.timeout) // its caller's alone: its cancellation counts
-		w := b.watch.Enter(r.ctx, cancel)
-		v, err := r.s.Run(ctx, b.rdb, r.keys, r.args...).Result()
-		err = w.Leave(err)
-		cancel()
+		v, err := b.one(r.ctx, r.s, r.keys, r.args)
 		r.done <- batchRes{v, err}
 		return
 	}
@@ -267,6 +292,17 @@ func (b *batcher) execLive(live []*batchReq) {
 	w := b.watch.Enter(context.Background(), cancel)
 	defer w.Leave(nil)
 	pipeScripts(ctx, b.rdb, live, w.explain)
+}
+
+// one makes a lone call, bounded by timeout and ctx (its caller's alone:
+// its cancellation counts), and ended at once by a failed dial.
+func (b *batcher) one(ctx context.Context, s *redis.Script, keys []string, args []any) (any, error) {
+	cctx, cancel := context.WithTimeout(ctx, b.timeout)
+	w := b.watch.Enter(ctx, cancel)
+	v, err := s.Run(cctx, b.rdb, keys, args...).Result()
+	err = w.Leave(err)
+	cancel()
+	return v, err
 }
 
 // pipeScripts sends live, script calls whose keys share one hash slot, as
