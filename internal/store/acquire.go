@@ -197,10 +197,10 @@ func (a *Acquire) take(s *Store, h *hint, sends bool) ([]string, []any) {
 	r := &a.Ref
 	kl := newKeyList()
 	kl.add(roleLock, r.Lock)
-	msg := ""
+	var msg any = ""
 	switch {
 	case sends:
-		msg = string(a.Message.Encode())
+		msg = a.Message.Encode() // (as bytes: a string of it would be a copy)
 		kl.add(roleTask, TaskKey(r.Queue, r.ID))
 		if a.DueAt != 0 {
 			kl.add(roleScheduled, ScheduledKey(r.Queue))
@@ -226,7 +226,7 @@ func (a *Acquire) take(s *Store, h *hint, sends bool) ([]string, []any) {
 		kl.add(roleHolder, TaskKey(r.Queue, h.holder))
 	}
 	args := make([]any, 0, 15+len(a.Mode))
-	args = append(args, kl.roleString(), r.ID, a.Value, msg, a.DueAt, a.Now.UnixMilli(), ms(a.TTL), flag(a.Unique),
+	args = append(args, kl.roleArg(), r.ID, a.Value, msg, a.DueAt, a.Now.UnixMilli(), ms(a.TTL), flag(a.Unique),
 		h.holder, flag(trust), flag(a.Caller), a.MaxPending, r.FP, flag(a.Defers))
 	return kl.keys, append(args, a.Mode...)
 }
@@ -268,7 +268,7 @@ func (a *Acquire) general(s *Store, h *hint, all bool) ([]string, []any) {
 		field = payloadField(a.Payload)
 	}
 	park := max(int64((a.TTL+time.Second-1)/time.Second), 1)
-	return kl.keys, []any{kl.roleString(), r.ID, a.Now.UnixMilli(), ms(a.TTL), r.Type, field, h.holder, h.follow,
+	return kl.keys, []any{kl.roleArg(), r.ID, a.Now.UnixMilli(), ms(a.TTL), r.Type, field, h.holder, h.follow,
 		a.FollowID, a.MaxPending, r.FP, a.DebounceDue, s.graceSeconds(), park, flag(a.Caller), OwedOf(r.Lock)}
 }
 

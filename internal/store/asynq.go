@@ -67,7 +67,11 @@ type Message struct {
 // Encode marshals m the way asynq's client does (proto3: zero values
 // omitted; fields in number order).
 func (m *Message) Encode() []byte {
-	b := make([]byte, 0, 64+len(m.Payload)+len(m.Type)+len(m.ID)+len(m.Queue))
+	size := 64 + len(m.Payload) + len(m.Type) + len(m.ID) + len(m.Queue) + len(m.UniqueKey)
+	for k, v := range m.Headers {
+		size += len(k) + len(v) + 16
+	}
+	b := make([]byte, 0, size) // (room for it all: one allocation)
 	str := func(num protowire.Number, s string) {
 		if s != "" {
 			b = protowire.AppendTag(b, num, protowire.BytesType)

@@ -48,7 +48,7 @@ func (s *Store) Start(ctx context.Context, st *Start) (StartResult, error) {
 		if h.holder != "" {
 			kl.add(roleHolder, TaskKey(r.Queue, h.holder))
 		}
-		args := append([]any{kl.roleString(), r.ID, ms(st.TTL), flag(st.Allow), r.FP, h.holder, s.graceSeconds(), st.Token}, st.Mode...)
+		args := append([]any{kl.roleArg(), r.ID, ms(st.TTL), flag(st.Allow), r.FP, h.holder, s.graceSeconds(), st.Token}, st.Mode...)
 		rep, err := s.runReply(ctx, s.sc.start, kl.keys, args)
 		switch {
 		case err != nil:
@@ -148,7 +148,7 @@ func (s *Store) Settle(ctx context.Context, st *Settle) (SettleResult, error) {
 		if follow != "" {
 			addFollowKeys(kl, r.Queue, follow)
 		}
-		rep, err := s.runReply(ctx, s.sc.settle, kl.keys, []any{kl.roleString(), r.ID, st.End, ms(st.TTL), st.Err, st.releaseArg(), follow,
+		rep, err := s.runReply(ctx, s.sc.settle, kl.keys, []any{kl.roleArg(), r.ID, st.End, ms(st.TTL), st.Err, st.releaseArg(), follow,
 			int64(st.Due / time.Second), st.Note, st.Value})
 		switch {
 		case err != nil:

@@ -285,10 +285,13 @@ func ContextTimeouts(rdb redis.UniversalClient) bool {
 	return false
 }
 
-// flag encodes a boolean script argument: "1" or "".
-func flag(b bool) string {
+// flag encodes a boolean script argument: "1" or "" (boxed once, so that
+// passing one allocates nothing).
+func flag(b bool) any {
 	if b {
-		return "1"
+		return flagTrue
 	}
-	return ""
+	return flagFalse
 }
+
+var flagTrue, flagFalse any = "1", ""

@@ -95,7 +95,7 @@ func (rel *Release) call(fp string, h *hint) ([]string, []any) {
 	if h.follow != "" {
 		kl.add(roleFollowTask, TaskKey(q, h.follow))
 	}
-	return kl.keys, []any{kl.roleString(), rel.How, rel.Holder, fp, h.holder, h.follow, int64(rel.Grace / time.Second)}
+	return kl.keys, []any{kl.roleArg(), rel.How, rel.Holder, fp, h.holder, h.follow, int64(rel.Grace / time.Second)}
 }
 
 // Unlock gives back the lock a refused enqueue took (its value exactly),

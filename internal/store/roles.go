@@ -47,26 +47,27 @@ func newKeyList(head ...byte) *keyList {
 	return k
 }
 
-// roleString is ARGV[1]: the head and the role letters. The few distinct
-// ones are kept, so that a call allocates none.
-func (k *keyList) roleString() string {
-	m := *roleStrings.Load()
+// roleArg is ARGV[1]: the head and the role letters, as a script
+// argument. The few distinct ones are kept, boxed, so that a call
+// allocates none.
+func (k *keyList) roleArg() any {
+	m := *roleArgs.Load()
 	if s, ok := m[string(k.roles)]; ok {
 		return s
 	}
 	s := string(k.roles)
-	next := make(map[string]string, len(m)+1)
+	next := make(map[string]any, len(m)+1)
 	for key, v := range m {
 		next[key] = v
 	}
 	next[s] = s
-	roleStrings.Store(&next) // a lost race only drops one entry
-	return s
+	roleArgs.Store(&next) // a lost race only drops one entry
+	return next[s]
 }
 
-var roleStrings = func() *atomic.Pointer[map[string]string] {
-	var p atomic.Pointer[map[string]string]
-	p.Store(&map[string]string{})
+var roleArgs = func() *atomic.Pointer[map[string]any] {
+	var p atomic.Pointer[map[string]any]
+	p.Store(&map[string]any{})
 	return &p
 }()
 
