@@ -287,7 +287,7 @@ func (m *osModel) task(w *osWorld, queue, id, typ string, payload []byte) *osTas
 		// operator released is as released.
 		for _, o := range m.tasks {
 			if o != t && o.s == p.S && o.typ == typ && o.released {
-				t.released = true
+				t.released, t.wasRelease = true, true
 			}
 			if o != t && o.s == p.S && o.typ == typ && o.started && w.rules[typ].OnRunning == RunningAllow {
 				t.allowCopy = true
