@@ -11,6 +11,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -597,6 +598,66 @@ func TestFailHoldSuccessAfterTheDeadlineNoteFreesTheKey(t *testing.T) {
 			}
 			if s := h.d.Stats(); s.FailHeld != 0 || s.Released != 1 {
 				t.Errorf("stats %+v", s)
+			}
+		})
+	}
+}
+
+// A handler that ignores the deadline of its last retry, under a fail
+// hold: asynq archives the task at the deadline without waiting for it, and
+// the hold is written then, while the handler still runs, so that a
+// worker that dies before it returns (a stuck handler, then kill -9)
+// loses nothing. The handler's return later neither restarts nor
+// stretches the hold: it only ends the note that it ran on.
+func TestFailHoldIsWrittenWhenAsynqArchivesAtTheDeadlineWhileTheHandlerRunsOn(t *testing.T) {
+	t.Parallel()
+	for _, until := range []bool{false, true} {
+		name := "FailHold"
+		rule := Rule{OnFailure: FailHold, FailHoldFor: time.Hour}
+		if until {
+			name, rule = "FailHoldUntilReleased", Rule{OnFailure: FailHoldUntilReleased}
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			h := newHarness(t, jobRulesQuickHeartbeat(rule))
+			h.client = h.d.NewClient()
+			stuck, back := make(chan struct{}), make(chan struct{})
+			h.serve(func(ctx context.Context, _ *asynq.Task) error {
+				<-stuck // ignores its deadline
+				close(back)
+				return nil
+			}, nil)
+			info := h.enqueue(jobTask("stuck", 1), asynq.MaxRetry(0), asynq.Timeout(2*time.Second))
+			eventually(t, "asynq archived the task, its handler still running", func() bool {
+				return h.taskState(info.ID) == asynq.TaskStateArchived
+			})
+			var de *DuplicateTaskError
+			eventually(t, "the key is held by the failure while the handler runs on", func() bool {
+				_, err := h.client.Enqueue(jobTask("stuck", 2), asynq.Queue(h.queue))
+				return errors.As(err, &de) && de.FailHeld && de.Holder == info.ID
+			})
+			kl, _, err := h.d.Lookup(context.Background(), jobTask("stuck", 3), asynq.Queue(h.queue))
+			if err != nil || kl.State != "failed" || kl.LastError == "" {
+				t.Errorf("Lookup while the handler runs on: %+v, %v; want failed, with asynq's error", kl, err)
+			}
+			before := kl.TTL
+			for range 2 { // the heartbeat renews the note that the handler runs on: never the hold
+				h.d.hb.beat(time.Now())
+			}
+			close(stuck)
+			<-back
+			mode := store.ModeOf(kl.Key)
+			eventually(t, "the handler's end clears its note", func() bool {
+				return !h.rdb.HExists(context.Background(), mode, store.FieldOutlived).Val()
+			})
+			kl, _, err = h.d.Lookup(context.Background(), jobTask("stuck", 4), asynq.Queue(h.queue))
+			switch {
+			case err != nil || kl.State != "failed":
+				t.Errorf("Lookup after the handler returned: %+v, %v; want failed", kl, err)
+			case until && kl.TTL >= 0:
+				t.Errorf("hold TTL %v after the handler returned, want none (until released)", kl.TTL)
+			case !until && (kl.TTL > before || kl.TTL < 0):
+				t.Errorf("hold TTL %v after the handler returned, %v before: the hold was stretched", kl.TTL, before)
 			}
 		})
 	}
