@@ -156,8 +156,9 @@ func TestFailHoldDoesNotHoldRevokedDeletedOrSucceededTasks(t *testing.T) {
 	}
 }
 
-// A handler that ignores its deadline holds the key while it runs; once it
-// returns, asynq's record (archived) decides, whatever it returned.
+// A handler that ignores the deadline of its last retry: asynq archives
+// the task at the deadline, and the key is held by the failure from then,
+// while the handler runs on and after it returns, whatever it returned.
 func TestFailHoldWhenAsynqArchivesAnAttemptThatOutlivedItsDeadline(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, failRules(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}))
@@ -170,8 +171,8 @@ func TestFailHoldWhenAsynqArchivesAnAttemptThatOutlivedItsDeadline(t *testing.T)
 	eventually(t, "archived by asynq", func() bool { return h.taskState(info.ID) == asynq.TaskStateArchived })
 	_, err := h.client.Enqueue(counterTask("slow", 2, 0), asynq.Queue(h.queue))
 	var de *DuplicateTaskError
-	if !errors.As(err, &de) || de.FailHeld || de.Holder != info.ID {
-		t.Fatalf("enqueue while the given-up handler still runs: %v, want held by %s (running)", err, info.ID)
+	if !errors.As(err, &de) || !de.FailHeld || de.Holder != info.ID {
+		t.Fatalf("enqueue while the given-up handler still runs: %v, want held by %s's failure", err, info.ID)
 	}
 	close(release)
 	eventually(t, "held after the failure", func() bool {
@@ -651,9 +652,12 @@ func TestFailHoldIsWrittenWhenAsynqArchivesAtTheDeadlineWhileTheHandlerRunsOn(t 
 				return !h.rdb.HExists(context.Background(), mode, store.FieldOutlived).Val()
 			})
 			kl, _, err = h.d.Lookup(context.Background(), jobTask("stuck", 4), asynq.Queue(h.queue))
+			modeTTL := h.rdb.PTTL(context.Background(), mode).Val()
 			switch {
 			case err != nil || kl.State != "failed":
 				t.Errorf("Lookup after the handler returned: %+v, %v; want failed", kl, err)
+			case until && modeTTL != -1 || !until && modeTTL < kl.TTL-time.Second:
+				t.Errorf("the key's mode record (its error) lives %v, its lock %v: it must live as long", modeTTL, kl.TTL)
 			case until && kl.TTL >= 0:
 				t.Errorf("hold TTL %v after the handler returned, want none (until released)", kl.TTL)
 			case !until && (kl.TTL > before || kl.TTL < 0):

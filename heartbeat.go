@@ -158,7 +158,11 @@ func (h *heartbeater) renewNote(ctx context.Context, l *lease) store.ExtendResul
 	if l.returned {
 		return store.ExtendResult{Owned: true} // (its settle follows)
 	}
-	return h.d.store.ExtendAll(ctx, []*store.Extend{{Ref: l.ref, TTL: l.ttl, Outlived: h.noteLife(), Note: l.note}})[0]
+	ttl := l.ttl
+	if l.settledEarly {
+		ttl = 0 // (its fail hold is the key's lifetime now: failNow)
+	}
+	return h.d.store.ExtendAll(ctx, []*store.Extend{{Ref: l.ref, TTL: ttl, Outlived: h.noteLife(), Note: l.note}})[0]
 }
 
 // check acts on one extension's result: an error is tried again at the

@@ -256,10 +256,13 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 		d.owed.begin(l)
 	}
 	nctx, ncancel := d.noteBefore(ctx)
-	stop := context.AfterFunc(nctx, func() { d.outlived(ctx, l) })
+	stops := []func() bool{context.AfterFunc(nctx, func() { d.outlived(ctx, l) })}
+	if d.failsAtDeadline(ctx, l) {
+		stops = append(stops, context.AfterFunc(ctx, func() { d.failNow(ctx, t, rule, l) }))
+	}
 	panicked := true
 	defer func() {
-		l.ended(stop)
+		l.ended(stops...)
 		ncancel()
 		live := d.hb.remove(l)
 		herr := err
@@ -279,6 +282,10 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 func (d *Dedup) settle(ctx context.Context, t *asynq.Task, r *resolved, l *lease, err error, live bool) {
 	typ := t.Type()
 	d.count(typ, evProcessed)
+	if l.settledEarly { // (written under mu, before ended: failNow is over)
+		d.endNote(ctx, l)
+		return
+	}
 	s := d.settleOf(ctx, t, r, l, err)
 	if l.releasedTogether(s) {
 		if x := d.releases.release(l, s.TTL); x != nil {
@@ -548,10 +555,57 @@ func (d *Dedup) outlived(ctx context.Context, l *lease) {
 	l.outlivedMark.Store(r.Owned)
 }
 
+// failsAtDeadline reports whether asynq archives the attempt at its
+// deadline, its last retry, under a fail hold (OnFailure): failNow writes
+// the hold. (Not with a follow-up owed, which must wait for the handler.)
+func (d *Dedup) failsAtDeadline(ctx context.Context, l *lease) bool {
+	n, _ := asynq.GetRetryCount(ctx)
+	maxRetry, _ := asynq.GetMaxRetry(ctx)
+	_, ok := ctx.Deadline()
+	return ok && n >= maxRetry && l.flags.Has(store.FlagFail) && !l.flags.Has(store.FlagDefer)
+}
+
+// failNow writes the final failure of an attempt that asynq gave up at its
+// deadline on its last retry while its handler still runs (called once,
+// from context.AfterFunc): asynq archives the task then without waiting
+// for the handler, and a hold written only at its return would be lost if
+// the worker stopped meanwhile (a stuck handler, then a kill). It acts only
+// under the note that the handler runs on (outlived), which its return
+// ends (endNote); the heartbeat then renews that note without lengthening
+// the hold.
+func (d *Dedup) failNow(ctx context.Context, t *asynq.Task, r *resolved, l *lease) {
+	if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.returned || !l.outlivedMark.Load() {
+		return
+	}
+	s := d.settleOf(ctx, t, r, l, ctx.Err())
+	s.Ref = l.ref // (no Note: it stays while the handler runs)
+	res, err := d.store.Settle(context.WithoutCancel(ctx), s)
+	d.report(t.Type(), l, res, err, true, s.Due)
+	l.rec.Settled(res, err)
+	l.settledEarly = err == nil
+}
+
+// endNote ends the note of an attempt whose end failNow settled, now that
+// its handler returned.
+func (d *Dedup) endNote(ctx context.Context, l *lease) {
+	_, err := d.store.Settle(context.WithoutCancel(ctx), &store.Settle{Ref: l.ref, End: store.EndNote, Note: l.note})
+	if err != nil {
+		d.count(l.ref.Type, evRedisError)
+		d.log.Warn("dedup: could not end the note that a handler asynq gave up runs on; it lapses", slog.String("task_id", l.ref.ID), slog.Any("error", err))
+	}
+}
+
 // ended records that the attempt's handler returned, after an outlived
-// note that was under way.
-func (l *lease) ended(stop func() bool) {
-	stop()
+// note (or a failNow) that was under way.
+func (l *lease) ended(stops ...func() bool) {
+	for _, stop := range stops {
+		stop()
+	}
 	l.mu.Lock()
 	l.returned = true
 	l.mu.Unlock()
@@ -575,6 +629,7 @@ type lease struct {
 	refMu        sync.Mutex  // orders lockOf's write of ref.Lock and ref.FP
 	mu           sync.Mutex  // guards returned (outlived runs on its own goroutine)
 	returned     bool        // the handler returned
+	settledEarly bool        // failNow settled the attempt's end while its handler ran on (guarded by mu)
 	note         string      // the attempt's token in the key's note that its handler outlived it (written by outlived; read once returned)
 	outlivedMark atomic.Bool // the mode record notes the handler outlived its attempt (the heartbeat renews it): its end clears it
 

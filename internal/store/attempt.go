@@ -90,12 +90,15 @@ const (
 	EndRevoke  = "revoke" // asynq.RevokeTask: asynq deletes the task
 	EndFail    = "fail"   // a final failure: asynq archives the task
 	EndRetry   = "retry"  // asynq runs the task again
+	// EndNote: the handler of an attempt whose end was settled while it
+	// ran on (asynq gave it up) returned: only its note (Settle.Note) goes.
+	EndNote = "note"
 )
 
 // Settle is one call of the settle script (lua/settle.lua).
 type Settle struct {
 	Ref Ref
-	End string // EndSuccess, EndRevoke, EndFail or EndRetry
+	End string // EndSuccess, EndRevoke, EndFail, EndRetry or EndNote
 	// TTL: EndRetry, how long the key stays held at least; else the lock's
 	// lifetime for a follow-up it goes to.
 	TTL time.Duration

@@ -24,7 +24,7 @@ local m = call('HMGET', KEYS[2], 'id', 'f')
 if ARGV[3] ~= '0' then
   if m[1] and m[1] ~= holder then hand(KEYS[2], holder, 0) end -- (an earlier holder's)
   call('HSET', KEYS[2], 'id', holder, 'o', select(2, now_parts()) + tonumber(ARGV[3]), 'oa', ARGV[4])
-  call('PEXPIRE', KEYS[2], math.max(call('PTTL', KEYS[1]), ms))
+  keep(KEYS[1], KEYS[2]) -- (as long as the lock, a fail hold's with no end included; ms at least, below)
   m[1] = holder
   local msg = call('HGET', KEYS[4], 'msg')
   if msg and not string.find(msg, '\10dedup-lost\18', 1, true) then mark(KEYS[4], 'outlived') end

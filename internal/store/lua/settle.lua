@@ -10,7 +10,7 @@
 --      scheduled set, pending list, retry set                  when the mode record names one
 -- ARGV[1]  the roles of KEYS; ARGV[2] task ID
 -- ARGV[3]  how it ended: 'ok' (success), 'revoke', 'fail' (asynq archives it),
---          'retry' (asynq runs it again)
+--          'retry' (asynq runs it again); 'note' (settled as it ran on: only its note goes)
 -- ARGV[4]  'retry': how long the key stays held for the retry at least; else the
 --          lock's lifetime for a follow-up it goes to (integer ms)
 -- ARGV[5]  'fail': the handler's error
@@ -47,6 +47,7 @@ if A[6] == 'q' and holder == id and waiting(st) then mark(K.T, 'owed') end
 if A[6] == 'q' and holder == id and (st == 'active' or waiting(st)) then return {12} end
 -- This attempt's handler, which asynq gave up, has ended, whoever holds the key now.
 if m[6] and m[7] == A[9] then call('HDEL', K.M, 'o', 'oa') end
+if out == 'note' then return {1, ''} end
 -- Its lock went (an operator deleted its task; or asynq's done, after an end that made no call,
 -- owed.go) while it owes a follow-up: that runs now. (Another task's lock would name it.)
 local gone = not holder and mine and m[2] and (st or 'completed') == 'completed'
