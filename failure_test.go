@@ -666,3 +666,55 @@ func TestFailHoldIsWrittenWhenAsynqArchivesAtTheDeadlineWhileTheHandlerRunsOn(t 
 		})
 	}
 }
+
+// A fail hold shorter than the run of a handler that ignores its last
+// retry's deadline: failNow writes the hold as asynq archives the task, and
+// the hold's time ends while the handler still runs. The key must still
+// count that handler as running until it returns (as it did when the hold
+// was written at the return): a new task of the key must not be created,
+// and run beside it, and the hold ending on time is no lock loss. Once the
+// handler returns, the key frees (the hold's time is over).
+func TestFailHoldEndingWhileTheGivenUpHandlerRunsOnKeepsTheKeyUntilItReturns(t *testing.T) {
+	t.Parallel()
+	const hold = 2 * time.Second
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailHoldFor: hold}))
+	h.client = h.d.NewClient()
+	stuck, back := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	unstick := func() { once.Do(func() { close(stuck) }) }
+	defer unstick()
+	runs := make(chan int, 8)
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		runs <- decodeJob(task).N
+		if decodeJob(task).N == 1 {
+			<-stuck // ignores its deadline
+			close(back)
+		}
+		return nil
+	}, nil)
+	info := h.enqueue(jobTask("short", 1), asynq.MaxRetry(0), asynq.Timeout(2*time.Second))
+	waitFor(t, runs, "the attempt")
+	var de *DuplicateTaskError
+	eventually(t, "held by the failure while the handler runs on", func() bool {
+		_, err := h.client.Enqueue(jobTask("short", 2), asynq.Queue(h.queue))
+		return errors.As(err, &de) && de.FailHeld && de.Holder == info.ID
+	})
+	time.Sleep(hold + 1500*time.Millisecond) // (the hold's time is over; the handler still runs)
+	if _, err := h.client.Enqueue(jobTask("short", 3), asynq.Queue(h.queue)); !errors.As(err, &de) || de.Holder != info.ID {
+		t.Errorf("enqueue after the hold's time, the given-up handler still running: %v, want a duplicate of %s", err, info.ID)
+	}
+	select {
+	case n := <-runs:
+		t.Errorf("task %d ran beside the given-up handler", n)
+	default:
+	}
+	if s := h.d.Stats(); s.LockLost != 0 {
+		t.Errorf("stats %+v: the hold ending on time is no lock loss", s)
+	}
+	unstick()
+	<-back
+	eventually(t, "the key frees once the handler returned", func() bool {
+		_, err := h.client.Enqueue(jobTask("short", 4), asynq.Queue(h.queue))
+		return err == nil
+	})
+}
