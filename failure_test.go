@@ -718,3 +718,60 @@ func TestFailHoldEndingWhileTheGivenUpHandlerRunsOnKeepsTheKeyUntilItReturns(t *
 		return err == nil
 	})
 }
+
+// A fail-hold task with no retries (its first attempt is its last) whose
+// handler ignores the deadline: asynq archives it at the deadline (writing
+// its record's message anew: a mark the note put there goes) and failNow
+// holds the key. An operator runs the archived task by hand at once, while
+// that handler still runs: the run must wait for it (the note, which names
+// the task, makes its start meet the key busy), not run beside it. Once the
+// handler has returned, a run by hand runs, once, and its success frees
+// the key.
+func TestRunningTheArchivedTaskByHandWhileItsGivenUpHandlerRunsOnWaitsForIt(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}))
+	h.client = h.d.NewClient()
+	stuck, back := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	unstick := func() { once.Do(func() { close(stuck) }) }
+	defer unstick()
+	var n atomic.Int32
+	runs := make(chan int, 8)
+	h.serve(func(ctx context.Context, task *asynq.Task) error {
+		i := int(n.Add(1))
+		runs <- i
+		if i == 1 {
+			<-stuck // ignores its deadline
+			close(back)
+		}
+		return nil
+	}, nil)
+	info := h.enqueue(jobTask("hand", 1), asynq.MaxRetry(0), asynq.Timeout(2*time.Second), asynq.Retention(time.Hour))
+	waitFor(t, runs, "the attempt")
+	eventually(t, "archived and held by the failure", func() bool {
+		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailHeld == 1
+	})
+	busy := h.d.Stats().Busy
+	if err := h.insp.RunTask(h.queue, info.ID); err != nil {
+		t.Fatal(err)
+	}
+	if i, ok := startedWithinASecond(runs); ok {
+		t.Fatalf("the run by hand (run %d) started beside the given-up handler", i)
+	}
+	if s := h.d.Stats(); s.Busy <= busy {
+		t.Errorf("stats %+v: the run by hand did not meet its key busy", s)
+	}
+	unstick()
+	<-back
+	eventually(t, "the given-up handler settled", func() bool { return h.d.Stats().Processed >= 1 })
+	if st := h.taskState(info.ID); st == asynq.TaskStateArchived {
+		if err := h.insp.RunTask(h.queue, info.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, runs, "the run by hand once the handler returned")
+	eventually(t, "its success frees the key", func() bool {
+		_, err := h.client.Enqueue(jobTask("hand", 2), asynq.Queue(h.queue))
+		return err == nil
+	})
+}
