@@ -584,10 +584,17 @@ func (d *Dedup) failNow(ctx context.Context, t *asynq.Task, r *resolved, l *leas
 	}
 	s := d.settleOf(ctx, t, r, l, ctx.Err())
 	s.Ref = l.ref // (no Note: it stays while the handler runs)
-	res, err := d.store.Settle(context.WithoutCancel(ctx), s)
+	bg := context.WithoutCancel(ctx)
+	res, err := d.store.Settle(bg, s)
 	d.report(t.Type(), l, res, err, true, s.Due)
 	l.rec.Settled(res, err)
 	l.settledEarly = err == nil
+	if l.settledEarly && res.Owned && d.archived(ctx, &l.ref) {
+		// asynq's archive wrote the task's record anew, without the mark
+		// the note put there: marked again now (not at the next beat), so
+		// that a run of it by hand meets its key busy behind this handler.
+		d.store.ExtendAll(bg, []*store.Extend{{Ref: l.ref, Outlived: d.hb.noteLife(), Note: l.note}})
+	}
 }
 
 // endNote ends the note of an attempt whose end failNow settled, now that
