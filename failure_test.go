@@ -775,3 +775,74 @@ func TestRunningTheArchivedTaskByHandWhileItsGivenUpHandlerRunsOnWaitsForIt(t *t
 		return err == nil
 	})
 }
+
+// The worker stops while a handler that asynq gave up at its last retry's
+// deadline runs on (asynq's Shutdown does not wait for it: the task is
+// archived; then the Dedup closes, its heartbeat with it, as when the
+// process is killed). The hold failNow wrote stays, with its error and
+// its time, after the note that the handler runs on lapses; doctor --fix
+// keeps it; Release frees it, and the key takes a new task. The stopped
+// worker's handler returning at last ends only its own note: the new
+// holder's key is untouched.
+func TestFailHoldWrittenAtTheDeadlineSurvivesTheWorkerStoppingWhileTheHandlerRunsOn(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cfg := jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailHoldFor: time.Hour})
+	h := newHarness(t, cfg)
+	h.client = h.d.NewClient()
+	operator := dedupctl(t, h)
+	stuck, back := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	unstick := func() { once.Do(func() { close(stuck) }) }
+	defer unstick()
+	srv := h.serve(func(context.Context, *asynq.Task) error {
+		<-stuck // ignores its deadline
+		close(back)
+		return nil
+	}, func(c *asynq.Config) { c.ShutdownTimeout = time.Second })
+	task := jobTask("stop", 1)
+	info := h.enqueue(task, asynq.MaxRetry(0), asynq.Timeout(2*time.Second))
+	eventually(t, "archived and held by the failure", func() bool {
+		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailHeld == 1
+	})
+	srv.Shutdown()
+	_ = h.d.Close()
+	key := h.keyOf(task, h.queue)
+	mode := store.ModeOf(key)
+	eventually(t, "the note that the handler runs on lapses", func() bool {
+		o, err := h.rdb.HGet(ctx, mode, store.FieldOutlived).Int64()
+		now := h.rdb.Time(ctx).Val().UnixMilli()
+		return errors.Is(err, redis.Nil) || err == nil && o <= now
+	})
+	cfg.Prefix = h.prefix
+	h2 := newHarnessOn(t, h.rdb, cfg) // (another worker, on the same keys)
+	h2.queue = h.queue
+	h2.client = h2.d.NewClient()
+	de := failedDup(t, h2.client, jobTask("stop", 2), h.queue, info.ID)
+	if de.FreeIn < 59*time.Minute || de.FreeIn > time.Hour {
+		t.Errorf("FreeIn %v after the worker stopped, want the hour's rest", de.FreeIn)
+	}
+	if m := h.modeFields(key); m["e"] == "" {
+		t.Errorf("the key's mode record lost the failure's error: %v", m)
+	}
+	operator("doctor", "--fix", "--grace", "0")
+	if o := h.lockOwner(key); o != info.ID {
+		t.Fatalf("after doctor --fix: lock holder %q, want the failed %s", o, info.ID)
+	}
+	if ok, err := h2.d.Release(ctx, task, "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("release: %v %v", ok, err)
+	}
+	next, err := h2.client.Enqueue(jobTask("stop", 3), asynq.Queue(h.queue))
+	if err != nil {
+		t.Fatalf("enqueue after the release: %v", err)
+	}
+	unstick()
+	<-back
+	eventually(t, "the stopped worker's handler settled", func() bool { return h.d.Stats().Processed == 1 })
+	if o := h.lockOwner(key); o != next.ID {
+		t.Errorf("after the stopped worker's handler returned: lock holder %q, want the new task %s", o, next.ID)
+	}
+	if m := h.modeFields(key); m["id"] != next.ID || m["e"] != "" {
+		t.Errorf("after the stopped worker's handler returned: mode record %v, want the new task's", m)
+	}
+}
