@@ -846,3 +846,45 @@ func TestFailHoldWrittenAtTheDeadlineSurvivesTheWorkerStoppingWhileTheHandlerRun
 		t.Errorf("after the stopped worker's handler returned: mode record %v, want the new task's", m)
 	}
 }
+
+// A handler of a fail-hold task's last retry that returns as its deadline
+// passes, or just after, with a success or an error: asynq archives the
+// task at the deadline, whatever it returns, so the key is held by the
+// failure, once (failNow and the handler's return race: whichever writes
+// the hold, the other must not write it again, nor count it twice), with
+// no note left behind, its mode record as long-lived as its lock.
+func TestFailHoldAsTheLastRetrysHandlerReturnsAtItsDeadline(t *testing.T) {
+	t.Parallel()
+	for _, after := range []time.Duration{0, 20 * time.Millisecond} {
+		for _, res := range []error{nil, context.DeadlineExceeded, errors.New("boom")} {
+			t.Run(fmt.Sprintf("%v after, %v", after, res), func(t *testing.T) {
+				t.Parallel()
+				ctx := context.Background()
+				h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}))
+				h.client = h.d.NewClient()
+				h.serve(func(ctx context.Context, _ *asynq.Task) error {
+					<-ctx.Done()
+					time.Sleep(after)
+					return res
+				}, nil)
+				task := jobTask("at", 1)
+				info := h.enqueue(task, asynq.MaxRetry(0), asynq.Timeout(time.Second))
+				eventually(t, "archived and settled", func() bool {
+					return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().Processed == 1
+				})
+				failedDup(t, h.client, jobTask("at", 2), h.queue, info.ID)
+				key := h.keyOf(task, h.queue)
+				if m := h.modeFields(key); m["o"] != "" || m["oa"] != "" || m["e"] == "" {
+					t.Errorf("mode record %v: want the failure's error, no note", m)
+				}
+				lt, mt := h.rdb.PTTL(ctx, key).Val(), h.rdb.PTTL(ctx, store.ModeOf(key)).Val()
+				if lt <= 0 || lt > time.Hour || mt < lt-time.Second {
+					t.Errorf("lock lives %v, its mode record %v: want the hour's rest, both", lt, mt)
+				}
+				if s := h.d.Stats(); s.FailHeld != 1 || s.LockLost != 0 || s.RedisErrors != 0 || s.Released != 0 || s.Held != 0 {
+					t.Errorf("stats %+v, want fail-held once", s)
+				}
+			})
+		}
+	}
+}
