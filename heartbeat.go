@@ -160,7 +160,10 @@ func (h *heartbeater) renewNote(ctx context.Context, l *lease) store.ExtendResul
 	}
 	ttl := l.ttl
 	if l.settledEarly {
-		ttl = 0 // (its fail hold is the key's lifetime now: failNow)
+		// Its fail hold is the key's lifetime now (failNow): lengthened
+		// only where it would end while the handler still runs, which
+		// keeps the key as long as the note does.
+		ttl = h.noteLife()
 	}
 	return h.d.store.ExtendAll(ctx, []*store.Extend{{Ref: l.ref, TTL: ttl, Outlived: h.noteLife(), Note: l.note}})[0]
 }
