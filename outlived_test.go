@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -776,4 +777,46 @@ func TestReplaceFoldsIntoTheRetryOfAFailureAfterTheDeadlineNote(t *testing.T) {
 	if got := waitFor(t, runs, "the retry runs"); got != 3 {
 		t.Fatalf("the retry ran payload %d, want 3", got)
 	}
+}
+
+// A task with no retries (its first attempt is its last), of a rule that
+// holds nothing after a failure, whose handler ignores its deadline: asynq
+// archives it at the deadline, writing its record's message anew (the mark
+// the note put there goes). Run by hand at once, while that handler still
+// runs, it must wait for it, not run beside it (no operator freed the key).
+func TestRunningByHandATaskAsynqArchivedAtItsDeadlineWaitsForItsHandler(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{}))
+	h.client = h.d.NewClient()
+	stuck := make(chan struct{})
+	var once sync.Once
+	unstick := func() { once.Do(func() { close(stuck) }) }
+	defer unstick()
+	runs := make(chan int, 8)
+	var n atomic.Int32
+	h.serve(func(context.Context, *asynq.Task) error {
+		i := int(n.Add(1))
+		runs <- i
+		if i == 1 {
+			<-stuck // ignores its deadline
+		}
+		return nil
+	}, nil)
+	info := h.enqueue(jobTask("hand", 1), asynq.MaxRetry(0), asynq.Timeout(2*time.Second), asynq.Retention(time.Hour))
+	waitFor(t, runs, "the attempt")
+	eventually(t, "archived by asynq", func() bool { return h.taskState(info.ID) == asynq.TaskStateArchived })
+	if err := h.insp.RunTask(h.queue, info.ID); err != nil {
+		t.Fatal(err)
+	}
+	if i, ok := startedWithinASecond(runs); ok {
+		t.Fatalf("the run by hand (run %d) started beside the given-up handler", i)
+	}
+	unstick()
+	eventually(t, "the given-up handler settled", func() bool { return h.d.Stats().Processed >= 1 })
+	if st := h.taskState(info.ID); st == asynq.TaskStateArchived {
+		if err := h.insp.RunTask(h.queue, info.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, runs, "the run by hand once the handler returned")
 }
