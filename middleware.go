@@ -257,8 +257,8 @@ func (d *Dedup) run(ctx context.Context, t *asynq.Task, next asynq.Handler, rule
 	}
 	nctx, ncancel := d.noteBefore(ctx)
 	stops := []func() bool{context.AfterFunc(nctx, func() { d.outlived(ctx, l) })}
-	if d.failsAtDeadline(ctx, l) {
-		stops = append(stops, context.AfterFunc(ctx, func() { d.failNow(ctx, t, rule, l) }))
+	if d.lastAtDeadline(ctx) {
+		stops = append(stops, context.AfterFunc(ctx, func() { d.archivedAtDeadline(ctx, t, rule, l) }))
 	}
 	panicked := true
 	defer func() {
@@ -555,19 +555,43 @@ func (d *Dedup) outlived(ctx context.Context, l *lease) {
 	l.outlivedMark.Store(r.Owned)
 }
 
+// lastAtDeadline reports whether asynq archives the attempt should its
+// deadline pass while the handler runs: its last retry, with a deadline.
+func (d *Dedup) lastAtDeadline(ctx context.Context) bool {
+	n, _ := asynq.GetRetryCount(ctx)
+	maxRetry, _ := asynq.GetMaxRetry(ctx)
+	_, ok := ctx.Deadline()
+	return ok && n >= maxRetry
+}
+
 // failsAtDeadline reports whether asynq archives the attempt at its
 // deadline, its last retry, under a fail hold (OnFailure): failNow writes
 // the hold. (Not with a follow-up owed, which must wait for the handler.)
 func (d *Dedup) failsAtDeadline(ctx context.Context, l *lease) bool {
-	n, _ := asynq.GetRetryCount(ctx)
-	maxRetry, _ := asynq.GetMaxRetry(ctx)
-	_, ok := ctx.Deadline()
-	return ok && n >= maxRetry && l.flags.Has(store.FlagFail) && !l.flags.Has(store.FlagDefer)
+	return d.lastAtDeadline(ctx) && l.flags.Has(store.FlagFail) && !l.flags.Has(store.FlagDefer)
+}
+
+// archivedAtDeadline acts as asynq archives a last retry at its deadline
+// while its handler runs on (called once, from context.AfterFunc): a fail
+// hold is written (failNow); and asynq's archive writes the task's record
+// anew, without the mark the note put there, so it is marked again as soon
+// as asynq has archived it (not at the next beat): a run of it by hand
+// meets its key busy behind the handler rather than running beside it.
+func (d *Dedup) archivedAtDeadline(ctx context.Context, t *asynq.Task, r *resolved, l *lease) {
+	if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return
+	}
+	if d.failsAtDeadline(ctx, l) {
+		d.failNow(ctx, t, r, l)
+	}
+	if l.outlivedMark.Load() && d.archived(ctx, &l.ref) {
+		d.hb.check(l, d.hb.renewNote(context.WithoutCancel(ctx), l))
+	}
 }
 
 // failNow writes the final failure of an attempt that asynq gave up at its
-// deadline on its last retry while its handler still runs (called once,
-// from context.AfterFunc): asynq archives the task then without waiting
+// deadline on its last retry while its handler still runs (once, from
+// archivedAtDeadline): asynq archives the task then without waiting
 // for the handler, and a hold written only at its return would be lost if
 // the worker stopped meanwhile (a stuck handler, then a kill). It acts only
 // under the note that the handler runs on (outlived), which its return
@@ -584,17 +608,10 @@ func (d *Dedup) failNow(ctx context.Context, t *asynq.Task, r *resolved, l *leas
 	}
 	s := d.settleOf(ctx, t, r, l, ctx.Err())
 	s.Ref = l.ref // (no Note: it stays while the handler runs)
-	bg := context.WithoutCancel(ctx)
-	res, err := d.store.Settle(bg, s)
+	res, err := d.store.Settle(context.WithoutCancel(ctx), s)
 	d.report(t.Type(), l, res, err, true, s.Due)
 	l.rec.Settled(res, err)
 	l.settledEarly = err == nil
-	if l.settledEarly && res.Owned && d.archived(ctx, &l.ref) {
-		// asynq's archive wrote the task's record anew, without the mark
-		// the note put there: marked again now (not at the next beat), so
-		// that a run of it by hand meets its key busy behind this handler.
-		d.store.ExtendAll(bg, []*store.Extend{{Ref: l.ref, Outlived: d.hb.noteLife(), Note: l.note}})
-	}
 }
 
 // endNote ends the note of an attempt whose end failNow settled, now that
