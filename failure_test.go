@@ -888,3 +888,120 @@ func TestFailHoldAsTheLastRetrysHandlerReturnsAtItsDeadline(t *testing.T) {
 		}
 	}
 }
+
+// A short fail hold written as asynq gave the last retry up, its handler
+// running on; an operator releases the key and runs the archived task by
+// hand (allowed: the key was freed), and that run takes the key and runs.
+// The first handler returns after the hold's time: its end must leave the
+// key of the run by hand alone (not end the hold it no longer is).
+func TestFailHoldsEndAtTheGivenUpHandlersReturnSparesARunByHandThatTookTheKey(t *testing.T) {
+	t.Parallel()
+	const hold = time.Second // (ends well before the run by hand's deadline)
+	h := newHarness(t, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailHoldFor: hold}))
+	h.client = h.d.NewClient()
+	ctx := context.Background()
+	gates := [3]chan struct{}{nil, make(chan struct{}), make(chan struct{})}
+	var once [3]sync.Once
+	open := func(i int) { once[i].Do(func() { close(gates[i]) }) }
+	defer open(1)
+	defer open(2)
+	var n atomic.Int32
+	runs := make(chan int, 8)
+	h.serve(func(context.Context, *asynq.Task) error {
+		i := int(n.Add(1))
+		runs <- i
+		if i < len(gates) {
+			<-gates[i] // ignores its deadline
+		}
+		return nil
+	}, nil)
+	task := jobTask("byhand", 1)
+	info := h.enqueue(task, asynq.MaxRetry(0), asynq.Timeout(3*time.Second), asynq.Retention(time.Hour))
+	waitFor(t, runs, "the attempt")
+	eventually(t, "archived and held by the failure", func() bool {
+		return h.taskState(info.ID) == asynq.TaskStateArchived && h.d.Stats().FailHeld == 1
+	})
+	heldAt := time.Now()
+	if ok, err := h.d.Release(ctx, task, "", asynq.Queue(h.queue)); err != nil || !ok {
+		t.Fatalf("release: %v %v", ok, err)
+	}
+	if err := h.insp.RunTask(h.queue, info.ID); err != nil {
+		t.Fatal(err)
+	}
+	if i := waitFor(t, runs, "the run by hand"); i != 2 {
+		t.Fatalf("run %d", i)
+	}
+	key := h.keyOf(task, h.queue)
+	time.Sleep(time.Until(heldAt.Add(hold + 500*time.Millisecond))) // (the hold's time is over)
+	if st := h.taskState(info.ID); st != asynq.TaskStateActive {
+		t.Fatalf("the run by hand is %v, want still active", st)
+	}
+	open(1)
+	eventually(t, "the first handler's end settled", func() bool { return h.d.Stats().Processed == 1 })
+	if o := h.lockOwner(key); o != info.ID {
+		t.Errorf("after the first handler returned: lock holder %q, want the run by hand's %s (%v)", o, info.ID, h.modeFields(key))
+	}
+	if _, err := h.client.Enqueue(jobTask("byhand", 2), asynq.Queue(h.queue)); err == nil {
+		t.Errorf("enqueue while the run by hand runs: accepted, want a duplicate")
+	}
+	open(2)
+	eventually(t, "the run by hand's success frees the key", func() bool {
+		_, err := h.client.Enqueue(jobTask("byhand", 3), asynq.Queue(h.queue))
+		return err == nil
+	})
+}
+
+// The archived holder of a fail hold written at its deadline is deleted
+// by hand while its given-up handler runs on: the hold stays, through the
+// handler's return, with its time (FailHold) or until released; nothing
+// runs again.
+func TestFailHoldWrittenAtTheDeadlineSurvivesTheDeletionOfTheArchivedHolderWhileItsHandlerRunsOn(t *testing.T) {
+	t.Parallel()
+	for _, until := range []bool{false, true} {
+		rule := Rule{OnFailure: FailHold, FailHoldFor: time.Hour}
+		if until {
+			rule = Rule{OnFailure: FailHoldUntilReleased}
+		}
+		t.Run(rule.OnFailure.String(), func(t *testing.T) {
+			t.Parallel()
+			h := newHarness(t, jobRulesQuickHeartbeat(rule))
+			h.client = h.d.NewClient()
+			stuck := make(chan struct{})
+			var once sync.Once
+			unstick := func() { once.Do(func() { close(stuck) }) }
+			defer unstick()
+			runs := make(chan struct{}, 8)
+			h.serve(func(context.Context, *asynq.Task) error {
+				runs <- struct{}{}
+				<-stuck // ignores its deadline
+				return nil
+			}, nil)
+			a := h.enqueue(jobTask("del", 1), asynq.MaxRetry(0), asynq.Timeout(2*time.Second))
+			waitFor(t, runs, "the attempt")
+			eventually(t, "archived and held", func() bool {
+				return h.taskState(a.ID) == asynq.TaskStateArchived && h.d.Stats().FailHeld == 1
+			})
+			if err := h.insp.DeleteTask(h.queue, a.ID); err != nil {
+				t.Fatal(err)
+			}
+			failedDup(t, h.client, jobTask("del", 2), h.queue, a.ID)
+			unstick()
+			eventually(t, "the handler's end settled", func() bool { return h.d.Stats().Processed == 1 })
+			de := failedDup(t, h.client, jobTask("del", 3), h.queue, a.ID)
+			if until && de.FreeIn >= 0 || !until && (de.FreeIn < 59*time.Minute || de.FreeIn > time.Hour) {
+				t.Errorf("FreeIn %v after the handler returned", de.FreeIn)
+			}
+			select {
+			case <-runs:
+				t.Error("ran again")
+			default:
+			}
+			if ok, err := h.d.Release(context.Background(), jobTask("del", 4), a.ID, asynq.Queue(h.queue)); !ok || err != nil {
+				t.Fatalf("Release: %v %v", ok, err)
+			}
+			if _, err := h.client.Enqueue(jobTask("del", 5), asynq.Queue(h.queue)); err != nil {
+				t.Errorf("enqueue after the release: %v", err)
+			}
+		})
+	}
+}
