@@ -821,12 +821,7 @@ func TestKeptCooldownSuccessAfterTheDeadlineNoteIsCountedCooling(t *testing.T) {
 	h := newHarnessOn(t, rdb, Config{Rules: map[string]Rule{"digest:weekly": digestRule}})
 	h.client = h.d.NewClient()
 	h.serve(func(ctx context.Context, _ *asynq.Task) error {
-		select {
-		case <-n.each:
-			return nil
-		case <-ctx.Done():
-			return errors.New("not noted before the deadline")
-		}
+		return n.wait(ctx)
 	}, retryInAnHour)
 	first := h.enqueue(digest(1, 1), asynq.Timeout(2*time.Second))
 	eventually(t, "asynq completes the digest", func() bool { return h.taskState(first.ID) == asynq.TaskStateCompleted })

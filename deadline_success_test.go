@@ -131,6 +131,17 @@ type noted struct{ each chan struct{} }
 
 func newNoted() *noted { return &noted{each: make(chan struct{}, 16)} }
 
+// wait returns once a note was written, or an error if the attempt's
+// deadline came first.
+func (n *noted) wait(ctx context.Context) error {
+	select {
+	case <-n.each:
+		return nil
+	case <-ctx.Done():
+		return errors.New("not noted before the deadline")
+	}
+}
+
 func (n *noted) isNote(cmd redis.Cmder) bool {
 	// extend.lua's ARGV[4], the attempt's token in its note, follows the
 	// script, numkeys, 4 keys and 3 arguments.
@@ -193,12 +204,7 @@ func TestSuccessAfterTheDeadlineNoteFreesTheKey(t *testing.T) {
 			h := newHarnessOn(t, rdb, cfg)
 			h.client = h.d.NewClient()
 			h.serve(func(ctx context.Context, _ *asynq.Task) error {
-				select {
-				case <-n.each:
-					return nil
-				case <-ctx.Done():
-					return errors.New("not noted before the deadline")
-				}
+				return n.wait(ctx)
 			}, retryInAnHour)
 			info := h.enqueue(jobTask("s", 1), asynq.Timeout(timeout), asynq.Retention(time.Hour))
 			eventually(t, "asynq completes the task", func() bool { return h.taskState(info.ID) == asynq.TaskStateCompleted })
@@ -235,12 +241,10 @@ func byAttempt(n *noted, atNote map[int]error, runs chan<- int) asynq.HandlerFun
 		if !ok || decodeJob(t).N != 1 {
 			return nil
 		}
-		select {
-		case <-n.each:
-			return res
-		case <-ctx.Done():
-			return errors.New("not noted before the deadline")
+		if err := n.wait(ctx); err != nil {
+			return err
 		}
+		return res
 	}
 }
 

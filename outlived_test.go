@@ -748,10 +748,8 @@ func TestReplaceFoldsIntoTheRetryOfAFailureAfterTheDeadlineNote(t *testing.T) {
 		if retry, _ := asynq.GetRetryCount(ctx); retry > 0 {
 			return nil
 		}
-		select {
-		case <-n.each:
-		case <-ctx.Done():
-			return errors.New("not noted before the deadline")
+		if err := n.wait(ctx); err != nil {
+			return err
 		}
 		<-fail
 		defer close(failed)

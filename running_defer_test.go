@@ -407,10 +407,8 @@ func TestDeferFollowUpOfAHolderThatSucceedsAfterItsDeadlineNoteRuns(t *testing.T
 		if decodeJob(t).N != 1 {
 			return nil
 		}
-		select {
-		case <-n.each:
-		case <-ctx.Done():
-			return errors.New("not noted before the deadline")
+		if err := n.wait(ctx); err != nil {
+			return err
 		}
 		<-proceed
 		return nil
