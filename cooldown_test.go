@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/asynq-dedup/dedup/internal/redistest"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 )
@@ -574,28 +575,21 @@ type libraryScripts struct {
 	starts, settles, together atomic.Int64 // together: release_all
 }
 
-func (h *libraryScripts) count(cmds ...redis.Cmder) {
-	for _, c := range cmds {
-		switch {
-		case isScript(c, "start"):
-			h.n.Add(1)
-			h.starts.Add(1)
-		case isScript(c, "settle"):
-			h.n.Add(1)
-			h.settles.Add(1)
-		case isScript(c, "release_all"):
-			h.together.Add(1)
-		}
+func (h *libraryScripts) count(c redis.Cmder) {
+	switch {
+	case isScript(c, "start"):
+		h.n.Add(1)
+		h.starts.Add(1)
+	case isScript(c, "settle"):
+		h.n.Add(1)
+		h.settles.Add(1)
+	case isScript(c, "release_all"):
+		h.together.Add(1)
 	}
 }
 
-func (h *libraryScripts) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h *libraryScripts) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error { h.count(cmd); return next(ctx, cmd) }
-}
-func (h *libraryScripts) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error { h.count(cmds...); return next(ctx, cmds) }
-}
+// hook is the go-redis hook that counts a client's calls.
+func (h *libraryScripts) hook() redis.Hook { return redistest.CmdHook(h.count) }
 
 // A task NewClient stored under a Cooldown costs the worker no Redis call
 // of the library's: the task is stored with a Retention that keeps asynq's
@@ -612,7 +606,7 @@ func TestCooldownSuccessCostsTheWorkerNoRedisCall(t *testing.T) {
 			ctx := context.Background()
 			rdb := newRDB(t)
 			calls := &libraryScripts{}
-			rdb.AddHook(calls)
+			rdb.AddHook(calls.hook())
 			d, err := New(ctx, rdb, Config{Prefix: "nc-" + uniq(t), Logger: quietLogger()})
 			if err != nil {
 				t.Fatal(err)

@@ -11,6 +11,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/asynq-dedup/dedup/internal/redistest"
 	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
@@ -495,7 +496,7 @@ func TestFailHoldHoldsTheKeyBetweenAsynqsArchiveAtTheDeadlineAndTheSettle(t *tes
 	t.Parallel()
 	rdb := newRDB(t)
 	late := &heldBackAfter{open: make(chan struct{})}
-	rdb.AddHook(late)
+	rdb.AddHook(redistest.CmdHook(late.before))
 	h := newHarnessOn(t, rdb, jobRulesQuickHeartbeat(Rule{OnFailure: FailHold, FailHoldFor: time.Hour}))
 	h.client = h.d.NewClient()
 	h.serve(func(ctx context.Context, _ *asynq.Task) error {
@@ -528,26 +529,10 @@ type heldBackAfter struct {
 	open chan struct{}
 }
 
-func (h *heldBackAfter) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h *heldBackAfter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		if from := h.from.Load(); from != 0 && time.Now().UnixNano() >= from && isScript(cmd, "settle", "extend") {
-			h.held.Add(1)
-			<-h.open
-		}
-		return next(ctx, cmd)
-	}
-}
-func (h *heldBackAfter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		for _, c := range cmds {
-			if from := h.from.Load(); from != 0 && time.Now().UnixNano() >= from && isScript(c, "settle", "extend") {
-				h.held.Add(1)
-				<-h.open
-				break
-			}
-		}
-		return next(ctx, cmds)
+func (h *heldBackAfter) before(cmd redis.Cmder) {
+	if from := h.from.Load(); from != 0 && time.Now().UnixNano() >= from && isScript(cmd, "settle", "extend") {
+		h.held.Add(1)
+		<-h.open
 	}
 }
 

@@ -564,13 +564,6 @@ func (d *Dedup) lastAtDeadline(ctx context.Context) bool {
 	return ok && n >= maxRetry
 }
 
-// failsAtDeadline reports whether asynq archives the attempt at its
-// deadline, its last retry, under a fail hold (OnFailure): failNow writes
-// the hold. (Not with a follow-up owed, which must wait for the handler.)
-func (d *Dedup) failsAtDeadline(ctx context.Context, l *lease) bool {
-	return d.lastAtDeadline(ctx) && l.flags.Has(store.FlagFail) && !l.flags.Has(store.FlagDefer)
-}
-
 // archivedAtDeadline acts as asynq archives a last retry at its deadline
 // while its handler runs on (called once, from context.AfterFunc): a fail
 // hold is written (failNow); and asynq's archive writes the task's record
@@ -581,7 +574,7 @@ func (d *Dedup) archivedAtDeadline(ctx context.Context, t *asynq.Task, r *resolv
 	if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		return
 	}
-	if d.failsAtDeadline(ctx, l) {
+	if l.flags.Has(store.FlagFail) && !l.flags.Has(store.FlagDefer) { // (a follow-up owed waits for the handler)
 		d.failNow(ctx, t, r, l)
 	}
 	if l.outlivedMark.Load() && d.archived(ctx, &l.ref) {
@@ -598,9 +591,6 @@ func (d *Dedup) archivedAtDeadline(ctx context.Context, t *asynq.Task, r *resolv
 // ends (endNote); the heartbeat then renews that note without lengthening
 // the hold.
 func (d *Dedup) failNow(ctx context.Context, t *asynq.Task, r *resolved, l *lease) {
-	if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return
-	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.returned || !l.outlivedMark.Load() {

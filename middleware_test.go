@@ -394,7 +394,7 @@ func TestExecutionGuardSuccessesAreReleasedTogetherWithoutASettleCall(t *testing
 	needRealRedis(t)
 	rdb := newRDB(t)
 	calls := &libraryScripts{}
-	rdb.AddHook(calls)
+	rdb.AddHook(calls.hook())
 	h := newHarnessOn(t, rdb, Config{})
 	const n = 30
 	for i := range n {

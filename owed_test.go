@@ -75,7 +75,7 @@ func deferHarness(t *testing.T, hooks ...redis.Hook) (*harness, *libraryScripts)
 	rdb := redis.NewClient(&redis.Options{Addr: base.Addr, Password: base.Password, PoolSize: 64, ContextTimeoutEnabled: true, ClientName: "owed-" + uniq(t)})
 	t.Cleanup(func() { _ = rdb.Close() })
 	calls := &libraryScripts{}
-	rdb.AddHook(calls)
+	rdb.AddHook(calls.hook())
 	for _, hk := range hooks {
 		rdb.AddHook(hk)
 	}

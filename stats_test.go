@@ -14,7 +14,6 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/asynq-dedup/dedup/internal/redistest"
-	"github.com/asynq-dedup/dedup/internal/store"
 	"github.com/hibiken/asynq"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
@@ -577,19 +576,10 @@ type holdReleaseAll struct {
 	resume  chan struct{}
 }
 
-func (p *holdReleaseAll) before(cmds ...redis.Cmder) {
-	for _, c := range cmds {
-		if a := c.Args(); len(a) > 1 && c.Name() == "evalsha" && a[1] == store.ScriptHash("release_all") {
-			p.once.Do(func() { close(p.reached); <-p.resume })
-		}
+func (p *holdReleaseAll) before(c redis.Cmder) {
+	if isScript(c, "release_all") {
+		p.once.Do(func() { close(p.reached); <-p.resume })
 	}
-}
-func (p *holdReleaseAll) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (p *holdReleaseAll) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error { p.before(cmd); return next(ctx, cmd) }
-}
-func (p *holdReleaseAll) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error { p.before(cmds...); return next(ctx, cmds) }
 }
 
 // A task that arrived without a lock succeeds; its lock is released with
@@ -605,7 +595,7 @@ func TestArrivalSuccessIsReleasedBeforeAsynqRecordsIt(t *testing.T) {
 	hold := &holdReleaseAll{reached: make(chan struct{}), resume: make(chan struct{})}
 	rdb := redis.NewClient(&redis.Options{Addr: redistest.Addr(), ContextTimeoutEnabled: true})
 	t.Cleanup(func() { _ = rdb.Close() })
-	rdb.AddHook(hold)
+	rdb.AddHook(redistest.CmdHook(hold.before))
 	var logs lockedLog
 	worker, err := New(context.Background(), rdb, Config{Prefix: h.prefix, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {

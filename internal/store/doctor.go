@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -212,7 +211,7 @@ func readOwing(ctx context.Context, c redis.Cmdable, k Keys, modes []string) ([]
 		}
 		mode, err := r.mode.Result()
 		switch {
-		case err != nil && strings.HasPrefix(err.Error(), "WRONGTYPE"):
+		case err != nil && redis.HasErrorPrefix(err, "WRONGTYPE"):
 			continue // not a hash: something else whose name looks like a mode record
 		case err != nil:
 			return nil, fmt.Errorf("read %s: %w", ModeOf(r.l.Key), err)

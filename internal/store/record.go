@@ -316,7 +316,7 @@ func readValues(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]
 		switch {
 		case errors.Is(err, redis.Nil):
 			continue // gone since the SCAN
-		case err != nil && strings.HasPrefix(err.Error(), "WRONGTYPE"):
+		case err != nil && redis.HasErrorPrefix(err, "WRONGTYPE"):
 			continue // not a string: something else whose name looks like a lock key
 		case err != nil:
 			return nil, fmt.Errorf("read %s: %w", r.l.Key, err)
@@ -326,7 +326,7 @@ func readValues(ctx context.Context, c redis.Cmdable, k Keys, keys []string) ([]
 			return nil, fmt.Errorf("read %s: %w", r.l.Key, err)
 		}
 		mode, err := r.mode.Result()
-		if err != nil && !strings.HasPrefix(err.Error(), "WRONGTYPE") {
+		if err != nil && !redis.HasErrorPrefix(err, "WRONGTYPE") {
 			return nil, fmt.Errorf("read %s: %w", ModeOf(r.l.Key), err)
 		}
 		out = append(out, fillLock(r.l, v, mode, ttl))
