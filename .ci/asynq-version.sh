@@ -21,7 +21,7 @@ go build -modfile="$mod" . ./cmd/dedupctl ./dedupprom ./internal/...
 go vet -modfile="$mod" ./internal/versions
 log=$dir/test.log
 if ! go test -modfile="$mod" -race -count=1 -timeout 5m -v ./internal/versions >"$log" 2>&1; then
-	cat "$log"; exit 1
+	cat "$log"; .ci/failures.sh "$log"; exit 1
 fi
 if grep -q -- '--- SKIP' "$log"; then
 	echo "tests skipped on asynq $v:"; grep -A1 -- '--- SKIP' "$log"; exit 1
