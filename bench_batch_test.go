@@ -18,12 +18,7 @@ import (
 func BenchmarkEnqueueBatch(b *testing.B) {
 	ctx := context.Background()
 	rdb := newRDB(b)
-	d, err := New(ctx, rdb, Config{Prefix: "bench-" + uniq(b), Logger: quietLogger()})
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { _ = d.Close() })
-	c := d.NewClient()
+	c := benchClient(b, rdb, "bench-")
 	const size = 1000
 	for _, batched := range []bool{true, false} {
 		name := map[bool]string{true: "batch", false: "sequential"}[batched]

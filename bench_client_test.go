@@ -24,12 +24,7 @@ func BenchmarkSubmitClient(b *testing.B) {
 	rdb := newRDB(b).(*redis.Client)
 	canned := &cannedTake{take: store.ScriptHash("take")}
 	rdb.AddHook(canned)
-	d, err := New(ctx, rdb, Config{Prefix: "benchc-" + uniq(b), Logger: quietLogger()})
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { _ = d.Close() })
-	c := d.NewClient()
+	c := benchClient(b, rdb, "benchc-")
 	const keys = 1000
 	for _, tc := range []struct {
 		name string

@@ -124,3 +124,14 @@ func isScript(cmd redis.Cmder, ops ...string) bool {
 	}
 	return false
 }
+
+// benchClient returns NewClient of a Dedup on rdb under a prefix of its
+// own (prefix and the benchmark's name), closed when b ends.
+func benchClient(b *testing.B, rdb redis.UniversalClient, prefix string) *Client {
+	d, err := New(context.Background(), rdb, Config{Prefix: prefix + uniq(b), Logger: quietLogger()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = d.Close() })
+	return d.NewClient()
+}

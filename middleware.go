@@ -641,7 +641,7 @@ type lease struct {
 	rec     *attempt.Attempt // what the middleware did, for a wrapper (attempt.With); nil: not asked
 
 	refMu        sync.Mutex  // orders lockOf's write of ref.Lock and ref.FP
-	mu           sync.Mutex  // guards returned (outlived runs on its own goroutine)
+	mu           sync.Mutex  // guards returned and settledEarly (outlived and failNow run on goroutines of their own)
 	returned     bool        // the handler returned
 	settledEarly bool        // failNow settled the attempt's end while its handler ran on (guarded by mu)
 	note         string      // the attempt's token in the key's note that its handler outlived it (written by outlived; read once returned)
